@@ -1,0 +1,37 @@
+# Every target sets up what it needs first, so each works on a fresh clone.
+PYTHON ?= python3
+# torch goes in first and alone: the pinned 2.13.0 is a CPU build where a local wheel exists, and any
+# looser requirement would pull several GB of CUDA packages. On a laptop with no local wheel, e.g.
+#   make setup TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+TORCH_SPEC ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test bench lock clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] >= (3, 10) else "gpu-cluster needs Python 3.10+: make setup PYTHON=python3.11")'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_SPEC)
+	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements.txt
+	touch $@
+
+demo: setup
+	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/demo.sh
+
+test: setup
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/python -m bench
+
+lock: setup
+	$(BIN)/pip install --quiet -r requirements.in
+	( echo '# Pinned by `make lock` from requirements.in (torch==2.13.0 is installed first by `make setup`).'; \
+	  echo 'torch==2.13.0'; $(BIN)/pip freeze --exclude torch ) > requirements.txt
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,57 @@
+"""What every benchmark returns, and helpers to run the real CLIs in a scratch state folder."""
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Check:
+    """One measured requirement."""
+
+    measure: str
+    """What was measured."""
+    figure: str
+    """The measured figure, as printed."""
+    requirement: str
+    """What it must be."""
+    ok: bool
+    """Whether the figure meets the requirement."""
+
+
+def scratch_env() -> dict[str, str]:
+    """The environment for CLI runs: a private `.cluster/`, loopback gloo, one thread per rank."""
+    env = dict(os.environ)
+    env.update(
+        CLUSTER_STATE_DIR=tempfile.mkdtemp(prefix="gpu-cluster-bench-"),
+        GLOO_SOCKET_IFNAME="lo",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("CLUSTER_STACK", None)
+    return env
+
+
+def cli(argv: list[str], env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def deploy(*args: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess:
+    return cli([sys.executable, "deploy.py", *args], env, check)
+
+
+def fab(*args: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess:
+    return cli([str(Path(sys.executable).with_name("fab")), *args], env, check)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)

@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""gpu-cluster: bring a multi-node GPU training cluster up, see it, price it, and take it down.
+
+    python deploy.py up --local --nodes 2      # on this machine, no cloud account needed
+    python deploy.py up                        # on AWS, from Pulumi.<stack>.yaml (default stack: dev)
+    python deploy.py status | plan | cost | ssh [NODE] | down
+
+Exit codes: 0 success; 1 a step failed; 2 bad input or a missing prerequisite (nothing was created).
+"""
+
+import argparse
+import os
+import shutil
+import sys
+import time
+
+from infra import config, inventory, report, state
+from infra.errors import ClusterError, UsageError
+from infra.local import provider as local
+
+DEFAULT_AWS_STACK = "dev"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but bad input is one line and exit 2, like every other refusal here."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="python deploy.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=Parser)
+    stack_help = "stack name (default: $CLUSTER_STACK, else the last `up`)"
+
+    up = commands.add_parser("up", help="create the cluster (or say it is already up)")
+    up.add_argument("--local", action="store_true", help="run the nodes on this machine (stack 'local')")
+    up.add_argument("--stack", help="stack name (default: 'local' with --local, else $CLUSTER_STACK or 'dev')")
+    up.add_argument("--nodes", type=str, default=None, help="number of nodes, 1..16 (default: the stack's, or 2)")
+    up.add_argument("--instance-type", help="EC2 instance type, e.g. g4dn.2xlarge or g6.2xlarge (local: priced as)")
+    up.add_argument("--spot", action="store_true", default=None, help="AWS: spot instances instead of on-demand")
+    up.add_argument("--yes", action="store_true", help="AWS: do not ask to confirm the hourly cost")
+    up.add_argument("--ssh-cidr", help="AWS: who may SSH in (default: your public IP /32)")
+    up.add_argument("--ssh-port", type=int, default=local.DEFAULT_SSH_PORT, help="local: SSH port (default 2222)")
+    up.add_argument("--bind", help="local: node-0's loopback address (default 127.0.0.10; node i gets +i)")
+
+    down = commands.add_parser("down", help="remove everything the stack created, and prove it")
+    down.add_argument("--stack", help=stack_help)
+
+    status = commands.add_parser("status", help="nodes, reachability (a real SSH round trip), uptime, cost")
+    status.add_argument("--stack", help=stack_help)
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+
+    plan = commands.add_parser("plan", help="offline: the resources `up` would create and their cost")
+    plan.add_argument("--stack", help="stack name (default: $CLUSTER_STACK, else 'dev')")
+    plan.add_argument("--json", action="store_true", help='machine-readable: {"hourly_usd", "resources"}')
+
+    cost = commands.add_parser("cost", help="what each cluster and run has cost, from the ledger")
+    cost.add_argument("--stack", help="only this stack (default: all)")
+    cost.add_argument("--json", action="store_true", help='machine-readable: {"clusters", "runs", "total_usd"}')
+
+    ssh = commands.add_parser("ssh", help="interactive ssh into a node (default node-0), or run COMMAND there")
+    ssh.add_argument("node", nargs="?", default="node-0", help="node name, e.g. node-1")
+    ssh.add_argument("remote_command", nargs=argparse.REMAINDER, metavar="COMMAND", help="run this instead of a shell")
+    ssh.add_argument("--stack", help=stack_help)
+    return parser
+
+
+# ------------------------------------------------------------------------------------------- up
+
+
+def cmd_up(args) -> int:
+    stack = args.stack or ("local" if args.local else None)
+    if args.local or stack == state.LOCAL_STACK:
+        return up_local(args, state.check_stack_name(stack or state.LOCAL_STACK))
+    raise UsageError("the AWS provider is not available yet: use python deploy.py up --local")
+
+
+def up_local(args, stack: str) -> int:
+    stack_config = config.read_stack_file(stack)
+    nodes = config.check_nodes(args.nodes if args.nodes is not None else stack_config.get("nodes", 2))
+    instance_type = config.check_instance_type(
+        args.instance_type or str(stack_config.get("instanceType", config.DEFAULT_INSTANCE_TYPE))
+    )
+    options = local.LocalOptions(stack, nodes, instance_type, args.bind, args.ssh_port)
+    started = time.perf_counter()
+    cluster, created = local.up(options)
+    report.up_summary(cluster, created, time.perf_counter() - started, inventory.inventory_path(stack))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------- down
+
+
+def cmd_down(args) -> int:
+    stack = state.resolve_stack(args.stack)
+    if stack is None:
+        report.console.print("nothing to do: no stack is current (pass --stack NAME)")
+        return 0
+    if _provider_of(stack) == "local":
+        return down_local(stack)
+    raise UsageError("the AWS provider is not available yet")
+
+
+def down_local(stack: str) -> int:
+    started = time.perf_counter()
+    result = local.down(stack)
+    elapsed = time.perf_counter() - started
+    if result.listening:
+        report.console.print(f"still listening after down: {', '.join(result.listening)}")
+        return 1
+    if not result.was_up:
+        report.console.print(f"nothing to do: stack '{stack}' is not up")
+    elif result.stopped == 0:
+        report.console.print(f"stack '{stack}': no node was running; state removed, run logs kept")
+    else:
+        report.console.print(f"stack '{stack}' is down: {result.stopped} nodes stopped in {elapsed:.1f} s, no port left listening")
+    runs = state.runs_dir(stack)
+    if runs.exists():
+        report.console.print(f"run logs kept in {report.relative(runs)}")
+    return 0
+
+
+def _provider_of(stack: str) -> str:
+    """The stack's provider: its inventory says; a local stack's node folders say even without one."""
+    try:
+        return inventory.load(stack).provider
+    except UsageError:
+        pass
+    if stack == state.LOCAL_STACK or (state.stack_dir(stack) / "nodes").exists():
+        return "local"
+    return "aws"
+
+
+# --------------------------------------------------------------------------------------- status
+
+
+def cmd_status(args) -> int:
+    cluster = inventory.load_current(args.stack)
+    if cluster.provider != "local":
+        raise UsageError("the AWS provider is not available yet")
+    rows = [
+        {
+            "name": s.node.name,
+            "address": f"{s.node.public_ip}:{s.node.ssh_port}",
+            "state": "up" if s.reachable else "down",
+            "reachable": s.reachable,
+            "round_trip_ms": round(s.round_trip_ms, 1),
+            "uptime_s": None if s.uptime_s is None else round(s.uptime_s),
+            "error": s.error,
+        }
+        for s in local.status(cluster)
+    ]
+    stopped = local.stop_reason(cluster.stack)
+    if args.json:
+        report.print_json({"stack": cluster.stack, "provider": cluster.provider, "stopped_reason": stopped, "nodes": rows})
+    else:
+        report.status_table(cluster, rows, stopped)
+    return 0 if all(r["reachable"] for r in rows) else 1
+
+
+# ------------------------------------------------------------------------------------ plan, cost
+
+
+def cmd_plan(args) -> int:
+    raise UsageError("plan is not available yet")
+
+
+def cmd_cost(args) -> int:
+    raise UsageError("cost is not available yet")
+
+
+# ------------------------------------------------------------------------------------------ ssh
+
+
+def ssh_argv(cluster: inventory.ClusterInfo, node_name: str, remote_command: list[str]) -> list[str]:
+    """The stock OpenSSH command line for a node: cluster key only, pinned host keys only."""
+    node = cluster.node(node_name)
+    argv = [
+        "ssh",
+        "-i", cluster.ssh_key,
+        "-p", str(node.ssh_port),
+        "-o", "IdentitiesOnly=yes",
+        "-o", f"UserKnownHostsFile={cluster.known_hosts}",
+        "-o", "GlobalKnownHostsFile=/dev/null",
+        "-o", "StrictHostKeyChecking=yes",
+        "-o", "LogLevel=ERROR",
+        f"{cluster.ssh_user}@{node.public_ip}",
+    ]  # fmt: skip
+    if remote_command:
+        argv += ["--", *remote_command]
+    return argv
+
+
+def cmd_ssh(args) -> int:
+    cluster = inventory.load_current(args.stack)
+    argv = ssh_argv(cluster, args.node, [a for a in args.remote_command if a != "--"] if args.remote_command else [])
+    if shutil.which("ssh") is None:
+        raise UsageError("no ssh client on PATH: install OpenSSH (e.g. apt install openssh-client)")
+    sys.stdout.flush()
+    os.execvp(argv[0], argv)
+
+
+COMMANDS = {"up": cmd_up, "down": cmd_down, "status": cmd_status, "plan": cmd_plan, "cost": cmd_cost, "ssh": cmd_ssh}
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return COMMANDS[args.command](args)
+    except ClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

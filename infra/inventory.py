@@ -1,0 +1,122 @@
+"""The ClusterInfo inventory: the one contract between provisioning and everything downstream.
+
+A provider writes `.cluster/<stack>/inventory.json`; `fab`, `deploy.py status/ssh` and the tests read it.
+Nodes are listed head node first: node-0 hosts rank 0 and `MASTER_ADDR`.
+"""
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from infra import state
+from infra.errors import UsageError
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One machine of the cluster as SSH and torchrun see it."""
+
+    name: str
+    """`node-<i>`; the index is the node rank."""
+    public_ip: str
+    """Where the operator's machine reaches the node's SSH server."""
+    private_ip: str
+    """Where the other nodes reach it (`MASTER_ADDR` for node-0)."""
+    ssh_port: int
+    """The node's SSH port (22 on AWS, 2222 by default on the local provider)."""
+    gpus: int
+    """GPUs on the node; 0 for CPU nodes, which train with gloo."""
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    """A running cluster: where its nodes are, how to log in, what it costs per hour."""
+
+    stack: str
+    """The stack name, also the folder under `.cluster/`."""
+    provider: str
+    """`local` or `aws`."""
+    region: str
+    """AWS region, or `local`."""
+    instance_type: str
+    """The EC2 type the nodes are (for the local provider: the type its hours are compared with)."""
+    hourly_usd: float
+    """What the whole cluster costs per hour while it is up (0 for the local provider)."""
+    ssh_user: str
+    """The login user on every node."""
+    ssh_key: str
+    """Absolute path of the cluster's private key (mode 0600)."""
+    known_hosts: str
+    """Absolute path of the pinned host keys; connections to unknown keys are refused."""
+    shared_dir: str
+    """The folder every node shares (EFS on AWS); empty when there is none."""
+    created_at: str
+    """ISO-8601 UTC time the cluster came up."""
+    nodes: tuple[NodeInfo, ...]
+    """Head node first."""
+
+    @property
+    def head(self) -> NodeInfo:
+        return self.nodes[0]
+
+    def node(self, name: str) -> NodeInfo:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        names = ", ".join(n.name for n in self.nodes)
+        raise UsageError(f"no node {name!r} in stack {self.stack!r}: its nodes are {names}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ClusterInfo":
+        expected = {f.name for f in fields(cls)}
+        missing = expected - set(data)
+        if missing:
+            raise ValueError(f"missing {', '.join(sorted(missing))}")
+        nodes = tuple(_node_from_dict(n) for n in data["nodes"])
+        if not nodes:
+            raise ValueError("no nodes")
+        values = {k: data[k] for k in expected if k != "nodes"}
+        values["hourly_usd"] = float(values["hourly_usd"])
+        return cls(nodes=nodes, **values)
+
+
+def _node_from_dict(data: dict) -> NodeInfo:
+    node = NodeInfo(**{f.name: data[f.name] for f in fields(NodeInfo)})
+    if not isinstance(node.ssh_port, int) or not isinstance(node.gpus, int):
+        raise ValueError(f"{node.name}: ssh_port and gpus must be integers")
+    return node
+
+
+def inventory_path(stack: str) -> Path:
+    return state.stack_dir(stack) / "inventory.json"
+
+
+def save(cluster: ClusterInfo) -> Path:
+    path = inventory_path(cluster.stack)
+    state.write_atomic(path, cluster.to_json())
+    return path
+
+
+def load(stack: str) -> ClusterInfo:
+    """The stack's inventory, or a one-line UsageError saying what to do."""
+    path = inventory_path(stack)
+    try:
+        data = json.loads(path.read_text())
+        return ClusterInfo.from_dict(data)
+    except FileNotFoundError:
+        raise UsageError(f"no cluster: stack {stack!r} is not up; run python deploy.py up") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UsageError(
+            f"inventory {path} is corrupt ({exc}); run python deploy.py down --stack {stack} to clean up"
+        ) from None
+
+
+def load_current(stack_flag: str | None = None) -> ClusterInfo:
+    """The cluster a command means: `--stack`, `$CLUSTER_STACK`, or the last `up`."""
+    stack = state.resolve_stack(stack_flag)
+    if stack is None:
+        raise UsageError("no cluster: run python deploy.py up (or python deploy.py up --local)")
+    return load(stack)

@@ -1,0 +1,1 @@
+"""The local provider: nodes as SSH servers on loopback addresses of this machine."""

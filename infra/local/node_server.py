@@ -1,0 +1,399 @@
+"""One local node: an SSH server on a loopback address that runs commands with bash in the node's home.
+
+    python -m infra.local.node_server .cluster/local/nodes/node-0/node.json
+
+Started in the background by `deploy.py up --local`, one process per node. It accepts only the
+cluster's key, serves exec, shell (with a PTY when asked) and SFTP, and behaves like a machine that can
+be powered off: on SIGTERM, or when the watchdog's stop marker appears in the shared folder, it ends
+every process started on the node and exits. A client that disconnects takes its command's process
+group with it, so a killed session leaves no orphans.
+"""
+
+import asyncio
+import fcntl
+import json
+import logging
+import os
+import pty
+import signal
+import struct
+import sys
+import termios
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncssh
+
+from infra.local import procs
+
+# The watchdog (harness/watchdog.py) writes this file under the shared folder to power the cluster off.
+STOP_MARKER = ".gpu-cluster/stop.json"
+# Daemons started on the node (the watchdog, a detached job) register `<name>.pid` here, so that
+# powering the node off ends them too, as it would on a real machine.
+PID_REGISTRY = ".gpu-cluster/pids"
+TERMINATE_GRACE_S = 3.0
+GUARD_POLL_S = 1.0
+
+log = logging.getLogger("node")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """What `deploy.py up --local` tells one node server."""
+
+    name: str
+    """`node-<i>`."""
+    address: str
+    """The loopback address to bind."""
+    port: int
+    """The SSH port to bind."""
+    host_key: str
+    """Path of the node's ed25519 host key."""
+    authorized_key: str
+    """The one public key allowed to log in (the cluster's)."""
+    user: str
+    """The one user name allowed to log in."""
+    home: str
+    """The node's home folder: each command's working directory and `$HOME`."""
+    shared_dir: str
+    """The folder all nodes share (`$CLUSTER_SHARED_DIR`)."""
+    pid_file: str
+    """Written once the port is bound: `{"pid", "started_at", "address", "port"}`."""
+
+    @classmethod
+    def load(cls, path: str) -> "NodeConfig":
+        return cls(**json.loads(Path(path).read_text()))
+
+
+class ProcessTable:
+    """Process groups started by sessions on this node, so power-off can end them all."""
+
+    def __init__(self, home: Path):
+        self.session_groups: set[int] = set()
+        self.registry = home / PID_REGISTRY
+
+    def registered_daemons(self) -> list[int]:
+        pids = []
+        for path in self.registry.glob("*.pid"):
+            try:
+                pids.append(int(path.read_text().split()[0]))
+            except (ValueError, IndexError, OSError):
+                continue
+        return pids
+
+    async def end_all(self) -> None:
+        groups = set(self.session_groups) | set(self.registered_daemons())
+        await asyncio.gather(*(terminate_group(pgid) for pgid in groups))
+
+
+async def terminate_group(pgid: int, grace_s: float = TERMINATE_GRACE_S) -> None:
+    """SIGTERM a process group, then SIGKILL whatever is left after `grace_s`."""
+    if not _signal_group(pgid, signal.SIGTERM):
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if not procs.group_alive(pgid):
+            return
+        await asyncio.sleep(0.05)
+    _signal_group(pgid, signal.SIGKILL)
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+class NodeSSHServer(asyncssh.SSHServer):
+    """Authentication for one connection: the cluster's key and user, nothing else."""
+
+    def __init__(self, config: NodeConfig, authorized: asyncssh.SSHKey):
+        self.config = config
+        self.authorized = authorized
+
+    def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
+        peer = conn.get_extra_info("peername")
+        log.info("connection from %s", peer[0] if peer else "?")
+
+    def begin_auth(self, username: str) -> bool:
+        return True
+
+    def password_auth_supported(self) -> bool:
+        return False
+
+    def public_key_auth_supported(self) -> bool:
+        return True
+
+    def validate_public_key(self, username: str, key: asyncssh.SSHKey) -> bool:
+        accepted = username == self.config.user and key.public_data == self.authorized.public_data
+        if not accepted:
+            log.warning("refused key for user %r", username)
+        return accepted
+
+
+class Node:
+    """The running node: its sessions, its guard, and its power switch."""
+
+    def __init__(self, config: NodeConfig):
+        self.config = config
+        self.home = Path(config.home)
+        self.processes = ProcessTable(self.home)
+        self.stopping = asyncio.Event()
+
+    def session_env(self, process: asyncssh.SSHServerProcess) -> dict[str, str]:
+        cfg = self.config
+        env = {
+            "HOME": cfg.home,
+            "USER": cfg.user,
+            "LOGNAME": cfg.user,
+            "SHELL": "/bin/bash",
+            "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
+            "LANG": os.environ.get("LANG", "C.UTF-8"),
+            "CLUSTER_SHARED_DIR": cfg.shared_dir,
+            "CLUSTER_NODE": cfg.name,
+            # Local nodes are CPU nodes: two "nodes" on one GPU would break NCCL.
+            "CUDA_VISIBLE_DEVICES": "",
+        }
+        env.update(process.env)
+        if process.term_type:
+            env["TERM"] = process.term_type
+        return env
+
+    def write_rcfile(self) -> Path:
+        """The interactive shell's rc: the usual files, then a prompt that names the node."""
+        rcfile = self.home / ".gpu-cluster" / "bashrc"
+        rcfile.write_text(
+            "[ -f /etc/bash.bashrc ] && . /etc/bash.bashrc\n"
+            '[ -f "$HOME/.bashrc" ] && . "$HOME/.bashrc"\n'
+            f"PS1='\\u@{self.config.name}:\\w\\$ '\n"
+        )
+        return rcfile
+
+    async def handle(self, process: asyncssh.SSHServerProcess) -> None:
+        command = process.command
+        if command is not None:
+            argv = ["bash", "-c", command]
+        elif process.term_type:
+            argv = ["bash", "--rcfile", str(self.write_rcfile()), "-i"]
+        else:
+            argv = ["bash", "-s"]  # no terminal: a script on stdin
+        log.info("%s: %s", "pty" if process.term_type else "exec", command or "<shell>")
+        try:
+            if process.term_type:
+                await self.run_with_pty(process, argv)
+            else:
+                await self.run_with_pipes(process, argv)
+        except Exception:
+            log.exception("session failed")
+            process.exit(255)
+
+    async def run_with_pipes(self, process: asyncssh.SSHServerProcess, argv: list[str]) -> None:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=self.config.home,
+            env=self.session_env(process),
+            start_new_session=True,
+        )
+        output = asyncio.gather(
+            _copy_stream(proc.stdout, process.stdout), _copy_stream(proc.stderr, process.stderr)
+        )
+        await self.supervise(process, proc, output, stdin=_feed_pipe(process, proc))
+
+    async def run_with_pty(self, process: asyncssh.SSHServerProcess, argv: list[str]) -> None:
+        master, slave = pty.openpty()
+        _set_window(master, process.term_size)
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            cwd=self.config.home,
+            env=self.session_env(process),
+            preexec_fn=_take_terminal,
+        )
+        os.close(slave)
+        try:
+            output = asyncio.ensure_future(_copy_pty(master, process.stdout))
+            await self.supervise(process, proc, output, stdin=_feed_pty(process, master, proc.pid))
+        finally:
+            os.close(master)
+
+    async def supervise(self, process, proc, output, stdin) -> None:
+        """Run until the command's output ends (then report its exit) or the client goes away."""
+        self.processes.session_groups.add(proc.pid)
+        stdin_task = asyncio.ensure_future(stdin)
+        closed = asyncio.ensure_future(process.channel.wait_closed())
+        try:
+            await asyncio.wait({output, closed}, return_when=asyncio.FIRST_COMPLETED)
+            if not output.done():
+                log.info("client left; ending process group %d", proc.pid)
+                await terminate_group(proc.pid)
+                return
+            returncode = await proc.wait()
+            process.exit(returncode if returncode >= 0 else 128 - returncode)
+        finally:
+            self.processes.session_groups.discard(proc.pid)
+            for task in (stdin_task, closed, output):
+                task.cancel()
+
+    async def guard(self) -> None:
+        """Power off when the watchdog's stop marker appears, as an AWS node's guard timer does."""
+        marker = Path(self.config.shared_dir) / STOP_MARKER
+        while not self.stopping.is_set():
+            if marker.exists():
+                log.warning("stop marker %s found: powering off", marker)
+                self.stopping.set()
+                return
+            try:
+                await asyncio.wait_for(self.stopping.wait(), GUARD_POLL_S)
+            except asyncio.TimeoutError:
+                pass
+
+
+async def _copy_stream(reader: asyncio.StreamReader, writer) -> None:
+    while data := await reader.read(65536):
+        writer.write(data)
+        await writer.drain()
+
+
+async def _feed_pipe(process, proc) -> None:
+    """Client stdin to the command; client signals to its process group."""
+    try:
+        while True:
+            try:
+                data = await process.stdin.read(65536)
+            except asyncssh.SignalReceived as exc:
+                _forward_signal(proc.pid, exc.signal)
+                continue
+            except (asyncssh.TerminalSizeChanged, asyncssh.BreakReceived):
+                continue
+            if not data:
+                break
+            proc.stdin.write(data)
+            await proc.stdin.drain()
+    except (BrokenPipeError, ConnectionResetError, asyncssh.Error):
+        pass
+    finally:
+        if not proc.stdin.is_closing():
+            proc.stdin.close()
+
+
+async def _feed_pty(process, master: int, pgid: int) -> None:
+    while True:
+        try:
+            data = await process.stdin.read(65536)
+        except asyncssh.TerminalSizeChanged as exc:
+            _set_window(master, (exc.width, exc.height, exc.pixwidth, exc.pixheight))
+            continue
+        except asyncssh.SignalReceived as exc:
+            _forward_signal(pgid, exc.signal)
+            continue
+        except (asyncssh.BreakReceived, asyncssh.Error):
+            continue
+        if not data:
+            return
+        os.write(master, data)
+
+
+async def _copy_pty(master: int, writer) -> None:
+    loop = asyncio.get_running_loop()
+    chunks: asyncio.Queue[bytes] = asyncio.Queue()
+
+    def readable() -> None:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO once the shell has exited and the terminal closed
+            data = b""
+        if not data:
+            loop.remove_reader(master)
+        chunks.put_nowait(data)
+
+    loop.add_reader(master, readable)
+    try:
+        while data := await chunks.get():
+            writer.write(data)
+    finally:
+        loop.remove_reader(master)
+
+
+def _forward_signal(pgid: int, name: str) -> None:
+    sig = getattr(signal, f"SIG{name}", None)
+    if sig is not None:
+        _signal_group(pgid, sig)
+
+
+def _take_terminal() -> None:
+    """In the child: a new session whose controlling terminal is the PTY on stdin."""
+    os.setsid()
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def _set_window(fd: int, size) -> None:
+    width, height, pixwidth, pixheight = size
+    if width and height:
+        fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", height, width, pixwidth, pixheight))
+
+
+async def serve(config: NodeConfig) -> None:
+    node = Node(config)
+    authorized = asyncssh.import_public_key(config.authorized_key)
+    server = await asyncssh.create_server(
+        lambda: NodeSSHServer(config, authorized),
+        config.address,
+        config.port,
+        server_host_keys=[config.host_key],
+        process_factory=node.handle,
+        sftp_factory=True,
+        allow_scp=True,
+        encoding=None,
+        reuse_address=True,
+    )
+    _write_pid_file(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        loop.add_signal_handler(sig, node.stopping.set)
+    log.info("%s listening on %s:%d", config.name, config.address, config.port)
+    guard = asyncio.ensure_future(node.guard())
+    await node.stopping.wait()
+    guard.cancel()
+    server.close()
+    await node.processes.end_all()
+    Path(config.pid_file).unlink(missing_ok=True)
+    log.info("%s powered off", config.name)
+
+
+def _write_pid_file(config: NodeConfig) -> None:
+    record = {
+        "pid": os.getpid(),
+        "started_at": time.time(),
+        "address": config.address,
+        "port": config.port,
+    }
+    tmp = Path(config.pid_file + ".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, config.pid_file)
+
+
+def main(argv: list[str]) -> int:
+    config = NodeConfig.load(argv[1])
+    os.chdir(config.home)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr
+    )
+    logging.getLogger("asyncssh").setLevel(logging.WARNING)
+    try:
+        asyncio.run(serve(config))
+    except OSError as exc:
+        print(f"{config.name}: cannot listen on {config.address}:{config.port}: {exc.strerror}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

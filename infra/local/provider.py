@@ -1,0 +1,402 @@
+"""The local provider: N SSH-server "nodes" on 127.0.0.x and a shared folder, on this machine.
+
+Node i listens on 127.0.0.(10+i):2222. Where the platform cannot bind loopback addresses beyond
+127.0.0.1 (macOS by default) every node uses 127.0.0.1 with its own port instead. Nodes are CPU nodes;
+everything else (SSH, Fabric, torchrun) is the same code path as on AWS.
+"""
+
+import errno
+import getpass
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from infra import inventory, keys, ssh, state
+from infra.errors import OperationError, UsageError
+from infra.inventory import ClusterInfo, NodeInfo
+from infra.local import procs
+from infra.local.node_server import PID_REGISTRY, STOP_MARKER, NodeConfig
+
+DEFAULT_FIRST_ADDRESS = "127.0.0.10"
+DEFAULT_SSH_PORT = 2222
+READY_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 3.0
+
+
+@dataclass(frozen=True)
+class LocalOptions:
+    """What `deploy.py up --local` asks for."""
+
+    stack: str
+    """Stack name (`local` unless `--stack` says otherwise)."""
+    nodes: int
+    """How many nodes, 1..16."""
+    instance_type: str
+    """The EC2 type whose price `deploy.py cost` compares these hours with."""
+    first_address: str | None = None
+    """Node-0's loopback address; None picks 127.0.0.10, or 127.0.0.1 where only that binds."""
+    ssh_port: int = DEFAULT_SSH_PORT
+    """SSH port of node-0 (and of every node when each has its own address)."""
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """One row of `deploy.py status` for a local node."""
+
+    node: NodeInfo
+    """The node."""
+    reachable: bool
+    """A real SSH round trip succeeded."""
+    round_trip_ms: float
+    """How long that round trip took."""
+    uptime_s: float | None
+    """Seconds since the node's server started; None when it is not running."""
+    error: str
+    """Why it is unreachable; empty when it is fine."""
+
+
+def node_dir(stack: str, index: int) -> Path:
+    return state.stack_dir(stack) / "nodes" / f"node-{index}"
+
+
+def shared_dir(stack: str) -> Path:
+    return state.stack_dir(stack) / "shared"
+
+
+# ---------------------------------------------------------------------------------------------- up
+
+
+def up(options: LocalOptions) -> tuple[ClusterInfo, bool]:
+    """Start the nodes and write the inventory; returns (cluster, created). Rolls back on failure."""
+    existing = running_cluster(options.stack)
+    if existing is not None:
+        return existing, False
+    addresses = plan_addresses(options)
+    try:
+        cluster = _start(options, addresses)
+    except BaseException:
+        stop_nodes(options.stack)
+        remove_state(options.stack)
+        raise
+    inventory.save(cluster)
+    state.set_current_stack(options.stack)
+    return cluster, True
+
+
+def running_cluster(stack: str) -> ClusterInfo | None:
+    """The stack's cluster if its nodes run; UsageError if it exists but is not whole."""
+    if not state.stack_dir(stack).exists():
+        return None
+    alive = [pid for pid in _server_pids(stack) if _is_node_server(pid)]
+    has_inventory = inventory.inventory_path(stack).exists()
+    if not alive and not has_inventory:
+        return None
+    if has_inventory and alive:
+        cluster = inventory.load(stack)
+        if len(alive) == len(cluster.nodes):
+            return cluster
+    why = stop_reason(stack)
+    because = f" (it stopped itself: {why})" if why else ""
+    raise UsageError(
+        f"stack {stack!r} exists but is not running{because}; run python deploy.py down --stack {stack} first"
+    )
+
+
+def plan_addresses(options: LocalOptions) -> list[tuple[str, int]]:
+    """(address, port) per node, checked free and bindable; UsageError before anything is created."""
+    if not 1 <= options.ssh_port <= 65535 - options.nodes:
+        raise UsageError(f"--ssh-port {options.ssh_port} is not a usable port: pick one in 1024..65000")
+    first = options.first_address or DEFAULT_FIRST_ADDRESS
+    try:
+        base = ipaddress.IPv4Address(first)
+    except ValueError:
+        raise UsageError(f"--bind {first!r} is not an IPv4 address: use one in 127.0.0.0/8") from None
+    if not base.is_loopback:
+        raise UsageError(f"--bind {first}: local nodes bind to loopback only; use an address in 127.0.0.0/8")
+    if int(base) + options.nodes - 1 > int(ipaddress.IPv4Address("127.255.255.254")):
+        raise UsageError(f"--bind {first}: not enough loopback addresses after it for {options.nodes} nodes")
+    if _can_bind_address(str(base)):
+        planned = [(str(base + i), options.ssh_port) for i in range(options.nodes)]
+    elif options.first_address is None:
+        planned = [("127.0.0.1", options.ssh_port + i) for i in range(options.nodes)]
+    else:
+        raise UsageError(f"cannot bind {first} on this machine: omit --bind to use 127.0.0.1 with one port per node")
+    for address, port in planned:
+        _check_port_free(address, port)
+    return planned
+
+
+def _can_bind_address(address: str) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((address, 0))
+            return True
+        except OSError:
+            return False
+
+
+def _check_port_free(address: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((address, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise UsageError(
+                    f"port {port} on {address} is in use (another local cluster? python deploy.py status); "
+                    "choose another with --ssh-port"
+                ) from None
+            raise UsageError(f"cannot bind {address}:{port}: {exc.strerror}") from None
+
+
+def _start(options: LocalOptions, addresses: list[tuple[str, int]]) -> ClusterInfo:
+    stack_path = state.stack_dir(options.stack)
+    stack_path.mkdir(parents=True, exist_ok=True)
+    shared = shared_dir(options.stack)
+    shared.mkdir(exist_ok=True)
+    client_key = keys.ensure_client_key(stack_path)
+    user = getpass.getuser()
+    known_hosts = stack_path / "known_hosts"
+    entries, configs = [], []
+    for index, (address, port) in enumerate(addresses):
+        config, host_public = _prepare_node(options.stack, index, address, port, client_key, user)
+        configs.append(config)
+        entries.append(keys.known_hosts_entry(address, port, host_public))
+    keys.write_known_hosts(known_hosts, entries)
+    procs = [_spawn(config) for config in configs]
+    _wait_for_pid_files(configs, procs)
+    cluster = ClusterInfo(
+        stack=options.stack,
+        provider="local",
+        region="local",
+        instance_type=options.instance_type,
+        hourly_usd=0.0,
+        ssh_user=user,
+        ssh_key=str(client_key),
+        known_hosts=str(known_hosts),
+        shared_dir=str(shared),
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        nodes=tuple(
+            NodeInfo(f"node-{i}", address, address, port, 0) for i, (address, port) in enumerate(addresses)
+        ),
+    )
+    try:
+        ssh.wait_for_ssh(cluster, READY_TIMEOUT_S)
+    except TimeoutError as exc:
+        raise OperationError(f"local nodes did not answer SSH within {READY_TIMEOUT_S:.0f} s: {exc}") from None
+    return cluster
+
+
+def _prepare_node(stack: str, index: int, address: str, port: int, client_key: Path, user: str):
+    home = node_dir(stack, index)
+    (home / PID_REGISTRY).mkdir(parents=True, exist_ok=True)
+    host_public = keys.generate_host_key(home / "ssh_host_ed25519_key")
+    config = NodeConfig(
+        name=f"node-{index}",
+        address=address,
+        port=port,
+        host_key=str(home / "ssh_host_ed25519_key"),
+        authorized_key=keys.public_key_text(client_key),
+        user=user,
+        home=str(home),
+        shared_dir=str(shared_dir(stack)),
+        pid_file=str(home / "sshd.pid"),
+    )
+    state.write_atomic(home / "node.json", json.dumps(config.__dict__, indent=2))
+    return config, host_public
+
+
+def _spawn(config: NodeConfig) -> subprocess.Popen:
+    home = Path(config.home)
+    with open(home / "sshd.log", "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "infra.local.node_server", str(home / "node.json")],
+            cwd=state.REPO_ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,  # the node outlives this command and its terminal
+        )
+
+
+def _wait_for_pid_files(configs: list[NodeConfig], procs: list[subprocess.Popen]) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    pending = list(zip(configs, procs))
+    while pending:
+        for config, proc in list(pending):
+            if Path(config.pid_file).exists():
+                pending.remove((config, proc))
+            elif proc.poll() is not None:
+                raise UsageError(_last_log_line(config) or f"{config.name} exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise OperationError(f"{pending[0][0].name} did not start within {READY_TIMEOUT_S:.0f} s")
+        time.sleep(0.02)
+
+
+def _last_log_line(config: NodeConfig) -> str:
+    try:
+        lines = (Path(config.home) / "sshd.log").read_text().strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
+
+
+# -------------------------------------------------------------------------------------------- down
+
+
+@dataclass(frozen=True)
+class DownReport:
+    """What `down` did on the local provider."""
+
+    stopped: int
+    """Node servers that were running and were stopped."""
+    listening: list[str]
+    """`address:port` still accepting connections afterwards; empty when all is gone."""
+    was_up: bool = True
+    """False when there was no cluster state to remove."""
+
+
+def down(stack: str) -> DownReport:
+    """Stop every node, prove no port listens, remove the state; keeps runs/ and the ledger."""
+    if not (state.stack_dir(stack) / "nodes").exists() and not inventory.inventory_path(stack).exists():
+        state.clear_current_stack(stack)
+        return DownReport(0, [], was_up=False)
+    endpoints = _node_endpoints(stack)
+    stopped = stop_nodes(stack)
+    listening = [f"{a}:{p}" for a, p in endpoints if _accepts_connections(a, p)]
+    if not listening:
+        remove_state(stack)
+    return DownReport(stopped, listening)
+
+
+def stop_nodes(stack: str) -> int:
+    """SIGTERM every node server (they end their sessions and daemons), SIGKILL stragglers."""
+    pids = [pid for pid in _server_pids(stack) if _is_node_server(pid)]
+    for pid in pids:
+        _kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while any(procs.alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for pid in pids:
+        if procs.alive(pid):
+            _kill(pid, signal.SIGKILL)
+    _end_registered_daemons(stack)
+    return len(pids)
+
+
+def _end_registered_daemons(stack: str) -> None:
+    """A node server that was killed outright could not end its daemons; do it for it."""
+    for path in (state.stack_dir(stack) / "nodes").glob(f"*/{PID_REGISTRY}/*.pid"):
+        try:
+            pgid = int(path.read_text().split()[0])
+            os.killpg(pgid, signal.SIGKILL)
+        except (ValueError, IndexError, OSError):
+            pass
+
+
+def remove_state(stack: str) -> None:
+    """Everything of the stack except runs/ (logs are kept), and `.cluster/current` if it is this."""
+    stack_path = state.stack_dir(stack)
+    if stack_path.exists():
+        for child in stack_path.iterdir():
+            if child.name == "runs":
+                continue
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+        if not any(stack_path.iterdir()):
+            stack_path.rmdir()
+    state.clear_current_stack(stack)
+
+
+def _node_endpoints(stack: str) -> list[tuple[str, int]]:
+    endpoints = []
+    for path in sorted((state.stack_dir(stack) / "nodes").glob("node-*/node.json")):
+        try:
+            config = json.loads(path.read_text())
+            endpoints.append((config["address"], int(config["port"])))
+        except (OSError, ValueError, KeyError):
+            continue
+    return endpoints
+
+
+def _server_pids(stack: str) -> list[int]:
+    pids = []
+    for path in sorted((state.stack_dir(stack) / "nodes").glob("node-*/sshd.pid")):
+        try:
+            pids.append(int(json.loads(path.read_text())["pid"]))
+        except (OSError, ValueError, KeyError):
+            continue
+    return pids
+
+
+def _is_node_server(pid: int) -> bool:
+    """Alive and really our node server (pid files outlive reboots and pids get reused)."""
+    if not procs.alive(pid):
+        return False
+    try:
+        return b"infra.local.node_server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return not Path("/proc/self").exists()  # no procfs (macOS): trust the pid
+    except OSError:
+        return False
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _accepts_connections(address: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((address, port)) == 0
+
+
+# ------------------------------------------------------------------------------------------ status
+
+
+def status(cluster: ClusterInfo) -> list[NodeStatus]:
+    probes = ssh.probe_nodes(cluster)
+    started = _server_start_times(cluster.stack)
+    now = time.time()
+    rows = []
+    for probe in probes:
+        started_at = started.get(probe.node.name)
+        uptime = now - started_at if started_at and probe.reachable else None
+        rows.append(NodeStatus(probe.node, probe.reachable, probe.round_trip_ms, uptime, probe.error))
+    return rows
+
+
+def _server_start_times(stack: str) -> dict[str, float]:
+    times = {}
+    for path in (state.stack_dir(stack) / "nodes").glob("node-*/sshd.pid"):
+        try:
+            record = json.loads(path.read_text())
+            if _is_node_server(int(record["pid"])):
+                times[path.parent.name] = float(record["started_at"])
+        except (OSError, ValueError, KeyError):
+            continue
+    return times
+
+
+def stop_reason(stack: str) -> str:
+    """Why the watchdog powered this cluster off, or '' if it did not."""
+    marker = shared_dir(stack) / STOP_MARKER
+    try:
+        record = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return ""
+    return str(record.get("reason") or "stopped")

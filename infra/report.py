@@ -1,0 +1,79 @@
+"""What `deploy.py` prints: summaries and tables, built from plain data so they can be tested."""
+
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from infra.inventory import ClusterInfo
+
+console = Console(highlight=False, soft_wrap=True)
+
+
+def relative(path: str | Path) -> str:
+    """`path` relative to the working directory when it is below it (shorter to read and paste)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def format_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"
+
+
+def up_summary(cluster: ClusterInfo, created: bool, elapsed_s: float, inventory_path: Path) -> None:
+    kind = "CPU nodes, gloo" if cluster.provider == "local" else f"{cluster.instance_type}"
+    if not created:
+        console.print(f"cluster '{cluster.stack}' is already up ({len(cluster.nodes)} nodes); nothing changed")
+    else:
+        console.print(
+            f"cluster '{cluster.stack}' is up: {len(cluster.nodes)} {cluster.provider} nodes ({kind}), "
+            f"${cluster.hourly_usd:.3f}/h, ready in {elapsed_s:.1f} s"
+        )
+    for index, node in enumerate(cluster.nodes):
+        role = "  head: rank 0, MASTER_ADDR" if index == 0 else ""
+        console.print(f"  {node.name}  {node.public_ip}:{node.ssh_port}  private {node.private_ip}{role}")
+    console.print(f"  inventory: {relative(inventory_path)}")
+    console.print("next: fab bootstrap")
+
+
+def status_table(cluster: ClusterInfo, rows: list[dict], stopped_reason: str) -> None:
+    console.print(
+        f"stack '{cluster.stack}' ({cluster.provider}, {cluster.region}, {cluster.instance_type}), "
+        f"up since {cluster.created_at}, ${cluster.hourly_usd:.3f}/h"
+    )
+    if stopped_reason:
+        console.print(f"the cluster stopped itself: {stopped_reason}")
+    table = Table(show_edge=False, pad_edge=False)
+    for column in ("node", "address", "state", "ssh", "uptime", "detail"):
+        table.add_column(column)
+    for row in rows:
+        ssh_cell = f"{row['round_trip_ms']:.0f} ms" if row["reachable"] else "unreachable"
+        table.add_row(
+            row["name"],
+            row["address"],
+            row["state"],
+            ssh_cell,
+            format_duration(row["uptime_s"]),
+            row["error"],
+        )
+    console.print(table)
+
+
+def print_json(data) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# `make demo`: the main flow on the local provider, on this machine. The cluster is taken down
+# at the end, also when a step fails.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CLUSTER_STACK=local
+
+if [ -f "${CLUSTER_STATE_DIR:-.cluster}/local/inventory.json" ]; then
+  echo "a local cluster is already up: run 'python deploy.py down --local' first (the demo makes its own)" >&2
+  exit 2
+fi
+
+step() { printf '\n\033[1m==> %s\033[0m\n' "$*"; }
+trap 'step "python deploy.py down"; python deploy.py down --stack local' EXIT
+
+step "python deploy.py up --local --nodes 2"
+python deploy.py up --local --nodes 2
+step "python deploy.py status"
+python deploy.py status

@@ -1,0 +1,150 @@
+"""Shared fixtures: an isolated `.cluster/`, real local clusters on free loopback ports, the CLIs."""
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+@pytest.fixture
+def state_dir(tmp_path, monkeypatch) -> Path:
+    """A private `.cluster/` for this test; `CLUSTER_STACK` cleared so only the test picks stacks."""
+    path = tmp_path / "cluster-state"
+    monkeypatch.setenv("CLUSTER_STATE_DIR", str(path))
+    monkeypatch.delenv("CLUSTER_STACK", raising=False)
+    return path
+
+
+def test_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def run_cli(*args: str, timeout: float = 120, check: bool = False, **env: str) -> subprocess.CompletedProcess:
+    """`python deploy.py ARGS` as a user runs it, in the repository, with the test's state dir."""
+    result = subprocess.run(
+        [sys.executable, "deploy.py", *args],
+        cwd=REPO,
+        env=test_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"deploy.py {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def run_fab(*args: str, timeout: float = 300, check: bool = False, **env: str) -> subprocess.CompletedProcess:
+    """`fab ARGS` from the repository, as a user runs it."""
+    fab = Path(sys.executable).with_name("fab")
+    result = subprocess.run(
+        [str(fab), *args], cwd=REPO, env=test_env(**env), capture_output=True, text=True, timeout=timeout
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"fab {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *words: str) -> None:
+    """Exit 2 and a single `error: ...` line that mentions `words`."""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+
+
+def free_endpoint(nodes: int) -> tuple[str, int]:
+    """A loopback /24 and a port where every node's (address, port) is free right now."""
+    for _ in range(200):
+        base = f"127.0.{random.randint(1, 250)}.10"
+        port = random.randint(20000, 60000)
+        prefix = base.rsplit(".", 1)[0]
+        if all(_bindable(f"{prefix}.{10 + i}", port) for i in range(nodes)):
+            return base, port
+    raise RuntimeError("no free loopback endpoint")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _bindable(address: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((address, port))
+            return True
+        except OSError:
+            return False
+
+
+@dataclass
+class LocalCluster:
+    """A running local cluster made by the real `deploy.py up --local`."""
+
+    stack: str
+    state_dir: Path
+    inventory: dict
+
+    @property
+    def stack_dir(self) -> Path:
+        return self.state_dir / self.stack
+
+
+def start_local_cluster(stack: str, state_dir: Path, nodes: int = 2, *extra: str) -> LocalCluster:
+    address, port = free_endpoint(nodes)
+    run_cli("up", "--local", "--stack", stack, "--nodes", str(nodes), "--bind", address, "--ssh-port", str(port), *extra, check=True)
+    inventory = json.loads((state_dir / stack / "inventory.json").read_text())
+    return LocalCluster(stack, state_dir, inventory)
+
+
+@pytest.fixture
+def local_cluster(state_dir):
+    """A 2-node local cluster for one test, always taken down afterwards."""
+    cluster = start_local_cluster("local", state_dir)
+    yield cluster
+    run_cli("down", "--stack", cluster.stack)
+
+
+def node_server_processes(state_dir: Path) -> list[int]:
+    """Live (non-zombie) node servers started for this state dir."""
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if b"infra.local.node_server" in cmdline and str(state_dir).encode() in cmdline and stat[0] != "Z":
+            pids.append(int(proc.name))
+    return pids
+
+
+def fabric_connection(inventory: dict, node: dict):
+    """A Fabric connection built only from the inventory: its key, its pinned host keys."""
+    import paramiko
+    from fabric import Config, Connection
+
+    conn = Connection(
+        node["public_ip"],
+        port=node["ssh_port"],
+        user=inventory["ssh_user"],
+        connect_kwargs={"key_filename": inventory["ssh_key"], "look_for_keys": False, "allow_agent": False},
+        config=Config(overrides={"run": {"in_stream": False}, "load_ssh_configs": False}),
+    )
+    conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    conn.client.load_host_keys(inventory["known_hosts"])
+    return conn

@@ -1,0 +1,233 @@
+"""End to end on real local clusters: SSH servers on loopback, reached the way users reach them."""
+
+import io
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import (
+    REPO,
+    assert_one_line_error,
+    fabric_connection,
+    free_endpoint,
+    node_server_processes,
+    run_cli,
+    start_local_cluster,
+)
+
+
+def openssh_argv(inventory: dict, node: dict, command: str, key: str | None = None) -> list[str]:
+    return [
+        "ssh", "-i", key or inventory["ssh_key"], "-p", str(node["ssh_port"]),
+        "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
+        "-o", f"UserKnownHostsFile={inventory['known_hosts']}", "-o", "GlobalKnownHostsFile=/dev/null",
+        "-o", "StrictHostKeyChecking=yes", f"{inventory['ssh_user']}@{node['public_ip']}", command,
+    ]  # fmt: skip
+
+
+def test_up_writes_the_inventory_head_first_and_pins_host_keys(local_cluster, state_dir):
+    inv = local_cluster.inventory
+    assert inv["provider"] == "local" and inv["hourly_usd"] == 0
+    assert [n["name"] for n in inv["nodes"]] == ["node-0", "node-1"]
+    first, second = (n["private_ip"] for n in inv["nodes"])
+    assert int(second.rsplit(".", 1)[1]) == int(first.rsplit(".", 1)[1]) + 1
+    assert stat.S_IMODE(os.stat(inv["ssh_key"]).st_mode) == 0o600
+    known = open(inv["known_hosts"]).read().splitlines()
+    assert [line.split()[0] for line in known] == [f"[{n['public_ip']}]:{n['ssh_port']}" for n in inv["nodes"]]
+    assert (state_dir / "current").read_text().strip() == "local"
+    for node in inv["nodes"]:  # bound to loopback only
+        with socket.socket() as sock:
+            assert sock.connect_ex((node["public_ip"], node["ssh_port"])) == 0
+
+
+def test_fabric_runs_commands_moves_files_and_shares_a_folder(local_cluster, tmp_path):
+    inv = local_cluster.inventory
+    node0, node1 = (fabric_connection(inv, n) for n in inv["nodes"])
+    result = node0.run("echo out; echo oops >&2; exit 7", warn=True, hide=True)
+    assert (result.exited, result.stdout, result.stderr) == (7, "out\n", "oops\n")
+    assert node1.run("pwd", hide=True).stdout.strip().endswith("nodes/node-1")
+
+    source = tmp_path / "payload.bin"
+    source.write_bytes(os.urandom(200_000))
+    node0.put(str(source), "payload.bin")
+    back = io.BytesIO()
+    node0.get("payload.bin", back)
+    assert back.getvalue() == source.read_bytes()
+
+    node0.run('echo "written on node-0" > "$CLUSTER_SHARED_DIR/note.txt"', hide=True)
+    assert node1.run('cat "$CLUSTER_SHARED_DIR/note.txt"', hide=True).stdout == "written on node-0\n"
+    for conn in (node0, node1):
+        conn.close()
+
+
+def test_stock_openssh_client_logs_in_with_strict_host_key_checking(local_cluster):
+    inv = local_cluster.inventory
+    node1 = inv["nodes"][1]
+    result = subprocess.run(openssh_argv(inv, node1, 'echo "$USER on $CLUSTER_NODE"; exit 3'), capture_output=True, text=True)
+    assert result.returncode == 3 and result.stdout.strip() == f"{inv['ssh_user']} on node-1"
+
+    via_cli = run_cli("ssh", "node-1", "--", "echo", "hi-from", "$CLUSTER_NODE")
+    assert via_cli.returncode == 0 and via_cli.stdout.strip() == "hi-from node-1"
+
+
+def test_another_key_and_a_changed_host_key_are_refused(local_cluster, tmp_path):
+    inv = local_cluster.inventory
+    node0 = inv["nodes"][0]
+    other_key = tmp_path / "other"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other_key)], check=True)
+    refused = subprocess.run(openssh_argv(inv, node0, "true", key=str(other_key)), capture_output=True, text=True)
+    assert refused.returncode == 255 and "Permission denied" in refused.stderr
+
+    bad_known_hosts = tmp_path / "known_hosts"
+    other_pub = (tmp_path / "other.pub").read_text().split()
+    bad_known_hosts.write_text(f"[{node0['public_ip']}]:{node0['ssh_port']} {other_pub[0]} {other_pub[1]}\n")
+    tampered = dict(inv, known_hosts=str(bad_known_hosts))
+    mismatch = subprocess.run(openssh_argv(tampered, node0, "true"), capture_output=True, text=True)
+    assert mismatch.returncode == 255 and "HOST IDENTIFICATION HAS CHANGED" in mismatch.stderr
+
+
+def test_up_on_a_running_cluster_changes_nothing(local_cluster, state_dir):
+    before = (state_dir / "local" / "inventory.json").read_text()
+    pids = sorted(node_server_processes(state_dir))
+    again = run_cli("up", "--local", "--nodes", "2")
+    assert again.returncode == 0 and "already up" in again.stdout
+    assert (state_dir / "local" / "inventory.json").read_text() == before
+    assert sorted(node_server_processes(state_dir)) == pids
+
+
+def test_a_dropped_session_takes_its_processes_with_it(local_cluster):
+    inv = local_cluster.inventory
+    marker = f"sleep {int(time.time()) % 1000 + 4000}"
+    client = subprocess.Popen(openssh_argv(inv, inv["nodes"][0], f"{marker} & {marker}; echo never"))
+    deadline = time.monotonic() + 10
+    while not _processes_matching(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(_processes_matching(marker)) == 2
+    client.kill()
+    client.wait()
+    deadline = time.monotonic() + 10
+    while _processes_matching(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _processes_matching(marker) == []
+
+
+def test_status_reports_a_dead_node_and_down_still_cleans_up(state_dir):
+    cluster = start_local_cluster("local", state_dir)
+    pid_file = state_dir / "local" / "nodes" / "node-1" / "sshd.pid"
+    os.kill(json.loads(pid_file.read_text())["pid"], signal.SIGKILL)
+    status = run_cli("status", "--json")
+    assert status.returncode == 1
+    nodes = {n["name"]: n for n in json.loads(status.stdout)["nodes"]}
+    assert nodes["node-0"]["state"] == "up" and nodes["node-1"]["state"] == "down"
+    assert nodes["node-1"]["error"]
+
+    down = run_cli("down")
+    assert down.returncode == 0, down.stderr
+    assert node_server_processes(state_dir) == []
+    assert not (state_dir / cluster.stack / "nodes").exists()
+
+
+def test_down_leaves_no_process_no_port_and_keeps_run_logs(state_dir):
+    cluster = start_local_cluster("local", state_dir)
+    run_dir = state_dir / "local" / "runs" / "some-run"
+    run_dir.mkdir(parents=True)
+    (run_dir / "node-0.log").write_text("kept\n")
+    daemon = fabric_connection(cluster.inventory, cluster.inventory["nodes"][0])
+    daemon.run(  # a detached daemon that registers itself, like the watchdog does
+        "setsid sleep 4321 >/dev/null 2>&1 < /dev/null & echo $! > .gpu-cluster/pids/sleeper.pid", hide=True
+    )
+    daemon.close()
+    assert _processes_matching("sleep 4321")
+
+    down = run_cli("down", "--stack", "local")
+    assert down.returncode == 0, down.stderr
+    assert "no port left listening" in down.stdout
+    assert node_server_processes(state_dir) == []
+    assert _processes_matching("sleep 4321") == []
+    for node in cluster.inventory["nodes"]:
+        with socket.socket() as sock:
+            assert sock.connect_ex((node["public_ip"], node["ssh_port"])) != 0
+    assert (run_dir / "node-0.log").read_text() == "kept\n"
+    assert sorted(p.name for p in (state_dir / "local").iterdir()) == ["runs"]
+    assert not (state_dir / "current").exists()
+
+    again = run_cli("down", "--stack", "local")
+    assert again.returncode == 0 and "nothing to do" in again.stdout
+
+
+# ------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("nodes", ["0", "17", "two"])
+def test_bad_node_counts_are_refused_before_anything_exists(state_dir, nodes):
+    result = run_cli("up", "--local", "--nodes", nodes)
+    assert_one_line_error(result, "nodes")
+    assert not (state_dir / "local").exists()
+
+
+def test_a_port_in_use_is_refused_and_nothing_is_left(state_dir):
+    address, port = free_endpoint(2)
+    with socket.socket() as squatter:
+        squatter.bind((address.rsplit(".", 1)[0] + ".11", port))
+        squatter.listen()
+        result = run_cli("up", "--local", "--bind", address, "--ssh-port", str(port))
+    assert_one_line_error(result, f"port {port}", "in use")
+    assert not (state_dir / "local").exists()
+    assert node_server_processes(state_dir) == []
+
+
+@pytest.mark.parametrize("address", ["10.1.2.3", "127.0.0.300", "localhost"])
+def test_addresses_that_cannot_be_bound_are_refused(state_dir, address):
+    result = run_cli("up", "--local", "--bind", address)
+    assert_one_line_error(result, "--bind")
+    assert not (state_dir / "local").exists()
+
+
+def test_a_corrupt_inventory_is_one_line_and_down_still_works(state_dir):
+    start_local_cluster("local", state_dir)
+    (state_dir / "local" / "inventory.json").write_text('{"stack": "local", "nodes": [')
+    status = run_cli("status")
+    assert_one_line_error(status, "corrupt", "deploy.py down")
+    assert run_cli("down").returncode == 0
+    assert node_server_processes(state_dir) == []
+
+
+def test_ssh_to_a_node_that_does_not_exist(local_cluster):
+    assert_one_line_error(run_cli("ssh", "node-5"), "node-5", "node-0, node-1")
+
+
+def test_commands_without_a_cluster_say_what_to_do(state_dir):
+    assert_one_line_error(run_cli("status"), "no cluster", "deploy.py up")
+    assert_one_line_error(run_cli("ssh"), "no cluster")
+
+
+def test_an_unknown_flag_is_one_line(state_dir):
+    assert_one_line_error(run_cli("up", "--nodez", "2"), "--nodez")
+
+
+def _processes_matching(text: str) -> list[int]:
+    found = []
+    for proc in os.listdir("/proc"):
+        if not proc.isdigit():
+            continue
+        try:
+            cmdline = open(f"/proc/{proc}/cmdline", "rb").read().replace(b"\0", b" ").decode().strip()
+            state = open(f"/proc/{proc}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if cmdline == text and state != "Z":
+            found.append(int(proc))
+    return found
+
+
+def test_help_names_every_command():
+    result = subprocess.run([sys.executable, "deploy.py", "--help"], cwd=REPO, capture_output=True, text=True)
+    for command in ("up", "down", "status", "plan", "cost", "ssh"):
+        assert command in result.stdout
