@@ -55,3 +55,16 @@ def fab(*args: str, env: dict[str, str], check: bool = True) -> subprocess.Compl
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+def torchrun(script: str, *args: str, env: dict[str, str], nproc: int = 2) -> subprocess.CompletedProcess:
+    """A 2-rank torchrun job on this machine (c10d rendezvous on localhost)."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script, *args]
+    return cli(argv, env)
+
+
+def summary(run_dir: Path, kind: str = "summary") -> dict:
+    import json
+
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind][-1]

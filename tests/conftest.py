@@ -24,7 +24,7 @@ def state_dir(tmp_path, monkeypatch) -> Path:
     return path
 
 
-def test_env(**extra: str) -> dict[str, str]:
+def child_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     return env
@@ -35,7 +35,7 @@ def run_cli(*args: str, timeout: float = 120, check: bool = False, **env: str) -
     result = subprocess.run(
         [sys.executable, "deploy.py", *args],
         cwd=REPO,
-        env=test_env(**env),
+        env=child_env(**env),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -49,7 +49,7 @@ def run_fab(*args: str, timeout: float = 300, check: bool = False, **env: str) -
     """`fab ARGS` from the repository, as a user runs it."""
     fab = Path(sys.executable).with_name("fab")
     result = subprocess.run(
-        [str(fab), *args], cwd=REPO, env=test_env(**env), capture_output=True, text=True, timeout=timeout
+        [str(fab), *args], cwd=REPO, env=child_env(**env), capture_output=True, text=True, timeout=timeout
     )
     if check and result.returncode != 0:
         raise AssertionError(f"fab {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")

@@ -1,0 +1,171 @@
+"""torchrun --nnodes 1 --nproc-per-node 2 examples/ddp_training.py
+fab run-ddp -- --model transformer --precision bf16
+
+Data-parallel training with DistributedDataParallel: every rank holds the whole model, trains on its
+own shard of each epoch (DistributedSampler, reshuffled by set_epoch), and gradients are averaged by
+all-reduce during backward, so parameters stay bit-identical on every rank (checked at the end).
+
+Models: the course's 784-512-10 MLP (`--model mlp`) or a small causal transformer LM
+(`--model transformer`), on synthetic data labelled by a fixed random teacher, so the loss really falls.
+`--precision fp16` uses a GradScaler; bf16 is refused on GPUs without it (T4: use fp16).
+With `--checkpoint-dir` (default `$CLUSTER_RUN_DIR/checkpoints` under `fab`), rank 0 saves atomically
+and every rank resumes from the latest checkpoint, so a torchrun restart (`--max-restarts`) continues
+where it stopped; `--simulate-failure-at-step N` crashes one rank once to show it.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+from harness import data  # noqa: E402
+from harness.cost import CostMeter  # noqa: E402
+from harness.dist import Distributed, cleanup, fail, init_distributed, print0, run  # noqa: E402
+from harness.gpu_monitor import GpuMonitor  # noqa: E402
+from harness.metrics import MetricsWriter, StepLogger, peak_memory_gib, peak_tflops  # noqa: E402
+from harness.models import MLP, TinyTransformerLM, count_parameters  # noqa: E402
+from harness.train import (  # noqa: E402
+    PRECISIONS, LoopConfig, build_loader, digests_across_ranks, load_checkpoint, maybe_profile,
+    parameter_digest, resolve_precision, train_loop, unwrap,
+)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=("mlp", "transformer"), default="mlp", help="what to train (default mlp)")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps in all (default 60)")
+    parser.add_argument("--batch-size", type=int, default=64, help="samples per rank per step (default 64)")
+    parser.add_argument("--lr", type=float, default=None, help="learning rate (default: 0.05 mlp, 3e-3 transformer)")
+    parser.add_argument("--samples", type=int, default=8192, help="size of the synthetic dataset (default 8192)")
+    parser.add_argument("--d-model", type=int, default=128, help="transformer width (default 128)")
+    parser.add_argument("--n-layers", type=int, default=2, help="transformer blocks (default 2)")
+    parser.add_argument("--seq-len", type=int, default=64, help="transformer context length (default 64)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help="fp32, fp16 (+GradScaler) or bf16")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--activation-checkpointing", action="store_true", help="recompute activations in backward")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None,
+                        help="save and resume here (default: $CLUSTER_RUN_DIR/checkpoints when set)")
+    parser.add_argument("--checkpoint-every", type=int, default=20, help="save every N steps (default 20)")
+    parser.add_argument("--simulate-failure-at-step", type=int, default=None, metavar="N",
+                        help="crash the last rank once at step N (to see a torchrun restart resume)")
+    parser.add_argument("--log-every", type=int, default=10, help="print a step line every N steps (default 10)")
+    parser.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
+    parser.add_argument("--profile-dir", default=None, help="write torch.profiler TensorBoard traces here")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for all ranks (default 300)")
+    return parser.parse_args(argv)
+
+
+def build_model(args, ctx: Distributed) -> tuple[torch.nn.Module, object]:
+    torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
+    if args.model == "mlp":
+        model = MLP(activation_checkpointing=args.activation_checkpointing)
+        dataset = data.teacher_classification(samples=args.samples, seed=args.seed)
+    else:
+        model = TinyTransformerLM(seq_len=args.seq_len, d_model=args.d_model, n_heads=max(1, args.d_model // 64),
+                                  n_layers=args.n_layers, activation_checkpointing=args.activation_checkpointing)
+        dataset = data.teacher_sequences(samples=args.samples // 4, seq_len=args.seq_len, seed=args.seed)
+    model = model.to(ctx.device)
+    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    return (torch.compile(ddp) if args.compile else ddp), dataset
+
+
+def build_optimizer(args, model) -> torch.optim.Optimizer:
+    if args.model == "mlp":
+        return torch.optim.SGD(model.parameters(), lr=args.lr or 0.05, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=args.lr or 3e-3, weight_decay=0.0)
+
+
+def default_checkpoint_dir(args, ctx: Distributed) -> Path | None:
+    if args.checkpoint_dir:
+        return args.checkpoint_dir
+    return ctx.env.run_dir / "checkpoints" if ctx.env.run_dir else None
+
+
+def utilisation(args, ctx, result, model, samples: int) -> dict:
+    """Tokens/s and model FLOPs utilisation of the transformer against the GPU's datasheet peak."""
+    if args.model != "transformer" or not result.elapsed_s:
+        return {}
+    tokens_per_s = samples * args.seq_len / result.elapsed_s
+    achieved_tflops = tokens_per_s * unwrap(model).flops_per_token() / 1e12
+    figures = {"tokens_per_s": tokens_per_s, "model_tflops": achieved_tflops}
+    if ctx.device.type == "cuda":
+        peak = peak_tflops(torch.cuda.get_device_name(ctx.device), args.precision)
+        if peak:
+            figures["mfu"] = achieved_tflops / ctx.world_size / peak
+    return figures
+
+
+def summarize(args, ctx, result, meter: CostMeter, logger: StepLogger, metrics: MetricsWriter, model) -> int:
+    digests = digests_across_ranks(parameter_digest(model))
+    identical = len(set(digests)) == 1
+    per_million = meter.usd_per_million_samples(logger.samples)
+    trained = (result.steps - result.started_at_step) * args.batch_size * ctx.world_size
+    speed = utilisation(args, ctx, result, model, trained)
+    metrics.write(
+        "summary", example="ddp_training", model=args.model, precision=args.precision, world_size=ctx.world_size,
+        steps=result.steps, resumed_from=result.started_at_step, first_loss=result.first_loss,
+        last_loss=result.last_loss, samples=logger.samples, elapsed_s=round(result.elapsed_s, 3),
+        usd=meter.usd_so_far(), usd_per_million_samples=per_million, parameter_digest=digests[0],
+        parameters_identical=identical, peak_mem_gib=peak_memory_gib(ctx.device),
+        ms_per_step=result.elapsed_s / max(result.steps - result.started_at_step, 1) * 1000, **speed,
+    )
+    if result.first_loss is not None:
+        print0(f"trained steps {result.started_at_step + 1}..{result.steps} on {ctx.world_size} ranks in "
+               f"{result.elapsed_s:.1f} s: loss {result.first_loss:.4f} -> {result.last_loss:.4f}")
+    if "mfu" in speed:
+        print0(f"{speed['tokens_per_s']:.0f} tokens/s, {speed['model_tflops']:.1f} model TFLOP/s, "
+               f"MFU {speed['mfu']:.1%} of {torch.cuda.get_device_name(ctx.device)}'s {args.precision} peak")
+    price = f"${per_million:.4f} per million samples" if per_million is not None else "no samples trained"
+    print0(f"cost: ${meter.usd_so_far():.6f} at ${meter.hourly_usd:.3f}/h; {price}")
+    if not identical:
+        print0(f"MISMATCH: parameters differ across ranks: {digests}")
+        return 1
+    print0(f"parameters identical on all {ctx.world_size} ranks (sha256 {digests[0][:16]})")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    ctx = init_distributed(timeout_s=args.timeout)
+    try:
+        try:
+            precision = resolve_precision(args.precision, ctx.device)
+        except ValueError as exc:
+            fail(str(exc), code=2)
+        model, dataset = build_model(args, ctx)
+        optimizer = build_optimizer(args, model)
+        scaler = precision.scaler(ctx.device)
+        checkpoints = default_checkpoint_dir(args, ctx)
+        start = load_checkpoint(checkpoints, model, optimizer, scaler, ctx.device)
+        if start:
+            print0(f"resuming from step {start} ({checkpoints})")
+        loader, sampler = build_loader(dataset, ctx, args.batch_size, args.seed)
+        print0(f"{args.model}: {count_parameters(model):,} parameters, {ctx.world_size} ranks ({ctx.backend}), "
+               f"{args.precision}, global batch {args.batch_size * ctx.world_size}")
+        meter = CostMeter(ctx.env.hourly_usd)
+        metrics = MetricsWriter(ctx.env.run_dir, ctx.is_rank0)
+        logger = StepLogger(ctx.is_rank0, ctx.device, meter, metrics, args.batch_size * ctx.world_size)
+        config = LoopConfig(args.steps, args.log_every, checkpoints, args.checkpoint_every, args.simulate_failure_at_step)
+        with GpuMonitor(metrics.write, ctx.env.node_rank) if ctx.is_rank0 else _nothing(), \
+                maybe_profile(args.profile_dir, ctx.rank, ctx.device) as profiler:
+            result = train_loop(ctx, model, optimizer, scaler, precision, loader, sampler, config, logger,
+                                start_step=start, profiler=profiler)
+        return summarize(args, ctx, result, meter, logger, metrics, model)
+    finally:
+        cleanup()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,164 @@
+"""torchrun --standalone --nproc-per-node 2 examples/gradient_accumulation.py --accumulation-steps 4
+fab accumulate -- --accumulation-steps 8
+
+Gradient accumulation with DDP: k micro-batches per optimizer step, each loss divided by k, and
+`DDP.no_sync()` around the first k-1 backward passes, so gradients are all-reduced once per optimizer
+step instead of k times. The all-reduces are counted at run time by a DDP communication hook and
+printed per optimizer step; `--sync-every-micro-step` runs the naive version for comparison.
+
+`--check-gradient` compares, on one batch, the accumulated gradient with the gradient of the whole
+global batch in one backward pass (a plain model on rank 0): they must agree within 1e-5.
+"""
+
+import argparse
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+from harness import data  # noqa: E402
+from harness.cost import CostMeter  # noqa: E402
+from harness.dist import cleanup, init_distributed, print0, run  # noqa: E402
+from harness.metrics import MetricsWriter, StepLogger  # noqa: E402
+from harness.models import MLP, loss_fn  # noqa: E402
+
+GRADIENT_TOLERANCE = 1e-5
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--accumulation-steps", "-k", type=int, default=4, help="micro-batches per optimizer step (default 4)")
+    parser.add_argument("--micro-batch-size", type=int, default=16, help="samples per rank per micro-batch (default 16)")
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
+    parser.add_argument("--hidden", type=int, default=512, help="MLP width (default 512; larger = more to all-reduce)")
+    parser.add_argument("--layers", type=int, default=1, help="hidden layers (default 1)")
+    parser.add_argument("--sync-every-micro-step", action="store_true", help="naive: all-reduce after every micro-batch")
+    parser.add_argument("--check-gradient", action="store_true", help="compare with the full-batch gradient and exit")
+    parser.add_argument("--log-every", type=int, default=10, help="print a step line every N optimizer steps")
+    parser.add_argument("--seed", type=int, default=0, help="model and data seed")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for all ranks")
+    return parser.parse_args(argv)
+
+
+class AllReduceCounter:
+    """A DDP communication hook that counts the all-reduces DDP really issues (one per bucket)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.synced_backwards = 0
+        self._last_seen = -1
+        self.backward_index = 0
+
+    def hook(self, state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        self.calls += 1
+        if self._last_seen != self.backward_index:
+            self._last_seen = self.backward_index
+            self.synced_backwards += 1
+        tensor = bucket.buffer().div_(dist.get_world_size())
+        return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def build(args, ctx):
+    torch.manual_seed(args.seed)
+    model = MLP(hidden=args.hidden, layers=args.layers).to(ctx.device)
+    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    counter = AllReduceCounter()
+    ddp.register_comm_hook(None, counter.hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    return ddp, counter, optimizer
+
+
+def micro_batches(dataset: tuple[torch.Tensor, torch.Tensor], ctx, args, step: int):
+    """The k micro-batches of this rank for optimizer step `step`: disjoint across ranks and steps."""
+    k, size = args.accumulation_steps, args.micro_batch_size
+    all_inputs, all_targets = dataset
+    per_step = k * size * ctx.world_size
+    start = (step * per_step + ctx.rank * k * size) % (len(all_inputs) - k * size)
+    inputs, targets = (t[start:start + k * size].to(ctx.device) for t in (all_inputs, all_targets))
+    return list(zip(inputs.split(size), targets.split(size)))
+
+
+def accumulate(ddp, counter: AllReduceCounter, batches, sync_every_micro_step: bool) -> float:
+    """One optimizer step's backward passes; returns the summed (already divided) loss."""
+    k, total = len(batches), 0.0
+    for index, (inputs, targets) in enumerate(batches):
+        last = index == k - 1
+        counter.backward_index += 1
+        context = nullcontext() if (last or sync_every_micro_step) else ddp.no_sync()
+        with context:
+            loss = loss_fn(ddp(inputs), targets) / k
+            loss.backward()
+        total += loss.item()
+    return total
+
+
+def check_gradient(args, ctx, ddp, counter, dataset) -> int:
+    """Accumulated DDP gradient vs. one backward pass over the whole global batch."""
+    batches = micro_batches(dataset, ctx, args, step=0)
+    ddp.zero_grad(set_to_none=True)
+    accumulate(ddp, counter, batches, args.sync_every_micro_step)
+    accumulated = [p.grad.detach().clone() for p in ddp.module.parameters()]
+    everything = [None] * ctx.world_size
+    dist.all_gather_object(everything, [(x.cpu(), y.cpu()) for x, y in batches])
+    worst = torch.zeros(1, device=ctx.device)
+    if ctx.is_rank0:
+        reference = MLP(hidden=args.hidden, layers=args.layers).to(ctx.device)
+        reference.load_state_dict(ddp.module.state_dict())
+        inputs = torch.cat([x for rank_batches in everything for x, _ in rank_batches]).to(ctx.device)
+        targets = torch.cat([y for rank_batches in everything for _, y in rank_batches]).to(ctx.device)
+        loss_fn(reference(inputs), targets).backward()
+        worst[0] = max((a - p.grad).abs().max().item() for a, p in zip(accumulated, reference.parameters()))
+    dist.broadcast(worst, src=0)
+    ok = worst.item() <= GRADIENT_TOLERANCE
+    print0(f"accumulated gradient vs full-batch gradient: max abs difference {worst.item():.3e} "
+           f"(tolerance {GRADIENT_TOLERANCE:g}): {'equal' if ok else 'MISMATCH'}")
+    MetricsWriter(ctx.env.run_dir, ctx.is_rank0).write("gradient_check", max_abs_diff=worst.item(), ok=ok)
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    ctx = init_distributed(timeout_s=args.timeout)
+    try:
+        ddp, counter, optimizer = build(args, ctx)
+        dataset = data.teacher_classification(samples=8192, seed=args.seed).tensors
+        if args.check_gradient:
+            return check_gradient(args, ctx, ddp, counter, dataset)
+        mode = "naive: all-reduce every micro-step" if args.sync_every_micro_step else "no_sync for k-1 micro-steps"
+        k = args.accumulation_steps
+        print0(f"k={k} micro-batches of {args.micro_batch_size} per rank, {ctx.world_size} ranks, {mode}")
+        meter = CostMeter(ctx.env.hourly_usd)
+        metrics = MetricsWriter(ctx.env.run_dir, ctx.is_rank0)
+        logger = StepLogger(ctx.is_rank0, ctx.device, meter, metrics, k * args.micro_batch_size * ctx.world_size)
+        started = time.perf_counter()
+        for step in range(args.steps):
+            step_started = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss = accumulate(ddp, counter, micro_batches(dataset, ctx, args, step), args.sync_every_micro_step)
+            optimizer.step()
+            done = step + 1 == args.steps
+            logger.step(step + 1, loss, time.perf_counter() - step_started, log=done or (step + 1) % args.log_every == 0)
+        elapsed = time.perf_counter() - started
+        per_step_calls = counter.calls / args.steps
+        per_step_syncs = counter.synced_backwards / args.steps
+        buckets = counter.calls / max(counter.synced_backwards, 1)
+        print0(f"all-reduce per optimizer step: {per_step_syncs:g} gradient synchronisation(s), "
+               f"{per_step_calls:g} all-reduce call(s) ({buckets:g} bucket(s) each), counted at run time")
+        print0(f"{elapsed / args.steps * 1000:.1f} ms per optimizer step")
+        metrics.write("summary", example="gradient_accumulation", k=k, naive=args.sync_every_micro_step,
+                      steps=args.steps, allreduce_calls_per_step=per_step_calls,
+                      synchronisations_per_step=per_step_syncs, buckets=buckets,
+                      ms_per_step=elapsed / args.steps * 1000, usd=meter.usd_so_far())
+        return 0
+    finally:
+        cleanup()
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,6 @@
+"""The library that runs on the nodes: distributed init, models, data, training pieces, the
+communication benchmark, pipeline schedules, the GPU monitor, the cost meter and the watchdog.
+
+It imports only torch, nvidia-ml-py and the standard library, and reads only environment variables
+(torchrun's and the node environment's), never the operator's machine's files.
+"""

@@ -1,0 +1,97 @@
+"""Rank 0's step lines, fixed width, and the metrics file (`$CLUSTER_RUN_DIR/metrics.jsonl`)."""
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from harness.cost import CostMeter
+
+STEP_HEADER = f"{'step':>6} {'loss':>9} {'ms/step':>9} {'samples/s':>11} {'mem GiB':>8} {'$/h':>8} {'$ so far':>10}"
+
+
+class MetricsWriter:
+    """Appends one JSON object per line; a no-op where there is no run folder or on other ranks."""
+
+    def __init__(self, run_dir: Path | None, enabled: bool, name: str = "metrics.jsonl"):
+        self.path = run_dir / name if (run_dir and enabled) else None
+        if self.path:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, kind: str, **fields) -> None:
+        if self.path is None:
+            return
+        record = {"kind": kind, "time": round(time.time(), 3), **fields}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak allocator memory on a GPU; peak resident memory of the process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak_kib * (1 if sys.platform != "darwin" else 1 / 1024) / 2**20
+
+
+def format_step(step: int, loss: float, step_ms: float, samples_per_s: float, mem_gib: float,
+                hourly_usd: float, usd_so_far: float) -> str:
+    return (
+        f"{step:>6d} {loss:>9.4f} {step_ms:>9.1f} {samples_per_s:>11.1f} {mem_gib:>8.2f} "
+        f"{hourly_usd:>8.3f} {usd_so_far:>10.4f}"
+    )
+
+
+class StepLogger:
+    """One line per logged step from rank 0 (the header first), each also kept in the metrics."""
+
+    def __init__(self, is_rank0: bool, device: torch.device, meter: CostMeter, metrics: MetricsWriter,
+                 global_batch: int):
+        self.is_rank0 = is_rank0
+        self.device = device
+        self.meter = meter
+        self.metrics = metrics
+        self.global_batch = global_batch
+        self.samples = 0
+        self.printed_header = False
+
+    def step(self, step: int, loss: float, step_s: float, log: bool) -> None:
+        self.samples += self.global_batch
+        if not (log and self.is_rank0):
+            return
+        if not self.printed_header:
+            print(STEP_HEADER, flush=True)
+            self.printed_header = True
+        samples_per_s = self.global_batch / step_s if step_s > 0 else 0.0
+        mem = peak_memory_gib(self.device)
+        usd = self.meter.usd_so_far()
+        print(format_step(step, loss, step_s * 1000, samples_per_s, mem, self.meter.hourly_usd, usd), flush=True)
+        self.metrics.write(
+            "step", step=step, loss=loss, step_ms=round(step_s * 1000, 3), samples_per_s=round(samples_per_s, 2),
+            mem_gib=round(mem, 4), hourly_usd=self.meter.hourly_usd, usd_so_far=usd,
+        )
+
+
+# Dense (no sparsity) datasheet peaks in TFLOP/s by GPU and precision, for model FLOPs utilisation.
+# fp32 is the plain (non-tensor-core) rate; fp16/bf16 are tensor-core rates with fp32 accumulation.
+PEAK_TFLOPS = {
+    "T4": {"fp32": 8.1, "fp16": 65.0},
+    "A10G": {"fp32": 31.2, "fp16": 125.0, "bf16": 125.0},
+    "L4": {"fp32": 30.3, "fp16": 121.0, "bf16": 121.0},
+    "L40S": {"fp32": 91.6, "fp16": 362.0, "bf16": 362.0},
+    "A100": {"fp32": 19.5, "fp16": 312.0, "bf16": 312.0},
+    "H100": {"fp32": 67.0, "fp16": 989.0, "bf16": 989.0},
+    "H200": {"fp32": 67.0, "fp16": 989.0, "bf16": 989.0},
+}
+
+
+def peak_tflops(device_name: str, precision: str) -> float | None:
+    """The datasheet peak for a GPU name as CUDA reports it ("Tesla T4", "NVIDIA H100 80GB HBM3")."""
+    tokens = device_name.replace("-", " ").split()
+    for model, peaks in PEAK_TFLOPS.items():
+        if model in tokens:
+            return peaks.get(precision)
+    return None

@@ -1,0 +1,215 @@
+"""The examples under real torchrun with gloo on CPU: each correctness claim of issue 4, checked."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, child_env
+
+
+def torchrun(script: str, *args: str, run_dir=None, nproc: int = 2, max_restarts: int = 0, timeout: float = 240):
+    env = child_env()
+    if run_dir is not None:
+        env["CLUSTER_RUN_DIR"] = str(run_dir)
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+         f"--max-restarts={max_restarts}", f"examples/{script}", *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def records(run_dir, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+# ------------------------------------------------------------------------------------------ hello
+
+
+def test_hello_checks_pass_and_every_rank_reports(tmp_path):
+    result = ok(torchrun("distributed_hello.py", run_dir=tmp_path))
+    assert "rank 0/2" in result.stdout and "rank 1/2" in result.stdout
+    assert "all correct" in result.stdout
+    summary = records(tmp_path, "summary")[0]
+    assert summary["world_size"] == 2 and summary["failures"] == {}
+
+
+def test_hello_fails_on_a_wrong_expectation():
+    result = torchrun("distributed_hello.py", "--expect-world-size", "3")
+    assert result.returncode != 0
+    assert "MISMATCH on rank" in result.stdout and "expected 6" in result.stdout
+
+
+# -------------------------------------------------------------------------------------------- DDP
+
+
+def test_ddp_trains_the_loss_falls_and_parameters_are_identical_on_every_rank(tmp_path):
+    result = ok(torchrun("ddp_training.py", "--steps", "60", run_dir=tmp_path))
+    summary = records(tmp_path, "summary")[0]
+    assert summary["parameters_identical"] is True
+    assert summary["last_loss"] < 0.8 * summary["first_loss"]
+    assert "parameters identical on all 2 ranks" in result.stdout
+    steps = records(tmp_path, "step")
+    assert [s["step"] for s in steps] == [10, 20, 30, 40, 50, 60]
+    header = next(line for line in result.stdout.splitlines() if "samples/s" in line)
+    assert header.split() == ["step", "loss", "ms/step", "samples/s", "mem", "GiB", "$/h", "$", "so", "far"]
+
+
+def test_a_restarted_run_resumes_to_the_same_parameters_as_an_uninterrupted_one(tmp_path):
+    straight = tmp_path / "straight"
+    ok(torchrun("ddp_training.py", "--steps", "30", "--checkpoint-every", "10", run_dir=straight))
+    crashed = tmp_path / "crashed"
+    result = ok(torchrun("ddp_training.py", "--steps", "30", "--checkpoint-every", "10",
+                         "--simulate-failure-at-step", "15", run_dir=crashed, max_restarts=1))
+    assert "failing on purpose at step 15" in result.stdout
+    assert "resuming from step 10" in result.stdout
+    uninterrupted = records(straight, "summary")[0]
+    resumed = records(crashed, "summary")[-1]
+    assert resumed["resumed_from"] == 10 and resumed["steps"] == 30
+    assert resumed["parameter_digest"] == uninterrupted["parameter_digest"]
+
+
+def test_a_crash_without_restarts_fails_the_job(tmp_path):
+    result = torchrun("ddp_training.py", "--steps", "20", "--checkpoint-every", "5", "--simulate-failure-at-step", "7",
+                      run_dir=tmp_path)
+    assert result.returncode != 0
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_mixed_precision_trains_on_cpu(tmp_path, precision):
+    ok(torchrun("ddp_training.py", "--steps", "20", "--precision", precision, run_dir=tmp_path))
+    summary = records(tmp_path, "summary")[0]
+    assert summary["precision"] == precision and summary["parameters_identical"]
+
+
+def test_the_transformer_learns_the_teacher_chain(tmp_path):
+    ok(torchrun("ddp_training.py", "--model", "transformer", "--steps", "30", "--activation-checkpointing",
+                run_dir=tmp_path))
+    summary = records(tmp_path, "summary")[0]
+    assert summary["last_loss"] < 0.5 * summary["first_loss"]
+
+
+def test_step_lines_price_the_run_from_the_hourly_rate(tmp_path):
+    env_rate = "3.6"  # $3.60/h is $0.001 per second
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "examples/ddp_training.py", "--steps", "20"],
+        cwd=REPO, env=child_env(CLUSTER_HOURLY_USD=env_rate, CLUSTER_RUN_DIR=str(tmp_path)),
+        capture_output=True, text=True, timeout=240,
+    )
+    ok(result)
+    summary = records(tmp_path, "summary")[0]
+    assert summary["usd"] == pytest.approx(summary["elapsed_s"] * 0.001, rel=0.5)
+    assert summary["usd_per_million_samples"] > 0
+    assert all(step["hourly_usd"] == 3.6 for step in records(tmp_path, "step"))
+
+
+# ----------------------------------------------------------------------------------- accumulation
+
+
+def test_no_sync_all_reduces_once_per_optimizer_step_and_naive_k_times(tmp_path):
+    ok(torchrun("gradient_accumulation.py", "-k", "4", "--steps", "6", run_dir=tmp_path / "no_sync"))
+    ok(torchrun("gradient_accumulation.py", "-k", "4", "--steps", "6", "--sync-every-micro-step",
+                run_dir=tmp_path / "naive"))
+    no_sync = records(tmp_path / "no_sync", "summary")[0]
+    naive = records(tmp_path / "naive", "summary")[0]
+    assert no_sync["synchronisations_per_step"] == 1
+    assert naive["synchronisations_per_step"] == 4
+    assert naive["allreduce_calls_per_step"] == 4 * no_sync["allreduce_calls_per_step"]
+
+
+@pytest.mark.parametrize("naive", [False, True])
+def test_the_accumulated_gradient_equals_the_full_batch_gradient(tmp_path, naive):
+    args = ["--check-gradient", "-k", "4"] + (["--sync-every-micro-step"] if naive else [])
+    result = ok(torchrun("gradient_accumulation.py", *args, run_dir=tmp_path))
+    check = records(tmp_path, "gradient_check")[0]
+    assert check["ok"] and check["max_abs_diff"] <= 1e-5
+    assert "tolerance 1e-05" in result.stdout
+
+
+# --------------------------------------------------------------------------------------- pipeline
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_staged_model_has_the_loss_and_gradients_of_the_unsplit_one(tmp_path, schedule):
+    ok(torchrun("model_parallelism.py", "--check", "--schedule", schedule, "-m", "4", run_dir=tmp_path))
+    check = records(tmp_path, "pipeline_check")[0]
+    assert check["ok"] and check["loss_diff"] <= 1e-5 and check["grad_diff"] <= 1e-5
+
+
+def test_pipeline_training_reports_bubble_beside_theory(tmp_path):
+    result = ok(torchrun("model_parallelism.py", "--steps", "4", "-m", "4", run_dir=tmp_path))
+    summary = records(tmp_path, "summary")[0]
+    assert summary["bubble_theory"] == pytest.approx(1 / 5)
+    assert 0 <= summary["bubble_measured"] < 1
+    assert "theory (p-1)/(m+p-1) = 20.0%" in result.stdout
+
+
+# ---------------------------------------------------------------------------------------- profile
+
+
+ROW = re.compile(r"^\s+(\d+)\s+(\d+)\s+float\s+(\w+)\s+(-?\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)$")
+
+
+def parse_tables(stdout: str) -> dict[str, list[tuple]]:
+    tables, current = {}, None
+    for line in stdout.splitlines():
+        heading = re.match(r"^# (\w+): \d+ ranks", line)
+        if heading:
+            current = tables.setdefault(heading.group(1), [])
+        elif current is not None and (match := ROW.match(line)):
+            current.append(match.groups())
+    return tables
+
+
+def test_profile_table_json_and_bus_bandwidth_agree(tmp_path):
+    result = ok(torchrun("profile_communication.py", "--max-bytes", "256K", "--iters", "5", "--plot",
+                         str(tmp_path / "busbw.png"), run_dir=tmp_path))
+    report = json.loads((tmp_path / "profile.json").read_text())
+    tables = parse_tables(result.stdout)
+    assert set(tables) == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
+    n = report["world_size"]
+    for row in report["results"]:
+        factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+                  "broadcast": 1.0}[row["op"]]
+        assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * factor)
+        assert row["algbw_gbps"] == pytest.approx(row["size_bytes"] / (row["time_us"] * 1e-6) / 1e9)
+        assert row["wrong"] == 0
+    for op, rows in tables.items():
+        json_rows = [r for r in report["results"] if r["op"] == op]
+        assert len(rows) == len(json_rows) == 9  # 1K..256K
+        for printed, data in zip(rows, json_rows):
+            assert int(printed[0]) == data["size_bytes"] and int(printed[1]) == data["count"]
+            assert float(printed[4]) == pytest.approx(data["time_us"], abs=0.051)
+            assert float(printed[6]) == pytest.approx(data["busbw_gbps"], abs=0.0051)
+            assert int(printed[7]) == data["wrong"] == 0
+    assert "# Avg bus bandwidth" in result.stdout
+    assert (tmp_path / "busbw.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_scaling_efficiency_reports_every_size(tmp_path):
+    result = ok(torchrun("scaling_efficiency.py", "--steps", "5", "--plot", str(tmp_path / "s.png"), run_dir=tmp_path))
+    rows = json.loads((tmp_path / "scaling.json").read_text())["results"]
+    assert [r["ranks"] for r in rows] == [1, 2]
+    assert rows[0]["efficiency"] == pytest.approx(1.0)
+    assert all(r["step_s"] >= r["comm_s"] >= 0 for r in rows)
+    assert "efficiency" in result.stdout and (tmp_path / "s.png").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_ddp_on_gpus_uses_nccl_and_amp(tmp_path):
+    precision = "bf16" if torch.cuda.get_device_capability()[0] >= 8 else "fp16"
+    result = ok(torchrun("ddp_training.py", "--steps", "20", "--precision", precision,
+                         nproc=torch.cuda.device_count(), run_dir=tmp_path))
+    assert "(nccl)" in result.stdout
+    assert records(tmp_path, "summary")[0]["parameters_identical"]
