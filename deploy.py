@@ -114,7 +114,10 @@ def down_local(stack: str) -> int:
     elif result.stopped == 0:
         report.console.print(f"stack '{stack}': no node was running; state removed, run logs kept")
     else:
-        report.console.print(f"stack '{stack}' is down: {result.stopped} nodes stopped in {elapsed:.1f} s, no port left listening")
+        report.console.print(
+            f"stack '{stack}' is down: {report.plural(result.stopped, 'node')} stopped in {elapsed:.1f} s, "
+            "no port left listening"
+        )
     runs = state.runs_dir(stack)
     if runs.exists():
         report.console.print(f"run logs kept in {report.relative(runs)}")

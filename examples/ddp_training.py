@@ -1,5 +1,5 @@
 """torchrun --nnodes 1 --nproc-per-node 2 examples/ddp_training.py
-fab run-ddp -- --model transformer --precision bf16
+fab run-ddp --args "--model transformer --precision bf16"
 
 Data-parallel training with DistributedDataParallel: every rank holds the whole model, trains on its
 own shard of each epoch (DistributedSampler, reshuffled by set_epoch), and gradients are averaged by

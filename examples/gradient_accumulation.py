@@ -1,5 +1,5 @@
 """torchrun --standalone --nproc-per-node 2 examples/gradient_accumulation.py --accumulation-steps 4
-fab accumulate -- --accumulation-steps 8
+fab accumulate --args "--accumulation-steps 8"
 
 Gradient accumulation with DDP: k micro-batches per optimizer step, each loss divided by k, and
 `DDP.no_sync()` around the first k-1 backward passes, so gradients are all-reduced once per optimizer

@@ -1,5 +1,5 @@
 """torchrun --standalone --nproc-per-node 2 examples/model_parallelism.py --schedule 1f1b --micro-batches 8
-fab model-parallel -- --schedule gpipe
+fab model-parallel --args "--schedule gpipe"
 
 Pipeline (model) parallelism: the model is cut into one stage per rank (so it works with one GPU per
 node), each batch into m micro-batches, and activations and gradients travel between neighbouring

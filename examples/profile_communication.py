@@ -1,5 +1,5 @@
 """torchrun --standalone --nproc-per-node 2 examples/profile_communication.py
-fab profile -- --max-bytes 256M --plot busbw.png
+fab profile --args "--max-bytes 256M --plot busbw.png"
 
 Sweeps all-reduce, all-gather, reduce-scatter and broadcast over message sizes and prints one
 nccl-tests table per operation (size, count, type, redop, root, time, algbw, busbw, #wrong), so the

@@ -20,6 +20,10 @@ def relative(path: str | Path) -> str:
         return str(path)
 
 
+def plural(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
 def format_duration(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -39,10 +43,10 @@ def format_duration(seconds: float | None) -> str:
 def up_summary(cluster: ClusterInfo, created: bool, elapsed_s: float, inventory_path: Path) -> None:
     kind = "CPU nodes, gloo" if cluster.provider == "local" else f"{cluster.instance_type}"
     if not created:
-        console.print(f"cluster '{cluster.stack}' is already up ({len(cluster.nodes)} nodes); nothing changed")
+        console.print(f"cluster '{cluster.stack}' is already up ({plural(len(cluster.nodes), 'node')}); nothing changed")
     else:
         console.print(
-            f"cluster '{cluster.stack}' is up: {len(cluster.nodes)} {cluster.provider} nodes ({kind}), "
+            f"cluster '{cluster.stack}' is up: {plural(len(cluster.nodes), cluster.provider + ' node')} ({kind}), "
             f"${cluster.hourly_usd:.3f}/h, ready in {elapsed_s:.1f} s"
         )
     for index, node in enumerate(cluster.nodes):

@@ -17,3 +17,9 @@ step "python deploy.py up --local --nodes 2"
 python deploy.py up --local --nodes 2
 step "python deploy.py status"
 python deploy.py status
+step "fab bootstrap"
+fab bootstrap
+step "fab run-ddp"
+fab run-ddp
+step "fab logs --lines 3"
+fab logs --lines 3

@@ -112,11 +112,23 @@ def start_local_cluster(stack: str, state_dir: Path, nodes: int = 2, *extra: str
 
 
 @pytest.fixture
-def local_cluster(state_dir):
+def make_cluster(state_dir):
+    """Start local clusters in the test's state dir; every one is taken down afterwards, pass or fail."""
+    started: list[str] = []
+
+    def make(stack: str = "local", nodes: int = 2, *extra: str) -> LocalCluster:
+        started.append(stack)
+        return start_local_cluster(stack, state_dir, nodes, *extra)
+
+    yield make
+    for stack in started:
+        run_cli("down", "--stack", stack)
+
+
+@pytest.fixture
+def local_cluster(make_cluster):
     """A 2-node local cluster for one test, always taken down afterwards."""
-    cluster = start_local_cluster("local", state_dir)
-    yield cluster
-    run_cli("down", "--stack", cluster.stack)
+    return make_cluster()
 
 
 def node_server_processes(state_dir: Path) -> list[int]:

@@ -19,7 +19,6 @@ from conftest import (
     free_endpoint,
     node_server_processes,
     run_cli,
-    start_local_cluster,
 )
 
 
@@ -118,8 +117,8 @@ def test_a_dropped_session_takes_its_processes_with_it(local_cluster):
     assert _processes_matching(marker) == []
 
 
-def test_status_reports_a_dead_node_and_down_still_cleans_up(state_dir):
-    cluster = start_local_cluster("local", state_dir)
+def test_status_reports_a_dead_node_and_down_still_cleans_up(state_dir, make_cluster):
+    cluster = make_cluster()
     pid_file = state_dir / "local" / "nodes" / "node-1" / "sshd.pid"
     os.kill(json.loads(pid_file.read_text())["pid"], signal.SIGKILL)
     status = run_cli("status", "--json")
@@ -134,8 +133,8 @@ def test_status_reports_a_dead_node_and_down_still_cleans_up(state_dir):
     assert not (state_dir / cluster.stack / "nodes").exists()
 
 
-def test_down_leaves_no_process_no_port_and_keeps_run_logs(state_dir):
-    cluster = start_local_cluster("local", state_dir)
+def test_down_leaves_no_process_no_port_and_keeps_run_logs(state_dir, make_cluster):
+    cluster = make_cluster()
     run_dir = state_dir / "local" / "runs" / "some-run"
     run_dir.mkdir(parents=True)
     (run_dir / "node-0.log").write_text("kept\n")
@@ -190,8 +189,8 @@ def test_addresses_that_cannot_be_bound_are_refused(state_dir, address):
     assert not (state_dir / "local").exists()
 
 
-def test_a_corrupt_inventory_is_one_line_and_down_still_works(state_dir):
-    start_local_cluster("local", state_dir)
+def test_a_corrupt_inventory_is_one_line_and_down_still_works(state_dir, make_cluster):
+    make_cluster()
     (state_dir / "local" / "inventory.json").write_text('{"stack": "local", "nodes": [')
     status = run_cli("status")
     assert_one_line_error(status, "corrupt", "deploy.py down")

@@ -60,6 +60,8 @@ class NodeConfig:
     """The folder all nodes share (`$CLUSTER_SHARED_DIR`)."""
     pid_file: str
     """Written once the port is bound: `{"pid", "started_at", "address", "port"}`."""
+    token: str
+    """Put in every session's environment as CLUSTER_NODE_TOKEN, so power-off finds all it started."""
 
     @classmethod
     def load(cls, path: str) -> "NodeConfig":
@@ -69,9 +71,10 @@ class NodeConfig:
 class ProcessTable:
     """Process groups started by sessions on this node, so power-off can end them all."""
 
-    def __init__(self, home: Path):
+    def __init__(self, home: Path, token: str):
         self.session_groups: set[int] = set()
         self.registry = home / PID_REGISTRY
+        self.token = token
 
     def registered_daemons(self) -> list[int]:
         pids = []
@@ -83,8 +86,13 @@ class ProcessTable:
         return pids
 
     async def end_all(self) -> None:
+        """Everything started on the node: session groups and daemons get SIGTERM and a grace
+        period; whatever still carries the node's token after that (processes that started their
+        own sessions, such as torchrun's workers) is killed, as a power-off would."""
         groups = set(self.session_groups) | set(self.registered_daemons())
         await asyncio.gather(*(terminate_group(pgid) for pgid in groups))
+        for pid in procs.pids_with_environment(token_entry(self.token)):
+            _signal_pid(pid, signal.SIGKILL)
 
 
 async def terminate_group(pgid: int, grace_s: float = TERMINATE_GRACE_S) -> None:
@@ -97,6 +105,17 @@ async def terminate_group(pgid: int, grace_s: float = TERMINATE_GRACE_S) -> None
             return
         await asyncio.sleep(0.05)
     _signal_group(pgid, signal.SIGKILL)
+
+
+def token_entry(token: str) -> str:
+    return f"CLUSTER_NODE_TOKEN={token}"
+
+
+def _signal_pid(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _signal_group(pgid: int, sig: int) -> bool:
@@ -140,7 +159,7 @@ class Node:
     def __init__(self, config: NodeConfig):
         self.config = config
         self.home = Path(config.home)
-        self.processes = ProcessTable(self.home)
+        self.processes = ProcessTable(self.home, config.token)
         self.stopping = asyncio.Event()
 
     def session_env(self, process: asyncssh.SSHServerProcess) -> dict[str, str]:
@@ -154,6 +173,7 @@ class Node:
             "LANG": os.environ.get("LANG", "C.UTF-8"),
             "CLUSTER_SHARED_DIR": cfg.shared_dir,
             "CLUSTER_NODE": cfg.name,
+            "CLUSTER_NODE_TOKEN": cfg.token,
             # Local nodes are CPU nodes: two "nodes" on one GPU would break NCCL.
             "CUDA_VISIBLE_DEVICES": "",
         }

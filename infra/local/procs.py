@@ -59,3 +59,18 @@ def _stat_fields(path: Path) -> list[str] | None:
     except OSError:
         return None
     return text.rsplit(")", 1)[1].split()
+
+
+def pids_with_environment(entry: str) -> list[int]:
+    """Live processes whose environment holds `entry` (NAME=value) exactly; empty without /proc."""
+    needle = entry.encode()
+    found = []
+    for path in PROC.glob("[0-9]*/environ"):
+        try:
+            if needle in path.read_bytes().split(b"\0"):
+                pid = int(path.parent.name)
+                if pid != os.getpid() and alive(pid):
+                    found.append(pid)
+        except (OSError, ValueError):
+            continue
+    return found

@@ -10,6 +10,7 @@ import getpass
 import ipaddress
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -24,7 +25,7 @@ from infra import inventory, keys, ssh, state
 from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo, NodeInfo
 from infra.local import procs
-from infra.local.node_server import PID_REGISTRY, STOP_MARKER, NodeConfig
+from infra.local.node_server import PID_REGISTRY, STOP_MARKER, NodeConfig, token_entry
 
 DEFAULT_FIRST_ADDRESS = "127.0.0.10"
 DEFAULT_SSH_PORT = 2222
@@ -210,6 +211,7 @@ def _prepare_node(stack: str, index: int, address: str, port: int, client_key: P
         home=str(home),
         shared_dir=str(shared_dir(stack)),
         pid_file=str(home / "sshd.pid"),
+        token=secrets.token_hex(8),
     )
     state.write_atomic(home / "node.json", json.dumps(config.__dict__, indent=2))
     return config, host_public
@@ -294,13 +296,20 @@ def stop_nodes(stack: str) -> int:
 
 
 def _end_registered_daemons(stack: str) -> None:
-    """A node server that was killed outright could not end its daemons; do it for it."""
+    """A node server that was killed outright could not end what it started; do it for it."""
     for path in (state.stack_dir(stack) / "nodes").glob(f"*/{PID_REGISTRY}/*.pid"):
         try:
             pgid = int(path.read_text().split()[0])
             os.killpg(pgid, signal.SIGKILL)
         except (ValueError, IndexError, OSError):
             pass
+    for path in (state.stack_dir(stack) / "nodes").glob("node-*/node.json"):
+        try:
+            token = json.loads(path.read_text())["token"]
+        except (OSError, ValueError, KeyError):
+            continue
+        for pid in procs.pids_with_environment(token_entry(token)):
+            _kill(pid, signal.SIGKILL)
 
 
 def remove_state(stack: str) -> None:

@@ -1,0 +1,409 @@
+"""`fab bootstrap`: prepare every node, stage by stage, in parallel, each stage idempotent.
+
+probe   OS, Python, GPUs, driver and CUDA, and the interface that routes to MASTER_ADDR
+deps    an interpreter with torch and nvidia-ml-py (the project's own on the local provider)
+code    harness/ and examples/ into $CLUSTER_SHARED_DIR/code once (per node without shared storage),
+        only files whose hash differs
+env     ~/.gpu-cluster/env: the node environment every job sources
+health  every node reaches MASTER_ADDR:MASTER_PORT, then one all-reduce across all nodes
+
+A stage records a digest of its inputs in the node's ~/.gpu-cluster/state.json; when the digest is
+unchanged the stage is "up to date" and does nothing. Stages run one at a time on all nodes at
+once; when one fails on some node, every node finishes that stage (none is left half-done) and the
+bootstrap stops there, showing the failing node's output.
+"""
+
+import hashlib
+import io
+import json
+import shlex
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from invoke.exceptions import Exit
+from rich.table import Table
+
+from infra import state
+from infra.inventory import ClusterInfo
+from remote import commands
+from remote.connect import NodeSession, describe, on_all_nodes, open_sessions
+from remote.launch import JobSpec, NodeSetup, run_job
+from remote.stream import console, say
+
+REPO = Path(__file__).resolve().parent.parent
+SYNCED = ("harness", "examples")
+NODE_VENV = "~/.gpu-cluster/venv"
+REMOTE_HASHES = (
+    "import hashlib, json, os, sys\n"
+    "root, found = sys.argv[1], {}\n"
+    "for top in sys.argv[2:]:\n"
+    "    for folder, dirs, files in os.walk(os.path.join(root, top)):\n"
+    "        dirs[:] = [d for d in dirs if d != '__pycache__']\n"
+    "        for name in files:\n"
+    "            path = os.path.join(folder, name)\n"
+    "            found[os.path.relpath(path, root)] = hashlib.sha256(open(path, 'rb').read()).hexdigest()\n"
+    "print(json.dumps(found))\n"
+)
+TORCH_FACTS = (
+    "import json, torch\n"
+    "facts = {'torch': torch.__version__, 'cuda_available': torch.cuda.is_available(), 'nccl': None}\n"
+    "if facts['cuda_available']:\n"
+    "    facts['nccl'] = '.'.join(map(str, torch.cuda.nccl.version()))\n"
+    "import pynvml\n"
+    "print(json.dumps(facts))\n"
+)
+LISTEN = (
+    "import socket, sys, time\n"
+    "addr, port, expected, deadline = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), time.time() + 20\n"
+    "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+    "s.bind((addr, port)); s.listen(64); s.settimeout(1); seen = 0\n"
+    "while seen < expected and time.time() < deadline:\n"
+    "    try: s.accept()[0].close(); seen += 1\n"
+    "    except socket.timeout: pass\n"
+    "print(seen)\n"
+)
+CONNECT = (
+    "import socket, sys, time\n"
+    "addr, port, deadline, error = sys.argv[1], int(sys.argv[2]), time.time() + 15, ''\n"
+    "while time.time() < deadline:\n"
+    "    try: socket.create_connection((addr, port), timeout=2).close(); print('ok'); sys.exit(0)\n"
+    "    except OSError as exc: error = exc.strerror or str(exc); time.sleep(0.2)\n"
+    "print(error); sys.exit(1)\n"
+)
+
+
+class StageFailed(Exception):
+    """A stage could not be done on a node; `output` is what the node said."""
+
+    def __init__(self, message: str, output: str = ""):
+        super().__init__(message)
+        self.output = output
+
+
+@dataclass
+class Outcome:
+    """One stage on one node."""
+
+    status: str
+    """done, up to date, shared (done once for all nodes) or failed."""
+    detail: str = ""
+    """A short note for the table."""
+    output: str = ""
+    """What the node printed, kept for failures."""
+
+
+@dataclass
+class NodeRecord:
+    """What a node has recorded of earlier bootstraps, and what this one learned."""
+
+    session: NodeSession
+    """The node's connection."""
+    stages: dict = field(default_factory=dict)
+    """stage -> {"digest": ..., "facts": {...}}, mirrored in ~/.gpu-cluster/state.json."""
+
+    @property
+    def name(self) -> str:
+        return self.session.node.name
+
+    def facts(self, stage: str) -> dict:
+        return self.stages.get(stage, {}).get("facts", {})
+
+
+def digest(*parts: object) -> str:
+    hasher = hashlib.sha256()
+    for part in parts:
+        hasher.update(json.dumps(part, sort_keys=True, default=str).encode())
+        hasher.update(b"\0")
+    return hasher.hexdigest()[:16]
+
+
+def local_manifest() -> dict[str, str]:
+    """sha256 of every file bootstrap syncs, by path relative to the repository."""
+    manifest = {}
+    for top in SYNCED:
+        for path in sorted((REPO / top).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                manifest[str(path.relative_to(REPO))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return manifest
+
+
+class Bootstrap:
+    """One `fab bootstrap` run over a cluster."""
+
+    def __init__(self, cluster: ClusterInfo, force: bool, master_port: int):
+        self.cluster, self.force, self.master_port = cluster, force, master_port
+        self.stack_dir = state.stack_dir(cluster.stack)
+        self.manifest = local_manifest()
+        self.records: list[NodeRecord] = []
+        self.outcomes: dict[str, dict[str, Outcome]] = {}
+        self.write_lock = threading.Lock()
+
+    # -------------------------------------------------------------------------------- driver
+
+    def run(self) -> None:
+        started = time.monotonic()
+        sessions, recorded = open_sessions(self.cluster, f"cat {commands.STATE_FILE} 2>/dev/null || echo '{{}}'")
+        try:
+            self.records = [NodeRecord(s, _parse_state(text)) for s, text in zip(sessions, recorded)]
+            for name, stage in self.stages():
+                stage_started = time.monotonic()
+                self._run_stage(name, stage)
+                statuses = sorted({o.status for o in self.outcomes[name].values()})
+                say(f"bootstrap: {name:7s} {', '.join(statuses)} ({time.monotonic() - stage_started:.1f} s)")
+                if "failed" in statuses:
+                    self._report(failed_stage=name)
+                    raise Exit(code=1)
+            self._save_setup()
+            self._report()
+            fresh = all(o.status in ("up to date", "shared") for per in self.outcomes.values() for o in per.values())
+            say(f"bootstrap: {len(sessions)} nodes {'up to date' if fresh else 'ready'} in {time.monotonic() - started:.1f} s; "
+                "next: fab hello, fab run-ddp")
+        finally:
+            for session in sessions:
+                session.close()
+
+    def stages(self) -> list[tuple[str, Callable[[NodeRecord], Outcome]]]:
+        return [("probe", self.probe), ("deps", self.deps), ("code", self.code), ("env", self.env), ("health", None)]
+
+    def _run_stage(self, name: str, stage) -> None:
+        if name == "health":
+            self.outcomes[name] = self.health()
+            return
+
+        def apply(record: NodeRecord) -> Outcome:
+            try:
+                return record.session.retrying(lambda _: stage(record), on_retry=say)
+            except StageFailed as exc:
+                return Outcome("failed", str(exc), exc.output)
+
+        results = on_all_nodes([r.session for r in self.records], lambda s: apply(self._record_of(s)))
+        self.outcomes[name] = {
+            r.name: (o if isinstance(o, Outcome) else Outcome("failed", describe(o))) for r, o in zip(self.records, results)
+        }
+
+    def _record_of(self, session: NodeSession) -> NodeRecord:
+        return next(r for r in self.records if r.session is session)
+
+    def _up_to_date(self, record: NodeRecord, stage: str, wanted: str) -> bool:
+        return not self.force and record.stages.get(stage, {}).get("digest") == wanted
+
+    def _record(self, record: NodeRecord, stage: str, wanted: str, facts: dict) -> None:
+        record.stages[stage] = {"digest": wanted, "facts": facts}
+        text = json.dumps(record.stages, indent=1)
+        tmp = ".gpu-cluster/state.json.tmp"  # SFTP paths start in the login directory
+        record.session.run("mkdir -p ~/.gpu-cluster/pids", warn=False)
+        record.session.conn.put(io.StringIO(text), remote=tmp)
+        record.session.run(f"mv {tmp} {commands.STATE_FILE}", warn=False)
+
+    def python_for(self, record: NodeRecord) -> str:
+        """The interpreter that runs jobs: the project's own on local nodes, a venv on AWS nodes."""
+        if self.cluster.provider == "local":
+            return sys.executable
+        return record.facts("deps").get("python") or "python3"
+
+    # -------------------------------------------------------------------------------- stages
+
+    def probe(self, record: NodeRecord) -> Outcome:
+        source = (REPO / "remote" / "node_probe.py").read_text()
+        python = sys.executable if self.cluster.provider == "local" else "python3"
+        wanted = digest(source, self.cluster.head.private_ip, python)
+        if self._up_to_date(record, "probe", wanted):
+            return Outcome("up to date", _hardware(record.facts("probe")))
+        result = record.session.run(commands.python_json_command(python, source, self.cluster.head.private_ip))
+        if result.exited != 0:
+            raise StageFailed("the probe failed", result.stdout + result.stderr)
+        facts = commands.parse_last_json(result.stdout)
+        if not facts.get("interface"):
+            raise StageFailed(f"no route from this node to MASTER_ADDR {self.cluster.head.private_ip}")
+        self._record(record, "probe", wanted, facts)
+        return Outcome("done", _hardware(facts))
+
+    def deps(self, record: NodeRecord) -> Outcome:
+        requirements = (REPO / "requirements-node.txt").read_text()
+        wanted = digest(requirements, self.cluster.provider, sys.executable if self.cluster.provider == "local" else "")
+        if self._up_to_date(record, "deps", wanted):
+            return Outcome("up to date", _torch(record.facts("deps")))
+        if self.cluster.provider == "local":
+            python = sys.executable
+        else:
+            python = self._install_node_python(record, requirements)
+        result = record.session.run(commands.python_json_command(python, TORCH_FACTS))
+        if result.exited != 0:
+            raise StageFailed(f"{python} cannot import torch and pynvml", result.stdout + result.stderr)
+        facts = {**commands.parse_last_json(result.stdout), "python": python}
+        self._record(record, "deps", wanted, facts)
+        return Outcome("done", _torch(facts))
+
+    def _install_node_python(self, record: NodeRecord, requirements: str) -> str:
+        """A venv on the node that keeps the image's CUDA build of torch where it has one."""
+        record.session.run("mkdir -p ~/.gpu-cluster", warn=False)
+        record.session.conn.put(io.StringIO(requirements), remote=".gpu-cluster/requirements-node.txt")
+        venv = NODE_VENV
+        script = " && ".join([
+            f"( [ -x {venv}/bin/python ] || python3 -m venv --system-site-packages {venv} || "
+            f"( sudo apt-get update -qq && sudo apt-get install -y -qq python3-venv && "
+            f"python3 -m venv --system-site-packages {venv} ) )",
+            f"if {venv}/bin/python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; "
+            f"then {venv}/bin/pip install -q nvidia-ml-py matplotlib; "
+            f"else {venv}/bin/pip install -q -r ~/.gpu-cluster/requirements-node.txt; fi",
+        ])
+        result = record.session.run(script, timeout=1800)
+        if result.exited != 0:
+            raise StageFailed("installing the node's Python packages failed", result.stdout + result.stderr)
+        return record.session.run(f"readlink -f {venv}/bin/python").stdout.strip()
+
+    def code(self, record: NodeRecord) -> Outcome:
+        if self.cluster.shared_dir and record is not self.records[0]:
+            return Outcome("shared", f"via {self.records[0].name}")
+        destination = commands.code_dir(self.cluster)
+        python = sys.executable if self.cluster.provider == "local" else "python3"
+        remote = record.session.run(commands.python_json_command(python, REMOTE_HASHES, _expanded(destination), *SYNCED))
+        if remote.exited != 0:
+            raise StageFailed("could not hash the code on the node", remote.stdout + remote.stderr)
+        remote_manifest = commands.parse_last_json(remote.stdout)
+        changed = [path for path, sha in self.manifest.items() if remote_manifest.get(path) != sha]
+        stale = [path for path in remote_manifest if path not in self.manifest]
+        if not changed and not stale:
+            return Outcome("up to date", f"{len(self.manifest)} files")
+        folders = sorted({str(Path(p).parent) for p in changed})
+        if folders:
+            record.session.run("mkdir -p " + " ".join(commands.shell_path(f"{destination}/{f}") for f in folders), warn=False)
+        for path in changed:
+            record.session.conn.put(str(REPO / path), remote=_sftp(destination, path))
+        if stale:
+            record.session.run("rm -f " + " ".join(commands.shell_path(f"{destination}/{p}") for p in stale), warn=False)
+        self._record(record, "code", digest(self.manifest), {"files": len(self.manifest)})
+        return Outcome("done", f"{len(changed)} sent, {len(stale)} removed")
+
+    def env(self, record: NodeRecord) -> Outcome:
+        index = self.records.index(record)
+        interface = record.facts("probe")["interface"]
+        environment = commands.node_environment(self.cluster, index, interface, self.python_for(record), self.master_port)
+        text = commands.env_file_text(environment)
+        wanted = digest(text)
+        if self._up_to_date(record, "env", wanted):
+            return Outcome("up to date", f"iface {interface}")
+        record.session.run("mkdir -p ~/.gpu-cluster/pids", warn=False)
+        record.session.conn.put(io.StringIO(text), remote=".gpu-cluster/env.tmp")
+        record.session.run(f"mv .gpu-cluster/env.tmp {commands.ENV_FILE}", warn=False)
+        self._record(record, "env", wanted, {"interface": interface})
+        return Outcome("done", f"iface {interface}")
+
+    def health(self) -> dict[str, Outcome]:
+        wanted = digest([r.stages.get("env", {}).get("digest") for r in self.records], self.manifest, self.master_port)
+        if all(self._up_to_date(r, "health", wanted) for r in self.records):
+            return {r.name: Outcome("up to date", "all-reduce ok") for r in self.records}
+        reachable = self._check_master_reachable()
+        if any(o.status == "failed" for o in reachable.values()):
+            return reachable
+        outcomes = self._check_all_reduce()
+        if all(o.status == "done" for o in outcomes.values()):
+            on_all_nodes([r.session for r in self.records], lambda s: self._record(self._record_of(s), "health", wanted, {}))
+        return outcomes
+
+    def _check_master_reachable(self) -> dict[str, Outcome]:
+        head = self.records[0]
+        address, port = self.cluster.head.private_ip, str(self.master_port)
+        listen_command = commands.python_json_command(self.python_for(head), LISTEN, address, port, str(len(self.records)))
+        listener = threading.Thread(target=lambda: setattr(self, "_listened", head.session.run(listen_command)))
+        listener.start()
+        results = on_all_nodes(
+            [r.session for r in self.records],
+            lambda s: s.run(commands.python_json_command(self.python_for(self._record_of(s)), CONNECT, address, port)),
+        )
+        listener.join()
+        outcomes = {}
+        for record, result in zip(self.records, results):
+            if isinstance(result, BaseException):
+                outcomes[record.name] = Outcome("failed", describe(result))
+            elif result.exited != 0:
+                why = result.stdout.strip() or result.stderr.strip()[-200:]
+                outcomes[record.name] = Outcome("failed", f"cannot reach MASTER_ADDR {address}:{port}: {why}")
+            else:
+                outcomes[record.name] = Outcome("done", f"reaches {address}:{port}")
+        if self._listened.exited != 0:
+            outcomes[head.name] = Outcome("failed", f"cannot listen on {address}:{port}", self._listened.stderr)
+        return outcomes
+
+    def _check_all_reduce(self) -> dict[str, Outcome]:
+        world = sum(commands.nproc_per_node(n.gpus) for n in self.cluster.nodes)
+        spec = JobSpec("health", "examples/distributed_hello.py", ["--expect-world-size", str(world), "--timeout", "60"])
+        setup = NodeSetup(self.master_port, {r.name: self.python_for(r) for r in self.records})
+        run_id = commands.new_run_id("health")
+        result = run_job(self.cluster, [r.session for r in self.records], spec, setup, run_id,
+                         self.stack_dir / "bootstrap", echo=False)
+        self.records[0].session.run(f"rm -rf {commands.shell_path(commands.remote_run_dir(self.cluster, run_id))}")
+        outcomes = {}
+        for record in self.records:
+            code = result.exit_codes.get(record.name)
+            if code == 0:
+                outcomes[record.name] = Outcome("done", f"all-reduce ok ({world} ranks)")
+            else:
+                outcomes[record.name] = Outcome("failed", f"all-reduce failed (exit {code})", "\n".join(result.tails[record.name]))
+        return outcomes
+
+    # ------------------------------------------------------------------------------- results
+
+    def _save_setup(self) -> None:
+        setup = {
+            "master_port": self.master_port,
+            "python": {r.name: self.python_for(r) for r in self.records},
+            "code_dir": commands.code_dir(self.cluster),
+            "nodes": {r.name: {"probe": r.facts("probe"), "deps": r.facts("deps")} for r in self.records},
+            "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        state.write_atomic(self.stack_dir / "bootstrap.json", json.dumps(setup, indent=2) + "\n")
+
+    def _report(self, failed_stage: str | None = None) -> None:
+        table = Table(title=f"bootstrap of '{self.cluster.stack}'", show_lines=False)
+        table.add_column("node")
+        for stage in self.outcomes:
+            table.add_column(stage)
+        for record in self.records:
+            cells = []
+            for stage in self.outcomes:
+                outcome = self.outcomes[stage][record.name]
+                mark = {"failed": "[red]FAILED[/red]", "done": "[green]ok[/green]"}.get(outcome.status, outcome.status)
+                cells.append(f"{mark} {outcome.detail}".strip())
+            table.add_row(record.name, *cells)
+        out = console()
+        out.print(table)
+        if failed_stage:
+            for name, outcome in self.outcomes[failed_stage].items():
+                if outcome.status == "failed":
+                    out.print(f"[bold]{name}[/bold]: {failed_stage} failed: {outcome.detail}")
+                    for line in outcome.output.strip().splitlines()[-20:]:
+                        out.print(f"  [{name}] {line}", markup=False)
+
+
+def _parse_state(text: str) -> dict:
+    try:
+        return json.loads(text or "{}")
+    except ValueError:
+        return {}  # a damaged state file only means every stage runs again
+
+
+def _hardware(facts: dict) -> str:
+    gpus = facts.get("gpus") or []
+    if not gpus:
+        return "CPU node: gloo"
+    return f"{len(gpus)}x {gpus[0]['name']}, driver {facts.get('driver')}, CUDA {facts.get('cuda')}"
+
+
+def _torch(facts: dict) -> str:
+    if facts.get("nccl"):
+        return f"torch {facts.get('torch')}, NCCL {facts['nccl']}"
+    return f"torch {facts.get('torch')} (CPU)"
+
+
+def _expanded(path: str) -> str:
+    """A path for a program's argument list: $HOME/x becomes x relative to the login directory."""
+    return path[len("$HOME/"):] if path.startswith("$HOME/") else path
+
+
+def _sftp(destination: str, relative: str) -> str:
+    return f"{_expanded(destination)}/{relative}"

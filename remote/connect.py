@@ -1,0 +1,131 @@
+"""Fabric connections to the inventory's nodes: its key, its pinned host keys, one thread per node.
+
+A connection that drops (the SSH transport, not the command) is reopened and the step retried with
+backoff; steps given to `retrying` must therefore be safe to repeat.
+"""
+
+import socket
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import paramiko
+from fabric import Config, Connection
+from invoke.exceptions import Exit
+
+from infra.inventory import ClusterInfo, NodeInfo
+
+T = TypeVar("T")
+NO_EXIT_STATUS = -1  # what paramiko reports for a channel that closed without an exit status
+CONNECT_TIMEOUT_S = 10
+RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0)
+# What a dropped or refused connection raises; a command's own failure is not among these.
+CONNECTION_ERRORS = (paramiko.SSHException, EOFError, ConnectionError, socket.timeout, OSError)
+
+
+def connect(cluster: ClusterInfo, node: NodeInfo) -> Connection:
+    """An unopened connection that trusts only the pinned host key and offers only the cluster key."""
+    conn = Connection(
+        node.public_ip,
+        port=node.ssh_port,
+        user=cluster.ssh_user,
+        connect_timeout=CONNECT_TIMEOUT_S,
+        connect_kwargs={"key_filename": cluster.ssh_key, "look_for_keys": False, "allow_agent": False},
+        config=Config(overrides={"run": {"in_stream": False}, "load_ssh_configs": False}),
+    )
+    conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    conn.client.load_host_keys(cluster.known_hosts)
+    return conn
+
+
+def describe(exc: BaseException) -> str:
+    if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError) and exc.errors:
+        exc = next(iter(exc.errors.values()))  # the per-address reason, e.g. ConnectionRefusedError
+    if isinstance(exc, paramiko.BadHostKeyException) or "not found in known_hosts" in str(exc):
+        return "host key does not match the pinned known_hosts"
+    if isinstance(exc, paramiko.AuthenticationException):
+        return "the cluster key was refused"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return "timed out"
+    return str(exc) or type(exc).__name__
+
+
+class NodeSession:
+    """One node's connection, reopened on demand, with a retry loop for idempotent steps."""
+
+    def __init__(self, cluster: ClusterInfo, node: NodeInfo):
+        self.cluster, self.node = cluster, node
+        self.conn = connect(cluster, node)
+
+    def run(self, command: str, **kwargs):
+        """Run a command; a connection that closes before the command reports its exit status
+        raises ConnectionResetError (so `retrying` retries it) instead of passing for a failure."""
+        kwargs.setdefault("hide", True)
+        kwargs.setdefault("warn", True)
+        kwargs.setdefault("in_stream", False)
+        result = self.conn.run(command, **kwargs)
+        if result.exited == NO_EXIT_STATUS:
+            raise ConnectionResetError("the connection closed before the command finished")
+        return result
+
+    def retrying(self, step: Callable[["NodeSession"], T], on_retry: Callable[[str], None] | None = None,
+                 delays_s: tuple[float, ...] = RETRY_DELAYS_S) -> T:
+        """Run `step(self)`, reconnecting and retrying with backoff when the connection drops."""
+        for attempt, delay in enumerate((*delays_s, None)):
+            try:
+                return step(self)
+            except CONNECTION_ERRORS as exc:
+                if delay is None:
+                    raise
+                if on_retry:
+                    on_retry(f"{self.node.name}: connection lost ({describe(exc)}); retry {attempt + 1} in {delay:g} s")
+                time.sleep(delay)
+                self.reopen()
+        raise AssertionError("unreachable")
+
+    def reopen(self) -> None:
+        self.close()
+        self.conn = connect(self.cluster, self.node)
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        except Exception:  # closing a half-dead transport can raise anything; it is gone either way
+            pass
+
+
+def on_all_nodes(sessions: list[NodeSession], step: Callable[[NodeSession], T]) -> list[T | BaseException]:
+    """`step` on every node at once, one thread each; each result or the exception it raised."""
+
+    def guarded(session: NodeSession):
+        try:
+            return step(session)
+        except Exception as exc:  # reported per node by the caller
+            return exc
+
+    with ThreadPoolExecutor(max_workers=len(sessions)) as pool:
+        return list(pool.map(guarded, sessions))
+
+
+def open_sessions(cluster: ClusterInfo, probe_command: str = "true") -> tuple[list[NodeSession], list[str]]:
+    """Sessions to every node, each proven by running `probe_command` (its output is returned);
+    exit 2 naming the nodes that do not answer."""
+    sessions = [NodeSession(cluster, node) for node in cluster.nodes]
+
+    def probe(session: NodeSession):
+        return session.retrying(lambda s: s.run(probe_command), delays_s=(0.5,))
+
+    results = on_all_nodes(sessions, probe)
+    failures = [
+        f"{s.node.name} ({s.node.public_ip}:{s.node.ssh_port}): {describe(r)}"
+        for s, r in zip(sessions, results)
+        if isinstance(r, BaseException)
+    ]
+    if failures:
+        for session in sessions:
+            session.close()
+        raise Exit(f"error: unreachable: {'; '.join(failures)}. Check python deploy.py status", code=2)
+    return sessions, [r.stdout for r in results]

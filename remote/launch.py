@@ -1,0 +1,248 @@
+"""Launch one torchrun job on every node at once, stream it, and stop all of it when any part fails.
+
+Each node runs `torchrun` in its own SSH session (one thread per node). When a node's torchrun exits
+non-zero, or its connection is lost, or the user presses Ctrl-C, the job is stopped on every other node
+(`commands.stop_command`), so nothing waits forever in a collective and nothing is left behind.
+"""
+
+import io
+import json
+import signal
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from invoke.exceptions import Exit
+
+from infra.inventory import ClusterInfo
+from remote import commands
+from remote.connect import NodeSession, describe, on_all_nodes, open_sessions
+from remote.stream import NodeStream, say
+
+STOP_WAIT_S = 15
+LOST = 255  # exit code recorded for a node whose connection dropped mid-job
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What to run on every node."""
+
+    task: str
+    """The fab task (or `health` for bootstrap's all-reduce check)."""
+    script: str
+    """The script torchrun starts: a path in the synced code folder, e.g. examples/ddp_training.py."""
+    args: list[str] = field(default_factory=list)
+    """Arguments for the script."""
+    max_restarts: int = 0
+    """torchrun --max-restarts: how often a failed worker group is restarted."""
+    upload: Path | None = None
+    """A local script to copy into the run folder first (`fab run --script`)."""
+
+
+@dataclass
+class JobResult:
+    """How a job ended."""
+
+    run_id: str
+    """The run's id (also its rendezvous id and folder name)."""
+    exit_codes: dict[str, int | None]
+    """Per node; None where the job was stopped before it reported."""
+    started_at: str
+    """ISO-8601 UTC."""
+    ended_at: str
+    """ISO-8601 UTC."""
+    duration_s: float
+    """Wall time of the job."""
+    failed_node: str | None = None
+    """The first node whose job failed, if any."""
+    interrupted: bool = False
+    """True when Ctrl-C ended it."""
+    tails: dict[str, list[str]] = field(default_factory=dict)
+    """The last lines of each node's output."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.interrupted and all(code == 0 for code in self.exit_codes.values())
+
+
+@dataclass(frozen=True)
+class NodeSetup:
+    """What bootstrap found on the nodes and launches need (`.cluster/<stack>/bootstrap.json`)."""
+
+    master_port: int
+    """MASTER_PORT of the rendezvous on node-0."""
+    python: dict[str, str]
+    """The interpreter with torch on each node."""
+
+    @classmethod
+    def load(cls, path: Path) -> "NodeSetup":
+        try:
+            data = json.loads(path.read_text())
+            return cls(int(data["master_port"]), dict(data["python"]))
+        except (OSError, ValueError, KeyError):
+            raise Exit("error: the cluster is not bootstrapped: run fab bootstrap", code=2) from None
+
+
+def check_ready(sessions: list[NodeSession], statuses: list[str]) -> None:
+    """Exit 2 if a node is not bootstrapped or already runs a job, before anything starts."""
+    for session, output in zip(sessions, statuses):
+        job, bootstrapped = commands.parse_job_status(output)
+        if job:
+            raise Exit(f"error: {session.node.name} is running job {job['run_id']} ({job['task']}): "
+                       "wait for it or run fab stop", code=2)
+        if not bootstrapped:
+            raise Exit(f"error: {session.node.name} is not bootstrapped: run fab bootstrap", code=2)
+
+
+def stop_everywhere(cluster: ClusterInfo, nodes: list[str] | None = None) -> dict[str, str]:
+    """Run the stop command on the named nodes (default all) over fresh connections."""
+    targets = [n for n in cluster.nodes if nodes is None or n.name in nodes]
+    sessions = [NodeSession(cluster, node) for node in targets]
+    outcomes = on_all_nodes(sessions, lambda s: s.retrying(lambda x: x.run(commands.stop_command()), delays_s=(0.5,)))
+    for session in sessions:
+        session.close()
+    return {
+        s.node.name: (f"unreachable: {describe(o)}" if isinstance(o, BaseException) else o.stdout.strip() or "idle")
+        for s, o in zip(sessions, outcomes)
+    }
+
+
+def upload_script(cluster: ClusterInfo, sessions: list[NodeSession], run_id: str, script: Path) -> None:
+    """Copy the user's script into the run folder: once on shared storage, else on every node."""
+    run_dir = commands.remote_run_dir(cluster, run_id)
+    targets = sessions[:1] if cluster.shared_dir else sessions
+    for session in targets:
+        session.run(f"mkdir -p {commands.shell_path(run_dir)}", warn=False)
+        session.conn.put(str(script), remote=_sftp_path(run_dir, script.name))
+
+
+def _sftp_path(remote_dir: str, name: str) -> str:
+    # SFTP does not expand $HOME; relative paths start in the login directory.
+    return f"{remote_dir[len('$HOME/'):]}/{name}" if remote_dir.startswith("$HOME/") else f"{remote_dir}/{name}"
+
+
+def run_job(cluster: ClusterInfo, sessions: list[NodeSession], spec: JobSpec, setup: NodeSetup,
+            run_id: str, log_dir: Path, echo: bool = True) -> JobResult:
+    """Start the job on every node, supervise it, and return how it ended."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    script = spec.upload.name if spec.upload else f"$CLUSTER_CODE_DIR/{spec.script}"
+    streams = {
+        s.node.name: NodeStream(s.node.name, i, log_dir / f"{s.node.name}.log", echo) for i, s in enumerate(sessions)
+    }
+    started_at, started = _now(), time.monotonic()
+    exit_codes: dict[str, int | None] = {s.node.name: None for s in sessions}
+    failed_node, interrupted = None, False
+
+    def start(session: NodeSession) -> int:
+        command = commands.launch_command(cluster, session.node, run_id, spec.task, script, spec.args,
+                                          spec.max_restarts, setup.master_port)
+        stream = streams[session.node.name]
+        try:
+            result = session.run(command, out_stream=stream, err_stream=stream, hide=False, pty=False)
+            return result.exited
+        except Exception as exc:  # a dropped connection ends this node's part; the others are stopped
+            stream.write(f"fab: connection lost during the job: {describe(exc)}\n")
+            return LOST
+
+    pool = ThreadPoolExecutor(max_workers=len(sessions))
+    futures: dict[Future, NodeSession] = {pool.submit(start, s): s for s in sessions}
+    previous_handlers = _interrupt_on_signals()
+    try:
+        failed_node = _supervise(cluster, futures, exit_codes)
+    except KeyboardInterrupt:
+        interrupted = True
+        say("fab: interrupted: stopping the job on every node")
+        stop_everywhere(cluster)
+        _collect(futures, exit_codes, timeout_s=STOP_WAIT_S)
+    finally:
+        _restore(previous_handlers)
+        pool.shutdown(wait=False, cancel_futures=True)
+        for stream in streams.values():
+            stream.close()
+    return JobResult(run_id, exit_codes, started_at, _now(), time.monotonic() - started, failed_node, interrupted,
+                     {name: stream.tail for name, stream in streams.items()})
+
+
+def _interrupt_on_signals() -> dict:
+    """Ctrl-C and SIGTERM both stop the job everywhere, even where SIGINT arrived ignored (a
+    background job of a script starts that way)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    return {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _restore(handlers: dict) -> None:
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
+def _supervise(cluster: ClusterInfo, futures: dict[Future, NodeSession], exit_codes: dict) -> str | None:
+    """Wait for every node; at the first failure stop the others. Returns the node that failed first."""
+    pending, failed_node = set(futures), None
+    while pending:
+        done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+        for future in done:
+            name = futures[future].node.name
+            exit_codes[name] = future.result()
+            if exit_codes[name] != 0 and failed_node is None:
+                failed_node = name
+                others = [futures[f].node.name for f in pending]
+                if others:
+                    say(f"fab: {name} exited {exit_codes[name]}: stopping the job on {', '.join(others)}")
+                    threading.Thread(target=stop_everywhere, args=(cluster, others), daemon=True).start()
+    return failed_node
+
+
+def _collect(futures: dict[Future, NodeSession], exit_codes: dict, timeout_s: float) -> None:
+    done, _ = wait(set(futures), timeout=timeout_s)
+    for future in done:
+        exit_codes[futures[future].node.name] = future.result()
+
+
+def fetch_results(cluster: ClusterInfo, session: NodeSession, run_id: str, local_dir: Path) -> list[str]:
+    """Copy the run folder's files (metrics, JSON, plots; not checkpoints) from the head node."""
+    run_dir = commands.remote_run_dir(cluster, run_id)
+    listing = session.run(f"cd {commands.shell_path(run_dir)} 2>/dev/null && ls -1p | grep -v /", warn=True)
+    fetched = []
+    for name in listing.stdout.split():
+        if name.endswith(".log") or name.startswith("."):
+            continue
+        buffer = io.BytesIO()
+        session.conn.get(_sftp_path(run_dir, name), buffer)
+        (local_dir / name).write_bytes(buffer.getvalue())
+        fetched.append(name)
+    return fetched
+
+
+def launch(cluster: ClusterInfo, spec: JobSpec, setup: NodeSetup, runs_root: Path, on_start=None) -> tuple[JobResult, Path]:
+    """The whole launch: checks, upload, run, results. Exit 2 before anything starts if not ready."""
+    sessions, statuses = open_sessions(cluster, commands.job_status_command())
+    try:
+        check_ready(sessions, statuses)
+        run_id = commands.new_run_id(spec.task)
+        local_dir = runs_root / run_id
+        if spec.upload:
+            upload_script(cluster, sessions, run_id, spec.upload)
+        say(f"fab: run {run_id}: {spec.task} on {len(sessions)} nodes; logs in {local_dir}")
+        if on_start:
+            on_start(run_id)
+        result = run_job(cluster, sessions, spec, setup, run_id, local_dir)
+        try:
+            fetch_results(cluster, sessions[0], run_id, local_dir)
+        except Exception as exc:  # results are a convenience; the logs are already local
+            say(f"fab: could not fetch results from {sessions[0].node.name}: {describe(exc)}")
+        return result, local_dir
+    finally:
+        for session in sessions:
+            session.close()
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")

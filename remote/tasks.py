@@ -1,0 +1,202 @@
+"""The `fab` tasks: prepare the nodes, launch jobs on all of them, watch and stop them.
+
+The cluster is the current stack's inventory (`--stack`, else $CLUSTER_STACK, else the last `up`).
+"""
+
+import json
+import shlex
+from pathlib import Path
+
+from invoke import Collection, task
+from invoke.exceptions import Exit
+from rich.table import Table
+
+from infra import inventory, state
+from infra.errors import UsageError
+from infra.inventory import ClusterInfo
+from remote import commands
+from remote.bootstrap import Bootstrap
+from remote.connect import on_all_nodes, open_sessions
+from remote.launch import JobSpec, NodeSetup, launch, stop_everywhere
+from remote.stream import console, say
+
+STACK_HELP = "stack to use (default: $CLUSTER_STACK, else the last `python deploy.py up`)"
+ARGS_HELP = 'arguments for the script, quoted as one string, e.g. --args "--steps 200"'
+RESTARTS_HELP = "torchrun --max-restarts: restart a failed worker group this many times (default 0)"
+EXAMPLES = {
+    "hello": "examples/distributed_hello.py",
+    "run-ddp": "examples/ddp_training.py",
+    "profile": "examples/profile_communication.py",
+    "accumulate": "examples/gradient_accumulation.py",
+    "model-parallel": "examples/model_parallelism.py",
+}
+
+
+def cluster_for(stack: str | None) -> ClusterInfo:
+    try:
+        return inventory.load_current(stack)
+    except UsageError as exc:
+        raise Exit(f"error: {exc}", code=2) from None
+
+
+def setup_for(cluster: ClusterInfo) -> NodeSetup:
+    return NodeSetup.load(state.stack_dir(cluster.stack) / "bootstrap.json")
+
+
+def start_job(stack: str | None, spec: JobSpec) -> None:
+    """Launch `spec` on every node; exit 1 naming the node that failed, 130 on Ctrl-C."""
+    cluster = cluster_for(stack)
+    setup = setup_for(cluster)
+    result, local_dir = launch(cluster, spec, setup, state.runs_dir(cluster.stack))
+    cost_usd = cluster.hourly_usd * result.duration_s / 3600
+    summary = {
+        "task": spec.task,
+        "run_id": result.run_id,
+        "nodes": [n.name for n in cluster.nodes],
+        "started_at": result.started_at,
+        "ended_at": result.ended_at,
+        "duration_s": round(result.duration_s, 3),
+        "exit_codes": result.exit_codes,
+        "cost_usd": round(cost_usd, 6),
+        "hourly_usd": cluster.hourly_usd,
+        "script": spec.script if not spec.upload else str(spec.upload),
+        "args": spec.args,
+    }
+    state.write_atomic(local_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    where = f"logs: {local_dir}"
+    if result.interrupted:
+        say(f"fab: run {result.run_id} interrupted after {result.duration_s:.1f} s; job stopped on every node; {where}")
+        raise Exit(code=130)
+    if not result.ok:
+        first = result.failed_node or next(n for n, c in result.exit_codes.items() if c != 0)
+        codes = ", ".join(f"{n} exited {c}" for n, c in result.exit_codes.items() if c not in (0, None))
+        raise Exit(f"error: run {result.run_id} failed: {codes} (first: {first}, log: {local_dir / (first + '.log')}); "
+                   "the job was stopped on every node", code=1)
+    say(f"fab: run {result.run_id} ok in {result.duration_s:.1f} s, cost ${cost_usd:.4f} "
+        f"(${cluster.hourly_usd:.3f}/h); {where}")
+
+
+def example_task(name: str, doc: str):
+    """A launch task for one of the examples."""
+
+    def body(c, args="", max_restarts=0, stack=None):
+        start_job(stack, JobSpec(name, EXAMPLES[name], shlex.split(args), int(max_restarts)))
+
+    body.__name__ = name.replace("-", "_")
+    body.__doc__ = doc
+    return task(body, name=name, help={"args": ARGS_HELP, "max-restarts": RESTARTS_HELP, "stack": STACK_HELP})
+
+
+hello = example_task("hello", "Distributed hello: every rank reports in; all-reduce, broadcast, all-gather checked.")
+run_ddp = example_task("run-ddp", "DDP training across all nodes (examples/ddp_training.py).")
+profile = example_task("profile", "All-reduce and friends over message sizes, as nccl-tests tables.")
+accumulate = example_task("accumulate", "Gradient accumulation: one all-reduce per optimizer step with no_sync.")
+model_parallel = example_task("model-parallel", "Pipeline parallel: one stage per rank, GPipe or 1F1B.")
+
+
+@task(help={"script": "a torchrun-able Python script on this machine (copied to the cluster first)",
+            "args": ARGS_HELP, "max-restarts": RESTARTS_HELP, "stack": STACK_HELP})
+def run(c, script, args="", max_restarts=0, stack=None):
+    """Run any torchrun script of yours on every node: it is copied to the shared folder first."""
+    path = Path(script)
+    if not path.is_file():
+        raise Exit(f"error: no such script: {script}", code=2)
+    start_job(stack, JobSpec("run", path.name, shlex.split(args), int(max_restarts), upload=path.resolve()))
+
+
+@task(help={"force": "redo every stage even where it is up to date",
+            "master-port": f"MASTER_PORT for the rendezvous on node-0 (default {commands.DEFAULT_MASTER_PORT})",
+            "stack": STACK_HELP})
+def bootstrap(c, force=False, master_port=commands.DEFAULT_MASTER_PORT, stack=None):
+    """Prepare every node: checks, Python deps, code sync, node environment, health check."""
+    Bootstrap(cluster_for(stack), bool(force), int(master_port)).run()
+
+
+@task(help={"stack": STACK_HELP})
+def stop(c, stack=None):
+    """Stop whatever job runs on the cluster, on every node."""
+    cluster = cluster_for(stack)
+    for node, outcome in stop_everywhere(cluster).items():
+        say(f"{node}: {outcome}")
+
+
+@task(help={"run": "the run id (default: the latest run)", "node": "only this node's log",
+            "lines": "how many lines from the end of each log (default 50; 0 for all)", "stack": STACK_HELP})
+def logs(c, run=None, node=None, lines=50, stack=None):
+    """Show a run's per-node logs (kept on this machine in .cluster/<stack>/runs/<run-id>/)."""
+    stack_name = state.resolve_stack(stack)
+    if stack_name is None:
+        raise Exit("error: no cluster: run python deploy.py up", code=2)
+    runs = state.runs_dir(stack_name)
+    run_dir = runs / run if run else _latest_run(runs)
+    if run_dir is None or not run_dir.is_dir():
+        raise Exit(f"error: no run {run!r} in {runs}" if run else f"error: no runs yet in {runs}", code=2)
+    logs_found = sorted(run_dir.glob("node-*.log"))
+    if node:
+        logs_found = [p for p in logs_found if p.stem == node]
+        if not logs_found:
+            raise Exit(f"error: run {run_dir.name} has no log for {node}", code=2)
+    say(f"run {run_dir.name} ({run_dir})")
+    for path in logs_found:
+        text = path.read_text().splitlines()
+        shown = text[-int(lines):] if int(lines) > 0 else text
+        for line in shown:
+            say(f"[{path.stem}] {line}")
+    summary = run_dir / "summary.json"
+    if summary.exists():
+        data = json.loads(summary.read_text())
+        say(f"exit codes {data['exit_codes']}, {data['duration_s']:.1f} s, ${data['cost_usd']:.4f}")
+
+
+def _latest_run(runs: Path) -> Path | None:
+    candidates = [p for p in runs.glob("*") if p.is_dir()] if runs.exists() else []
+    return max(candidates, key=lambda p: p.name, default=None)
+
+
+GPU_QUERY = (
+    "import json\n"
+    "from harness.gpu_monitor import read_gpus\n"
+    "from dataclasses import asdict\n"
+    "print(json.dumps([asdict(s) for s in read_gpus()]))\n"
+)
+
+
+@task(help={"stack": STACK_HELP})
+def gpus(c, stack=None):
+    """A table per node: GPU, utilisation, memory, temperature, power (nvidia-ml-py)."""
+    cluster = cluster_for(stack)
+    setup = setup_for(cluster)
+    sessions, _ = open_sessions(cluster)
+    try:
+        def query(session):
+            python = setup.python[session.node.name]
+            command = f"cd {commands.shell_path(commands.code_dir(cluster))} && " + \
+                commands.python_json_command(python, GPU_QUERY)
+            return session.run(command)
+
+        results = on_all_nodes(sessions, query)
+    finally:
+        for session in sessions:
+            session.close()
+    out = console()
+    for session, result in zip(sessions, results):
+        name = session.node.name
+        if isinstance(result, BaseException) or result.exited != 0:
+            out.print(f"{name}: could not read GPUs: {result if isinstance(result, BaseException) else result.stderr.strip()[-200:]}")
+            continue
+        samples = json.loads(result.stdout.strip().splitlines()[-1])
+        if not samples:
+            out.print(f"{name}: no GPU (CPU node, gloo)")
+            continue
+        table = Table(title=name)
+        for column in ("gpu", "name", "util %", "memory GiB", "temp C", "power W"):
+            table.add_column(column)
+        for s in samples:
+            power = "-" if s["power_w"] is None else f"{s['power_w']:.0f}"
+            temp = "-" if s["temp_c"] is None else str(s["temp_c"])
+            table.add_row(str(s["index"]), s["name"], str(s["util_pct"]),
+                          f"{s['mem_used_gib']:.1f} / {s['mem_total_gib']:.1f}", temp, power)
+        out.print(table)
+
+
+ns = Collection(bootstrap, hello, run_ddp, profile, accumulate, model_parallel, run, gpus, logs, stop)

@@ -1,0 +1,341 @@
+"""`fab` end to end on a real 2-node local cluster: bootstrap, launches, failures, stop, Ctrl-C."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, assert_one_line_error, child_env, free_port, run_cli, run_fab, start_local_cluster
+
+PLAIN_SCRIPT = """
+import os, torch.distributed as dist
+dist.init_process_group("gloo")
+t = __import__("torch").ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(t)
+print("REPORT " + " ".join(f"{k}={os.environ[k]}" for k in
+      ("RANK", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "CLUSTER_NODE")) + f" SUM={t.item():g}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+class Cluster:
+    """A local cluster that tests share, with its own state folder."""
+
+    def __init__(self, state_dir: Path, stack: str = "local", master_port: int | None = None):
+        self.state_dir, self.stack = state_dir, stack
+        self.env = {"CLUSTER_STATE_DIR": str(state_dir)}
+        self.info = start_local_cluster_in(state_dir, stack)
+        self.master_port = master_port or free_port()
+
+    def fab(self, *args: str, **kwargs):
+        return run_fab(*args, **self.env, **kwargs)
+
+    def cli(self, *args: str):
+        return run_cli(*args, **self.env)
+
+    def popen_fab(self, *args: str) -> subprocess.Popen:
+        return subprocess.Popen([str(Path(sys.executable).with_name("fab")), *args], cwd=REPO,
+                                env=child_env(**self.env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def runs(self) -> list[Path]:
+        return sorted((self.state_dir / self.stack / "runs").glob("*"))
+
+    def down(self):
+        self.cli("down", "--stack", self.stack)
+
+
+def start_local_cluster_in(state_dir: Path, stack: str) -> dict:
+    old = os.environ.get("CLUSTER_STATE_DIR")
+    os.environ["CLUSTER_STATE_DIR"] = str(state_dir)
+    try:
+        return start_local_cluster(stack, state_dir).inventory
+    finally:
+        if old is None:
+            os.environ.pop("CLUSTER_STATE_DIR")
+        else:
+            os.environ["CLUSTER_STATE_DIR"] = old
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """One bootstrapped 2-node cluster for the launch tests of this module."""
+    handle = Cluster(tmp_path_factory.mktemp("remote") / "state")
+    try:
+        first = handle.fab("bootstrap", "--master-port", str(handle.master_port))
+        assert first.returncode == 0, first.stdout + first.stderr
+        handle.first_bootstrap = first
+        yield handle
+    finally:
+        handle.down()
+
+
+def run_processes(run_id: str) -> list[int]:
+    """Processes of a run still alive anywhere on this machine (found by CLUSTER_RUN_ID)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"CLUSTER_RUN_ID={run_id}".encode() in environ.read_bytes().split(b"\0"):
+                stat = (environ.parent / "stat").read_text().rsplit(")", 1)[1].split()
+                if stat[0] != "Z":
+                    found.append(int(environ.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def wait_for_output(proc: subprocess.Popen, text: str, timeout_s: float = 60) -> str:
+    """Read a running fab's output until `text` appears."""
+    seen, deadline = "", time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        seen += line
+        if text in line:
+            return seen
+    raise AssertionError(f"{text!r} not seen in:\n{seen}")
+
+
+# ------------------------------------------------------------------------------------- bootstrap
+
+
+def test_bootstrap_prepares_every_node_and_a_second_run_changes_nothing(cluster):
+    first = cluster.first_bootstrap.stdout
+    assert "all-reduce ok (2 ranks)" in first and "ready" in first
+    second = cluster.fab("bootstrap", "--master-port", str(cluster.master_port))
+    assert second.returncode == 0
+    for stage in ("probe", "deps", "code", "env", "health"):
+        line = next(l for l in second.stdout.splitlines() if l.startswith(f"bootstrap: {stage}"))
+        assert "done" not in line and "up to date" in line, line
+    assert "nodes up to date" in second.stdout
+
+
+def test_every_node_gets_its_rank_and_the_same_master(cluster):
+    shared = Path(cluster.info["shared_dir"])
+    envs = {}
+    for node in cluster.info["nodes"]:
+        env_file = cluster.state_dir / "local" / "nodes" / node["name"] / ".gpu-cluster" / "env"
+        envs[node["name"]] = dict(line[len("export "):].split("=", 1) for line in env_file.read_text().splitlines()
+                                  if line.startswith("export "))
+    assert [envs[n]["NODE_RANK"] for n in ("node-0", "node-1")] == ["0", "1"]
+    assert envs["node-0"]["MASTER_ADDR"] == envs["node-1"]["MASTER_ADDR"] == cluster.info["nodes"][0]["private_ip"]
+    assert envs["node-1"]["GLOO_SOCKET_IFNAME"] == "lo"
+    assert (shared / "code" / "harness" / "dist.py").read_bytes() == (REPO / "harness" / "dist.py").read_bytes()
+
+
+# --------------------------------------------------------------------------------------- launches
+
+
+def test_hello_runs_on_both_nodes_and_keeps_logs_and_a_summary(cluster):
+    result = cluster.fab("hello")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[node-0] hello from 2 ranks on 2 nodes" in result.stdout
+    run_dir = cluster.runs()[-1]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["task"] == "hello" and summary["exit_codes"] == {"node-0": 0, "node-1": 0}
+    assert summary["cost_usd"] == 0 and summary["nodes"] == ["node-0", "node-1"]
+    assert "reporting in" in (run_dir / "node-0.log").read_text()
+    assert (run_dir / "node-1.log").exists()
+
+
+def test_run_ddp_trains_and_fetches_the_metrics(cluster):
+    result = cluster.fab("run-ddp", "--args", "--steps 20 --log-every 5")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "parameters identical on all 2 ranks" in result.stdout
+    metrics = [json.loads(l) for l in (cluster.runs()[-1] / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if m["kind"] == "step"] == [5, 10, 15, 20]
+
+
+def test_a_plain_torchrun_script_sees_distinct_node_ranks_and_one_master(cluster, tmp_path):
+    script = tmp_path / "report.py"
+    script.write_text(PLAIN_SCRIPT)
+    result = cluster.fab("run", "--script", str(script))
+    assert result.returncode == 0, result.stdout + result.stderr
+    reports = [dict(kv.split("=") for kv in line.split("REPORT ")[1].split()) for line in result.stdout.splitlines()
+               if "REPORT " in line]
+    assert len(reports) == 2
+    assert sorted(r["NODE_RANK"] for r in reports) == ["0", "1"]
+    assert {r["MASTER_ADDR"] for r in reports} == {cluster.info["nodes"][0]["private_ip"]}
+    assert all(r["SUM"] == "3" for r in reports)
+    by_node = {r["CLUSTER_NODE"]: r for r in reports}
+    assert by_node["node-0"]["RANK"] == "0" and by_node["node-0"]["GROUP_RANK"] == "0"
+
+
+def test_a_failing_rank_ends_the_whole_job_quickly_and_leaves_nothing(cluster, tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(  # the last rank fails before joining; the others would wait for it forever
+        "import os, sys, time\n"
+        "if int(os.environ['RANK']) == int(os.environ['WORLD_SIZE']) - 1:\n"
+        "    time.sleep(1); sys.exit(1)\n"
+        "import torch.distributed as dist\n"
+        "dist.init_process_group('gloo'); dist.barrier(); print('never', flush=True)\n"
+    )
+    started = time.monotonic()
+    result = cluster.fab("run", "--script", str(script), timeout=120)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 1
+    assert "never" not in result.stdout
+    assert "node-1 exited 1" in result.stderr and "node-1.log" in result.stderr
+    assert elapsed < 60, elapsed  # without fail-fast node-0 waits out the 10-minute rendezvous timeout
+    run_dir = cluster.runs()[-1]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["exit_codes"]["node-1"] == 1
+    assert run_processes(summary["run_id"]) == []
+
+
+def test_stop_ends_a_running_job_on_every_node(cluster, tmp_path):
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\nprint('sleeping', flush=True)\ntime.sleep(600)\n")
+    job = cluster.popen_fab("run", "--script", str(script))
+    try:
+        wait_for_output(job, "sleeping")
+        busy = cluster.fab("hello")
+        assert_one_line_error(busy, "running job", "fab stop")
+        stopped = cluster.fab("stop")
+        assert stopped.returncode == 0 and stopped.stdout.count("stopped") == 2
+        assert job.wait(timeout=30) == 1
+    finally:
+        job.kill()
+    run_id = json.loads((cluster.runs()[-1] / "summary.json").read_text())["run_id"]
+    assert run_processes(run_id) == []
+
+
+def test_ctrl_c_stops_the_job_everywhere(cluster, tmp_path):
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\nprint('sleeping', flush=True)\ntime.sleep(600)\n")
+    job = cluster.popen_fab("run", "--script", str(script))
+    try:
+        wait_for_output(job, "sleeping")
+        job.send_signal(signal.SIGINT)
+        assert job.wait(timeout=30) == 130
+    finally:
+        job.kill()
+    summary = json.loads((cluster.runs()[-1] / "summary.json").read_text())
+    assert run_processes(summary["run_id"]) == []
+
+
+def test_logs_show_the_last_run_and_gpus_reports_cpu_nodes(cluster):
+    logs = cluster.fab("logs", "--lines", "5")
+    assert logs.returncode == 0 and "[node-0]" in logs.stdout and "[node-1]" in logs.stdout
+    assert_one_line_error(cluster.fab("logs", "--run", "no-such-run"), "no run")
+    gpus = cluster.fab("gpus")
+    assert gpus.returncode == 0 and gpus.stdout.count("no GPU (CPU node, gloo)") == 2
+
+
+def test_a_missing_script_is_refused_before_anything_starts(cluster):
+    before = cluster.runs()
+    assert_one_line_error(cluster.fab("run", "--script", "/no/such/script.py"), "no such script")
+    assert cluster.runs() == before
+
+
+# ---------------------------------------------------------------------------------------- faults
+
+
+def test_without_a_cluster_fab_says_so(state_dir):
+    assert_one_line_error(run_fab("hello"), "no cluster", "deploy.py up")
+    assert_one_line_error(run_fab("bootstrap"), "no cluster")
+
+
+def test_an_unreachable_node_is_named_before_anything_starts(state_dir, make_cluster):
+    make_cluster()
+    pid_file = state_dir / "local" / "nodes" / "node-1" / "sshd.pid"
+    os.kill(json.loads(pid_file.read_text())["pid"], signal.SIGKILL)
+    result = run_fab("bootstrap")
+    assert_one_line_error(result, "node-1", "unreachable", "connection refused")
+    assert not (state_dir / "local" / "bootstrap.json").exists()
+
+
+def test_launching_before_bootstrap_says_what_to_do(state_dir, make_cluster):
+    make_cluster()
+    assert_one_line_error(run_fab("hello"), "bootstrap")
+
+
+def test_a_stage_failing_on_one_node_is_reported_and_stops_the_bootstrap(state_dir, make_cluster):
+    make_cluster()
+    port = free_port()
+    inventory = json.loads((state_dir / "local" / "inventory.json").read_text())
+    with socket.socket() as squatter:  # MASTER_PORT taken on node-0: the health check cannot listen
+        squatter.bind((inventory["nodes"][0]["private_ip"], port))
+        squatter.listen()
+        result = run_fab("bootstrap", "--master-port", str(port))
+    assert result.returncode == 1
+    assert "health failed" in result.stdout and "cannot listen" in result.stdout
+    for node in ("node-0", "node-1"):  # the stages before it are complete on every node
+        assert (state_dir / "local" / "nodes" / node / ".gpu-cluster" / "env").exists()
+    assert not (state_dir / "local" / "bootstrap.json").exists()
+
+
+class DroppingProxy:
+    """A TCP proxy that cuts its first connection after `cut_after_s` and forwards the rest."""
+
+    def __init__(self, address: str, target: tuple[str, int], cut_after_s: float):
+        self.listener = socket.socket()
+        self.listener.bind((address, 0))
+        self.listener.listen()
+        self.port = self.listener.getsockname()[1]
+        self.target, self.cut_after_s, self.connections = target, cut_after_s, 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            upstream = socket.create_connection(self.target)
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            if self.connections == 1:
+                threading.Timer(self.cut_after_s, self._cut, args=(client, upstream)).start()
+
+    @staticmethod
+    def _pump(source, sink):
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    @staticmethod
+    def _cut(*sockets):
+        for s in sockets:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            except OSError:
+                pass
+
+    def close(self):
+        self.listener.close()
+
+
+def test_a_connection_dropped_during_bootstrap_is_retried(state_dir, make_cluster):
+    make_cluster()
+    inventory_path = state_dir / "local" / "inventory.json"
+    inventory = json.loads(inventory_path.read_text())
+    node1 = inventory["nodes"][1]
+    proxy = DroppingProxy(node1["public_ip"], (node1["public_ip"], node1["ssh_port"]), cut_after_s=1.0)
+    try:
+        known_hosts = Path(inventory["known_hosts"])
+        host_key = next(l for l in known_hosts.read_text().splitlines() if l.startswith(f"[{node1['public_ip']}]"))
+        known_hosts.write_text(known_hosts.read_text() + f"[{node1['public_ip']}]:{proxy.port} {' '.join(host_key.split()[1:])}\n")
+        node1["ssh_port"] = proxy.port
+        inventory_path.write_text(json.dumps(inventory))
+        result = run_fab("bootstrap", "--master-port", str(free_port()))
+    finally:
+        proxy.close()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "node-1: connection lost" in result.stdout and "retry 1" in result.stdout
+    assert proxy.connections >= 2

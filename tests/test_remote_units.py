@@ -1,0 +1,128 @@
+"""The command builders and parsers of remote/, directly (and the stop command run for real in bash)."""
+
+import os
+import shlex
+import subprocess
+import time
+from datetime import datetime, timezone
+
+import pytest
+
+from infra.inventory import ClusterInfo, NodeInfo
+from remote import commands
+from remote.bootstrap import digest, local_manifest
+from remote.stream import NodeStream
+
+
+def cluster(provider="aws", shared="/shared", gpus=(1, 1), hourly=1.504) -> ClusterInfo:
+    nodes = tuple(NodeInfo(f"node-{i}", f"54.0.0.{i + 1}", f"10.0.1.{10 + i}", 22, g) for i, g in enumerate(gpus))
+    return ClusterInfo("dev", provider, "us-east-1", "g4dn.2xlarge", hourly, "ubuntu", "/k", "/kh", shared,
+                       "2026-11-21T00:00:00+00:00", nodes)
+
+
+def test_node_environment_names_the_head_and_the_routed_interface():
+    c = cluster()
+    env0 = commands.node_environment(c, 0, "ens5", "/venv/bin/python")
+    env1 = commands.node_environment(c, 1, "ens5", "/venv/bin/python", master_port=29555)
+    assert (env0["NODE_RANK"], env1["NODE_RANK"]) == ("0", "1")
+    assert env0["MASTER_ADDR"] == env1["MASTER_ADDR"] == "10.0.1.10"
+    assert env1["MASTER_PORT"] == "29555" and env1["NNODES"] == "2" and env1["NPROC_PER_NODE"] == "1"
+    assert env1["NCCL_SOCKET_IFNAME"] == env1["GLOO_SOCKET_IFNAME"] == "ens5"
+    assert env1["CLUSTER_HOURLY_USD"] == "1.504" and env1["CLUSTER_SHARED_DIR"] == "/shared"
+    assert "OMP_NUM_THREADS" not in env1
+    assert commands.node_environment(cluster(provider="local"), 0, "lo", "py")["OMP_NUM_THREADS"] == "1"
+
+
+def test_env_file_is_sourceable_and_quotes_what_needs_quoting(tmp_path):
+    env = {"A": "plain", "B": "with space", "C": "$(rm -rf /)", "D": "$HOME/code"}
+    path = tmp_path / "env"
+    path.write_text(commands.env_file_text(env))
+    out = subprocess.run(["bash", "-c", f". {path} && printf '%s|' \"$A\" \"$B\" \"$C\" \"$D\""],
+                         capture_output=True, text=True, env={"HOME": "/home/u", "PATH": os.environ["PATH"]})
+    assert out.stdout == "plain|with space|$(rm -rf /)|/home/u/code|"
+
+
+def test_torchrun_uses_c10d_on_the_head_with_a_fresh_id_and_node_addresses():
+    c = cluster(gpus=(4, 4))
+    argv = commands.torchrun_argv(c, c.nodes[1], "run-1", 2, 29500)
+    assert argv[:2] == ["-m", "torch.distributed.run"]
+    assert "--nnodes=2" in argv and "--nproc-per-node=4" in argv
+    assert "--rdzv-backend=c10d" in argv and "--rdzv-endpoint=10.0.1.10:29500" in argv
+    assert "--rdzv-id=run-1" in argv and "--local-addr=10.0.1.11" in argv and "--max-restarts=2" in argv
+
+
+def test_launch_command_quotes_arguments_and_records_the_job():
+    c = cluster()
+    command = commands.launch_command(c, c.nodes[0], "r1", "run", "$CLUSTER_CODE_DIR/examples/x.py",
+                                      ["--msg", "a b; rm -rf /"], 0, 29500)
+    assert command.endswith(f'"$CLUSTER_CODE_DIR"/examples/x.py --msg {shlex.quote("a b; rm -rf /")} 2>&1')
+    assert "cd /shared/runs/r1" in command
+    assert command.startswith(f". {commands.ENV_FILE} && ")
+    assert "exec env CLUSTER_RUN_ID=r1 CLUSTER_RUN_DIR=/shared/runs/r1" in command
+    assert f"> {commands.JOB_FILE}" in command
+
+
+def test_folders_fall_back_to_each_home_without_shared_storage():
+    assert commands.code_dir(cluster(shared="")) == "$HOME/code"
+    assert commands.remote_run_dir(cluster(shared="/shared/"), "r") == "/shared/runs/r"
+    assert commands.shell_path("$HOME/a b") == '"$HOME"/\'a b\''
+
+
+@pytest.mark.parametrize("output,interface", [
+    ("10.0.1.10 dev ens5 src 10.0.1.11 uid 1000\n    cache", "ens5"),
+    ("local 127.0.0.10 dev lo src 127.0.0.1 uid 0", "lo"),
+    ("RTNETLINK answers: Network is unreachable", None),
+])
+def test_route_interface_is_read_from_ip_route_get(output, interface):
+    assert commands.parse_route_interface(output) == interface
+
+
+def test_job_status_parsing():
+    assert commands.parse_job_status("running 123 r-1 run-ddp\nbootstrapped\n") == (
+        {"pid": 123, "run_id": "r-1", "task": "run-ddp"}, True)
+    assert commands.parse_job_status("idle\n") == (None, False)
+
+
+def test_run_ids_sort_by_time_and_name_the_task():
+    early = commands.new_run_id("hello", datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc))
+    late = commands.new_run_id("hello", datetime(2026, 1, 2, 3, 4, 6, tzinfo=timezone.utc))
+    assert early.startswith("20260102-030405-hello-") and early < late
+
+
+def test_stop_command_ends_the_job_group_and_strays_of_the_run(tmp_path):
+    home = tmp_path / "home"
+    (home / ".gpu-cluster").mkdir(parents=True)
+    env = {"HOME": str(home), "PATH": os.environ["PATH"]}
+    # A job like launch_command makes one: a group leader recording itself, a child in its group, and a
+    # "worker" in a session of its own that only the run id in its environment ties to the job.
+    job = subprocess.Popen(
+        ["bash", "-c", f"echo \"$$ run-x task\" > {commands.JOB_FILE}; "
+                       "CLUSTER_RUN_ID=run-x setsid sleep 301 & sleep 302 & wait"],
+        env=env, start_new_session=True,
+    )
+    time.sleep(0.5)
+    result = subprocess.run(["bash", "-c", commands.stop_command(grace_s=2)], env=env, capture_output=True, text=True)
+    assert result.stdout.strip() == "stopped run-x"
+    job.wait(timeout=5)
+    time.sleep(0.2)
+    leftovers = subprocess.run(["pgrep", "-f", "sleep 30[12]"], capture_output=True, text=True).stdout.split()
+    assert leftovers == []
+    again = subprocess.run(["bash", "-c", commands.stop_command()], env=env, capture_output=True, text=True)
+    assert again.stdout.strip() == "idle"
+
+
+def test_node_stream_prefixes_whole_lines_and_keeps_the_log(tmp_path, capsys):
+    stream = NodeStream("node-1", 1, tmp_path / "node-1.log")
+    stream.write("first li")
+    stream.write("ne\nsecond\npart")
+    stream.close()
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["[node-1] first line", "[node-1] second", "[node-1] part"]
+    assert (tmp_path / "node-1.log").read_text() == "first line\nsecond\npart\n"
+
+
+def test_the_code_manifest_covers_the_harness_and_examples_only():
+    manifest = local_manifest()
+    assert "harness/dist.py" in manifest and "examples/ddp_training.py" in manifest
+    assert not any("__pycache__" in p or p.startswith(("infra", "remote", "tests")) for p in manifest)
+    assert digest(manifest) == digest(dict(manifest)) != digest({**manifest, "x": "y"})
