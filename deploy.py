@@ -70,10 +70,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_up(args) -> int:
-    stack = args.stack or ("local" if args.local else None)
-    if args.local or stack == state.LOCAL_STACK:
-        return up_local(args, state.check_stack_name(stack or state.LOCAL_STACK))
-    raise UsageError("the AWS provider is not available yet: use python deploy.py up --local")
+    if args.local:
+        return up_local(args, state.check_stack_name(args.stack or state.LOCAL_STACK))
+    stack = state.resolve_stack(args.stack, default=DEFAULT_AWS_STACK)
+    if stack == state.LOCAL_STACK:
+        return up_local(args, stack)
+    return up_aws(args, stack)
+
+
+def up_aws(args, stack: str) -> int:
+    from infra import aws_provider
+
+    if not config.stack_file(stack).exists():
+        report.console.print(f"note: no Pulumi.{stack}.yaml: using the defaults (2 x {config.DEFAULT_INSTANCE_TYPE} "
+                             f"in {config.DEFAULT_REGION}) and your flags")
+    overrides = {"nodes": args.nodes, "instanceType": args.instance_type, "spot": args.spot, "sshCidr": args.ssh_cidr}
+    started = time.perf_counter()
+    request = aws_provider.UpRequest(stack, overrides, args.yes)
+    cluster, created = aws_provider.up(request, say=report.console.print)
+    report.up_summary(cluster, created, time.perf_counter() - started, inventory.inventory_path(stack))
+    return 0
 
 
 def up_local(args, stack: str) -> int:
@@ -99,7 +115,23 @@ def cmd_down(args) -> int:
         return 0
     if _provider_of(stack) == "local":
         return down_local(stack)
-    raise UsageError("the AWS provider is not available yet")
+    return down_aws(stack)
+
+
+def down_aws(stack: str) -> int:
+    from infra import aws_provider, teardown
+
+    report.console.print(f"destroying stack '{stack}' (instances, EFS and the data on it, network) ...")
+    leftovers = aws_provider.down(stack, say=report.console.print)
+    for line in teardown.report_lines(leftovers):
+        report.console.print(line)
+    if leftovers:
+        report.console.print(f"run python deploy.py down --stack {stack} again, or delete these by hand")
+        return 1
+    runs = state.runs_dir(stack)
+    if runs.exists():
+        report.console.print(f"run logs kept in {report.relative(runs)}")
+    return 0
 
 
 def down_local(stack: str) -> int:
@@ -140,8 +172,20 @@ def _provider_of(stack: str) -> str:
 
 def cmd_status(args) -> int:
     cluster = inventory.load_current(args.stack)
-    if cluster.provider != "local":
-        raise UsageError("the AWS provider is not available yet")
+    if cluster.provider == "aws":
+        from infra import aws_provider, preflight
+
+        rows, stopped = aws_provider.status(cluster, preflight.AwsClients.for_region(cluster.region).ec2)
+    else:
+        rows, stopped = _local_status(cluster)
+    if args.json:
+        report.print_json({"stack": cluster.stack, "provider": cluster.provider, "stopped_reason": stopped, "nodes": rows})
+    else:
+        report.status_table(cluster, rows, stopped)
+    return 0 if all(r["reachable"] for r in rows) else 1
+
+
+def _local_status(cluster) -> tuple[list[dict], str]:
     rows = [
         {
             "name": s.node.name,
@@ -154,19 +198,31 @@ def cmd_status(args) -> int:
         }
         for s in local.status(cluster)
     ]
-    stopped = local.stop_reason(cluster.stack)
-    if args.json:
-        report.print_json({"stack": cluster.stack, "provider": cluster.provider, "stopped_reason": stopped, "nodes": rows})
-    else:
-        report.status_table(cluster, rows, stopped)
-    return 0 if all(r["reachable"] for r in rows) else 1
+    return rows, local.stop_reason(cluster.stack)
 
 
 # ------------------------------------------------------------------------------------ plan, cost
 
 
 def cmd_plan(args) -> int:
-    raise UsageError("plan is not available yet")
+    """The real Pulumi program under Pulumi's mocks: no credentials, no CLI, nothing created."""
+    from infra import plan, pricing
+
+    stack = state.resolve_stack(args.stack, default=DEFAULT_AWS_STACK)
+    if stack == state.LOCAL_STACK:
+        raise UsageError("plan is for AWS stacks (e.g. --stack dev); the local provider creates no cloud resources")
+    stack_config = config.load_stack(stack)
+    run = plan.run_program(plan.plan_config(stack_config))
+    source = pricing.PriceSource()  # no clients: the cache or the bundled table, offline
+    estimate = source.estimate(stack_config.instance_type, stack_config.region, stack_config.nodes,
+                               stack_config.root_volume_gb)
+    resources = [{"type": r.type, "name": r.name, "settings": plan.describe(r)} for r in run.resources
+                 if not r.type.startswith("gpu-cluster:")]
+    if args.json:
+        report.print_json({**estimate.as_dict(), "stack": stack, "resources": resources})
+        return 0
+    report.plan_table(stack, stack_config, resources, estimate)
+    return 0
 
 
 def cmd_cost(args) -> int:

@@ -22,6 +22,9 @@ DEFAULT_INSTANCE_TYPE = "g4dn.2xlarge"
 DEFAULT_REGION = "us-east-1"
 INSTANCE_TYPE = re.compile(r"^(g4dn|g5|g6|g6e|p3|p3dn|p4d|p4de|p5|p5e|p5en)\.(metal|\d*xlarge)$")
 WORLD = ("0.0.0.0/0", "::/0")
+# The stack config keys, in the `gpu-cluster` namespace (`aws:region` aside).
+CONFIG_KEYS = ("nodes", "instanceType", "sshCidr", "sshPublicKey", "allowWorldSsh", "spot", "rootVolumeGb",
+               "maxHourlyUsd", "maxTotalUsd", "idleMinutes", "amiId", "availabilityZone", "shutdownBehavior")
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,8 @@ def validate(stack: str, raw: Mapping[str, object]) -> StackConfig:
             f"sshCidr {config.ssh_cidr} opens SSH to the whole internet: use your /32, "
             "or set gpu-cluster:allowWorldSsh true if you really mean it"
         )
+    if config and config.spot and config.shutdown_behavior == "stop":
+        problems.append("spot instances can only terminate when shut down: set shutdownBehavior terminate or drop spot")
     if problems:
         raise UsageError("; ".join(problems))
     return config

@@ -9,7 +9,8 @@ from rich.table import Table
 
 from infra.inventory import ClusterInfo
 
-console = Console(highlight=False, soft_wrap=True)
+# The terminal's width, or a wide page when piped (logs, CI), so tables are not wrapped into columns.
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 
 
 def relative(path: str | Path) -> str:
@@ -77,6 +78,21 @@ def status_table(cluster: ClusterInfo, rows: list[dict], stopped_reason: str) ->
             row["error"],
         )
     console.print(table)
+
+
+def plan_table(stack: str, config, resources: list[dict], estimate) -> None:
+    console.print(f"plan for stack '{stack}': {config.nodes} x {config.instance_type} in {config.region}"
+                  f"{' (spot)' if config.spot else ''}; nothing is created")
+    table = Table(show_edge=False, pad_edge=False)
+    for column in ("resource", "name", "settings"):
+        table.add_column(column)
+    for resource in resources:
+        settings = ", ".join(f"{k} {v}" for k, v in resource["settings"].items())
+        table.add_row(resource["type"].split(":")[-1], resource["name"], settings)
+    console.print(table)
+    console.print(f"{len(resources)} resources; estimated cost:")
+    for line in estimate.lines():
+        console.print(f"  {line}")
 
 
 def print_json(data) -> None:

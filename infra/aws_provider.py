@@ -1,0 +1,265 @@
+"""The AWS provider: preflight, `pulumi up` through the Automation API, pinned host keys, the inventory;
+`pulumi destroy` and a sweep that proves nothing billable is left; status from EC2 itself."""
+
+import asyncio
+import re
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import asyncssh
+
+from infra import automation, config as stack_config, inventory, keys, preflight, ssh, state, teardown
+from infra.cloud_init import READY_MARKER, SHARED_DIR
+from infra.cluster import SSH_USER
+from infra.errors import OperationError, UsageError
+from infra.inventory import ClusterInfo, NodeInfo
+
+READY_TIMEOUT_S = 900
+HOST_KEY_BLOCK = re.compile(r"-----BEGIN SSH HOST KEY KEYS-----(.*?)-----END SSH HOST KEY KEYS-----", re.S)
+WATCHDOG_LINE = re.compile(r"gpu-cluster-watchdog: (.*)")
+
+
+@dataclass(frozen=True)
+class UpRequest:
+    """What `deploy.py up` asked for on AWS."""
+
+    stack: str
+    """The stack (its Pulumi.<stack>.yaml supplies the rest)."""
+    overrides: dict
+    """Command-line values that win over the stack file (nodes, instanceType, spot, sshCidr)."""
+    yes: bool
+    """Skip the cost confirmation."""
+
+
+def up(request: UpRequest, clients: preflight.AwsClients | None = None, command=None,
+       lookup_ip: Callable[[], str] = preflight.lookup_public_ip, confirm: Callable[[str], bool] | None = None,
+       say: Callable[[str], None] = print) -> tuple[ClusterInfo, bool]:
+    """Create the cluster (or say it is up); returns (cluster, created)."""
+    existing = _existing(request.stack)
+    if existing:
+        return existing, False
+    config = stack_config.load_stack(request.stack, request.overrides)
+    clients = clients or preflight.AwsClients.for_region(config.region)
+    found = preflight.run(config, clients, cli_present=command is not None or automation.find_cli() is not None,
+                          lookup_ip=lookup_ip)
+    for note in found.notes:
+        say(f"note: {note}")
+    if found.problems:
+        raise UsageError(f"preflight found {len(found.problems)} problem(s): " + "; ".join(found.problems))
+    _confirm_cost(config, found, request.yes, confirm, say)
+    key_path = keys.ensure_client_key(state.stack_dir(request.stack))
+    config = stack_config.with_ssh(config, found.ssh_cidr, keys.public_key_text(key_path))
+    deployment = automation.Deployment(request.stack, command, on_output=lambda line: say(line.rstrip()))
+    outputs = _up_with_zone_fallback(deployment, config, found.zones, say)
+    cluster = _cluster_from_outputs(request.stack, config, outputs, key_path, found.estimate.hourly_usd)
+    _pin_and_wait(cluster, outputs, clients.ec2, say)
+    inventory.save(cluster)
+    state.set_current_stack(request.stack)
+    return cluster, True
+
+
+def _existing(stack: str) -> ClusterInfo | None:
+    try:
+        cluster = inventory.load(stack)
+    except UsageError:
+        return None
+    return cluster if cluster.provider == "aws" else None
+
+
+def _confirm_cost(config, found: preflight.PreflightResult, yes: bool, confirm, say) -> None:
+    say(f"preflight ok: account {found.account}, {config.region}, zones offering {config.instance_type}: "
+        f"{', '.join(found.zones)}; SSH from {found.ssh_cidr}")
+    for line in found.estimate.lines():
+        say(f"  {line}")
+    if yes:
+        return
+    question = f"create {config.nodes} x {config.instance_type} at about ${found.estimate.hourly_usd:.2f}/h? [y/N] "
+    if confirm is None:
+        if not sys.stdin.isatty():
+            raise UsageError("up needs confirmation of the hourly cost: pass --yes (no terminal to ask on)")
+        confirm = lambda q: input(q).strip().lower() in ("y", "yes")  # noqa: E731
+    if not confirm(question):
+        raise UsageError("not confirmed: nothing was created")
+
+
+def _up_with_zone_fallback(deployment: automation.Deployment, config, zones: list[str], say) -> dict:
+    """`pulumi up`, moving to the next zone that offers the type when AWS has no capacity."""
+    candidates = [config.availability_zone] if config.availability_zone else zones
+    tried = []
+    for zone in candidates:
+        tried.append(zone)
+        deployment.configure(stack_config.StackConfig(**{**config.__dict__, "availability_zone": zone}))
+        say(f"pulumi up in {zone} ...")
+        try:
+            return deployment.up()
+        except Exception as exc:
+            if not automation.is_capacity_error(exc) or zone == candidates[-1]:
+                hint = f"python deploy.py down --stack {config.stack} removes what was created"
+                why = "no capacity in any zone" if automation.is_capacity_error(exc) else automation.first_line(exc)
+                raise OperationError(f"up failed (zones tried: {', '.join(tried)}): {why}; {hint}") from None
+            say(f"no {config.instance_type} capacity in {zone}; trying the next zone")
+    raise OperationError("no zone to try")
+
+
+def _cluster_from_outputs(stack: str, config, outputs: dict, key_path, hourly_usd: float) -> ClusterInfo:
+    stack_path = state.stack_dir(stack)
+    nodes = tuple(
+        NodeInfo(n["name"], n["public_ip"], n["private_ip"], int(n.get("ssh_port", 22)), config.gpus_per_node)
+        for n in outputs["nodes"]
+    )
+    return ClusterInfo(
+        stack=stack, provider="aws", region=config.region, instance_type=config.instance_type, hourly_usd=hourly_usd,
+        ssh_user=outputs.get("ssh_user", SSH_USER), ssh_key=str(key_path), known_hosts=str(stack_path / "known_hosts"),
+        shared_dir=outputs.get("shared_dir", SHARED_DIR), created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        nodes=nodes,
+    )
+
+
+# ------------------------------------------------------------------------------------ host keys
+
+
+def host_keys_from_console(console_output: str) -> list[str]:
+    """The host keys cloud-init prints to the console, ed25519 first."""
+    match = HOST_KEY_BLOCK.search(console_output or "")
+    if not match:
+        return []
+    found = [" ".join(line.split()[:2]) for line in match.group(1).strip().splitlines() if line.strip()]
+    return sorted(found, key=lambda k: not k.startswith("ssh-ed25519"))
+
+
+def _console_host_key(ec2, instance_id: str) -> str | None:
+    try:
+        output = ec2.get_console_output(InstanceId=instance_id, Latest=True).get("Output", "")
+    except Exception:  # console output is best effort; the key is then taken on first contact
+        return None
+    found = host_keys_from_console(output)
+    return found[0] if found else None
+
+
+def _pin_and_wait(cluster: ClusterInfo, outputs: dict, ec2, say) -> None:
+    """Pin each node's host key (from the console where it shows, else on first contact), then wait
+    for SSH and cloud-init on every node at once."""
+    instance_ids = {n["name"]: n.get("instance_id") for n in outputs["nodes"]}
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    say(f"waiting for SSH and cloud-init on {len(cluster.nodes)} nodes (up to {READY_TIMEOUT_S // 60} min) ...")
+    entries = asyncio.run(_host_keys(cluster, instance_ids, ec2, deadline, say))
+    keys.write_known_hosts(Path(cluster.known_hosts), entries)
+    asyncio.run(_wait_ready(cluster, deadline))
+
+
+async def _host_keys(cluster: ClusterInfo, instance_ids: dict, ec2, deadline: float, say) -> list[str]:
+    async def one(node: NodeInfo) -> str:
+        key = _console_host_key(ec2, instance_ids.get(node.name)) if instance_ids.get(node.name) else None
+        how = "from the console output"
+        while key is None:
+            try:
+                key = await ssh.fetch_host_key(node.public_ip, node.ssh_port)
+                how = "on first contact (trust on first use)"
+            except (OSError, asyncssh.Error, asyncio.TimeoutError):
+                if time.monotonic() > deadline:
+                    raise OperationError(f"{node.name} ({node.public_ip}) never answered SSH; "
+                                         f"python deploy.py down --stack {cluster.stack} removes the cluster") from None
+                await asyncio.sleep(5)
+        say(f"{node.name}: host key pinned {how}")
+        return keys.known_hosts_entry(node.public_ip, node.ssh_port, key)
+
+    return list(await asyncio.gather(*(one(n) for n in cluster.nodes)))
+
+
+async def _wait_ready(cluster: ClusterInfo, deadline: float) -> None:
+    async def one(node: NodeInfo) -> None:
+        while True:
+            try:
+                result = await ssh.run(cluster, node, f"test -f {READY_MARKER}")
+                if result.exit_status == 0:
+                    return
+            except (OSError, asyncssh.Error, asyncio.TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise OperationError(f"{node.name} did not finish cloud-init (EFS mount) in time: see "
+                                     "/var/log/gpu-cluster-init.log on it (python deploy.py ssh " + node.name + ")")
+            await asyncio.sleep(5)
+
+    await asyncio.gather(*(one(n) for n in cluster.nodes))
+
+
+# ----------------------------------------------------------------------------------------- down
+
+
+def down(stack: str, clients: preflight.AwsClients | None = None, command=None, placement_ec2=None,
+         say: Callable[[str], None] = print) -> list[teardown.Leftover]:
+    """Destroy the stack, then sweep by tag; returns what is left (empty: nothing)."""
+    region = _region_of(stack)
+    clients = clients or preflight.AwsClients.for_region(region)
+    deployment = automation.Deployment(stack, command, on_output=lambda line: say(line.rstrip()))
+    try:
+        deployment.destroy()
+    except Exception as exc:
+        raise OperationError(f"pulumi destroy failed: {automation.first_line(exc)}; run down again "
+                             "(it clears pending operations and refreshes first)") from None
+    leftovers = teardown.sweep(stack, clients.ec2, clients.efs, placement_ec2)
+    if not leftovers:
+        for name in ("inventory.json", "known_hosts", "bootstrap.json"):
+            (state.stack_dir(stack) / name).unlink(missing_ok=True)
+        state.clear_current_stack(stack)
+    return leftovers
+
+
+def _region_of(stack: str) -> str:
+    try:
+        return inventory.load(stack).region
+    except UsageError:
+        return stack_config.load_stack(stack).region
+
+
+# --------------------------------------------------------------------------------------- status
+
+
+def status(cluster: ClusterInfo, ec2) -> tuple[list[dict], str]:
+    """Per node: EC2 state, uptime, addresses, SSH round trip; and why the cluster stopped itself, if it did."""
+    instances = {}
+    for reservation in ec2.describe_instances(Filters=teardown.tag_filter(cluster.stack))["Reservations"]:
+        for instance in reservation["Instances"]:
+            tags = {t["Key"]: t["Value"] for t in instance.get("Tags", [])}
+            instances[tags.get("gpu-cluster:node", instance["InstanceId"])] = instance
+    running = [n for n in cluster.nodes if instances.get(n.name, {}).get("State", {}).get("Name") == "running"]
+    probes = {p.node.name: p for p in ssh.probe_nodes(_only(cluster, running))} if running else {}
+    now = datetime.now(timezone.utc)
+    rows, reason = [], ""
+    for node in cluster.nodes:
+        instance = instances.get(node.name, {})
+        ec2_state = instance.get("State", {}).get("Name", "missing")
+        probe = probes.get(node.name)
+        launched = instance.get("LaunchTime")
+        rows.append({
+            "name": node.name, "address": f"{node.public_ip}:{node.ssh_port}", "state": ec2_state,
+            "instance_id": instance.get("InstanceId", ""), "reachable": bool(probe and probe.reachable),
+            "round_trip_ms": round(probe.round_trip_ms, 1) if probe else None,
+            "uptime_s": (now - launched).total_seconds() if launched and ec2_state == "running" else None,
+            "error": (probe.error if probe else instance.get("StateReason", {}).get("Message", "")),
+        })
+        if ec2_state in ("stopped", "terminated", "shutting-down") and not reason:
+            reason = _stop_reason(ec2, instance)
+    return rows, reason
+
+
+def _only(cluster: ClusterInfo, nodes: list[NodeInfo]) -> ClusterInfo:
+    return ClusterInfo(**{**cluster.__dict__, "nodes": tuple(nodes)})
+
+
+def _stop_reason(ec2, instance: dict) -> str:
+    """The watchdog's line from the console, or EC2's own reason."""
+    try:
+        output = ec2.get_console_output(InstanceId=instance["InstanceId"]).get("Output", "")
+        match = WATCHDOG_LINE.search(output or "")
+        if match:
+            return match.group(1).strip()
+    except Exception:  # console output may be gone for a terminated instance
+        pass
+    message = instance.get("StateReason", {}).get("Message", "")
+    return message if "InstanceInitiatedShutdown" in message else ""
+

@@ -1,0 +1,254 @@
+"""What a cluster costs: on-demand and spot instance prices, gp3 root volumes and EFS storage.
+
+Prices come from the AWS Price List API (on-demand, storage) and the spot price history of the
+cluster's zone when AWS answers, else from the bundled, dated table `infra/prices.json`. Every figure
+says where it came from and how old it is. API answers are cached in `.cluster/prices.json` for a day.
+"""
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from infra import state
+from infra.errors import UsageError
+
+BUNDLED = json.loads((Path(__file__).parent / "prices.json").read_text())
+HOURS_PER_MONTH = BUNDLED["hours_per_month"]
+CACHE_TTL_S = 24 * 3600
+PRICING_API_REGION = "us-east-1"  # the Price List API answers in us-east-1 for every region
+
+
+@dataclass(frozen=True)
+class Price:
+    """One price and where it came from."""
+
+    usd: float
+    """Dollars per unit (per instance-hour, or per GB-month for storage)."""
+    unit: str
+    """`hour` or `GB-month`."""
+    source: str
+    """`AWS Price List API`, `EC2 spot price history (us-east-1a)` or the bundled table."""
+    as_of: str
+    """When the source said so (a date or an ISO time)."""
+
+    def describe(self) -> str:
+        return f"{self.source}, {self.as_of}"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The cost of a whole cluster."""
+
+    instance: Price
+    """Per instance-hour."""
+    nodes: int
+    """How many instances."""
+    root_volume_gb: int
+    """Each node's gp3 root volume."""
+    ebs: Price
+    """gp3 per GB-month."""
+    efs: Price
+    """EFS Standard per GB-month (charged for what is stored)."""
+
+    @property
+    def instances_hourly_usd(self) -> float:
+        return self.instance.usd * self.nodes
+
+    @property
+    def storage_hourly_usd(self) -> float:
+        """Root volumes only: EFS is charged for what is stored, which starts near zero."""
+        return self.ebs.usd * self.root_volume_gb * self.nodes / HOURS_PER_MONTH
+
+    @property
+    def hourly_usd(self) -> float:
+        return self.instances_hourly_usd + self.storage_hourly_usd
+
+    def as_dict(self) -> dict:
+        return {
+            "hourly_usd": round(self.hourly_usd, 6),
+            "daily_usd": round(self.hourly_usd * 24, 4),
+            "monthly_usd": round(self.hourly_usd * HOURS_PER_MONTH, 2),
+            "instances_hourly_usd": round(self.instances_hourly_usd, 6),
+            "storage_hourly_usd": round(self.storage_hourly_usd, 6),
+            "nodes": self.nodes,
+            "instance": asdict(self.instance),
+            "ebs_gp3": asdict(self.ebs),
+            "efs_standard": asdict(self.efs),
+        }
+
+    def lines(self) -> list[str]:
+        per_day, per_month = self.hourly_usd * 24, self.hourly_usd * HOURS_PER_MONTH
+        return [
+            f"{self.nodes} x ${self.instance.usd:.4f}/h = ${self.instances_hourly_usd:.3f}/h instances "
+            f"({self.instance.describe()})",
+            f"+ ${self.storage_hourly_usd:.4f}/h for {self.nodes} x {self.root_volume_gb} GB gp3 at "
+            f"${self.ebs.usd:.3f}/GB-month; EFS ${self.efs.usd:.2f}/GB-month as used",
+            f"= ${self.hourly_usd:.3f}/h, ${per_day:.2f}/day, ${per_month:.0f}/month if left running",
+        ]
+
+
+# ---------------------------------------------------------------------------------------- bundled
+
+
+def _region_table(table: dict, region: str) -> dict | float | None:
+    entry = table.get(region)
+    return table.get(entry) if isinstance(entry, str) else entry
+
+
+def bundled_on_demand(instance_type: str, region: str) -> Price:
+    prices = _region_table(BUNDLED["on_demand_usd_per_hour"], region)
+    if prices is None:
+        known = ", ".join(k for k in BUNDLED["on_demand_usd_per_hour"])
+        raise UsageError(f"no bundled price for region {region} (it has {known}): run with AWS credentials "
+                         "so the Price List API can be asked")
+    if instance_type not in prices:
+        raise UsageError(f"no bundled price for {instance_type} in {region}: run with AWS credentials so the "
+                         "Price List API can be asked, or check the type name")
+    return Price(prices[instance_type], "hour", BUNDLED["source"], BUNDLED["as_of"])
+
+
+def bundled_storage(region: str, key: str) -> Price:
+    value = _region_table(BUNDLED[key], region)
+    if value is None:
+        value = BUNDLED[key]["us-east-1"]
+        return Price(value, "GB-month", BUNDLED["source"] + " (us-east-1's, none for " + region + ")", BUNDLED["as_of"])
+    return Price(value, "GB-month", BUNDLED["source"], BUNDLED["as_of"])
+
+
+# -------------------------------------------------------------------------------- Price List API
+
+
+def on_demand_filters(instance_type: str, region: str) -> list[dict]:
+    """The one product that is a plain Linux on-demand instance-hour (no SQL, no licence, not a reservation)."""
+    fields = {
+        "instanceType": instance_type,
+        "regionCode": region,
+        "operatingSystem": "Linux",
+        "tenancy": "Shared",
+        "preInstalledSw": "NA",
+        "capacitystatus": "Used",
+    }
+    return [{"Type": "TERM_MATCH", "Field": k, "Value": v} for k, v in fields.items()]
+
+
+def parse_on_demand(price_list: list[str], unit: str = "Hrs") -> tuple[float, str]:
+    """(USD per unit, publication date) from get_products' PriceList (JSON strings)."""
+    for text in price_list:
+        product = json.loads(text)
+        for term in product.get("terms", {}).get("OnDemand", {}).values():
+            for dimension in term.get("priceDimensions", {}).values():
+                usd = float(dimension.get("pricePerUnit", {}).get("USD", "nan"))
+                if dimension.get("unit") == unit and usd > 0:
+                    return usd, product.get("publicationDate", term.get("effectiveDate", ""))[:10]
+    raise LookupError("no on-demand price in the Price List answer")
+
+
+def api_on_demand(pricing_client, instance_type: str, region: str) -> Price:
+    answer = pricing_client.get_products(ServiceCode="AmazonEC2", Filters=on_demand_filters(instance_type, region),
+                                         FormatVersion="aws_v1", MaxResults=10)
+    if not answer["PriceList"]:
+        raise UsageError(f"the Price List API knows no Linux on-demand {instance_type} in {region}: "
+                         "check the type and region names")
+    usd, published = parse_on_demand(answer["PriceList"])
+    return Price(usd, "hour", "AWS Price List API", published)
+
+
+def api_storage(pricing_client, region: str, service: str, filters: dict) -> Price:
+    answer = pricing_client.get_products(
+        ServiceCode=service, FormatVersion="aws_v1", MaxResults=10,
+        Filters=[{"Type": "TERM_MATCH", "Field": k, "Value": v} for k, v in {"regionCode": region, **filters}.items()],
+    )
+    usd, published = parse_on_demand(answer["PriceList"], unit="GB-Mo")
+    return Price(usd, "GB-month", "AWS Price List API", published)
+
+
+def api_spot(ec2_client, instance_type: str, zone: str) -> Price:
+    """The latest Linux spot price in `zone`."""
+    answer = ec2_client.describe_spot_price_history(
+        InstanceTypes=[instance_type], ProductDescriptions=["Linux/UNIX"], AvailabilityZone=zone,
+        StartTime=datetime.now(timezone.utc), MaxResults=1,
+    )
+    history = answer.get("SpotPriceHistory", [])
+    if not history:
+        raise LookupError(f"no spot price for {instance_type} in {zone}")
+    latest = max(history, key=lambda h: h["Timestamp"])
+    return Price(float(latest["SpotPrice"]), "hour", f"EC2 spot price history ({zone})",
+                 latest["Timestamp"].isoformat(timespec="seconds"))
+
+
+# ---------------------------------------------------------------------------------------- sources
+
+
+class PriceSource:
+    """Prices from AWS when `clients` can reach it, else from the bundled table; answers cached."""
+
+    def __init__(self, pricing_client=None, ec2_client=None, cache_path: Path | None = None, clock=time.time):
+        self.pricing, self.ec2, self.clock = pricing_client, ec2_client, clock
+        self.cache_path = cache_path if cache_path is not None else state.state_root() / "prices.json"
+        self.notes: list[str] = []
+
+    def on_demand(self, instance_type: str, region: str) -> Price:
+        return self._cached(f"on-demand/{region}/{instance_type}",
+                            lambda: api_on_demand(self.pricing, instance_type, region),
+                            lambda: bundled_on_demand(instance_type, region))
+
+    def spot(self, instance_type: str, zone: str) -> Price:
+        """Spot is only known live; without AWS the on-demand price stands in, and says so."""
+        if self.ec2 is not None:
+            try:
+                return api_spot(self.ec2, instance_type, zone)
+            except Exception as exc:  # no credentials, throttled, no history: fall back, and say so
+                self.notes.append(f"spot price unavailable ({_brief(exc)})")
+        region = zone.rstrip("abcdefghijklmnopqrstuvwxyz")
+        fallback = self.on_demand(instance_type, region)
+        return Price(fallback.usd, "hour", f"{fallback.source}, on-demand (spot price unknown offline: at most this)",
+                     fallback.as_of)
+
+    def ebs_gp3(self, region: str) -> Price:
+        return self._cached(f"ebs-gp3/{region}",
+                            lambda: api_storage(self.pricing, region, "AmazonEC2",
+                                                {"productFamily": "Storage", "volumeApiName": "gp3"}),
+                            lambda: bundled_storage(region, "ebs_gp3_usd_per_gb_month"))
+
+    def efs_standard(self, region: str) -> Price:
+        return self._cached(f"efs-standard/{region}",
+                            lambda: api_storage(self.pricing, region, "AmazonEFS",
+                                                {"productFamily": "Storage", "storageClass": "General Purpose"}),
+                            lambda: bundled_storage(region, "efs_standard_usd_per_gb_month"))
+
+    def estimate(self, instance_type: str, region: str, nodes: int, root_volume_gb: int,
+                 spot_zone: str | None = None) -> Estimate:
+        instance = self.spot(instance_type, spot_zone) if spot_zone else self.on_demand(instance_type, region)
+        return Estimate(instance, nodes, root_volume_gb, self.ebs_gp3(region), self.efs_standard(region))
+
+    def _cached(self, key: str, ask_api, ask_table) -> Price:
+        cache = self._read_cache()
+        hit = cache.get(key)
+        if hit and self.clock() - hit["fetched_at"] < CACHE_TTL_S:
+            return Price(**hit["price"])
+        if self.pricing is not None:
+            try:
+                price = ask_api()
+                cache[key] = {"fetched_at": self.clock(), "price": asdict(price)}
+                self._write_cache(cache)
+                return price
+            except UsageError:
+                raise
+            except Exception as exc:  # no network or credentials: the bundled table, and a note why
+                self.notes.append(f"Price List API unavailable ({_brief(exc)}); using the bundled table")
+        return ask_table()
+
+    def _read_cache(self) -> dict:
+        try:
+            return json.loads(self.cache_path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _write_cache(self, cache: dict) -> None:
+        state.write_atomic(self.cache_path, json.dumps(cache, indent=1) + "\n")
+
+
+def _brief(exc: Exception) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:120]

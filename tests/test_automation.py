@@ -1,0 +1,145 @@
+"""The Automation API wrapper against a fake PulumiCommand: what it asks the CLI to do, and when."""
+
+import json
+import os
+import stat
+
+import pytest
+from pulumi.automation._cmd import CommandResult, PulumiCommand
+from pulumi.automation.errors import create_command_error
+from semver import VersionInfo
+
+from infra import automation, aws_provider, config as stack_config
+from infra.errors import OperationError, UsageError
+
+HISTORY = json.dumps([{"kind": "update", "startTime": "2026-11-21T00:00:00.000Z", "endTime": "2026-11-21T00:01:00.000Z",
+                       "message": "", "environment": {}, "config": {}, "result": "succeeded", "resourceChanges": {}}])
+OUTPUTS = {"nodes": [{"name": "node-0", "public_ip": "203.0.113.10", "private_ip": "10.42.1.10"}], "region": "us-east-1"}
+
+
+class FakePulumi(PulumiCommand):
+    """Records every CLI invocation; `up` fails for zones listed in `no_capacity`."""
+
+    def __init__(self, no_capacity=(), pending=()):
+        self.command, self.version = "pulumi", VersionInfo.parse("3.200.0")
+        self.calls: list[list[str]] = []
+        self.config: dict[str, str] = {}
+        self.no_capacity, self.pending = set(no_capacity), list(pending)
+        self.imported = None
+
+    def run(self, args, cwd, additional_env, on_output=None, on_error=None):
+        self.calls.append(list(args))
+        self.env = dict(additional_env)
+        stdout, stderr, code = "", "", 0
+        if args[:2] == ["config", "set-all"]:
+            for pair in args[args.index("--plaintext"):]:
+                if "=" in pair:
+                    key, value = pair.split("=", 1)
+                    self.config[key] = value
+        elif args[:2] == ["config", "set"]:
+            self.config[args[2]] = args[3]
+        elif args[0] == "up":
+            if self.config.get("gpu-cluster:availabilityZone") in self.no_capacity:
+                stderr = "error: creating EC2 Instance: InsufficientInstanceCapacity: We currently do not have sufficient g4dn.2xlarge capacity"
+                code = 255
+            elif on_output:
+                on_output("Updating (dev)\n")
+        elif args[:2] == ["stack", "output"]:
+            stdout = json.dumps(OUTPUTS)
+        elif args[:2] == ["stack", "history"]:
+            stdout = HISTORY
+        elif args[:2] == ["stack", "export"]:
+            stdout = json.dumps({"version": 3, "deployment": {"pending_operations": self.pending, "resources": []}})
+        elif args[:2] == ["stack", "import"]:
+            self.imported = json.loads(open(args[args.index("--file") + 1]).read())
+        result = CommandResult(stdout, stderr, code)
+        if code:
+            raise create_command_error(result)
+        return result
+
+    def commands(self) -> list[str]:
+        return [" ".join(c[:2]) if c[0] in ("stack", "config") else c[0] for c in self.calls]
+
+
+def config(**raw):
+    values = {"sshCidr": "203.0.113.7/32", "sshPublicKey": "ssh-ed25519 AAAAC3Nza test", "nodes": 2}
+    values.update(raw)
+    return stack_config.validate("dev", values)
+
+
+def test_up_selects_the_stack_writes_its_config_and_returns_outputs(state_dir):
+    fake = FakePulumi()
+    deployment = automation.Deployment("dev", fake, on_output=lambda line: None)
+    deployment.configure(config(spot=True, maxHourlyUsd=2.5))
+    outputs = deployment.up()
+    assert outputs == OUTPUTS
+    assert fake.calls[0][:4] == ["stack", "select", "--stack", "dev"]
+    assert fake.config["gpu-cluster:nodes"] == "2" and fake.config["gpu-cluster:spot"] == "true"
+    assert fake.config["gpu-cluster:maxHourlyUsd"] == "2.5" and fake.config["aws:region"] == "us-east-1"
+    assert "gpu-cluster:amiId" not in fake.config  # unset keys are left out, not written as "None"
+    up = next(c for c in fake.calls if c[0] == "up")
+    assert "--yes" in up and "--skip-preview" in up and up[up.index("--stack") + 1] == "dev"
+
+
+def test_destroy_clears_pending_operations_refreshes_destroys_and_forgets_the_stack(state_dir):
+    fake = FakePulumi(pending=[{"type": "creating", "resource": {"urn": "urn:pulumi:dev::x"}}])
+    automation.Deployment("dev", fake, on_output=lambda line: None).destroy()
+    assert fake.imported["deployment"]["pending_operations"] == []
+    order = fake.commands()
+    assert order.index("stack export") < order.index("stack import") < order.index("refresh") < order.index("destroy")
+    assert fake.calls[-1][:2] == ["stack", "rm"]
+
+
+def test_destroy_without_pending_operations_imports_nothing(state_dir):
+    fake = FakePulumi()
+    automation.Deployment("dev", fake, on_output=lambda line: None).destroy()
+    assert "stack import" not in fake.commands() and fake.imported is None
+
+
+def test_no_capacity_moves_up_to_the_next_zone_and_says_which_were_tried(state_dir):
+    fake = FakePulumi(no_capacity={"us-east-1a"})
+    said = []
+    deployment = automation.Deployment("dev", fake, on_output=lambda line: None)
+    outputs = aws_provider._up_with_zone_fallback(deployment, config(), ["us-east-1a", "us-east-1b"], said.append)
+    assert outputs == OUTPUTS
+    assert fake.config["gpu-cluster:availabilityZone"] == "us-east-1b"
+    assert any("no g4dn.2xlarge capacity in us-east-1a" in line for line in said)
+    assert sum(1 for c in fake.calls if c[0] == "up") == 2
+
+
+def test_no_capacity_anywhere_fails_naming_every_zone(state_dir):
+    fake = FakePulumi(no_capacity={"us-east-1a", "us-east-1b"})
+    deployment = automation.Deployment("dev", fake, on_output=lambda line: None)
+    with pytest.raises(OperationError, match="zones tried: us-east-1a, us-east-1b.*no capacity in any zone"):
+        aws_provider._up_with_zone_fallback(deployment, config(), ["us-east-1a", "us-east-1b"], lambda line: None)
+
+
+def test_state_is_local_and_the_passphrase_is_generated_once_and_private(state_dir, monkeypatch):
+    for name in ("PULUMI_BACKEND_URL", "PULUMI_CONFIG_PASSPHRASE", "PULUMI_CONFIG_PASSPHRASE_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    fake = FakePulumi()
+    automation.Deployment("dev", fake, on_output=lambda line: None)
+    assert fake.env["PULUMI_BACKEND_URL"] == (state_dir / "pulumi").as_uri()
+    passphrase = state_dir / "pulumi" / "passphrase"
+    assert fake.env["PULUMI_CONFIG_PASSPHRASE_FILE"] == str(passphrase)
+    assert stat.S_IMODE(os.stat(passphrase).st_mode) == 0o600
+    first = passphrase.read_text()
+    automation.Deployment("dev", FakePulumi(), on_output=lambda line: None)
+    assert passphrase.read_text() == first
+
+
+def test_the_users_own_backend_and_passphrase_win(state_dir, monkeypatch):
+    monkeypatch.setenv("PULUMI_BACKEND_URL", "s3://my-state")
+    monkeypatch.setenv("PULUMI_CONFIG_PASSPHRASE", "mine")
+    fake = FakePulumi()
+    automation.Deployment("dev", fake, on_output=lambda line: None)
+    assert "PULUMI_BACKEND_URL" not in fake.env and "PULUMI_CONFIG_PASSPHRASE_FILE" not in fake.env
+    assert not (state_dir / "pulumi" / "passphrase").exists()
+
+
+def test_a_missing_cli_says_how_to_install_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert automation.find_cli() is None
+    with pytest.raises(UsageError, match="Pulumi CLI is not installed.*get.pulumi.com"):
+        automation.cli_command()

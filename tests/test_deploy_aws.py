@@ -1,0 +1,99 @@
+"""`deploy.py` on AWS as a user runs it, with no credentials and no Pulumi CLI: bad input is one line,
+exit 2, nothing created; `plan` still works offline."""
+
+import json
+import os
+
+import pytest
+
+from conftest import assert_one_line_error, run_cli
+from infra.aws_provider import host_keys_from_console
+from infra.cloud_init import STOP_MARKER, user_data
+
+
+@pytest.fixture
+def offline(state_dir, tmp_path, monkeypatch):
+    """No AWS credentials or config, no instance metadata, no Pulumi CLI on PATH."""
+    env = {
+        "AWS_CONFIG_FILE": str(tmp_path / "none"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+        "AWS_EC2_METADATA_DISABLED": "true", "HOME": str(tmp_path),
+        "PATH": os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if not os.path.exists(os.path.join(p, "pulumi"))),
+    }
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(key, raising=False)
+    return env
+
+
+def nothing_created(state_dir) -> bool:
+    return not (state_dir / "dev").exists() and not (state_dir / "pulumi").exists()
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--nodes", "0"], ["nodes must be from 1 to 16"]),
+    (["--nodes", "17"], ["nodes must be from 1 to 16"]),
+    (["--instance-type", "t3.large"], ["t3.large", "not supported"]),
+    (["--ssh-cidr", "1.2.3.4/99"], ["sshCidr", "CIDR"]),
+    (["--ssh-cidr", "0.0.0.0/0"], ["whole internet", "allowWorldSsh"]),
+])
+def test_bad_input_is_refused_before_anything_is_created(offline, state_dir, args, words):
+    result = run_cli("up", "--stack", "dev", "--yes", *args, **offline)
+    assert_one_line_error(result, *words)
+    assert nothing_created(state_dir)
+
+
+def test_missing_cli_and_credentials_are_reported_together(offline, state_dir):
+    result = run_cli("up", "--stack", "dev", "--yes", "--ssh-cidr", "203.0.113.7/32", **offline)
+    assert_one_line_error(result, "preflight found 2 problem(s)", "Pulumi CLI is not installed", "get.pulumi.com",
+                          "AWS credentials do not work")
+    assert nothing_created(state_dir)
+
+
+def test_plan_works_offline_and_prices_the_cluster(offline, state_dir):
+    result = run_cli("plan", "--stack", "dev", "--json", **offline)
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["instances_hourly_usd"] == pytest.approx(1.504)
+    assert plan["hourly_usd"] > plan["instances_hourly_usd"]
+    instances = [r for r in plan["resources"] if r["type"].endswith("Instance")]
+    assert len(instances) == 2 and instances[0]["settings"]["imds"] == "v2 required"
+    text = run_cli("plan", "--stack", "l4", **offline)
+    assert text.returncode == 0 and "g6.2xlarge" in text.stdout and "/month" in text.stdout
+    assert nothing_created(state_dir)
+
+
+def test_plan_refuses_a_bad_stack_name(offline, state_dir):
+    assert_one_line_error(run_cli("plan", "--stack", "Bad Name", **offline), "bad stack name")
+
+
+def test_down_of_an_aws_stack_needs_the_cli(offline, state_dir):
+    (state_dir / "dev").mkdir(parents=True)
+    assert_one_line_error(run_cli("down", "--stack", "dev", **offline), "Pulumi CLI is not installed")
+
+
+CONSOLE = """[   12.3] cloud-init[1021]: Cloud-init v. 24.1 running 'modules:final'
+ec2:
+ec2: #############################################################
+ec2: -----BEGIN SSH HOST KEY FINGERPRINTS-----
+ec2: 256 SHA256:abc root@ip-10-42-1-10 (ED25519)
+ec2: -----END SSH HOST KEY FINGERPRINTS-----
+-----BEGIN SSH HOST KEY KEYS-----
+ecdsa-sha2-nistp256 AAAAE2VjZHNhLXNoYTItbmlzdHAyNTYAAAAIbmlzdHAyNTY root@ip-10-42-1-10
+ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBqVkYtZ9k root@ip-10-42-1-10
+-----END SSH HOST KEY KEYS-----
+"""
+
+
+def test_host_keys_are_read_from_the_console_ed25519_first():
+    assert host_keys_from_console(CONSOLE) == [
+        "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBqVkYtZ9k",
+        "ecdsa-sha2-nistp256 AAAAE2VjZHNhLXNoYTItbmlzdHAyNTYAAAAIbmlzdHAyNTY",
+    ]
+    assert host_keys_from_console("booting...") == []
+
+
+def test_cloud_init_mounts_efs_with_retries_and_installs_the_guard():
+    script = user_data("fs-1234.efs.us-east-1.amazonaws.com")
+    assert script.startswith("#!/bin/bash")
+    assert "fs-1234.efs.us-east-1.amazonaws.com:/ /shared" in script and "seq 1 60" in script
+    assert f"[ -f {STOP_MARKER} ]" in script and "systemctl poweroff" in script
+    assert "systemctl enable --now gpu-cluster-guard.timer" in script

@@ -1,0 +1,92 @@
+"""Preflight against moto and Stubber: every check, and all problems reported together."""
+
+import boto3
+import pytest
+
+from aws_fakes import clients, moto_aws
+from infra import config as stack_config, preflight
+
+
+@pytest.fixture
+def aws(monkeypatch, state_dir):
+    with moto_aws(monkeypatch):
+        yield
+
+
+def check(raw: dict | None = None, cli: bool = True, ip: str | None = "203.0.113.7", **client_options):
+    config = stack_config.validate("dev", {"nodes": 2, "instanceType": "g4dn.2xlarge", **(raw or {})})
+
+    def lookup():
+        if ip is None:
+            raise OSError("no network")
+        return ip
+
+    return preflight.run(config, clients(config.region, **client_options), cli_present=cli, lookup_ip=lookup)
+
+
+def test_a_good_request_passes_with_zones_cidr_and_a_price(aws):
+    result = check()
+    assert result.problems == []
+    assert result.account == "123456789012"
+    assert result.zones == sorted(result.zones) and "us-east-1a" in result.zones
+    assert result.ssh_cidr == "203.0.113.7/32"
+    assert result.vcpus_needed == 16 and result.vcpus_free == 64
+    assert result.estimate.instance.source == "AWS Price List API"
+    assert result.estimate.instances_hourly_usd == pytest.approx(1.504)
+
+
+def test_a_quota_too_low_is_refused_with_its_name_and_numbers(aws):
+    result = check(quota_vcpus=8)
+    assert len(result.problems) == 1
+    assert "Running On-Demand G and VT instances" in result.problems[0]
+    assert "8 vCPUs" in result.problems[0] and "needs 16" in result.problems[0] and "L-DB2E81BA" in result.problems[0]
+
+
+def test_the_quota_counts_what_already_runs(aws):
+    ec2 = boto3.client("ec2", region_name="us-east-1")
+    ec2.run_instances(ImageId="ami-12c6146b", MinCount=2, MaxCount=2, InstanceType="g4dn.xlarge")  # 8 vCPUs
+    ec2.run_instances(ImageId="ami-12c6146b", MinCount=1, MaxCount=1, InstanceType="t3.large")  # another quota
+    result = check(quota_vcpus=20)
+    assert result.vcpus_free == 12
+    assert any("with 8 in use" in p for p in result.problems)
+
+
+def test_a_type_not_offered_in_the_region_is_refused(aws):
+    result = check({"instanceType": "g6.2xlarge", "region": "us-west-1"})
+    assert any("g6.2xlarge is not offered in any zone of us-west-1" in p for p in result.problems)
+
+
+def test_a_pinned_zone_that_does_not_offer_the_type_is_refused(aws):
+    result = check({"availabilityZone": "us-east-1z"})
+    assert any("not offered in us-east-1z" in p for p in result.problems)
+
+
+def test_an_unknown_type_is_refused(aws):
+    result = check({"instanceType": "g4dn.99xlarge"})
+    assert any("g4dn.99xlarge does not exist" in p for p in result.problems)
+
+
+def test_a_missing_ami_is_refused(aws):
+    result = check(ami_found=False)
+    assert any("no Deep Learning Base GPU AMI" in p for p in result.problems)
+    assert check({"amiId": "ami-0123456789abcdef0"}, ami_found=False).problems == []
+
+
+def test_missing_cli_credentials_and_ip_are_all_reported_at_once(monkeypatch, state_dir):
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(state_dir / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(state_dir / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    result = check(cli=False, ip=None)
+    assert len(result.problems) == 3
+    assert "Pulumi CLI is not installed" in result.problems[0]
+    assert "AWS credentials do not work" in result.problems[1]
+    assert "--ssh-cidr" in result.problems[2]
+    assert result.estimate.instance.source.startswith("bundled table")  # priced offline all the same
+
+
+def test_an_estimate_above_max_hourly_usd_is_refused(aws):
+    result = check({"maxHourlyUsd": 1.0})
+    assert any("would cost $1.537/h, above maxHourlyUsd $1" in p for p in result.problems)
+    assert check({"maxHourlyUsd": 2.0}).problems == []

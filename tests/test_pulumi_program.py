@@ -1,0 +1,137 @@
+"""Policy tests of the Pulumi program under Pulumi's own mocks (preview=False; unknown calls refused)."""
+
+import importlib
+import inspect
+
+import pytest
+
+from infra import config as stack_config
+from infra.cluster import STACK_TAG, node_private_ip
+from infra.errors import UsageError
+from infra.plan import AMI_LOOKUP, PLACEHOLDER_AMI, ZONE_LOOKUP, RecordingMocks, run_program
+
+KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl test"
+
+
+def program(**raw):
+    values = {"sshCidr": "203.0.113.7/32", "sshPublicKey": KEY, "nodes": 2, "instanceType": "g4dn.2xlarge"}
+    values.update(raw)
+    run = run_program(stack_config.validate("dev", values))
+    return run
+
+
+def of_type(run, short: str) -> list:
+    return [r for r in run.resources if r.type.split(":")[-1] == short]
+
+
+def named(run, name: str):
+    return next(r for r in run.resources if r.name == name)
+
+
+def test_ssh_is_open_only_to_the_operators_cidr_and_nothing_else_comes_in_from_outside():
+    run = program()
+    rules = of_type(run, "SecurityGroupIngressRule")
+    from_outside = [r for r in rules if r.inputs.get("cidrIpv4") or r.inputs.get("cidrIpv6")]
+    assert len(from_outside) == 1
+    ssh = from_outside[0].inputs
+    assert (ssh["cidrIpv4"], ssh["ipProtocol"], ssh["fromPort"], ssh["toPort"]) == ("203.0.113.7/32", "tcp", 22, 22)
+    assert ssh["securityGroupId"] == "dev-nodes-id"
+
+
+def test_the_nodes_talk_to_each_other_freely_and_efs_hears_only_nodes():
+    run = program()
+    intra = named(run, "dev-intra-cluster").inputs
+    assert intra["ipProtocol"] == "-1"
+    assert intra["securityGroupId"] == intra["referencedSecurityGroupId"] == "dev-nodes-id"
+    nfs = named(run, "dev-shared-nfs-from-nodes").inputs
+    assert (nfs["securityGroupId"], nfs["referencedSecurityGroupId"]) == ("dev-shared-nfs-id", "dev-nodes-id")
+    assert (nfs["ipProtocol"], nfs["fromPort"], nfs["toPort"]) == ("tcp", 2049, 2049)
+    assert named(run, "dev-shared-efs-mount").inputs["securityGroups"] == ["dev-shared-nfs-id"]
+    ingress_to_efs = [r for r in of_type(run, "SecurityGroupIngressRule") if r.inputs["securityGroupId"] == "dev-shared-nfs-id"]
+    assert len(ingress_to_efs) == 1
+
+
+@pytest.mark.parametrize("cidr", ["0.0.0.0/0", "::/0"])
+def test_world_open_ssh_is_refused_unless_asked_for(cidr):
+    with pytest.raises(UsageError, match="whole internet"):
+        program(sshCidr=cidr)
+    run = program(sshCidr=cidr, allowWorldSsh=True)
+    key = "cidrIpv6" if ":" in cidr else "cidrIpv4"
+    assert named(run, "dev-ssh").inputs[key] == cidr
+
+
+def test_instances_require_imdsv2_encrypt_their_disks_and_sit_in_the_placement_group():
+    run = program()
+    instances = of_type(run, "Instance")
+    assert len(instances) == 2
+    for index, instance in enumerate(instances):
+        i = instance.inputs
+        assert i["metadataOptions"]["httpTokens"] == "required"
+        assert i["rootBlockDevice"]["encrypted"] is True and i["rootBlockDevice"]["volumeType"] == "gp3"
+        assert i["placementGroup"] == "dev-placement"
+        assert i["instanceType"] == "g4dn.2xlarge" and i["privateIp"] == node_private_ip(index)
+        assert i["vpcSecurityGroupIds"] == ["dev-nodes-id"] and i["keyName"] == "dev-key"
+        assert "mount -t nfs4" in i["userData"] and "fs-planned.efs.us-east-1.amazonaws.com" in i["userData"]
+        assert "instanceMarketOptions" not in i
+    assert named(run, "dev-placement").inputs["strategy"] == "cluster"
+    efs = named(run, "dev-shared-efs").inputs
+    assert efs["encrypted"] is True and efs["throughputMode"] == "elastic"
+
+
+def test_node_addresses_ascend_so_rank_0_is_on_node_0():
+    run = program(nodes=12)
+    addresses = [r.inputs["privateIp"] for r in of_type(run, "Instance")]
+    assert addresses == sorted(addresses) and addresses[0] == "10.42.1.10"
+    assert [n["name"] for n in run.nodes] == [f"node-{i}" for i in range(12)]
+
+
+def test_count_type_and_spot_come_from_the_config():
+    run = program(nodes=3, instanceType="g6.2xlarge", spot=True)
+    instances = of_type(run, "Instance")
+    assert len(instances) == 3 and {i.inputs["instanceType"] for i in instances} == {"g6.2xlarge"}
+    for instance in instances:
+        market = instance.inputs["instanceMarketOptions"]
+        assert market["marketType"] == "spot" and market["spotOptions"]["instanceInterruptionBehavior"] == "terminate"
+
+
+def test_every_resource_that_takes_tags_is_tagged_with_the_stack():
+    run = program()
+    checked = 0
+    for resource in run.resources:
+        if not resource.type.startswith("aws:"):
+            continue
+        module, name = resource.type.split(":")[1].split("/")[0], resource.type.split(":")[-1]
+        cls = getattr(importlib.import_module(f"pulumi_aws.{module}"), name)
+        if "tags" in inspect.signature(cls._internal_init).parameters:
+            assert resource.inputs.get("tags", {}).get(STACK_TAG) == "dev", resource.name
+            assert resource.inputs["tags"].get("Name"), resource.name
+            checked += 1
+    assert checked >= 14
+
+
+def test_the_ami_and_zone_are_looked_up_unless_pinned():
+    looked_up = program()
+    assert looked_up.calls == [AMI_LOOKUP, ZONE_LOOKUP]
+    assert {i.inputs["ami"] for i in of_type(looked_up, "Instance")} == {PLACEHOLDER_AMI}
+    assert named(looked_up, "dev-net-subnet").inputs["availabilityZone"] == "us-east-1a"
+    pinned = program(amiId="ami-0123456789abcdef0", availabilityZone="us-east-1c")
+    assert pinned.calls == []
+    assert {i.inputs["ami"] for i in of_type(pinned, "Instance")} == {"ami-0123456789abcdef0"}
+    assert named(pinned, "dev-net-subnet").inputs["availabilityZone"] == "us-east-1c"
+
+
+def test_the_mocks_refuse_calls_the_program_is_not_known_to_make():
+    mocks = RecordingMocks("us-east-1")
+
+    class Call:
+        token, args, provider = "aws:index/getCallerIdentity:getCallerIdentity", {}, ""
+
+    with pytest.raises(NotImplementedError, match="getCallerIdentity"):
+        mocks.call(Call())
+
+
+def test_shutdown_behaviour_follows_the_config_and_spot_must_terminate():
+    run = program(shutdownBehavior="stop")
+    assert {i.inputs["instanceInitiatedShutdownBehavior"] for i in of_type(run, "Instance")} == {"stop"}
+    with pytest.raises(UsageError, match="spot instances can only terminate"):
+        program(spot=True, shutdownBehavior="stop")
