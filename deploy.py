@@ -14,7 +14,7 @@ import shutil
 import sys
 import time
 
-from infra import config, inventory, report, state
+from infra import config, costs, inventory, report, state
 from infra.errors import ClusterError, UsageError
 from infra.local import provider as local
 
@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--spot", action="store_true", default=None, help="AWS: spot instances instead of on-demand")
     up.add_argument("--yes", action="store_true", help="AWS: do not ask to confirm the hourly cost")
     up.add_argument("--ssh-cidr", help="AWS: who may SSH in (default: your public IP /32)")
+    up.add_argument("--max-total-usd", help="guard: power the cluster off before it has cost this much")
+    up.add_argument("--idle-minutes", help="guard: power the cluster off after this long with no job and idle GPUs")
     up.add_argument("--ssh-port", type=int, default=local.DEFAULT_SSH_PORT, help="local: SSH port (default 2222)")
     up.add_argument("--bind", help="local: node-0's loopback address (default 127.0.0.10; node i gets +i)")
 
@@ -84,23 +86,31 @@ def up_aws(args, stack: str) -> int:
     if not config.stack_file(stack).exists():
         report.console.print(f"note: no Pulumi.{stack}.yaml: using the defaults (2 x {config.DEFAULT_INSTANCE_TYPE} "
                              f"in {config.DEFAULT_REGION}) and your flags")
-    overrides = {"nodes": args.nodes, "instanceType": args.instance_type, "spot": args.spot, "sshCidr": args.ssh_cidr}
+    overrides = _overrides(args)
     started = time.perf_counter()
     request = aws_provider.UpRequest(stack, overrides, args.yes)
     cluster, created = aws_provider.up(request, say=report.console.print)
+    if created:
+        costs.save_guards(stack, config.load_stack(stack, overrides))
+        costs.record_up(cluster, None, say=report.console.print)
     report.up_summary(cluster, created, time.perf_counter() - started, inventory.inventory_path(stack))
     return 0
 
 
+def _overrides(args) -> dict:
+    return {"nodes": args.nodes, "instanceType": args.instance_type, "spot": args.spot, "sshCidr": args.ssh_cidr,
+            "maxTotalUsd": args.max_total_usd, "idleMinutes": args.idle_minutes}
+
+
 def up_local(args, stack: str) -> int:
-    stack_config = config.read_stack_file(stack)
-    nodes = config.check_nodes(args.nodes if args.nodes is not None else stack_config.get("nodes", 2))
-    instance_type = config.check_instance_type(
-        args.instance_type or str(stack_config.get("instanceType", config.DEFAULT_INSTANCE_TYPE))
-    )
-    options = local.LocalOptions(stack, nodes, instance_type, args.bind, args.ssh_port)
+    stack_config = config.load_stack(stack, {**_overrides(args), "sshCidr": None, "spot": None})
+    options = local.LocalOptions(stack, stack_config.nodes, stack_config.instance_type, args.bind, args.ssh_port)
     started = time.perf_counter()
     cluster, created = local.up(options)
+    if created:
+        costs.save_guards(stack, stack_config)
+        reference = costs.reference_hourly_usd(stack_config.instance_type, stack_config.region, stack_config.nodes)
+        costs.record_up(cluster, reference, say=report.console.print)
     report.up_summary(cluster, created, time.perf_counter() - started, inventory.inventory_path(stack))
     return 0
 
@@ -123,6 +133,7 @@ def down_aws(stack: str) -> int:
 
     report.console.print(f"destroying stack '{stack}' (instances, EFS and the data on it, network) ...")
     leftovers = aws_provider.down(stack, say=report.console.print)
+    costs.record_down(stack, say=report.console.print)
     for line in teardown.report_lines(leftovers):
         report.console.print(line)
     if leftovers:
@@ -135,14 +146,20 @@ def down_aws(stack: str) -> int:
 
 
 def down_local(stack: str) -> int:
+    stopped_itself = local.stop_record(stack)
     started = time.perf_counter()
     result = local.down(stack)
+    if stopped_itself:
+        costs.record_self_stop(stack, stopped_itself.get("reason", "stopped"), stopped_itself.get("at"), report.console.print)
+    costs.record_down(stack, say=report.console.print)
     elapsed = time.perf_counter() - started
     if result.listening:
         report.console.print(f"still listening after down: {', '.join(result.listening)}")
         return 1
     if not result.was_up:
         report.console.print(f"nothing to do: stack '{stack}' is not up")
+    elif stopped_itself:
+        report.console.print(f"stack '{stack}' had stopped itself ({stopped_itself.get('reason', 'stopped')}); state removed")
     elif result.stopped == 0:
         report.console.print(f"stack '{stack}': no node was running; state removed, run logs kept")
     else:
@@ -178,10 +195,15 @@ def cmd_status(args) -> int:
         rows, stopped = aws_provider.status(cluster, preflight.AwsClients.for_region(cluster.region).ec2)
     else:
         rows, stopped = _local_status(cluster)
+    if stopped:
+        costs.record_self_stop(cluster.stack, stopped.get("reason", "stopped"), stopped.get("at"), report.console.print)
+    spent = costs.cost_so_far(cluster.stack, say=report.console.print)
+    reason = stopped.get("reason", "") if stopped else ""
     if args.json:
-        report.print_json({"stack": cluster.stack, "provider": cluster.provider, "stopped_reason": stopped, "nodes": rows})
+        report.print_json({"stack": cluster.stack, "provider": cluster.provider, "stopped_reason": reason,
+                           "cost_so_far_usd": spent, "nodes": rows})
     else:
-        report.status_table(cluster, rows, stopped)
+        report.status_table(cluster, rows, reason, spent)
     return 0 if all(r["reachable"] for r in rows) else 1
 
 
@@ -198,7 +220,7 @@ def _local_status(cluster) -> tuple[list[dict], str]:
         }
         for s in local.status(cluster)
     ]
-    return rows, local.stop_reason(cluster.stack)
+    return rows, local.stop_record(cluster.stack)
 
 
 # ------------------------------------------------------------------------------------ plan, cost
@@ -216,8 +238,8 @@ def cmd_plan(args) -> int:
     source = pricing.PriceSource()  # no clients: the cache or the bundled table, offline
     estimate = source.estimate(stack_config.instance_type, stack_config.region, stack_config.nodes,
                                stack_config.root_volume_gb)
-    resources = [{"type": r.type, "name": r.name, "settings": plan.describe(r)} for r in run.resources
-                 if not r.type.startswith("gpu-cluster:")]
+    resources = [{"type": r.type, "name": r.name, "settings": plan.describe(r)}
+                 for r in sorted(run.resources, key=plan.display_order) if not r.type.startswith("gpu-cluster:")]
     if args.json:
         report.print_json({**estimate.as_dict(), "stack": stack, "resources": resources})
         return 0
@@ -226,7 +248,17 @@ def cmd_plan(args) -> int:
 
 
 def cmd_cost(args) -> int:
-    raise UsageError("cost is not available yet")
+    """Per cluster and per run, from the ledger; local clusters also show what AWS would have charged."""
+    stack = state.check_stack_name(args.stack) if args.stack else None
+    for name in local.stacks_that_stopped_themselves():
+        record = local.stop_record(name)
+        costs.record_self_stop(name, record.get("reason", "stopped"), record.get("at"), report.console.print)
+    data = costs.report(stack, say=report.console.print)
+    if args.json:
+        report.print_json(data)
+    else:
+        report.cost_tables(data)
+    return 0
 
 
 # ------------------------------------------------------------------------------------------ ssh

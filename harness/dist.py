@@ -114,6 +114,7 @@ def init_distributed(timeout_s: float = 300.0) -> Distributed:
             backend,
             timeout=timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,
+            **_attempt_store(env, timeout_s),
         )
     except (RuntimeError, ValueError, dist.DistError) as exc:
         raise RendezvousError(
@@ -124,6 +125,20 @@ def init_distributed(timeout_s: float = 300.0) -> Distributed:
             "nodes started the same job."
         ) from exc
     return Distributed(env, device, backend)
+
+
+def _attempt_store(env: DistEnv, timeout_s: float) -> dict:
+    """Under torchrun's shared rendezvous store, join through a prefix of our own per restart attempt.
+
+    torch 2.13 reuses the agent's store across restarts without separating attempts, so a restarted
+    rank can read the address a dead rank published the attempt before and fail to connect to it.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"harness/attempt-{attempt}", store), "rank": env.rank,
+            "world_size": env.world_size}
 
 
 def _single_process_defaults() -> None:

@@ -2,6 +2,7 @@
 `pulumi destroy` and a sweep that proves nothing billable is left; status from EC2 itself."""
 
 import asyncio
+import json
 import re
 import sys
 import time
@@ -219,7 +220,7 @@ def _region_of(stack: str) -> str:
 # --------------------------------------------------------------------------------------- status
 
 
-def status(cluster: ClusterInfo, ec2) -> tuple[list[dict], str]:
+def status(cluster: ClusterInfo, ec2) -> tuple[list[dict], dict]:
     """Per node: EC2 state, uptime, addresses, SSH round trip; and why the cluster stopped itself, if it did."""
     instances = {}
     for reservation in ec2.describe_instances(Filters=teardown.tag_filter(cluster.stack))["Reservations"]:
@@ -229,7 +230,7 @@ def status(cluster: ClusterInfo, ec2) -> tuple[list[dict], str]:
     running = [n for n in cluster.nodes if instances.get(n.name, {}).get("State", {}).get("Name") == "running"]
     probes = {p.node.name: p for p in ssh.probe_nodes(_only(cluster, running))} if running else {}
     now = datetime.now(timezone.utc)
-    rows, reason = [], ""
+    rows, stopped = [], {}
     for node in cluster.nodes:
         instance = instances.get(node.name, {})
         ec2_state = instance.get("State", {}).get("Name", "missing")
@@ -242,24 +243,25 @@ def status(cluster: ClusterInfo, ec2) -> tuple[list[dict], str]:
             "uptime_s": (now - launched).total_seconds() if launched and ec2_state == "running" else None,
             "error": (probe.error if probe else instance.get("StateReason", {}).get("Message", "")),
         })
-        if ec2_state in ("stopped", "terminated", "shutting-down") and not reason:
-            reason = _stop_reason(ec2, instance)
-    return rows, reason
+        if ec2_state in ("stopped", "terminated", "shutting-down") and not stopped:
+            stopped = _stop_record(ec2, instance)
+    return rows, stopped
 
 
 def _only(cluster: ClusterInfo, nodes: list[NodeInfo]) -> ClusterInfo:
     return ClusterInfo(**{**cluster.__dict__, "nodes": tuple(nodes)})
 
 
-def _stop_reason(ec2, instance: dict) -> str:
-    """The watchdog's line from the console, or EC2's own reason."""
+def _stop_record(ec2, instance: dict) -> dict:
+    """The watchdog's marker as the guard echoed it to the console, else EC2's own reason; {} if
+    the instance did not shut itself down."""
     try:
         output = ec2.get_console_output(InstanceId=instance["InstanceId"]).get("Output", "")
         match = WATCHDOG_LINE.search(output or "")
         if match:
-            return match.group(1).strip()
-    except Exception:  # console output may be gone for a terminated instance
+            return json.loads(match.group(1))
+    except Exception:  # console output may be gone for a terminated instance, or garbled
         pass
     message = instance.get("StateReason", {}).get("Message", "")
-    return message if "InstanceInitiatedShutdown" in message else ""
+    return {"reason": message} if "InstanceInitiatedShutdown" in message else {}
 

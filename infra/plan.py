@@ -6,6 +6,7 @@ the zones that offer the type) are answered with placeholders; any other call is
 look-up in the program cannot slip through `plan` unnoticed.
 """
 
+import asyncio
 from dataclasses import dataclass, field, replace
 
 import pulumi
@@ -76,6 +77,10 @@ class ProgramRun:
 def run_program(config: StackConfig) -> ProgramRun:
     """Run the real program for `config` under mocks (preview=False, so outputs resolve)."""
     mocks = RecordingMocks(config.region)
+    # Pulumi's runtime asks asyncio for the current loop; after an asyncio.run() in this process
+    # (the SSH waits do that) there is none, so it gets one of its own.
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
     pulumi.runtime.set_mocks(mocks, project="gpu-cluster", stack=config.stack, preview=False)
     result: dict = {}
 
@@ -84,13 +89,30 @@ def run_program(config: StackConfig) -> ProgramRun:
         cluster = build(config)
         return cluster.nodes.apply(lambda nodes: result.setdefault("nodes", nodes))
 
-    program()
+    try:
+        program()
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
     return ProgramRun(mocks.resources, mocks.calls, result.get("nodes", []))
 
 
 def plan_config(config: StackConfig) -> StackConfig:
     """The config with placeholders where `up` would look things up or make a key."""
     return replace(config, ssh_cidr=config.ssh_cidr or PLACEHOLDER_CIDR, ssh_public_key=config.ssh_public_key or PLACEHOLDER_KEY)
+
+
+ORDER = ("Vpc", "InternetGateway", "Subnet", "RouteTable", "RouteTableAssociation", "SecurityGroup",
+         "SecurityGroupIngressRule", "SecurityGroupEgressRule", "FileSystem", "MountTarget", "PlacementGroup",
+         "KeyPair", "Instance")
+
+
+def display_order(resource: PlannedResource) -> tuple:
+    """Network first, instances last, nodes in index order (the engine registers them in no fixed order)."""
+    short = resource.type.split(":")[-1]
+    head, _, tail = resource.name.rpartition("-")
+    index = int(tail) if tail.isdigit() else -1
+    return (ORDER.index(short) if short in ORDER else len(ORDER), head if index >= 0 else resource.name, index)
 
 
 def describe(resource: PlannedResource) -> dict[str, object]:

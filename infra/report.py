@@ -57,10 +57,11 @@ def up_summary(cluster: ClusterInfo, created: bool, elapsed_s: float, inventory_
     console.print("next: fab bootstrap")
 
 
-def status_table(cluster: ClusterInfo, rows: list[dict], stopped_reason: str) -> None:
+def status_table(cluster: ClusterInfo, rows: list[dict], stopped_reason: str, spent_usd: float | None) -> None:
+    spent = f", ${spent_usd:.4f} so far" if spent_usd is not None else ""
     console.print(
         f"stack '{cluster.stack}' ({cluster.provider}, {cluster.region}, {cluster.instance_type}), "
-        f"up since {cluster.created_at}, ${cluster.hourly_usd:.3f}/h"
+        f"up since {cluster.created_at}, ${cluster.hourly_usd:.3f}/h{spent}"
     )
     if stopped_reason:
         console.print(f"the cluster stopped itself: {stopped_reason}")
@@ -93,6 +94,30 @@ def plan_table(stack: str, config, resources: list[dict], estimate) -> None:
     console.print(f"{len(resources)} resources; estimated cost:")
     for line in estimate.lines():
         console.print(f"  {line}")
+
+
+def cost_tables(data: dict) -> None:
+    clusters = Table(title="clusters", show_edge=False, pad_edge=False)
+    for column in ("stack", "provider", "type", "nodes", "from", "to", "hours", "$/h", "cost", "on AWS it would cost"):
+        clusters.add_column(column)
+    for c in data["clusters"]:
+        last = c["intervals"][-1] if c["intervals"] else {}
+        to = "up now" if c["up"] else f"{(last.get('ended_at') or '')[:19]} ({last.get('end_reason') or 'down'})"
+        would = f"${c['would_have_cost_usd']:.4f}" if c["would_have_cost_usd"] is not None else ""
+        clusters.add_row(c["stack"], c["provider"], c["instance_type"], str(c["nodes"]),
+                         (c["intervals"][0]["started_at"] or "")[:19] if c["intervals"] else "", to,
+                         f"{c['hours']:.3f}", f"{c['hourly_usd']:.3f}", f"${c['cost_usd']:.4f}", would)
+    console.print(clusters)
+    runs = Table(title="runs", show_edge=False, pad_edge=False)
+    for column in ("run", "task", "stack", "nodes", "seconds", "cost", "exit codes"):
+        runs.add_column(column)
+    for r in data["runs"]:
+        codes = ", ".join(f"{k}={v}" for k, v in (r["exit_codes"] or {}).items()) or "running"
+        runs.add_row(r["run_id"], r["task"], r["stack"], str(r["nodes"]), f"{r['seconds']:.1f}", f"${r['cost_usd']:.4f}", codes)
+    console.print(runs)
+    would = data["local_would_have_cost_usd"]
+    extra = f"; local clusters would have cost ${would:.4f} on their instance types" if would is not None else ""
+    console.print(f"total: ${data['total_usd']:.4f}{extra}")
 
 
 def print_json(data) -> None:

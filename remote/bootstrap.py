@@ -37,6 +37,23 @@ from remote.stream import console, say
 REPO = Path(__file__).resolve().parent.parent
 SYNCED = ("harness", "examples")
 NODE_VENV = "~/.gpu-cluster/venv"
+WATCHDOG_PID = "~/.gpu-cluster/pids/watchdog.pid"
+WATCHDOG_UNIT = """[Unit]
+Description=gpu-cluster budget and idle watchdog
+After=network-online.target remote-fs.target
+
+[Service]
+User={user}
+WorkingDirectory={code}
+Environment=PYTHONPATH={code}
+Environment=CLUSTER_NODE=node-0
+ExecStart={argv}
+Restart=on-failure
+RestartSec=10
+
+[Install]
+WantedBy=multi-user.target
+"""
 REMOTE_HASHES = (
     "import hashlib, json, os, sys\n"
     "root, found = sys.argv[1], {}\n"
@@ -159,7 +176,7 @@ class Bootstrap:
                     raise Exit(code=1)
             self._save_setup()
             self._report()
-            fresh = all(o.status in ("up to date", "shared") for per in self.outcomes.values() for o in per.values())
+            fresh = all(o.status in ("up to date", "shared", "n/a") for per in self.outcomes.values() for o in per.values())
             say(f"bootstrap: {len(sessions)} nodes {'up to date' if fresh else 'ready'} in {time.monotonic() - started:.1f} s; "
                 "next: fab hello, fab run-ddp")
         finally:
@@ -167,7 +184,8 @@ class Bootstrap:
                 session.close()
 
     def stages(self) -> list[tuple[str, Callable[[NodeRecord], Outcome]]]:
-        return [("probe", self.probe), ("deps", self.deps), ("code", self.code), ("env", self.env), ("health", None)]
+        return [("probe", self.probe), ("deps", self.deps), ("code", self.code), ("env", self.env), ("health", None),
+                ("watchdog", self.watchdog)]
 
     def _run_stage(self, name: str, stage) -> None:
         if name == "health":
@@ -346,6 +364,62 @@ class Bootstrap:
                 outcomes[record.name] = Outcome("failed", f"all-reduce failed (exit {code})", "\n".join(result.tails[record.name]))
         return outcomes
 
+    def watchdog(self, record: NodeRecord) -> Outcome:
+        """The budget and idle guard on node-0, from `.cluster/<stack>/guards.json` (written by `up`)."""
+        if record is not self.records[0]:
+            return Outcome("n/a", "")
+        guards = {k: v for k, v in _read_json(self.stack_dir / "guards.json").items() if v is not None}
+        wanted = digest(guards, self.cluster.hourly_usd, self.cluster.created_at, self.python_for(record),
+                        (REPO / "harness" / "watchdog.py").read_text())
+        alive = record.session.run(self._watchdog_alive_command()).exited == 0
+        if self._up_to_date(record, "watchdog", wanted) and alive == bool(guards):
+            return Outcome("up to date", _guard_text(guards))
+        if alive:
+            record.session.run(self._watchdog_stop_command())
+        if guards and not self.cluster.shared_dir:
+            raise StageFailed("the watchdog needs shared storage to reach every node; this cluster has none")
+        if guards:
+            result = record.session.run(self._watchdog_start_command(record, guards), timeout=120)
+            if result.exited != 0:
+                raise StageFailed("could not start the watchdog", result.stdout + result.stderr)
+        self._record(record, "watchdog", wanted, guards)
+        return Outcome("done", _guard_text(guards))
+
+    def _watchdog_argv(self, record: NodeRecord, guards: dict) -> list[str]:
+        from datetime import datetime
+
+        argv = [self.python_for(record), "-m", "harness.watchdog", "--shared-dir", self.cluster.shared_dir,
+                "--hourly-usd", f"{self.cluster.hourly_usd:g}",
+                "--started-at", f"{datetime.fromisoformat(self.cluster.created_at).timestamp():.0f}"]
+        if guards.get("max_total_usd") is not None:
+            argv += ["--max-total-usd", f"{guards['max_total_usd']:g}"]
+        if guards.get("idle_minutes") is not None:
+            argv += ["--idle-minutes", f"{guards['idle_minutes']:g}"]
+        return argv
+
+    def _watchdog_start_command(self, record: NodeRecord, guards: dict) -> str:
+        code = commands.code_dir(self.cluster)
+        argv = " ".join(shlex.quote(a) for a in self._watchdog_argv(record, guards))
+        if self.cluster.provider == "local":
+            # A daemon registered with the node, so powering the node off ends it too.
+            return (f"cd {commands.shell_path(code)} && PYTHONPATH={commands.shell_path(code)} setsid {argv} "
+                    f">> ~/.gpu-cluster/watchdog.log 2>&1 < /dev/null & echo $! > {WATCHDOG_PID}")
+        unit = WATCHDOG_UNIT.format(user=self.cluster.ssh_user, code=code, argv=argv)
+        record.session.conn.put(io.StringIO(unit), remote=".gpu-cluster/gpu-cluster-watchdog.service")
+        return ("sudo install -m 644 ~/.gpu-cluster/gpu-cluster-watchdog.service /etc/systemd/system/ && "
+                "sudo systemctl daemon-reload && sudo systemctl enable gpu-cluster-watchdog && "
+                "sudo systemctl restart gpu-cluster-watchdog")
+
+    def _watchdog_alive_command(self) -> str:
+        if self.cluster.provider == "local":
+            return f"[ -f {WATCHDOG_PID} ] && kill -0 \"$(cat {WATCHDOG_PID})\" 2>/dev/null"
+        return "systemctl is-active --quiet gpu-cluster-watchdog"
+
+    def _watchdog_stop_command(self) -> str:
+        if self.cluster.provider == "local":
+            return f"kill -TERM -- -\"$(cat {WATCHDOG_PID})\" 2>/dev/null; rm -f {WATCHDOG_PID}; true"
+        return "sudo systemctl disable --now gpu-cluster-watchdog; true"
+
     # ------------------------------------------------------------------------------- results
 
     def _save_setup(self) -> None:
@@ -367,7 +441,8 @@ class Bootstrap:
             cells = []
             for stage in self.outcomes:
                 outcome = self.outcomes[stage][record.name]
-                mark = {"failed": "[red]FAILED[/red]", "done": "[green]ok[/green]"}.get(outcome.status, outcome.status)
+                mark = {"failed": "[red]FAILED[/red]", "done": "[green]ok[/green]", "n/a": "-"}.get(
+                    outcome.status, outcome.status)
                 cells.append(f"{mark} {outcome.detail}".strip())
             table.add_row(record.name, *cells)
         out = console()
@@ -378,6 +453,23 @@ class Bootstrap:
                     out.print(f"[bold]{name}[/bold]: {failed_stage} failed: {outcome.detail}")
                     for line in outcome.output.strip().splitlines()[-20:]:
                         out.print(f"  [{name}] {line}", markup=False)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _guard_text(guards: dict) -> str:
+    parts = []
+    if guards.get("max_total_usd") is not None:
+        parts.append(f"budget ${guards['max_total_usd']:g}")
+    if guards.get("idle_minutes") is not None:
+        parts.append(f"idle {guards['idle_minutes']:g} min")
+    return ", ".join(parts) or "no guard set"
 
 
 def _parse_state(text: str) -> dict:

@@ -16,6 +16,9 @@ ENV_FILE = f"{STATE_DIR}/env"
 STATE_FILE = f"{STATE_DIR}/state.json"
 JOB_FILE = f"{STATE_DIR}/job"
 DEFAULT_MASTER_PORT = 29500
+# Each restart attempt gets a store of its own: torch 2.13 shares the rendezvous store with workers
+# across restarts, where a restarted rank can read a dead rank's stale address (any script, not ours).
+FRESH_STORE_PER_ATTEMPT = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
 TERMINATE_GRACE_S = 5
 
 
@@ -123,7 +126,7 @@ def launch_command(cluster: ClusterInfo, node: NodeInfo, run_id: str, task: str,
         f"cd {shell_path(run_dir)}",
         f"echo \"$$ {shlex.quote(run_id)} {shlex.quote(task)}\" > {JOB_FILE}",
         f"exec env CLUSTER_RUN_ID={shlex.quote(run_id)} CLUSTER_RUN_DIR={shell_path(run_dir)} MASTER_PORT={master_port} "
-        f"PYTHONUNBUFFERED=1 PYTHONPATH=\"$CLUSTER_CODE_DIR${{PYTHONPATH:+:$PYTHONPATH}}\" "
+        f"PYTHONUNBUFFERED=1 {FRESH_STORE_PER_ATTEMPT} PYTHONPATH=\"$CLUSTER_CODE_DIR${{PYTHONPATH:+:$PYTHONPATH}}\" "
         f"\"$CLUSTER_PYTHON\" {torchrun} {shell_path(script)} {arguments} 2>&1",
     ])
 

@@ -5,6 +5,7 @@ The cluster is the current stack's inventory (`--stack`, else $CLUSTER_STACK, el
 
 import json
 import shlex
+import sqlite3
 from pathlib import Path
 
 from invoke import Collection, task
@@ -14,6 +15,7 @@ from rich.table import Table
 from infra import inventory, state
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo
+from infra.ledger import Ledger
 from remote import commands
 from remote.bootstrap import Bootstrap
 from remote.connect import on_all_nodes, open_sessions
@@ -43,12 +45,45 @@ def setup_for(cluster: ClusterInfo) -> NodeSetup:
     return NodeSetup.load(state.stack_dir(cluster.stack) / "bootstrap.json")
 
 
+class RunBook:
+    """Runs into the ledger; a ledger that cannot be written costs a warning, never the launch."""
+
+    def __init__(self, cluster: ClusterInfo):
+        self.cluster = cluster
+        try:
+            self.ledger = Ledger()
+            for warning in self.ledger.warnings:
+                say(f"fab: warning: {warning}")
+        except (sqlite3.Error, OSError) as exc:
+            say(f"fab: warning: the ledger cannot be opened ({exc}); this run is not recorded in it")
+            self.ledger = None
+
+    def started(self, run_id: str, task: str) -> None:
+        self._safely(lambda: self.ledger.run_started(run_id, self.cluster.stack, task, len(self.cluster.nodes),
+                                                     self.cluster.hourly_usd))
+
+    def ended(self, run_id: str, exit_codes: dict, duration_s: float) -> float:
+        cost = self._safely(lambda: self.ledger.run_ended(run_id, exit_codes))
+        return cost if cost is not None else self.cluster.hourly_usd * duration_s / 3600
+
+    def _safely(self, write):
+        if self.ledger is None:
+            return None
+        try:
+            return write()
+        except (sqlite3.Error, OSError) as exc:
+            say(f"fab: warning: could not write the ledger ({exc})")
+            return None
+
+
 def start_job(stack: str | None, spec: JobSpec) -> None:
     """Launch `spec` on every node; exit 1 naming the node that failed, 130 on Ctrl-C."""
     cluster = cluster_for(stack)
     setup = setup_for(cluster)
-    result, local_dir = launch(cluster, spec, setup, state.runs_dir(cluster.stack))
-    cost_usd = cluster.hourly_usd * result.duration_s / 3600
+    book = RunBook(cluster)
+    result, local_dir = launch(cluster, spec, setup, state.runs_dir(cluster.stack),
+                               on_start=lambda run_id: book.started(run_id, spec.task))
+    cost_usd = book.ended(result.run_id, result.exit_codes, result.duration_s)
     summary = {
         "task": spec.task,
         "run_id": result.run_id,

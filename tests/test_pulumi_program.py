@@ -21,7 +21,13 @@ def program(**raw):
 
 
 def of_type(run, short: str) -> list:
-    return [r for r in run.resources if r.type.split(":")[-1] == short]
+    """Resources of a type, by name (the mock engine registers them in no fixed order)."""
+    return sorted((r for r in run.resources if r.type.split(":")[-1] == short), key=lambda r: _natural(r.name))
+
+
+def _natural(name: str) -> tuple:
+    head, _, tail = name.rpartition("-")
+    return (head, int(tail)) if tail.isdigit() else (name, -1)
 
 
 def named(run, name: str):
@@ -111,7 +117,7 @@ def test_every_resource_that_takes_tags_is_tagged_with_the_stack():
 
 def test_the_ami_and_zone_are_looked_up_unless_pinned():
     looked_up = program()
-    assert looked_up.calls == [AMI_LOOKUP, ZONE_LOOKUP]
+    assert sorted(looked_up.calls) == sorted([AMI_LOOKUP, ZONE_LOOKUP])
     assert {i.inputs["ami"] for i in of_type(looked_up, "Instance")} == {PLACEHOLDER_AMI}
     assert named(looked_up, "dev-net-subnet").inputs["availabilityZone"] == "us-east-1a"
     pinned = program(amiId="ami-0123456789abcdef0", availabilityZone="us-east-1c")

@@ -143,12 +143,50 @@ def test_hello_runs_on_both_nodes_and_keeps_logs_and_a_summary(cluster):
     assert (run_dir / "node-1.log").exists()
 
 
+def test_every_run_is_in_the_ledger_with_its_cost(cluster):
+    result = cluster.fab("hello")
+    assert result.returncode == 0
+    run_id = json.loads((cluster.runs()[-1] / "summary.json").read_text())["run_id"]
+    report = json.loads(cluster.cli("cost", "--json").stdout)
+    [run] = [r for r in report["runs"] if r["run_id"] == run_id]
+    assert run["task"] == "hello" and run["exit_codes"] == {"node-0": 0, "node-1": 0} and run["cost_usd"] == 0
+    [local] = report["clusters"]
+    assert local["up"] and local["cost_usd"] == 0 and local["would_have_cost_usd"] > 0
+    assert report["total_usd"] == 0
+    assert "on AWS it would cost" in cluster.cli("cost").stdout
+
+
+def test_a_corrupt_ledger_never_breaks_a_launch(cluster):
+    ledger = cluster.state_dir / "ledger.sqlite"
+    for path in cluster.state_dir.glob("ledger.sqlite*"):
+        path.unlink()
+    ledger.write_bytes(b"garbage" * 1000)
+    result = cluster.fab("hello")
+    assert result.returncode == 0
+    assert "warning: the ledger" in result.stdout and "corrupt" in result.stdout
+    assert list(cluster.state_dir.glob("ledger.sqlite.corrupt-*"))
+
+
 def test_run_ddp_trains_and_fetches_the_metrics(cluster):
     result = cluster.fab("run-ddp", "--args", "--steps 20 --log-every 5")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "parameters identical on all 2 ranks" in result.stdout
     metrics = [json.loads(l) for l in (cluster.runs()[-1] / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if m["kind"] == "step"] == [5, 10, 15, 20]
+
+
+def test_max_restarts_restarts_both_nodes_and_training_resumes(cluster):
+    args = "--steps 30 --checkpoint-every 10"
+    straight = cluster.fab("run-ddp", "--args", args)
+    assert straight.returncode == 0
+    expected = json.loads((cluster.runs()[-1] / "summary.json").read_text())
+    restarted = cluster.fab("run-ddp", "--max-restarts", "1", "--args", args + " --simulate-failure-at-step 15")
+    assert restarted.returncode == 0, restarted.stdout[-2000:] + restarted.stderr
+    assert "[node-1] rank 1: failing on purpose at step 15" in restarted.stdout
+    assert "resuming from step 10" in restarted.stdout
+    digest = lambda text: text.split("parameters identical on all 2 ranks (sha256 ")[1][:16]  # noqa: E731
+    assert digest(restarted.stdout) == digest(straight.stdout)
+    assert expected["exit_codes"] == {"node-0": 0, "node-1": 0}
 
 
 def test_a_plain_torchrun_script_sees_distinct_node_ranks_and_one_master(cluster, tmp_path):

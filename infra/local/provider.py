@@ -401,11 +401,21 @@ def _server_start_times(stack: str) -> dict[str, float]:
     return times
 
 
+def stop_record(stack: str) -> dict:
+    """The watchdog's stop marker (`reason`, `at`, ...), or {} if it did not power the cluster off."""
+    try:
+        record = json.loads((shared_dir(stack) / STOP_MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def stacks_that_stopped_themselves() -> list[str]:
+    """Local stacks whose watchdog powered them off (their state is still there until `down`)."""
+    return sorted(p.parents[2].name for p in state.state_root().glob(f"*/shared/{STOP_MARKER}"))
+
+
 def stop_reason(stack: str) -> str:
     """Why the watchdog powered this cluster off, or '' if it did not."""
-    marker = shared_dir(stack) / STOP_MARKER
-    try:
-        record = json.loads(marker.read_text())
-    except (OSError, ValueError):
-        return ""
-    return str(record.get("reason") or "stopped")
+    record = stop_record(stack)
+    return str(record.get("reason") or "stopped") if record else ""

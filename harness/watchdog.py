@@ -1,0 +1,172 @@
+"""The budget and idle guard, running on the head node so it holds while the operator's laptop is off.
+
+    python -m harness.watchdog --shared-dir /shared --hourly-usd 1.537 --started-at 1763700000 \\
+        --max-total-usd 25 --idle-minutes 30
+
+Every check it works out what the cluster has cost since it came up. When the next check would find
+it past `--max-total-usd`, or when no job has run and the GPUs have been idle for `--idle-minutes`, it
+stops the job on this node and writes the stop marker `$CLUSTER_SHARED_DIR/.gpu-cluster/stop.json`
+with the reason. Every node powers itself off when the marker appears (on AWS a systemd timer from
+cloud-init; on the local provider the node's SSH server), which terminates or stops the instances as
+the stack says. `deploy.py status` then says the cluster stopped itself, and why, and the ledger records it.
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from harness.gpu_monitor import busy as gpus_busy
+
+STOP_MARKER = ".gpu-cluster/stop.json"
+HEARTBEAT = ".gpu-cluster/watchdog.json"
+JOB_FILE = "~/.gpu-cluster/job"
+
+
+@dataclass(frozen=True)
+class Guards:
+    """What the watchdog enforces."""
+
+    hourly_usd: float
+    """What the whole cluster costs per hour."""
+    started_at: float
+    """When the cluster came up (epoch seconds): cost accrues from here."""
+    max_total_usd: float | None = None
+    """Power off before the accrued cost crosses this."""
+    idle_minutes: float | None = None
+    """Power off after this long with no job and idle GPUs."""
+    interval_s: float = 30.0
+    """Seconds between checks."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of one check."""
+
+    stop: bool
+    """Whether to power the cluster off."""
+    reason: str
+    """Why (or what was seen)."""
+    accrued_usd: float
+    """The cost so far."""
+    idle_s: float
+    """Seconds without a job or GPU work."""
+
+
+def job_running(job_file: Path) -> bool:
+    """The job recorded by `fab`'s launch is alive (zombies count as gone)."""
+    try:
+        pid = int(job_file.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        if Path("/proc/self").exists():
+            return False
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+
+
+class Watchdog:
+    """Checks the guards; the clock and the activity probes are injectable, for tests."""
+
+    def __init__(self, guards: Guards, shared_dir: Path, job_file: Path, clock=time.time,
+                 gpus_are_busy=gpus_busy):
+        self.guards, self.shared_dir, self.job_file = guards, shared_dir, job_file
+        self.clock, self.gpus_are_busy = clock, gpus_are_busy
+        self.last_active = clock()
+
+    def check(self) -> Decision:
+        now, g = self.clock(), self.guards
+        accrued = g.hourly_usd * max(0.0, now - g.started_at) / 3600
+        if job_running(self.job_file) or self.gpus_are_busy():
+            self.last_active = now
+        idle_s = now - self.last_active
+        if g.max_total_usd is not None:
+            at_next_check = accrued + g.hourly_usd * g.interval_s / 3600
+            if at_next_check >= g.max_total_usd:
+                return Decision(True, f"budget: ${accrued:.2f} spent of maxTotalUsd ${g.max_total_usd:g} "
+                                      f"at ${g.hourly_usd:.3f}/h", accrued, idle_s)
+        if g.idle_minutes is not None and idle_s >= g.idle_minutes * 60:
+            return Decision(True, f"idle: no job and idle GPUs for {idle_s / 60:.1f} min "
+                                  f"(idleMinutes {g.idle_minutes:g})", accrued, idle_s)
+        return Decision(False, "within budget" if g.max_total_usd is not None else "active", accrued, idle_s)
+
+    def heartbeat(self, decision: Decision) -> None:
+        _write_json(self.shared_dir / HEARTBEAT, {"pid": os.getpid(), "checked_at": self.clock(),
+                                                  "accrued_usd": decision.accrued_usd, "idle_s": decision.idle_s,
+                                                  "guards": asdict(self.guards)})
+
+    def power_off(self, decision: Decision) -> None:
+        """Stop this node's job, then write the marker every node's guard powers off on."""
+        _stop_job(self.job_file)
+        _write_json(self.shared_dir / STOP_MARKER, {
+            "reason": decision.reason, "at": self.clock(), "accrued_usd": round(decision.accrued_usd, 4),
+            "by": "watchdog", "node": os.environ.get("CLUSTER_NODE", "node-0"),
+        })
+
+    def run(self) -> Decision:
+        while True:
+            decision = self.check()
+            self.heartbeat(decision)
+            if decision.stop:
+                print(f"watchdog: powering the cluster off: {decision.reason}", flush=True)
+                self.power_off(decision)
+                return decision
+            time.sleep(self.guards.interval_s)
+
+
+def _stop_job(job_file: Path) -> None:
+    if not job_running(job_file):
+        return
+    pid = int(job_file.read_text().split()[0])
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data) + "\n")
+    os.replace(tmp, path)
+
+
+def check_interval_s(idle_minutes: float | None) -> float:
+    """Often enough for the idle guard to be prompt, at most every 30 s."""
+    if idle_minutes is None:
+        return 30.0
+    return max(1.0, min(30.0, idle_minutes * 60 / 6))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shared-dir", type=Path, required=True, help="the folder every node shares")
+    parser.add_argument("--hourly-usd", type=float, required=True, help="the whole cluster's price per hour")
+    parser.add_argument("--started-at", type=float, required=True, help="when the cluster came up (epoch seconds)")
+    parser.add_argument("--max-total-usd", type=float, default=None, help="power off before spending this")
+    parser.add_argument("--idle-minutes", type=float, default=None, help="power off after this long idle")
+    parser.add_argument("--interval-s", type=float, default=None, help="seconds between checks (default: derived)")
+    parser.add_argument("--job-file", default=JOB_FILE, help=f"the job record of fab launches (default {JOB_FILE})")
+    args = parser.parse_args(argv)
+    if args.max_total_usd is None and args.idle_minutes is None:
+        parser.error("nothing to guard: give --max-total-usd and/or --idle-minutes")
+    guards = Guards(args.hourly_usd, args.started_at, args.max_total_usd, args.idle_minutes,
+                    args.interval_s or check_interval_s(args.idle_minutes))
+    print(f"watchdog: guarding {asdict(guards)}", flush=True)
+    Watchdog(guards, args.shared_dir, Path(os.path.expanduser(args.job_file))).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Cost bookkeeping for `deploy.py`: clusters into the ledger, guards for the watchdog, the report.
+
+A cluster that powered itself off (the watchdog's stop marker) is noticed by the next `status`,
+`cost` or `down`, which closes its ledger interval at the moment it stopped, with the reason.
+"""
+
+import json
+import time
+from datetime import datetime, timezone
+
+from infra import state
+from infra.config import StackConfig
+from infra.inventory import ClusterInfo
+from infra.ledger import Ledger
+from infra.pricing import PriceSource
+
+
+def open_ledger(say=print) -> Ledger:
+    ledger = Ledger()
+    for warning in ledger.warnings:
+        say(f"warning: {warning}")
+    return ledger
+
+
+def save_guards(stack: str, config: StackConfig) -> dict:
+    """What the watchdog enforces for this stack (`fab bootstrap` installs it from this file)."""
+    guards = {"max_total_usd": config.max_total_usd, "idle_minutes": config.idle_minutes}
+    state.write_atomic(state.stack_dir(stack) / "guards.json", json.dumps(guards, indent=2) + "\n")
+    return guards
+
+
+def reference_hourly_usd(instance_type: str, region: str, nodes: int) -> float | None:
+    """What `nodes` of `instance_type` would cost per hour (for local clusters, which cost nothing)."""
+    try:
+        return PriceSource().on_demand(instance_type, region).usd * nodes
+    except Exception:  # an unknown type or region only means no comparison is shown
+        return None
+
+
+def record_up(cluster: ClusterInfo, reference_usd: float | None, say=print) -> None:
+    ledger = open_ledger(say)
+    try:
+        created = datetime.fromisoformat(cluster.created_at).timestamp()
+        ledger.cluster_up(cluster.stack, cluster.provider, cluster.instance_type, len(cluster.nodes),
+                          cluster.hourly_usd, reference_usd, at=created)
+    finally:
+        ledger.close()
+
+
+def record_down(stack: str, reason: str = "down", at: float | None = None, say=print) -> None:
+    ledger = open_ledger(say)
+    try:
+        ledger.cluster_down(stack, reason, at)
+    finally:
+        ledger.close()
+
+
+def record_self_stop(stack: str, reason: str, at: float | None, say=print) -> None:
+    """Close the interval of a cluster that stopped itself, once, at the time it stopped."""
+    if reason:
+        record_down(stack, f"stopped itself: {reason}", at, say)
+
+
+def cost_so_far(stack: str, say=print) -> float | None:
+    ledger = open_ledger(say)
+    try:
+        cluster = ledger.open_cluster(stack) or next(reversed(ledger.clusters(stack)), None)
+        return cluster.cost_usd(time.time()) if cluster else None
+    finally:
+        ledger.close()
+
+
+def report(stack: str | None = None, say=print) -> dict:
+    """`deploy.py cost --json`: every cluster and run, with totals."""
+    ledger = open_ledger(say)
+    now = time.time()
+    try:
+        clusters = [_cluster_row(c, now) for c in ledger.clusters(stack)]
+        runs = [_run_row(r, now) for r in ledger.runs(stack)]
+    finally:
+        ledger.close()
+    would = [c["would_have_cost_usd"] for c in clusters if c["would_have_cost_usd"] is not None]
+    return {
+        "clusters": clusters,
+        "runs": runs,
+        "total_usd": round(sum(c["cost_usd"] for c in clusters), 6),
+        "local_would_have_cost_usd": round(sum(would), 6) if would else None,
+    }
+
+
+def _iso(epoch: float | None) -> str | None:
+    return datetime.fromtimestamp(epoch, timezone.utc).isoformat(timespec="seconds") if epoch else None
+
+
+def _cluster_row(c, now: float) -> dict:
+    reference = c.reference_cost_usd(now) if c.provider == "local" else None
+    return {
+        "stack": c.stack, "provider": c.provider, "instance_type": c.instance_type, "nodes": c.nodes,
+        "hourly_usd": c.hourly_usd, "reference_hourly_usd": c.reference_hourly_usd, "up": c.is_up,
+        "intervals": [{"started_at": _iso(i.started_at), "ended_at": _iso(i.ended_at), "end_reason": i.end_reason,
+                       "seconds": round(i.seconds(now), 1)} for i in c.intervals],
+        "hours": round(c.seconds(now) / 3600, 4),
+        "cost_usd": round(c.cost_usd(now), 6),
+        "would_have_cost_usd": round(reference, 6) if reference is not None else None,
+    }
+
+
+def _run_row(r, now: float) -> dict:
+    return {
+        "run_id": r.run_id, "stack": r.stack, "task": r.task, "nodes": r.nodes, "started_at": _iso(r.started_at),
+        "ended_at": _iso(r.ended_at), "seconds": round((r.ended_at or now) - r.started_at, 1),
+        "exit_codes": r.exit_codes, "cost_usd": round(r.cost_usd(now), 6),
+    }

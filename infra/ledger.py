@@ -1,0 +1,268 @@
+"""The cost ledger, `.cluster/ledger.sqlite`: every cluster's up/down intervals and every run.
+
+Written by `deploy.py` (up, down, and when it notices a cluster stopped itself) and by every `fab`
+launch. Each write is one transaction (BEGIN IMMEDIATE), so a crash mid-write leaves the ledger as it
+was, and two writers at once wait for each other (WAL journal, busy timeout) instead of failing. A
+ledger that is not a database any more is kept as `ledger.sqlite.corrupt-<time>` and a new one started.
+
+Costs: a cluster is billed per second while up, with a minimum of one minute per interval (EC2 Linux
+on-demand billing); a run costs the cluster's hourly rate for its duration. Standard library only
+(remote/ writes runs through it too).
+"""
+
+import json
+import os
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from infra import state
+
+MINIMUM_BILLED_S = 60
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS clusters (
+    id INTEGER PRIMARY KEY,
+    stack TEXT NOT NULL,
+    provider TEXT NOT NULL,
+    instance_type TEXT NOT NULL,
+    nodes INTEGER NOT NULL,
+    hourly_usd REAL NOT NULL,
+    reference_hourly_usd REAL,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS intervals (
+    id INTEGER PRIMARY KEY,
+    cluster_id INTEGER NOT NULL REFERENCES clusters(id),
+    started_at REAL NOT NULL,
+    ended_at REAL,
+    end_reason TEXT
+);
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY,
+    cluster_id INTEGER REFERENCES clusters(id),
+    stack TEXT NOT NULL,
+    task TEXT NOT NULL,
+    nodes INTEGER NOT NULL,
+    hourly_usd REAL NOT NULL,
+    started_at REAL NOT NULL,
+    ended_at REAL,
+    exit_codes TEXT
+);
+"""
+
+
+def billed_seconds(seconds: float) -> float:
+    return max(seconds, MINIMUM_BILLED_S)
+
+
+def cost_usd(hourly_usd: float, seconds: float) -> float:
+    return hourly_usd * seconds / 3600.0
+
+
+@dataclass
+class Interval:
+    """A stretch of time a cluster was up."""
+
+    started_at: float
+    """Epoch seconds."""
+    ended_at: float | None
+    """Epoch seconds; None while it is still up."""
+    end_reason: str | None
+    """down, or why it stopped itself."""
+
+    def seconds(self, now: float) -> float:
+        return (self.ended_at or now) - self.started_at
+
+
+@dataclass
+class ClusterRecord:
+    """A cluster as the ledger knows it, with its cost."""
+
+    id: int
+    stack: str
+    provider: str
+    instance_type: str
+    nodes: int
+    hourly_usd: float
+    reference_hourly_usd: float | None
+    created_at: float
+    intervals: list[Interval] = field(default_factory=list)
+
+    def seconds(self, now: float) -> float:
+        return sum(i.seconds(now) for i in self.intervals)
+
+    def cost_usd(self, now: float) -> float:
+        return sum(cost_usd(self.hourly_usd, billed_seconds(i.seconds(now))) for i in self.intervals)
+
+    def reference_cost_usd(self, now: float) -> float | None:
+        """What the same hours cost on the instance type (for local clusters, which cost nothing)."""
+        if self.reference_hourly_usd is None:
+            return None
+        return sum(cost_usd(self.reference_hourly_usd, billed_seconds(i.seconds(now))) for i in self.intervals)
+
+    @property
+    def is_up(self) -> bool:
+        return any(i.ended_at is None for i in self.intervals)
+
+
+@dataclass
+class RunRecord:
+    """One launch."""
+
+    run_id: str
+    stack: str
+    task: str
+    nodes: int
+    hourly_usd: float
+    started_at: float
+    ended_at: float | None
+    exit_codes: dict | None
+
+    def cost_usd(self, now: float) -> float:
+        return cost_usd(self.hourly_usd, (self.ended_at or now) - self.started_at)
+
+
+class Ledger:
+    """The ledger file; every public method is one transaction."""
+
+    def __init__(self, path: Path | None = None, clock=time.time):
+        self.path = path or state.ledger_path()
+        self.clock = clock
+        self.warnings: list[str] = []
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._open()
+        except sqlite3.DatabaseError as exc:
+            self._start_over(exc)
+
+    def _open(self) -> None:
+        self.db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        self.db.execute("PRAGMA busy_timeout = 30000")
+        if self.db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
+            raise sqlite3.DatabaseError("quick_check failed")
+        self.db.execute("PRAGMA journal_mode = WAL")
+        with self._transaction():
+            for statement in SCHEMA.split(";"):
+                if statement.strip():
+                    self.db.execute(statement)
+
+    def _start_over(self, exc: Exception) -> None:
+        backup = self.path.with_name(f"{self.path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+        try:
+            self.db.close()
+        except Exception:  # the connection may never have opened
+            pass
+        os.replace(self.path, backup)
+        for suffix in ("-wal", "-shm"):
+            Path(str(self.path) + suffix).unlink(missing_ok=True)
+        self.warnings.append(f"the ledger {self.path} was corrupt ({exc}); kept it as {backup.name} and started a new one")
+        self._open()
+
+    def _transaction(self):
+        return _Transaction(self.db)
+
+    def close(self) -> None:
+        self.db.close()
+
+    # ---------------------------------------------------------------------------------- clusters
+
+    def cluster_up(self, stack: str, provider: str, instance_type: str, nodes: int, hourly_usd: float,
+                   reference_hourly_usd: float | None = None, at: float | None = None) -> int:
+        at = self.clock() if at is None else at
+        with self._transaction():
+            cursor = self.db.execute(
+                "INSERT INTO clusters (stack, provider, instance_type, nodes, hourly_usd, reference_hourly_usd, created_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (stack, provider, instance_type, nodes, hourly_usd, reference_hourly_usd, at),
+            )
+            cluster_id = cursor.lastrowid
+            self.db.execute("INSERT INTO intervals (cluster_id, started_at) VALUES (?, ?)", (cluster_id, at))
+        return cluster_id
+
+    def cluster_down(self, stack: str, reason: str = "down", at: float | None = None) -> bool:
+        """Close the stack's open interval; False if none was open."""
+        at = self.clock() if at is None else at
+        with self._transaction():
+            cursor = self.db.execute(
+                "UPDATE intervals SET ended_at = MAX(?, started_at), end_reason = ? WHERE ended_at IS NULL AND "
+                "cluster_id IN (SELECT id FROM clusters WHERE stack = ?)",
+                (at, reason, stack),
+            )
+        return cursor.rowcount > 0
+
+    def clusters(self, stack: str | None = None) -> list[ClusterRecord]:
+        rows = self.db.execute(
+            "SELECT id, stack, provider, instance_type, nodes, hourly_usd, reference_hourly_usd, created_at FROM clusters"
+            + (" WHERE stack = ?" if stack else "") + " ORDER BY created_at, id",
+            (stack,) if stack else (),
+        ).fetchall()
+        records = [ClusterRecord(*row) for row in rows]
+        for record in records:
+            record.intervals = [
+                Interval(*row) for row in self.db.execute(
+                    "SELECT started_at, ended_at, end_reason FROM intervals WHERE cluster_id = ? ORDER BY started_at",
+                    (record.id,),
+                )
+            ]
+        return records
+
+    def open_cluster(self, stack: str) -> ClusterRecord | None:
+        up = [c for c in self.clusters(stack) if c.is_up]
+        return up[-1] if up else None
+
+    # -------------------------------------------------------------------------------------- runs
+
+    def run_started(self, run_id: str, stack: str, task: str, nodes: int, hourly_usd: float,
+                    at: float | None = None) -> None:
+        at = self.clock() if at is None else at
+        cluster = self.open_cluster(stack)
+        with self._transaction():
+            self.db.execute(
+                "INSERT OR REPLACE INTO runs (run_id, cluster_id, stack, task, nodes, hourly_usd, started_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (run_id, cluster.id if cluster else None, stack, task, nodes, hourly_usd, at),
+            )
+
+    def run_ended(self, run_id: str, exit_codes: dict, at: float | None = None) -> float:
+        """Record the end; returns the run's cost."""
+        at = self.clock() if at is None else at
+        with self._transaction():
+            self.db.execute("UPDATE runs SET ended_at = ?, exit_codes = ? WHERE run_id = ?",
+                            (at, json.dumps(exit_codes), run_id))
+        run = self.run(run_id)
+        return run.cost_usd(at) if run else 0.0
+
+    def run(self, run_id: str) -> RunRecord | None:
+        runs = self.runs(run_id=run_id)
+        return runs[0] if runs else None
+
+    def runs(self, stack: str | None = None, run_id: str | None = None) -> list[RunRecord]:
+        where, args = [], []
+        if stack:
+            where.append("stack = ?")
+            args.append(stack)
+        if run_id:
+            where.append("run_id = ?")
+            args.append(run_id)
+        rows = self.db.execute(
+            "SELECT run_id, stack, task, nodes, hourly_usd, started_at, ended_at, exit_codes FROM runs"
+            + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY started_at",
+            args,
+        ).fetchall()
+        return [RunRecord(*row[:7], json.loads(row[7]) if row[7] else None) for row in rows]
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on any error: all of a write or none of it."""
+
+    def __init__(self, db: sqlite3.Connection):
+        self.db = db
+
+    def __enter__(self):
+        self.db.execute("BEGIN IMMEDIATE")
+        return self.db
+
+    def __exit__(self, kind, value, traceback):
+        self.db.execute("ROLLBACK" if kind else "COMMIT")
+        return False

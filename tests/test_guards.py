@@ -1,0 +1,66 @@
+"""The watchdog end to end on the local provider: an idle cluster powers itself off."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import assert_one_line_error, free_port, node_server_processes, run_cli, run_fab
+
+
+def watchdog_processes(state_dir: Path) -> list[int]:
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if b"harness.watchdog" in cmdline and str(state_dir).encode() in cmdline and stat[0] != "Z":
+            found.append(int(proc.name))
+    return found
+
+
+def test_an_idle_local_cluster_brings_itself_down_and_says_why(state_dir, make_cluster):
+    make_cluster("local", 2, "--idle-minutes", "0.05")  # 3 seconds
+    assert json.loads((state_dir / "local" / "guards.json").read_text())["idle_minutes"] == 0.05
+    bootstrap = run_fab("bootstrap", "--master-port", str(free_port()))
+    assert bootstrap.returncode == 0, bootstrap.stdout + bootstrap.stderr
+    assert "idle 0.05 min" in bootstrap.stdout
+    deadline, status = time.monotonic() + 60, None
+    while time.monotonic() < deadline:
+        status = run_cli("status", "--json")
+        if status.returncode == 1 and "idle" in json.loads(status.stdout)["stopped_reason"]:
+            break
+        time.sleep(1)
+    report = json.loads(status.stdout)
+    assert "idle: no job and idle GPUs" in report["stopped_reason"]
+    assert all(n["state"] == "down" for n in report["nodes"])
+    assert node_server_processes(state_dir) == [] and watchdog_processes(state_dir) == []
+    text = run_cli("status")
+    assert "the cluster stopped itself: idle" in text.stdout
+
+    [cluster] = json.loads(run_cli("cost", "--json").stdout)["clusters"]
+    assert not cluster["up"] and cluster["intervals"][-1]["end_reason"].startswith("stopped itself: idle")
+    down = run_cli("down")
+    assert down.returncode == 0
+    [cluster] = json.loads(run_cli("cost", "--json").stdout)["clusters"]
+    assert len(cluster["intervals"]) == 1 and cluster["intervals"][0]["end_reason"].startswith("stopped itself")
+
+
+def test_a_cluster_without_guards_runs_no_watchdog(state_dir, make_cluster):
+    make_cluster()
+    result = run_fab("bootstrap", "--master-port", str(free_port()))
+    assert result.returncode == 0 and "no guard set" in result.stdout
+    assert watchdog_processes(state_dir) == []
+
+
+@pytest.mark.parametrize("flag,value,words", [
+    ("--max-total-usd", "-5", ["maxTotalUsd", "positive"]),
+    ("--max-total-usd", "lots", ["maxTotalUsd", "positive number"]),
+    ("--idle-minutes", "0", ["idleMinutes", "positive"]),
+])
+def test_bad_budgets_are_refused_before_anything_starts(state_dir, flag, value, words):
+    assert_one_line_error(run_cli("up", "--local", flag, value), *words)
+    assert not (state_dir / "local").exists() and node_server_processes(state_dir) == []
