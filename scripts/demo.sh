@@ -11,7 +11,13 @@ if [ -f "${CLUSTER_STATE_DIR:-.cluster}/local/inventory.json" ]; then
 fi
 
 step() { printf '\n\033[1m==> %s\033[0m\n' "$*"; }
-trap 'step "python deploy.py down"; python deploy.py down --stack local' EXIT
+finish() {
+  step "python deploy.py down"
+  python deploy.py down --stack local
+  step "python deploy.py cost --stack local"
+  python deploy.py cost --stack local
+}
+trap finish EXIT
 
 step "python deploy.py up --local --nodes 2"
 python deploy.py up --local --nodes 2

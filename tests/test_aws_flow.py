@@ -88,3 +88,43 @@ def test_down_destroys_sweeps_and_removes_the_local_state(monkeypatch, state_dir
     assert [c[0] for c in fake.calls if c[0] in ("refresh", "destroy")] == ["refresh", "destroy"]
     assert fake.imported["deployment"]["pending_operations"] == []
     assert not (stack_dir / "inventory.json").exists() and (stack_dir / "runs").exists()
+
+
+class ConsoleWithWatchdogLine:
+    """moto's EC2 for everything, but a console output that carries the guard's line (moto's is fixed)."""
+
+    def __init__(self, ec2, line: str):
+        self.ec2, self.line = ec2, line
+
+    def get_console_output(self, **kwargs):
+        stubbed = boto3.client("ec2", region_name="us-east-1")
+        stub = Stubber(stubbed)
+        stub.add_response("get_console_output", {"InstanceId": kwargs["InstanceId"], "Output": self.line},
+                          {"InstanceId": kwargs["InstanceId"]})
+        stub.activate()
+        return stubbed.get_console_output(**kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.ec2, name)
+
+
+def test_status_shows_instance_states_and_why_the_cluster_stopped_itself(monkeypatch, state_dir):
+    from infra.inventory import ClusterInfo, NodeInfo
+
+    with moto_aws(monkeypatch):
+        ec2 = boto3.client("ec2", region_name="us-east-1")
+        ids = []
+        for index in range(2):
+            ids.append(ec2.run_instances(ImageId="ami-12c6146b", MinCount=1, MaxCount=1, InstanceType="g4dn.2xlarge",
+                                         TagSpecifications=[{"ResourceType": "instance", "Tags": [
+                                             {"Key": "gpu-cluster:stack", "Value": "dev"},
+                                             {"Key": "gpu-cluster:node", "Value": f"node-{index}"}]}])["Instances"][0]["InstanceId"])
+        ec2.stop_instances(InstanceIds=ids)
+        cluster = ClusterInfo("dev", "aws", "us-east-1", "g4dn.2xlarge", 1.504, "ubuntu", "/k", "/kh", "/shared",
+                              "2026-11-21T00:00:00+00:00",
+                              tuple(NodeInfo(f"node-{i}", f"54.0.0.{i}", f"10.42.1.{10 + i}", 22, 1) for i in range(2)))
+        line = 'gpu-cluster-watchdog: {"reason": "budget: $24.99 spent of maxTotalUsd $25", "at": 1795250000.0}\n'
+        rows, stopped = aws_provider.status(cluster, ConsoleWithWatchdogLine(ec2, "boot...\n" + line))
+    assert [r["state"] for r in rows] == ["stopped", "stopped"]
+    assert [r["instance_id"] for r in rows] == ids and not any(r["reachable"] for r in rows)
+    assert stopped == {"reason": "budget: $24.99 spent of maxTotalUsd $25", "at": 1795250000.0}
