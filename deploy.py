@@ -149,10 +149,10 @@ def down_local(stack: str) -> int:
     stopped_itself = local.stop_record(stack)
     started = time.perf_counter()
     result = local.down(stack)
+    elapsed = time.perf_counter() - started
     if stopped_itself:
         costs.record_self_stop(stack, stopped_itself.get("reason", "stopped"), stopped_itself.get("at"), report.console.print)
     costs.record_down(stack, say=report.console.print)
-    elapsed = time.perf_counter() - started
     if result.listening:
         report.console.print(f"still listening after down: {', '.join(result.listening)}")
         return 1

@@ -17,6 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from harness.comm_bench import OPS, average_busbw, format_table, measure, sizes  # noqa: E402
+from examples._plots import NO_MATPLOTLIB, pyplot  # noqa: E402
 from harness.dist import cleanup, init_distributed, print0, run  # noqa: E402
 from harness.metrics import MetricsWriter  # noqa: E402
 
@@ -50,13 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def plot(path: Path, results, world_size: int, backend: str) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed here: no plot (the JSON has every figure)"
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     figure, axes = plt.subplots(figsize=(7, 4.5))
     for op in dict.fromkeys(r.op for r in results):
         rows = [r for r in results if r.op == op]

@@ -20,6 +20,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from harness import data  # noqa: E402
+from examples._plots import NO_MATPLOTLIB, pyplot  # noqa: E402
 from harness.dist import cleanup, init_distributed, print0, run  # noqa: E402
 from harness.metrics import MetricsWriter  # noqa: E402
 from harness.models import MLP, loss_fn  # noqa: E402
@@ -84,13 +85,9 @@ def table(results: list[dict]) -> str:
 
 
 def plot(path: Path, results: list[dict], backend: str) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed here: no plot (the JSON has every figure)"
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     ranks = [r["ranks"] for r in results]
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.plot(ranks, [r["samples_per_s"] for r in results], marker="o", label="measured")

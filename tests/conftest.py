@@ -131,8 +131,8 @@ def local_cluster(make_cluster):
     return make_cluster()
 
 
-def node_server_processes(state_dir: Path) -> list[int]:
-    """Live (non-zombie) node servers started for this state dir."""
+def processes_of(module: str, state_dir: Path) -> list[int]:
+    """Live (non-zombie) processes running `python -m module` for this state dir."""
     pids = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
@@ -140,9 +140,13 @@ def node_server_processes(state_dir: Path) -> list[int]:
             stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if b"infra.local.node_server" in cmdline and str(state_dir).encode() in cmdline and stat[0] != "Z":
+        if module.encode() in cmdline and str(state_dir).encode() in cmdline and stat[0] != "Z":
             pids.append(int(proc.name))
     return pids
+
+
+def node_server_processes(state_dir: Path) -> list[int]:
+    return processes_of("infra.local.node_server", state_dir)
 
 
 def fabric_connection(inventory: dict, node: dict):

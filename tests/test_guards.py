@@ -6,20 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_one_line_error, free_port, node_server_processes, run_cli, run_fab
+from conftest import assert_one_line_error, free_port, node_server_processes, processes_of, run_cli, run_fab
 
 
 def watchdog_processes(state_dir: Path) -> list[int]:
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            cmdline = (proc / "cmdline").read_bytes()
-            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if b"harness.watchdog" in cmdline and str(state_dir).encode() in cmdline and stat[0] != "Z":
-            found.append(int(proc.name))
-    return found
+    return processes_of("harness.watchdog", state_dir)
 
 
 def test_an_idle_local_cluster_brings_itself_down_and_says_why(state_dir, make_cluster):

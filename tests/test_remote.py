@@ -226,12 +226,18 @@ def test_a_failing_rank_ends_the_whole_job_quickly_and_leaves_nothing(cluster, t
     assert run_processes(summary["run_id"]) == []
 
 
-def test_stop_ends_a_running_job_on_every_node(cluster, tmp_path):
+def start_sleeping_job(cluster, tmp_path) -> subprocess.Popen:
+    """`fab run` of a script that sleeps on every rank, returned once it runs everywhere."""
     script = tmp_path / "sleep.py"
     script.write_text("import time\nprint('sleeping', flush=True)\ntime.sleep(600)\n")
     job = cluster.popen_fab("run", "--script", str(script))
+    wait_for_output(job, "sleeping")
+    return job
+
+
+def test_stop_ends_a_running_job_on_every_node(cluster, tmp_path):
+    job = start_sleeping_job(cluster, tmp_path)
     try:
-        wait_for_output(job, "sleeping")
         busy = cluster.fab("hello")
         assert_one_line_error(busy, "running job", "fab stop")
         stopped = cluster.fab("stop")
@@ -244,11 +250,8 @@ def test_stop_ends_a_running_job_on_every_node(cluster, tmp_path):
 
 
 def test_ctrl_c_stops_the_job_everywhere(cluster, tmp_path):
-    script = tmp_path / "sleep.py"
-    script.write_text("import time\nprint('sleeping', flush=True)\ntime.sleep(600)\n")
-    job = cluster.popen_fab("run", "--script", str(script))
+    job = start_sleeping_job(cluster, tmp_path)
     try:
-        wait_for_output(job, "sleeping")
         job.send_signal(signal.SIGINT)
         assert job.wait(timeout=30) == 130
     finally:
