@@ -9,7 +9,6 @@ size is also checked for correct data (#wrong). The results go to JSON (`--json`
 """
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness.comm_bench import OPS, average_busbw, format_table, measure, sizes  # noqa: E402
 from examples._plots import NO_MATPLOTLIB, pyplot  # noqa: E402
 from harness.dist import cleanup, init_distributed, print0, run  # noqa: E402
-from harness.metrics import MetricsWriter  # noqa: E402
+from harness.metrics import MetricsWriter, write_results  # noqa: E402
 
 UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
@@ -92,10 +91,8 @@ def main(argv=None) -> int:
             "wrong": wrong,
         }
         if ctx.is_rank0:
-            json_path = args.json or (ctx.env.run_dir / "profile.json" if ctx.env.run_dir else None)
+            json_path = write_results(summary, args.json, ctx.env.run_dir, "profile.json")
             if json_path:
-                json_path.parent.mkdir(parents=True, exist_ok=True)
-                json_path.write_text(json.dumps(summary, indent=2) + "\n")
                 print(f"results: {json_path}", flush=True)
             if args.plot:
                 print(plot(args.plot, results, ctx.world_size, ctx.backend), flush=True)

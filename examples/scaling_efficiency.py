@@ -8,7 +8,6 @@ goes: compute (forward and backward with no gradient sync) and exposed communica
 """
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from harness import data  # noqa: E402
 from examples._plots import NO_MATPLOTLIB, pyplot  # noqa: E402
 from harness.dist import cleanup, init_distributed, print0, run  # noqa: E402
-from harness.metrics import MetricsWriter  # noqa: E402
+from harness.metrics import MetricsWriter, write_results  # noqa: E402
 from harness.models import MLP, loss_fn  # noqa: E402
 from harness.comm_bench import synchronize  # noqa: E402
 
@@ -125,10 +124,9 @@ def main(argv=None) -> int:
         print0(f"DDP weak scaling, {args.batch_size} samples per rank, {ctx.backend}:")
         print0(table(results))
         if ctx.is_rank0:
-            json_path = args.json or (ctx.env.run_dir / "scaling.json" if ctx.env.run_dir else None)
+            json_path = write_results({"backend": ctx.backend, "results": results}, args.json, ctx.env.run_dir,
+                                      "scaling.json")
             if json_path:
-                json_path.parent.mkdir(parents=True, exist_ok=True)
-                json_path.write_text(json.dumps({"backend": ctx.backend, "results": results}, indent=2) + "\n")
                 print(f"results: {json_path}", flush=True)
             if args.plot:
                 print(plot(args.plot, results, ctx.backend), flush=True)
