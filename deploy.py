@@ -285,7 +285,8 @@ def ssh_argv(cluster: inventory.ClusterInfo, node_name: str, remote_command: lis
 
 def cmd_ssh(args) -> int:
     cluster = inventory.load_current(args.stack)
-    argv = ssh_argv(cluster, args.node, [a for a in args.remote_command if a != "--"] if args.remote_command else [])
+    remote_command = args.remote_command[1:] if args.remote_command[:1] == ["--"] else args.remote_command
+    argv = ssh_argv(cluster, args.node, remote_command)
     if shutil.which("ssh") is None:
         raise UsageError("no ssh client on PATH: install OpenSSH (e.g. apt install openssh-client)")
     sys.stdout.flush()

@@ -14,6 +14,7 @@ where it stopped; `--simulate-failure-at-step N` crashes one rank once to show i
 """
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -150,21 +151,13 @@ def main(argv=None) -> int:
         metrics = MetricsWriter(ctx.env.run_dir, ctx.is_rank0)
         logger = StepLogger(ctx.is_rank0, ctx.device, meter, metrics, args.batch_size * ctx.world_size)
         config = LoopConfig(args.steps, args.log_every, checkpoints, args.checkpoint_every, args.simulate_failure_at_step)
-        with GpuMonitor(metrics.write, ctx.env.node_rank) if ctx.is_rank0 else _nothing(), \
+        with GpuMonitor(metrics.write, ctx.env.node_rank) if ctx.is_rank0 else contextlib.nullcontext(), \
                 maybe_profile(args.profile_dir, ctx.rank, ctx.device) as profiler:
             result = train_loop(ctx, model, optimizer, scaler, precision, loader, sampler, config, logger,
                                 start_step=start, profiler=profiler)
         return summarize(args, ctx, result, meter, logger, metrics, model)
     finally:
         cleanup()
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
 
 
 if __name__ == "__main__":

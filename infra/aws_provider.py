@@ -202,7 +202,8 @@ def down(stack: str, clients: preflight.AwsClients | None = None, command=None, 
     except Exception as exc:
         raise OperationError(f"pulumi destroy failed: {automation.first_line(exc)}; run down again "
                              "(it clears pending operations and refreshes first)") from None
-    leftovers = teardown.sweep(stack, clients.ec2, clients.efs, placement_ec2)
+    with preflight.aws_answers("after destroy, looking for leftovers"):
+        leftovers = teardown.sweep(stack, clients.ec2, clients.efs, placement_ec2)
     if not leftovers:
         for name in ("inventory.json", "known_hosts", "bootstrap.json"):
             (state.stack_dir(stack) / name).unlink(missing_ok=True)
@@ -222,6 +223,11 @@ def _region_of(stack: str) -> str:
 
 def status(cluster: ClusterInfo, ec2) -> tuple[list[dict], dict]:
     """Per node: EC2 state, uptime, addresses, SSH round trip; and why the cluster stopped itself, if it did."""
+    with preflight.aws_answers(f"status of stack '{cluster.stack}'"):
+        return _status(cluster, ec2)
+
+
+def _status(cluster: ClusterInfo, ec2) -> tuple[list[dict], dict]:
     instances = {}
     for reservation in ec2.describe_instances(Filters=teardown.tag_filter(cluster.stack))["Reservations"]:
         for instance in reservation["Instances"]:

@@ -8,6 +8,7 @@ public IP /32); and what it will cost per hour, refused above maxHourlyUsd.
 
 import urllib.request
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import boto3
@@ -16,6 +17,7 @@ import botocore.exceptions
 from infra.automation import INSTALL_HINT
 from infra.cluster import DLAMI_PARAMETER
 from infra.config import StackConfig
+from infra.errors import OperationError, UsageError
 from infra.pricing import PRICING_API_REGION, Estimate, PriceSource
 
 # Service Quotas codes for running-instance vCPUs (https://docs.aws.amazon.com/ec2/latest/instancetypes/ec2-instance-quotas.html).
@@ -100,9 +102,32 @@ def _check_credentials(clients: AwsClients, result: PreflightResult) -> str | No
     try:
         return clients.sts.get_caller_identity()["Account"]
     except AWS_ERRORS as exc:
-        result.problems.append(f"AWS credentials do not work ({_brief(exc)}): run `aws configure` or set "
-                               "AWS_PROFILE (or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)")
+        result.problems.append(credentials_problem(exc))
         return None
+
+
+def credentials_problem(exc: BaseException) -> str:
+    return (f"AWS credentials do not work ({_brief(exc)}): run `aws configure` or set "
+            "AWS_PROFILE (or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)")
+
+
+CREDENTIAL_ERRORS = ("AuthFailure", "UnauthorizedOperation", "InvalidClientTokenId", "ExpiredToken",
+                     "SignatureDoesNotMatch", "AccessDenied")
+
+
+@contextmanager
+def aws_answers(doing: str):
+    """botocore failures as one line: credentials are the user's to fix (exit 2), the rest a failed step."""
+    try:
+        yield
+    except (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError) as exc:
+        raise UsageError(f"{doing}: {credentials_problem(exc)}") from None
+    except botocore.exceptions.ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in CREDENTIAL_ERRORS:
+            raise UsageError(f"{doing}: {credentials_problem(exc)}") from None
+        raise OperationError(f"{doing}: AWS said: {_brief(exc)}") from None
+    except botocore.exceptions.BotoCoreError as exc:
+        raise OperationError(f"{doing}: {_brief(exc)}") from None
 
 
 def _check_instance_type(config: StackConfig, clients: AwsClients, result: PreflightResult) -> int | None:

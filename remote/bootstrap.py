@@ -327,7 +327,8 @@ class Bootstrap:
         head = self.records[0]
         address, port = self.cluster.head.private_ip, str(self.master_port)
         listen_command = commands.python_json_command(self.python_for(head), LISTEN, address, port, str(len(self.records)))
-        listener = threading.Thread(target=lambda: setattr(self, "_listened", head.session.run(listen_command)))
+        listened = []
+        listener = threading.Thread(target=lambda: listened.append(head.session.run(listen_command)))
         listener.start()
         results = on_all_nodes(
             [r.session for r in self.records],
@@ -343,8 +344,9 @@ class Bootstrap:
                 outcomes[record.name] = Outcome("failed", f"cannot reach MASTER_ADDR {address}:{port}: {why}")
             else:
                 outcomes[record.name] = Outcome("done", f"reaches {address}:{port}")
-        if self._listened.exited != 0:
-            outcomes[head.name] = Outcome("failed", f"cannot listen on {address}:{port}", self._listened.stderr)
+        if not listened or listened[0].exited != 0:
+            why = listened[0].stderr if listened else "the listener's connection failed"
+            outcomes[head.name] = Outcome("failed", f"cannot listen on {address}:{port}", why)
         return outcomes
 
     def _check_all_reduce(self) -> dict[str, Outcome]:

@@ -20,8 +20,10 @@ T = TypeVar("T")
 NO_EXIT_STATUS = -1  # what paramiko reports for a channel that closed without an exit status
 CONNECT_TIMEOUT_S = 10
 RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0)
-# What a dropped or refused connection raises; a command's own failure is not among these.
+# What a dropped or refused connection raises (socket errors are OSErrors); a command's own failure is
+# not among these, nor is a file that is missing or unreadable, which no retry will mend.
 CONNECTION_ERRORS = (paramiko.SSHException, EOFError, ConnectionError, socket.timeout, OSError)
+NOT_CONNECTION_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
 def connect(cluster: ClusterInfo, node: NodeInfo) -> Connection:
@@ -78,7 +80,7 @@ class NodeSession:
             try:
                 return step(self)
             except CONNECTION_ERRORS as exc:
-                if delay is None:
+                if isinstance(exc, NOT_CONNECTION_ERRORS) or delay is None:
                     raise
                 if on_retry:
                     on_retry(f"{self.node.name}: connection lost ({describe(exc)}); retry {attempt + 1} in {delay:g} s")

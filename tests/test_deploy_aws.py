@@ -97,3 +97,26 @@ def test_cloud_init_mounts_efs_with_retries_and_installs_the_guard():
     assert "fs-1234.efs.us-east-1.amazonaws.com:/ /shared" in script and "seq 1 60" in script
     assert f"[ -f {STOP_MARKER} ]" in script and "systemctl poweroff" in script
     assert "systemctl enable --now gpu-cluster-guard.timer" in script
+
+
+def test_status_of_an_aws_cluster_without_credentials_is_one_line(offline, state_dir):
+    stack_dir = state_dir / "dev"
+    stack_dir.mkdir(parents=True)
+    (stack_dir / "inventory.json").write_text(json.dumps({
+        "stack": "dev", "provider": "aws", "region": "us-east-1", "instance_type": "g4dn.2xlarge", "hourly_usd": 1.537,
+        "ssh_user": "ubuntu", "ssh_key": str(stack_dir / "id_ed25519"), "known_hosts": str(stack_dir / "known_hosts"),
+        "shared_dir": "/shared", "created_at": "2026-11-21T00:00:00+00:00",
+        "nodes": [{"name": "node-0", "public_ip": "203.0.113.10", "private_ip": "10.42.1.10", "ssh_port": 22, "gpus": 1}],
+    }))
+    assert_one_line_error(run_cli("status", "--stack", "dev", **offline), "AWS credentials do not work", "aws configure")
+
+
+def test_ssh_passes_the_remote_command_through_whole():
+    from deploy import ssh_argv
+    from infra.inventory import ClusterInfo, NodeInfo
+
+    cluster = ClusterInfo("dev", "aws", "us-east-1", "g4dn.2xlarge", 1.5, "ubuntu", "/k", "/kh", "/shared", "t",
+                          (NodeInfo("node-0", "203.0.113.10", "10.42.1.10", 22, 1),))
+    argv = ssh_argv(cluster, "node-0", ["grep", "--", "-x", "file"])
+    assert argv[-6:] == ["ubuntu@203.0.113.10", "--", "grep", "--", "-x", "file"]
+    assert "StrictHostKeyChecking=yes" in argv and "UserKnownHostsFile=/kh" in argv

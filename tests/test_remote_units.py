@@ -126,3 +126,29 @@ def test_the_code_manifest_covers_the_harness_and_examples_only():
     assert "harness/dist.py" in manifest and "examples/ddp_training.py" in manifest
     assert not any("__pycache__" in p or p.startswith(("infra", "remote", "tests")) for p in manifest)
     assert digest(manifest) == digest(dict(manifest)) != digest({**manifest, "x": "y"})
+
+
+def test_a_dropped_connection_is_retried_but_a_missing_file_is_not(tmp_path):
+    from remote.connect import NodeSession
+
+    known_hosts = tmp_path / "known_hosts"
+    known_hosts.write_text("")
+    c = cluster()
+    session = NodeSession(ClusterInfo(**{**c.__dict__, "known_hosts": str(known_hosts)}), c.nodes[0])
+    calls = []
+
+    def drops_once(_):
+        calls.append("drop")
+        if len(calls) == 1:
+            raise ConnectionResetError("connection reset")
+        return "ok"
+
+    assert session.retrying(drops_once, delays_s=(0,)) == "ok" and len(calls) == 2
+
+    def missing_file(_):
+        calls.append("missing")
+        raise FileNotFoundError("no such file: requirements-node.txt")
+
+    with pytest.raises(FileNotFoundError):
+        session.retrying(missing_file, delays_s=(0, 0, 0))
+    assert calls.count("missing") == 1
