@@ -5,11 +5,21 @@ Nodes are listed head node first: node-0 hosts rank 0 and `MASTER_ADDR`.
 """
 
 import json
-from dataclasses import asdict, dataclass, fields
+import sys
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from infra import state
 from infra.errors import UsageError
+
+DAEMONS = ("systemd", "detached")
+DEFAULT_PYTHON = "python3"
+DEFAULT_DAEMON = "detached"
+# What an inventory written before `python`, `daemon` and `env` existed meant, by provider.
+EARLIER_FACTS = {
+    "local": {"python": sys.executable, "env": {"OMP_NUM_THREADS": "1"}},
+    "aws": {"daemon": "systemd"},
+}
 
 
 @dataclass(frozen=True)
@@ -26,6 +36,8 @@ class NodeInfo:
     """The node's SSH port (22 on AWS, 2222 by default on the local provider)."""
     gpus: int
     """GPUs on the node; 0 for CPU nodes, which train with gloo."""
+    ssh_user: str = ""
+    """The login user on this node (hosts of the `ssh` provider may differ); filled from the cluster's."""
 
 
 @dataclass(frozen=True)
@@ -35,7 +47,7 @@ class ClusterInfo:
     stack: str
     """The stack name, also the folder under `.cluster/`."""
     provider: str
-    """`local` or `aws`."""
+    """`local`, `aws` or `ssh` (infra/provider.py picks the implementation from it)."""
     region: str
     """AWS region, or `local`."""
     instance_type: str
@@ -43,7 +55,7 @@ class ClusterInfo:
     hourly_usd: float
     """What the whole cluster costs per hour while it is up (0 for the local provider)."""
     ssh_user: str
-    """The login user on every node."""
+    """The default login user (each node's `ssh_user` says where it differs)."""
     ssh_key: str
     """Absolute path of the cluster's private key (mode 0600)."""
     known_hosts: str
@@ -54,6 +66,17 @@ class ClusterInfo:
     """ISO-8601 UTC time the cluster came up."""
     nodes: tuple[NodeInfo, ...]
     """Head node first."""
+    python: str = DEFAULT_PYTHON
+    """The interpreter bootstrap builds the node venv from (its torch is kept where it has one)."""
+    daemon: str = DEFAULT_DAEMON
+    """How the watchdog is kept alive on the head node: `systemd` (a unit) or `detached` (a process)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for every node's jobs (local nodes share this machine's cores: one thread each)."""
+
+    def __post_init__(self):
+        # Every node names its login user, so no connection has to fall back to the cluster's.
+        filled = tuple(n if n.ssh_user else replace(n, ssh_user=self.ssh_user) for n in self.nodes)
+        object.__setattr__(self, "nodes", filled)
 
     @property
     def head(self) -> NodeInfo:
@@ -71,20 +94,30 @@ class ClusterInfo:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ClusterInfo":
-        expected = {f.name for f in fields(cls)}
-        missing = expected - set(data)
-        if missing:
-            raise ValueError(f"missing {', '.join(sorted(missing))}")
+        """Read an inventory; fields added since it was written take their defaults."""
+        values = {**EARLIER_FACTS.get(data.get("provider"), {}), **_values(cls, data)}
         nodes = tuple(_node_from_dict(n) for n in data["nodes"])
         if not nodes:
             raise ValueError("no nodes")
-        values = {k: data[k] for k in expected if k != "nodes"}
-        values["hourly_usd"] = float(values["hourly_usd"])
-        return cls(nodes=nodes, **values)
+        values.update(nodes=nodes, hourly_usd=float(values["hourly_usd"]))
+        if values.get("daemon", DEFAULT_DAEMON) not in DAEMONS:
+            raise ValueError(f"daemon must be one of {', '.join(DAEMONS)}")
+        if not isinstance(values.get("env", {}), dict):
+            raise ValueError("env must be a mapping")
+        return cls(**values)
+
+
+def _values(cls, data: dict) -> dict:
+    """The dataclass's fields from `data`; ValueError naming the required ones that are missing."""
+    required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+    missing = required - set(data)
+    if missing:
+        raise ValueError(f"missing {', '.join(sorted(missing))}")
+    return {f.name: data[f.name] for f in fields(cls) if f.name in data}
 
 
 def _node_from_dict(data: dict) -> NodeInfo:
-    node = NodeInfo(**{f.name: data[f.name] for f in fields(NodeInfo)})
+    node = NodeInfo(**_values(NodeInfo, data))
     if not isinstance(node.ssh_port, int) or not isinstance(node.gpus, int):
         raise ValueError(f"{node.name}: ssh_port and gpus must be integers")
     return node

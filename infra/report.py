@@ -42,7 +42,8 @@ def format_duration(seconds: float | None) -> str:
 
 
 def up_summary(cluster: ClusterInfo, created: bool, elapsed_s: float, inventory_path: Path) -> None:
-    kind = "CPU nodes, gloo" if cluster.provider == "local" else f"{cluster.instance_type}"
+    gpus = sum(n.gpus for n in cluster.nodes)
+    kind = f"{cluster.instance_type}, {gpus} GPUs" if gpus else "CPU nodes, gloo"
     if not created:
         console.print(f"cluster '{cluster.stack}' is already up ({plural(len(cluster.nodes), 'node')}); nothing changed")
     else:

@@ -157,7 +157,7 @@ def fabric_connection(inventory: dict, node: dict):
     conn = Connection(
         node["public_ip"],
         port=node["ssh_port"],
-        user=inventory["ssh_user"],
+        user=node.get("ssh_user") or inventory["ssh_user"],
         connect_kwargs={"key_filename": inventory["ssh_key"], "look_for_keys": False, "allow_agent": False},
         config=Config(overrides={"run": {"in_stream": False}, "load_ssh_configs": False}),
     )

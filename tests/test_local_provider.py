@@ -27,7 +27,7 @@ def openssh_argv(inventory: dict, node: dict, command: str, key: str | None = No
         "ssh", "-i", key or inventory["ssh_key"], "-p", str(node["ssh_port"]),
         "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
         "-o", f"UserKnownHostsFile={inventory['known_hosts']}", "-o", "GlobalKnownHostsFile=/dev/null",
-        "-o", "StrictHostKeyChecking=yes", f"{inventory['ssh_user']}@{node['public_ip']}", command,
+        "-o", "StrictHostKeyChecking=yes", f"{node['ssh_user']}@{node['public_ip']}", command,
     ]  # fmt: skip
 
 

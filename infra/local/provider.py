@@ -187,8 +187,11 @@ def _start(options: LocalOptions, addresses: list[tuple[str, int]]) -> ClusterIn
         shared_dir=str(shared),
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         nodes=tuple(
-            NodeInfo(f"node-{i}", address, address, port, 0) for i, (address, port) in enumerate(addresses)
+            NodeInfo(f"node-{i}", address, address, port, 0, user) for i, (address, port) in enumerate(addresses)
         ),
+        python=sys.executable,  # this project's own interpreter already has torch
+        daemon="detached",  # the node server ends registered daemons when it powers off
+        env={"OMP_NUM_THREADS": "1"},  # the nodes share this machine's cores: one thread per rank
     )
     try:
         ssh.wait_for_ssh(cluster, READY_TIMEOUT_S)
