@@ -10,11 +10,12 @@ import shlex
 from datetime import datetime, timezone
 
 from infra.inventory import ClusterInfo, NodeInfo
+from remote.node import layout
 
-STATE_DIR = "~/.gpu-cluster"
-ENV_FILE = f"{STATE_DIR}/env"
-STATE_FILE = f"{STATE_DIR}/state.json"
-JOB_FILE = f"{STATE_DIR}/job"
+STATE_DIR = layout.shell(layout.HOME_DIR)
+ENV_FILE = layout.shell(layout.ENV)
+STATE_FILE = layout.shell(layout.STATE)
+JOB_FILE = layout.shell(layout.JOB)
 DEFAULT_MASTER_PORT = 29500
 # Each restart attempt gets a store of its own: torch 2.13 shares the rendezvous store with workers
 # across restarts, where a restarted rank can read a dead rank's stale address (any script, not ours).
@@ -33,10 +34,10 @@ def new_run_id(task: str, now: datetime | None = None) -> str:
 
 
 def shared_or_home(cluster: ClusterInfo, folder: str) -> str:
-    """A folder on the shared storage, or in each node's home where the cluster has none."""
+    """A folder on the shared storage, or under each node's `~/.gpu-cluster` where the cluster has none."""
     if cluster.shared_dir:
         return f"{cluster.shared_dir.rstrip('/')}/{folder}"
-    return f"$HOME/{folder}"
+    return f"$HOME/{layout.HOME_DIR}/{folder}"
 
 
 def code_dir(cluster: ClusterInfo) -> str:
@@ -45,6 +46,12 @@ def code_dir(cluster: ClusterInfo) -> str:
 
 def remote_run_dir(cluster: ClusterInfo, run_id: str) -> str:
     return shared_or_home(cluster, f"runs/{run_id}")
+
+
+def node_module(cluster: ClusterInfo, python: str, module: str, *args: str) -> str:
+    """Run one of remote/node/'s files with `python`, from the synced code folder."""
+    path = shell_path(f"{code_dir(cluster)}/remote/node/{module}.py")
+    return " ".join([shlex.quote(python), path, *map(shlex.quote, args)])
 
 
 def parse_route_interface(ip_route_output: str) -> str | None:
@@ -74,10 +81,7 @@ def node_environment(cluster: ClusterInfo, index: int, interface: str, python: s
         "NCCL_SOCKET_IFNAME": interface,
         "GLOO_SOCKET_IFNAME": interface,
     }
-    if cluster.provider == "local":
-        # Local nodes share this machine's cores: one thread per rank avoids oversubscribing them.
-        env["OMP_NUM_THREADS"] = "1"
-    return env
+    return {**env, **cluster.env}
 
 
 def env_file_text(env: dict[str, str]) -> str:
@@ -184,6 +188,25 @@ def stop_command(grace_s: int = TERMINATE_GRACE_S) -> str:
         f"rm -f {JOB_FILE}; "
         "if [ -n \"$stopped\" ]; then echo \"stopped $run\"; else echo idle; fi"
     )
+
+
+def hash_files_command(folder: str, tops: tuple[str, ...]) -> str:
+    """sha256 of every file under `folder`/TOP (caches aside) as `HASH  TOP/PATH` lines; coreutils only,
+    so it runs before the node has any Python we trust. An absent folder lists nothing."""
+    names = " ".join(shlex.quote(top) for top in tops)
+    return (f"cd {shell_path(folder)} 2>/dev/null || exit 0; "
+            "if command -v sha256sum >/dev/null; then h=sha256sum; else h='shasum -a 256'; fi; "
+            f"find {names} -type f ! -path '*/__pycache__/*' -exec $h {{}} + 2>/dev/null; true")
+
+
+def parse_hashes(output: str) -> dict[str, str]:
+    """`HASH  PATH` lines into {PATH: HASH}."""
+    found = {}
+    for line in output.splitlines():
+        parts = line.split(maxsplit=1)
+        if len(parts) == 2 and len(parts[0]) == 64:
+            found[parts[1].strip().removeprefix("./")] = parts[0]
+    return found
 
 
 def python_json_command(python: str, code: str, *args: str) -> str:

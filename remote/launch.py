@@ -184,20 +184,51 @@ def _restore(handlers: dict) -> None:
 
 
 def _supervise(cluster: ClusterInfo, futures: dict[Future, NodeSession], exit_codes: dict) -> str | None:
-    """Wait for every node; at the first failure stop the others. Returns the node that failed first."""
-    pending, failed_node = set(futures), None
+    """Wait for every node; at the first failure stop the others, and wherever a connection dropped,
+    reconnect and stop that node's part too. Returns the node that failed first."""
+    pending, failed_node, stoppers = set(futures), None, []
     while pending:
         done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
         for future in done:
             name = futures[future].node.name
             exit_codes[name] = future.result()
+            if exit_codes[name] == LOST:
+                stoppers.append((_stop_in_background(cluster, [name], _report_lost_node), [name]))
             if exit_codes[name] != 0 and failed_node is None:
                 failed_node = name
                 others = [futures[f].node.name for f in pending]
                 if others:
                     say(f"fab: {name} exited {exit_codes[name]}: stopping the job on {', '.join(others)}")
-                    threading.Thread(target=stop_everywhere, args=(cluster, others), daemon=True).start()
+                    stoppers.append((_stop_in_background(cluster, others), others))
+    deadline = time.monotonic() + STOP_WAIT_S
+    for thread, nodes in stoppers:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            say(f"fab: could not stop the job on {', '.join(nodes)} within {STOP_WAIT_S} s; "
+                "it may still run there: fab stop")
     return failed_node
+
+
+def _stop_in_background(cluster: ClusterInfo, nodes: list[str], report=None) -> threading.Thread:
+    def stop():
+        outcomes = stop_everywhere(cluster, nodes)
+        if report:
+            report(outcomes)
+
+    thread = threading.Thread(target=stop, daemon=True)
+    thread.start()
+    return thread
+
+
+def _report_lost_node(outcomes: dict[str, str]) -> None:
+    """A dropped connection leaves the node's job running (OpenSSH sends no signal to a command
+    without a terminal): say whether reconnecting stopped it."""
+    for name, outcome in outcomes.items():
+        if outcome.startswith("unreachable"):
+            say(f"fab: {name}'s connection dropped and it cannot be reached again to stop its part "
+                f"({outcome}); it may still run there: fab stop once it answers")
+        else:
+            say(f"fab: {name}'s connection dropped; reconnected and stopped its part ({outcome})")
 
 
 def _collect(futures: dict[Future, NodeSession], exit_codes: dict, timeout_s: float) -> None:

@@ -30,7 +30,8 @@ def test_node_environment_names_the_head_and_the_routed_interface():
     assert env1["NCCL_SOCKET_IFNAME"] == env1["GLOO_SOCKET_IFNAME"] == "ens5"
     assert env1["CLUSTER_HOURLY_USD"] == "1.504" and env1["CLUSTER_SHARED_DIR"] == "/shared"
     assert "OMP_NUM_THREADS" not in env1
-    assert commands.node_environment(cluster(provider="local"), 0, "lo", "py")["OMP_NUM_THREADS"] == "1"
+    threads = ClusterInfo(**{**cluster().__dict__, "env": {"OMP_NUM_THREADS": "1"}})
+    assert commands.node_environment(threads, 0, "lo", "py")["OMP_NUM_THREADS"] == "1"
 
 
 def test_env_file_is_sourceable_and_quotes_what_needs_quoting(tmp_path):
@@ -63,7 +64,7 @@ def test_launch_command_quotes_arguments_and_records_the_job():
 
 
 def test_folders_fall_back_to_each_home_without_shared_storage():
-    assert commands.code_dir(cluster(shared="")) == "$HOME/code"
+    assert commands.code_dir(cluster(shared="")) == "$HOME/.gpu-cluster/code"
     assert commands.remote_run_dir(cluster(shared="/shared/"), "r") == "/shared/runs/r"
     assert commands.shell_path("$HOME/a b") == '"$HOME"/\'a b\''
 

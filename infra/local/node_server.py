@@ -26,12 +26,18 @@ from pathlib import Path
 import asyncssh
 
 from infra.local import procs
+from remote.node import layout
 
 # The watchdog (harness/watchdog.py) writes this file under the shared folder to power the cluster off.
 STOP_MARKER = ".gpu-cluster/stop.json"
 # Daemons started on the node (the watchdog, a detached job) register `<name>.pid` here, so that
 # powering the node off ends them too, as it would on a real machine.
-PID_REGISTRY = ".gpu-cluster/pids"
+PID_REGISTRY = layout.PIDS
+# Every shell sources the node environment, so NODE_RANK, MASTER_ADDR, CLUSTER_PYTHON are there in
+# plain `ssh` sessions too: non-interactive ones through BASH_ENV (unset at once, so a job's own
+# shells do not source it again over what the job set), interactive ones through the rcfile.
+SOURCE_ENV = f'[ -f "$HOME/{layout.ENV}" ] && . "$HOME/{layout.ENV}"\n'
+
 TERMINATE_GRACE_S = 3.0
 GUARD_POLL_S = 1.0
 
@@ -176,28 +182,33 @@ class Node:
             "CLUSTER_NODE_TOKEN": cfg.token,
             # Local nodes are CPU nodes: two "nodes" on one GPU would break NCCL.
             "CUDA_VISIBLE_DEVICES": "",
+            "BASH_ENV": str(self.home / layout.HOME_DIR / "bash_env"),
         }
         env.update(process.env)
         if process.term_type:
             env["TERM"] = process.term_type
         return env
 
-    def write_rcfile(self) -> Path:
-        """The interactive shell's rc: the usual files, then a prompt that names the node."""
-        rcfile = self.home / ".gpu-cluster" / "bashrc"
-        rcfile.write_text(
+    def write_shell_files(self) -> None:
+        """BASH_ENV for non-interactive shells; the interactive shell's rc: the usual files, the node
+        environment, then a prompt that names the node."""
+        folder = self.home / layout.HOME_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "bash_env").write_text("unset BASH_ENV\n" + SOURCE_ENV)
+        (folder / "bashrc").write_text(
+            "unset BASH_ENV\n"
             "[ -f /etc/bash.bashrc ] && . /etc/bash.bashrc\n"
             '[ -f "$HOME/.bashrc" ] && . "$HOME/.bashrc"\n'
-            f"PS1='\\u@{self.config.name}:\\w\\$ '\n"
+            + SOURCE_ENV
+            + f"PS1='\\u@{self.config.name}:\\w\\$ '\n"
         )
-        return rcfile
 
     async def handle(self, process: asyncssh.SSHServerProcess) -> None:
         command = process.command
         if command is not None:
             argv = ["bash", "-c", command]
         elif process.term_type:
-            argv = ["bash", "--rcfile", str(self.write_rcfile()), "-i"]
+            argv = ["bash", "--rcfile", str(self.home / layout.HOME_DIR / "bashrc"), "-i"]
         else:
             argv = ["bash", "-s"]  # no terminal: a script on stdin
         log.info("%s: %s", "pty" if process.term_type else "exec", command or "<shell>")
@@ -362,6 +373,7 @@ def _set_window(fd: int, size) -> None:
 
 async def serve(config: NodeConfig) -> None:
     node = Node(config)
+    node.write_shell_files()
     authorized = asyncssh.import_public_key(config.authorized_key)
     server = await asyncssh.create_server(
         lambda: NodeSSHServer(config, authorized),
