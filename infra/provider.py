@@ -180,6 +180,9 @@ class SshProvider(Provider):
     def down(self, stack: str, say) -> int:
         from infra import ssh_provider
 
+        if not inventory.inventory_path(stack).exists():
+            say(f"nothing to do: stack '{stack}' is not up")
+            return 0
         say(f"cleaning stack '{stack}' on its hosts (job, watchdog, ~/.gpu-cluster); the machines keep running ...")
         if not ssh_provider.down(stack, say=say):
             say(f"the stack is kept: run python deploy.py down --stack {stack} again once every host answers")
@@ -220,10 +223,15 @@ def for_up(local_flag: bool, hosts_file: str | None, stack_flag: str | None) -> 
 
 def for_stack(stack: str) -> Provider:
     """The stack's provider: its inventory says (even a damaged one, where its `provider` can be read);
-    else a local stack's node folders; else AWS, whose state is Pulumi's."""
+    else a local stack's node folders, or the default stack names of `--local` and `--hosts`; else AWS,
+    whose state is Pulumi's."""
+    from infra.ssh_provider import DEFAULT_STACK as HOSTS_STACK
+
     name = _inventory_provider(stack)
     if name is None and (stack == state.LOCAL_STACK or (state.stack_dir(stack) / "nodes").exists()):
         name = "local"
+    if name is None and stack == HOSTS_STACK:
+        name = "ssh"
     return PROVIDERS.get(name or "aws", PROVIDERS["aws"])
 
 
