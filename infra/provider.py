@@ -211,6 +211,8 @@ def for_up(local_flag: bool, hosts_file: str | None, stack_flag: str | None) -> 
     """The provider and stack `up` means: `--local`, `--hosts FILE`, else the stack's own (AWS for a new one)."""
     if local_flag and hosts_file:
         raise UsageError("--local and --hosts exclude each other: the nodes are either here or your machines")
+    if hosts_file is not None and not hosts_file.strip():
+        raise UsageError("--hosts needs a file: the YAML list of your machines (see README, 'Your own machines')")
     if local_flag:
         return PROVIDERS["local"], state.check_stack_name(stack_flag or state.LOCAL_STACK)
     if hosts_file is not None:

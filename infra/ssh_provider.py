@@ -12,7 +12,6 @@ machine off.
 import asyncio
 import ipaddress
 import json
-import os
 import shlex
 import stat
 import time
@@ -24,7 +23,7 @@ import asyncssh
 import yaml
 
 from infra import inventory, keys, ssh, state
-from infra.errors import OperationError, UsageError
+from infra.errors import UsageError
 from infra.inventory import ClusterInfo, NodeInfo
 from remote.node import layout
 

@@ -327,11 +327,13 @@ class Bootstrap:
             record.session.run(self._watchdog_stop_command())
         if guards and not self.cluster.shared_dir:
             raise StageFailed("the watchdog needs shared storage to reach every node; this cluster has none")
+        # Recorded before it starts: a watchdog that powers the node off at once (a short idle guard)
+        # must not cut the stage short. A recorded watchdog that is not running is started again.
+        self._record(record, "watchdog", wanted, guards)
         if guards:
             result = record.session.run(self._watchdog_start_command(record, guards), timeout=120)
             if result.exited != 0:
                 raise StageFailed("could not start the watchdog", result.stdout + result.stderr)
-        self._record(record, "watchdog", wanted, guards)
         return Outcome("done", _guard_text(guards))
 
     def _watchdog_argv(self, record: NodeRecord, guards: dict) -> list[str]:

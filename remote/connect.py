@@ -13,9 +13,10 @@ from typing import TypeVar
 
 import paramiko
 from fabric import Config, Connection
-from invoke.exceptions import Exit
+from invoke.exceptions import Exit, UnexpectedExit
 
 from infra.inventory import ClusterInfo, NodeInfo
+from remote.stream import say
 
 T = TypeVar("T")
 NO_EXIT_STATUS = -1  # what paramiko reports for a channel that closed without an exit status
@@ -102,11 +103,13 @@ class NodeSession:
         """Run a command; a connection that closes before the command reports its exit status
         raises ConnectionResetError (so `retrying` retries it) instead of passing for a failure."""
         kwargs.setdefault("hide", True)
-        kwargs.setdefault("warn", True)
         kwargs.setdefault("in_stream", False)
-        result = self.conn.run(command, **kwargs)
+        warn = kwargs.pop("warn", True)
+        result = self.conn.run(command, warn=True, **kwargs)  # a lost connection must not pass for a failure
         if result.exited == NO_EXIT_STATUS:
             raise ConnectionResetError("the connection closed before the command finished")
+        if not warn and result.exited != 0:
+            raise UnexpectedExit(result)
         return result
 
     def retrying(self, step: Callable[["NodeSession"], T], on_retry: Callable[[str], None] | None = None,
@@ -154,7 +157,7 @@ def open_sessions(cluster: ClusterInfo, probe_command: str = "true") -> tuple[li
     sessions = [NodeSession(cluster, node) for node in cluster.nodes]
 
     def probe(session: NodeSession):
-        return session.retrying(lambda s: s.run(probe_command), delays_s=(0.5,))
+        return session.retrying(lambda s: s.run(probe_command), on_retry=say, delays_s=(0.5,))
 
     results = on_all_nodes(sessions, probe)
     failures = [

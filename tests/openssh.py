@@ -256,4 +256,7 @@ def start_hosts(folder: Path, first_address: str, port: int, count: int = 2) -> 
 if __name__ == "__main__":
     if sys.argv[1:] != ["build-python"]:
         sys.exit("usage: python tests/openssh.py build-python")
-    print(build_node_python())
+    if unavailable():
+        print(f"skipping the node Python: the OpenSSH tests will skip: {unavailable()}")
+        sys.exit(0)
+    print(f"node Python for the OpenSSH tests: {build_node_python()}")

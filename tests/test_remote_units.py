@@ -1,8 +1,10 @@
 """The command builders and parsers of remote/, directly (and the stop command run for real in bash)."""
 
+import hashlib
 import os
 import shlex
 import subprocess
+import threading
 import time
 from datetime import datetime, timezone
 
@@ -122,10 +124,11 @@ def test_node_stream_prefixes_whole_lines_and_keeps_the_log(tmp_path, capsys):
     assert (tmp_path / "node-1.log").read_text() == "first line\nsecond\npart\n"
 
 
-def test_the_code_manifest_covers_the_harness_and_examples_only():
+def test_the_code_manifest_covers_the_harness_examples_and_node_files_only():
     manifest = local_manifest()
     assert "harness/dist.py" in manifest and "examples/ddp_training.py" in manifest
-    assert not any("__pycache__" in p or p.startswith(("infra", "remote", "tests")) for p in manifest)
+    assert "remote/node/probe.py" in manifest and "remote/node/layout.py" in manifest
+    assert not any("__pycache__" in p or p.startswith(("infra", "remote/tasks", "tests")) for p in manifest)
     assert digest(manifest) == digest(dict(manifest)) != digest({**manifest, "x": "y"})
 
 
@@ -153,3 +156,39 @@ def test_a_dropped_connection_is_retried_but_a_missing_file_is_not(tmp_path):
     with pytest.raises(FileNotFoundError):
         session.retrying(missing_file, delays_s=(0, 0, 0))
     assert calls.count("missing") == 1
+
+
+def test_code_hashes_come_from_coreutils_and_name_paths_under_the_synced_folders(tmp_path):
+    (tmp_path / "harness" / "__pycache__").mkdir(parents=True)
+    (tmp_path / "harness" / "dist.py").write_text("x = 1\n")
+    (tmp_path / "harness" / "__pycache__" / "dist.pyc").write_bytes(b"cache")
+    (tmp_path / "mine.txt").write_text("the user's own file\n")
+    out = subprocess.run(["bash", "-c", commands.hash_files_command(str(tmp_path), ("harness", "remote/node"))],
+                         capture_output=True, text=True)
+    assert out.returncode == 0
+    assert commands.parse_hashes(out.stdout) == {"harness/dist.py": hashlib.sha256(b"x = 1\n").hexdigest()}
+    missing = subprocess.run(["bash", "-c", commands.hash_files_command(str(tmp_path / "none"), ("harness",))],
+                             capture_output=True, text=True)
+    assert missing.returncode == 0 and commands.parse_hashes(missing.stdout) == {}
+
+
+def test_a_command_killed_by_a_signal_is_an_exit_status_not_a_lost_connection():
+    import paramiko
+
+    import remote.connect  # noqa: F401  (installs the handler)
+
+    class Channel:
+        exit_status = -1
+        status_event = threading.Event()
+
+    message = paramiko.Message()
+    message.add_string("exit-signal")
+    message.add_boolean(False)
+    message.add_string("KILL")
+    message.add_boolean(False)
+    message.add_string("")
+    message.add_string("")
+    message.rewind()
+    channel = Channel()
+    paramiko.Transport._channel_handler_table[paramiko.common.MSG_CHANNEL_REQUEST](channel, message)
+    assert channel.exit_status == 137 and channel.status_event.is_set()
