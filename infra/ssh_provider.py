@@ -284,7 +284,7 @@ def up(hosts_path: str, stack: str, say=print) -> tuple[ClusterInfo, bool]:
         return existing, False
     hosts_file = read_hosts_file(hosts_path)
     checks = check_hosts(hosts_file)
-    problems = [f"{c.host.address}:{c.host.port}: {c.problem}" for c in checks if c.problem]
+    problems = [f"{c.host.address}:{c.host.port}: {' '.join(c.problem.split())}" for c in checks if c.problem]
     if problems:
         raise UsageError(f"{len(problems)} of {len(checks)} host(s) cannot be used: " + "; ".join(problems))
     checks = _rank_order(checks)

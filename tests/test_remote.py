@@ -133,11 +133,11 @@ def test_plain_ssh_shells_on_a_local_node_have_the_node_environment(cluster):
     ssh = ["ssh", "-i", inventory["ssh_key"], "-p", str(node["ssh_port"]), "-o", "IdentitiesOnly=yes",
            "-o", f"UserKnownHostsFile={inventory['known_hosts']}", "-o", "StrictHostKeyChecking=yes",
            f"{node['ssh_user']}@{node['public_ip']}"]
-    wanted = f"1 {inventory['nodes'][0]['private_ip']} "
+    wanted = ["1", inventory["nodes"][0]["private_ip"]]
     command = subprocess.run(ssh + ["echo $NODE_RANK $MASTER_ADDR $CLUSTER_PYTHON"], capture_output=True, text=True)
-    assert command.stdout.startswith(wanted) and command.stdout.strip().endswith("/venv/bin/python"), command
+    assert command.stdout.split()[:2] == wanted and command.stdout.strip().endswith("/venv/bin/python"), command
     login = subprocess.run(ssh + ["bash -lc 'echo $NODE_RANK $MASTER_ADDR'"], capture_output=True, text=True)
-    assert login.stdout.startswith(wanted), login
+    assert login.stdout.split() == wanted, login
     interactive = subprocess.run(["ssh", "-tt", *ssh[1:]], input="echo RANK=$NODE_RANK\nexit\n",
                                  capture_output=True, text=True, timeout=30)
     assert "RANK=1" in interactive.stdout, interactive
