@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--ssh-cidr", help="AWS: who may SSH in (default: your public IP /32)")
     up.add_argument("--max-total-usd", help="guard: power the cluster off before it has cost this much")
     up.add_argument("--idle-minutes", help="guard: power the cluster off after this long with no job and idle GPUs")
-    up.add_argument("--ssh-port", type=int, default=local.DEFAULT_SSH_PORT, help="local: SSH port (default 2222)")
+    up.add_argument("--ssh-port", type=int, help=f"local: SSH port (default {local.DEFAULT_SSH_PORT})")
     up.add_argument("--bind", help="local: node-0's loopback address (default 127.0.0.10; node i gets +i)")
 
     down = commands.add_parser("down", help="remove everything the stack created, and prove it")
@@ -61,11 +61,26 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--stack", help="only this stack (default: all)")
     cost.add_argument("--json", action="store_true", help='machine-readable: {"clusters", "runs", "total_usd"}')
 
-    ssh = commands.add_parser("ssh", help="interactive ssh into a node (default node-0), or run COMMAND there")
+    ssh = commands.add_parser("ssh", help="interactive ssh into a node (default node-0), or run COMMAND there",
+                              usage="python deploy.py ssh [NODE] [--stack NAME] [-- COMMAND...]")
     ssh.add_argument("node", nargs="?", default="node-0", help="node name, e.g. node-1")
-    ssh.add_argument("remote_command", nargs=argparse.REMAINDER, metavar="COMMAND", help="run this instead of a shell")
     ssh.add_argument("--stack", help=stack_help)
+    ssh.add_argument("words", nargs="*", metavar="COMMAND", help="after --: run this instead of a shell "
+                     "(everything after the first -- goes to the node untouched)")
     return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Options before the first `--` are deploy.py's; after it, for `ssh`, the node's command, untouched
+    (`ssh node-0 --stack local -- ls --stack x` runs `ls --stack x` on node-0 of stack local)."""
+    parser = build_parser()
+    head, tail = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    args = parser.parse_args(head)
+    if args.command == "ssh":
+        args.remote_command = [*args.words, *tail]
+    elif "--" in argv:
+        parser.error(f"unrecognized arguments after --: {' '.join(tail) or '(nothing)'}")
+    return args
 
 
 # ------------------------------------------------------------------------------------------- up
@@ -73,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_up(args) -> int:
     if args.local:
-        return up_local(args, state.check_stack_name(args.stack or state.LOCAL_STACK))
+        return up_local(args, state.check_stack_name(state.LOCAL_STACK if args.stack is None else args.stack))
     stack = state.resolve_stack(args.stack, default=DEFAULT_AWS_STACK)
     if stack == state.LOCAL_STACK:
         return up_local(args, stack)
@@ -104,7 +119,11 @@ def _overrides(args) -> dict:
 
 def up_local(args, stack: str) -> int:
     stack_config = config.load_stack(stack, {**_overrides(args), "sshCidr": None, "spot": None})
-    options = local.LocalOptions(stack, stack_config.nodes, stack_config.instance_type, args.bind, args.ssh_port)
+    asked = {name for name, value in (("nodes", args.nodes), ("instance_type", args.instance_type),
+                                      ("first_address", args.bind), ("ssh_port", args.ssh_port)) if value is not None}
+    ssh_port = local.DEFAULT_SSH_PORT if args.ssh_port is None else args.ssh_port
+    options = local.LocalOptions(stack, stack_config.nodes, stack_config.instance_type, args.bind, ssh_port,
+                                 asked=frozenset(asked))
     started = time.perf_counter()
     cluster, created = local.up(options)
     if created:
@@ -120,6 +139,8 @@ def up_local(args, stack: str) -> int:
 
 def cmd_down(args) -> int:
     stack = state.resolve_stack(args.stack)
+    if stack is None:
+        stack = _interrupted_local_stack()
     if stack is None:
         report.console.print("nothing to do: no stack is current (pass --stack NAME)")
         return 0
@@ -145,8 +166,23 @@ def down_aws(stack: str) -> int:
     return 0
 
 
+def _interrupted_local_stack() -> str | None:
+    """With no stack current, the one local stack an interrupted `up` left node folders for (several: exit 2)."""
+    leftovers = local.stacks_without_inventory()
+    if len(leftovers) > 1:
+        raise UsageError(f"no stack is current, and local stacks {', '.join(leftovers)} were left by interrupted "
+                         "ups: run python deploy.py down --stack NAME for each")
+    if leftovers:
+        report.console.print(f"no stack is current; taking down local stack '{leftovers[0]}', left by an interrupted up")
+    return leftovers[0] if leftovers else None
+
+
 def down_local(stack: str) -> int:
     stopped_itself = local.stop_record(stack)
+    shared = local.shared_contents(stack)
+    if shared.files:
+        report.console.print(f"removing {report.relative(shared.path)}: {report.plural(shared.files, 'file')}, "
+                             f"{shared.describe_size()} (datasets, checkpoints, anything jobs wrote there)")
     started = time.perf_counter()
     result = local.down(stack)
     elapsed = time.perf_counter() - started
@@ -188,7 +224,14 @@ def _provider_of(stack: str) -> str:
 
 
 def cmd_status(args) -> int:
-    cluster = inventory.load_current(args.stack)
+    try:
+        cluster = inventory.load_current(args.stack)
+    except UsageError:
+        leftovers = [] if state.resolve_stack(args.stack) else local.stacks_without_inventory()
+        if leftovers:
+            raise UsageError(f"no cluster, but local stack '{leftovers[0]}' has node folders left by an interrupted "
+                             f"up: run python deploy.py down --stack {leftovers[0]}") from None
+        raise
     if cluster.provider == "aws":
         from infra import aws_provider, preflight
 
@@ -228,28 +271,27 @@ def _local_status(cluster) -> tuple[list[dict], str]:
 
 def cmd_plan(args) -> int:
     """The real Pulumi program under Pulumi's mocks: no credentials, no CLI, nothing created."""
-    from infra import plan, pricing
+    from infra import plan
 
     stack = state.resolve_stack(args.stack, default=DEFAULT_AWS_STACK)
     if stack == state.LOCAL_STACK:
         raise UsageError("plan is for AWS stacks (e.g. --stack dev); the local provider creates no cloud resources")
     stack_config = config.load_stack(stack)
     run = plan.run_program(plan.plan_config(stack_config))
-    source = pricing.PriceSource()  # no clients: the cache or the bundled table, offline
-    estimate = source.estimate(stack_config.instance_type, stack_config.region, stack_config.nodes,
-                               stack_config.root_volume_gb)
+    estimate, price_note = plan.estimate(stack_config)
     resources = [{"type": r.type, "name": r.name, "settings": plan.describe(r)}
                  for r in sorted(run.resources, key=plan.display_order) if not r.type.startswith("gpu-cluster:")]
     if args.json:
-        report.print_json({**estimate.as_dict(), "stack": stack, "resources": resources})
+        prices = estimate.as_dict() if estimate else {"hourly_usd": None, "price_note": price_note}
+        report.print_json({**prices, "stack": stack, "resources": resources})
         return 0
-    report.plan_table(stack, stack_config, resources, estimate)
+    report.plan_table(stack, stack_config, resources, estimate, price_note)
     return 0
 
 
 def cmd_cost(args) -> int:
     """Per cluster and per run, from the ledger; local clusters also show what AWS would have charged."""
-    stack = state.check_stack_name(args.stack) if args.stack else None
+    stack = None if args.stack is None else state.check_stack_name(args.stack)
     for name in local.stacks_that_stopped_themselves():
         record = local.stop_record(name)
         costs.record_self_stop(name, record.get("reason", "stopped"), record.get("at"), report.console.print)
@@ -285,8 +327,7 @@ def ssh_argv(cluster: inventory.ClusterInfo, node_name: str, remote_command: lis
 
 def cmd_ssh(args) -> int:
     cluster = inventory.load_current(args.stack)
-    remote_command = args.remote_command[1:] if args.remote_command[:1] == ["--"] else args.remote_command
-    argv = ssh_argv(cluster, args.node, remote_command)
+    argv = ssh_argv(cluster, args.node, args.remote_command)
     if shutil.which("ssh") is None:
         raise UsageError("no ssh client on PATH: install OpenSSH (e.g. apt install openssh-client)")
     sys.stdout.flush()
@@ -297,8 +338,9 @@ COMMANDS = {"up": cmd_up, "down": cmd_down, "status": cmd_status, "plan": cmd_pl
 
 
 def main(argv: list[str] | None = None) -> int:
+    state.keep_private()
     try:
-        args = build_parser().parse_args(argv)
+        args = parse_args(sys.argv[1:] if argv is None else argv)
         return COMMANDS[args.command](args)
     except ClusterError as exc:
         print(f"error: {exc}", file=sys.stderr)

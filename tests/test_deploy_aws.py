@@ -102,6 +102,8 @@ def test_cloud_init_mounts_efs_with_retries_and_installs_the_guard():
 def test_status_of_an_aws_cluster_without_credentials_is_one_line(offline, state_dir):
     stack_dir = state_dir / "dev"
     stack_dir.mkdir(parents=True)
+    for name in ("id_ed25519", "known_hosts"):
+        (stack_dir / name).touch(mode=0o600)
     (stack_dir / "inventory.json").write_text(json.dumps({
         "stack": "dev", "provider": "aws", "region": "us-east-1", "instance_type": "g4dn.2xlarge", "hourly_usd": 1.537,
         "ssh_user": "ubuntu", "ssh_key": str(stack_dir / "id_ed25519"), "known_hosts": str(stack_dir / "known_hosts"),
