@@ -5,6 +5,7 @@ A cluster that powered itself off (the watchdog's stop marker) is noticed by the
 """
 
 import json
+import math
 import time
 from datetime import datetime, timezone
 
@@ -59,10 +60,15 @@ def record_down(stack: str, reason: str = "down", at: float | None = None, say=p
         ledger.close()
 
 
-def record_self_stop(stack: str, reason: str, at: float | None, say=print) -> None:
-    """Close the interval of a cluster that stopped itself, once, at the time it stopped."""
+def record_self_stop(stack: str, reason, at, say=print) -> None:
+    """Close the interval of a cluster that stopped itself, once, at the time it stopped.
+
+    The reason and time come from a stop marker on the nodes, which a job could have written: only a
+    number is taken as the time (else now), and the reason is kept as text."""
     if reason:
-        record_down(stack, f"stopped itself: {reason}", at, say)
+        is_time = isinstance(at, (int, float)) and not isinstance(at, bool) and math.isfinite(at)
+        when = float(at) if is_time else None
+        record_down(stack, f"stopped itself: {str(reason)[:200]}", when, say)
 
 
 def cost_so_far(stack: str, say=print) -> float | None:

@@ -32,6 +32,12 @@ def nothing_created(state_dir) -> bool:
     (["--nodes", "0"], ["nodes must be from 1 to 16"]),
     (["--nodes", "17"], ["nodes must be from 1 to 16"]),
     (["--instance-type", "t3.large"], ["t3.large", "not supported"]),
+    (["--instance-type", ""], ["instance type ''", "not supported"]),
+    (["--instance-type", "g4dn.xlarge\n"], ["not supported"]),
+    (["--instance-type", "p4d.48xlarge"], ["not supported"]),
+    (["--nodes", ""], ["nodes must be a whole number"]),
+    (["--ssh-cidr", ""], ["sshCidr", "CIDR"]),
+    (["--stack", ""], ["bad stack name ''"]),
     (["--ssh-cidr", "1.2.3.4/99"], ["sshCidr", "CIDR"]),
     (["--ssh-cidr", "0.0.0.0/0"], ["whole internet", "allowWorldSsh"]),
 ])

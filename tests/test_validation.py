@@ -322,3 +322,27 @@ def test_the_key_is_checked_before_a_command_logs_in(tmp_path):
         inventory.check_login_files(cluster)
     known_hosts.write_text("")
     inventory.check_login_files(replace(cluster))
+
+
+# ------------------------------------------------------------------------ what jobs on a node can write
+
+
+def test_a_damaged_stop_marker_cannot_damage_the_ledger(state_dir):
+    from infra import costs
+
+    Ledger().cluster_up("local", "local", "g4dn.2xlarge", 2, 0.0)
+    costs.record_self_stop("local", ["not", "text"], "yesterday", say=print)
+    reopened = Ledger()
+    [cluster] = reopened.clusters("local")
+    assert reopened.warnings == [] and isinstance(cluster.intervals[0].ended_at, float)
+    assert cluster.intervals[0].end_reason == "stopped itself: ['not', 'text']"
+
+
+def test_a_node_server_never_signals_its_own_init_or_every_group_from_a_pid_file(tmp_path):
+    from infra.local.node_server import PID_REGISTRY, ProcessTable
+
+    registry = tmp_path / PID_REGISTRY
+    registry.mkdir(parents=True)
+    for name, text in {"a": "0", "b": "1", "c": "-1", "d": "abc", "e": str(os.getpid()), "f": "4242 x"}.items():
+        (registry / f"{name}.pid").write_text(text)
+    assert ProcessTable(tmp_path, "token").registered_daemons() == [4242]

@@ -87,7 +87,9 @@ class ProcessTable:
                 pids.append(int(path.read_text().split()[0]))
             except (ValueError, IndexError, OSError):
                 continue
-        return pids
+        # A job can write anything here: 0, 1 or a negative number would signal this server's own
+        # group, init's, or every process, so only real process group ids of others are kept.
+        return [pid for pid in pids if pid > 1 and pid != os.getpid()]
 
     async def end_all(self) -> None:
         """Everything started on the node: session groups and daemons get SIGTERM and a grace
