@@ -253,7 +253,7 @@ def node_server_environment(home: str, environ: dict[str, str] | None = None) ->
     """The allow-listed environment a node server starts with (see NODE_ENVIRONMENT)."""
     environ = os.environ if environ is None else environ
     kept = {k: v for k, v in environ.items() if k in NODE_ENVIRONMENT or k.startswith("LC_")}
-    return {**kept, "HOME": home, "PYTHONDONTWRITEBYTECODE": "1"}
+    return {**kept, "HOME": home}
 
 
 def _spawn(config: NodeConfig) -> subprocess.Popen:
