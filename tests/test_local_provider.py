@@ -166,6 +166,8 @@ def test_down_leaves_no_process_no_port_and_keeps_run_logs(state_dir, make_clust
     run_dir = state_dir / "local" / "runs" / "some-run"
     run_dir.mkdir(parents=True)
     (run_dir / "node-0.log").write_text("kept\n")
+    killed_writer = run_dir / f".summary.json.{dead_pid()}.tmp"
+    killed_writer.write_text("{")
     daemon = fabric_connection(cluster.inventory, cluster.inventory["nodes"][0])
     daemon.run(  # a detached daemon that registers itself, like the watchdog does
         "setsid sleep 4321 >/dev/null 2>&1 < /dev/null & echo $! > .gpu-cluster/pids/sleeper.pid", hide=True
@@ -185,7 +187,7 @@ def test_down_leaves_no_process_no_port_and_keeps_run_logs(state_dir, make_clust
     for node in cluster.inventory["nodes"]:
         with socket.socket() as sock:
             assert sock.connect_ex((node["public_ip"], node["ssh_port"])) != 0
-    assert (run_dir / "node-0.log").read_text() == "kept\n"
+    assert (run_dir / "node-0.log").read_text() == "kept\n" and not killed_writer.exists()
     assert sorted(p.name for p in (state_dir / "local").iterdir()) == ["runs"]
     assert not (state_dir / "current").exists()
 

@@ -390,11 +390,14 @@ def shared_contents(stack: str) -> SharedContents:
 
 
 def remove_state(stack: str) -> None:
-    """Everything of the stack except runs/ (logs are kept), and `.cluster/current` if it is this."""
+    """Everything of the stack except runs/ (logs are kept, less the temporary files of writers that
+    were killed), and `.cluster/current` if it is this."""
     stack_path = state.stack_dir(stack)
     if stack_path.exists():
         for child in stack_path.iterdir():
             if child.name == "runs":
+                for run in [child, *(p for p in child.iterdir() if p.is_dir())]:
+                    state.remove_stale_tmp_files(run)
                 continue
             if child.is_dir() and not child.is_symlink():
                 shutil.rmtree(child, ignore_errors=True)
