@@ -173,7 +173,8 @@ def _interrupted_local_stack() -> str | None:
         raise UsageError(f"no stack is current, and local stacks {', '.join(leftovers)} were left by interrupted "
                          "ups: run python deploy.py down --stack NAME for each")
     if leftovers:
-        report.console.print(f"no stack is current; taking down local stack '{leftovers[0]}', left by an interrupted up")
+        report.console.print(f"no stack is current; taking down local stack '{leftovers[0]}', "
+                             "left by an interrupted up")
     return leftovers[0] if leftovers else None
 
 

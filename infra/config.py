@@ -263,7 +263,8 @@ def read_stack_file(stack: str) -> dict[str, object]:
 
 
 def _yaml_kind(value) -> str:
-    return {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(value), type(value).__name__)
+    kinds = {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 def load_stack(stack: str, overrides: Mapping[str, object] | None = None) -> StackConfig:

@@ -78,7 +78,8 @@ class ClusterInfo:
         nodes = data.get("nodes")
         if not isinstance(nodes, list) or not nodes:
             raise ValueError("nodes must be a non-empty list")
-        return cls(nodes=tuple(NodeInfo(**_typed(NodeInfo, node)) for node in nodes), **_typed(cls, data, skip=("nodes",)))
+        typed_nodes = tuple(NodeInfo(**_typed(NodeInfo, node)) for node in nodes)
+        return cls(nodes=typed_nodes, **_typed(cls, data, skip=("nodes",)))
 
 
 def _typed(cls, data, skip: tuple[str, ...] = ()) -> dict:

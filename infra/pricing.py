@@ -244,7 +244,7 @@ class PriceSource:
         return ask_table()
 
     def _read_cache(self) -> dict:
-        """The cached answers; a damaged cache (not JSON, not a mapping) is an empty one, rewritten on the next answer."""
+        """The cached answers; a damaged cache (not JSON, not a mapping) counts as empty and is rewritten."""
         try:
             cache = json.loads(self.cache_path.read_text(encoding="utf-8"))
         except (OSError, ValueError):

@@ -65,7 +65,8 @@ def check_stack_name(stack: str, origin: str = "stack name") -> str:
     """`stack` when it is a whole valid name (no empty string, no trailing newline); else one line."""
     if not isinstance(stack, str) or not STACK_NAME.fullmatch(stack):
         raise UsageError(
-            f"bad {origin} {stack!r}: use 1 to 40 lower-case letters, digits, '-' or '_', starting with a letter or digit"
+            f"bad {origin} {stack!r}: use 1 to 40 lower-case letters, digits, '-' or '_', "
+            "starting with a letter or digit"
         )
     return stack
 

@@ -97,7 +97,8 @@ def test_stock_openssh_client_logs_in_with_strict_host_key_checking(local_cluste
     via_cli = run_cli("ssh", "node-1", "--", "echo", "hi-from", "$CLUSTER_NODE")
     assert via_cli.returncode == 0 and via_cli.stdout.strip() == "hi-from node-1"
     # options before -- are deploy.py's (the stack is used, not sent); after it, the node's, untouched
-    options = run_cli("ssh", "node-1", "--stack", local_cluster.stack, "--", "echo", "--stack", "x", CLUSTER_STACK="other")
+    options = run_cli("ssh", "node-1", "--stack", local_cluster.stack, "--", "echo", "--stack", "x",
+                      CLUSTER_STACK="other")
     assert options.returncode == 0 and options.stdout.strip() == "--stack x", options.stderr
 
 
@@ -294,7 +295,8 @@ def test_host_private_keys_are_out_of_reach_of_jobs(secret_cluster):
     host_keys = secret_cluster.stack_dir / "host_keys"
     assert stat.S_IMODE(host_keys.stat().st_mode) == 0o700 and sorted(p.name for p in host_keys.iterdir()) == [
         "node-0", "node-1"]
-    search = 'grep -rlE "PRIVATE[ ]KEY" "$HOME" "$CLUSTER_SHARED_DIR" 2>/dev/null; echo "home=$HOME"'  # not itself a match in sshd.log
+    # The pattern is written so that sshd.log, which records the command, does not match it.
+    search = 'grep -rlE "PRIVATE[ ]KEY" "$HOME" "$CLUSTER_SHARED_DIR" 2>/dev/null; echo "home=$HOME"'
     result = subprocess.run(openssh_argv(inv, inv["nodes"][0], search), capture_output=True, text=True)
     assert result.stdout.strip().splitlines() == [f"home={secret_cluster.stack_dir / 'nodes' / 'node-0'}"]
 
@@ -309,9 +311,10 @@ def test_stock_scp_copies_both_ways_and_exits_with_the_transfers_status(secret_c
     remote = f"{inv['ssh_user']}@{node['public_ip']}"
     source, back = tmp_path / "data.bin", tmp_path / "back.bin"
     source.write_bytes(os.urandom(100_000))
-    sent = subprocess.run(["scp", *options, str(source), f"{remote}:scp{len(protocol)}.bin"], capture_output=True, text=True)
+    target = f"{remote}:scp{len(protocol)}.bin"
+    sent = subprocess.run(["scp", *options, str(source), target], capture_output=True, text=True)
     assert sent.returncode == 0, sent.stderr
-    fetched = subprocess.run(["scp", *options, f"{remote}:scp{len(protocol)}.bin", str(back)], capture_output=True, text=True)
+    fetched = subprocess.run(["scp", *options, target, str(back)], capture_output=True, text=True)
     assert fetched.returncode == 0 and back.read_bytes() == source.read_bytes(), fetched.stderr
     missing = subprocess.run(["scp", *options, f"{remote}:no-such-file", str(back)], capture_output=True, text=True)
     assert missing.returncode == 1 and "no-such-file" in missing.stderr

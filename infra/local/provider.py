@@ -135,7 +135,8 @@ def check_unchanged(cluster: ClusterInfo, options: LocalOptions) -> None:
     head = cluster.head
     found = {"nodes": len(cluster.nodes), "instance_type": cluster.instance_type,
              "first_address": head.public_ip, "ssh_port": head.ssh_port}
-    flags = {"nodes": "--nodes", "instance_type": "--instance-type", "first_address": "--bind", "ssh_port": "--ssh-port"}
+    flags = {"nodes": "--nodes", "instance_type": "--instance-type", "first_address": "--bind",
+             "ssh_port": "--ssh-port"}
     differ = [f"{flags[k]} {getattr(options, k)} (it has {found[k]})" for k in sorted(options.asked)
               if getattr(options, k) != found[k]]
     if differ:
@@ -440,7 +441,8 @@ def stacks_without_inventory() -> list[str]:
     """Local stacks with node folders but no inventory: what an `up` killed before it finished leaves."""
     root = state.state_root()
     folders = sorted(p.parent.name for p in root.glob("*/nodes") if p.is_dir()) if root.is_dir() else []
-    return [stack for stack in folders if state.STACK_NAME.fullmatch(stack) and not inventory.inventory_path(stack).exists()]
+    return [stack for stack in folders
+            if state.STACK_NAME.fullmatch(stack) and not inventory.inventory_path(stack).exists()]
 
 
 def _is_node_server(pid: int) -> bool:
