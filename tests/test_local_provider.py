@@ -124,7 +124,8 @@ def test_up_on_a_running_cluster_changes_nothing_and_refuses_a_resize(local_clus
     for same in (["--nodes", "2"], []):
         again = run_cli("up", "--local", *same)
         assert again.returncode == 0 and "already up" in again.stdout
-    assert_one_line_error(run_cli("up", "--local", "--nodes", "3"), "--nodes 3 (it has 2)", "down --stack local")
+    assert_one_line_error(run_cli("up", "--local", "--nodes", "3"), "--nodes 3 (it has 2)",
+                          "python deploy.py down --stack local, then python deploy.py up --local --nodes 3")
     assert_one_line_error(run_cli("up", "--local", "--instance-type", "g5.xlarge"), "--instance-type g5.xlarge")
     assert (state_dir / "local" / "inventory.json").read_text() == before
     assert sorted(node_server_processes(state_dir)) == pids

@@ -137,12 +137,14 @@ def check_unchanged(cluster: ClusterInfo, options: LocalOptions) -> None:
              "first_address": head.public_ip, "ssh_port": head.ssh_port}
     flags = {"nodes": "--nodes", "instance_type": "--instance-type", "first_address": "--bind",
              "ssh_port": "--ssh-port"}
-    differ = [f"{flags[k]} {getattr(options, k)} (it has {found[k]})" for k in sorted(options.asked)
-              if getattr(options, k) != found[k]]
+    differ = [k for k in sorted(options.asked) if getattr(options, k) != found[k]]
     if differ:
+        asked = "; ".join(f"{flags[k]} {getattr(options, k)} (it has {found[k]})" for k in differ)
+        stack_flag = "" if cluster.stack == state.LOCAL_STACK else f" --stack {cluster.stack}"
+        again = " ".join(f"{flags[k]} {getattr(options, k)}" for k in differ)
         raise UsageError(
-            f"stack {cluster.stack!r} is already up and differs from what you asked: {'; '.join(differ)}. "
-            f"To change it: python deploy.py down --stack {cluster.stack}, then up again with the new values"
+            f"stack {cluster.stack!r} is already up and differs from what you asked: {asked}. To change it: "
+            f"python deploy.py down --stack {cluster.stack}, then python deploy.py up --local{stack_flag} {again}"
         )
 
 
