@@ -63,11 +63,26 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--stack", help="only this stack (default: all)")
     cost.add_argument("--json", action="store_true", help='machine-readable: {"clusters", "runs", "total_usd"}')
 
-    ssh = commands.add_parser("ssh", help="interactive ssh into a node (default node-0), or run COMMAND there")
+    ssh = commands.add_parser("ssh", help="interactive ssh into a node (default node-0), or run COMMAND there",
+                              usage="python deploy.py ssh [NODE] [--stack NAME] [-- COMMAND...]")
     ssh.add_argument("node", nargs="?", default="node-0", help="node name, e.g. node-1")
-    ssh.add_argument("remote_command", nargs=argparse.REMAINDER, metavar="COMMAND", help="run this instead of a shell")
     ssh.add_argument("--stack", help=stack_help)
+    ssh.add_argument("words", nargs="*", metavar="COMMAND", help="after --: run this instead of a shell "
+                     "(everything after the first -- goes to the node untouched)")
     return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Options before the first `--` are deploy.py's; after it, for `ssh`, the node's command, untouched
+    (`ssh node-0 --stack local -- ls --stack x` runs `ls --stack x` on node-0 of stack local)."""
+    parser = build_parser()
+    head, tail = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    args = parser.parse_args(head)
+    if args.command == "ssh":
+        args.remote_command = [*args.words, *tail]
+    elif "--" in argv:
+        parser.error(f"unrecognized arguments after --: {' '.join(tail) or '(nothing)'}")
+    return args
 
 
 # ------------------------------------------------------------------------------------------- up
@@ -93,16 +108,36 @@ def _overrides(args) -> dict:
 def cmd_down(args) -> int:
     stack = state.resolve_stack(args.stack)
     if stack is None:
+        stack = _interrupted_local_stack()
+    if stack is None:
         report.console.print("nothing to do: no stack is current (pass --stack NAME)")
         return 0
     return provider.for_stack(stack).down(stack, say=report.console.print)
+
+
+def _interrupted_local_stack() -> str | None:
+    """With no stack current, the one stack an interrupted `up` left behind (several: exit 2)."""
+    leftovers = provider.interrupted_stacks()
+    if len(leftovers) > 1:
+        raise UsageError(f"no stack is current, and stacks {', '.join(leftovers)} were left by interrupted "
+                         "ups: run python deploy.py down --stack NAME for each")
+    if leftovers:
+        report.console.print(f"no stack is current; taking down stack '{leftovers[0]}', left by an interrupted up")
+    return leftovers[0] if leftovers else None
 
 
 # --------------------------------------------------------------------------------------- status
 
 
 def cmd_status(args) -> int:
-    cluster = inventory.load_current(args.stack)
+    try:
+        cluster = inventory.load_current(args.stack)
+    except UsageError:
+        leftovers = [] if state.resolve_stack(args.stack) else provider.interrupted_stacks()
+        if leftovers:
+            raise UsageError(f"no cluster, but stack '{leftovers[0]}' has node folders left by an interrupted "
+                             f"up: run python deploy.py down --stack {leftovers[0]}") from None
+        raise
     rows, stopped = provider.for_cluster(cluster).status(cluster)
     if stopped:
         costs.record_self_stop(cluster.stack, stopped.get("reason", "stopped"), stopped.get("at"), report.console.print)
@@ -121,28 +156,27 @@ def cmd_status(args) -> int:
 
 def cmd_plan(args) -> int:
     """The real Pulumi program under Pulumi's mocks: no credentials, no CLI, nothing created."""
-    from infra import plan, pricing
+    from infra import plan
 
     stack = state.resolve_stack(args.stack, default=DEFAULT_AWS_STACK)
     if stack == state.LOCAL_STACK:
         raise UsageError("plan is for AWS stacks (e.g. --stack dev); the local provider creates no cloud resources")
     stack_config = config.load_stack(stack)
     run = plan.run_program(plan.plan_config(stack_config))
-    source = pricing.PriceSource()  # no clients: the cache or the bundled table, offline
-    estimate = source.estimate(stack_config.instance_type, stack_config.region, stack_config.nodes,
-                               stack_config.root_volume_gb)
+    estimate, price_note = plan.estimate(stack_config)
     resources = [{"type": r.type, "name": r.name, "settings": plan.describe(r)}
                  for r in sorted(run.resources, key=plan.display_order) if not r.type.startswith("gpu-cluster:")]
     if args.json:
-        report.print_json({**estimate.as_dict(), "stack": stack, "resources": resources})
+        prices = estimate.as_dict() if estimate else {"hourly_usd": None, "price_note": price_note}
+        report.print_json({**prices, "stack": stack, "resources": resources})
         return 0
-    report.plan_table(stack, stack_config, resources, estimate)
+    report.plan_table(stack, stack_config, resources, estimate, price_note)
     return 0
 
 
 def cmd_cost(args) -> int:
     """Per cluster and per run, from the ledger; local clusters also show what AWS would have charged."""
-    stack = state.check_stack_name(args.stack) if args.stack else None
+    stack = None if args.stack is None else state.check_stack_name(args.stack)
     provider.note_self_stops(report.console.print)
     data = costs.report(stack, say=report.console.print)
     if args.json:
@@ -176,8 +210,7 @@ def ssh_argv(cluster: inventory.ClusterInfo, node_name: str, remote_command: lis
 
 def cmd_ssh(args) -> int:
     cluster = inventory.load_current(args.stack)
-    remote_command = args.remote_command[1:] if args.remote_command[:1] == ["--"] else args.remote_command
-    argv = ssh_argv(cluster, args.node, remote_command)
+    argv = ssh_argv(cluster, args.node, args.remote_command)
     if shutil.which("ssh") is None:
         raise UsageError("no ssh client on PATH: install OpenSSH (e.g. apt install openssh-client)")
     sys.stdout.flush()
@@ -188,8 +221,9 @@ COMMANDS = {"up": cmd_up, "down": cmd_down, "status": cmd_status, "plan": cmd_pl
 
 
 def main(argv: list[str] | None = None) -> int:
+    state.keep_private()
     try:
-        args = build_parser().parse_args(argv)
+        args = parse_args(sys.argv[1:] if argv is None else argv)
         return COMMANDS[args.command](args)
     except ClusterError as exc:
         print(f"error: {exc}", file=sys.stderr)

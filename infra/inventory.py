@@ -5,6 +5,7 @@ Nodes are listed head node first: node-0 hosts rank 0 and `MASTER_ADDR`.
 """
 
 import json
+import stat
 import sys
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -94,33 +95,49 @@ class ClusterInfo:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ClusterInfo":
-        """Read an inventory; fields added since it was written take their defaults."""
-        values = {**EARLIER_FACTS.get(data.get("provider"), {}), **_values(cls, data)}
-        nodes = tuple(_node_from_dict(n) for n in data["nodes"])
-        if not nodes:
-            raise ValueError("no nodes")
-        values.update(nodes=nodes, hourly_usd=float(values["hourly_usd"]))
+        """The inventory from its JSON; ValueError naming the first field that is missing or of the wrong type."""
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        nodes = data.get("nodes")
+        if not isinstance(nodes, list) or not nodes:
+            raise ValueError("nodes must be a non-empty list")
+        typed_nodes = tuple(NodeInfo(**_typed(NodeInfo, node)) for node in nodes)
+        # Facts added since an inventory was written mean what that provider did before them.
+        values = {**EARLIER_FACTS.get(data.get("provider"), {}), **_typed(cls, data, skip=("nodes",))}
         if values.get("daemon", DEFAULT_DAEMON) not in DAEMONS:
             raise ValueError(f"daemon must be one of {', '.join(DAEMONS)}")
         if not isinstance(values.get("env", {}), dict):
             raise ValueError("env must be a mapping")
-        return cls(**values)
+        return cls(nodes=typed_nodes, **values)
 
 
-def _values(cls, data: dict) -> dict:
-    """The dataclass's fields from `data`; ValueError naming the required ones that are missing."""
-    required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
-    missing = required - set(data)
-    if missing:
-        raise ValueError(f"missing {', '.join(sorted(missing))}")
-    return {f.name: data[f.name] for f in fields(cls) if f.name in data}
+def _typed(cls, data, skip: tuple[str, ...] = ()) -> dict:
+    """`data`'s fields of dataclass `cls`, each checked against its annotation (str, int, float)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"a {cls.__name__} must be a JSON object")
+    values = {}
+    for f in fields(cls):
+        if f.name in skip:
+            continue
+        if f.name not in data:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise ValueError(f"missing {f.name}")
+            continue  # a field added later, with a default: older inventories lack it
+        values[f.name] = _checked(f.name, f.type, data[f.name])
+    return values
 
 
-def _node_from_dict(data: dict) -> NodeInfo:
-    node = NodeInfo(**_values(NodeInfo, data))
-    if not isinstance(node.ssh_port, int) or not isinstance(node.gpus, int):
-        raise ValueError(f"{node.name}: ssh_port and gpus must be integers")
-    return node
+def _checked(name: str, kind, value):
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is str and not isinstance(value, str):
+        raise ValueError(f"{name} must be a string")
+    if kind is int and not (is_number and isinstance(value, int)):
+        raise ValueError(f"{name} must be a whole number")
+    if kind is float:
+        if not is_number:
+            raise ValueError(f"{name} must be a number")
+        return float(value)
+    return value
 
 
 def inventory_path(stack: str) -> Path:
@@ -134,22 +151,47 @@ def save(cluster: ClusterInfo) -> Path:
 
 
 def load(stack: str) -> ClusterInfo:
-    """The stack's inventory, or a one-line UsageError saying what to do."""
+    """The stack's inventory as written, or a one-line UsageError saying what to do (down uses this)."""
     path = inventory_path(stack)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
         return ClusterInfo.from_dict(data)
     except FileNotFoundError:
         raise UsageError(f"no cluster: stack {stack!r} is not up; run python deploy.py up") from None
-    except (ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # a folder, not UTF-8, not JSON, wrong shape
         raise UsageError(
-            f"inventory {path} is corrupt ({exc}); run python deploy.py down --stack {stack} to clean up"
+            f"inventory {path} is corrupt ({state.unreadable_reason(exc)}); "
+            f"run python deploy.py down --stack {stack} to clean up"
         ) from None
 
 
 def load_current(stack_flag: str | None = None) -> ClusterInfo:
-    """The cluster a command means: `--stack`, `$CLUSTER_STACK`, or the last `up`."""
+    """The cluster a command means to use (`--stack`, `$CLUSTER_STACK`, or the last `up`), with its key
+    checked: every command that logs in (status, ssh, every fab task) refuses the same way."""
     stack = state.resolve_stack(stack_flag)
     if stack is None:
         raise UsageError("no cluster: run python deploy.py up (or python deploy.py up --local)")
-    return load(stack)
+    cluster = load(stack)
+    check_login_files(cluster)
+    return cluster
+
+
+def check_login_files(cluster: ClusterInfo) -> None:
+    """The cluster key exists, is a file and is the user's alone (ssh refuses a looser key); the pinned
+    host keys exist. One line each, saying what to do."""
+    key = Path(cluster.ssh_key)
+    again = f"python deploy.py down --stack {cluster.stack}, then up again"
+    try:
+        key_stat = key.stat()
+    except FileNotFoundError:
+        raise UsageError(f"the cluster key {key} is missing: restore it, or start over with {again}") from None
+    except OSError as exc:
+        raise UsageError(f"the cluster key {key} cannot be read ({state.unreadable_reason(exc)})") from None
+    if not stat.S_ISREG(key_stat.st_mode):
+        raise UsageError(f"the cluster key {key} is not a file: restore it, or start over with {again}")
+    if key_stat.st_mode & 0o077:
+        raise UsageError(f"the cluster key {key} is readable by others (mode {stat.S_IMODE(key_stat.st_mode):04o}), "
+                         f"which ssh refuses: run chmod 600 {key}")
+    if not Path(cluster.known_hosts).is_file():
+        raise UsageError(f"the pinned host keys {cluster.known_hosts} are missing: without them no node can be "
+                         f"trusted; start over with {again}")

@@ -3,7 +3,9 @@
 Written by `deploy.py` (up, down, and when it notices a cluster stopped itself) and by every `fab`
 launch. Each write is one transaction (BEGIN IMMEDIATE), so a crash mid-write leaves the ledger as it
 was, and two writers at once wait for each other (WAL journal, busy timeout) instead of failing. A
-ledger that is not a database any more is kept as `ledger.sqlite.corrupt-<time>` and a new one started.
+ledger that is not one any more (not a database, another schema, a row that does not read back) is
+kept as `ledger.sqlite.corrupt-<time>` and a new one started. The file is created 0600 (SQLite gives its
+-wal and -shm files the same mode); reading commands never create it.
 
 Costs: a cluster is billed per second while up, with a minimum of one minute per interval (EC2 Linux
 on-demand billing); a run costs the cluster's hourly rate for its duration. Standard library only
@@ -130,13 +132,21 @@ class Ledger:
         self.path = path or state.ledger_path()
         self.clock = clock
         self.warnings: list[str] = []
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        state.make_private_dir(self.path.parent)
         try:
             self._open()
         except sqlite3.DatabaseError as exc:
             self._start_over(exc)
 
+    @classmethod
+    def if_exists(cls, path: Path | None = None, clock=time.time) -> "Ledger | None":
+        """The ledger for reading, or None where there is none yet (reading creates nothing)."""
+        path = path or state.ledger_path()
+        return cls(path, clock) if path.exists() else None
+
     def _open(self) -> None:
+        if not self.path.exists():
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT, state.PRIVATE_FILE_MODE))
         self.db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
         self.db.execute("PRAGMA busy_timeout = 30000")
         if self.db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
@@ -146,6 +156,8 @@ class Ledger:
             for statement in SCHEMA.split(";"):
                 if statement.strip():
                     self.db.execute(statement)
+        _check_schema(self.db)
+        _check_rows(self.db)
 
     def _start_over(self, exc: Exception) -> None:
         backup = self.path.with_name(f"{self.path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -251,6 +263,51 @@ class Ledger:
             args,
         ).fetchall()
         return [RunRecord(*row[:7], json.loads(row[7]) if row[7] else None) for row in rows]
+
+
+def _expected_columns() -> dict[str, dict[str, str]]:
+    """table -> column -> declared type, as SCHEMA makes them."""
+    scratch = sqlite3.connect(":memory:")
+    try:
+        scratch.executescript(SCHEMA)
+        return _columns(scratch)
+    finally:
+        scratch.close()
+
+
+def _columns(db: sqlite3.Connection) -> dict[str, dict[str, str]]:
+    tables = [row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+    return {t: {row[1]: row[2].upper() for row in db.execute(f'PRAGMA table_info("{t}")')} for t in tables}
+
+
+def _check_schema(db: sqlite3.Connection) -> None:
+    """Our tables have our columns (CREATE TABLE IF NOT EXISTS keeps a same-named table of another schema)."""
+    found = _columns(db)
+    for table, columns in _expected_columns().items():
+        for column, kind in columns.items():
+            if found.get(table, {}).get(column) != kind:
+                raise sqlite3.DatabaseError(f"another schema: table {table} has no {kind} column {column}")
+
+
+# SQLite stores whatever a row is given; these are the storage classes each column may hold.
+_STORAGE = {"INTEGER": "'integer'", "REAL": "'integer', 'real'", "TEXT": "'text'"}
+
+
+def _check_rows(db: sqlite3.Connection) -> None:
+    """Every row reads back as the ledger wrote it: numbers are numbers, exit codes a JSON object."""
+    for table, columns in _expected_columns().items():
+        for column, kind in columns.items():
+            bad = db.execute(f'SELECT count(*) FROM "{table}" WHERE "{column}" IS NOT NULL AND '
+                             f'typeof("{column}") NOT IN ({_STORAGE[kind]})').fetchone()[0]
+            if bad:
+                raise sqlite3.DatabaseError(f"{bad} row(s) of {table} hold a non-{kind} {column}")
+    for run_id, text in db.execute("SELECT run_id, exit_codes FROM runs WHERE exit_codes IS NOT NULL"):
+        try:
+            codes = json.loads(text)
+        except ValueError:
+            codes = None
+        if not isinstance(codes, dict):
+            raise sqlite3.DatabaseError(f"run {run_id}: exit_codes is not a JSON object")
 
 
 class _Transaction:

@@ -57,6 +57,10 @@ class Provider:
     def note_self_stops(self, say) -> None:
         """Close the ledger intervals of this provider's clusters that powered themselves off."""
 
+    def interrupted_stacks(self) -> list[str]:
+        """Stacks an `up` killed midway left running without an inventory (found from what is on disk)."""
+        return []
+
 
 class LocalProvider(Provider):
     """N SSH-server nodes on this machine's loopback (infra/local/provider.py)."""
@@ -65,8 +69,13 @@ class LocalProvider(Provider):
 
     def up(self, request: UpRequest, say) -> tuple[ClusterInfo, bool]:
         stack_config = config.load_stack(request.stack, {**request.overrides, "sshCidr": None, "spot": None})
+        asked = {name for name, value in (("nodes", request.overrides.get("nodes")),
+                                          ("instance_type", request.overrides.get("instanceType")),
+                                          ("first_address", request.bind), ("ssh_port", request.ssh_port))
+                 if value is not None}
+        ssh_port = local.DEFAULT_SSH_PORT if request.ssh_port is None else request.ssh_port
         options = local.LocalOptions(request.stack, stack_config.nodes, stack_config.instance_type, request.bind,
-                                     request.ssh_port or local.DEFAULT_SSH_PORT)
+                                     ssh_port, asked=frozenset(asked))
         cluster, created = local.up(options)
         if created:
             costs.save_guards(request.stack, stack_config)
@@ -76,6 +85,10 @@ class LocalProvider(Provider):
 
     def down(self, stack: str, say) -> int:
         stopped_itself = local.stop_record(stack)
+        shared = local.shared_contents(stack)
+        if shared.files:
+            say(f"removing {report.relative(shared.path)}: {report.plural(shared.files, 'file')}, "
+                f"{shared.describe_size()} (datasets, checkpoints, anything jobs wrote there)")
         started = time.perf_counter()
         result = local.down(stack)
         elapsed = time.perf_counter() - started
@@ -116,6 +129,9 @@ class LocalProvider(Provider):
         for name in local.stacks_that_stopped_themselves():
             record = local.stop_record(name)
             costs.record_self_stop(name, record.get("reason", "stopped"), record.get("at"), say)
+
+    def interrupted_stacks(self) -> list[str]:
+        return local.stacks_without_inventory()
 
 
 class AwsProvider(Provider):
@@ -214,11 +230,11 @@ def for_up(local_flag: bool, hosts_file: str | None, stack_flag: str | None) -> 
     if hosts_file is not None and not hosts_file.strip():
         raise UsageError("--hosts needs a file: the YAML list of your machines (see README, 'Your own machines')")
     if local_flag:
-        return PROVIDERS["local"], state.check_stack_name(stack_flag or state.LOCAL_STACK)
+        return PROVIDERS["local"], state.check_stack_name(state.LOCAL_STACK if stack_flag is None else stack_flag)
     if hosts_file is not None:
         from infra.ssh_provider import DEFAULT_STACK
 
-        return PROVIDERS["ssh"], state.check_stack_name(stack_flag or DEFAULT_STACK)
+        return PROVIDERS["ssh"], state.check_stack_name(DEFAULT_STACK if stack_flag is None else stack_flag)
     stack = state.resolve_stack(stack_flag, default=DEFAULT_AWS_STACK)
     return for_stack(stack), stack
 
@@ -255,6 +271,11 @@ def for_cluster(cluster: ClusterInfo) -> Provider:
 def note_self_stops(say) -> None:
     for provider in PROVIDERS.values():
         provider.note_self_stops(say)
+
+
+def interrupted_stacks() -> list[str]:
+    """Every stack an interrupted `up` left behind, whatever its provider."""
+    return sorted(stack for provider in PROVIDERS.values() for stack in provider.interrupted_stacks())
 
 
 def _say_runs_kept(stack: str, say) -> None:

@@ -82,7 +82,7 @@ def status_table(cluster: ClusterInfo, rows: list[dict], stopped_reason: str, sp
     console.print(table)
 
 
-def plan_table(stack: str, config, resources: list[dict], estimate) -> None:
+def plan_table(stack: str, config, resources: list[dict], estimate, price_note: str = "") -> None:
     console.print(f"plan for stack '{stack}': {config.nodes} x {config.instance_type} in {config.region}"
                   f"{' (spot)' if config.spot else ''}; nothing is created")
     table = Table(show_edge=False, pad_edge=False)
@@ -92,6 +92,9 @@ def plan_table(stack: str, config, resources: list[dict], estimate) -> None:
         settings = ", ".join(f"{k} {v}" for k, v in resource["settings"].items())
         table.add_row(resource["type"].split(":")[-1], resource["name"], settings)
     console.print(table)
+    if estimate is None:
+        console.print(f"{len(resources)} resources; cost not estimated offline: {price_note}")
+        return
     console.print(f"{len(resources)} resources; estimated cost:")
     for line in estimate.lines():
         console.print(f"  {line}")

@@ -2,11 +2,13 @@
 
     python -m infra.local.node_server .cluster/local/nodes/node-0/node.json
 
-Started in the background by `deploy.py up --local`, one process per node. It accepts only the
-cluster's key, serves exec, shell (with a PTY when asked) and SFTP, and behaves like a machine that can
-be powered off: on SIGTERM, or when the watchdog's stop marker appears in the shared folder, it ends
-every process started on the node and exits. A client that disconnects takes its command's process
-group with it, so a killed session leaves no orphans.
+Started in the background by `deploy.py up --local`, one process per node, with an allow-listed
+environment (no credentials of the caller's). It accepts only the cluster's key, serves exec, shell
+(with a PTY when asked), SFTP and scp (both protocols, with an exit status as OpenSSH gives), and
+behaves like a machine that can be powered off: on SIGTERM, or when the watchdog's stop marker appears
+in the shared folder, it ends every process started on the node and exits. A client that disconnects
+takes its command's process group with it, so a killed session leaves no orphans. Everything it and
+its commands create is private to the user (umask 077), as the state folder it lives in is.
 """
 
 import asyncio
@@ -25,9 +27,11 @@ from pathlib import Path
 
 import asyncssh
 
+from infra import state
 from infra.local import procs
 from remote.node import layout
 
+SERVER_MODULE = "infra.local.node_server"
 # The watchdog (harness/watchdog.py) writes this file under the shared folder to power the cluster off.
 STOP_MARKER = ".gpu-cluster/stop.json"
 # Daemons started on the node (the watchdog, a detached job) register `<name>.pid` here, so that
@@ -89,7 +93,9 @@ class ProcessTable:
                 pids.append(int(path.read_text().split()[0]))
             except (ValueError, IndexError, OSError):
                 continue
-        return pids
+        # A job can write anything here: 0, 1 or a negative number would signal this server's own
+        # group, init's, or every process, so only real process group ids of others are kept.
+        return [pid for pid in pids if pid > 1 and pid != os.getpid()]
 
     async def end_all(self) -> None:
         """Everything started on the node: session groups and daemons get SIGTERM and a grace
@@ -130,6 +136,37 @@ def _signal_group(pgid: int, sig: int) -> bool:
         return True
     except (ProcessLookupError, PermissionError):
         return False
+
+
+class NodeSFTPServer(asyncssh.SFTPServer):
+    """asyncssh's SFTP server, ending as OpenSSH's does and keeping the node's files private.
+
+    OpenSSH's sftp-server exits 0 when the client ends the session and sshd sends that exit status;
+    asyncssh only closes the channel, and stock `scp` (SFTP protocol by default since OpenSSH 9.0)
+    copies the file and then exits 1 for want of a status. A chmod from the client (Fabric's `put`
+    copies the local mode) keeps only the owner's bits, as the umask does for files created here.
+    """
+
+    def exit(self) -> None:
+        try:
+            self.channel.exit(0)
+        except OSError:  # the client went away first: there is no one to tell
+            pass
+
+    def setstat(self, path: bytes, attrs: asyncssh.SFTPAttrs) -> None:
+        return super().setstat(path, _owner_only(attrs))
+
+    def lsetstat(self, path: bytes, attrs: asyncssh.SFTPAttrs) -> None:
+        return super().lsetstat(path, _owner_only(attrs))
+
+    def fsetstat(self, file_obj: object, attrs: asyncssh.SFTPAttrs) -> None:
+        return super().fsetstat(file_obj, _owner_only(attrs))
+
+
+def _owner_only(attrs: asyncssh.SFTPAttrs) -> asyncssh.SFTPAttrs:
+    if attrs.permissions is not None:
+        attrs.permissions &= ~0o077
+    return attrs
 
 
 class NodeSSHServer(asyncssh.SSHServer):
@@ -381,7 +418,7 @@ async def serve(config: NodeConfig) -> None:
         config.port,
         server_host_keys=[config.host_key],
         process_factory=node.handle,
-        sftp_factory=True,
+        sftp_factory=NodeSFTPServer,
         allow_scp=True,
         encoding=None,
         reuse_address=True,
@@ -407,12 +444,11 @@ def _write_pid_file(config: NodeConfig) -> None:
         "address": config.address,
         "port": config.port,
     }
-    tmp = Path(config.pid_file + ".tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, config.pid_file)
+    state.write_atomic(Path(config.pid_file), json.dumps(record))
 
 
 def main(argv: list[str]) -> int:
+    state.keep_private()
     config = NodeConfig.load(argv[1])
     os.chdir(config.home)
     logging.basicConfig(
