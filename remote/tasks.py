@@ -4,7 +4,6 @@ The cluster is the current stack's inventory (`--stack`, else $CLUSTER_STACK, el
 """
 
 import json
-import shlex
 import sqlite3
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from infra import inventory, state
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo
 from infra.ledger import Ledger
-from remote import commands
+from remote import commands, options
 from remote.bootstrap import Bootstrap
 from remote.connect import on_all_nodes, open_sessions
 from remote.launch import JobSpec, NodeSetup, launch, stop_everywhere
@@ -24,7 +23,7 @@ from remote.stream import console, say
 
 STACK_HELP = "stack to use (default: $CLUSTER_STACK, else the last `python deploy.py up`)"
 ARGS_HELP = 'arguments for the script, quoted as one string, e.g. --args "--steps 200"'
-RESTARTS_HELP = "torchrun --max-restarts: restart a failed worker group this many times (default 0)"
+RESTARTS_HELP = "torchrun --max-restarts: restart a failed worker group this many times, >= 0 (default 0)"
 EXAMPLES = {
     "hello": "examples/distributed_hello.py",
     "run-ddp": "examples/ddp_training.py",
@@ -114,8 +113,8 @@ def start_job(stack: str | None, spec: JobSpec) -> None:
 def example_task(name: str, doc: str):
     """A launch task for one of the examples."""
 
-    def body(c, args="", max_restarts=0, stack=None):
-        start_job(stack, JobSpec(name, EXAMPLES[name], shlex.split(args), int(max_restarts)))
+    def body(c, args="", max_restarts=None, stack=None):
+        start_job(stack, JobSpec(name, EXAMPLES[name], options.script_arguments(args), restarts(max_restarts)))
 
     body.__name__ = name.replace("-", "_")
     body.__doc__ = doc
@@ -131,20 +130,25 @@ model_parallel = example_task("model-parallel", "Pipeline parallel: one stage pe
 
 @task(help={"script": "a torchrun-able Python script on this machine (copied to the cluster first)",
             "args": ARGS_HELP, "max-restarts": RESTARTS_HELP, "stack": STACK_HELP})
-def run(c, script, args="", max_restarts=0, stack=None):
+def run(c, script=None, args="", max_restarts=None, stack=None):
     """Run any torchrun script of yours on every node: it is copied to the shared folder first."""
-    path = Path(script)
-    if not path.is_file():
-        raise Exit(f"error: no such script: {script}", code=2)
-    start_job(stack, JobSpec("run", path.name, shlex.split(args), int(max_restarts), upload=path.resolve()))
+    path = options.compiled_script(script)
+    spec = JobSpec("run", path.name, options.script_arguments(args), restarts(max_restarts), upload=path.resolve())
+    start_job(stack, spec)
+
+
+def restarts(value: str | None) -> int:
+    return options.integer("--max-restarts", value, 0, minimum=0)
 
 
 @task(help={"force": "redo every stage even where it is up to date",
-            "master-port": f"MASTER_PORT for the rendezvous on node-0 (default {commands.DEFAULT_MASTER_PORT})",
+            "master-port": f"MASTER_PORT for the rendezvous on node-0, {options.PORT_RANGE[0]}..{options.PORT_RANGE[1]}, "
+                           f"free there (default {commands.DEFAULT_MASTER_PORT})",
             "stack": STACK_HELP})
-def bootstrap(c, force=False, master_port=commands.DEFAULT_MASTER_PORT, stack=None):
+def bootstrap(c, force=False, master_port=None, stack=None):
     """Prepare every node: checks, Python deps, code sync, node environment, health check."""
-    Bootstrap(cluster_for(stack), bool(force), int(master_port)).run()
+    port = options.port("--master-port", master_port, commands.DEFAULT_MASTER_PORT)
+    Bootstrap(cluster_for(stack), bool(force), port).run()
 
 
 @task(help={"stack": STACK_HELP})
@@ -157,8 +161,10 @@ def stop(c, stack=None):
 
 @task(help={"run": "the run id (default: the latest run)", "node": "only this node's log",
             "lines": "how many lines from the end of each log (default 50; 0 for all)", "stack": STACK_HELP})
-def logs(c, run=None, node=None, lines=50, stack=None):
+def logs(c, run=None, node=None, lines=None, stack=None):
     """Show a run's per-node logs (kept on this machine in .cluster/<stack>/runs/<run-id>/)."""
+    count = options.integer("--lines", lines, 50, minimum=0)
+    run = options.run_id(run) if run is not None else None
     stack_name = state.resolve_stack(stack)
     if stack_name is None:
         raise Exit("error: no cluster: run python deploy.py up", code=2)
@@ -174,13 +180,22 @@ def logs(c, run=None, node=None, lines=50, stack=None):
     say(f"run {run_dir.name} ({run_dir})")
     for path in logs_found:
         text = path.read_text().splitlines()
-        shown = text[-int(lines):] if int(lines) > 0 else text
+        shown = text[-count:] if count > 0 else text
         for line in shown:
             say(f"[{path.stem}] {line}")
     summary = run_dir / "summary.json"
     if summary.exists():
-        data = json.loads(summary.read_text())
-        say(f"exit codes {data['exit_codes']}, {data['duration_s']:.1f} s, ${data['cost_usd']:.4f}")
+        say(summary_line(summary))
+
+
+def summary_line(path: Path) -> str:
+    """A run's outcome from its summary.json; a damaged one is said so, after its logs were shown."""
+    try:
+        data = json.loads(path.read_text())
+        return f"exit codes {data['exit_codes']}, {float(data['duration_s']):.1f} s, ${float(data['cost_usd']):.4f}"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return (f"{path} is damaged ({type(exc).__name__}: {exc}); the logs above are complete, "
+                "and python deploy.py cost has the run's exit codes and cost")
 
 
 def _latest_run(runs: Path) -> Path | None:
