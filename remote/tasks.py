@@ -4,7 +4,9 @@ The cluster is the current stack's inventory (`--stack`, else $CLUSTER_STACK, el
 """
 
 import json
+import os
 import sqlite3
+import threading
 from pathlib import Path
 
 from invoke import Collection, task
@@ -14,7 +16,7 @@ from rich.table import Table
 from infra import inventory, state
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo
-from infra.ledger import Ledger
+from infra.ledger import HEARTBEAT_S, Ledger
 from remote import commands, options
 from remote.bootstrap import Bootstrap
 from remote.connect import on_all_nodes, open_sessions
@@ -49,6 +51,7 @@ class RunBook:
 
     def __init__(self, cluster: ClusterInfo):
         self.cluster = cluster
+        self.heartbeat: Heartbeat | None = None
         try:
             self.ledger = Ledger()
             for warning in self.ledger.warnings:
@@ -59,9 +62,14 @@ class RunBook:
 
     def started(self, run_id: str, task: str) -> None:
         self._safely(lambda: self.ledger.run_started(run_id, self.cluster.stack, task, len(self.cluster.nodes),
-                                                     self.cluster.hourly_usd))
+                                                     self.cluster.hourly_usd, owner_pid=os.getpid()))
+        if self.ledger is not None:
+            self.heartbeat = Heartbeat(self.ledger.path, run_id)
+            self.heartbeat.start()
 
     def ended(self, run_id: str, exit_codes: dict, duration_s: float) -> float:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         cost = self._safely(lambda: self.ledger.run_ended(run_id, exit_codes))
         return cost if cost is not None else self.cluster.hourly_usd * duration_s / 3600
 
@@ -73,6 +81,34 @@ class RunBook:
         except (sqlite3.Error, OSError) as exc:
             say(f"fab: warning: could not write the ledger ({exc})")
             return None
+
+
+class Heartbeat(threading.Thread):
+    """Records every HEARTBEAT_S that this fab still supervises its run, so that if it is killed, the
+    next command reading the ledger closes the run at the last beat (infra/ledger.py)."""
+
+    def __init__(self, ledger_path: Path, run_id: str):
+        super().__init__(name=f"heartbeat-{run_id}", daemon=True)
+        self.ledger_path, self.run_id = ledger_path, run_id
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        try:
+            ledger = Ledger(self.ledger_path)  # a connection of this thread's own
+        except (sqlite3.Error, OSError):
+            return  # RunBook has warned already; the run's end is still recorded
+        try:
+            while not self.stopped.wait(HEARTBEAT_S):
+                try:
+                    ledger.heartbeat(self.run_id)
+                except (sqlite3.Error, OSError):
+                    pass  # a busy or damaged ledger; the next beat may get through
+        finally:
+            ledger.close()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join(timeout=5)
 
 
 def start_job(stack: str | None, spec: JobSpec) -> None:
