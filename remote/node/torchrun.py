@@ -15,16 +15,16 @@ as `master_listen_fd`, binds it to one address, and torchrun passes none. A job 
   its address, and a fresh one for every rendezvous round, so each restart starts from empty keys.
 
 Where torch lacks these hooks (another version on the node), this is plain torchrun with the workers'
-store unshared, and that store listens on every interface: it says so on stderr. gloo and NCCL bind
-the interface of GLOO/NCCL_SOCKET_IFNAME themselves. Nothing here is imported on the operator side.
+store unshared, and the stores it cannot bind listen on every interface: it says so on stderr. gloo and
+NCCL bind the interface of GLOO/NCCL_SOCKET_IFNAME themselves. Nothing here runs on the operator side.
 """
 
 import os
 import socket
 import sys
 
-FALLBACK = ("gpu-cluster: this torch cannot bind the workers' store to one address; "
-            "it listens on every interface for this job (see the README, 'What a job exposes')")
+FALLBACK = ("gpu-cluster: this torch cannot bind the {what} to one address; it listens on every interface "
+            "for this job (see the README, 'What a job exposes')")
 
 
 def listening_socket(address: str, port: int) -> socket.socket:
@@ -44,6 +44,13 @@ def bound_store(address: str, port: int):
     bound_port = sock.getsockname()[1]
     return TCPStore(address, bound_port, is_master=True, multi_tenant=True, wait_for_workers=False,
                     master_listen_fd=sock.detach())
+
+
+def stores_can_be_bound() -> bool:
+    """Whether this torch's TCPStore takes a listening socket of the caller's."""
+    from torch.distributed import TCPStore
+
+    return "master_listen_fd" in (TCPStore.__init__.__doc__ or "")  # pybind puts the signature there
 
 
 def serve_worker_stores_from_the_agent() -> bool:
@@ -71,11 +78,12 @@ def serve_worker_stores_from_the_agent() -> bool:
 
 
 def main(argv: list[str]) -> None:
-    if not serve_worker_stores_from_the_agent():
+    bindable = stores_can_be_bound()
+    if not (bindable and serve_worker_stores_from_the_agent()):
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # never share one store across restarts
-        print(FALLBACK, file=sys.stderr, flush=True)
+        print(FALLBACK.format(what="workers' store" if bindable else "job's stores"), file=sys.stderr, flush=True)
     rendezvous_store = None
-    if os.environ.get("NODE_RANK") == "0":  # node-0 hosts the rendezvous (torchrun --rdzv-conf is_host=1)
+    if bindable and os.environ.get("NODE_RANK") == "0":  # node-0 hosts the rendezvous (--rdzv-conf is_host=1)
         address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         try:
             rendezvous_store = bound_store(address, port)
