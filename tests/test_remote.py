@@ -318,17 +318,25 @@ def test_ctrl_c_stops_the_job_everywhere(cluster, tmp_path):
 
 
 def test_two_launches_at_the_same_moment_run_one_job(cluster, tmp_path):
-    script = tmp_path / "short.py"
-    script.write_text("import time\ntime.sleep(2)\nprint('short job done', flush=True)\n")
-    for _ in range(3):
+    script = tmp_path / "until_released.py"  # runs until the test has seen one launch of the pair end
+    script.write_text("import os, sys, time\n"
+                      "deadline = time.time() + 120\n"
+                      "while not os.path.exists(sys.argv[1]) and time.time() < deadline:\n"
+                      "    time.sleep(0.1)\n")
+    for attempt in range(3):
         before = cluster.runs()
-        pair = [cluster.popen_fab("run", "--script", str(script), stderr=subprocess.PIPE) for _ in range(2)]
+        release = tmp_path / f"release-{attempt}"
+        pair = [cluster.popen_fab("run", "--script", str(script), "--args", str(release), stderr=subprocess.PIPE)
+                for _ in range(2)]
+        deadline = time.monotonic() + 120
+        while all(job.poll() is None for job in pair) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        release.touch()
         outcomes = []
         for job in pair:
             out, err = job.communicate(timeout=120)
             outcomes.append((job.returncode, out, err))
-        codes = sorted(code for code, _, _ in outcomes)
-        assert codes == [0, 2], outcomes
+        assert sorted(code for code, _, _ in outcomes) == [0, 2], outcomes
         [(_, ran, _)] = [o for o in outcomes if o[0] == 0]
         [(_, _, refusal)] = [o for o in outcomes if o[0] == 2]
         assert refusal.count("\n") == 1 and refusal.startswith("error: node-0 is running job "), refusal
