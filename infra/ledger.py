@@ -258,7 +258,8 @@ class Ledger:
         now = self.clock() if now is None else now
         host = socket.gethostname()
         rows = self.db.execute(
-            "SELECT run_id, owner_host, owner_pid, COALESCE(last_seen_at, started_at) FROM runs WHERE ended_at IS NULL"
+            "SELECT run_id, owner_host, owner_pid, seen FROM (SELECT *, COALESCE(last_seen_at, started_at) AS seen"
+            " FROM runs WHERE ended_at IS NULL) WHERE typeof(seen) IN ('real', 'integer')"
         ).fetchall()
         closed = []
         for run_id, owner_host, owner_pid, last_seen in rows:

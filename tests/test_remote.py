@@ -105,15 +105,14 @@ def run_processes(run_id: str) -> list[int]:
     return found
 
 
-def wait_for_output(proc: subprocess.Popen, text: str, timeout_s: float = 60) -> str:
-    """Read a running fab's output until `text` appears."""
+def wait_for_output(proc: subprocess.Popen, *texts: str, timeout_s: float = 60) -> str:
+    """Read a running fab's output until every one of `texts` has appeared."""
     seen, deadline = "", time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        seen += line
-        if text in line:
-            return seen
-    raise AssertionError(f"{text!r} not seen in:\n{seen}")
+    while time.monotonic() < deadline and not all(text in seen for text in texts):
+        seen += proc.stdout.readline()
+    if not all(text in seen for text in texts):
+        raise AssertionError(f"{texts!r} not all seen in:\n{seen}")
+    return seen
 
 
 # ------------------------------------------------------------------------------------- bootstrap
@@ -291,7 +290,7 @@ def start_sleeping_job(cluster, tmp_path) -> tuple[subprocess.Popen, str]:
     script = tmp_path / "sleep.py"
     script.write_text("import time\nprint('sleeping', flush=True)\ntime.sleep(600)\n")
     job = cluster.popen_fab("run", "--script", str(script))
-    return job, run_id_in(wait_for_output(job, "sleeping"))
+    return job, run_id_in(wait_for_output(job, "[node-0] sleeping", "[node-1] sleeping"))
 
 
 def test_stop_ends_a_running_job_on_every_node(cluster, tmp_path):
