@@ -30,3 +30,14 @@ def test_a_script_that_does_not_compile_is_refused_naming_the_file_and_line(stat
     assert_one_line_error(run_fab("run", "--script", str(script)), "does not compile", f"{script}, line 3")
     assert not state_dir.exists()
     assert not (tmp_path / "__pycache__").exists()  # checked without writing bytecode beside it
+
+
+def test_logs_of_a_run_with_a_damaged_summary_are_shown_and_the_damage_named(state_dir):
+    run_dir = state_dir / "local" / "runs" / "20260101-000000-hello-ab12"
+    run_dir.mkdir(parents=True)
+    (run_dir / "node-0.log").write_text("first\nlast words\n")
+    (run_dir / "summary.json").write_text('{"exit_codes": {"node-0": 1}, "duration_s": ')
+    result = run_fab("logs", "--stack", "local", "--lines", "1")
+    assert result.returncode == 0, result.stderr
+    assert "[node-0] last words" in result.stdout and "[node-0] first" not in result.stdout
+    assert "summary.json is damaged" in result.stdout and not result.stderr
