@@ -116,7 +116,7 @@ def cost_tables(data: dict) -> None:
     for column in ("run", "task", "stack", "nodes", "seconds", "cost", "exit codes"):
         runs.add_column(column)
     for r in data["runs"]:
-        codes = ", ".join(f"{k}={v}" for k, v in (r["exit_codes"] or {}).items()) or "running"
+        codes = ", ".join(f"{k}={v}" for k, v in (r["exit_codes"] or {}).items()) or r.get("end_reason") or "running"
         runs.add_row(r["run_id"], r["task"], r["stack"], str(r["nodes"]), f"{r['seconds']:.1f}", f"${r['cost_usd']:.4f}", codes)
     console.print(runs)
     would = data["local_would_have_cost_usd"]

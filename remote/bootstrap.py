@@ -129,8 +129,10 @@ class Bootstrap:
 
     def run(self) -> None:
         started = time.monotonic()
+        self._refuse_ssh_port()
         sessions, recorded = open_sessions(self.cluster, f"cat {commands.STATE_FILE} 2>/dev/null || echo '{{}}'")
         try:
+            self._refuse_busy_port(sessions[0])
             self.records = [NodeRecord(s, _parse_state(text)) for s, text in zip(sessions, recorded)]
             for name, stage in self.stages():
                 stage_started = time.monotonic()
@@ -148,6 +150,30 @@ class Bootstrap:
         finally:
             for session in sessions:
                 session.close()
+
+    def _refuse_ssh_port(self) -> None:
+        """MASTER_PORT may not be a node's SSH port; checked before anything connects."""
+        for node in self.cluster.nodes:
+            if node.ssh_port == self.master_port:
+                raise Exit(f"error: --master-port {self.master_port} is the SSH port of {node.name}: "
+                           "pick another, e.g. --master-port 29500", code=2)
+
+    def _refuse_busy_port(self, head: NodeSession) -> None:
+        """MASTER_PORT must be free on the head node's MASTER_ADDR, checked before any stage writes."""
+        address, port = self.cluster.head.private_ip, self.master_port
+        python = self.cluster.python
+        source = (REPO / "remote" / "node" / "port_free.py").read_text()
+        result = head.run(commands.python_json_command(python, source, address, str(port)))
+        verdict = result.stdout.strip()
+        if verdict == "free":
+            return
+        if not verdict.startswith("in use"):
+            raise Exit(f"error: could not check MASTER_PORT {port} on {head.node.name}: "
+                       f"{(result.stderr.strip() or verdict)[-200:]}", code=1)
+        job, _ = commands.parse_job_status(head.run(commands.job_status_command()).stdout)
+        why = (f"job {job['run_id']} ({job['task']}) runs there: wait for it or run fab stop" if job
+               else f"{verdict}: pick another with --master-port")
+        raise Exit(f"error: MASTER_PORT {port} is not free on {head.node.name} ({address}): {why}", code=2)
 
     def stages(self) -> list[tuple[str, Callable[[NodeRecord], Outcome]]]:
         return [("code", self.code), ("probe", self.probe), ("deps", self.deps), ("env", self.env), ("health", None),
