@@ -23,7 +23,13 @@ REQUIREMENTS = f"{HOME_DIR}/requirements-node.txt"
 CODE = f"{HOME_DIR}/code"
 """harness/, examples/ and remote/node/, where the cluster has no shared folder."""
 RUNS = f"{HOME_DIR}/runs"
-"""Run folders, where the cluster has no shared folder."""
+"""Each run's node-local folder, on every node: `<run-id>/workdir` (the job's working directory) and
+`<run-id>/results` (`$CLUSTER_RESULTS_DIR`); also the run folder itself where there is no shared folder."""
+WORKDIRS = f"{HOME_DIR}/workdirs"
+"""`fab run --workdir` caches, one per project folder: `<key>/files/`, `manifest.json` and `digest`."""
+ENVS = f"{HOME_DIR}/envs"
+"""`fab run --requirements` environments, one per requirements file: `<digest>/` (a venv), with
+`<digest>.txt` (the file) and `<digest>.log` (pip's output) beside it."""
 WATCHDOG_PID = f"{PIDS}/watchdog.pid"
 """The detached watchdog's process group."""
 WATCHDOG_LOG = f"{HOME_DIR}/watchdog.log"
@@ -34,6 +40,31 @@ WATCHDOG_UNIT_FILE = f"{HOME_DIR}/{WATCHDOG_UNIT}.service"
 """The unit file as sent, before it is installed into /etc/systemd/system."""
 SYNCED = ("harness", "examples", "remote/node")
 """The code folders bootstrap syncs (relative to the repository and to the code folder)."""
+
+
+def node_run(run_id: str) -> str:
+    """A run's node-local folder."""
+    return f"{RUNS}/{run_id}"
+
+
+def workdir_cache(key: str) -> str:
+    """The cache of one project folder (`remote/workdir.py` names the key)."""
+    return f"{WORKDIRS}/{key}"
+
+
+def job_env(digest: str) -> str:
+    """The environment of one requirements file."""
+    return f"{ENVS}/{digest}"
+
+
+ENV_READY = ".installed"
+"""In a requirements environment: written only after pip succeeded; holds the interpreter it is layered over."""
+WORKDIR_FILES = "files"
+"""In a workdir cache: the synced files."""
+WORKDIR_MANIFEST = "manifest.json"
+"""In a workdir cache: {path: sha256} of the files, written after a sync completes."""
+WORKDIR_DIGEST = "digest"
+"""In a workdir cache: the manifest's digest, which a launch's first command reads."""
 
 
 def shell(path: str) -> str:

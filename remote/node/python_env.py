@@ -53,11 +53,25 @@ def create(dest: str) -> bool:
     return True
 
 
+def layer_paths() -> list:
+    """This interpreter's own site-packages, then what its own layer file names: a venv layered over
+    this one sees everything this one does, however many layers deep (a `.pth` file's folders are
+    added to sys.path, but `.pth` files in them are not read)."""
+    paths = own_site_packages()
+    for folder in list(paths):
+        try:
+            with open(os.path.join(folder, LAYER_PTH)) as f:
+                paths += [line.strip() for line in f if line.strip() and line.strip() not in paths]
+        except OSError:
+            continue
+    return paths
+
+
 def write_layer(dest: str) -> None:
     path = os.path.join(venv_site_packages(dest), LAYER_PTH)
     if is_layered_env():
         with open(path, "w") as f:
-            f.write("".join(p + "\n" for p in own_site_packages()))
+            f.write("".join(p + "\n" for p in layer_paths()))
     elif os.path.exists(path):
         os.unlink(path)
 

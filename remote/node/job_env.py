@@ -1,0 +1,82 @@
+"""A job's own packages (`fab run --requirements FILE`): one venv per requirements file, made once.
+
+    NODE_PYTHON job_env.py DEST REQUIREMENTS LOG [CWD]    # prints one JSON object; exit 1 if pip failed
+
+Run by the node venv's interpreter, it makes DEST a venv layered over that interpreter as bootstrap
+layers the node venv (python_env.py: `--system-site-packages` plus a `.pth` naming every folder the
+node venv sees), so torch and the rest are found, not installed again. pip installs REQUIREMENTS into
+it, from CWD (the synced workdir: relative paths in the file, such as `--find-links wheels`, are the
+project's), its output going to LOG. DEST/.installed is written only after pip succeeded, naming the
+interpreter it is layered over; where it is there and names this one, nothing is done. Standard
+library only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import python_env
+
+READY = ".installed"  # layout.ENV_READY
+
+
+def ready(dest: str) -> bool:
+    try:
+        with open(os.path.join(dest, READY)) as f:
+            return f.read().strip() == sys.executable
+    except OSError:
+        return False
+
+
+def error_line(log: str) -> str:
+    """pip's own summary of what went wrong: its last `ERROR:` line, else its last line."""
+    try:
+        with open(log, errors="replace") as f:
+            lines = [line.strip() for line in f if line.strip()]
+    except OSError:
+        return "no output"
+    errors = [line for line in lines if line.startswith("ERROR:")]
+    return (errors or lines or ["no output"])[-1]
+
+
+def install(dest: str, requirements: str, log: str, cwd: str) -> dict:
+    python_env.create(dest)
+    python_env.write_layer(dest)
+    python = os.path.join(dest, "bin", "python")
+    python_env.ensure_pip(python)
+    with open(log, "w") as out:
+        pip = subprocess.run([python, "-m", "pip", "install", "--disable-pip-version-check", "--no-input",
+                              "-r", requirements], stdout=out, stderr=subprocess.STDOUT, cwd=cwd)
+    if pip.returncode != 0:
+        return {"ok": False, "error": error_line(log), "log": log}
+    with open(os.path.join(dest, READY), "w") as f:
+        f.write(sys.executable + "\n")
+    return {"ok": True, "installed": True, "python": python}
+
+
+def main(argv: list) -> int:
+    if len(argv) not in (3, 4):
+        sys.exit("usage: NODE_PYTHON job_env.py DEST REQUIREMENTS LOG [CWD]")
+    dest, requirements, log = (os.path.abspath(os.path.expanduser(arg)) for arg in argv[:3])
+    cwd = os.path.expanduser(argv[3]) if len(argv) == 4 and os.path.isdir(os.path.expanduser(argv[3])) else None
+    if ready(dest):
+        print(json.dumps({"ok": True, "installed": False, "python": os.path.join(dest, "bin", "python")}))
+        return 0
+    started = time.monotonic()
+    try:
+        outcome = install(dest, requirements, log, cwd or os.path.expanduser("~"))
+    except SystemExit as exc:  # ensure_pip says why pip cannot be had
+        outcome = {"ok": False, "error": str(exc.code), "log": log}
+    except (OSError, subprocess.SubprocessError) as exc:
+        outcome = {"ok": False, "error": str(exc), "log": log}
+    outcome["seconds"] = round(time.monotonic() - started, 1)
+    print(json.dumps(outcome))
+    return 0 if outcome["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

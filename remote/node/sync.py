@@ -1,0 +1,177 @@
+"""The node's side of `fab run --workdir`: its cache of a project folder, the run's results, old run copies.
+
+    python sync.py manifest CACHE                 # {path: sha256} of the cache's files, as JSON
+    python sync.py apply CACHE BUNDLE             # apply a bundle that `fab` sent; prints {"sent", "removed"}
+    python sync.py results RUN_DIR RESULTS_DIR    # what a launch fetches back: [{"remote", "name", "size"}]
+    python sync.py clean RUNS KEEP                # remove the node-local copies of all but the newest KEEP runs
+
+A cache (`~/.gpu-cluster/workdirs/<key>`, see layout.py) holds `files/` (the project as last synced),
+`manifest.json` and `digest`. `apply` removes the manifest and the digest before it changes any file
+and writes them back only once every file is in place, so a sync that was cut short leaves no digest
+that a launch could trust: the next `manifest` hashes the files themselves. A bundle is a tar file that
+`fab` built (remote/workdir.py): `plan.json` ({"remove": [...], "manifest": {...}, "digest": "..."}),
+then the changed files under `files/`. Standard library only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+import sys
+import tarfile
+
+FILES, MANIFEST, DIGEST, PLAN = "files", "manifest.json", "digest", "plan.json"
+RESULT_FILES = ("metrics.jsonl",)  # besides the results folder, what a launch fetches from the run folder
+RUN_COPIES = ("workdir", "results")  # what `clean` removes from a run's node-local folder
+
+
+def file_sha256(path: str) -> str:
+    hasher = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            hasher.update(block)
+    return hasher.hexdigest()
+
+
+def regular_files(root: str) -> list:
+    """Paths (relative, with '/') of the regular files under `root`; symbolic links are not followed."""
+    found = []
+    for folder, dirs, names in os.walk(root):
+        for name in names:
+            path = os.path.join(folder, name)
+            if stat.S_ISREG(os.lstat(path).st_mode):
+                found.append(os.path.relpath(path, root).replace(os.sep, "/"))
+    return sorted(found)
+
+
+def manifest(cache: str) -> dict:
+    """The recorded manifest where the last sync completed, else the files' own hashes."""
+    try:
+        with open(os.path.join(cache, MANIFEST)) as f:
+            recorded = json.load(f)
+        if os.path.exists(os.path.join(cache, DIGEST)) and isinstance(recorded, dict):
+            return recorded
+    except (OSError, ValueError):
+        pass
+    files = os.path.join(cache, FILES)
+    return {path: file_sha256(os.path.join(files, path)) for path in regular_files(files)}
+
+
+def safe_relative(name: str) -> str:
+    """`name` if it is a plain relative path that stays inside its folder; else ValueError."""
+    parts = name.split("/")
+    if not name or name.startswith("/") or any(part in ("", ".", "..") for part in parts):
+        raise ValueError(f"refusing the path {name!r} in a bundle")
+    return name
+
+
+def remove(files: str, relative: str) -> None:
+    """Remove a file of the cache and the folders it leaves empty."""
+    path = os.path.join(files, safe_relative(relative))
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+    folder = os.path.dirname(path)
+    while folder != files and not os.listdir(folder):
+        os.rmdir(folder)
+        folder = os.path.dirname(folder)
+
+
+def write_member(bundle: tarfile.TarFile, member: tarfile.TarInfo, files: str, umask: int) -> None:
+    if not member.isreg() or not member.name.startswith(f"{FILES}/"):
+        raise ValueError(f"refusing the member {member.name!r} in a bundle")
+    path = os.path.join(files, safe_relative(member.name[len(FILES) + 1:]))
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)  # a folder of the last sync is a file now
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    partial = f"{path}.gpu-cluster-partial"
+    with bundle.extractfile(member) as source, open(partial, "wb") as target:
+        shutil.copyfileobj(source, target, 1 << 20)
+    os.chmod(partial, (0o777 if member.mode & 0o111 else 0o666) & ~umask)
+    os.replace(partial, path)
+
+
+def write_atomic(path: str, text: str) -> None:
+    with open(f"{path}.tmp", "w") as f:
+        f.write(text)
+    os.replace(f"{path}.tmp", path)
+
+
+def apply(cache: str, bundle_path: str) -> dict:
+    files = os.path.join(cache, FILES)
+    os.makedirs(files, exist_ok=True)
+    for name in (DIGEST, MANIFEST):  # from here until the end the cache is "being changed"
+        try:
+            os.unlink(os.path.join(cache, name))
+        except FileNotFoundError:
+            pass
+    umask = os.umask(0)
+    os.umask(umask)
+    sent = 0
+    with tarfile.open(bundle_path) as bundle:
+        plan = json.load(bundle.extractfile(PLAN))
+        for relative in plan["remove"]:
+            remove(files, relative)
+        for member in bundle:
+            if member.name != PLAN:
+                write_member(bundle, member, files, umask)
+                sent += 1
+    write_atomic(os.path.join(cache, MANIFEST), json.dumps(plan["manifest"]))
+    write_atomic(os.path.join(cache, DIGEST), plan["digest"] + "\n")
+    os.unlink(bundle_path)
+    return {"sent": sent, "removed": len(plan["remove"])}
+
+
+def results(run_dir: str, results_dir: str) -> list:
+    """The files a launch fetches: the results folder, whole, and the run folder's metrics file."""
+    found = [{"remote": os.path.join(results_dir, path), "name": f"results/{path}",
+              "size": os.path.getsize(os.path.join(results_dir, path))} for path in regular_files(results_dir)]
+    for name in RESULT_FILES:
+        path = os.path.join(run_dir, name)
+        if os.path.isfile(path) and not os.path.islink(path):
+            found.append({"remote": path, "name": name, "size": os.path.getsize(path)})
+    return found
+
+
+def folder_bytes(root: str) -> int:
+    return sum(os.lstat(os.path.join(root, path)).st_size for path in regular_files(root))
+
+
+def clean(runs: str, keep: int) -> dict:
+    """Remove `workdir/` and `results/` of every run but the newest `keep` (run ids sort by time);
+    anything else in a run's folder (on clusters without shared storage, its checkpoints) stays."""
+    run_ids = sorted(name for name in os.listdir(runs) if os.path.isdir(os.path.join(runs, name))) \
+        if os.path.isdir(runs) else []
+    removed, freed = 0, 0
+    for run_id in run_ids[:max(0, len(run_ids) - keep)]:
+        copies = [os.path.join(runs, run_id, name) for name in RUN_COPIES]
+        copies = [path for path in copies if os.path.isdir(path) and not os.path.islink(path)]
+        for path in copies:
+            freed += folder_bytes(path)
+            shutil.rmtree(path)
+        removed += bool(copies)
+        if not os.listdir(os.path.join(runs, run_id)):
+            os.rmdir(os.path.join(runs, run_id))
+    return {"runs": len(run_ids), "removed": removed, "freed_bytes": freed}
+
+
+def main(argv: list) -> None:
+    paths = [os.path.expanduser(arg) for arg in argv[1:]]
+    if argv[:1] == ["manifest"] and len(paths) == 1:
+        print(json.dumps(manifest(*paths)))
+    elif argv[:1] == ["apply"] and len(paths) == 2:
+        print(json.dumps(apply(*paths)))
+    elif argv[:1] == ["results"] and len(paths) == 2:
+        print(json.dumps({"files": results(*paths)}))
+    elif argv[:1] == ["clean"] and len(paths) == 2:
+        print(json.dumps(clean(paths[0], int(argv[2]))))
+    else:
+        sys.exit(__doc__.split("\n\n")[1])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
