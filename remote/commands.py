@@ -95,6 +95,16 @@ def env_file_text(env: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+TORCHRUN = "$CLUSTER_CODE_DIR/remote/node/torchrun.py"
+# What torchrun gives every worker, beside what the node environment and the launch set.
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME")
+# Variables a user's --env may not set: the node's, torchrun's, the launch's, and any CLUSTER_*.
+RESERVED_PREFIXES = ("CLUSTER_", "TORCHELASTIC_")
+RESERVED_VARIABLES = ("NODE_RANK", "NNODES", "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "NCCL_SOCKET_IFNAME",
+                      "GLOO_SOCKET_IFNAME", "PYTHONPATH", "PYTHONUNBUFFERED", *TORCHRUN_VARIABLES)
+
+
 def torchrun_argv(cluster: ClusterInfo, node: NodeInfo, run_id: str, max_restarts: int, master_port: int) -> list[str]:
     """torchrun with c10d rendezvous on node-0 and a fresh rendezvous id per run (the script follows).
 
@@ -102,9 +112,11 @@ def torchrun_argv(cluster: ClusterInfo, node: NodeInfo, run_id: str, max_restart
     inventory's ascending addresses node-0 gets global rank 0, and workers reach each other there.
     torchrun runs through remote/node/torchrun.py, which binds the job's stores to the node's address;
     `is_host` says that node-0 hosts the rendezvous (every local node would think itself the host).
+    It is started by its path, not as a module, so a project folder of the user's (the working
+    directory, whose own `remote/` would come first for `-m`) cannot hide it.
     """
     return [
-        "-m", "remote.node.torchrun",
+        TORCHRUN,
         f"--nnodes={len(cluster.nodes)}",
         f"--nproc-per-node={nproc_per_node(node.gpus)}",
         "--rdzv-backend=c10d",
@@ -116,29 +128,85 @@ def torchrun_argv(cluster: ClusterInfo, node: NodeInfo, run_id: str, max_restart
     ]
 
 
-def launch_command(cluster: ClusterInfo, node: NodeInfo, run_id: str, task: str, script: str,
-                   script_args: list[str], max_restarts: int, master_port: int) -> str:
-    """Source the node environment, record the job, run torchrun, then print the exit marker.
+def node_run_dir(run_id: str) -> str:
+    """The run's folder on each node's own disk (layout.RUNS)."""
+    return f"$HOME/{layout.node_run(run_id)}"
 
-    The job runs in its run folder (relative outputs such as plots land there and come back with the
-    logs) with the synced code on PYTHONPATH, so any script can `import harness`. `script` may start
-    with `$CLUSTER_CODE_DIR/`. The pid recorded is the session leader's, so `stop` can signal the
-    whole process group; torchrun's workers (which start their own sessions) are found by
-    CLUSTER_RUN_ID in their environment. The marker carries the time this node saw torchrun end, by
-    its own clock, so fail-fast can name the node that failed first however late its SSH call returns.
+
+def job_workdir(run_id: str) -> str:
+    """The job's working directory on each node: its own copy of the workdir, or an empty folder."""
+    return f"{node_run_dir(run_id)}/workdir"
+
+
+def results_dir(run_id: str) -> str:
+    """`$CLUSTER_RESULTS_DIR`: node-local; what the head node's holds is fetched after the run."""
+    return f"{node_run_dir(run_id)}/results"
+
+
+def job_variables(cluster: ClusterInfo, run_id: str, master_port: int, python: str | None = None) -> dict[str, str]:
+    """What the launch sets on top of the node environment; each value a word or a path (`shell_path`)."""
+    variables = {
+        "CLUSTER_RUN_ID": run_id,
+        "CLUSTER_RUN_DIR": remote_run_dir(cluster, run_id),
+        "CLUSTER_RESULTS_DIR": results_dir(run_id),
+        "MASTER_PORT": str(master_port),
+        "PYTHONUNBUFFERED": "1",
+    }
+    if python:
+        variables["CLUSTER_PYTHON"] = python  # the job's own environment (--requirements), for its children
+    return variables
+
+
+def python_path(run_id: str) -> list[str]:
+    """PYTHONPATH of the job, first to last, before the node's own: the workdir, then the synced code."""
+    return [job_workdir(run_id), "$CLUSTER_CODE_DIR"]
+
+
+def reserved_variable(key: str) -> bool:
+    """Whether `key` is set by the node environment, torchrun or the launch (not for --env)."""
+    return key in RESERVED_VARIABLES or key.startswith(RESERVED_PREFIXES)
+
+
+def launch_command(cluster: ClusterInfo, node: NodeInfo, run_id: str, task: str, script: str,
+                   script_args: list[str], max_restarts: int, master_port: int, *, workdir_key: str | None = None,
+                   python: str | None = None, env: dict[str, str] | None = None) -> str:
+    """Source the node environment, make the run's folders, record the job, run torchrun, then print
+    the exit marker.
+
+    The job runs in its own folder on each node (`job_workdir`): a copy of the workdir cache
+    (`workdir_key`, from `fab run --workdir`) or an empty folder, so two nodes writing the same
+    relative file never meet. That folder and the synced code are on PYTHONPATH. `script` may start
+    with `$HOME/` or `$CLUSTER_CODE_DIR/`; `python` (a --requirements environment) replaces the node's
+    interpreter; `env` (--env) values arrive literally. The pid recorded is the session leader's, so
+    `stop` can signal the whole process group; torchrun's workers (which start their own sessions)
+    are found by CLUSTER_RUN_ID in their environment. The marker carries the time this node saw
+    torchrun end, by its own clock, so fail-fast can name the node that failed first however late
+    its SSH call returns.
     """
-    run_dir = remote_run_dir(cluster, run_id)
-    torchrun = " ".join(shlex.quote(a) for a in torchrun_argv(cluster, node, run_id, max_restarts, master_port))
+    variables = job_variables(cluster, run_id, master_port, python)
+    assignments = [f"{key}={shell_path(value)}" for key, value in variables.items()]
+    search_path = ":".join(shell_path(p) for p in python_path(run_id))
+    assignments.append(f'PYTHONPATH={search_path}"${{PYTHONPATH:+:$PYTHONPATH}}"')
+    assignments += [f"{key}={shlex.quote(value)}" for key, value in (env or {}).items()]
+    interpreter = shell_path(python) if python else '"$CLUSTER_PYTHON"'
+    torchrun = " ".join(shell_path(a) for a in torchrun_argv(cluster, node, run_id, max_restarts, master_port))
     arguments = " ".join(shlex.quote(a) for a in script_args)
     return " && ".join([
         f". {ENV_FILE}",
-        f"mkdir -p {shell_path(run_dir)}",
-        f"cd {shell_path(run_dir)}",
+        f"mkdir -p {shell_path(remote_run_dir(cluster, run_id))} {shell_path(results_dir(run_id))}",
+        _workdir_step(run_id, workdir_key),
+        f"cd {shell_path(job_workdir(run_id))}",
         f"echo \"$$ {shlex.quote(run_id)} {shlex.quote(task)}\" > {JOB_FILE}",
-        f"env CLUSTER_RUN_ID={shlex.quote(run_id)} CLUSTER_RUN_DIR={shell_path(run_dir)} MASTER_PORT={master_port} "
-        f"PYTHONUNBUFFERED=1 PYTHONPATH=\"$CLUSTER_CODE_DIR${{PYTHONPATH:+:$PYTHONPATH}}\" "
-        f"\"$CLUSTER_PYTHON\" {torchrun} {shell_path(script)} {arguments} 2>&1",
+        f"env {' '.join(assignments)} {interpreter} {torchrun} {shell_path(script)} {arguments} 2>&1",
     ]) + f"; code=$?; echo \"{EXIT_MARKER} $code ${{EPOCHREALTIME:-$(date +%s.%N)}}\"; exit $code"
+
+
+def _workdir_step(run_id: str, workdir_key: str | None) -> str:
+    """The job's folder: a copy (never links: a job writing a file would change the cache) or empty."""
+    if workdir_key is None:
+        return f"mkdir -p {shell_path(job_workdir(run_id))}"
+    files = f"$HOME/{layout.workdir_cache(workdir_key)}/{layout.WORKDIR_FILES}"
+    return f"cp -pR {shell_path(files)} {shell_path(job_workdir(run_id))}"
 
 
 def parse_exit_marker(line: str) -> tuple[int, float | None] | None:
@@ -175,11 +243,18 @@ def parse_lock_reply(line: str) -> tuple[str, dict | None]:
 
 
 def shell_path(path: str) -> str:
-    """Quote a path for the shell but leave a leading $HOME/ or $CLUSTER_CODE_DIR/ to be expanded."""
-    for variable in ("$HOME/", "$CLUSTER_CODE_DIR/"):
-        if path.startswith(variable):
-            return f"\"{variable[:-1]}\"/" + shlex.quote(path[len(variable):])
+    """Quote a path for the shell but leave a leading $HOME or $CLUSTER_CODE_DIR to be expanded."""
+    for variable in ("$HOME", "$CLUSTER_CODE_DIR"):
+        if path == variable:
+            return f"\"{variable}\""
+        if path.startswith(variable + "/"):
+            return f"\"{variable}\"/" + shlex.quote(path[len(variable) + 1:])
     return shlex.quote(path)
+
+
+def home_relative(path: str) -> str:
+    """A path for a program's argument list: `$HOME/x` becomes `x`, for programs started in the home."""
+    return path[len("$HOME/"):] if path.startswith("$HOME/") else path
 
 
 # A process is alive if /proc says so and it is not a zombie (where /proc exists), else if kill -0 works.
@@ -197,6 +272,28 @@ def job_status_command() -> str:
         "then echo \"running $pid $run $task\"; else echo idle; fi; "
         f"[ -f {ENV_FILE} ] && echo bootstrapped || true"
     )
+
+
+def launch_status_command(workdir_key: str | None = None, env_digest: str | None = None) -> str:
+    """`job_status_command`, plus what the launch would otherwise ask in round trips of its own: the
+    digest of the node's workdir cache (`workdir DIGEST`) and the interpreter a requirements
+    environment was made over (`env PYTHON`), each an empty word where there is none."""
+    parts = [job_status_command()]
+    if workdir_key:
+        digest = layout.shell(f"{layout.workdir_cache(workdir_key)}/{layout.WORKDIR_DIGEST}")
+        parts.append(f"printf 'workdir %s\\n' \"$(cat {digest} 2>/dev/null)\"")
+    if env_digest:
+        marker = layout.shell(f"{layout.job_env(env_digest)}/{layout.ENV_READY}")
+        parts.append(f"printf 'env %s\\n' \"$(cat {marker} 2>/dev/null)\"")
+    return "; ".join(parts)
+
+
+def parse_tagged(output: str, tag: str) -> str | None:
+    """The value of a `TAG value` line of `launch_status_command`'s output ('' for an empty one)."""
+    for line in output.splitlines():
+        if line == tag or line.startswith(tag + " "):
+            return line[len(tag):].strip()
+    return None
 
 
 def parse_job_status(output: str) -> tuple[dict | None, bool]:
@@ -234,6 +331,13 @@ def parse_hashes(output: str) -> dict[str, str]:
         if len(parts) == 2 and len(parts[0]) == 64:
             found[parts[1].strip().removeprefix("./")] = parts[0]
     return found
+
+
+def with_stale_code_hint(line: str) -> str:
+    """A node's error line, with what to do where a file of remote/node/ was missing there."""
+    if "can't open file" in line and "/remote/node/" in line:
+        return f"{line} (the nodes' code predates this checkout: run fab bootstrap)"
+    return line
 
 
 def python_json_command(python: str, code: str, *args: str) -> str:

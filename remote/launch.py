@@ -7,7 +7,6 @@ One job at a time: a launch holds the head node's job lock (`JobLock`) from befo
 until its job has ended everywhere.
 """
 
-import io
 import json
 import os
 import signal
@@ -21,14 +20,19 @@ from pathlib import Path
 
 from invoke.exceptions import Exit
 
+from infra import state
 from infra.inventory import ClusterInfo
-from remote import commands
+from remote import commands, workdir
 from remote.connect import CONNECTION_ERRORS, NodeSession, describe, on_all_nodes, open_sessions
+from remote.packages import Requirements, ensure as ensure_requirements
 from remote.stream import NodeStream, say
+from remote.workdir import Project, count_files, human_bytes
 
 STOP_WAIT_S = 15
 LOCK_WAIT_S = 30  # for the head node to answer whether the job lock is ours
 LOST = 255  # exit code recorded for a node whose connection dropped mid-job
+DEFAULT_MAX_RESULT_MB = 50
+FETCHED_SHOWN = 6  # file names listed in the "fetched" line
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,14 @@ class JobSpec:
     """torchrun --max-restarts: how often a failed worker group is restarted."""
     upload: Path | None = None
     """A local script to copy into the run folder first (`fab run --script`)."""
+    workdir: Project | None = None
+    """A project folder to sync and run in (`fab run --workdir`); `script` is then relative to it."""
+    requirements: Requirements | None = None
+    """Packages the job needs beyond the node venv (`fab run --requirements`)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Variables for every rank, taken literally (`fab run --env`)."""
+    max_result_bytes: int = DEFAULT_MAX_RESULT_MB * 1_000_000
+    """A fetched file bigger than this stays on the head node (`--max-result-mb`)."""
 
 
 @dataclass
@@ -198,7 +210,7 @@ def run_job(cluster: ClusterInfo, sessions: list[NodeSession], spec: JobSpec, se
             run_id: str, log_dir: Path, echo: bool = True) -> JobResult:
     """Start the job on every node, supervise it, and return how it ended."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    script = spec.upload.name if spec.upload else f"$CLUSTER_CODE_DIR/{spec.script}"
+    script = job_script(cluster, spec, run_id)
     streams = {
         s.node.name: JobStream(s.node.name, i, log_dir / f"{s.node.name}.log", echo) for i, s in enumerate(sessions)
     }
@@ -208,8 +220,10 @@ def run_job(cluster: ClusterInfo, sessions: list[NodeSession], spec: JobSpec, se
     interrupted = False
 
     def start(session: NodeSession) -> int:
-        command = commands.launch_command(cluster, session.node, run_id, spec.task, script, spec.args,
-                                          spec.max_restarts, setup.master_port)
+        command = commands.launch_command(
+            cluster, session.node, run_id, spec.task, script, spec.args, spec.max_restarts, setup.master_port,
+            workdir_key=spec.workdir.key if spec.workdir else None,
+            python=spec.requirements.python if spec.requirements else None, env=spec.env)
         stream = streams[session.node.name]
         try:
             result = session.run(command, out_stream=stream, err_stream=stream, hide=False, pty=False)
@@ -237,6 +251,15 @@ def run_job(cluster: ClusterInfo, sessions: list[NodeSession], spec: JobSpec, se
     return JobResult(run_id, exit_codes, started_at, _now(), time.monotonic() - started,
                      first_failure(exit_codes, exited_at, returned), interrupted,
                      {name: stream.tail for name, stream in streams.items()})
+
+
+def job_script(cluster: ClusterInfo, spec: JobSpec, run_id: str) -> str:
+    """The script as the nodes see it: in the job's copy of the workdir, the run folder, or the code."""
+    if spec.workdir:
+        return f"{commands.job_workdir(run_id)}/{spec.script}"
+    if spec.upload:
+        return f"{commands.remote_run_dir(cluster, run_id)}/{spec.upload.name}"
+    return f"$CLUSTER_CODE_DIR/{spec.script}"
 
 
 def _interrupt_on_signals() -> dict:
@@ -310,39 +333,102 @@ def _collect(futures: dict[Future, NodeSession], exit_codes: dict, timeout_s: fl
         exit_codes[futures[future].node.name] = future.result()
 
 
-def fetch_results(cluster: ClusterInfo, session: NodeSession, run_id: str, local_dir: Path) -> list[str]:
-    """Copy the run folder's files (metrics, JSON, plots; not checkpoints) from the head node."""
-    run_dir = commands.remote_run_dir(cluster, run_id)
-    listing = session.run(f"cd {commands.shell_path(run_dir)} 2>/dev/null && ls -1p | grep -v /", warn=True)
-    fetched = []
-    for name in listing.stdout.split():
-        if name.endswith(".log") or name.startswith("."):
+@dataclass(frozen=True)
+class Fetched:
+    """What came back from the head node after a run."""
+
+    names: list[str]
+    """Fetched files, relative to the local run folder."""
+    total_bytes: int
+    """Their size."""
+    refused: list[tuple[str, int]]
+    """(name, size) of the files over the cap, left on the node."""
+
+
+def fetch_results(cluster: ClusterInfo, session: NodeSession, python: str, run_id: str, local_dir: Path,
+                  max_bytes: int) -> Fetched:
+    """Copy the head node's `$CLUSTER_RESULTS_DIR` (whole) and the run's `metrics.jsonl`, and nothing
+    else: checkpoints and whatever else the job left in its folders stay on the nodes."""
+    listing = commands.node_module(cluster, python, "sync", "results",
+                                   commands.home_relative(commands.remote_run_dir(cluster, run_id)),
+                                   commands.home_relative(commands.results_dir(run_id)))
+    entries = commands.parse_last_json(session.run(f"cd && {listing}", warn=False).stdout)["files"]
+    names, total, refused = [], 0, []
+    for entry in entries:
+        name, size = _local_name(entry["name"]), int(entry["size"])
+        if size > max_bytes:
+            refused.append((name, size))
             continue
-        buffer = io.BytesIO()
-        session.conn.get(_sftp_path(run_dir, name), buffer)
-        (local_dir / name).write_bytes(buffer.getvalue())
-        fetched.append(name)
-    return fetched
+        target = local_dir / name
+        state.make_private_dir(target.parent)
+        session.conn.get(entry["remote"], str(target))
+        names.append(name)
+        total += size
+    return Fetched(names, total, refused)
+
+
+def _local_name(name: str) -> str:
+    """A name the node gave, refused unless it stays inside the local run folder."""
+    parts = name.split("/")
+    if name.startswith("/") or any(part in ("", ".", "..") for part in parts):
+        raise ValueError(f"the node named a result {name!r} outside the run folder")
+    return name
+
+
+def report_fetched(fetched: Fetched, local_dir: Path, head: str, run_id: str, max_bytes: int) -> None:
+    if fetched.names:
+        shown = ", ".join(fetched.names[:FETCHED_SHOWN]) + (
+            f" and {len(fetched.names) - FETCHED_SHOWN} more" if len(fetched.names) > FETCHED_SHOWN else "")
+        say(f"fab: fetched {count_files(len(fetched.names))} ({human_bytes(fetched.total_bytes)}) "
+            f"into {local_dir}: {shown}")
+    elif not fetched.refused:
+        say(f"fab: nothing to fetch: {head}'s $CLUSTER_RESULTS_DIR is empty and the run wrote no metrics.jsonl")
+    for name, size in fetched.refused:
+        say(f"fab: not fetched: {name} ({human_bytes(size)}, over --max-result-mb {max_bytes // 1_000_000}); "
+            f"it stays on {head} in ~/{commands.home_relative(commands.node_run_dir(run_id))}/{name}")
+
+
+def prepare(cluster: ClusterInfo, sessions: list[NodeSession], statuses: list[str], spec: JobSpec,
+            setup: NodeSetup, wanted: "workdir.Manifest | None") -> None:
+    """The workdir and the requirements on every node, from what the launch's first command found."""
+    if spec.workdir:
+        workdir.sync(cluster, sessions, setup.python, spec.workdir, wanted, _tagged(sessions, statuses, "workdir"))
+    if spec.requirements:
+        ensure_requirements(cluster, sessions, setup.python, spec.requirements, _tagged(sessions, statuses, "env"),
+                            spec.workdir.key if spec.workdir else None)
+
+
+def _tagged(sessions: list[NodeSession], statuses: list[str], tag: str) -> dict[str, str | None]:
+    return {s.node.name: commands.parse_tagged(output, tag) for s, output in zip(sessions, statuses)}
 
 
 def launch(cluster: ClusterInfo, spec: JobSpec, setup: NodeSetup, runs_root: Path, on_start=None) -> tuple[JobResult, Path]:
-    """The whole launch: checks, upload, run, results. Exit 2 before anything starts if not ready."""
-    sessions, statuses = open_sessions(cluster, commands.job_status_command())
+    """The whole launch: checks, sync, upload, run, results. Exit 2 before anything starts if not ready."""
+    wanted = None
+    if spec.workdir:
+        wanted = workdir.manifest(spec.workdir, workdir.hash_cache_path(cluster, spec.workdir))
+    status = commands.launch_status_command(spec.workdir.key if spec.workdir else None,
+                                            spec.requirements.digest if spec.requirements else None)
+    sessions, statuses = open_sessions(cluster, status)
     try:
         check_ready(sessions, statuses)
         run_id = commands.new_run_id(spec.task)
         local_dir = runs_root / run_id
         with JobLock(sessions[0], run_id, spec.task):
+            prepare(cluster, sessions, statuses, spec, setup, wanted)
             if spec.upload:
                 upload_script(cluster, sessions, run_id, spec.upload)
             say(f"fab: run {run_id}: {spec.task} on {len(sessions)} nodes; logs in {local_dir}")
             if on_start:
                 on_start(run_id)
             result = run_job(cluster, sessions, spec, setup, run_id, local_dir)
+            head = sessions[0].node.name
             try:
-                fetch_results(cluster, sessions[0], run_id, local_dir)
+                fetched = fetch_results(cluster, sessions[0], setup.python[head], run_id, local_dir,
+                                        spec.max_result_bytes)
+                report_fetched(fetched, local_dir, head, run_id, spec.max_result_bytes)
             except Exception as exc:  # results are a convenience; the logs are already local
-                say(f"fab: could not fetch results from {sessions[0].node.name}: {describe(exc)}")
+                say(f"fab: could not fetch results from {head}: {describe(exc)}")
         return result, local_dir
     finally:
         for session in sessions:

@@ -4,14 +4,19 @@ invoke would convert integer options itself and crash with a traceback on `--lin
 take them as text and read them here, where the message can name the flag and the range.
 """
 
+import os
 import re
 import shlex
 from pathlib import Path
 
 from invoke.exceptions import Exit
 
+from remote.commands import reserved_variable
+from remote.packages import Requirements
+
 PORT_RANGE = (1024, 65535)  # below 1024 needs root on the nodes
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # a folder name: no '/', never '.' or '..'
+ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def refuse(message: str) -> Exit:
@@ -61,13 +66,25 @@ def run_id(value: str) -> str:
     return value
 
 
-def compiled_script(value: str | None) -> Path:
-    """`--script`: a readable Python file that compiles here, so a typo never reaches the nodes."""
+def compiled_script(value: str | None, workdir: Path | None = None) -> Path:
+    """`--script`: a readable Python file that compiles here, so a typo never reaches the nodes.
+
+    With `workdir` (resolved), a path relative to it, which may not lead outside it, by `..` or
+    through a link; the path returned is then the one inside the workdir, links not resolved.
+    """
+    where = " (relative to --workdir)" if workdir else " on this machine"
     if not value:
-        raise refuse("fab run needs --script PATH: a torchrun-able Python script on this machine")
+        raise refuse(f"fab run needs --script PATH: a torchrun-able Python script{where}")
     path = Path(value)
+    if workdir is not None:
+        path = Path(os.path.normpath(workdir / path))
+        if not _inside(path.resolve(), workdir) or not _inside(path, workdir):
+            raise refuse(f"--script {value} is outside --workdir {workdir}: only the workdir reaches the nodes; "
+                         "give a path inside it")
+    if path.is_dir():
+        raise refuse(f"--script {value} is a folder: give the Python file to run")
     if not path.is_file():
-        raise refuse(f"no such script: {value}")
+        raise refuse(f"no such script: {value}" + (f" in --workdir {workdir}" if workdir else ""))
     try:
         source = path.read_bytes()
     except OSError as exc:
@@ -80,3 +97,55 @@ def compiled_script(value: str | None) -> Path:
     except ValueError as exc:  # Python < 3.12 raises this for NUL bytes in the source
         raise refuse(f"the script does not compile: {value}: {exc}") from None
     return path
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def workdir(value: str) -> Path:
+    """`--workdir`: an existing folder, resolved."""
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise refuse(f"no such folder: --workdir {value}")
+    if not path.is_dir():
+        raise refuse(f"--workdir {value} is not a folder: give your project's folder (--script is relative to it)")
+    return path.resolve()
+
+
+def environment(pairs: list[str]) -> dict[str, str]:
+    """`--env KEY=VALUE`, repeatable: a variable for every rank, its value taken literally."""
+    found: dict[str, str] = {}
+    for pair in pairs:
+        key, equals, value = pair.partition("=")
+        if not equals:
+            raise refuse(f"--env {pair!r} is not KEY=VALUE")
+        if not ENV_KEY.fullmatch(key):
+            raise refuse(f"--env {key!r} is not a variable name: letters, digits and '_', not starting with a digit")
+        if reserved_variable(key):
+            raise refuse(f"--env {key}: the node environment, torchrun or the launch sets {key} itself "
+                         "(CLUSTER_* and TORCHELASTIC_* included); pick another name")
+        if key in found:
+            raise refuse(f"--env {key} is given twice")
+        found[key] = value
+    return found
+
+
+def megabytes(flag: str, value: str | None, default: int) -> int:
+    """A size limit in MB (1 MB = 1,000,000 bytes), as bytes."""
+    return integer(flag, value, default, minimum=1) * 1_000_000
+
+
+def requirements_file(value: str | None) -> Requirements | None:
+    """`--requirements`: a pip requirements file on this machine, read now (what is sent is what was checked)."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_dir():
+        raise refuse(f"--requirements {value} is a folder: give a pip requirements file")
+    try:
+        return Requirements(path.resolve(), path.read_bytes())
+    except FileNotFoundError:
+        raise refuse(f"no such requirements file: {value}") from None
+    except OSError as exc:
+        raise refuse(f"cannot read the requirements file {value}: {exc.strerror or exc}") from None

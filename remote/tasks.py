@@ -17,10 +17,11 @@ from infra import inventory, state
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo
 from infra.ledger import HEARTBEAT_S, Ledger
-from remote import commands, options
+from remote import commands, options, workdir
 from remote.bootstrap import Bootstrap
-from remote.connect import on_all_nodes, open_sessions
-from remote.launch import JobSpec, NodeSetup, launch, stop_everywhere
+from remote.connect import describe, on_all_nodes, open_sessions
+from remote.launch import DEFAULT_MAX_RESULT_MB, JobLock, JobSpec, NodeSetup, check_ready, launch, stop_everywhere
+from remote.node import layout
 from remote.stream import console, say
 
 STACK_HELP = "stack to use (default: $CLUSTER_STACK, else the last `python deploy.py up`)"
@@ -131,6 +132,9 @@ def start_job(stack: str | None, spec: JobSpec) -> None:
         "hourly_usd": cluster.hourly_usd,
         "script": spec.script if not spec.upload else str(spec.upload),
         "args": spec.args,
+        "workdir": str(spec.workdir.root) if spec.workdir else None,
+        "requirements": str(spec.requirements.path) if spec.requirements else None,
+        "env": sorted(spec.env),  # names only: values may be secrets, and this file outlives the run
     }
     state.write_atomic(local_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     where = f"logs: {local_dir}"
@@ -164,13 +168,43 @@ accumulate = example_task("accumulate", "Gradient accumulation: one all-reduce p
 model_parallel = example_task("model-parallel", "Pipeline parallel: one stage per rank, GPipe or 1F1B.")
 
 
-@task(help={"script": "a torchrun-able Python script on this machine (copied to the cluster first)",
-            "args": ARGS_HELP, "max-restarts": RESTARTS_HELP, "stack": STACK_HELP})
-def run(c, script=None, args="", max_restarts=None, stack=None):
-    """Run any torchrun script of yours on every node: it is copied to the shared folder first."""
-    path = options.compiled_script(script)
-    spec = JobSpec("run", path.name, options.script_arguments(args), restarts(max_restarts), upload=path.resolve())
-    start_job(stack, spec)
+RUN_HELP = {
+    "script": "the Python script torchrun starts: a file on this machine, or with --workdir a path inside it",
+    "workdir": "a project folder to sync to every node (only what changed is sent; .gitignore and "
+               ".gpuclusterignore are honoured); the job runs in its own copy of it on each node",
+    "args": ARGS_HELP,
+    "requirements": "a pip requirements file: installed once per node into an environment of its own, "
+                    "layered over the node venv (torch is not installed again)",
+    "env": "KEY=VALUE for every rank, taken literally; repeat for more",
+    "max-sync-mb": f"refuse a workdir bigger than this (default {workdir.DEFAULT_MAX_SYNC_MB}; 1 MB = 1,000,000 bytes)",
+    "max-result-mb": f"leave a result file bigger than this on the head node (default {DEFAULT_MAX_RESULT_MB})",
+    "max-restarts": RESTARTS_HELP,
+    "stack": STACK_HELP,
+}
+
+
+@task(help=RUN_HELP, iterable=["env"])
+def run(c, script=None, workdir=None, args="", requirements=None, env=None, max_sync_mb=None, max_result_mb=None,
+        max_restarts=None, stack=None):
+    """Run a torchrun script of yours on every node: one file, or a whole project folder (--workdir)."""
+    start_job(stack, run_spec(script, workdir, args, requirements, env or [], max_sync_mb, max_result_mb, max_restarts))
+
+
+def run_spec(script, folder, args, requirements, env, max_sync_mb, max_result_mb, max_restarts) -> JobSpec:
+    """`fab run`'s options, every one checked before anything is created."""
+    common = dict(args=options.script_arguments(args), max_restarts=restarts(max_restarts),
+                  requirements=options.requirements_file(requirements), env=options.environment(env),
+                  max_result_bytes=options.megabytes("--max-result-mb", max_result_mb, DEFAULT_MAX_RESULT_MB))
+    if folder is None:
+        if max_sync_mb is not None:
+            raise options.refuse("--max-sync-mb limits --workdir; give --workdir DIR too")
+        path = options.compiled_script(script)
+        return JobSpec("run", path.name, upload=path.resolve(), **common)
+    root = options.workdir(folder)
+    path = options.compiled_script(script, root)
+    max_bytes = options.megabytes("--max-sync-mb", max_sync_mb, workdir.DEFAULT_MAX_SYNC_MB)
+    project, relative = workdir.checked_project(root, path, max_bytes)
+    return JobSpec("run", relative, workdir=project, **common)
 
 
 def restarts(value: str | None) -> int:
@@ -193,6 +227,35 @@ def stop(c, stack=None):
     cluster = cluster_for(stack)
     for node, outcome in stop_everywhere(cluster).items():
         say(f"{node}: {outcome}")
+
+
+@task(name="clean-runs", help={"keep": "how many of the newest runs keep their copies (default 3; 0 for none)",
+                               "stack": STACK_HELP})
+def clean_runs(c, keep=None, stack=None):
+    """Free disk on every node: remove old runs' workdir copies and results folders (never checkpoints)."""
+    count = options.integer("--keep", keep, 3, minimum=0)
+    cluster = cluster_for(stack)
+    setup = setup_for(cluster)
+    sessions, statuses = open_sessions(cluster, commands.job_status_command())
+    try:
+        check_ready(sessions, statuses)
+        with JobLock(sessions[0], commands.new_run_id("clean-runs"), "clean-runs"):  # no job starts meanwhile
+            outcomes = on_all_nodes(sessions, lambda s: commands.parse_last_json(s.run(
+                "cd && " + commands.node_module(cluster, setup.python[s.node.name], "sync", "clean", layout.RUNS,
+                                                str(count)), warn=False).stdout))
+    finally:
+        for session in sessions:
+            session.close()
+    failed = False
+    for session, outcome in zip(sessions, outcomes):
+        if isinstance(outcome, BaseException):
+            failed = True
+            say(f"{session.node.name}: could not clean: {describe(outcome)}")
+            continue
+        say(f"{session.node.name}: removed the copies of {outcome['removed']} of {outcome['runs']} runs "
+            f"({workdir.human_bytes(outcome['freed_bytes'])}); the newest {count} kept")
+    if failed:
+        raise Exit(code=1)
 
 
 @task(help={"run": "the run id (default: the latest run)", "node": "only this node's log",
@@ -285,4 +348,4 @@ def gpus(c, stack=None):
         out.print(table)
 
 
-ns = Collection(bootstrap, hello, run_ddp, profile, accumulate, model_parallel, run, gpus, logs, stop)
+ns = Collection(bootstrap, hello, run_ddp, profile, accumulate, model_parallel, run, gpus, logs, stop, clean_runs)
