@@ -50,7 +50,9 @@ def test_env_file_is_sourceable_and_quotes_what_needs_quoting(tmp_path):
 def test_torchrun_uses_c10d_on_the_head_with_a_fresh_id_and_node_addresses():
     c = cluster(gpus=(4, 4))
     argv = commands.torchrun_argv(c, c.nodes[1], "run-1", 2, 29500)
-    assert argv[:2] == ["-m", "remote.node.torchrun"]  # torchrun, with the job's stores bound to one address
+    # torchrun, with the job's stores bound to one address, started by its path: a project's own
+    # remote/ package in the job's working directory cannot hide it
+    assert argv[0] == "$CLUSTER_CODE_DIR/remote/node/torchrun.py" and "-m" not in argv
     assert "--rdzv-conf=is_host=0" in argv and "--rdzv-conf=is_host=1" in commands.torchrun_argv(c, c.nodes[0], "r", 0, 1)
     assert "--nnodes=2" in argv and "--nproc-per-node=4" in argv
     assert "--rdzv-backend=c10d" in argv and "--rdzv-endpoint=10.0.1.10:29500" in argv
@@ -62,7 +64,7 @@ def test_launch_command_quotes_arguments_and_records_the_job():
     command = commands.launch_command(c, c.nodes[0], "r1", "run", "$CLUSTER_CODE_DIR/examples/x.py",
                                       ["--msg", "a b; rm -rf /"], 0, 29500)
     assert f'"$CLUSTER_CODE_DIR"/examples/x.py --msg {shlex.quote("a b; rm -rf /")} 2>&1;' in command
-    assert "cd /shared/runs/r1" in command
+    assert 'cd "$HOME"/.gpu-cluster/runs/r1/workdir' in command  # each node's own folder, not the shared one
     assert command.startswith(f". {commands.ENV_FILE} && ")
     assert "env CLUSTER_RUN_ID=r1 CLUSTER_RUN_DIR=/shared/runs/r1" in command
     assert f"> {commands.JOB_FILE}" in command
@@ -82,10 +84,38 @@ def test_launch_command_passes_the_exit_code_and_reports_when_the_node_saw_it(tm
                             capture_output=True, text=True, cwd=tmp_path)
     lines = result.stdout.splitlines()
     assert result.returncode == 3, result.stdout + result.stderr
-    assert lines[0].startswith("args: -m ") and lines[0].endswith("x.py --a b c")
+    assert lines[0].startswith("args: /code/remote/node/torchrun.py ") and lines[0].endswith("x.py --a b c")
     code, seen_at = commands.parse_exit_marker(lines[-1])
     assert code == 3 and before <= seen_at <= time.time()
     assert (shared / "runs" / "r1").is_dir()
+
+
+def test_a_workdir_job_runs_in_its_own_copy_with_its_variables_taken_literally(tmp_path):
+    """The launch command run for real in bash, a fake interpreter reporting what the job would see."""
+    home = tmp_path / "home"
+    cache = home / ".gpu-cluster" / "workdirs" / "proj-1" / "files"
+    (cache / "pkg").mkdir(parents=True)
+    (cache / "pkg" / "config.json").write_text("cached")
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/bin/bash\n"
+                           "echo \"cwd=$PWD\"; echo \"path=$PYTHONPATH\"; echo \"results=$CLUSTER_RESULTS_DIR\"\n"
+                           "printf 'value=%s|\\n' \"$GREETING\"; echo changed > pkg/config.json\n")
+    fake_python.chmod(0o755)
+    (home / ".gpu-cluster" / "env").write_text(f"export CLUSTER_PYTHON={fake_python}\nexport CLUSTER_CODE_DIR=/code\n")
+    c = cluster(shared=str(tmp_path / "shared"))
+    value = 'a b; $HOME "q" \'s\' $(touch /tmp/never) `x`\nline two'
+    command = commands.launch_command(c, c.nodes[0], "r1", "run", "$HOME/.gpu-cluster/runs/r1/workdir/t.py", [], 0,
+                                      29500, workdir_key="proj-1", env={"GREETING": value})
+    result = subprocess.run(["bash", "-c", command], env={"HOME": str(home), "PATH": os.environ["PATH"]},
+                            capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    job_dir = home / ".gpu-cluster" / "runs" / "r1"
+    assert f"cwd={job_dir / 'workdir'}" in result.stdout
+    assert f"path={job_dir / 'workdir'}:/code" in result.stdout
+    assert f"results={job_dir / 'results'}" in result.stdout and (job_dir / "results").is_dir()
+    assert f"value={value}|" in result.stdout
+    assert (job_dir / "workdir" / "pkg" / "config.json").read_text() == "changed\n"
+    assert (cache / "pkg" / "config.json").read_text() == "cached"  # a copy, not links into the cache
 
 
 @pytest.mark.parametrize("line,parsed", [

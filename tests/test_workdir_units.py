@@ -1,0 +1,240 @@
+"""`fab run --workdir`'s pure parts: which files go, their hashes, the changes, the node's cache, the checks."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+from invoke.exceptions import Exit
+
+from conftest import REPO
+from remote import commands, options, workdir
+from test_remote_units import cluster as aws_cluster
+
+sys.path.insert(0, str(REPO / "remote" / "node"))
+import sync  # noqa: E402  (remote/node/sync.py, as the nodes run it)
+
+
+def tree(root: Path, files: dict[str, str]) -> Path:
+    for path, text in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    return root
+
+
+def sent(project: workdir.Project) -> set[str]:
+    return {f.path for f in project.files}
+
+
+IGNORE_CASES = {
+    ".gitignore": "*.log\n!keep.log\n/build/\ndata\n*.tmp\n",
+    "train.py": "", "keep.log": "", "debug.log": "", "notes.tmp": "",
+    "build/out.bin": "", "src/build/gen.py": "",            # only the top-level build/ is excluded
+    "data/big.bin": "", "src/data": "",                     # `data` matches files and folders, anywhere
+    "src/.gitignore": "*.py\n!main.py\n/local/\n",
+    "src/main.py": "", "src/util.py": "", "src/local/x.txt": "", "src/deep/local/y.txt": "",
+    "src/deep/.gitignore": "!util2.py\n", "src/deep/util2.py": "", "src/deep/other.py": "",
+    "logs/.gitignore": "*\n!.gitignore\n", "logs/a.txt": "",
+    "excluded/.gitignore": "", "excluded.log/x.txt": "",    # a folder excluded by a file pattern
+    "lib/skip/keep.log": "",
+}
+
+
+def test_the_files_sent_are_the_ones_git_does_not_ignore(tmp_path):
+    """The ignore rules against an independent account: what `git ls-files --others --exclude-standard`
+    lists in a fresh repository holding the same tree (nested .gitignore files, negations, anchors)."""
+    root = tree(tmp_path / "proj", IGNORE_CASES)
+    (root / "lib" / ".gitignore").write_text("skip/\n!skip/keep.log\n")  # cannot re-include inside an excluded folder
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"HOME": str(home), "XDG_CONFIG_HOME": str(home), "GIT_CONFIG_NOSYSTEM": "1", "PATH": os.environ["PATH"]}
+    try:
+        subprocess.run(["git", "init", "-q", str(root)], check=True, env=env)
+        listed = subprocess.run(["git", "ls-files", "--others", "--exclude-standard"], cwd=root, env=env,
+                                capture_output=True, text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"git is needed as the reference: {exc}")
+    assert sent(workdir.collect(root)) == set(listed)
+    assert "debug.log" not in listed and "keep.log" in listed and "src/deep/util2.py" in listed  # the cases bite
+
+
+def test_gpuclusterignore_excludes_more_and_can_send_what_git_ignores(tmp_path):
+    root = tree(tmp_path, {".gitignore": "weights/\n*.pt\n", ".gpuclusterignore": "!small.pt\nscratch/\n",
+                           "small.pt": "", "big.pt": "", "weights/w.bin": "", "scratch/s.txt": "", "train.py": ""})
+    assert sent(workdir.collect(root)) == {".gitignore", ".gpuclusterignore", "small.pt", "train.py"}
+
+
+def test_links_inside_are_followed_and_the_others_skipped_and_named(tmp_path):
+    root = tree(tmp_path / "proj", {"train.py": "", "conf/base.yaml": "x", ".git/HEAD": "ref"})
+    tree(tmp_path, {"outside/secret.txt": "no"})
+    (root / "current.yaml").symlink_to("conf/base.yaml")
+    (root / "conf_link").symlink_to("conf")
+    (root / "loop").symlink_to(".")
+    (root / "secret.txt").symlink_to(tmp_path / "outside" / "secret.txt")
+    (root / "dangling").symlink_to("nowhere")
+    state_dir = root / ".cluster"
+    tree(state_dir, {"local/id_ed25519": "key"})
+    project = workdir.collect(root, never=(state_dir,))
+    assert sent(project) == {"train.py", "conf/base.yaml", "current.yaml", "conf_link/base.yaml"}
+    assert {f.path: f.source for f in project.files}["current.yaml"] == root / "conf" / "base.yaml"
+    why = dict(project.skipped)
+    assert set(why) == {"loop", "secret.txt", "dangling"}
+    assert "outside the workdir" in why["secret.txt"] and "does not exist" in why["dangling"]
+
+
+def test_hashes_are_read_once_and_again_only_where_size_or_mtime_changed(tmp_path, monkeypatch):
+    root = tree(tmp_path / "proj", {"a.py": "a", "b.py": "b"})
+    old = 1_600_000_000_000_000_000  # long ago: entries changed just now are not cached (their mtime may repeat)
+    for name in ("a.py", "b.py"):
+        os.utime(root / name, ns=(old, old))
+    cache = tmp_path / "state" / "hashes.json"
+    first = workdir.manifest(workdir.collect(root), cache)
+    reads = []
+    monkeypatch.setattr(workdir, "file_sha256", lambda path: reads.append(Path(path).name) or "f" * 64)
+    assert workdir.manifest(workdir.collect(root), cache) == first and reads == []
+    (root / "b.py").write_text("bb")
+    second = workdir.manifest(workdir.collect(root), cache)
+    assert reads == ["b.py"] and second.digest != first.digest
+    workdir.manifest(workdir.collect(root), cache)
+    assert reads == ["b.py", "b.py"]  # changed this instant: hashed again until its mtime is safely past
+
+
+def test_changes_send_what_differs_and_remove_what_is_gone():
+    local = {"a.py": "1", "b.py": "2", "new.py": "3"}
+    remote = {"a.py": "1", "b.py": "old", "gone.py": "4"}
+    assert workdir.changes(local, remote) == (["b.py", "new.py"], ["gone.py"])
+    assert workdir.changes(local, local) == ([], [])
+
+
+def test_an_oversized_project_names_its_biggest_files_and_how_to_leave_them_out(tmp_path):
+    root = tree(tmp_path, {"train.py": "x"})
+    (root / "data.bin").write_bytes(b"0" * 3_000_000)
+    project = workdir.collect(root)
+    problem = workdir.size_problem(project, 2_000_000)
+    assert "3.0 MB" in problem and "--max-sync-mb 2" in problem and "data.bin (3.0 MB)" in problem
+    assert ".gitignore" in problem and "$CLUSTER_SHARED_DIR" in problem
+    assert workdir.size_problem(project, 4_000_000) is None
+
+
+def apply(project: workdir.Project, cache: Path, scratch: Path) -> dict:
+    """What the node does with the bundle a launch sends, against its current manifest."""
+    wanted = workdir.manifest(project, scratch / "hashes.json")
+    send, remove = workdir.changes(wanted.hashes, sync.manifest(str(cache)))
+    bundle = scratch / "bundle.tar.gz"
+    workdir.write_bundle(project, wanted, send, remove, bundle)
+    return sync.apply(str(cache), str(bundle))
+
+
+def test_a_node_cache_follows_the_project_through_changes(tmp_path):
+    root = tree(tmp_path / "proj", {"train.py": "v1", "pkg/a.py": "a", "pkg/old/b.py": "b"})
+    (root / "run.sh").write_text("#!/bin/sh\n")
+    (root / "run.sh").chmod(0o755)
+    cache, scratch = tmp_path / "cache", tmp_path / "scratch"
+    scratch.mkdir()
+    assert apply(workdir.collect(root), cache, scratch) == {"sent": 4, "removed": 0}
+    shutil.rmtree(root / "pkg" / "old")
+    (root / "pkg" / "old").write_text("a file where a folder was")
+    (root / "train.py").write_text("v2")
+    assert apply(workdir.collect(root), cache, scratch) == {"sent": 2, "removed": 1}
+    files = cache / "files"
+    assert sorted(sync.regular_files(str(files))) == ["pkg/a.py", "pkg/old", "run.sh", "train.py"]
+    assert (files / "train.py").read_text() == "v2" and os.access(files / "run.sh", os.X_OK)
+    recorded = sync.manifest(str(cache))
+    assert recorded == workdir.manifest(workdir.collect(root), scratch / "hashes.json").hashes
+    assert (cache / "digest").read_text().strip() == workdir.manifest_digest(recorded)
+    assert apply(workdir.collect(root), cache, scratch) == {"sent": 0, "removed": 0}
+
+
+def test_a_sync_cut_short_leaves_no_digest_and_the_files_are_hashed_again(tmp_path):
+    root = tree(tmp_path / "proj", {"train.py": "v1"})
+    cache, scratch = tmp_path / "cache", tmp_path / "scratch"
+    scratch.mkdir()
+    apply(workdir.collect(root), cache, scratch)
+    (cache / "digest").unlink()  # as `apply` leaves it until every file is in place
+    (cache / "files" / "train.py").write_text("half written")
+    assert sync.manifest(str(cache)) == {"train.py": workdir.file_sha256(cache / "files" / "train.py")}
+
+
+def test_a_bundle_cannot_write_outside_the_cache(tmp_path):
+    bundle = tmp_path / "evil.tar"
+    with tarfile.open(bundle, "w") as tar:
+        plan = json.dumps({"remove": [], "manifest": {}, "digest": "d"}).encode()
+        for name, data in (("plan.json", plan), ("files/../../escaped", b"x")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, __import__("io").BytesIO(data))
+    with pytest.raises(ValueError, match="refusing"):
+        sync.apply(str(tmp_path / "cache"), str(bundle))
+    assert not (tmp_path / "escaped").exists()
+
+
+def test_results_are_the_results_folder_and_metrics_never_links_or_checkpoints(tmp_path):
+    run_dir, results = tmp_path / "run", tmp_path / "results"
+    tree(run_dir, {"metrics.jsonl": "{}", "checkpoints/model.pt": "w", "snapshot.pt": "w"})
+    tree(results, {"loss.json": "{}", "plots/loss.png": "png"})
+    (results / "model.pt").symlink_to(run_dir / "checkpoints" / "model.pt")
+    names = sorted(entry["name"] for entry in sync.results(str(run_dir), str(results)))
+    assert names == ["metrics.jsonl", "results/loss.json", "results/plots/loss.png"]
+
+
+def test_clean_removes_the_copies_of_all_but_the_newest_runs_and_keeps_the_rest(tmp_path):
+    for run in ("20260101-000000-run-a", "20260102-000000-run-b", "20260103-000000-run-c"):
+        tree(tmp_path / run, {"workdir/train.py": "x" * 10, "results/r.json": "{}"})
+    # the oldest is also the run folder of a cluster without shared storage: its checkpoints stay
+    tree(tmp_path / "20260101-000000-run-a", {"checkpoints/c.pt": "kept"})
+    assert sync.clean(str(tmp_path), keep=1) == {"runs": 3, "removed": 2, "freed_bytes": 24}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["20260101-000000-run-a", "20260103-000000-run-c"]
+    assert (tmp_path / "20260101-000000-run-a" / "checkpoints" / "c.pt").exists()
+    assert (tmp_path / "20260103-000000-run-c" / "workdir" / "train.py").exists()
+
+
+@pytest.mark.parametrize("pair,words", [
+    ("NOEQUALS", ["'NOEQUALS'", "KEY=VALUE"]),
+    ("1X=y", ["'1X'", "variable name"]),
+    ("A-B=y", ["'A-B'"]),
+    ("X =y", ["'X '"]),
+    ("RANK=3", ["RANK", "sets"]),
+    ("MASTER_ADDR=1.2.3.4", ["MASTER_ADDR"]),
+    ("CLUSTER_RESULTS_DIR=/tmp", ["CLUSTER_RESULTS_DIR"]),
+    ("PYTHONPATH=/x", ["PYTHONPATH"]),
+])
+def test_bad_env_keys_are_refused_by_name(pair, words):
+    with pytest.raises(Exit) as refused:
+        options.environment([pair])
+    assert refused.value.code == 2 and all(word in refused.value.message for word in words)
+
+
+def test_env_values_are_kept_whole_and_every_launch_variable_is_reserved():
+    value = 'x=1; $HOME "q"'
+    assert options.environment([f"GREETING={value}", "EMPTY="]) == {"GREETING": value, "EMPTY": ""}
+    with pytest.raises(Exit, match="twice"):
+        options.environment(["A=1", "A=2"])
+    c = aws_cluster()
+    launch_set = {**commands.node_environment(c, 0, "lo", "py"), **commands.job_variables(c, "r", 1, "py")}
+    assert all(commands.reserved_variable(key) for key in launch_set)
+
+
+@pytest.mark.parametrize("script,words", [
+    ("missing.py", ["no such script: missing.py"]),
+    ("pkg", ["pkg is a folder"]),
+    ("../outside.py", ["outside --workdir"]),
+    ("link.py", ["outside --workdir"]),
+    ("broken.py", ["does not compile", "broken.py, line 2"]),
+])
+def test_the_script_must_be_a_compiling_file_inside_the_workdir(tmp_path, script, words):
+    root = tree(tmp_path / "proj", {"pkg/__init__.py": "", "broken.py": "x = 1\ndef f(:\n"})
+    tree(tmp_path, {"outside.py": "print(1)\n"})
+    (root / "link.py").symlink_to(tmp_path / "outside.py")
+    with pytest.raises(Exit) as refused:
+        options.compiled_script(script, root.resolve())
+    assert refused.value.code == 2 and all(word in refused.value.message for word in words)
+
+
+def test_a_script_the_ignore_files_leave_out_is_refused(tmp_path):
+    root = tree(tmp_path, {".gitignore": "scratch_*.py\n", "scratch_try.py": "print(1)\n"}).resolve()
+    with pytest.raises(Exit, match="left out of the workdir"):
+        workdir.checked_project(root, options.compiled_script("scratch_try.py", root), 10**6)
