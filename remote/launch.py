@@ -26,7 +26,7 @@ from remote import commands, workdir
 from remote.connect import CONNECTION_ERRORS, NodeSession, describe, on_all_nodes, open_sessions
 from remote.packages import Requirements, ensure as ensure_requirements
 from remote.stream import NodeStream, say
-from remote.workdir import Project, count_files, human_bytes
+from remote.workdir import Manifest, Project, count_files, human_bytes
 
 STOP_WAIT_S = 15
 LOCK_WAIT_S = 30  # for the head node to answer whether the job lock is ours
@@ -341,8 +341,8 @@ class Fetched:
     """Fetched files, relative to the local run folder."""
     total_bytes: int
     """Their size."""
-    refused: list[tuple[str, int]]
-    """(name, size) of the files over the cap, left on the node."""
+    refused: list[tuple[str, int, str]]
+    """(name, size, where it is on the node) of the files over the cap, left there."""
 
 
 def fetch_results(cluster: ClusterInfo, session: NodeSession, python: str, run_id: str, local_dir: Path,
@@ -357,7 +357,7 @@ def fetch_results(cluster: ClusterInfo, session: NodeSession, python: str, run_i
     for entry in entries:
         name, size = _local_name(entry["name"]), int(entry["size"])
         if size > max_bytes:
-            refused.append((name, size))
+            refused.append((name, size, entry["remote"]))
             continue
         target = local_dir / name
         state.make_private_dir(target.parent)
@@ -375,7 +375,7 @@ def _local_name(name: str) -> str:
     return name
 
 
-def report_fetched(fetched: Fetched, local_dir: Path, head: str, run_id: str, max_bytes: int) -> None:
+def report_fetched(fetched: Fetched, local_dir: Path, head: str, max_bytes: int) -> None:
     if fetched.names:
         shown = ", ".join(fetched.names[:FETCHED_SHOWN]) + (
             f" and {len(fetched.names) - FETCHED_SHOWN} more" if len(fetched.names) > FETCHED_SHOWN else "")
@@ -383,13 +383,14 @@ def report_fetched(fetched: Fetched, local_dir: Path, head: str, run_id: str, ma
             f"into {local_dir}: {shown}")
     elif not fetched.refused:
         say(f"fab: nothing to fetch: {head}'s $CLUSTER_RESULTS_DIR is empty and the run wrote no metrics.jsonl")
-    for name, size in fetched.refused:
+    for name, size, remote in fetched.refused:
+        where = remote if remote.startswith("/") else f"~/{remote}"
         say(f"fab: not fetched: {name} ({human_bytes(size)}, over --max-result-mb {max_bytes // 1_000_000}); "
-            f"it stays on {head} in ~/{commands.home_relative(commands.node_run_dir(run_id))}/{name}")
+            f"it stays on {head} in {where}")
 
 
 def prepare(cluster: ClusterInfo, sessions: list[NodeSession], statuses: list[str], spec: JobSpec,
-            setup: NodeSetup, wanted: "workdir.Manifest | None") -> None:
+            setup: NodeSetup, wanted: Manifest | None) -> None:
     """The workdir and the requirements on every node, from what the launch's first command found."""
     if spec.workdir:
         workdir.sync(cluster, sessions, setup.python, spec.workdir, wanted, _tagged(sessions, statuses, "workdir"))
@@ -426,7 +427,7 @@ def launch(cluster: ClusterInfo, spec: JobSpec, setup: NodeSetup, runs_root: Pat
             try:
                 fetched = fetch_results(cluster, sessions[0], setup.python[head], run_id, local_dir,
                                         spec.max_result_bytes)
-                report_fetched(fetched, local_dir, head, run_id, spec.max_result_bytes)
+                report_fetched(fetched, local_dir, head, spec.max_result_bytes)
             except Exception as exc:  # results are a convenience; the logs are already local
                 say(f"fab: could not fetch results from {head}: {describe(exc)}")
         return result, local_dir

@@ -124,7 +124,7 @@ def collect(root: Path, never: tuple[Path, ...] = ()) -> Project:
     root = root.resolve()
     files: list[ProjectFile] = []
     skipped: list[tuple[str, str]] = []
-    _walk(root, root, "", IgnoreRules().entering(root, ""), {root}, set(never), files, skipped)
+    _walk(root, root, "", IgnoreRules().entering(root, ""), {root}, {p.resolve() for p in never}, files, skipped)
     return Project(root, tuple(sorted(files, key=lambda f: f.path)), tuple(skipped))
 
 
@@ -137,16 +137,13 @@ def _walk(root: Path, folder: Path, relative: str, rules: IgnoreRules, visited: 
         return
     for entry in entries:
         path = relative + entry.name
-        if entry.name in NEVER_SENT:
+        if entry.name in NEVER_SENT or rules.excludes(path, entry.is_dir()):  # is_dir() follows links
             continue
         target = _target(root, entry, path, skipped)
-        if target is None:
+        if target is None or target[0] in never:
             continue
         real, info = target
-        is_dir = stat.S_ISDIR(info.st_mode)
-        if rules.excludes(path, is_dir) or real in never:
-            continue
-        if is_dir:
+        if stat.S_ISDIR(info.st_mode):
             if real in visited:  # a link to a folder that contains it
                 skipped.append((path, "a link that loops back to a folder above it"))
                 continue

@@ -18,6 +18,12 @@ from conftest import assert_one_line_error, run_fab
     (["logs", "--run", "../.."], ["--run", "'../..'"]),
     (["hello", "--args", '"unterminated'], ["--args", "No closing quotation"]),
     (["logs", "--stack", "../x"], ["bad stack name"]),
+    (["run", "--workdir", "/no/such/folder", "--script", "x.py"], ["no such folder", "/no/such/folder"]),
+    (["run", "--script", "x.py", "--env", "RANK=1"], ["--env RANK", "pick another name"]),
+    (["run", "--script", "x.py", "--env", "GREETING"], ["'GREETING' is not KEY=VALUE"]),
+    (["run", "--script", "x.py", "--max-sync-mb", "5"], ["--max-sync-mb", "--workdir"]),
+    (["run", "--script", "x.py", "--max-result-mb", "0"], ["--max-result-mb", ">= 1"]),
+    (["run", "--script", "x.py", "--requirements", "/no/such.txt"], ["no such requirements file"]),
 ])
 def test_bad_input_is_one_line_and_exit_2_and_creates_nothing(state_dir, argv, words):
     assert_one_line_error(run_fab(*argv), *words)
@@ -41,3 +47,17 @@ def test_logs_of_a_run_with_a_damaged_summary_are_shown_and_the_damage_named(sta
     assert result.returncode == 0, result.stderr
     assert "[node-0] last words" in result.stdout and "[node-0] first" not in result.stdout
     assert "summary.json is damaged" in result.stdout and not result.stderr
+
+
+@pytest.mark.parametrize("script,words", [
+    ("train.py", ["does not compile", "train.py, line 2"]),
+    ("../outside.py", ["outside --workdir"]),
+    ("pkg", ["is a folder"]),
+])
+def test_a_workdir_script_is_checked_before_anything_is_created(state_dir, tmp_path, script, words):
+    project = tmp_path / "project"
+    (project / "pkg").mkdir(parents=True)
+    (project / "train.py").write_text("import torch\ndef main(:\n")
+    (tmp_path / "outside.py").write_text("print('hi')\n")
+    assert_one_line_error(run_fab("run", "--workdir", str(project), "--script", script), *words)
+    assert not state_dir.exists()

@@ -241,7 +241,7 @@ def test_profile_prints_an_nccl_tests_table_per_collective_and_fetches_its_json(
     for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
         assert f"[node-0] # {op}: 2 ranks, gloo" in result.stdout
     assert result.stdout.count("[node-0] # Avg bus bandwidth") == 4
-    report = json.loads((cluster.run_dir(result.stdout) / "profile.json").read_text())
+    report = json.loads((cluster.run_dir(result.stdout) / "results" / "profile.json").read_text())  # by declaration
     assert report["world_size"] == 2 and len(report["results"]) == 4 * 2  # 1K and 2K for each collective
     assert all(row["wrong"] == 0 for row in report["results"])
 

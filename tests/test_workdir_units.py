@@ -69,8 +69,9 @@ def test_gpuclusterignore_excludes_more_and_can_send_what_git_ignores(tmp_path):
 
 
 def test_links_inside_are_followed_and_the_others_skipped_and_named(tmp_path):
-    root = tree(tmp_path / "proj", {"train.py": "", "conf/base.yaml": "x", ".git/HEAD": "ref"})
+    root = tree(tmp_path / "proj", {"train.py": "", "conf/base.yaml": "x", ".git/HEAD": "ref", ".gitignore": ".venv\n"})
     tree(tmp_path, {"outside/secret.txt": "no"})
+    (root / ".venv").symlink_to(tmp_path / "outside")  # ignored: left out without a word
     (root / "current.yaml").symlink_to("conf/base.yaml")
     (root / "conf_link").symlink_to("conf")
     (root / "loop").symlink_to(".")
@@ -79,7 +80,7 @@ def test_links_inside_are_followed_and_the_others_skipped_and_named(tmp_path):
     state_dir = root / ".cluster"
     tree(state_dir, {"local/id_ed25519": "key"})
     project = workdir.collect(root, never=(state_dir,))
-    assert sent(project) == {"train.py", "conf/base.yaml", "current.yaml", "conf_link/base.yaml"}
+    assert sent(project) == {".gitignore", "train.py", "conf/base.yaml", "current.yaml", "conf_link/base.yaml"}
     assert {f.path: f.source for f in project.files}["current.yaml"] == root / "conf" / "base.yaml"
     why = dict(project.skipped)
     assert set(why) == {"loop", "secret.txt", "dangling"}
