@@ -183,7 +183,7 @@ RUN_HELP = {
 }
 
 
-@task(help=RUN_HELP, iterable=["env"])
+@task(help=RUN_HELP, iterable=["env"], auto_shortflags=False)  # long flags only: nine options share few letters
 def run(c, script=None, workdir=None, args="", requirements=None, env=None, max_sync_mb=None, max_result_mb=None,
         max_restarts=None, stack=None):
     """Run a torchrun script of yours on every node: one file, or a whole project folder (--workdir)."""
