@@ -22,7 +22,9 @@ $(STAMP): requirements.txt
 demo: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/demo.sh
 
+# The OpenSSH tests' node users need a Python with torch outside any private home: built once (cached).
 test: setup
+	-$(BIN)/python tests/openssh.py build-python
 	$(BIN)/python -m pytest
 
 bench: setup

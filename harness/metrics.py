@@ -75,23 +75,16 @@ class StepLogger:
         )
 
 
-# Dense (no sparsity) datasheet peaks in TFLOP/s by GPU and precision, for model FLOPs utilisation.
-# fp32 is the plain (non-tensor-core) rate; fp16/bf16 are tensor-core rates with fp32 accumulation.
-PEAK_TFLOPS = {
-    "T4": {"fp32": 8.1, "fp16": 65.0},
-    "A10G": {"fp32": 31.2, "fp16": 125.0, "bf16": 125.0},
-    "L4": {"fp32": 30.3, "fp16": 121.0, "bf16": 121.0},
-    "L40S": {"fp32": 91.6, "fp16": 362.0, "bf16": 362.0},
-    "A100": {"fp32": 19.5, "fp16": 312.0, "bf16": 312.0},
-    "H100": {"fp32": 67.0, "fp16": 989.0, "bf16": 989.0},
-    "H200": {"fp32": 67.0, "fp16": 989.0, "bf16": 989.0},
-}
+# Datasheet peaks come from the instance catalog, which infra/ reads too and bootstrap ships with the
+# harness (the harness may not import infra/): one table for validation, pricing and MFU.
+CATALOG_PATH = Path(__file__).with_name("catalog.json")
 
 
 def peak_tflops(device_name: str, precision: str) -> float | None:
-    """The datasheet peak for a GPU name as CUDA reports it ("Tesla T4", "NVIDIA H100 80GB HBM3")."""
+    """The dense datasheet peak for a GPU name as CUDA reports it ("Tesla T4", "NVIDIA H100 80GB HBM3")."""
     tokens = device_name.replace("-", " ").split()
-    for model, peaks in PEAK_TFLOPS.items():
+    peaks_by_model = json.loads(CATALOG_PATH.read_text(encoding="utf-8"))["gpu_peak_tflops"]
+    for model, peaks in peaks_by_model.items():
         if model in tokens:
             return peaks.get(precision)
     return None

@@ -108,15 +108,16 @@ def _up_with_zone_fallback(deployment: automation.Deployment, config, zones: lis
 
 def _cluster_from_outputs(stack: str, config, outputs: dict, key_path, hourly_usd: float) -> ClusterInfo:
     stack_path = state.stack_dir(stack)
+    user = outputs.get("ssh_user", SSH_USER)
     nodes = tuple(
-        NodeInfo(n["name"], n["public_ip"], n["private_ip"], int(n.get("ssh_port", 22)), config.gpus_per_node)
+        NodeInfo(n["name"], n["public_ip"], n["private_ip"], int(n.get("ssh_port", 22)), config.gpus_per_node, user)
         for n in outputs["nodes"]
     )
     return ClusterInfo(
         stack=stack, provider="aws", region=config.region, instance_type=config.instance_type, hourly_usd=hourly_usd,
-        ssh_user=outputs.get("ssh_user", SSH_USER), ssh_key=str(key_path), known_hosts=str(stack_path / "known_hosts"),
+        ssh_user=user, ssh_key=str(key_path), known_hosts=str(stack_path / "known_hosts"),
         shared_dir=outputs.get("shared_dir", SHARED_DIR), created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        nodes=nodes,
+        nodes=nodes, python="python3", daemon="systemd",  # the DLAMI runs systemd and the user has sudo
     )
 
 

@@ -13,14 +13,19 @@ from pathlib import Path
 
 import yaml
 
-from infra import state
+from infra import catalog, state
 from infra.errors import UsageError
 
 NAMESPACE = "gpu-cluster"
 MAX_NODES = 16
 DEFAULT_INSTANCE_TYPE = "g4dn.2xlarge"
 DEFAULT_REGION = "us-east-1"
-INSTANCE_TYPE = re.compile(r"^(g4dn|g5|g6|g6e|p3|p3dn|p4d|p4de|p5|p5e|p5en)\.(metal|\d*xlarge)$")
+WHOLE_NUMBER = re.compile(r"[0-9]+")
+NUMBER = re.compile(r"[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]+)?|\.[0-9]+([eE][-+]?[0-9]+)?")
+REGION = re.compile(r"[a-z]{2}(-[a-z]+)+-[0-9]")
+ZONE = re.compile(r"[a-z]{2}(-[a-z]+)+-[0-9][a-z]")
+AMI_ID = re.compile(r"ami-[0-9a-f]{8,17}")
+PUBLIC_KEY = re.compile(r"(ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp(256|384|521)) [A-Za-z0-9+/]+={0,3}( [^\r\n]*)?")
 WORLD = ("0.0.0.0/0", "::/0")
 # The stack config keys, in the `gpu-cluster` namespace (`aws:region` aside).
 CONFIG_KEYS = ("nodes", "instanceType", "sshCidr", "sshPublicKey", "allowWorldSsh", "spot", "rootVolumeGb",
@@ -38,7 +43,7 @@ class StackConfig:
     nodes: int = 2
     """Number of instances, 1..16."""
     instance_type: str = DEFAULT_INSTANCE_TYPE
-    """EC2 type: g4dn.* (T4), g5.* (A10G), g6.* (L4), g6e.* (L40S) or p*."""
+    """An EC2 type of the instance catalog (harness/catalog.json)."""
     ssh_cidr: str | None = None
     """Who may SSH in; None means the operator's public IP /32, looked up at `up`."""
     ssh_public_key: str | None = None
@@ -67,37 +72,41 @@ class StackConfig:
         return gpus_per_node(self.instance_type)
 
 
-# GPUs per node for the supported types (the rest of each family has one GPU).
-_MULTI_GPU = {
-    "g4dn.12xlarge": 4, "g4dn.metal": 8,
-    "g5.12xlarge": 4, "g5.24xlarge": 4, "g5.48xlarge": 8,
-    "g6.12xlarge": 4, "g6.24xlarge": 4, "g6.48xlarge": 8,
-    "g6e.12xlarge": 4, "g6e.24xlarge": 4, "g6e.48xlarge": 8,
-    "p3.8xlarge": 4, "p3.16xlarge": 8, "p3dn.24xlarge": 8,
-    "p4d.24xlarge": 8, "p4de.24xlarge": 8, "p5.48xlarge": 8, "p5e.48xlarge": 8, "p5en.48xlarge": 8,
-}  # fmt: skip
-
-
 def gpus_per_node(instance_type: str) -> int:
-    return _MULTI_GPU.get(instance_type, 1)
+    return catalog.lookup(instance_type).gpus
+
+
+def _whole_number(value) -> int:
+    """An int from an int or its digits alone: no bool, no float, no sign, space or trailing newline."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and WHOLE_NUMBER.fullmatch(value):
+        return int(value)
+    raise ValueError(value)
+
+
+def _number(value) -> float:
+    """A float from a number or its decimal text alone (no space or trailing newline)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str) and NUMBER.fullmatch(value):
+        return float(value)
+    raise ValueError(value)
 
 
 def check_nodes(value) -> int:
     try:
-        nodes = int(value)
-    except (TypeError, ValueError):
+        nodes = _whole_number(value)
+    except ValueError:
         raise UsageError(f"nodes must be a whole number from 1 to {MAX_NODES}, not {value!r}") from None
     if not 1 <= nodes <= MAX_NODES:
         raise UsageError(f"nodes must be from 1 to {MAX_NODES} (got {nodes}); pass --nodes N")
     return nodes
 
 
-def check_instance_type(value: str) -> str:
-    if not INSTANCE_TYPE.match(value or ""):
-        raise UsageError(
-            f"instance type {value!r} is not supported: use g4dn.*, g5.*, g6.*, g6e.* or p* (e.g. g4dn.2xlarge)"
-        )
-    return value
+def check_instance_type(value) -> str:
+    """A type the catalog knows; anything else (an unlisted multi-GPU type included) is refused."""
+    return catalog.lookup(value).name
 
 
 def validate(stack: str, raw: Mapping[str, object]) -> StackConfig:
@@ -106,7 +115,7 @@ def validate(stack: str, raw: Mapping[str, object]) -> StackConfig:
     values: dict[str, object] = {"stack": state.check_stack_name(stack)}
 
     def take(key: str, field: str, parse):
-        if raw.get(key) in (None, ""):
+        if raw.get(key) is None:  # not given; an empty string is given, and bad
             return
         try:
             values[field] = parse(raw[key])
@@ -127,7 +136,7 @@ def validate(stack: str, raw: Mapping[str, object]) -> StackConfig:
     take("maxTotalUsd", "max_total_usd", _budget("maxTotalUsd"))
     take("idleMinutes", "idle_minutes", _budget("idleMinutes"))
     take("amiId", "ami_id", _ami)
-    take("availabilityZone", "availability_zone", str)
+    take("availabilityZone", "availability_zone", _zone)
     take("shutdownBehavior", "shutdown_behavior", _shutdown_behavior)
     config = StackConfig(**values) if not problems else None
     if config and config.ssh_cidr in WORLD and not config.allow_world_ssh:
@@ -135,6 +144,8 @@ def validate(stack: str, raw: Mapping[str, object]) -> StackConfig:
             f"sshCidr {config.ssh_cidr} opens SSH to the whole internet: use your /32, "
             "or set gpu-cluster:allowWorldSsh true if you really mean it"
         )
+    if config and config.availability_zone and not config.availability_zone.startswith(config.region):
+        problems.append(f"availabilityZone {config.availability_zone} is not in aws:region {config.region}")
     if config and config.spot and config.shutdown_behavior == "stop":
         problems.append("spot instances can only terminate when shut down: set shutdownBehavior terminate or drop spot")
     if problems:
@@ -143,29 +154,37 @@ def validate(stack: str, raw: Mapping[str, object]) -> StackConfig:
 
 
 def _region(value) -> str:
-    if not re.match(r"^[a-z]{2}(-[a-z]+)+-\d$", str(value)):
+    if not isinstance(value, str) or not REGION.fullmatch(value):
         raise UsageError(f"aws:region {value!r} is not a region name like us-east-1")
-    return str(value)
+    return value
+
+
+def _zone(value) -> str:
+    if not isinstance(value, str) or not ZONE.fullmatch(value):
+        raise UsageError(f"availabilityZone {value!r} is not a zone name like us-east-1a")
+    return value
 
 
 def _cidr(value) -> str:
     try:
-        return str(ipaddress.ip_network(str(value), strict=False))
+        if not isinstance(value, str):
+            raise ValueError(value)
+        return str(ipaddress.ip_network(value, strict=False))
     except ValueError:
         raise UsageError(f"sshCidr {value!r} is not a CIDR block like 203.0.113.7/32") from None
 
 
 def _public_key(value) -> str:
-    text = str(value).strip()
-    if not re.match(r"^(ssh-ed25519|ssh-rsa|ecdsa-sha2-\S+) [A-Za-z0-9+/=]+", text):
-        raise UsageError("sshPublicKey is not an OpenSSH public key")
+    text = value.strip() if isinstance(value, str) else ""
+    if not PUBLIC_KEY.fullmatch(text):
+        raise UsageError("sshPublicKey is not one OpenSSH public key line (ssh-ed25519 AAAA... [comment])")
     return text
 
 
 def _boolean(value) -> bool:
     if isinstance(value, bool):
         return value
-    text = str(value).strip().lower()
+    text = str(value).lower()
     if text in ("true", "yes", "1"):
         return True
     if text in ("false", "no", "0"):
@@ -174,7 +193,7 @@ def _boolean(value) -> bool:
 
 
 def _volume_gb(value) -> int:
-    size = int(value)
+    size = _whole_number(value)
     if not 75 <= size <= 16384:
         raise UsageError(f"rootVolumeGb must be from 75 to 16384 (got {size}): the GPU AMI needs 75 GB")
     return size
@@ -183,8 +202,8 @@ def _volume_gb(value) -> int:
 def _budget(key: str):
     def parse(value) -> float:
         try:
-            number = float(value)
-        except (TypeError, ValueError):
+            number = _number(value)
+        except ValueError:
             raise UsageError(f"{key} must be a positive number, not {value!r}") from None
         if not number > 0 or number != number or number == float("inf"):
             raise UsageError(f"{key} must be a positive number (got {value})")
@@ -194,9 +213,9 @@ def _budget(key: str):
 
 
 def _ami(value) -> str:
-    if not re.match(r"^ami-[0-9a-f]{8,17}$", str(value)):
+    if not isinstance(value, str) or not AMI_ID.fullmatch(value):
         raise UsageError(f"amiId {value!r} is not an AMI id like ami-0123456789abcdef0")
-    return str(value)
+    return value
 
 
 def _shutdown_behavior(value) -> str:
@@ -213,20 +232,39 @@ def stack_file(stack: str) -> Path:
 
 
 def read_stack_file(stack: str) -> dict[str, object]:
-    """`Pulumi.<stack>.yaml`'s config with namespaces taken off (`aws:region` becomes `region`)."""
+    """`Pulumi.<stack>.yaml`'s config with namespaces taken off (`aws:region` becomes `region`).
+
+    The file is the user's to edit, so whatever it holds is one line saying what is wrong with it:
+    not a file, not UTF-8, not YAML, not a mapping, or a `config:` that is not a mapping.
+    """
     path = stack_file(stack)
     try:
-        document = yaml.safe_load(path.read_text()) or {}
+        text = state.read_text(path, "the stack file")
     except FileNotFoundError:
         return {}
+    try:
+        document = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise UsageError(f"{path.name} is not valid YAML: {exc}".splitlines()[0]) from None
+    document = {} if document is None else document
+    if not isinstance(document, dict):
+        raise UsageError(f"{path.name} must be a YAML mapping with a `config:` mapping, not a {_yaml_kind(document)}")
+    settings = document.get("config")
+    settings = {} if settings is None else settings
+    if not isinstance(settings, dict):
+        raise UsageError(f"{path.name}: `config:` must be a mapping of keys like gpu-cluster:nodes, "
+                         f"not a {_yaml_kind(settings)}")
     raw = {}
-    for key, value in (document.get("config") or {}).items():
+    for key, value in settings.items():
         namespace, _, name = str(key).partition(":")
         if namespace in (NAMESPACE, "aws") and name:
             raw[name] = value
     return raw
+
+
+def _yaml_kind(value) -> str:
+    kinds = {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 def load_stack(stack: str, overrides: Mapping[str, object] | None = None) -> StackConfig:

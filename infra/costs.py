@@ -5,6 +5,7 @@ A cluster that powered itself off (the watchdog's stop marker) is noticed by the
 """
 
 import json
+import math
 import time
 from datetime import datetime, timezone
 
@@ -15,9 +16,10 @@ from infra.ledger import Ledger
 from infra.pricing import PriceSource
 
 
-def open_ledger(say=print) -> Ledger:
-    ledger = Ledger()
-    for warning in ledger.warnings:
+def open_ledger(say=print, create: bool = True) -> Ledger | None:
+    """The ledger, with its warnings said; None where it does not exist and `create` is False."""
+    ledger = Ledger() if create else Ledger.if_exists()
+    for warning in ledger.warnings if ledger else ():
         say(f"warning: {warning}")
     return ledger
 
@@ -48,21 +50,31 @@ def record_up(cluster: ClusterInfo, reference_usd: float | None, say=print) -> N
 
 
 def record_down(stack: str, reason: str = "down", at: float | None = None, say=print) -> None:
-    ledger = open_ledger(say)
+    """Close the stack's open interval; with no ledger there is none to close."""
+    ledger = open_ledger(say, create=False)
+    if ledger is None:
+        return
     try:
         ledger.cluster_down(stack, reason, at)
     finally:
         ledger.close()
 
 
-def record_self_stop(stack: str, reason: str, at: float | None, say=print) -> None:
-    """Close the interval of a cluster that stopped itself, once, at the time it stopped."""
+def record_self_stop(stack: str, reason, at, say=print) -> None:
+    """Close the interval of a cluster that stopped itself, once, at the time it stopped.
+
+    The reason and time come from a stop marker on the nodes, which a job could have written: only a
+    number is taken as the time (else now), and the reason is kept as text."""
     if reason:
-        record_down(stack, f"stopped itself: {reason}", at, say)
+        is_time = isinstance(at, (int, float)) and not isinstance(at, bool) and math.isfinite(at)
+        when = float(at) if is_time else None
+        record_down(stack, f"stopped itself: {str(reason)[:200]}", when, say)
 
 
 def cost_so_far(stack: str, say=print) -> float | None:
-    ledger = open_ledger(say)
+    ledger = open_ledger(say, create=False)
+    if ledger is None:
+        return None
     try:
         cluster = ledger.open_cluster(stack) or next(reversed(ledger.clusters(stack)), None)
         return cluster.cost_usd(time.time()) if cluster else None
@@ -72,13 +84,15 @@ def cost_so_far(stack: str, say=print) -> float | None:
 
 def report(stack: str | None = None, say=print) -> dict:
     """`deploy.py cost --json`: every cluster and run, with totals."""
-    ledger = open_ledger(say)
+    ledger = open_ledger(say, create=False)
     now = time.time()
-    try:
-        clusters = [_cluster_row(c, now) for c in ledger.clusters(stack)]
-        runs = [_run_row(r, now) for r in ledger.runs(stack)]
-    finally:
-        ledger.close()
+    clusters, runs = [], []
+    if ledger is not None:
+        try:
+            clusters = [_cluster_row(c, now) for c in ledger.clusters(stack)]
+            runs = [_run_row(r, now) for r in ledger.runs(stack)]
+        finally:
+            ledger.close()
     would = [c["would_have_cost_usd"] for c in clusters if c["would_have_cost_usd"] is not None]
     return {
         "clusters": clusters,
@@ -109,5 +123,5 @@ def _run_row(r, now: float) -> dict:
     return {
         "run_id": r.run_id, "stack": r.stack, "task": r.task, "nodes": r.nodes, "started_at": _iso(r.started_at),
         "ended_at": _iso(r.ended_at), "seconds": round((r.ended_at or now) - r.started_at, 1),
-        "exit_codes": r.exit_codes, "cost_usd": round(r.cost_usd(now), 6),
+        "exit_codes": r.exit_codes, "cost_usd": round(r.cost_usd(now), 6), "end_reason": r.end_reason,
     }

@@ -5,11 +5,22 @@ Nodes are listed head node first: node-0 hosts rank 0 and `MASTER_ADDR`.
 """
 
 import json
-from dataclasses import asdict, dataclass, fields
+import stat
+import sys
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from infra import state
 from infra.errors import UsageError
+
+DAEMONS = ("systemd", "detached")
+DEFAULT_PYTHON = "python3"
+DEFAULT_DAEMON = "detached"
+# What an inventory written before `python`, `daemon` and `env` existed meant, by provider.
+EARLIER_FACTS = {
+    "local": {"python": sys.executable, "env": {"OMP_NUM_THREADS": "1"}},
+    "aws": {"daemon": "systemd"},
+}
 
 
 @dataclass(frozen=True)
@@ -26,6 +37,8 @@ class NodeInfo:
     """The node's SSH port (22 on AWS, 2222 by default on the local provider)."""
     gpus: int
     """GPUs on the node; 0 for CPU nodes, which train with gloo."""
+    ssh_user: str = ""
+    """The login user on this node (hosts of the `ssh` provider may differ); filled from the cluster's."""
 
 
 @dataclass(frozen=True)
@@ -35,7 +48,7 @@ class ClusterInfo:
     stack: str
     """The stack name, also the folder under `.cluster/`."""
     provider: str
-    """`local` or `aws`."""
+    """`local`, `aws` or `ssh` (infra/provider.py picks the implementation from it)."""
     region: str
     """AWS region, or `local`."""
     instance_type: str
@@ -43,7 +56,7 @@ class ClusterInfo:
     hourly_usd: float
     """What the whole cluster costs per hour while it is up (0 for the local provider)."""
     ssh_user: str
-    """The login user on every node."""
+    """The default login user (each node's `ssh_user` says where it differs)."""
     ssh_key: str
     """Absolute path of the cluster's private key (mode 0600)."""
     known_hosts: str
@@ -54,6 +67,17 @@ class ClusterInfo:
     """ISO-8601 UTC time the cluster came up."""
     nodes: tuple[NodeInfo, ...]
     """Head node first."""
+    python: str = DEFAULT_PYTHON
+    """The interpreter bootstrap builds the node venv from (its torch is kept where it has one)."""
+    daemon: str = DEFAULT_DAEMON
+    """How the watchdog is kept alive on the head node: `systemd` (a unit) or `detached` (a process)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for every node's jobs (local nodes share this machine's cores: one thread each)."""
+
+    def __post_init__(self):
+        # Every node names its login user, so no connection has to fall back to the cluster's.
+        filled = tuple(n if n.ssh_user else replace(n, ssh_user=self.ssh_user) for n in self.nodes)
+        object.__setattr__(self, "nodes", filled)
 
     @property
     def head(self) -> NodeInfo:
@@ -71,23 +95,49 @@ class ClusterInfo:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ClusterInfo":
-        expected = {f.name for f in fields(cls)}
-        missing = expected - set(data)
-        if missing:
-            raise ValueError(f"missing {', '.join(sorted(missing))}")
-        nodes = tuple(_node_from_dict(n) for n in data["nodes"])
-        if not nodes:
-            raise ValueError("no nodes")
-        values = {k: data[k] for k in expected if k != "nodes"}
-        values["hourly_usd"] = float(values["hourly_usd"])
-        return cls(nodes=nodes, **values)
+        """The inventory from its JSON; ValueError naming the first field that is missing or of the wrong type."""
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        nodes = data.get("nodes")
+        if not isinstance(nodes, list) or not nodes:
+            raise ValueError("nodes must be a non-empty list")
+        typed_nodes = tuple(NodeInfo(**_typed(NodeInfo, node)) for node in nodes)
+        # Facts added since an inventory was written mean what that provider did before them.
+        values = {**EARLIER_FACTS.get(data.get("provider"), {}), **_typed(cls, data, skip=("nodes",))}
+        if values.get("daemon", DEFAULT_DAEMON) not in DAEMONS:
+            raise ValueError(f"daemon must be one of {', '.join(DAEMONS)}")
+        if not isinstance(values.get("env", {}), dict):
+            raise ValueError("env must be a mapping")
+        return cls(nodes=typed_nodes, **values)
 
 
-def _node_from_dict(data: dict) -> NodeInfo:
-    node = NodeInfo(**{f.name: data[f.name] for f in fields(NodeInfo)})
-    if not isinstance(node.ssh_port, int) or not isinstance(node.gpus, int):
-        raise ValueError(f"{node.name}: ssh_port and gpus must be integers")
-    return node
+def _typed(cls, data, skip: tuple[str, ...] = ()) -> dict:
+    """`data`'s fields of dataclass `cls`, each checked against its annotation (str, int, float)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"a {cls.__name__} must be a JSON object")
+    values = {}
+    for f in fields(cls):
+        if f.name in skip:
+            continue
+        if f.name not in data:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise ValueError(f"missing {f.name}")
+            continue  # a field added later, with a default: older inventories lack it
+        values[f.name] = _checked(f.name, f.type, data[f.name])
+    return values
+
+
+def _checked(name: str, kind, value):
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is str and not isinstance(value, str):
+        raise ValueError(f"{name} must be a string")
+    if kind is int and not (is_number and isinstance(value, int)):
+        raise ValueError(f"{name} must be a whole number")
+    if kind is float:
+        if not is_number:
+            raise ValueError(f"{name} must be a number")
+        return float(value)
+    return value
 
 
 def inventory_path(stack: str) -> Path:
@@ -101,22 +151,47 @@ def save(cluster: ClusterInfo) -> Path:
 
 
 def load(stack: str) -> ClusterInfo:
-    """The stack's inventory, or a one-line UsageError saying what to do."""
+    """The stack's inventory as written, or a one-line UsageError saying what to do (down uses this)."""
     path = inventory_path(stack)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
         return ClusterInfo.from_dict(data)
     except FileNotFoundError:
         raise UsageError(f"no cluster: stack {stack!r} is not up; run python deploy.py up") from None
-    except (ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # a folder, not UTF-8, not JSON, wrong shape
         raise UsageError(
-            f"inventory {path} is corrupt ({exc}); run python deploy.py down --stack {stack} to clean up"
+            f"inventory {path} is corrupt ({state.unreadable_reason(exc)}); "
+            f"run python deploy.py down --stack {stack} to clean up"
         ) from None
 
 
 def load_current(stack_flag: str | None = None) -> ClusterInfo:
-    """The cluster a command means: `--stack`, `$CLUSTER_STACK`, or the last `up`."""
+    """The cluster a command means to use (`--stack`, `$CLUSTER_STACK`, or the last `up`), with its key
+    checked: every command that logs in (status, ssh, every fab task) refuses the same way."""
     stack = state.resolve_stack(stack_flag)
     if stack is None:
         raise UsageError("no cluster: run python deploy.py up (or python deploy.py up --local)")
-    return load(stack)
+    cluster = load(stack)
+    check_login_files(cluster)
+    return cluster
+
+
+def check_login_files(cluster: ClusterInfo) -> None:
+    """The cluster key exists, is a file and is the user's alone (ssh refuses a looser key); the pinned
+    host keys exist. One line each, saying what to do."""
+    key = Path(cluster.ssh_key)
+    again = f"python deploy.py down --stack {cluster.stack}, then up again"
+    try:
+        key_stat = key.stat()
+    except FileNotFoundError:
+        raise UsageError(f"the cluster key {key} is missing: restore it, or start over with {again}") from None
+    except OSError as exc:
+        raise UsageError(f"the cluster key {key} cannot be read ({state.unreadable_reason(exc)})") from None
+    if not stat.S_ISREG(key_stat.st_mode):
+        raise UsageError(f"the cluster key {key} is not a file: restore it, or start over with {again}")
+    if key_stat.st_mode & 0o077:
+        raise UsageError(f"the cluster key {key} is readable by others (mode {stat.S_IMODE(key_stat.st_mode):04o}), "
+                         f"which ssh refuses: run chmod 600 {key}")
+    if not Path(cluster.known_hosts).is_file():
+        raise UsageError(f"the pinned host keys {cluster.known_hosts} are missing: without them no node can be "
+                         f"trusted; start over with {again}")

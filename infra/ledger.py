@@ -3,15 +3,22 @@
 Written by `deploy.py` (up, down, and when it notices a cluster stopped itself) and by every `fab`
 launch. Each write is one transaction (BEGIN IMMEDIATE), so a crash mid-write leaves the ledger as it
 was, and two writers at once wait for each other (WAL journal, busy timeout) instead of failing. A
-ledger that is not a database any more is kept as `ledger.sqlite.corrupt-<time>` and a new one started.
+ledger that is not one any more (not a database, another schema, a row that does not read back) is
+kept as `ledger.sqlite.corrupt-<time>` and a new one started. The file is created 0600 (SQLite gives its
+-wal and -shm files the same mode); reading commands never create it.
 
 Costs: a cluster is billed per second while up, with a minimum of one minute per interval (EC2 Linux
 on-demand billing); a run costs the cluster's hourly rate for its duration. Standard library only
 (remote/ writes runs through it too).
+
+A run whose `fab` was killed (SIGKILL, a closed laptop) would stay open and keep costing: each
+supervising `fab` records its host and pid and a heartbeat, and whoever opens the ledger next closes
+the runs whose owner is gone, at the time the owner was last seen.
 """
 
 import json
 import os
+import socket
 import sqlite3
 import time
 from dataclasses import dataclass, field
@@ -20,6 +27,11 @@ from pathlib import Path
 from infra import state
 
 MINIMUM_BILLED_S = 60
+HEARTBEAT_S = 5
+"""How often a supervising fab records that its run is alive."""
+ABANDONED_AFTER_S = 12 * HEARTBEAT_S
+"""A run not seen for this long is over, even where its owner's pid seems alive (reused, or frozen)."""
+RUN_OWNER_COLUMNS = {"owner_host": "TEXT", "owner_pid": "INTEGER", "last_seen_at": "REAL", "end_reason": "TEXT"}
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS clusters (
     id INTEGER PRIMARY KEY,
@@ -49,7 +61,7 @@ CREATE TABLE IF NOT EXISTS runs (
     ended_at REAL,
     exit_codes TEXT
 );
-"""
+"""  # runs also get RUN_OWNER_COLUMNS, added where an older ledger lacks them
 
 
 def billed_seconds(seconds: float) -> float:
@@ -118,6 +130,8 @@ class RunRecord:
     started_at: float
     ended_at: float | None
     exit_codes: dict | None
+    end_reason: str | None = None
+    """Why a run ended without its fab, e.g. that fab's process was gone."""
 
     def cost_usd(self, now: float) -> float:
         return cost_usd(self.hourly_usd, (self.ended_at or now) - self.started_at)
@@ -130,13 +144,21 @@ class Ledger:
         self.path = path or state.ledger_path()
         self.clock = clock
         self.warnings: list[str] = []
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        state.make_private_dir(self.path.parent)
         try:
             self._open()
         except sqlite3.DatabaseError as exc:
             self._start_over(exc)
 
+    @classmethod
+    def if_exists(cls, path: Path | None = None, clock=time.time) -> "Ledger | None":
+        """The ledger for reading, or None where there is none yet (reading creates nothing)."""
+        path = path or state.ledger_path()
+        return cls(path, clock) if path.exists() else None
+
     def _open(self) -> None:
+        if not self.path.exists():
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT, state.PRIVATE_FILE_MODE))
         self.db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
         self.db.execute("PRAGMA busy_timeout = 30000")
         if self.db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
@@ -146,6 +168,16 @@ class Ledger:
             for statement in SCHEMA.split(";"):
                 if statement.strip():
                     self.db.execute(statement)
+            self._add_run_owner_columns()
+        _check_schema(self.db)
+        _check_rows(self.db)
+        self.close_abandoned_runs()
+
+    def _add_run_owner_columns(self) -> None:
+        present = {row[1] for row in self.db.execute("PRAGMA table_info(runs)")}
+        for name, kind in RUN_OWNER_COLUMNS.items():
+            if name not in present:
+                self.db.execute(f"ALTER TABLE runs ADD COLUMN {name} {kind}")
 
     def _start_over(self, exc: Exception) -> None:
         backup = self.path.with_name(f"{self.path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -214,21 +246,53 @@ class Ledger:
     # -------------------------------------------------------------------------------------- runs
 
     def run_started(self, run_id: str, stack: str, task: str, nodes: int, hourly_usd: float,
-                    at: float | None = None) -> None:
+                    at: float | None = None, owner_pid: int | None = None) -> None:
+        """Record a run; `owner_pid` (on this host) is the fab that supervises it and heartbeats."""
         at = self.clock() if at is None else at
         cluster = self.open_cluster(stack)
         with self._transaction():
             self.db.execute(
-                "INSERT OR REPLACE INTO runs (run_id, cluster_id, stack, task, nodes, hourly_usd, started_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (run_id, cluster.id if cluster else None, stack, task, nodes, hourly_usd, at),
+                "INSERT OR REPLACE INTO runs (run_id, cluster_id, stack, task, nodes, hourly_usd, started_at,"
+                " owner_host, owner_pid, last_seen_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (run_id, cluster.id if cluster else None, stack, task, nodes, hourly_usd, at,
+                 socket.gethostname() if owner_pid else None, owner_pid, at),
             )
+
+    def heartbeat(self, run_id: str, at: float | None = None) -> None:
+        """The run's owner is alive now."""
+        at = self.clock() if at is None else at
+        with self._transaction():
+            self.db.execute("UPDATE runs SET last_seen_at = ? WHERE run_id = ? AND ended_at IS NULL", (at, run_id))
+
+    def close_abandoned_runs(self, now: float | None = None) -> list[str]:
+        """Close open runs whose fab is gone (its pid dead on this host, or not seen for
+        ABANDONED_AFTER_S) at the time it was last seen; the run ids closed."""
+        now = self.clock() if now is None else now
+        host = socket.gethostname()
+        rows = self.db.execute(
+            "SELECT run_id, owner_host, owner_pid, seen FROM (SELECT *, COALESCE(last_seen_at, started_at) AS seen"
+            " FROM runs WHERE ended_at IS NULL) WHERE typeof(seen) IN ('real', 'integer')"
+        ).fetchall()
+        closed = []
+        for run_id, owner_host, owner_pid, last_seen in rows:
+            mine = owner_host == host and owner_pid is not None
+            if mine and not _process_alive(owner_pid):
+                reason = f"its fab (pid {owner_pid}) was gone; closed at its last heartbeat"
+            elif now - last_seen > ABANDONED_AFTER_S:
+                reason = f"its fab was not seen for {now - last_seen:.0f} s; closed when it was last seen"
+            else:
+                continue
+            with self._transaction():
+                self.db.execute("UPDATE runs SET ended_at = ?, end_reason = ? WHERE run_id = ? AND ended_at IS NULL",
+                                (last_seen, reason, run_id))
+            closed.append(run_id)
+        return closed
 
     def run_ended(self, run_id: str, exit_codes: dict, at: float | None = None) -> float:
         """Record the end; returns the run's cost."""
         at = self.clock() if at is None else at
         with self._transaction():
-            self.db.execute("UPDATE runs SET ended_at = ?, exit_codes = ? WHERE run_id = ?",
+            self.db.execute("UPDATE runs SET ended_at = ?, exit_codes = ?, end_reason = NULL WHERE run_id = ?",
                             (at, json.dumps(exit_codes), run_id))
         run = self.run(run_id)
         return run.cost_usd(at) if run else 0.0
@@ -246,11 +310,73 @@ class Ledger:
             where.append("run_id = ?")
             args.append(run_id)
         rows = self.db.execute(
-            "SELECT run_id, stack, task, nodes, hourly_usd, started_at, ended_at, exit_codes FROM runs"
+            "SELECT run_id, stack, task, nodes, hourly_usd, started_at, ended_at, exit_codes, end_reason FROM runs"
             + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY started_at",
             args,
         ).fetchall()
-        return [RunRecord(*row[:7], json.loads(row[7]) if row[7] else None) for row in rows]
+        return [RunRecord(*row[:7], json.loads(row[7]) if row[7] else None, row[8]) for row in rows]
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether `pid` runs on this host (a zombie, killed but not yet reaped, does not count)."""
+    if os.path.isdir("/proc/self"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return False
+    try:  # no /proc (macOS): ask the kernel
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _expected_columns() -> dict[str, dict[str, str]]:
+    """table -> column -> declared type, as SCHEMA makes them."""
+    scratch = sqlite3.connect(":memory:")
+    try:
+        scratch.executescript(SCHEMA)
+        return _columns(scratch)
+    finally:
+        scratch.close()
+
+
+def _columns(db: sqlite3.Connection) -> dict[str, dict[str, str]]:
+    tables = [row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+    return {t: {row[1]: row[2].upper() for row in db.execute(f'PRAGMA table_info("{t}")')} for t in tables}
+
+
+def _check_schema(db: sqlite3.Connection) -> None:
+    """Our tables have our columns (CREATE TABLE IF NOT EXISTS keeps a same-named table of another schema)."""
+    found = _columns(db)
+    for table, columns in _expected_columns().items():
+        for column, kind in columns.items():
+            if found.get(table, {}).get(column) != kind:
+                raise sqlite3.DatabaseError(f"another schema: table {table} has no {kind} column {column}")
+
+
+# SQLite stores whatever a row is given; these are the storage classes each column may hold.
+_STORAGE = {"INTEGER": "'integer'", "REAL": "'integer', 'real'", "TEXT": "'text'"}
+
+
+def _check_rows(db: sqlite3.Connection) -> None:
+    """Every row reads back as the ledger wrote it: numbers are numbers, exit codes a JSON object."""
+    for table, columns in _expected_columns().items():
+        for column, kind in columns.items():
+            bad = db.execute(f'SELECT count(*) FROM "{table}" WHERE "{column}" IS NOT NULL AND '
+                             f'typeof("{column}") NOT IN ({_STORAGE[kind]})').fetchone()[0]
+            if bad:
+                raise sqlite3.DatabaseError(f"{bad} row(s) of {table} hold a non-{kind} {column}")
+    for run_id, text in db.execute("SELECT run_id, exit_codes FROM runs WHERE exit_codes IS NOT NULL"):
+        try:
+            codes = json.loads(text)
+        except ValueError:
+            codes = None
+        if not isinstance(codes, dict):
+            raise sqlite3.DatabaseError(f"run {run_id}: exit_codes is not a JSON object")
 
 
 class _Transaction:

@@ -13,6 +13,8 @@ import pulumi
 
 from infra.cluster import build
 from infra.config import StackConfig
+from infra.errors import UsageError
+from infra.pricing import Estimate, PriceSource
 
 PLACEHOLDER_CIDR = "192.0.2.1/32"  # TEST-NET-1: stands for "your public IP /32", looked up at `up`
 PLACEHOLDER_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGdwdS1jbHVzdGVyLXBsYWNlaG9sZGVyLWtleQAAAAAA plan"
@@ -95,6 +97,15 @@ def run_program(config: StackConfig) -> ProgramRun:
         asyncio.set_event_loop(None)
         loop.close()
     return ProgramRun(mocks.resources, mocks.calls, result.get("nodes", []))
+
+
+def estimate(config: StackConfig) -> tuple[Estimate | None, str]:
+    """The cost, offline (the price cache or the bundled table); (None, why) for a type that only the
+    Price List API prices, so that every type the catalog accepts can be planned."""
+    try:
+        return PriceSource().estimate(config.instance_type, config.region, config.nodes, config.root_volume_gb), ""
+    except UsageError as exc:
+        return None, str(exc)
 
 
 def plan_config(config: StackConfig) -> StackConfig:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import boto3
 import botocore.exceptions
 
+from infra import catalog
 from infra.automation import INSTALL_HINT
 from infra.cluster import DLAMI_PARAMETER
 from infra.config import StackConfig
@@ -78,7 +79,7 @@ def lookup_public_ip(timeout_s: float = 5.0) -> str:
 
 
 def quota_family(instance_type: str) -> str:
-    return "P" if instance_type.startswith("p") else "G"
+    return catalog.lookup(instance_type).quota_family
 
 
 def run(config: StackConfig, clients: AwsClients, cli_present: bool,
@@ -150,7 +151,9 @@ def _check_instance_type(config: StackConfig, clients: AwsClients, result: Prefl
     elif not result.zones:
         result.problems.append(f"{config.instance_type} is not offered in any zone of {config.region}: "
                                "pick another region (aws:region) or type")
-    return described[0]["VCpuInfo"]["DefaultVCpus"] if described else None
+    # The request is counted from the catalog (what validation and pricing also read); AWS's answer
+    # only proves the type exists here.
+    return catalog.lookup(config.instance_type).vcpus if described else None
 
 
 def _check_quota(config: StackConfig, clients: AwsClients, result: PreflightResult, vcpus_per_node: int) -> None:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from infra import state
+from infra import catalog, state
 from infra.errors import UsageError
 
 BUNDLED = json.loads((Path(__file__).parent / "prices.json").read_text())
@@ -98,6 +98,9 @@ def _region_table(table: dict, region: str) -> dict | float | None:
 
 
 def bundled_on_demand(instance_type: str, region: str) -> Price:
+    if not catalog.lookup(instance_type).bundled_price:
+        raise UsageError(f"{instance_type} has no bundled price (the instance catalog leaves it to the AWS Price "
+                         "List API): run with AWS credentials so the API can be asked")
     prices = _region_table(BUNDLED["on_demand_usd_per_hour"], region)
     if prices is None:
         known = ", ".join(k for k in BUNDLED["on_demand_usd_per_hour"])
@@ -225,9 +228,9 @@ class PriceSource:
 
     def _cached(self, key: str, ask_api, ask_table) -> Price:
         cache = self._read_cache()
-        hit = cache.get(key)
-        if hit and self.clock() - hit["fetched_at"] < CACHE_TTL_S:
-            return Price(**hit["price"])
+        hit = _cached_price(cache.get(key), self.clock())
+        if hit is not None:
+            return hit
         if self.pricing is not None:
             try:
                 price = ask_api()
@@ -241,13 +244,26 @@ class PriceSource:
         return ask_table()
 
     def _read_cache(self) -> dict:
+        """The cached answers; a damaged cache (not JSON, not a mapping) counts as empty and is rewritten."""
         try:
-            return json.loads(self.cache_path.read_text())
+            cache = json.loads(self.cache_path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return {}
+        return cache if isinstance(cache, dict) else {}
 
     def _write_cache(self, cache: dict) -> None:
         state.write_atomic(self.cache_path, json.dumps(cache, indent=1) + "\n")
+
+
+def _cached_price(entry, now: float) -> Price | None:
+    """The price in a fresh, well-formed cache entry, else None (asked again)."""
+    try:
+        if now - float(entry["fetched_at"]) < CACHE_TTL_S:
+            price = Price(**entry["price"])
+            return price if isinstance(price.usd, (int, float)) else None
+    except (TypeError, KeyError, ValueError):
+        pass
+    return None
 
 
 def _brief(exc: Exception) -> str:

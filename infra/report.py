@@ -42,7 +42,8 @@ def format_duration(seconds: float | None) -> str:
 
 
 def up_summary(cluster: ClusterInfo, created: bool, elapsed_s: float, inventory_path: Path) -> None:
-    kind = "CPU nodes, gloo" if cluster.provider == "local" else f"{cluster.instance_type}"
+    gpus = sum(n.gpus for n in cluster.nodes)
+    kind = f"{cluster.instance_type}, {gpus} GPUs" if gpus else "CPU nodes, gloo"
     if not created:
         console.print(f"cluster '{cluster.stack}' is already up ({plural(len(cluster.nodes), 'node')}); nothing changed")
     else:
@@ -81,7 +82,7 @@ def status_table(cluster: ClusterInfo, rows: list[dict], stopped_reason: str, sp
     console.print(table)
 
 
-def plan_table(stack: str, config, resources: list[dict], estimate) -> None:
+def plan_table(stack: str, config, resources: list[dict], estimate, price_note: str = "") -> None:
     console.print(f"plan for stack '{stack}': {config.nodes} x {config.instance_type} in {config.region}"
                   f"{' (spot)' if config.spot else ''}; nothing is created")
     table = Table(show_edge=False, pad_edge=False)
@@ -91,6 +92,9 @@ def plan_table(stack: str, config, resources: list[dict], estimate) -> None:
         settings = ", ".join(f"{k} {v}" for k, v in resource["settings"].items())
         table.add_row(resource["type"].split(":")[-1], resource["name"], settings)
     console.print(table)
+    if estimate is None:
+        console.print(f"{len(resources)} resources; cost not estimated offline: {price_note}")
+        return
     console.print(f"{len(resources)} resources; estimated cost:")
     for line in estimate.lines():
         console.print(f"  {line}")
@@ -112,7 +116,7 @@ def cost_tables(data: dict) -> None:
     for column in ("run", "task", "stack", "nodes", "seconds", "cost", "exit codes"):
         runs.add_column(column)
     for r in data["runs"]:
-        codes = ", ".join(f"{k}={v}" for k, v in (r["exit_codes"] or {}).items()) or "running"
+        codes = ", ".join(f"{k}={v}" for k, v in (r["exit_codes"] or {}).items()) or r.get("end_reason") or "running"
         runs.add_row(r["run_id"], r["task"], r["stack"], str(r["nodes"]), f"{r['seconds']:.1f}", f"${r['cost_usd']:.4f}", codes)
     console.print(runs)
     would = data["local_would_have_cost_usd"]

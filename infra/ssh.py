@@ -31,7 +31,7 @@ def connect(cluster: ClusterInfo, node: NodeInfo, timeout_s: float = 10.0):
     return asyncssh.connect(
         node.public_ip,
         node.ssh_port,
-        username=cluster.ssh_user,
+        username=node.ssh_user,
         client_keys=[cluster.ssh_key],
         known_hosts=cluster.known_hosts,
         agent_path=None,
@@ -52,7 +52,7 @@ async def _probe(cluster: ClusterInfo, node: NodeInfo, timeout_s: float) -> Node
         result = await run(cluster, node, "true", timeout_s)
         error = "" if result.exit_status == 0 else f"'true' exited {result.exit_status}"
     except (OSError, asyncssh.Error, asyncio.TimeoutError) as exc:
-        error = _describe(exc)
+        error = describe(exc)
     elapsed_ms = (time.perf_counter() - start) * 1000
     return NodeProbe(node, not error, elapsed_ms, error)
 
@@ -94,7 +94,7 @@ async def fetch_host_key(address: str, port: int, timeout_s: float = 10.0) -> st
     return key.export_public_key().decode().strip()
 
 
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
     if isinstance(exc, asyncio.TimeoutError):
         return "timed out"
     if isinstance(exc, ConnectionRefusedError):

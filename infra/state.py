@@ -2,6 +2,8 @@
 
 Everything is under `.cluster/` in the repository (or `$CLUSTER_STATE_DIR`, which tests use):
 `<stack>/inventory.json`, `<stack>/id_ed25519`, `<stack>/runs/`, `current`, `ledger.sqlite`, `pulumi/`.
+The folder is the user's alone: 0700, and every file in it 0600 (keys, logs with script arguments,
+costs). `keep_private` makes that the default for everything a command creates.
 """
 
 import os
@@ -11,8 +13,17 @@ from pathlib import Path
 from infra.errors import UsageError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-STACK_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")
+STACK_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}")
 LOCAL_STACK = "local"
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+# write_atomic's temporary files: `.<name>.<pid>.tmp`, beside the file they replace.
+TMP_FILE = re.compile(r"\.(?P<name>.+)\.(?P<pid>[0-9]+)\.tmp")
+
+
+def keep_private() -> None:
+    """Files and folders this process creates are its user's alone (as ssh insists for keys)."""
+    os.umask(0o077)
 
 
 def state_root() -> Path:
@@ -31,42 +42,89 @@ def ledger_path() -> Path:
     return state_root() / "ledger.sqlite"
 
 
-def check_stack_name(stack: str) -> str:
-    if not STACK_NAME.match(stack):
+def make_private_dir(path: Path) -> Path:
+    """`path` and its missing parents as 0700 folders; the state folder itself is made 0700 too."""
+    root = state_root()
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for folder in reversed(missing):
+        folder.mkdir(mode=PRIVATE_DIR_MODE, exist_ok=True)
+        os.chmod(folder, PRIVATE_DIR_MODE)  # mkdir's mode is masked by the umask
+    if (path == root or root in path.parents) and root.is_dir() and root.stat().st_mode & 0o077:
+        os.chmod(root, PRIVATE_DIR_MODE)
+    return path
+
+
+def open_private(path: Path, mode: str = "a", **kwargs):
+    """`open(path, mode)`, creating the file 0600 where it does not exist (logs, which may hold arguments)."""
+    make_private_dir(path.parent)
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else os.O_TRUNC)
+    return open(path, mode, opener=lambda name, _: os.open(name, flags, PRIVATE_FILE_MODE), **kwargs)
+
+
+def check_stack_name(stack: str, origin: str = "stack name") -> str:
+    """`stack` when it is a whole valid name (no empty string, no trailing newline); else one line."""
+    if not isinstance(stack, str) or not STACK_NAME.fullmatch(stack):
         raise UsageError(
-            f"bad stack name {stack!r}: use lower-case letters, digits, '-' or '_' (at most 40)"
+            f"bad {origin} {stack!r}: use 1 to 40 lower-case letters, digits, '-' or '_', "
+            "starting with a letter or digit"
         )
     return stack
 
 
+def current_path() -> Path:
+    return state_root() / "current"
+
+
 def current_stack() -> str | None:
-    path = state_root() / "current"
+    """The stack of the last `up`, or None; a damaged `current` file is one line saying how to mend it."""
+    path = current_path()
     try:
-        name = path.read_text().strip()
+        name = path.read_text(encoding="utf-8").strip()
     except FileNotFoundError:
         return None
-    return name or None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{path} cannot be read ({unreadable_reason(exc)}): remove it and pass --stack NAME") from None
+    if not name:
+        return None
+    try:
+        return check_stack_name(name, origin=f"stack name in {path}")
+    except UsageError as exc:
+        raise UsageError(f"{exc}; remove {path} and pass --stack NAME") from None
 
 
 def set_current_stack(stack: str) -> None:
-    write_atomic(state_root() / "current", stack + "\n")
+    write_atomic(current_path(), stack + "\n")
 
 
 def clear_current_stack(stack: str) -> None:
     """Forget `stack` as the current one, leaving another stack's claim alone."""
-    if current_stack() == stack:
-        (state_root() / "current").unlink(missing_ok=True)
+    try:
+        if current_stack() == stack:
+            current_path().unlink(missing_ok=True)
+    except UsageError:
+        pass  # a damaged `current` names no stack; leave it for the user, who was told about it
+    remove_stale_tmp_files(state_root())
 
 
 def resolve_stack(flag: str | None, default: str | None = None) -> str | None:
-    """`--stack`, else `$CLUSTER_STACK`, else `.cluster/current`, else `default`."""
-    name = flag or os.environ.get("CLUSTER_STACK") or current_stack() or default
+    """`--stack`, else `$CLUSTER_STACK`, else `.cluster/current`, else `default`.
+
+    A flag that was given is checked even when empty (`--stack ''` is a bad name, not "no stack");
+    an empty `$CLUSTER_STACK` counts as unset, as shells treat `export CLUSTER_STACK=`.
+    """
+    if flag is not None:
+        return check_stack_name(flag)
+    from_env = os.environ.get("CLUSTER_STACK")
+    if from_env:
+        return check_stack_name(from_env, origin="$CLUSTER_STACK")
+    name = current_stack() or default
     return check_stack_name(name) if name else None
 
 
-def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
-    """Write `text` so that a reader sees the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+def write_atomic(path: Path, text: str, mode: int = PRIVATE_FILE_MODE) -> None:
+    """Write `text` so that a reader sees the old file or the new one, never half of one (0600 unless asked)."""
+    make_private_dir(path.parent)
+    remove_stale_tmp_files(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(fd, "w") as f:
@@ -75,3 +133,51 @@ def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
         os.fsync(f.fileno())
     os.chmod(tmp, mode)
     os.replace(tmp, path)
+
+
+def remove_stale_tmp_files(folder: Path) -> list[Path]:
+    """Remove write_atomic's temporary files whose writer is gone (a command killed mid-write)."""
+    removed = []
+    try:
+        candidates = list(folder.glob(".*.tmp"))
+    except OSError:
+        return removed
+    for path in candidates:
+        match = TMP_FILE.fullmatch(path.name)
+        if match and not _pid_alive(int(match["pid"])):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return pid > 0
+    return True
+
+
+def unreadable_reason(exc: BaseException) -> str:
+    """Why a file could not be read, in a few words."""
+    if isinstance(exc, IsADirectoryError):
+        return "it is a folder"
+    if isinstance(exc, UnicodeDecodeError):
+        return "it is not UTF-8 text"
+    if isinstance(exc, OSError):
+        return exc.strerror or type(exc).__name__
+    return str(exc) or type(exc).__name__
+
+
+def read_text(path: Path, what: str) -> str:
+    """A user-editable file's text, or one line saying what is wrong with it (not a file, not UTF-8)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{what} {path} cannot be read: {unreadable_reason(exc)}") from None

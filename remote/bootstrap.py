@@ -1,11 +1,16 @@
 """`fab bootstrap`: prepare every node, stage by stage, in parallel, each stage idempotent.
 
-probe   OS, Python, GPUs, driver and CUDA, and the interface that routes to MASTER_ADDR
-deps    an interpreter with torch and nvidia-ml-py (the project's own on the local provider)
-code    harness/ and examples/ into $CLUSTER_SHARED_DIR/code once (per node without shared storage),
-        only files whose hash differs
-env     ~/.gpu-cluster/env: the node environment every job sources
-health  every node reaches MASTER_ADDR:MASTER_PORT, then one all-reduce across all nodes
+code      harness/, examples/ and remote/node/ into $CLUSTER_SHARED_DIR/code once (into each node's
+          ~/.gpu-cluster/code without shared storage), only files whose hash differs
+probe     OS, Python, GPUs, driver and CUDA, and the interface that routes to MASTER_ADDR
+deps      the node venv ~/.gpu-cluster/venv over the inventory's `python`, topped up from
+          requirements-node.txt only where torch (or nvidia-ml-py, matplotlib) is missing
+env       ~/.gpu-cluster/env: the node environment every job sources
+health    every node reaches MASTER_ADDR:MASTER_PORT, then one all-reduce across all nodes
+watchdog  the budget and idle guard on the head node, as the inventory's `daemon` says
+
+The same path for every provider: what differs (the interpreter, the shared folder, systemd or not)
+is a fact of the inventory. What runs on a node runs from a file of remote/node/, synced first.
 
 A stage records a digest of its inputs in the node's ~/.gpu-cluster/state.json; when the digest is
 unchanged the stage is "up to date" and does nothing. Stages run one at a time on all nodes at
@@ -17,7 +22,6 @@ import hashlib
 import io
 import json
 import shlex
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -30,14 +34,13 @@ from rich.table import Table
 from infra import state
 from infra.inventory import ClusterInfo
 from remote import commands
+from remote.node import layout
 from remote.connect import NodeSession, describe, on_all_nodes, open_sessions
 from remote.launch import JobSpec, NodeSetup, run_job
 from remote.stream import console, say
 
 REPO = Path(__file__).resolve().parent.parent
-SYNCED = ("harness", "examples")
-NODE_VENV = "~/.gpu-cluster/venv"
-WATCHDOG_PID = "~/.gpu-cluster/pids/watchdog.pid"
+SYNCED = layout.SYNCED
 WATCHDOG_UNIT = """[Unit]
 Description=gpu-cluster budget and idle watchdog
 After=network-online.target remote-fs.target
@@ -54,43 +57,6 @@ RestartSec=10
 [Install]
 WantedBy=multi-user.target
 """
-REMOTE_HASHES = (
-    "import hashlib, json, os, sys\n"
-    "root, found = sys.argv[1], {}\n"
-    "for top in sys.argv[2:]:\n"
-    "    for folder, dirs, files in os.walk(os.path.join(root, top)):\n"
-    "        dirs[:] = [d for d in dirs if d != '__pycache__']\n"
-    "        for name in files:\n"
-    "            path = os.path.join(folder, name)\n"
-    "            found[os.path.relpath(path, root)] = hashlib.sha256(open(path, 'rb').read()).hexdigest()\n"
-    "print(json.dumps(found))\n"
-)
-TORCH_FACTS = (
-    "import json, torch\n"
-    "facts = {'torch': torch.__version__, 'cuda_available': torch.cuda.is_available(), 'nccl': None}\n"
-    "if facts['cuda_available']:\n"
-    "    facts['nccl'] = '.'.join(map(str, torch.cuda.nccl.version()))\n"
-    "import pynvml\n"
-    "print(json.dumps(facts))\n"
-)
-LISTEN = (
-    "import socket, sys, time\n"
-    "addr, port, expected, deadline = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), time.time() + 20\n"
-    "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-    "s.bind((addr, port)); s.listen(64); s.settimeout(1); seen = 0\n"
-    "while seen < expected and time.time() < deadline:\n"
-    "    try: s.accept()[0].close(); seen += 1\n"
-    "    except socket.timeout: pass\n"
-    "print(seen)\n"
-)
-CONNECT = (
-    "import socket, sys, time\n"
-    "addr, port, deadline, error = sys.argv[1], int(sys.argv[2]), time.time() + 15, ''\n"
-    "while time.time() < deadline:\n"
-    "    try: socket.create_connection((addr, port), timeout=2).close(); print('ok'); sys.exit(0)\n"
-    "    except OSError as exc: error = exc.strerror or str(exc); time.sleep(0.2)\n"
-    "print(error); sys.exit(1)\n"
-)
 
 
 class StageFailed(Exception):
@@ -163,8 +129,10 @@ class Bootstrap:
 
     def run(self) -> None:
         started = time.monotonic()
+        self._refuse_ssh_port()
         sessions, recorded = open_sessions(self.cluster, f"cat {commands.STATE_FILE} 2>/dev/null || echo '{{}}'")
         try:
+            self._refuse_busy_port(sessions[0])
             self.records = [NodeRecord(s, _parse_state(text)) for s, text in zip(sessions, recorded)]
             for name, stage in self.stages():
                 stage_started = time.monotonic()
@@ -183,8 +151,32 @@ class Bootstrap:
             for session in sessions:
                 session.close()
 
+    def _refuse_ssh_port(self) -> None:
+        """MASTER_PORT may not be a node's SSH port; checked before anything connects."""
+        for node in self.cluster.nodes:
+            if node.ssh_port == self.master_port:
+                raise Exit(f"error: --master-port {self.master_port} is the SSH port of {node.name}: "
+                           "pick another, e.g. --master-port 29500", code=2)
+
+    def _refuse_busy_port(self, head: NodeSession) -> None:
+        """MASTER_PORT must be free on the head node's MASTER_ADDR, checked before any stage writes."""
+        address, port = self.cluster.head.private_ip, self.master_port
+        python = self.cluster.python
+        source = (REPO / "remote" / "node" / "port_free.py").read_text()
+        result = head.run(commands.python_json_command(python, source, address, str(port)))
+        verdict = result.stdout.strip()
+        if verdict == "free":
+            return
+        if not verdict.startswith("in use"):
+            raise Exit(f"error: could not check MASTER_PORT {port} on {head.node.name}: "
+                       f"{(result.stderr.strip() or verdict)[-200:]}", code=1)
+        job, _ = commands.parse_job_status(head.run(commands.job_status_command()).stdout)
+        why = (f"job {job['run_id']} ({job['task']}) runs there: wait for it or run fab stop" if job
+               else f"{verdict}: pick another with --master-port")
+        raise Exit(f"error: MASTER_PORT {port} is not free on {head.node.name} ({address}): {why}", code=2)
+
     def stages(self) -> list[tuple[str, Callable[[NodeRecord], Outcome]]]:
-        return [("probe", self.probe), ("deps", self.deps), ("code", self.code), ("env", self.env), ("health", None),
+        return [("code", self.code), ("probe", self.probe), ("deps", self.deps), ("env", self.env), ("health", None),
                 ("watchdog", self.watchdog)]
 
     def _run_stage(self, name: str, stage) -> None:
@@ -212,77 +204,26 @@ class Bootstrap:
     def _record(self, record: NodeRecord, stage: str, wanted: str, facts: dict) -> None:
         record.stages[stage] = {"digest": wanted, "facts": facts}
         text = json.dumps(record.stages, indent=1)
-        tmp = ".gpu-cluster/state.json.tmp"  # SFTP paths start in the login directory
-        record.session.run("mkdir -p ~/.gpu-cluster/pids", warn=False)
+        tmp = f"{layout.STATE}.tmp"  # SFTP paths start in the login directory
+        record.session.run(f"mkdir -p {layout.shell(layout.PIDS)}", warn=False)
         record.session.conn.put(io.StringIO(text), remote=tmp)
-        record.session.run(f"mv {tmp} {commands.STATE_FILE}", warn=False)
+        record.session.run(f"mv {layout.shell(tmp)} {commands.STATE_FILE}", warn=False)
 
     def python_for(self, record: NodeRecord) -> str:
-        """The interpreter that runs jobs: the project's own on local nodes, a venv on AWS nodes."""
-        if self.cluster.provider == "local":
-            return sys.executable
-        return record.facts("deps").get("python") or "python3"
+        """The interpreter that runs jobs: the node venv (before the deps stage, the inventory's)."""
+        return record.facts("deps").get("python") or self.cluster.python
 
     # -------------------------------------------------------------------------------- stages
 
-    def probe(self, record: NodeRecord) -> Outcome:
-        source = (REPO / "remote" / "node_probe.py").read_text()
-        python = sys.executable if self.cluster.provider == "local" else "python3"
-        wanted = digest(source, self.cluster.head.private_ip, python)
-        if self._up_to_date(record, "probe", wanted):
-            return Outcome("up to date", _hardware(record.facts("probe")))
-        result = record.session.run(commands.python_json_command(python, source, self.cluster.head.private_ip))
-        if result.exited != 0:
-            raise StageFailed("the probe failed", result.stdout + result.stderr)
-        facts = commands.parse_last_json(result.stdout)
-        if not facts.get("interface"):
-            raise StageFailed(f"no route from this node to MASTER_ADDR {self.cluster.head.private_ip}")
-        self._record(record, "probe", wanted, facts)
-        return Outcome("done", _hardware(facts))
-
-    def deps(self, record: NodeRecord) -> Outcome:
-        requirements = (REPO / "requirements-node.txt").read_text()
-        wanted = digest(requirements, self.cluster.provider, sys.executable if self.cluster.provider == "local" else "")
-        if self._up_to_date(record, "deps", wanted):
-            return Outcome("up to date", _torch(record.facts("deps")))
-        if self.cluster.provider == "local":
-            python = sys.executable
-        else:
-            python = self._install_node_python(record, requirements)
-        result = record.session.run(commands.python_json_command(python, TORCH_FACTS))
-        if result.exited != 0:
-            raise StageFailed(f"{python} cannot import torch and pynvml", result.stdout + result.stderr)
-        facts = {**commands.parse_last_json(result.stdout), "python": python}
-        self._record(record, "deps", wanted, facts)
-        return Outcome("done", _torch(facts))
-
-    def _install_node_python(self, record: NodeRecord, requirements: str) -> str:
-        """A venv on the node that keeps the image's CUDA build of torch where it has one."""
-        record.session.run("mkdir -p ~/.gpu-cluster", warn=False)
-        record.session.conn.put(io.StringIO(requirements), remote=".gpu-cluster/requirements-node.txt")
-        venv = NODE_VENV
-        script = " && ".join([
-            f"( [ -x {venv}/bin/python ] || python3 -m venv --system-site-packages {venv} || "
-            f"( sudo apt-get update -qq && sudo apt-get install -y -qq python3-venv && "
-            f"python3 -m venv --system-site-packages {venv} ) )",
-            f"if {venv}/bin/python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; "
-            f"then {venv}/bin/pip install -q nvidia-ml-py matplotlib; "
-            f"else {venv}/bin/pip install -q -r ~/.gpu-cluster/requirements-node.txt; fi",
-        ])
-        result = record.session.run(script, timeout=1800)
-        if result.exited != 0:
-            raise StageFailed("installing the node's Python packages failed", result.stdout + result.stderr)
-        return record.session.run(f"readlink -f {venv}/bin/python").stdout.strip()
-
     def code(self, record: NodeRecord) -> Outcome:
+        """Sync the code by hash: once on shared storage, else on every node. Needs no Python."""
         if self.cluster.shared_dir and record is not self.records[0]:
             return Outcome("shared", f"via {self.records[0].name}")
         destination = commands.code_dir(self.cluster)
-        python = sys.executable if self.cluster.provider == "local" else "python3"
-        remote = record.session.run(commands.python_json_command(python, REMOTE_HASHES, _expanded(destination), *SYNCED))
+        remote = record.session.run(commands.hash_files_command(destination, SYNCED))
         if remote.exited != 0:
             raise StageFailed("could not hash the code on the node", remote.stdout + remote.stderr)
-        remote_manifest = commands.parse_last_json(remote.stdout)
+        remote_manifest = commands.parse_hashes(remote.stdout)
         changed = [path for path, sha in self.manifest.items() if remote_manifest.get(path) != sha]
         stale = [path for path in remote_manifest if path not in self.manifest]
         if not changed and not stale:
@@ -297,6 +238,36 @@ class Bootstrap:
         self._record(record, "code", digest(self.manifest), {"files": len(self.manifest)})
         return Outcome("done", f"{len(changed)} sent, {len(stale)} removed")
 
+    def probe(self, record: NodeRecord) -> Outcome:
+        python = self.cluster.python
+        wanted = digest(self.manifest.get("remote/node/probe.py"), self.cluster.head.private_ip, python)
+        if self._up_to_date(record, "probe", wanted):
+            return Outcome("up to date", _hardware(record.facts("probe")))
+        result = record.session.run(commands.node_module(self.cluster, python, "probe", self.cluster.head.private_ip))
+        if result.exited != 0:
+            raise StageFailed(f"the probe failed (is {python} there?)", result.stdout + result.stderr)
+        facts = commands.parse_last_json(result.stdout)
+        if not facts.get("interface"):
+            raise StageFailed(f"no route from this node to MASTER_ADDR {self.cluster.head.private_ip}")
+        self._record(record, "probe", wanted, facts)
+        return Outcome("done", _hardware(facts))
+
+    def deps(self, record: NodeRecord) -> Outcome:
+        """The node venv over the inventory's `python`; pip runs only where something is missing."""
+        requirements = (REPO / "requirements-node.txt").read_text()
+        wanted = digest(requirements, self.cluster.python, self.manifest.get("remote/node/python_env.py"))
+        if self._up_to_date(record, "deps", wanted):
+            return Outcome("up to date", _torch(record.facts("deps")))
+        record.session.run(f"mkdir -p {layout.shell(layout.HOME_DIR)}", warn=False)
+        record.session.conn.put(io.StringIO(requirements), remote=layout.REQUIREMENTS)
+        command = commands.node_module(self.cluster, self.cluster.python, "python_env", layout.VENV, layout.REQUIREMENTS)
+        result = record.session.run(f"cd && {command}", timeout=1800)
+        if result.exited != 0:
+            raise StageFailed(f"the node venv over {self.cluster.python} could not be made", result.stdout + result.stderr)
+        facts = commands.parse_last_json(result.stdout)
+        self._record(record, "deps", wanted, facts)
+        return Outcome("done", _torch(facts))
+
     def env(self, record: NodeRecord) -> Outcome:
         index = self.records.index(record)
         interface = record.facts("probe")["interface"]
@@ -305,9 +276,9 @@ class Bootstrap:
         wanted = digest(text)
         if self._up_to_date(record, "env", wanted):
             return Outcome("up to date", f"iface {interface}")
-        record.session.run("mkdir -p ~/.gpu-cluster/pids", warn=False)
-        record.session.conn.put(io.StringIO(text), remote=".gpu-cluster/env.tmp")
-        record.session.run(f"mv .gpu-cluster/env.tmp {commands.ENV_FILE}", warn=False)
+        record.session.run(f"mkdir -p {layout.shell(layout.PIDS)}", warn=False)
+        record.session.conn.put(io.StringIO(text), remote=f"{layout.ENV}.tmp")
+        record.session.run(f"mv {layout.shell(layout.ENV)}.tmp {commands.ENV_FILE}", warn=False)
         self._record(record, "env", wanted, {"interface": interface})
         return Outcome("done", f"iface {interface}")
 
@@ -326,13 +297,15 @@ class Bootstrap:
     def _check_master_reachable(self) -> dict[str, Outcome]:
         head = self.records[0]
         address, port = self.cluster.head.private_ip, str(self.master_port)
-        listen_command = commands.python_json_command(self.python_for(head), LISTEN, address, port, str(len(self.records)))
+        listen_command = commands.node_module(self.cluster, self.python_for(head), "reach", "listen", address, port,
+                                              str(len(self.records)))
         listened = []
         listener = threading.Thread(target=lambda: listened.append(head.session.run(listen_command)))
         listener.start()
         results = on_all_nodes(
             [r.session for r in self.records],
-            lambda s: s.run(commands.python_json_command(self.python_for(self._record_of(s)), CONNECT, address, port)),
+            lambda s: s.run(commands.node_module(self.cluster, self.python_for(self._record_of(s)), "reach", "connect",
+                                                 address, port)),
         )
         listener.join()
         outcomes = {}
@@ -380,19 +353,23 @@ class Bootstrap:
             record.session.run(self._watchdog_stop_command())
         if guards and not self.cluster.shared_dir:
             raise StageFailed("the watchdog needs shared storage to reach every node; this cluster has none")
+        # Recorded before it starts: a watchdog that powers the node off at once (a short idle guard)
+        # must not cut the stage short. A recorded watchdog that is not running is started again.
+        self._record(record, "watchdog", wanted, guards)
         if guards:
             result = record.session.run(self._watchdog_start_command(record, guards), timeout=120)
             if result.exited != 0:
                 raise StageFailed("could not start the watchdog", result.stdout + result.stderr)
-        self._record(record, "watchdog", wanted, guards)
         return Outcome("done", _guard_text(guards))
 
     def _watchdog_argv(self, record: NodeRecord, guards: dict) -> list[str]:
         from datetime import datetime
 
+        job_file = f"{record.facts('probe').get('home') or '~'}/{layout.JOB}"
         argv = [self.python_for(record), "-m", "harness.watchdog", "--shared-dir", self.cluster.shared_dir,
                 "--hourly-usd", f"{self.cluster.hourly_usd:g}",
-                "--started-at", f"{datetime.fromisoformat(self.cluster.created_at).timestamp():.0f}"]
+                "--started-at", f"{datetime.fromisoformat(self.cluster.created_at).timestamp():.0f}",
+                "--job-file", job_file]
         if guards.get("max_total_usd") is not None:
             argv += ["--max-total-usd", f"{guards['max_total_usd']:g}"]
         if guards.get("idle_minutes") is not None:
@@ -402,25 +379,28 @@ class Bootstrap:
     def _watchdog_start_command(self, record: NodeRecord, guards: dict) -> str:
         code = commands.code_dir(self.cluster)
         argv = " ".join(shlex.quote(a) for a in self._watchdog_argv(record, guards))
-        if self.cluster.provider == "local":
-            # A daemon registered with the node, so powering the node off ends it too.
+        if self.cluster.daemon == "detached":
+            # Its own session, output to a file, registered in the node's pid registry: the SSH session
+            # ends at once, and powering the node off (or `down`) finds it.
             return (f"cd {commands.shell_path(code)} && PYTHONPATH={commands.shell_path(code)} setsid {argv} "
-                    f">> ~/.gpu-cluster/watchdog.log 2>&1 < /dev/null & echo $! > {WATCHDOG_PID}")
-        unit = WATCHDOG_UNIT.format(user=self.cluster.ssh_user, code=code, argv=argv)
-        record.session.conn.put(io.StringIO(unit), remote=".gpu-cluster/gpu-cluster-watchdog.service")
-        return ("sudo install -m 644 ~/.gpu-cluster/gpu-cluster-watchdog.service /etc/systemd/system/ && "
-                "sudo systemctl daemon-reload && sudo systemctl enable gpu-cluster-watchdog && "
-                "sudo systemctl restart gpu-cluster-watchdog")
+                    f">> {layout.shell(layout.WATCHDOG_LOG)} 2>&1 < /dev/null & echo $! > {layout.shell(layout.WATCHDOG_PID)}")
+        unit = WATCHDOG_UNIT.format(user=record.session.node.ssh_user, code=code, argv=argv)
+        record.session.conn.put(io.StringIO(unit), remote=layout.WATCHDOG_UNIT_FILE)
+        return (f"sudo -n install -m 644 {layout.shell(layout.WATCHDOG_UNIT_FILE)} /etc/systemd/system/ && "
+                f"sudo -n systemctl daemon-reload && sudo -n systemctl enable {layout.WATCHDOG_UNIT} && "
+                f"sudo -n systemctl restart {layout.WATCHDOG_UNIT}")
 
     def _watchdog_alive_command(self) -> str:
-        if self.cluster.provider == "local":
-            return f"[ -f {WATCHDOG_PID} ] && kill -0 \"$(cat {WATCHDOG_PID})\" 2>/dev/null"
-        return "systemctl is-active --quiet gpu-cluster-watchdog"
+        if self.cluster.daemon == "detached":
+            pid = layout.shell(layout.WATCHDOG_PID)
+            return f"[ -f {pid} ] && kill -0 \"$(cat {pid})\" 2>/dev/null"
+        return f"systemctl is-active --quiet {layout.WATCHDOG_UNIT}"
 
     def _watchdog_stop_command(self) -> str:
-        if self.cluster.provider == "local":
-            return f"kill -TERM -- -\"$(cat {WATCHDOG_PID})\" 2>/dev/null; rm -f {WATCHDOG_PID}; true"
-        return "sudo systemctl disable --now gpu-cluster-watchdog; true"
+        if self.cluster.daemon == "detached":
+            pid = layout.shell(layout.WATCHDOG_PID)
+            return f"kill -TERM -- -\"$(cat {pid})\" 2>/dev/null; rm -f {pid}; true"
+        return f"sudo -n systemctl disable --now {layout.WATCHDOG_UNIT}; true"
 
     # ------------------------------------------------------------------------------- results
 

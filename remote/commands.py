@@ -8,17 +8,20 @@ import re
 import secrets
 import shlex
 from datetime import datetime, timezone
+from pathlib import Path
 
 from infra.inventory import ClusterInfo, NodeInfo
+from remote.node import layout
 
-STATE_DIR = "~/.gpu-cluster"
-ENV_FILE = f"{STATE_DIR}/env"
-STATE_FILE = f"{STATE_DIR}/state.json"
-JOB_FILE = f"{STATE_DIR}/job"
+STATE_DIR = layout.shell(layout.HOME_DIR)
+ENV_FILE = layout.shell(layout.ENV)
+STATE_FILE = layout.shell(layout.STATE)
+JOB_FILE = layout.shell(layout.JOB)
+LOCK_FILE = layout.shell(layout.JOB_LOCK)
+NODE_CODE = Path(__file__).resolve().parent / "node"
+# The line a launch command prints after torchrun returns: its exit code and the node's own clock.
+EXIT_MARKER = "__gpu_cluster_exit__"
 DEFAULT_MASTER_PORT = 29500
-# Each restart attempt gets a store of its own: torch 2.13 shares the rendezvous store with workers
-# across restarts, where a restarted rank can read a dead rank's stale address (any script, not ours).
-FRESH_STORE_PER_ATTEMPT = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
 TERMINATE_GRACE_S = 5
 
 
@@ -33,10 +36,10 @@ def new_run_id(task: str, now: datetime | None = None) -> str:
 
 
 def shared_or_home(cluster: ClusterInfo, folder: str) -> str:
-    """A folder on the shared storage, or in each node's home where the cluster has none."""
+    """A folder on the shared storage, or under each node's `~/.gpu-cluster` where the cluster has none."""
     if cluster.shared_dir:
         return f"{cluster.shared_dir.rstrip('/')}/{folder}"
-    return f"$HOME/{folder}"
+    return f"$HOME/{layout.HOME_DIR}/{folder}"
 
 
 def code_dir(cluster: ClusterInfo) -> str:
@@ -45,6 +48,12 @@ def code_dir(cluster: ClusterInfo) -> str:
 
 def remote_run_dir(cluster: ClusterInfo, run_id: str) -> str:
     return shared_or_home(cluster, f"runs/{run_id}")
+
+
+def node_module(cluster: ClusterInfo, python: str, module: str, *args: str) -> str:
+    """Run one of remote/node/'s files with `python`, from the synced code folder."""
+    path = shell_path(f"{code_dir(cluster)}/remote/node/{module}.py")
+    return " ".join([shlex.quote(python), path, *map(shlex.quote, args)])
 
 
 def parse_route_interface(ip_route_output: str) -> str | None:
@@ -74,10 +83,7 @@ def node_environment(cluster: ClusterInfo, index: int, interface: str, python: s
         "NCCL_SOCKET_IFNAME": interface,
         "GLOO_SOCKET_IFNAME": interface,
     }
-    if cluster.provider == "local":
-        # Local nodes share this machine's cores: one thread per rank avoids oversubscribing them.
-        env["OMP_NUM_THREADS"] = "1"
-    return env
+    return {**env, **cluster.env}
 
 
 def env_file_text(env: dict[str, str]) -> str:
@@ -94,13 +100,16 @@ def torchrun_argv(cluster: ClusterInfo, node: NodeInfo, run_id: str, max_restart
 
     `--local-addr` is each node's private address: c10d ranks nodes by (address, pid), so with the
     inventory's ascending addresses node-0 gets global rank 0, and workers reach each other there.
+    torchrun runs through remote/node/torchrun.py, which binds the job's stores to the node's address;
+    `is_host` says that node-0 hosts the rendezvous (every local node would think itself the host).
     """
     return [
-        "-m", "torch.distributed.run",
+        "-m", "remote.node.torchrun",
         f"--nnodes={len(cluster.nodes)}",
         f"--nproc-per-node={nproc_per_node(node.gpus)}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={cluster.head.private_ip}:{master_port}",
+        f"--rdzv-conf=is_host={int(node == cluster.head)}",
         f"--rdzv-id={run_id}",
         f"--local-addr={node.private_ip}",
         f"--max-restarts={max_restarts}",
@@ -109,13 +118,14 @@ def torchrun_argv(cluster: ClusterInfo, node: NodeInfo, run_id: str, max_restart
 
 def launch_command(cluster: ClusterInfo, node: NodeInfo, run_id: str, task: str, script: str,
                    script_args: list[str], max_restarts: int, master_port: int) -> str:
-    """Source the node environment, record the job, then become torchrun (exec keeps the pid).
+    """Source the node environment, record the job, run torchrun, then print the exit marker.
 
     The job runs in its run folder (relative outputs such as plots land there and come back with the
     logs) with the synced code on PYTHONPATH, so any script can `import harness`. `script` may start
     with `$CLUSTER_CODE_DIR/`. The pid recorded is the session leader's, so `stop` can signal the
     whole process group; torchrun's workers (which start their own sessions) are found by
-    CLUSTER_RUN_ID in their environment.
+    CLUSTER_RUN_ID in their environment. The marker carries the time this node saw torchrun end, by
+    its own clock, so fail-fast can name the node that failed first however late its SSH call returns.
     """
     run_dir = remote_run_dir(cluster, run_id)
     torchrun = " ".join(shlex.quote(a) for a in torchrun_argv(cluster, node, run_id, max_restarts, master_port))
@@ -125,10 +135,43 @@ def launch_command(cluster: ClusterInfo, node: NodeInfo, run_id: str, task: str,
         f"mkdir -p {shell_path(run_dir)}",
         f"cd {shell_path(run_dir)}",
         f"echo \"$$ {shlex.quote(run_id)} {shlex.quote(task)}\" > {JOB_FILE}",
-        f"exec env CLUSTER_RUN_ID={shlex.quote(run_id)} CLUSTER_RUN_DIR={shell_path(run_dir)} MASTER_PORT={master_port} "
-        f"PYTHONUNBUFFERED=1 {FRESH_STORE_PER_ATTEMPT} PYTHONPATH=\"$CLUSTER_CODE_DIR${{PYTHONPATH:+:$PYTHONPATH}}\" "
+        f"env CLUSTER_RUN_ID={shlex.quote(run_id)} CLUSTER_RUN_DIR={shell_path(run_dir)} MASTER_PORT={master_port} "
+        f"PYTHONUNBUFFERED=1 PYTHONPATH=\"$CLUSTER_CODE_DIR${{PYTHONPATH:+:$PYTHONPATH}}\" "
         f"\"$CLUSTER_PYTHON\" {torchrun} {shell_path(script)} {arguments} 2>&1",
-    ])
+    ]) + f"; code=$?; echo \"{EXIT_MARKER} $code ${{EPOCHREALTIME:-$(date +%s.%N)}}\"; exit $code"
+
+
+def parse_exit_marker(line: str) -> tuple[int, float | None] | None:
+    """(exit code, the node's epoch seconds) from the exit marker line; None for any other line."""
+    parts = line.split()
+    if len(parts) != 3 or parts[0] != EXIT_MARKER:
+        return None
+    try:
+        code = int(parts[1])
+    except ValueError:
+        return None
+    try:  # bash's EPOCHREALTIME uses the locale's decimal point; `date` without %N (macOS) has none
+        return code, float(parts[2].replace(",", "."))
+    except ValueError:
+        return code, None
+
+
+def lock_command(run_id: str, task: str, owner: str) -> str:
+    """Take the one-job lock on this (head) node and hold it while the channel stays open
+    (remote/node/job_lock.py); CLUSTER_RUN_ID marks the holder as part of the job for `stop`."""
+    holder = " ".join(shlex.quote(a) for a in (run_id, task, owner))
+    return (f". {ENV_FILE} && exec env CLUSTER_RUN_ID={shlex.quote(run_id)} \"$CLUSTER_PYTHON\" "
+            f"\"$CLUSTER_CODE_DIR\"/remote/node/job_lock.py {LOCK_FILE} {holder}")
+
+
+def parse_lock_reply(line: str) -> tuple[str, dict | None]:
+    """`locked`, `held` with {run_id, task, owner, since}, or `failed` (the line is the reason)."""
+    parts = line.split()
+    if parts == ["locked"]:
+        return "locked", None
+    if len(parts) == 5 and parts[0] == "held":
+        return "held", dict(zip(("run_id", "task", "owner", "since"), parts[1:]))
+    return "failed", None
 
 
 def shell_path(path: str) -> str:
@@ -168,22 +211,29 @@ def parse_job_status(output: str) -> tuple[dict | None, bool]:
 
 
 def stop_command(grace_s: int = TERMINATE_GRACE_S) -> str:
-    """End the node's job: SIGTERM its process group, SIGKILL after `grace_s`, then any process of
-    the run left in another session (torchrun's workers). Prints `stopped RUN_ID` or `idle`."""
-    tenths = grace_s * 10
-    return (
-        f"{_ALIVE}; "
-        f"if ! [ -f {JOB_FILE} ] || ! read -r pid run task < {JOB_FILE}; then echo idle; exit 0; fi; "
-        "if alive \"$pid\"; then "
-        "kill -TERM -- -\"$pid\" 2>/dev/null || kill -TERM \"$pid\" 2>/dev/null; "
-        f"i=0; while alive \"$pid\" && [ $i -lt {tenths} ]; do sleep 0.1; i=$((i+1)); done; "
-        "kill -KILL -- -\"$pid\" 2>/dev/null; stopped=1; fi; "
-        "for env in /proc/[0-9]*/environ; do "
-        "if grep -qa \"CLUSTER_RUN_ID=$run\" \"$env\" 2>/dev/null; then p=${env#/proc/}; p=${p%/environ}; "
-        "[ \"$p\" != $$ ] && kill -KILL \"$p\" 2>/dev/null && stopped=1; fi; done; "
-        f"rm -f {JOB_FILE}; "
-        "if [ -n \"$stopped\" ]; then echo \"stopped $run\"; else echo idle; fi"
-    )
+    """End every job on the node (remote/node/stop_jobs.py): SIGTERM, SIGKILL after `grace_s`.
+    Prints `stopped RUN_ID...` or `idle`."""
+    source = (NODE_CODE / "stop_jobs.py").read_text()
+    return f". {ENV_FILE} 2>/dev/null; \"${{CLUSTER_PYTHON:-python3}}\" -c {shlex.quote(source)} {JOB_FILE} {grace_s}"
+
+
+def hash_files_command(folder: str, tops: tuple[str, ...]) -> str:
+    """sha256 of every file under `folder`/TOP (caches aside) as `HASH  TOP/PATH` lines; coreutils only,
+    so it runs before the node has any Python we trust. An absent folder lists nothing."""
+    names = " ".join(shlex.quote(top) for top in tops)
+    return (f"cd {shell_path(folder)} 2>/dev/null || exit 0; "
+            "if command -v sha256sum >/dev/null; then h=sha256sum; else h='shasum -a 256'; fi; "
+            f"find {names} -type f ! -path '*/__pycache__/*' -exec $h {{}} + 2>/dev/null; true")
+
+
+def parse_hashes(output: str) -> dict[str, str]:
+    """`HASH  PATH` lines into {PATH: HASH}."""
+    found = {}
+    for line in output.splitlines():
+        parts = line.split(maxsplit=1)
+        if len(parts) == 2 and len(parts[0]) == 64:
+            found[parts[1].strip().removeprefix("./")] = parts[0]
+    return found
 
 
 def python_json_command(python: str, code: str, *args: str) -> str:

@@ -4,6 +4,7 @@ A connection that drops (the SSH transport, not the command) is reopened and the
 backoff; steps given to `retrying` must therefore be safe to repeat.
 """
 
+import signal
 import socket
 import time
 from collections.abc import Callable
@@ -12,9 +13,10 @@ from typing import TypeVar
 
 import paramiko
 from fabric import Config, Connection
-from invoke.exceptions import Exit
+from invoke.exceptions import Exit, UnexpectedExit
 
 from infra.inventory import ClusterInfo, NodeInfo
+from remote.stream import say
 
 T = TypeVar("T")
 NO_EXIT_STATUS = -1  # what paramiko reports for a channel that closed without an exit status
@@ -26,12 +28,47 @@ CONNECTION_ERRORS = (paramiko.SSHException, EOFError, ConnectionError, socket.ti
 NOT_CONNECTION_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
+def _handle_exit_signal(channel: paramiko.Channel, message: paramiko.Message) -> bool:
+    """OpenSSH reports a command killed by a signal as `exit-signal` (RFC 4254 6.10), which paramiko
+    ignores: the exit status stays -1, as for a dropped connection. Record it as a shell would,
+    128 + the signal's number, so a stopped job is not taken for a lost node."""
+    start = message.packet.tell()
+    if message.get_text() != "exit-signal":
+        message.packet.seek(start)
+        return False
+    message.get_boolean()  # want-reply: never set for exit-signal
+    name = message.get_text()
+    number = getattr(signal, f"SIG{name}", None)
+    channel.exit_status = 128 + int(number) if number is not None else 255
+    channel.status_event.set()
+    return True
+
+
+def _install_exit_signal_handling() -> None:
+    """Put `_handle_exit_signal` in front of paramiko's channel-request handler (the transport
+    dispatches through its own table)."""
+    table = paramiko.Transport._channel_handler_table
+    original = table[paramiko.common.MSG_CHANNEL_REQUEST]
+    if getattr(original, "handles_exit_signal", False):
+        return
+
+    def handle_request(channel, message):
+        if not _handle_exit_signal(channel, message):
+            original(channel, message)
+
+    handle_request.handles_exit_signal = True
+    table[paramiko.common.MSG_CHANNEL_REQUEST] = handle_request
+
+
+_install_exit_signal_handling()
+
+
 def connect(cluster: ClusterInfo, node: NodeInfo) -> Connection:
     """An unopened connection that trusts only the pinned host key and offers only the cluster key."""
     conn = Connection(
         node.public_ip,
         port=node.ssh_port,
-        user=cluster.ssh_user,
+        user=node.ssh_user,
         connect_timeout=CONNECT_TIMEOUT_S,
         connect_kwargs={"key_filename": cluster.ssh_key, "look_for_keys": False, "allow_agent": False},
         config=Config(overrides={"run": {"in_stream": False}, "load_ssh_configs": False}),
@@ -66,11 +103,13 @@ class NodeSession:
         """Run a command; a connection that closes before the command reports its exit status
         raises ConnectionResetError (so `retrying` retries it) instead of passing for a failure."""
         kwargs.setdefault("hide", True)
-        kwargs.setdefault("warn", True)
         kwargs.setdefault("in_stream", False)
-        result = self.conn.run(command, **kwargs)
+        warn = kwargs.pop("warn", True)
+        result = self.conn.run(command, warn=True, **kwargs)  # a lost connection must not pass for a failure
         if result.exited == NO_EXIT_STATUS:
             raise ConnectionResetError("the connection closed before the command finished")
+        if not warn and result.exited != 0:
+            raise UnexpectedExit(result)
         return result
 
     def retrying(self, step: Callable[["NodeSession"], T], on_retry: Callable[[str], None] | None = None,
@@ -118,7 +157,7 @@ def open_sessions(cluster: ClusterInfo, probe_command: str = "true") -> tuple[li
     sessions = [NodeSession(cluster, node) for node in cluster.nodes]
 
     def probe(session: NodeSession):
-        return session.retrying(lambda s: s.run(probe_command), delays_s=(0.5,))
+        return session.retrying(lambda s: s.run(probe_command), on_retry=say, delays_s=(0.5,))
 
     results = on_all_nodes(sessions, probe)
     failures = [

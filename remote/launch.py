@@ -3,11 +3,15 @@
 Each node runs `torchrun` in its own SSH session (one thread per node). When a node's torchrun exits
 non-zero, or its connection is lost, or the user presses Ctrl-C, the job is stopped on every other node
 (`commands.stop_command`), so nothing waits forever in a collective and nothing is left behind.
+One job at a time: a launch holds the head node's job lock (`JobLock`) from before it creates anything
+until its job has ended everywhere.
 """
 
 import io
 import json
+import os
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -19,10 +23,11 @@ from invoke.exceptions import Exit
 
 from infra.inventory import ClusterInfo
 from remote import commands
-from remote.connect import NodeSession, describe, on_all_nodes, open_sessions
+from remote.connect import CONNECTION_ERRORS, NodeSession, describe, on_all_nodes, open_sessions
 from remote.stream import NodeStream, say
 
 STOP_WAIT_S = 15
+LOCK_WAIT_S = 30  # for the head node to answer whether the job lock is ours
 LOST = 255  # exit code recorded for a node whose connection dropped mid-job
 
 
@@ -57,7 +62,7 @@ class JobResult:
     duration_s: float
     """Wall time of the job."""
     failed_node: str | None = None
-    """The first node whose job failed, if any."""
+    """The node whose job failed first by its own clock (see `first_failure`), if any."""
     interrupted: bool = False
     """True when Ctrl-C ended it."""
     tails: dict[str, list[str]] = field(default_factory=dict)
@@ -84,6 +89,71 @@ class NodeSetup:
             return cls(int(data["master_port"]), dict(data["python"]))
         except (OSError, ValueError, KeyError):
             raise Exit("error: the cluster is not bootstrapped: run fab bootstrap", code=2) from None
+
+
+class JobLock:
+    """The cluster's one-job lock on the head node (remote/node/job_lock.py), held over an SSH channel
+    of its own: taking it is atomic, and closing the channel, or losing it, releases it."""
+
+    def __init__(self, head: NodeSession, run_id: str, task: str):
+        self.head, self.run_id, self.task = head, run_id, task
+        self.channel = None
+
+    def __enter__(self) -> "JobLock":
+        name, owner = self.head.node.name, f"{socket.gethostname()}:{os.getpid()}"
+        try:
+            channel = self.head.conn.client.get_transport().open_session(timeout=LOCK_WAIT_S)
+            channel.settimeout(LOCK_WAIT_S)
+            channel.exec_command(commands.lock_command(self.run_id, self.task, owner))
+            reply = channel.makefile("r").readline().strip()
+            state, holder = commands.parse_lock_reply(reply)
+            if state == "locked":
+                self.channel = channel
+                return self
+            why = reply or channel.makefile_stderr("r").read().decode(errors="replace").strip()[-200:]
+            channel.close()
+        except CONNECTION_ERRORS as exc:
+            raise Exit(f"error: could not take the job lock on {name}: {describe(exc)}", code=1) from None
+        if state == "held":
+            raise Exit(f"error: {name} is running job {holder['run_id']} ({holder['task']}, launched by fab "
+                       f"{holder['owner']}): wait for it or run fab stop", code=2)
+        raise Exit(f"error: could not take the job lock on {name} ({why or 'no answer'}): run fab bootstrap", code=2)
+
+    def __exit__(self, *exc_info) -> None:
+        """Release: end the holder's input and wait until it has exited, so the next launch finds it free."""
+        try:
+            self.channel.shutdown_write()
+            self.channel.status_event.wait(LOCK_WAIT_S)
+        except Exception:  # a dropped connection has released the lock already
+            pass
+        finally:
+            self.channel.close()
+
+
+class JobStream(NodeStream):
+    """A node's job output; the launch command's exit marker is kept in `exit` and not shown."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.exit: tuple[int, float | None] | None = None
+
+    def _emit(self, line: str) -> None:
+        marker = commands.parse_exit_marker(line.rstrip("\r"))
+        if marker is None:
+            super()._emit(line)
+        else:
+            self.exit = marker
+
+
+def first_failure(exit_codes: dict[str, int | None], exited_at: dict[str, float | None],
+                  returned: list[str]) -> str | None:
+    """The node that failed first: the earliest exit time a failing node saw by its own clock (SSH calls
+    return in no useful order when nodes fail together); nodes without one (stopped by fail-fast, their
+    connection lost) come after, in the order their calls returned."""
+    failed = [name for name in returned if exit_codes.get(name) not in (0, None)]
+    timed = sorted((exited_at[name], name) for name in failed if exited_at.get(name) is not None)
+    ordered = [name for _, name in timed] + [name for name in failed if exited_at.get(name) is None]
+    return ordered[0] if ordered else None
 
 
 def check_ready(sessions: list[NodeSession], statuses: list[str]) -> None:
@@ -130,11 +200,12 @@ def run_job(cluster: ClusterInfo, sessions: list[NodeSession], spec: JobSpec, se
     log_dir.mkdir(parents=True, exist_ok=True)
     script = spec.upload.name if spec.upload else f"$CLUSTER_CODE_DIR/{spec.script}"
     streams = {
-        s.node.name: NodeStream(s.node.name, i, log_dir / f"{s.node.name}.log", echo) for i, s in enumerate(sessions)
+        s.node.name: JobStream(s.node.name, i, log_dir / f"{s.node.name}.log", echo) for i, s in enumerate(sessions)
     }
     started_at, started = _now(), time.monotonic()
     exit_codes: dict[str, int | None] = {s.node.name: None for s in sessions}
-    failed_node, interrupted = None, False
+    returned: list[str] = []
+    interrupted = False
 
     def start(session: NodeSession) -> int:
         command = commands.launch_command(cluster, session.node, run_id, spec.task, script, spec.args,
@@ -151,7 +222,7 @@ def run_job(cluster: ClusterInfo, sessions: list[NodeSession], spec: JobSpec, se
     futures: dict[Future, NodeSession] = {pool.submit(start, s): s for s in sessions}
     previous_handlers = _interrupt_on_signals()
     try:
-        failed_node = _supervise(cluster, futures, exit_codes)
+        _supervise(cluster, futures, exit_codes, returned)
     except KeyboardInterrupt:
         interrupted = True
         say("fab: interrupted: stopping the job on every node")
@@ -162,7 +233,9 @@ def run_job(cluster: ClusterInfo, sessions: list[NodeSession], spec: JobSpec, se
         pool.shutdown(wait=False, cancel_futures=True)
         for stream in streams.values():
             stream.close()
-    return JobResult(run_id, exit_codes, started_at, _now(), time.monotonic() - started, failed_node, interrupted,
+    exited_at = {name: stream.exit[1] if stream.exit else None for name, stream in streams.items()}
+    return JobResult(run_id, exit_codes, started_at, _now(), time.monotonic() - started,
+                     first_failure(exit_codes, exited_at, returned), interrupted,
                      {name: stream.tail for name, stream in streams.items()})
 
 
@@ -183,21 +256,52 @@ def _restore(handlers: dict) -> None:
         signal.signal(sig, handler)
 
 
-def _supervise(cluster: ClusterInfo, futures: dict[Future, NodeSession], exit_codes: dict) -> str | None:
-    """Wait for every node; at the first failure stop the others. Returns the node that failed first."""
-    pending, failed_node = set(futures), None
+def _supervise(cluster: ClusterInfo, futures: dict[Future, NodeSession], exit_codes: dict, returned: list) -> None:
+    """Wait for every node (`returned` says in which order they did); at the first failure stop the
+    others, and wherever a connection dropped, reconnect and stop that node's part too."""
+    pending, stopping, stoppers = set(futures), False, []
     while pending:
         done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
         for future in done:
             name = futures[future].node.name
             exit_codes[name] = future.result()
-            if exit_codes[name] != 0 and failed_node is None:
-                failed_node = name
+            returned.append(name)
+            if exit_codes[name] == LOST:
+                stoppers.append((_stop_in_background(cluster, [name], _report_lost_node), [name]))
+            if exit_codes[name] != 0 and not stopping:
+                stopping = True
                 others = [futures[f].node.name for f in pending]
                 if others:
                     say(f"fab: {name} exited {exit_codes[name]}: stopping the job on {', '.join(others)}")
-                    threading.Thread(target=stop_everywhere, args=(cluster, others), daemon=True).start()
-    return failed_node
+                    stoppers.append((_stop_in_background(cluster, others), others))
+    deadline = time.monotonic() + STOP_WAIT_S
+    for thread, nodes in stoppers:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            say(f"fab: could not stop the job on {', '.join(nodes)} within {STOP_WAIT_S} s; "
+                "it may still run there: fab stop")
+
+
+def _stop_in_background(cluster: ClusterInfo, nodes: list[str], report=None) -> threading.Thread:
+    def stop():
+        outcomes = stop_everywhere(cluster, nodes)
+        if report:
+            report(outcomes)
+
+    thread = threading.Thread(target=stop, daemon=True)
+    thread.start()
+    return thread
+
+
+def _report_lost_node(outcomes: dict[str, str]) -> None:
+    """A dropped connection leaves the node's job running (OpenSSH sends no signal to a command
+    without a terminal): say whether reconnecting stopped it."""
+    for name, outcome in outcomes.items():
+        if outcome.startswith("unreachable"):
+            say(f"fab: {name}'s connection dropped and it cannot be reached again to stop its part "
+                f"({outcome}); it may still run there: fab stop once it answers")
+        else:
+            say(f"fab: {name}'s connection dropped; reconnected and stopped its part ({outcome})")
 
 
 def _collect(futures: dict[Future, NodeSession], exit_codes: dict, timeout_s: float) -> None:
@@ -228,16 +332,17 @@ def launch(cluster: ClusterInfo, spec: JobSpec, setup: NodeSetup, runs_root: Pat
         check_ready(sessions, statuses)
         run_id = commands.new_run_id(spec.task)
         local_dir = runs_root / run_id
-        if spec.upload:
-            upload_script(cluster, sessions, run_id, spec.upload)
-        say(f"fab: run {run_id}: {spec.task} on {len(sessions)} nodes; logs in {local_dir}")
-        if on_start:
-            on_start(run_id)
-        result = run_job(cluster, sessions, spec, setup, run_id, local_dir)
-        try:
-            fetch_results(cluster, sessions[0], run_id, local_dir)
-        except Exception as exc:  # results are a convenience; the logs are already local
-            say(f"fab: could not fetch results from {sessions[0].node.name}: {describe(exc)}")
+        with JobLock(sessions[0], run_id, spec.task):
+            if spec.upload:
+                upload_script(cluster, sessions, run_id, spec.upload)
+            say(f"fab: run {run_id}: {spec.task} on {len(sessions)} nodes; logs in {local_dir}")
+            if on_start:
+                on_start(run_id)
+            result = run_job(cluster, sessions, spec, setup, run_id, local_dir)
+            try:
+                fetch_results(cluster, sessions[0], run_id, local_dir)
+            except Exception as exc:  # results are a convenience; the logs are already local
+                say(f"fab: could not fetch results from {sessions[0].node.name}: {describe(exc)}")
         return result, local_dir
     finally:
         for session in sessions:

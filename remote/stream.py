@@ -4,6 +4,8 @@ import sys
 import threading
 from pathlib import Path
 
+from infra import state
+
 COLORS = ("36", "35", "33", "32", "34", "31")  # cyan, magenta, yellow, green, blue, red
 _print_lock = threading.Lock()
 
@@ -16,7 +18,7 @@ class NodeStream:
         if sys.stdout.isatty():
             self.prefix = f"\033[{COLORS[index % len(COLORS)]}m[{name}]\033[0m "
         self.echo = echo
-        self.log = open(log_path, "a", buffering=1) if log_path else None
+        self.log = state.open_private(log_path, "a", buffering=1) if log_path else None
         self.partial = ""
         self.tail: list[str] = []
 

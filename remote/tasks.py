@@ -4,8 +4,9 @@ The cluster is the current stack's inventory (`--stack`, else $CLUSTER_STACK, el
 """
 
 import json
-import shlex
+import os
 import sqlite3
+import threading
 from pathlib import Path
 
 from invoke import Collection, task
@@ -15,8 +16,8 @@ from rich.table import Table
 from infra import inventory, state
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo
-from infra.ledger import Ledger
-from remote import commands
+from infra.ledger import HEARTBEAT_S, Ledger
+from remote import commands, options
 from remote.bootstrap import Bootstrap
 from remote.connect import on_all_nodes, open_sessions
 from remote.launch import JobSpec, NodeSetup, launch, stop_everywhere
@@ -24,7 +25,7 @@ from remote.stream import console, say
 
 STACK_HELP = "stack to use (default: $CLUSTER_STACK, else the last `python deploy.py up`)"
 ARGS_HELP = 'arguments for the script, quoted as one string, e.g. --args "--steps 200"'
-RESTARTS_HELP = "torchrun --max-restarts: restart a failed worker group this many times (default 0)"
+RESTARTS_HELP = "torchrun --max-restarts: restart a failed worker group this many times, >= 0 (default 0)"
 EXAMPLES = {
     "hello": "examples/distributed_hello.py",
     "run-ddp": "examples/ddp_training.py",
@@ -50,6 +51,7 @@ class RunBook:
 
     def __init__(self, cluster: ClusterInfo):
         self.cluster = cluster
+        self.heartbeat: Heartbeat | None = None
         try:
             self.ledger = Ledger()
             for warning in self.ledger.warnings:
@@ -60,9 +62,14 @@ class RunBook:
 
     def started(self, run_id: str, task: str) -> None:
         self._safely(lambda: self.ledger.run_started(run_id, self.cluster.stack, task, len(self.cluster.nodes),
-                                                     self.cluster.hourly_usd))
+                                                     self.cluster.hourly_usd, owner_pid=os.getpid()))
+        if self.ledger is not None:
+            self.heartbeat = Heartbeat(self.ledger.path, run_id)
+            self.heartbeat.start()
 
     def ended(self, run_id: str, exit_codes: dict, duration_s: float) -> float:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         cost = self._safely(lambda: self.ledger.run_ended(run_id, exit_codes))
         return cost if cost is not None else self.cluster.hourly_usd * duration_s / 3600
 
@@ -74,6 +81,34 @@ class RunBook:
         except (sqlite3.Error, OSError) as exc:
             say(f"fab: warning: could not write the ledger ({exc})")
             return None
+
+
+class Heartbeat(threading.Thread):
+    """Records every HEARTBEAT_S that this fab still supervises its run, so that if it is killed, the
+    next command reading the ledger closes the run at the last beat (infra/ledger.py)."""
+
+    def __init__(self, ledger_path: Path, run_id: str):
+        super().__init__(name=f"heartbeat-{run_id}", daemon=True)
+        self.ledger_path, self.run_id = ledger_path, run_id
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        try:
+            ledger = Ledger(self.ledger_path)  # a connection of this thread's own
+        except (sqlite3.Error, OSError):
+            return  # RunBook has warned already; the run's end is still recorded
+        try:
+            while not self.stopped.wait(HEARTBEAT_S):
+                try:
+                    ledger.heartbeat(self.run_id)
+                except (sqlite3.Error, OSError):
+                    pass  # a busy or damaged ledger; the next beat may get through
+        finally:
+            ledger.close()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join(timeout=5)
 
 
 def start_job(stack: str | None, spec: JobSpec) -> None:
@@ -114,8 +149,8 @@ def start_job(stack: str | None, spec: JobSpec) -> None:
 def example_task(name: str, doc: str):
     """A launch task for one of the examples."""
 
-    def body(c, args="", max_restarts=0, stack=None):
-        start_job(stack, JobSpec(name, EXAMPLES[name], shlex.split(args), int(max_restarts)))
+    def body(c, args="", max_restarts=None, stack=None):
+        start_job(stack, JobSpec(name, EXAMPLES[name], options.script_arguments(args), restarts(max_restarts)))
 
     body.__name__ = name.replace("-", "_")
     body.__doc__ = doc
@@ -131,20 +166,25 @@ model_parallel = example_task("model-parallel", "Pipeline parallel: one stage pe
 
 @task(help={"script": "a torchrun-able Python script on this machine (copied to the cluster first)",
             "args": ARGS_HELP, "max-restarts": RESTARTS_HELP, "stack": STACK_HELP})
-def run(c, script, args="", max_restarts=0, stack=None):
+def run(c, script=None, args="", max_restarts=None, stack=None):
     """Run any torchrun script of yours on every node: it is copied to the shared folder first."""
-    path = Path(script)
-    if not path.is_file():
-        raise Exit(f"error: no such script: {script}", code=2)
-    start_job(stack, JobSpec("run", path.name, shlex.split(args), int(max_restarts), upload=path.resolve()))
+    path = options.compiled_script(script)
+    spec = JobSpec("run", path.name, options.script_arguments(args), restarts(max_restarts), upload=path.resolve())
+    start_job(stack, spec)
+
+
+def restarts(value: str | None) -> int:
+    return options.integer("--max-restarts", value, 0, minimum=0)
 
 
 @task(help={"force": "redo every stage even where it is up to date",
-            "master-port": f"MASTER_PORT for the rendezvous on node-0 (default {commands.DEFAULT_MASTER_PORT})",
+            "master-port": f"MASTER_PORT for the rendezvous on node-0, {options.PORT_RANGE[0]}..{options.PORT_RANGE[1]}, "
+                           f"free there (default {commands.DEFAULT_MASTER_PORT})",
             "stack": STACK_HELP})
-def bootstrap(c, force=False, master_port=commands.DEFAULT_MASTER_PORT, stack=None):
+def bootstrap(c, force=False, master_port=None, stack=None):
     """Prepare every node: checks, Python deps, code sync, node environment, health check."""
-    Bootstrap(cluster_for(stack), bool(force), int(master_port)).run()
+    port = options.port("--master-port", master_port, commands.DEFAULT_MASTER_PORT)
+    Bootstrap(cluster_for(stack), bool(force), port).run()
 
 
 @task(help={"stack": STACK_HELP})
@@ -157,8 +197,10 @@ def stop(c, stack=None):
 
 @task(help={"run": "the run id (default: the latest run)", "node": "only this node's log",
             "lines": "how many lines from the end of each log (default 50; 0 for all)", "stack": STACK_HELP})
-def logs(c, run=None, node=None, lines=50, stack=None):
+def logs(c, run=None, node=None, lines=None, stack=None):
     """Show a run's per-node logs (kept on this machine in .cluster/<stack>/runs/<run-id>/)."""
+    count = options.integer("--lines", lines, 50, minimum=0)
+    run = options.run_id(run) if run is not None else None
     stack_name = state.resolve_stack(stack)
     if stack_name is None:
         raise Exit("error: no cluster: run python deploy.py up", code=2)
@@ -174,13 +216,22 @@ def logs(c, run=None, node=None, lines=50, stack=None):
     say(f"run {run_dir.name} ({run_dir})")
     for path in logs_found:
         text = path.read_text().splitlines()
-        shown = text[-int(lines):] if int(lines) > 0 else text
+        shown = text[-count:] if count > 0 else text
         for line in shown:
             say(f"[{path.stem}] {line}")
     summary = run_dir / "summary.json"
     if summary.exists():
-        data = json.loads(summary.read_text())
-        say(f"exit codes {data['exit_codes']}, {data['duration_s']:.1f} s, ${data['cost_usd']:.4f}")
+        say(summary_line(summary))
+
+
+def summary_line(path: Path) -> str:
+    """A run's outcome from its summary.json; a damaged one is said so, after its logs were shown."""
+    try:
+        data = json.loads(path.read_text())
+        return f"exit codes {data['exit_codes']}, {float(data['duration_s']):.1f} s, ${float(data['cost_usd']):.4f}"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return (f"{path} is damaged ({type(exc).__name__}: {exc}); the logs above are complete, "
+                "and python deploy.py cost has the run's exit codes and cost")
 
 
 def _latest_run(runs: Path) -> Path | None:

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 export CLUSTER_STACK=local
 
 if [ -f "${CLUSTER_STATE_DIR:-.cluster}/local/inventory.json" ]; then
-  echo "a local cluster is already up: run 'python deploy.py down --local' first (the demo makes its own)" >&2
+  echo "a local cluster is already up: run 'python deploy.py down --stack local' first (the demo makes its own)" >&2
   exit 2
 fi
 

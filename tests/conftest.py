@@ -157,10 +157,31 @@ def fabric_connection(inventory: dict, node: dict):
     conn = Connection(
         node["public_ip"],
         port=node["ssh_port"],
-        user=inventory["ssh_user"],
+        user=node.get("ssh_user") or inventory["ssh_user"],
         connect_kwargs={"key_filename": inventory["ssh_key"], "look_for_keys": False, "allow_agent": False},
         config=Config(overrides={"run": {"in_stream": False}, "load_ssh_configs": False}),
     )
     conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
     conn.client.load_host_keys(inventory["known_hosts"])
     return conn
+
+
+@pytest.fixture(scope="module")
+def openssh_hosts(tmp_path_factory):
+    """Two machines for the `ssh` provider: stock OpenSSH sshd on loopback, one Unix user each
+    (gcnode0, gcnode1) with a home of its own. Skipped, saying why, where sshd or root is missing."""
+    import openssh
+
+    why = openssh.unavailable()
+    if why:
+        pytest.skip(f"OpenSSH hosts: {why}")
+    try:
+        openssh.build_node_python()
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"OpenSSH hosts: the node Python (torch for the node users) could not be built: {exc}")
+    address, port = free_endpoint(2)
+    hosts = openssh.start_hosts(tmp_path_factory.mktemp("openssh"), address, port)
+    try:
+        yield hosts
+    finally:
+        hosts.stop()

@@ -82,8 +82,10 @@ def test_without_a_network_the_bundled_dated_table_is_used_and_says_so(state_dir
 def test_an_unknown_type_or_region_says_what_to_do(state_dir):
     with pytest.raises(UsageError, match="no bundled price for region eu-west-3"):
         pricing.PriceSource().on_demand("g4dn.2xlarge", "eu-west-3")
-    with pytest.raises(UsageError, match="no bundled price for p5.48xlarge"):
+    with pytest.raises(UsageError, match="p5.48xlarge has no bundled price .* Price List API"):
         pricing.PriceSource().on_demand("p5.48xlarge", "us-east-1")
+    with pytest.raises(UsageError, match="'g4dn.99xlarge' is not supported"):
+        pricing.PriceSource().on_demand("g4dn.99xlarge", "us-east-1")
     client = boto3.client("pricing", region_name="us-east-1")
     stub = Stubber(client)
     stub.add_response("get_products", {"FormatVersion": "aws_v1", "PriceList": []})

@@ -32,6 +32,12 @@ def nothing_created(state_dir) -> bool:
     (["--nodes", "0"], ["nodes must be from 1 to 16"]),
     (["--nodes", "17"], ["nodes must be from 1 to 16"]),
     (["--instance-type", "t3.large"], ["t3.large", "not supported"]),
+    (["--instance-type", ""], ["instance type ''", "not supported"]),
+    (["--instance-type", "g4dn.xlarge\n"], ["not supported"]),
+    (["--instance-type", "p4d.48xlarge"], ["not supported"]),
+    (["--nodes", ""], ["nodes must be a whole number"]),
+    (["--ssh-cidr", ""], ["sshCidr", "CIDR"]),
+    (["--stack", ""], ["bad stack name ''"]),
     (["--ssh-cidr", "1.2.3.4/99"], ["sshCidr", "CIDR"]),
     (["--ssh-cidr", "0.0.0.0/0"], ["whole internet", "allowWorldSsh"]),
 ])
@@ -102,6 +108,8 @@ def test_cloud_init_mounts_efs_with_retries_and_installs_the_guard():
 def test_status_of_an_aws_cluster_without_credentials_is_one_line(offline, state_dir):
     stack_dir = state_dir / "dev"
     stack_dir.mkdir(parents=True)
+    for name in ("id_ed25519", "known_hosts"):
+        (stack_dir / name).touch(mode=0o600)
     (stack_dir / "inventory.json").write_text(json.dumps({
         "stack": "dev", "provider": "aws", "region": "us-east-1", "instance_type": "g4dn.2xlarge", "hourly_usd": 1.537,
         "ssh_user": "ubuntu", "ssh_key": str(stack_dir / "id_ed25519"), "known_hosts": str(stack_dir / "known_hosts"),

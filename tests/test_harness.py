@@ -81,7 +81,12 @@ def test_a_restarted_run_resumes_to_the_same_parameters_as_an_uninterrupted_one(
 def test_a_crash_without_restarts_fails_the_job(tmp_path):
     result = torchrun("ddp_training.py", "--steps", "20", "--checkpoint-every", "5", "--simulate-failure-at-step", "7",
                       run_dir=tmp_path)
-    assert result.returncode != 0
+    assert result.returncode == 1  # torchrun's own code for a failed worker group
+    assert "rank 1: failing on purpose at step 7" in result.stdout
+    # torchrun's failure report names the crashed rank with the exit code the crash chose (a misspelt
+    # flag would show argparse's 2 on every rank instead), and the run never got to its summary.
+    assert re.search(r"rank\s+: 1 \(local_rank: 1\)\s+exitcode\s+: 1 ", result.stderr), result.stderr[-2000:]
+    assert "parameters identical" not in result.stdout
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])

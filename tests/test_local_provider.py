@@ -14,12 +14,18 @@ import pytest
 
 from conftest import (
     REPO,
+    LocalCluster,
     assert_one_line_error,
+    child_env,
     fabric_connection,
     free_endpoint,
+    free_port,
     node_server_processes,
     run_cli,
+    run_fab,
 )
+
+FAKE_SECRET = "AKIA-fake-secret-for-the-scrub-test"
 
 
 def openssh_argv(inventory: dict, node: dict, command: str, key: str | None = None) -> list[str]:
@@ -27,7 +33,7 @@ def openssh_argv(inventory: dict, node: dict, command: str, key: str | None = No
         "ssh", "-i", key or inventory["ssh_key"], "-p", str(node["ssh_port"]),
         "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
         "-o", f"UserKnownHostsFile={inventory['known_hosts']}", "-o", "GlobalKnownHostsFile=/dev/null",
-        "-o", "StrictHostKeyChecking=yes", f"{inventory['ssh_user']}@{node['public_ip']}", command,
+        "-o", "StrictHostKeyChecking=yes", f"{node['ssh_user']}@{node['public_ip']}", command,
     ]  # fmt: skip
 
 
@@ -41,9 +47,25 @@ def test_up_writes_the_inventory_head_first_and_pins_host_keys(local_cluster, st
     known = open(inv["known_hosts"]).read().splitlines()
     assert [line.split()[0] for line in known] == [f"[{n['public_ip']}]:{n['ssh_port']}" for n in inv["nodes"]]
     assert (state_dir / "current").read_text().strip() == "local"
-    for node in inv["nodes"]:  # bound to loopback only
+    for node in inv["nodes"]:  # bound to its own loopback address only: not 0.0.0.0, not another address
+        same_port = [n["public_ip"] for n in inv["nodes"] if n["ssh_port"] == node["ssh_port"]]
+        assert sorted(listening_addresses(node["ssh_port"])) == sorted(same_port)
+        elsewhere = node["public_ip"].rsplit(".", 1)[0] + ".250"
         with socket.socket() as sock:
             assert sock.connect_ex((node["public_ip"], node["ssh_port"])) == 0
+        with socket.socket() as sock:
+            assert sock.connect_ex((elsewhere, node["ssh_port"])) != 0
+
+
+def listening_addresses(port: int) -> list[str]:
+    """The IPv4 addresses with a socket listening on `port` (from /proc/net/tcp; 0.0.0.0 for any)."""
+    found = []
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, hex_port = local.split(":")
+        if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+            found.append(socket.inet_ntoa(bytes.fromhex(address)[::-1]))
+    return found
 
 
 def test_fabric_runs_commands_moves_files_and_shares_a_folder(local_cluster, tmp_path):
@@ -74,6 +96,10 @@ def test_stock_openssh_client_logs_in_with_strict_host_key_checking(local_cluste
 
     via_cli = run_cli("ssh", "node-1", "--", "echo", "hi-from", "$CLUSTER_NODE")
     assert via_cli.returncode == 0 and via_cli.stdout.strip() == "hi-from node-1"
+    # options before -- are deploy.py's (the stack is used, not sent); after it, the node's, untouched
+    options = run_cli("ssh", "node-1", "--stack", local_cluster.stack, "--", "echo", "--stack", "x",
+                      CLUSTER_STACK="other")
+    assert options.returncode == 0 and options.stdout.strip() == "--stack x", options.stderr
 
 
 def test_another_key_and_a_changed_host_key_are_refused(local_cluster, tmp_path):
@@ -92,11 +118,15 @@ def test_another_key_and_a_changed_host_key_are_refused(local_cluster, tmp_path)
     assert mismatch.returncode == 255 and "HOST IDENTIFICATION HAS CHANGED" in mismatch.stderr
 
 
-def test_up_on_a_running_cluster_changes_nothing(local_cluster, state_dir):
+def test_up_on_a_running_cluster_changes_nothing_and_refuses_a_resize(local_cluster, state_dir):
     before = (state_dir / "local" / "inventory.json").read_text()
     pids = sorted(node_server_processes(state_dir))
-    again = run_cli("up", "--local", "--nodes", "2")
-    assert again.returncode == 0 and "already up" in again.stdout
+    for same in (["--nodes", "2"], []):
+        again = run_cli("up", "--local", *same)
+        assert again.returncode == 0 and "already up" in again.stdout
+    assert_one_line_error(run_cli("up", "--local", "--nodes", "3"), "--nodes 3 (it has 2)",
+                          "python deploy.py down --stack local, then python deploy.py up --local --nodes 3")
+    assert_one_line_error(run_cli("up", "--local", "--instance-type", "g5.xlarge"), "--instance-type g5.xlarge")
     assert (state_dir / "local" / "inventory.json").read_text() == before
     assert sorted(node_server_processes(state_dir)) == pids
 
@@ -138,22 +168,28 @@ def test_down_leaves_no_process_no_port_and_keeps_run_logs(state_dir, make_clust
     run_dir = state_dir / "local" / "runs" / "some-run"
     run_dir.mkdir(parents=True)
     (run_dir / "node-0.log").write_text("kept\n")
+    killed_writer = run_dir / f".summary.json.{dead_pid()}.tmp"
+    killed_writer.write_text("{")
     daemon = fabric_connection(cluster.inventory, cluster.inventory["nodes"][0])
     daemon.run(  # a detached daemon that registers itself, like the watchdog does
         "setsid sleep 4321 >/dev/null 2>&1 < /dev/null & echo $! > .gpu-cluster/pids/sleeper.pid", hide=True
     )
+    daemon.run('head -c 3000 /dev/zero > "$CLUSTER_SHARED_DIR/checkpoint.pt"; echo hi > "$CLUSTER_SHARED_DIR/note"',
+               hide=True)
     daemon.close()
     assert _processes_matching("sleep 4321")
 
     down = run_cli("down", "--stack", "local")
     assert down.returncode == 0, down.stderr
+    removing = down.stdout.index("removing")
+    assert "shared: 2 files, 2.9 KiB" in down.stdout and removing < down.stdout.index("is down")
     assert "no port left listening" in down.stdout
     assert node_server_processes(state_dir) == []
     assert _processes_matching("sleep 4321") == []
     for node in cluster.inventory["nodes"]:
         with socket.socket() as sock:
             assert sock.connect_ex((node["public_ip"], node["ssh_port"])) != 0
-    assert (run_dir / "node-0.log").read_text() == "kept\n"
+    assert (run_dir / "node-0.log").read_text() == "kept\n" and not killed_writer.exists()
     assert sorted(p.name for p in (state_dir / "local").iterdir()) == ["runs"]
     assert not (state_dir / "current").exists()
 
@@ -226,7 +262,144 @@ def _processes_matching(text: str) -> list[int]:
     return found
 
 
-def test_help_names_every_command():
-    result = subprocess.run([sys.executable, "deploy.py", "--help"], cwd=REPO, capture_output=True, text=True)
-    for command in ("up", "down", "status", "plan", "cost", "ssh"):
-        assert command in result.stdout
+
+# ------------------------------------------------------------------------- a cluster started with secrets
+
+
+@pytest.fixture(scope="module")
+def secret_cluster(tmp_path_factory):
+    """One cluster started by a caller whose environment holds credentials; for tests that only look."""
+    state_dir = tmp_path_factory.mktemp("secret") / "cluster-state"
+    address, port = free_endpoint(2)
+    env = {"CLUSTER_STATE_DIR": str(state_dir), "AWS_SECRET_ACCESS_KEY": FAKE_SECRET, "GITHUB_TOKEN": FAKE_SECRET}
+    try:
+        run_cli("up", "--local", "--bind", address, "--ssh-port", str(port), check=True, **env)
+        yield LocalCluster("local", state_dir, json.loads((state_dir / "local" / "inventory.json").read_text()))
+    finally:
+        run_cli("down", "--stack", "local", CLUSTER_STATE_DIR=str(state_dir))
+
+
+def test_node_servers_and_their_commands_get_none_of_the_callers_secrets(secret_cluster):
+    servers = node_server_processes(secret_cluster.state_dir)
+    assert len(servers) == 2
+    for pid in servers:
+        environ = open(f"/proc/{pid}/environ", "rb").read()
+        assert FAKE_SECRET.encode() not in environ and b"PATH=" in environ
+    inv = secret_cluster.inventory
+    on_node = subprocess.run(openssh_argv(inv, inv["nodes"][1], "env"), capture_output=True, text=True)
+    assert on_node.returncode == 0 and "CLUSTER_NODE=node-1" in on_node.stdout
+    assert FAKE_SECRET not in on_node.stdout and "AWS_" not in on_node.stdout
+
+
+def test_host_private_keys_are_out_of_reach_of_jobs(secret_cluster):
+    inv = secret_cluster.inventory
+    host_keys = secret_cluster.stack_dir / "host_keys"
+    assert stat.S_IMODE(host_keys.stat().st_mode) == 0o700 and sorted(p.name for p in host_keys.iterdir()) == [
+        "node-0", "node-1"]
+    # The pattern is written so that sshd.log, which records the command, does not match it.
+    search = 'grep -rlE "PRIVATE[ ]KEY" "$HOME" "$CLUSTER_SHARED_DIR" 2>/dev/null; echo "home=$HOME"'
+    result = subprocess.run(openssh_argv(inv, inv["nodes"][0], search), capture_output=True, text=True)
+    assert result.stdout.strip().splitlines() == [f"home={secret_cluster.stack_dir / 'nodes' / 'node-0'}"]
+
+
+@pytest.mark.parametrize("protocol", [[], ["-O"]], ids=["sftp", "legacy"])
+def test_stock_scp_copies_both_ways_and_exits_with_the_transfers_status(secret_cluster, tmp_path, protocol):
+    inv = secret_cluster.inventory
+    node = inv["nodes"][0]
+    options = [*protocol, "-i", inv["ssh_key"], "-P", str(node["ssh_port"]), "-o", "IdentitiesOnly=yes",
+               "-o", "BatchMode=yes", "-o", f"UserKnownHostsFile={inv['known_hosts']}",
+               "-o", "GlobalKnownHostsFile=/dev/null", "-o", "StrictHostKeyChecking=yes"]
+    remote = f"{inv['ssh_user']}@{node['public_ip']}"
+    source, back = tmp_path / "data.bin", tmp_path / "back.bin"
+    source.write_bytes(os.urandom(100_000))
+    target = f"{remote}:scp{len(protocol)}.bin"
+    sent = subprocess.run(["scp", *options, str(source), target], capture_output=True, text=True)
+    assert sent.returncode == 0, sent.stderr
+    fetched = subprocess.run(["scp", *options, target, str(back)], capture_output=True, text=True)
+    assert fetched.returncode == 0 and back.read_bytes() == source.read_bytes(), fetched.stderr
+    missing = subprocess.run(["scp", *options, f"{remote}:no-such-file", str(back)], capture_output=True, text=True)
+    assert missing.returncode == 1 and "no-such-file" in missing.stderr
+
+
+# ------------------------------------------------------------------------------------ the cluster key
+
+
+def test_a_missing_or_loose_key_is_refused_by_every_command_and_down_still_cleans_up(state_dir, make_cluster):
+    cluster = make_cluster()
+    key = cluster.inventory["ssh_key"]
+    os.chmod(key, 0o644)
+    for result in (run_cli("status"), run_cli("ssh", "node-1", "--", "true"), run_fab("hello")):
+        assert_one_line_error(result, "readable by others", f"chmod 600 {key}")
+    os.chmod(key, 0o600)
+    assert run_cli("status").returncode == 0
+    os.unlink(key)
+    for result in (run_cli("status"), run_cli("ssh"), run_fab("stop")):
+        assert_one_line_error(result, f"the cluster key {key} is missing", "down --stack local")
+    down = run_cli("down")
+    assert down.returncode == 0 and "is down" in down.stdout, down.stderr
+    assert node_server_processes(state_dir) == [] and not (state_dir / "local" / "nodes").exists()
+
+
+# --------------------------------------------------------------------------------- an interrupted up
+
+
+def test_an_up_killed_after_starting_its_nodes_is_found_and_cleaned_up(state_dir):
+    address, port = free_endpoint(2)
+    up = subprocess.Popen([sys.executable, "deploy.py", "up", "--local", "--bind", address, "--ssh-port", str(port)],
+                          cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pid_files = [state_dir / "local" / "nodes" / f"node-{i}" / "sshd.pid" for i in range(2)]
+    deadline = time.monotonic() + 60
+    while not all(p.exists() for p in pid_files) and up.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    up.kill()  # SIGKILL: no cleanup of its own, before the inventory and `current` are written
+    up.wait()
+    try:
+        assert len(node_server_processes(state_dir)) == 2
+        assert not (state_dir / "local" / "inventory.json").exists() and not (state_dir / "current").exists()
+        stray = state_dir / f".current.{dead_pid()}.tmp"
+        stray.write_text("local\n")
+        assert_one_line_error(run_cli("status"), "interrupted up", "down --stack local")
+        assert_one_line_error(run_cli("up", "--local"), "no inventory", "down --stack local")
+        down = run_cli("down")
+        assert down.returncode == 0 and "left by an interrupted up" in down.stdout, down.stdout + down.stderr
+        assert node_server_processes(state_dir) == []
+        assert not stray.exists() and not (state_dir / "local").exists()
+    finally:
+        run_cli("down", "--stack", "local")
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    return gone.pid
+
+
+# ------------------------------------------------------------------------------------- private state
+
+
+def test_every_file_of_the_state_folder_is_private_through_up_bootstrap_run_and_down(state_dir, make_cluster, tmp_path):
+    make_cluster()
+    script = tmp_path / "job.py"
+    script.write_text('import os\nopen(os.environ["CLUSTER_RUN_DIR"] + "/result.txt", "w").write("ok")\n')
+    bootstrap = run_fab("bootstrap", "--master-port", str(free_port()))
+    assert bootstrap.returncode == 0, bootstrap.stdout + bootstrap.stderr
+    run = run_fab("run", "--script", str(script), "--args", "--secret-looking-argument")
+    assert run.returncode == 0, run.stdout + run.stderr
+    [run_dir] = (state_dir / "local" / "runs").iterdir()
+    assert (run_dir / "result.txt").read_text() == "ok" and (run_dir / "summary.json").exists()
+    assert not_private(state_dir) == []
+    assert run_cli("down").returncode == 0
+    assert (run_dir / "node-0.log").exists() and (state_dir / "ledger.sqlite").exists()
+    assert not_private(state_dir) == []
+
+
+def not_private(root) -> list[str]:
+    """Everything under `root` (itself included) that its group or others may read, write or enter."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        for path in [folder, *(os.path.join(folder, name) for name in files)]:
+            mode = os.lstat(path).st_mode
+            if not stat.S_ISLNK(mode) and mode & 0o077:
+                found.append(f"{stat.S_IMODE(mode):04o} {path}")
+    return found

@@ -1,10 +1,12 @@
 """Preflight against moto and Stubber: every check, and all problems reported together."""
 
+from dataclasses import replace
+
 import boto3
 import pytest
 
 from aws_fakes import clients, moto_aws
-from infra import config as stack_config, preflight
+from infra import catalog, config as stack_config, preflight
 
 
 @pytest.fixture
@@ -61,9 +63,17 @@ def test_a_pinned_zone_that_does_not_offer_the_type_is_refused(aws):
     assert any("not offered in us-east-1z" in p for p in result.problems)
 
 
-def test_an_unknown_type_is_refused(aws):
-    result = check({"instanceType": "g4dn.99xlarge"})
+def test_a_type_aws_does_not_describe_is_refused(aws):
+    config = replace(stack_config.validate("dev", {}), instance_type="g4dn.99xlarge")  # past the catalog's check
+    result = preflight.run(config, clients(config.region), cli_present=True, lookup_ip=lambda: "203.0.113.7")
     assert any("g4dn.99xlarge does not exist" in p for p in result.problems)
+
+
+def test_the_quota_family_and_vcpus_come_from_the_catalog(aws):
+    assert preflight.quota_family("p3.2xlarge") == "P" and preflight.quota_family("g6e.xlarge") == "G"
+    result = check({"instanceType": "g5.12xlarge", "nodes": 3}, quota_vcpus=100)
+    assert result.vcpus_needed == 3 * catalog.lookup("g5.12xlarge").vcpus == 144
+    assert any("needs 144" in p for p in result.problems)
 
 
 def test_a_missing_ami_is_refused(aws):

@@ -141,3 +141,20 @@ def test_shutdown_behaviour_follows_the_config_and_spot_must_terminate():
     assert {i.inputs["instanceInitiatedShutdownBehavior"] for i in of_type(run, "Instance")} == {"stop"}
     with pytest.raises(UsageError, match="spot instances can only terminate"):
         program(spot=True, shutdownBehavior="stop")
+
+
+def test_the_job_ports_are_open_to_the_node_group_only():
+    """The rendezvous store, the workers' store and gloo/NCCL take no password; on AWS what covers them
+    is that only the nodes' own security group reaches any port but SSH (README, 'What a job exposes')."""
+    run = program()
+    groups = of_type(run, "SecurityGroup")
+    assert all(not g.inputs.get("ingress") for g in groups)  # no inline rules beside the separate ones
+    rules = [r.inputs for r in of_type(run, "SecurityGroupIngressRule") if r.inputs["securityGroupId"] == "dev-nodes-id"]
+
+    def admits(rule: dict, port: int) -> bool:
+        return rule["ipProtocol"] == "-1" or rule["fromPort"] <= port <= rule["toPort"]
+
+    for port in (29500, 29400, 32768, 45000, 60999):  # MASTER_PORT's default, torchrun's, ephemeral ports
+        admitting = [rule for rule in rules if admits(rule, port)]
+        assert admitting and all(rule.get("referencedSecurityGroupId") == "dev-nodes-id" for rule in admitting), port
+        assert not any(rule.get("cidrIpv4") or rule.get("cidrIpv6") for rule in admitting), port

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -40,12 +41,16 @@ class Cluster:
     def cli(self, *args: str):
         return run_cli(*args, **self.env)
 
-    def popen_fab(self, *args: str) -> subprocess.Popen:
+    def popen_fab(self, *args: str, stderr=subprocess.STDOUT) -> subprocess.Popen:
         return subprocess.Popen([str(Path(sys.executable).with_name("fab")), *args], cwd=REPO,
-                                env=child_env(**self.env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                env=child_env(**self.env), stdout=subprocess.PIPE, stderr=stderr, text=True)
 
     def runs(self) -> list[Path]:
         return sorted((self.state_dir / self.stack / "runs").glob("*"))
+
+    def run_dir(self, output: str) -> Path:
+        """The local run folder of the launch that printed `output`."""
+        return self.state_dir / self.stack / "runs" / run_id_in(output)
 
     def down(self):
         self.cli("down", "--stack", self.stack)
@@ -76,6 +81,16 @@ def cluster(tmp_path_factory):
         handle.down()
 
 
+def metrics_of(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [record for record in map(json.loads, lines) if record["kind"] == kind]
+
+
+def run_id_in(output: str) -> str:
+    """The run id a launch announces (`fab: run <id>: ...`)."""
+    return next(line.split()[2].rstrip(":") for line in output.splitlines() if line.startswith("fab: run "))
+
+
 def run_processes(run_id: str) -> list[int]:
     """Processes of a run still alive anywhere on this machine (found by CLUSTER_RUN_ID)."""
     found = []
@@ -90,15 +105,14 @@ def run_processes(run_id: str) -> list[int]:
     return found
 
 
-def wait_for_output(proc: subprocess.Popen, text: str, timeout_s: float = 60) -> str:
-    """Read a running fab's output until `text` appears."""
+def wait_for_output(proc: subprocess.Popen, *texts: str, timeout_s: float = 60) -> str:
+    """Read a running fab's output until every one of `texts` has appeared."""
     seen, deadline = "", time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        seen += line
-        if text in line:
-            return seen
-    raise AssertionError(f"{text!r} not seen in:\n{seen}")
+    while time.monotonic() < deadline and not all(text in seen for text in texts):
+        seen += proc.stdout.readline()
+    if not all(text in seen for text in texts):
+        raise AssertionError(f"{texts!r} not all seen in:\n{seen}")
+    return seen
 
 
 # ------------------------------------------------------------------------------------- bootstrap
@@ -126,6 +140,36 @@ def test_every_node_gets_its_rank_and_the_same_master(cluster):
     assert envs["node-0"]["MASTER_ADDR"] == envs["node-1"]["MASTER_ADDR"] == cluster.info["nodes"][0]["private_ip"]
     assert envs["node-1"]["GLOO_SOCKET_IFNAME"] == "lo"
     assert (shared / "code" / "harness" / "dist.py").read_bytes() == (REPO / "harness" / "dist.py").read_bytes()
+
+
+def test_plain_ssh_shells_on_a_local_node_have_the_node_environment(cluster):
+    inventory, node = cluster.info, cluster.info["nodes"][1]
+    ssh = ["ssh", "-i", inventory["ssh_key"], "-p", str(node["ssh_port"]), "-o", "IdentitiesOnly=yes",
+           "-o", f"UserKnownHostsFile={inventory['known_hosts']}", "-o", "StrictHostKeyChecking=yes",
+           f"{node['ssh_user']}@{node['public_ip']}"]
+    wanted = ["1", inventory["nodes"][0]["private_ip"]]
+    command = subprocess.run(ssh + ["echo $NODE_RANK $MASTER_ADDR $CLUSTER_PYTHON"], capture_output=True, text=True)
+    assert command.stdout.split()[:2] == wanted and command.stdout.strip().endswith("/venv/bin/python"), command
+    login = subprocess.run(ssh + ["bash -lc 'echo $NODE_RANK $MASTER_ADDR'"], capture_output=True, text=True)
+    assert login.stdout.split() == wanted, login
+    interactive = subprocess.run(["ssh", "-tt", *ssh[1:]], input="echo RANK=$NODE_RANK\nexit\n",
+                                 capture_output=True, text=True, timeout=30)
+    assert "RANK=1" in interactive.stdout, interactive
+
+
+def test_a_master_port_in_use_or_an_ssh_port_is_refused_before_anything_is_written(cluster):
+    nodes = cluster.info["nodes"]
+    written = [cluster.state_dir / "local" / "nodes" / n["name"] / ".gpu-cluster" / "env" for n in nodes]
+    written.append(cluster.state_dir / "local" / "bootstrap.json")
+    before = [(path.read_bytes(), path.stat().st_mtime_ns) for path in written]
+    assert_one_line_error(cluster.fab("bootstrap", "--master-port", str(nodes[1]["ssh_port"])), "SSH port of node-")
+    port = free_port()
+    with socket.socket() as squatter:
+        squatter.bind((nodes[0]["private_ip"], port))
+        squatter.listen()
+        refused = cluster.fab("bootstrap", "--master-port", str(port))
+    assert_one_line_error(refused, f"MASTER_PORT {port}", "node-0", nodes[0]["private_ip"], "in use", "--master-port")
+    assert [(path.read_bytes(), path.stat().st_mtime_ns) for path in written] == before
 
 
 # --------------------------------------------------------------------------------------- launches
@@ -179,14 +223,44 @@ def test_max_restarts_restarts_both_nodes_and_training_resumes(cluster):
     args = "--steps 30 --checkpoint-every 10"
     straight = cluster.fab("run-ddp", "--args", args)
     assert straight.returncode == 0
-    expected = json.loads((cluster.runs()[-1] / "summary.json").read_text())
+    straight_summary = metrics_of(cluster.runs()[-1], "summary")[-1]
     restarted = cluster.fab("run-ddp", "--max-restarts", "1", "--args", args + " --simulate-failure-at-step 15")
     assert restarted.returncode == 0, restarted.stdout[-2000:] + restarted.stderr
     assert "[node-1] rank 1: failing on purpose at step 15" in restarted.stdout
     assert "resuming from step 10" in restarted.stdout
-    digest = lambda text: text.split("parameters identical on all 2 ranks (sha256 ")[1][:16]  # noqa: E731
-    assert digest(restarted.stdout) == digest(straight.stdout)
-    assert expected["exit_codes"] == {"node-0": 0, "node-1": 0}
+    restarted_dir = cluster.runs()[-1]
+    assert json.loads((restarted_dir / "summary.json").read_text())["exit_codes"] == {"node-0": 0, "node-1": 0}
+    resumed = metrics_of(restarted_dir, "summary")[-1]
+    assert (resumed["resumed_from"], resumed["steps"]) == (10, 30)
+    assert resumed["parameter_digest"] == straight_summary["parameter_digest"]
+
+
+def test_profile_prints_an_nccl_tests_table_per_collective_and_fetches_its_json(cluster):
+    result = cluster.fab("profile", "--args", "--max-bytes 2K --warmup 1 --iters 2")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
+        assert f"[node-0] # {op}: 2 ranks, gloo" in result.stdout
+    assert result.stdout.count("[node-0] # Avg bus bandwidth") == 4
+    report = json.loads((cluster.run_dir(result.stdout) / "profile.json").read_text())
+    assert report["world_size"] == 2 and len(report["results"]) == 4 * 2  # 1K and 2K for each collective
+    assert all(row["wrong"] == 0 for row in report["results"])
+
+
+def test_accumulate_all_reduces_once_per_optimizer_step_across_the_nodes(cluster):
+    result = cluster.fab("accumulate", "--args", "-k 2 --steps 2 --log-every 1")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr
+    assert "[node-0] all-reduce per optimizer step: 1 gradient synchronisation(s)" in result.stdout
+    summary = metrics_of(cluster.run_dir(result.stdout), "summary")[-1]
+    assert (summary["k"], summary["steps"], summary["synchronisations_per_step"]) == (2, 2, 1)
+
+
+def test_model_parallel_runs_one_pipeline_stage_per_node(cluster):
+    result = cluster.fab("model-parallel", "--args", "--steps 2 -m 2 --log-every 1")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr
+    assert "[node-0] 2 stages x 2 layers" in result.stdout
+    assert "theory (p-1)/(m+p-1) = 33.3%" in result.stdout  # p = 2 nodes, m = 2 micro-batches
+    summary = metrics_of(cluster.run_dir(result.stdout), "summary")[-1]
+    assert summary["stages"] == 2
 
 
 def test_a_plain_torchrun_script_sees_distinct_node_ranks_and_one_master(cluster, tmp_path):
@@ -226,17 +300,16 @@ def test_a_failing_rank_ends_the_whole_job_quickly_and_leaves_nothing(cluster, t
     assert run_processes(summary["run_id"]) == []
 
 
-def start_sleeping_job(cluster, tmp_path) -> subprocess.Popen:
-    """`fab run` of a script that sleeps on every rank, returned once it runs everywhere."""
+def start_sleeping_job(cluster, tmp_path) -> tuple[subprocess.Popen, str]:
+    """`fab run` of a script that sleeps on every rank, returned with its run id once it runs everywhere."""
     script = tmp_path / "sleep.py"
     script.write_text("import time\nprint('sleeping', flush=True)\ntime.sleep(600)\n")
     job = cluster.popen_fab("run", "--script", str(script))
-    wait_for_output(job, "sleeping")
-    return job
+    return job, run_id_in(wait_for_output(job, "[node-0] sleeping", "[node-1] sleeping"))
 
 
 def test_stop_ends_a_running_job_on_every_node(cluster, tmp_path):
-    job = start_sleeping_job(cluster, tmp_path)
+    job, run_id = start_sleeping_job(cluster, tmp_path)
     try:
         busy = cluster.fab("hello")
         assert_one_line_error(busy, "running job", "fab stop")
@@ -245,19 +318,125 @@ def test_stop_ends_a_running_job_on_every_node(cluster, tmp_path):
         assert job.wait(timeout=30) == 1
     finally:
         job.kill()
-    run_id = json.loads((cluster.runs()[-1] / "summary.json").read_text())["run_id"]
     assert run_processes(run_id) == []
 
 
 def test_ctrl_c_stops_the_job_everywhere(cluster, tmp_path):
-    job = start_sleeping_job(cluster, tmp_path)
+    job, run_id = start_sleeping_job(cluster, tmp_path)
     try:
         job.send_signal(signal.SIGINT)
         assert job.wait(timeout=30) == 130
     finally:
         job.kill()
-    summary = json.loads((cluster.runs()[-1] / "summary.json").read_text())
-    assert run_processes(summary["run_id"]) == []
+    assert run_processes(run_id) == []
+
+
+def test_two_launches_at_the_same_moment_run_one_job(cluster, tmp_path):
+    script = tmp_path / "until_released.py"  # runs until the test has seen one launch of the pair end
+    script.write_text("import os, sys, time\n"
+                      "deadline = time.time() + 120\n"
+                      "while not os.path.exists(sys.argv[1]) and time.time() < deadline:\n"
+                      "    time.sleep(0.1)\n")
+    for attempt in range(3):
+        before = cluster.runs()
+        release = tmp_path / f"release-{attempt}"
+        pair = [cluster.popen_fab("run", "--script", str(script), "--args", str(release), stderr=subprocess.PIPE)
+                for _ in range(2)]
+        deadline = time.monotonic() + 120
+        while all(job.poll() is None for job in pair) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        release.touch()
+        outcomes = []
+        for job in pair:
+            out, err = job.communicate(timeout=120)
+            outcomes.append((job.returncode, out, err))
+        assert sorted(code for code, _, _ in outcomes) == [0, 2], outcomes
+        [(_, ran, _)] = [o for o in outcomes if o[0] == 0]
+        [(_, _, refusal)] = [o for o in outcomes if o[0] == 2]
+        assert refusal.count("\n") == 1 and refusal.startswith("error: node-0 is running job "), refusal
+        assert run_id_in(ran) in refusal and "fab stop" in refusal
+        assert len(cluster.runs()) == len(before) + 1  # the refused launch created no run folder
+
+
+def test_fail_fast_names_the_node_that_failed_first_by_its_own_clock(cluster, tmp_path):
+    script = tmp_path / "both_fail.py"
+    script.write_text(  # node-0 fails first, but a child keeps its output open, so its SSH call returns last
+        "import os, subprocess, sys, time\n"
+        "if os.environ['CLUSTER_NODE'] == 'node-0':\n"
+        "    subprocess.Popen(['sleep', '30'])\n"
+        "    sys.exit(3)\n"
+        "time.sleep(2)\n"
+        "sys.exit(4)\n"
+    )
+    result = cluster.fab("run", "--script", str(script), timeout=120)
+    assert result.returncode == 1
+    assert "fab: node-1 exited" in result.stdout  # fab saw node-1's call return first...
+    assert "(first: node-0, log: " in result.stderr and "node-0.log" in result.stderr  # ...and names node-0
+    assert "__gpu_cluster_exit__" not in result.stdout + (cluster.runs()[-1] / "node-0.log").read_text()
+
+
+def listening_addresses(pids: list[int]) -> list[str]:
+    """`address:port` of every listening TCP socket the processes hold (from /proc/net/tcp and tcp6)."""
+    listening = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] == "0A":  # LISTEN
+                address, port = fields[1].split(":")
+                listening[fields[9]] = f"{socket.inet_ntop(*_raw_address(address))}:{int(port, 16)}"
+    found = []
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in listening:
+                found.append(listening[target[8:-1]])
+    return found
+
+
+def _raw_address(hex_address: str) -> tuple[int, bytes]:
+    raw = bytes.fromhex(hex_address)
+    # /proc prints each 32-bit word in host (little-endian) order.
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return (socket.AF_INET if len(raw) == 4 else socket.AF_INET6), words
+
+
+def test_the_job_listens_on_loopback_only(cluster, tmp_path):
+    script = tmp_path / "listen.py"
+    script.write_text(
+        "import time, torch.distributed as dist\n"
+        "dist.init_process_group('gloo'); dist.barrier()\n"
+        "print('joined', flush=True); time.sleep(600)\n"
+    )
+    job = cluster.popen_fab("run", "--script", str(script))
+    try:
+        run_id = run_id_in(wait_for_output(job, "[node-0] joined"))  # past the barrier: every rank is up
+        addresses = listening_addresses(run_processes(run_id))
+        head = cluster.info["nodes"][0]["private_ip"]
+        assert f"{head}:{cluster.master_port}" in addresses  # the rendezvous store, on MASTER_ADDR only
+        assert len(addresses) >= 3  # with the workers' store and gloo's sockets
+        assert all(a.startswith("127.") for a in addresses), addresses
+    finally:
+        cluster.fab("stop")
+        job.wait(timeout=60)
+
+
+def test_a_killed_fab_leaves_no_run_open_in_the_ledger(cluster, tmp_path):
+    job, run_id = start_sleeping_job(cluster, tmp_path)
+    os.kill(job.pid, signal.SIGKILL)
+    job.wait(timeout=30)
+    killed_at = time.time()
+    [run] = [r for r in json.loads(cluster.cli("cost", "--json").stdout)["runs"] if r["run_id"] == run_id]
+    assert run["ended_at"] is not None and "gone" in run["end_reason"], run
+    ended = datetime.fromisoformat(run["ended_at"]).timestamp()
+    assert datetime.fromisoformat(run["started_at"]).timestamp() <= ended <= killed_at
+    assert "gone" in cluster.cli("cost").stdout  # the table says why instead of "running"
+    deadline = time.monotonic() + 60  # its SSH sessions closed: the nodes end the job and free the lock
+    while run_processes(run_id) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert run_processes(run_id) == []
 
 
 def test_logs_show_the_last_run_and_gpus_reports_cpu_nodes(cluster):
@@ -298,16 +477,16 @@ def test_launching_before_bootstrap_says_what_to_do(state_dir, make_cluster):
 
 def test_a_stage_failing_on_one_node_is_reported_and_stops_the_bootstrap(state_dir, make_cluster):
     make_cluster()
-    port = free_port()
-    inventory = json.loads((state_dir / "local" / "inventory.json").read_text())
-    with socket.socket() as squatter:  # MASTER_PORT taken on node-0: the health check cannot listen
-        squatter.bind((inventory["nodes"][0]["private_ip"], port))
-        squatter.listen()
-        result = run_fab("bootstrap", "--master-port", str(port))
+    # A torch that cannot be imported, on node-1 only: `python -c` puts the node's home first on sys.path.
+    (state_dir / "local" / "nodes" / "node-1" / "torch.py").write_text("raise ImportError('planted by the test')\n")
+    result = run_fab("bootstrap", "--master-port", str(free_port()))
     assert result.returncode == 1
-    assert "health failed" in result.stdout and "cannot listen" in result.stdout
-    for node in ("node-0", "node-1"):  # the stages before it are complete on every node
-        assert (state_dir / "local" / "nodes" / node / ".gpu-cluster" / "env").exists()
+    assert "node-1: deps failed" in result.stdout and "planted by the test" in result.stdout
+    states = {node: json.loads((state_dir / "local" / "nodes" / node / ".gpu-cluster" / "state.json").read_text())
+              for node in ("node-0", "node-1")}
+    assert all("probe" in state for state in states.values())  # the stage before it is complete on every node
+    assert "deps" in states["node-0"] and "deps" not in states["node-1"]  # every node finished the failing one
+    assert not any((state_dir / "local" / "nodes" / node / ".gpu-cluster" / "env").exists() for node in states)
     assert not (state_dir / "local" / "bootstrap.json").exists()
 
 

@@ -1,8 +1,11 @@
 """The command builders and parsers of remote/, directly (and the stop command run for real in bash)."""
 
+import hashlib
 import os
 import shlex
 import subprocess
+import sys
+import threading
 import time
 from datetime import datetime, timezone
 
@@ -10,7 +13,8 @@ import pytest
 
 from infra.inventory import ClusterInfo, NodeInfo
 from remote import commands
-from remote.bootstrap import digest, local_manifest
+from remote.bootstrap import REPO, SYNCED, digest, local_manifest
+from remote.launch import JobStream, first_failure
 from remote.stream import NodeStream
 
 
@@ -30,7 +34,8 @@ def test_node_environment_names_the_head_and_the_routed_interface():
     assert env1["NCCL_SOCKET_IFNAME"] == env1["GLOO_SOCKET_IFNAME"] == "ens5"
     assert env1["CLUSTER_HOURLY_USD"] == "1.504" and env1["CLUSTER_SHARED_DIR"] == "/shared"
     assert "OMP_NUM_THREADS" not in env1
-    assert commands.node_environment(cluster(provider="local"), 0, "lo", "py")["OMP_NUM_THREADS"] == "1"
+    threads = ClusterInfo(**{**cluster().__dict__, "env": {"OMP_NUM_THREADS": "1"}})
+    assert commands.node_environment(threads, 0, "lo", "py")["OMP_NUM_THREADS"] == "1"
 
 
 def test_env_file_is_sourceable_and_quotes_what_needs_quoting(tmp_path):
@@ -45,7 +50,8 @@ def test_env_file_is_sourceable_and_quotes_what_needs_quoting(tmp_path):
 def test_torchrun_uses_c10d_on_the_head_with_a_fresh_id_and_node_addresses():
     c = cluster(gpus=(4, 4))
     argv = commands.torchrun_argv(c, c.nodes[1], "run-1", 2, 29500)
-    assert argv[:2] == ["-m", "torch.distributed.run"]
+    assert argv[:2] == ["-m", "remote.node.torchrun"]  # torchrun, with the job's stores bound to one address
+    assert "--rdzv-conf=is_host=0" in argv and "--rdzv-conf=is_host=1" in commands.torchrun_argv(c, c.nodes[0], "r", 0, 1)
     assert "--nnodes=2" in argv and "--nproc-per-node=4" in argv
     assert "--rdzv-backend=c10d" in argv and "--rdzv-endpoint=10.0.1.10:29500" in argv
     assert "--rdzv-id=run-1" in argv and "--local-addr=10.0.1.11" in argv and "--max-restarts=2" in argv
@@ -55,15 +61,46 @@ def test_launch_command_quotes_arguments_and_records_the_job():
     c = cluster()
     command = commands.launch_command(c, c.nodes[0], "r1", "run", "$CLUSTER_CODE_DIR/examples/x.py",
                                       ["--msg", "a b; rm -rf /"], 0, 29500)
-    assert command.endswith(f'"$CLUSTER_CODE_DIR"/examples/x.py --msg {shlex.quote("a b; rm -rf /")} 2>&1')
+    assert f'"$CLUSTER_CODE_DIR"/examples/x.py --msg {shlex.quote("a b; rm -rf /")} 2>&1;' in command
     assert "cd /shared/runs/r1" in command
     assert command.startswith(f". {commands.ENV_FILE} && ")
-    assert "exec env CLUSTER_RUN_ID=r1 CLUSTER_RUN_DIR=/shared/runs/r1" in command
+    assert "env CLUSTER_RUN_ID=r1 CLUSTER_RUN_DIR=/shared/runs/r1" in command
     assert f"> {commands.JOB_FILE}" in command
 
 
+def test_launch_command_passes_the_exit_code_and_reports_when_the_node_saw_it(tmp_path):
+    home, shared = tmp_path / "home", tmp_path / "shared"
+    (home / ".gpu-cluster").mkdir(parents=True)
+    fake_python = tmp_path / "python"  # stands in for torchrun: shows its arguments, fails with 3
+    fake_python.write_text("#!/bin/bash\necho \"args: $*\"\nexit 3\n")
+    fake_python.chmod(0o755)
+    (home / ".gpu-cluster" / "env").write_text(f"export CLUSTER_PYTHON={fake_python}\nexport CLUSTER_CODE_DIR=/code\n")
+    c = cluster(shared=str(shared))
+    command = commands.launch_command(c, c.nodes[1], "r1", "run", "x.py", ["--a", "b c"], 0, 29500)
+    before = time.time()
+    result = subprocess.run(["bash", "-c", command], env={"HOME": str(home), "PATH": os.environ["PATH"]},
+                            capture_output=True, text=True, cwd=tmp_path)
+    lines = result.stdout.splitlines()
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert lines[0].startswith("args: -m ") and lines[0].endswith("x.py --a b c")
+    code, seen_at = commands.parse_exit_marker(lines[-1])
+    assert code == 3 and before <= seen_at <= time.time()
+    assert (shared / "runs" / "r1").is_dir()
+
+
+@pytest.mark.parametrize("line,parsed", [
+    (f"{commands.EXIT_MARKER} 1 1700000000.250000", (1, 1700000000.25)),
+    (f"{commands.EXIT_MARKER} 0 1700000000,5", (0, 1700000000.5)),  # a locale with a decimal comma
+    (f"{commands.EXIT_MARKER} 1 1700000000.N", (1, None)),  # date(1) without %N
+    ("step 10 loss 2.3", None),
+    (f"say {commands.EXIT_MARKER} 1 2", None),
+])
+def test_exit_marker_parsing(line, parsed):
+    assert commands.parse_exit_marker(line) == parsed
+
+
 def test_folders_fall_back_to_each_home_without_shared_storage():
-    assert commands.code_dir(cluster(shared="")) == "$HOME/code"
+    assert commands.code_dir(cluster(shared="")) == "$HOME/.gpu-cluster/code"
     assert commands.remote_run_dir(cluster(shared="/shared/"), "r") == "/shared/runs/r"
     assert commands.shell_path("$HOME/a b") == '"$HOME"/\'a b\''
 
@@ -89,26 +126,40 @@ def test_run_ids_sort_by_time_and_name_the_task():
     assert early.startswith("20260102-030405-hello-") and early < late
 
 
-def test_stop_command_ends_the_job_group_and_strays_of_the_run(tmp_path):
-    home = tmp_path / "home"
+def test_stop_command_ends_every_job_of_the_node_and_nothing_else(tmp_path):
+    home, other_home = tmp_path / "home", tmp_path / "other"
     (home / ".gpu-cluster").mkdir(parents=True)
     env = {"HOME": str(home), "PATH": os.environ["PATH"]}
-    # A job like launch_command makes one: a group leader recording itself, a child in its group, and a
+    # A job as launch_command makes one: a group leader recording itself, a child in its group, and a
     # "worker" in a session of its own that only the run id in its environment ties to the job.
     job = subprocess.Popen(
         ["bash", "-c", f"echo \"$$ run-x task\" > {commands.JOB_FILE}; "
                        "CLUSTER_RUN_ID=run-x setsid sleep 301 & sleep 302 & wait"],
         env=env, start_new_session=True,
     )
-    time.sleep(0.5)
-    result = subprocess.run(["bash", "-c", commands.stop_command(grace_s=2)], env=env, capture_output=True, text=True)
-    assert result.stdout.strip() == "stopped run-x"
-    job.wait(timeout=5)
-    time.sleep(0.2)
-    leftovers = subprocess.run(["pgrep", "-f", "sleep 30[12]"], capture_output=True, text=True).stdout.split()
-    assert leftovers == []
-    again = subprocess.run(["bash", "-c", commands.stop_command()], env=env, capture_output=True, text=True)
-    assert again.stdout.strip() == "idle"
+    # A second job started beside it, which JOB_FILE does not record, and another node's job (same
+    # machine, another HOME), which this node's stop must leave alone.
+    beside = subprocess.Popen(["sleep", "303"], env={**env, "CLUSTER_RUN_ID": "run-y"}, start_new_session=True)
+    elsewhere = subprocess.Popen(["sleep", "304"], env={**env, "HOME": str(other_home), "CLUSTER_RUN_ID": "run-z"},
+                                 start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not (home / ".gpu-cluster" / "job").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        result = subprocess.run(["bash", "-c", commands.stop_command(grace_s=2)], env=env, capture_output=True,
+                                text=True)
+        assert result.stdout.split()[0] == "stopped", result.stdout + result.stderr
+        assert sorted(result.stdout.split()[1:]) == ["run-x", "run-y"]
+        job.wait(timeout=5)
+        beside.wait(timeout=5)
+        leftovers = subprocess.run(["pgrep", "-f", "sleep 30[123]"], capture_output=True, text=True).stdout.split()
+        assert leftovers == []
+        assert elsewhere.poll() is None
+        again = subprocess.run(["bash", "-c", commands.stop_command()], env=env, capture_output=True, text=True)
+        assert again.stdout.strip() == "idle"
+    finally:
+        for proc in (job, beside, elsewhere):
+            proc.kill()
 
 
 def test_node_stream_prefixes_whole_lines_and_keeps_the_log(tmp_path, capsys):
@@ -121,11 +172,22 @@ def test_node_stream_prefixes_whole_lines_and_keeps_the_log(tmp_path, capsys):
     assert (tmp_path / "node-1.log").read_text() == "first line\nsecond\npart\n"
 
 
-def test_the_code_manifest_covers_the_harness_and_examples_only():
+def test_the_code_manifest_is_what_git_has_in_the_synced_folders_with_their_hashes():
+    """The manifest against an independent account: git's list of files in the synced folders (tracked
+    or new, never ignored ones such as __pycache__), and each file's sha256 read here."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "--", *SYNCED],
+                            cwd=REPO, capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip(f"not a git checkout: {listed.stderr.strip()}")
+    expected = {path for path in listed.stdout.splitlines() if (REPO / path).is_file()}
     manifest = local_manifest()
-    assert "harness/dist.py" in manifest and "examples/ddp_training.py" in manifest
-    assert not any("__pycache__" in p or p.startswith(("infra", "remote", "tests")) for p in manifest)
-    assert digest(manifest) == digest(dict(manifest)) != digest({**manifest, "x": "y"})
+    assert set(manifest) == expected
+    assert "remote/node/job_lock.py" in manifest and "examples/ddp_training.py" in manifest
+    assert not any(path.startswith(("infra/", "tests/", "remote/tasks")) for path in manifest)
+    for path, sha in manifest.items():
+        assert sha == hashlib.sha256((REPO / path).read_bytes()).hexdigest(), path
+    changed = {**manifest, "harness/dist.py": "0" * 64}
+    assert digest(changed) != digest(manifest) == digest(dict(reversed(list(manifest.items()))))
 
 
 def test_a_dropped_connection_is_retried_but_a_missing_file_is_not(tmp_path):
@@ -152,3 +214,97 @@ def test_a_dropped_connection_is_retried_but_a_missing_file_is_not(tmp_path):
     with pytest.raises(FileNotFoundError):
         session.retrying(missing_file, delays_s=(0, 0, 0))
     assert calls.count("missing") == 1
+
+
+def test_code_hashes_come_from_coreutils_and_name_paths_under_the_synced_folders(tmp_path):
+    (tmp_path / "harness" / "__pycache__").mkdir(parents=True)
+    (tmp_path / "harness" / "dist.py").write_text("x = 1\n")
+    (tmp_path / "harness" / "__pycache__" / "dist.pyc").write_bytes(b"cache")
+    (tmp_path / "mine.txt").write_text("the user's own file\n")
+    out = subprocess.run(["bash", "-c", commands.hash_files_command(str(tmp_path), ("harness", "remote/node"))],
+                         capture_output=True, text=True)
+    assert out.returncode == 0
+    assert commands.parse_hashes(out.stdout) == {"harness/dist.py": hashlib.sha256(b"x = 1\n").hexdigest()}
+    missing = subprocess.run(["bash", "-c", commands.hash_files_command(str(tmp_path / "none"), ("harness",))],
+                             capture_output=True, text=True)
+    assert missing.returncode == 0 and commands.parse_hashes(missing.stdout) == {}
+
+
+def test_a_command_killed_by_a_signal_is_an_exit_status_not_a_lost_connection():
+    import paramiko
+
+    import remote.connect  # noqa: F401  (installs the handler)
+
+    class Channel:
+        exit_status = -1
+        status_event = threading.Event()
+
+    message = paramiko.Message()
+    message.add_string("exit-signal")
+    message.add_boolean(False)
+    message.add_string("KILL")
+    message.add_boolean(False)
+    message.add_string("")
+    message.add_string("")
+    message.rewind()
+    channel = Channel()
+    paramiko.Transport._channel_handler_table[paramiko.common.MSG_CHANNEL_REQUEST](channel, message)
+    assert channel.exit_status == 137 and channel.status_event.is_set()
+
+
+def test_fail_fast_names_the_node_that_saw_its_failure_first_not_the_first_call_to_return():
+    codes = {"node-0": 1, "node-1": 1, "node-2": 143}
+    # node-1's SSH call returned first, but node-0's own clock saw its torchrun end 0.4 s earlier.
+    exited_at = {"node-0": 100.1, "node-1": 100.5, "node-2": None}
+    assert first_failure(codes, exited_at, ["node-1", "node-2", "node-0"]) == "node-0"
+    # Nodes that never reported a time (stopped, connection lost) come after those that did.
+    assert first_failure({"node-0": 255, "node-1": 1}, {"node-0": None, "node-1": 100.5}, ["node-0", "node-1"]) == "node-1"
+    assert first_failure({"node-0": 255, "node-1": 143}, {}, ["node-1", "node-0"]) == "node-1"
+    assert first_failure({"node-0": 0, "node-1": 0}, {"node-0": 1.0, "node-1": 2.0}, ["node-0", "node-1"]) is None
+
+
+def test_the_exit_marker_is_kept_out_of_the_stream_and_the_log(tmp_path, capsys):
+    stream = JobStream("node-0", 0, tmp_path / "node-0.log")
+    stream.write(f"last words\n{commands.EXIT_MARKER} 1 1700000000.5\n")
+    stream.close()
+    assert stream.exit == (1, 1700000000.5)
+    assert capsys.readouterr().out == "[node-0] last words\n"
+    assert (tmp_path / "node-0.log").read_text() == "last words\n"
+
+
+@pytest.mark.parametrize("reply,parsed", [
+    ("locked", ("locked", None)),
+    ("held 20260101-000000-hello-ab12 hello laptop:4242 1700000000",
+     ("held", {"run_id": "20260101-000000-hello-ab12", "task": "hello", "owner": "laptop:4242", "since": "1700000000"})),
+    ("", ("failed", None)),
+    ("python3: can't open file 'job_lock.py'", ("failed", None)),
+])
+def test_lock_replies(reply, parsed):
+    assert commands.parse_lock_reply(reply) == parsed
+
+
+def test_the_job_lock_is_taken_once_and_released_when_its_holder_ends(tmp_path):
+    """Two holders of remote/node/job_lock.py for real: the second is refused naming the first, and
+    once the first's input closes (fab ended the job) the lock is free again."""
+    lock = tmp_path / "job.lock"
+    holder = [sys.executable, str(commands.NODE_CODE / "job_lock.py"), str(lock)]
+    first = subprocess.Popen([*holder, "run-a", "hello", "laptop:1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert first.stdout.readline().strip() == "locked"
+        second = subprocess.run([*holder, "run-b", "hello", "laptop:2"], capture_output=True, text=True, timeout=30)
+        assert second.returncode == 3
+        state, held = commands.parse_lock_reply(second.stdout.strip())
+        assert state == "held" and (held["run_id"], held["owner"]) == ("run-a", "laptop:1")
+        first.stdin.close()
+        assert first.wait(timeout=30) == 0
+        third = subprocess.Popen([*holder, "run-c", "hello", "laptop:3"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True)
+        assert third.stdout.readline().strip() == "locked"
+        third.kill()  # a holder that dies without a word releases the lock too
+        third.wait(timeout=30)
+        fourth = subprocess.run([*holder, "run-d", "hello", "laptop:4"], input="", capture_output=True, text=True,
+                                timeout=30)
+        assert fourth.stdout.strip() == "locked" and fourth.returncode == 0
+    finally:
+        first.kill()

@@ -2,11 +2,13 @@
 
     python -m infra.local.node_server .cluster/local/nodes/node-0/node.json
 
-Started in the background by `deploy.py up --local`, one process per node. It accepts only the
-cluster's key, serves exec, shell (with a PTY when asked) and SFTP, and behaves like a machine that can
-be powered off: on SIGTERM, or when the watchdog's stop marker appears in the shared folder, it ends
-every process started on the node and exits. A client that disconnects takes its command's process
-group with it, so a killed session leaves no orphans.
+Started in the background by `deploy.py up --local`, one process per node, with an allow-listed
+environment (no credentials of the caller's). It accepts only the cluster's key, serves exec, shell
+(with a PTY when asked), SFTP and scp (both protocols, with an exit status as OpenSSH gives), and
+behaves like a machine that can be powered off: on SIGTERM, or when the watchdog's stop marker appears
+in the shared folder, it ends every process started on the node and exits. A client that disconnects
+takes its command's process group with it, so a killed session leaves no orphans. Everything it and
+its commands create is private to the user (umask 077), as the state folder it lives in is.
 """
 
 import asyncio
@@ -25,13 +27,21 @@ from pathlib import Path
 
 import asyncssh
 
+from infra import state
 from infra.local import procs
+from remote.node import layout
 
+SERVER_MODULE = "infra.local.node_server"
 # The watchdog (harness/watchdog.py) writes this file under the shared folder to power the cluster off.
 STOP_MARKER = ".gpu-cluster/stop.json"
 # Daemons started on the node (the watchdog, a detached job) register `<name>.pid` here, so that
 # powering the node off ends them too, as it would on a real machine.
-PID_REGISTRY = ".gpu-cluster/pids"
+PID_REGISTRY = layout.PIDS
+# Every shell sources the node environment, so NODE_RANK, MASTER_ADDR, CLUSTER_PYTHON are there in
+# plain `ssh` sessions too: non-interactive ones through BASH_ENV (unset at once, so a job's own
+# shells do not source it again over what the job set), interactive ones through the rcfile.
+SOURCE_ENV = f'[ -f "$HOME/{layout.ENV}" ] && . "$HOME/{layout.ENV}"\n'
+
 TERMINATE_GRACE_S = 3.0
 GUARD_POLL_S = 1.0
 
@@ -83,7 +93,9 @@ class ProcessTable:
                 pids.append(int(path.read_text().split()[0]))
             except (ValueError, IndexError, OSError):
                 continue
-        return pids
+        # A job can write anything here: 0, 1 or a negative number would signal this server's own
+        # group, init's, or every process, so only real process group ids of others are kept.
+        return [pid for pid in pids if pid > 1 and pid != os.getpid()]
 
     async def end_all(self) -> None:
         """Everything started on the node: session groups and daemons get SIGTERM and a grace
@@ -124,6 +136,37 @@ def _signal_group(pgid: int, sig: int) -> bool:
         return True
     except (ProcessLookupError, PermissionError):
         return False
+
+
+class NodeSFTPServer(asyncssh.SFTPServer):
+    """asyncssh's SFTP server, ending as OpenSSH's does and keeping the node's files private.
+
+    OpenSSH's sftp-server exits 0 when the client ends the session and sshd sends that exit status;
+    asyncssh only closes the channel, and stock `scp` (SFTP protocol by default since OpenSSH 9.0)
+    copies the file and then exits 1 for want of a status. A chmod from the client (Fabric's `put`
+    copies the local mode) keeps only the owner's bits, as the umask does for files created here.
+    """
+
+    def exit(self) -> None:
+        try:
+            self.channel.exit(0)
+        except OSError:  # the client went away first: there is no one to tell
+            pass
+
+    def setstat(self, path: bytes, attrs: asyncssh.SFTPAttrs) -> None:
+        return super().setstat(path, _owner_only(attrs))
+
+    def lsetstat(self, path: bytes, attrs: asyncssh.SFTPAttrs) -> None:
+        return super().lsetstat(path, _owner_only(attrs))
+
+    def fsetstat(self, file_obj: object, attrs: asyncssh.SFTPAttrs) -> None:
+        return super().fsetstat(file_obj, _owner_only(attrs))
+
+
+def _owner_only(attrs: asyncssh.SFTPAttrs) -> asyncssh.SFTPAttrs:
+    if attrs.permissions is not None:
+        attrs.permissions &= ~0o077
+    return attrs
 
 
 class NodeSSHServer(asyncssh.SSHServer):
@@ -176,28 +219,33 @@ class Node:
             "CLUSTER_NODE_TOKEN": cfg.token,
             # Local nodes are CPU nodes: two "nodes" on one GPU would break NCCL.
             "CUDA_VISIBLE_DEVICES": "",
+            "BASH_ENV": str(self.home / layout.HOME_DIR / "bash_env"),
         }
         env.update(process.env)
         if process.term_type:
             env["TERM"] = process.term_type
         return env
 
-    def write_rcfile(self) -> Path:
-        """The interactive shell's rc: the usual files, then a prompt that names the node."""
-        rcfile = self.home / ".gpu-cluster" / "bashrc"
-        rcfile.write_text(
+    def write_shell_files(self) -> None:
+        """BASH_ENV for non-interactive shells; the interactive shell's rc: the usual files, the node
+        environment, then a prompt that names the node."""
+        folder = self.home / layout.HOME_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "bash_env").write_text("unset BASH_ENV\n" + SOURCE_ENV)
+        (folder / "bashrc").write_text(
+            "unset BASH_ENV\n"
             "[ -f /etc/bash.bashrc ] && . /etc/bash.bashrc\n"
             '[ -f "$HOME/.bashrc" ] && . "$HOME/.bashrc"\n'
-            f"PS1='\\u@{self.config.name}:\\w\\$ '\n"
+            + SOURCE_ENV
+            + f"PS1='\\u@{self.config.name}:\\w\\$ '\n"
         )
-        return rcfile
 
     async def handle(self, process: asyncssh.SSHServerProcess) -> None:
         command = process.command
         if command is not None:
             argv = ["bash", "-c", command]
         elif process.term_type:
-            argv = ["bash", "--rcfile", str(self.write_rcfile()), "-i"]
+            argv = ["bash", "--rcfile", str(self.home / layout.HOME_DIR / "bashrc"), "-i"]
         else:
             argv = ["bash", "-s"]  # no terminal: a script on stdin
         log.info("%s: %s", "pty" if process.term_type else "exec", command or "<shell>")
@@ -362,6 +410,7 @@ def _set_window(fd: int, size) -> None:
 
 async def serve(config: NodeConfig) -> None:
     node = Node(config)
+    node.write_shell_files()
     authorized = asyncssh.import_public_key(config.authorized_key)
     server = await asyncssh.create_server(
         lambda: NodeSSHServer(config, authorized),
@@ -369,7 +418,7 @@ async def serve(config: NodeConfig) -> None:
         config.port,
         server_host_keys=[config.host_key],
         process_factory=node.handle,
-        sftp_factory=True,
+        sftp_factory=NodeSFTPServer,
         allow_scp=True,
         encoding=None,
         reuse_address=True,
@@ -395,12 +444,11 @@ def _write_pid_file(config: NodeConfig) -> None:
         "address": config.address,
         "port": config.port,
     }
-    tmp = Path(config.pid_file + ".tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, config.pid_file)
+    state.write_atomic(Path(config.pid_file), json.dumps(record))
 
 
 def main(argv: list[str]) -> int:
+    state.keep_private()
     config = NodeConfig.load(argv[1])
     os.chdir(config.home)
     logging.basicConfig(

@@ -74,3 +74,25 @@ def pids_with_environment(entry: str) -> list[int]:
         except (OSError, ValueError):
             continue
     return found
+
+
+def command_line(pid: int) -> list[str]:
+    """The process's argv, or [] when it is gone or unreadable."""
+    try:
+        raw = (PROC / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return []
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+def pids_with_argument(argument: str) -> list[int]:
+    """Live processes with `argument` as one whole element of their argv; empty without /proc."""
+    found = []
+    for path in PROC.glob("[0-9]*/cmdline"):
+        try:
+            pid = int(path.parent.name)
+        except ValueError:
+            continue
+        if pid != os.getpid() and argument in command_line(pid) and alive(pid):
+            found.append(pid)
+    return found

@@ -3,6 +3,10 @@
 Node i listens on 127.0.0.(10+i):2222. Where the platform cannot bind loopback addresses beyond
 127.0.0.1 (macOS by default) every node uses 127.0.0.1 with its own port instead. Nodes are CPU nodes;
 everything else (SSH, Fabric, torchrun) is the same code path as on AWS.
+
+Layout under `.cluster/<stack>/` (all 0700/0600): `nodes/node-<i>/` is node i's home (`$HOME` of every
+command, with its `node.json`, `sshd.pid` and `sshd.log`), `host_keys/node-<i>` its SSH host key (out
+of reach of the jobs that run in the home), `shared/` the folder all nodes share.
 """
 
 import errno
@@ -25,12 +29,16 @@ from infra import inventory, keys, ssh, state
 from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo, NodeInfo
 from infra.local import procs
-from infra.local.node_server import PID_REGISTRY, STOP_MARKER, NodeConfig, token_entry
+from infra.local.node_server import PID_REGISTRY, SERVER_MODULE, STOP_MARKER, NodeConfig, token_entry
 
 DEFAULT_FIRST_ADDRESS = "127.0.0.10"
 DEFAULT_SSH_PORT = 2222
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 3.0
+# What a node server, and so every command on a local node, keeps of the caller's environment: enough
+# to run programs (PATH, locale, time zone, temporary folder) and nothing that grants access elsewhere
+# (AWS_*, PULUMI_*, tokens, passwords, SSH_AUTH_SOCK), as a fresh login on another machine would have.
+NODE_ENVIRONMENT = ("PATH", "LANG", "LANGUAGE", "TZ", "TMPDIR")
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,8 @@ class LocalOptions:
     """Node-0's loopback address; None picks 127.0.0.10, or 127.0.0.1 where only that binds."""
     ssh_port: int = DEFAULT_SSH_PORT
     """SSH port of node-0 (and of every node when each has its own address)."""
+    asked: frozenset[str] = frozenset()
+    """The fields above the user gave explicitly; a cluster that is already up must match them."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,10 @@ def shared_dir(stack: str) -> Path:
     return state.stack_dir(stack) / "shared"
 
 
+def host_key_path(stack: str, index: int) -> Path:
+    return state.stack_dir(stack) / "host_keys" / f"node-{index}"
+
+
 # ---------------------------------------------------------------------------------------------- up
 
 
@@ -80,6 +94,7 @@ def up(options: LocalOptions) -> tuple[ClusterInfo, bool]:
     """Start the nodes and write the inventory; returns (cluster, created). Rolls back on failure."""
     existing = running_cluster(options.stack)
     if existing is not None:
+        check_unchanged(existing, options)
         return existing, False
     addresses = plan_addresses(options)
     try:
@@ -105,6 +120,9 @@ def running_cluster(stack: str) -> ClusterInfo | None:
         cluster = inventory.load(stack)
         if len(alive) == len(cluster.nodes):
             return cluster
+    if alive and not has_inventory:
+        raise UsageError(f"stack {stack!r} has node servers but no inventory (an interrupted up); "
+                         f"run python deploy.py down --stack {stack} first")
     why = stop_reason(stack)
     because = f" (it stopped itself: {why})" if why else ""
     raise UsageError(
@@ -112,11 +130,29 @@ def running_cluster(stack: str) -> ClusterInfo | None:
     )
 
 
+def check_unchanged(cluster: ClusterInfo, options: LocalOptions) -> None:
+    """Exit 2 when `up` asks a running cluster for something else (nodes are not resized in place)."""
+    head = cluster.head
+    found = {"nodes": len(cluster.nodes), "instance_type": cluster.instance_type,
+             "first_address": head.public_ip, "ssh_port": head.ssh_port}
+    flags = {"nodes": "--nodes", "instance_type": "--instance-type", "first_address": "--bind",
+             "ssh_port": "--ssh-port"}
+    differ = [k for k in sorted(options.asked) if getattr(options, k) != found[k]]
+    if differ:
+        asked = "; ".join(f"{flags[k]} {getattr(options, k)} (it has {found[k]})" for k in differ)
+        stack_flag = "" if cluster.stack == state.LOCAL_STACK else f" --stack {cluster.stack}"
+        again = " ".join(f"{flags[k]} {getattr(options, k)}" for k in differ)
+        raise UsageError(
+            f"stack {cluster.stack!r} is already up and differs from what you asked: {asked}. To change it: "
+            f"python deploy.py down --stack {cluster.stack}, then python deploy.py up --local{stack_flag} {again}"
+        )
+
+
 def plan_addresses(options: LocalOptions) -> list[tuple[str, int]]:
     """(address, port) per node, checked free and bindable; UsageError before anything is created."""
     if not 1 <= options.ssh_port <= 65535 - options.nodes:
         raise UsageError(f"--ssh-port {options.ssh_port} is not a usable port: pick one in 1024..65000")
-    first = options.first_address or DEFAULT_FIRST_ADDRESS
+    first = DEFAULT_FIRST_ADDRESS if options.first_address is None else options.first_address
     try:
         base = ipaddress.IPv4Address(first)
     except ValueError:
@@ -160,10 +196,8 @@ def _check_port_free(address: str, port: int) -> None:
 
 
 def _start(options: LocalOptions, addresses: list[tuple[str, int]]) -> ClusterInfo:
-    stack_path = state.stack_dir(options.stack)
-    stack_path.mkdir(parents=True, exist_ok=True)
-    shared = shared_dir(options.stack)
-    shared.mkdir(exist_ok=True)
+    stack_path = state.make_private_dir(state.stack_dir(options.stack))
+    shared = state.make_private_dir(shared_dir(options.stack))
     client_key = keys.ensure_client_key(stack_path)
     user = getpass.getuser()
     known_hosts = stack_path / "known_hosts"
@@ -187,8 +221,11 @@ def _start(options: LocalOptions, addresses: list[tuple[str, int]]) -> ClusterIn
         shared_dir=str(shared),
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         nodes=tuple(
-            NodeInfo(f"node-{i}", address, address, port, 0) for i, (address, port) in enumerate(addresses)
+            NodeInfo(f"node-{i}", address, address, port, 0, user) for i, (address, port) in enumerate(addresses)
         ),
+        python=sys.executable,  # this project's own interpreter already has torch
+        daemon="detached",  # the node server ends registered daemons when it powers off
+        env={"OMP_NUM_THREADS": "1"},  # the nodes share this machine's cores: one thread per rank
     )
     try:
         ssh.wait_for_ssh(cluster, READY_TIMEOUT_S)
@@ -199,13 +236,14 @@ def _start(options: LocalOptions, addresses: list[tuple[str, int]]) -> ClusterIn
 
 def _prepare_node(stack: str, index: int, address: str, port: int, client_key: Path, user: str):
     home = node_dir(stack, index)
-    (home / PID_REGISTRY).mkdir(parents=True, exist_ok=True)
-    host_public = keys.generate_host_key(home / "ssh_host_ed25519_key")
+    state.make_private_dir(home / PID_REGISTRY)
+    host_key = host_key_path(stack, index)
+    host_public = keys.generate_host_key(host_key)
     config = NodeConfig(
         name=f"node-{index}",
         address=address,
         port=port,
-        host_key=str(home / "ssh_host_ed25519_key"),
+        host_key=str(host_key),
         authorized_key=keys.public_key_text(client_key),
         user=user,
         home=str(home),
@@ -217,12 +255,20 @@ def _prepare_node(stack: str, index: int, address: str, port: int, client_key: P
     return config, host_public
 
 
+def node_server_environment(home: str, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The allow-listed environment a node server starts with (see NODE_ENVIRONMENT)."""
+    environ = os.environ if environ is None else environ
+    kept = {k: v for k, v in environ.items() if k in NODE_ENVIRONMENT or k.startswith("LC_")}
+    return {**kept, "HOME": home}
+
+
 def _spawn(config: NodeConfig) -> subprocess.Popen:
     home = Path(config.home)
-    with open(home / "sshd.log", "ab") as log:
+    with state.open_private(home / "sshd.log", "ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "infra.local.node_server", str(home / "node.json")],
+            [sys.executable, "-m", SERVER_MODULE, str(home / "node.json")],
             cwd=state.REPO_ROOT,
+            env=node_server_environment(config.home),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,
@@ -281,8 +327,11 @@ def down(stack: str) -> DownReport:
 
 
 def stop_nodes(stack: str) -> int:
-    """SIGTERM every node server (they end their sessions and daemons), SIGKILL stragglers."""
-    pids = [pid for pid in _server_pids(stack) if _is_node_server(pid)]
+    """SIGTERM every node server (they end their sessions and daemons), SIGKILL stragglers.
+
+    Servers are found by their pid files and also by their command line, so that one whose pid file
+    is not written yet (an `up` killed right after spawning it) or was deleted is stopped too."""
+    pids = sorted({pid for pid in _server_pids(stack) if _is_node_server(pid)} | set(_servers_by_command_line(stack)))
     for pid in pids:
         _kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT_S
@@ -300,24 +349,61 @@ def _end_registered_daemons(stack: str) -> None:
     for path in (state.stack_dir(stack) / "nodes").glob(f"*/{PID_REGISTRY}/*.pid"):
         try:
             pgid = int(path.read_text().split()[0])
-            os.killpg(pgid, signal.SIGKILL)
+            if pgid > 1:  # a job may write anything here; never signal init's group or every process
+                os.killpg(pgid, signal.SIGKILL)
         except (ValueError, IndexError, OSError):
             pass
     for path in (state.stack_dir(stack) / "nodes").glob("node-*/node.json"):
         try:
             token = json.loads(path.read_text())["token"]
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, TypeError):
             continue
         for pid in procs.pids_with_environment(token_entry(token)):
             _kill(pid, signal.SIGKILL)
 
 
+@dataclass(frozen=True)
+class SharedContents:
+    """What is in a local stack's shared folder (`down` says so before removing it)."""
+
+    path: Path
+    """The shared folder."""
+    files: int
+    """Files in it, at any depth."""
+    size_bytes: int
+    """Their total size."""
+
+    def describe_size(self) -> str:
+        size = float(self.size_bytes)
+        for unit in ("bytes", "KiB", "MiB", "GiB"):
+            if size < 1024 or unit == "GiB":
+                return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
+            size /= 1024
+        raise AssertionError("unreachable")
+
+
+def shared_contents(stack: str) -> SharedContents:
+    path = shared_dir(stack)
+    files, size_bytes = 0, 0
+    for folder, _, names in os.walk(path):
+        for name in names:
+            try:
+                size_bytes += os.lstat(os.path.join(folder, name)).st_size
+                files += 1
+            except OSError:
+                continue
+    return SharedContents(path, files, size_bytes)
+
+
 def remove_state(stack: str) -> None:
-    """Everything of the stack except runs/ (logs are kept), and `.cluster/current` if it is this."""
+    """Everything of the stack except runs/ (logs are kept, less the temporary files of writers that
+    were killed), and `.cluster/current` if it is this."""
     stack_path = state.stack_dir(stack)
     if stack_path.exists():
         for child in stack_path.iterdir():
             if child.name == "runs":
+                for run in [child, *(p for p in child.iterdir() if p.is_dir())]:
+                    state.remove_stale_tmp_files(run)
                 continue
             if child.is_dir() and not child.is_symlink():
                 shutil.rmtree(child, ignore_errors=True)
@@ -334,7 +420,7 @@ def _node_endpoints(stack: str) -> list[tuple[str, int]]:
         try:
             config = json.loads(path.read_text())
             endpoints.append((config["address"], int(config["port"])))
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, TypeError):
             continue
     return endpoints
 
@@ -344,9 +430,24 @@ def _server_pids(stack: str) -> list[int]:
     for path in sorted((state.stack_dir(stack) / "nodes").glob("node-*/sshd.pid")):
         try:
             pids.append(int(json.loads(path.read_text())["pid"]))
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, TypeError):
             continue
     return pids
+
+
+def _servers_by_command_line(stack: str) -> list[int]:
+    """Live node servers started for this stack's node folders (`python -m ... nodes/node-<i>/node.json`)."""
+    nodes = str(state.stack_dir(stack) / "nodes") + "/"
+    return [pid for pid in procs.pids_with_argument(SERVER_MODULE)
+            if any(arg.startswith(nodes) for arg in procs.command_line(pid))]
+
+
+def stacks_without_inventory() -> list[str]:
+    """Local stacks with node folders but no inventory: what an `up` killed before it finished leaves."""
+    root = state.state_root()
+    folders = sorted(p.parent.name for p in root.glob("*/nodes") if p.is_dir()) if root.is_dir() else []
+    return [stack for stack in folders
+            if state.STACK_NAME.fullmatch(stack) and not inventory.inventory_path(stack).exists()]
 
 
 def _is_node_server(pid: int) -> bool:
@@ -354,7 +455,7 @@ def _is_node_server(pid: int) -> bool:
     if not procs.alive(pid):
         return False
     try:
-        return b"infra.local.node_server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return SERVER_MODULE.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
     except FileNotFoundError:
         return not Path("/proc/self").exists()  # no procfs (macOS): trust the pid
     except OSError:
@@ -396,7 +497,7 @@ def _server_start_times(stack: str) -> dict[str, float]:
             record = json.loads(path.read_text())
             if _is_node_server(int(record["pid"])):
                 times[path.parent.name] = float(record["started_at"])
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, TypeError):
             continue
     return times
 

@@ -1,0 +1,414 @@
+"""The `ssh` provider: the user's own machines, listed in a hosts file, reached over SSH only.
+
+    python deploy.py up --hosts hosts.yaml [--stack NAME]      # default stack: hosts
+
+`up` checks every host at once (reachable, key accepted, Python 3.10+, GPUs, systemd and sudo, the
+address it uses towards the head node), prints and pins each host key, and writes the inventory; it
+creates nothing on the hosts and records nothing when any host fails. `down` stops the job and the
+watchdog and removes what bootstrap put on the hosts, then forgets the stack; it never powers a
+machine off.
+"""
+
+import asyncio
+import ipaddress
+import json
+import shlex
+import stat
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import asyncssh
+import yaml
+
+from infra import inventory, keys, ssh, state
+from infra.errors import UsageError
+from infra.inventory import ClusterInfo, NodeInfo
+from remote.node import layout
+
+DEFAULT_STACK = "hosts"
+PROVIDER = "ssh"
+NODE_SCRIPTS = Path(__file__).resolve().parent.parent / "remote" / "node"
+CHECK_TIMEOUT_S = 30.0
+DOWN_TIMEOUT_S = 60.0
+MAX_HOSTS = 16
+FILE_KEYS = {"key", "user", "python", "shared_dir", "hourly_usd", "known_hosts", "hosts"}
+HOST_KEYS = {"address", "port", "user", "private_ip"}
+
+
+@dataclass(frozen=True)
+class Host:
+    """One entry of the hosts file."""
+
+    address: str
+    """What the operator's machine connects to."""
+    port: int
+    """Its SSH port."""
+    user: str
+    """The login user there."""
+    private_ip: str | None
+    """What the other hosts use to reach it; None: probed at `up`."""
+
+
+@dataclass(frozen=True)
+class HostsFile:
+    """The hosts file, checked."""
+
+    key: Path
+    """The private key that logs into every host (`~` expanded)."""
+    python: str
+    """The interpreter bootstrap layers the node venv over."""
+    shared_dir: str
+    """A folder every host sees, or empty."""
+    hourly_usd: float
+    """What these machines cost per hour, for the ledger."""
+    known_hosts: Path | None
+    """Host keys to require; None: pin what each host offers on first contact."""
+    hosts: tuple[Host, ...]
+    """In the file's order."""
+
+
+@dataclass(frozen=True)
+class HostCheck:
+    """What `up` found on one host."""
+
+    host: Host
+    """The host."""
+    problem: str
+    """Why it cannot be used; empty when it can."""
+    host_key: str = ""
+    """Its public host key, `ssh-ed25519 AAAA...`."""
+    fingerprint: str = ""
+    """`SHA256:...` of that key."""
+    facts: dict | None = None
+    """What the probe printed (remote/node/probe.py)."""
+
+
+# ---------------------------------------------------------------------------------- hosts file
+
+
+def read_hosts_file(path: str) -> HostsFile:
+    """The checked hosts file; one UsageError naming every problem in it."""
+    where = f"hosts file {path}"
+    try:
+        data = yaml.safe_load(Path(path).expanduser().read_text())
+    except FileNotFoundError:
+        raise UsageError(f"no {where}: write one (see README, 'Your own machines')") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read {where}: {getattr(exc, 'strerror', None) or exc}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark else ""
+        raise UsageError(f"{where} is not valid YAML{at}: {getattr(exc, 'problem', None) or exc}") from None
+    problems: list[str] = []
+    parsed = _parse(data, problems)
+    if problems:
+        raise UsageError(f"{where}: " + "; ".join(problems))
+    return parsed
+
+
+def _parse(data, problems: list[str]) -> HostsFile | None:
+    if not isinstance(data, dict):
+        problems.append("must be a mapping with key:, user: and hosts:")
+        return None
+    unknown = sorted(set(map(str, data)) - FILE_KEYS)
+    if unknown:
+        problems.append(f"unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(FILE_KEYS))})")
+    key = _key_path(data.get("key"), problems)
+    default_user = _text(data.get("user"), "user", problems, required=False)
+    python = _text(data.get("python", "python3"), "python", problems) or "python3"
+    shared_dir = _text(data.get("shared_dir", ""), "shared_dir", problems, required=False)
+    if shared_dir and not shared_dir.startswith("/"):
+        problems.append(f"shared_dir {shared_dir!r} must be an absolute path")
+    hourly_usd = _hourly_usd(data.get("hourly_usd", 0), problems)
+    known_hosts = _known_hosts(data.get("known_hosts"), problems)
+    hosts = _hosts(data.get("hosts"), default_user, problems)
+    if problems:
+        return None
+    return HostsFile(key, python, shared_dir.rstrip("/") or shared_dir, hourly_usd, known_hosts, hosts)
+
+
+def _text(value, name: str, problems: list[str], required: bool = True) -> str:
+    if value is None or value == "":
+        if required:
+            problems.append(f"{name}: is empty")
+        return ""
+    if not isinstance(value, str) or "\n" in value or not value.strip():
+        problems.append(f"{name}: must be one line of text, not {value!r}")
+        return ""
+    return value.strip()
+
+
+def _key_path(value, problems: list[str]) -> Path:
+    if not value:
+        problems.append("key: is missing (the private key that logs into every host)")
+        return Path()
+    if not isinstance(value, str):
+        problems.append(f"key: must be a path, not {value!r}")
+        return Path()
+    path = Path(value).expanduser().resolve()
+    if not path.is_file():
+        problems.append(f"key {path} does not exist")
+    elif stat.S_IMODE(path.stat().st_mode) & 0o077:
+        problems.append(f"key {path} is readable by others, which ssh refuses: chmod 600 {path}")
+    return path
+
+
+def _hourly_usd(value, problems: list[str]) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        problems.append(f"hourly_usd: must be a number >= 0, not {value!r}")
+        return 0.0
+    return float(value)
+
+
+def _known_hosts(value, problems: list[str]) -> Path | None:
+    if value in (None, ""):
+        return None
+    path = Path(str(value)).expanduser().resolve()
+    if not path.is_file():
+        problems.append(f"known_hosts {path} does not exist")
+    return path
+
+
+def _hosts(value, default_user: str, problems: list[str]) -> tuple[Host, ...]:
+    if not isinstance(value, list) or not value:
+        problems.append("hosts: must be a non-empty list of {address: ...}")
+        return ()
+    if len(value) > MAX_HOSTS:
+        problems.append(f"hosts: at most {MAX_HOSTS}, not {len(value)}")
+    hosts, seen = [], set()
+    for index, entry in enumerate(value):
+        host = _host(index, entry, default_user, problems)
+        if host is None:
+            continue
+        if (host.address, host.port) in seen:
+            problems.append(f"hosts[{index}]: {host.address}:{host.port} is listed twice")
+        seen.add((host.address, host.port))
+        hosts.append(host)
+    return tuple(hosts)
+
+
+def _host(index: int, entry, default_user: str, problems: list[str]) -> Host | None:
+    where = f"hosts[{index}]"
+    if isinstance(entry, str):
+        entry = {"address": entry}
+    if not isinstance(entry, dict):
+        problems.append(f"{where}: must be a mapping with address:")
+        return None
+    before = len(problems)
+    unknown = sorted(set(map(str, entry)) - HOST_KEYS)
+    if unknown:
+        problems.append(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(HOST_KEYS))})")
+    address = _text(entry.get("address"), f"{where} address", problems)
+    port = entry.get("port", 22)
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        problems.append(f"{where}: port must be 1..65535, not {port!r}")
+    user = _text(entry.get("user"), f"{where} user", problems, required=False) or default_user
+    if not user and address:
+        problems.append(f"{where}: no user (set user: for the file or the host)")
+    private_ip = entry.get("private_ip")
+    if private_ip is not None:
+        try:
+            private_ip = str(ipaddress.ip_address(str(private_ip)))
+        except ValueError:
+            problems.append(f"{where}: private_ip {private_ip!r} is not an IP address")
+    return Host(address, port, user, private_ip) if len(problems) == before else None
+
+
+# --------------------------------------------------------------------------------------- checks
+
+
+async def check_host(hosts_file: HostsFile, host: Host, head_address: str) -> HostCheck:
+    """Connect, note the host key, and run the probe from stdin (nothing is written on the host)."""
+    known_hosts = str(hosts_file.known_hosts) if hosts_file.known_hosts else None
+    try:
+        async with asyncssh.connect(host.address, host.port, username=host.user, client_keys=[str(hosts_file.key)],
+                                    known_hosts=known_hosts, agent_path=None, config=None,
+                                    connect_timeout=CHECK_TIMEOUT_S / 2) as conn:
+            server_key = conn.get_server_host_key()
+            probe = (NODE_SCRIPTS / "probe.py").read_text()
+            command = f"{shlex.quote(hosts_file.python)} - --host {shlex.quote(host.address)} {shlex.quote(head_address)}"
+            result = await asyncio.wait_for(conn.run(command, input=probe, check=False), CHECK_TIMEOUT_S)
+    except (OSError, asyncssh.Error, asyncio.TimeoutError) as exc:
+        return HostCheck(host, _connect_problem(exc, hosts_file))
+    host_key = server_key.export_public_key().decode().strip()
+    fingerprint = server_key.get_fingerprint("sha256")
+    problem, facts = _probe_problem(result, hosts_file.python)
+    if not problem and not (host.private_ip or facts.get("private_ip")):
+        problem = "cannot tell which address it uses towards the head node: set its private_ip"
+    return HostCheck(host, problem, host_key, fingerprint, facts)
+
+
+def _connect_problem(exc: BaseException, hosts_file: HostsFile) -> str:
+    if isinstance(exc, asyncssh.HostKeyNotVerifiable):
+        return f"its host key is not in known_hosts {hosts_file.known_hosts}"
+    if isinstance(exc, asyncssh.PermissionDenied):
+        return f"the key {hosts_file.key} was refused"
+    if isinstance(exc, asyncssh.KeyImportError):
+        return f"cannot use the key {hosts_file.key}: {exc}"
+    return f"unreachable ({ssh.describe(exc)})"
+
+
+def _probe_problem(result, python: str) -> tuple[str, dict]:
+    if result.exit_status == 127:
+        return f"{python} not found (set python: to an interpreter 3.10 or newer)", {}
+    try:
+        facts = json.loads((result.stdout or "").strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        why = " ".join((result.stderr or result.stdout or "").split())[-160:]
+        return f"{python} could not run the probe (exit {result.exit_status}: {why})", {}
+    if not facts.get("python_ok"):
+        return f"{python} is Python {facts.get('python')}; 3.10 or newer is needed", facts
+    return "", facts
+
+
+def check_hosts(hosts_file: HostsFile) -> list[HostCheck]:
+    """Every host at once."""
+    head = hosts_file.hosts[0]
+    head_address = head.private_ip or head.address
+
+    async def all_hosts():
+        return await asyncio.gather(*(check_host(hosts_file, h, head_address) for h in hosts_file.hosts))
+
+    return asyncio.run(all_hosts())
+
+
+# ------------------------------------------------------------------------------------------- up
+
+
+def up(hosts_path: str, stack: str, say=print) -> tuple[ClusterInfo, bool]:
+    """Check the hosts and write the inventory; returns (cluster, created). Records nothing on refusal."""
+    existing = _existing(stack)
+    if existing is not None:
+        return existing, False
+    hosts_file = read_hosts_file(hosts_path)
+    checks = check_hosts(hosts_file)
+    problems = [f"{c.host.address}:{c.host.port}: {' '.join(c.problem.split())}" for c in checks if c.problem]
+    if problems:
+        raise UsageError(f"{len(problems)} of {len(checks)} host(s) cannot be used: " + "; ".join(problems))
+    checks = _rank_order(checks)
+    for index, check in enumerate(checks):
+        say(f"node-{index}: {check.host.user}@{check.host.address}:{check.host.port} host key {check.fingerprint} (pinned)")
+    stack_path = state.stack_dir(stack)
+    known_hosts = stack_path / "known_hosts"
+    keys.write_known_hosts(known_hosts, [keys.known_hosts_entry(c.host.address, c.host.port, c.host_key) for c in checks])
+    cluster = _cluster(stack, hosts_file, checks, known_hosts)
+    inventory.save(cluster)
+    state.set_current_stack(stack)
+    return cluster, True
+
+
+def _existing(stack: str) -> ClusterInfo | None:
+    if not inventory.inventory_path(stack).exists():
+        return None
+    cluster = inventory.load(stack)
+    if cluster.provider != PROVIDER:
+        raise UsageError(f"stack {stack!r} is a {cluster.provider} cluster: pick another with --stack NAME")
+    return cluster
+
+
+def _private_ip(check: HostCheck) -> str:
+    return check.host.private_ip or check.facts["private_ip"]
+
+
+def _rank_order(checks: list[HostCheck]) -> list[HostCheck]:
+    """torchrun ranks nodes by their address (as text): number them that way, so node-0, which holds
+    the rendezvous and MASTER_ADDR, is also where global rank 0 runs. Ties keep the file's order."""
+    return sorted(checks, key=_private_ip)
+
+
+def _cluster(stack: str, hosts_file: HostsFile, checks: list[HostCheck], known_hosts: Path) -> ClusterInfo:
+    nodes = tuple(
+        NodeInfo(f"node-{i}", c.host.address, _private_ip(c), c.host.port, int(c.facts.get("gpus") or 0), c.host.user)
+        for i, c in enumerate(checks)
+    )
+    daemons = {c.facts.get("daemon") for c in checks}
+    return ClusterInfo(
+        stack=stack, provider=PROVIDER, region=PROVIDER, instance_type="own machines",
+        hourly_usd=hosts_file.hourly_usd, ssh_user=checks[0].host.user, ssh_key=str(hosts_file.key),
+        known_hosts=str(known_hosts), shared_dir=hosts_file.shared_dir,
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), nodes=nodes, python=hosts_file.python,
+        daemon="systemd" if daemons == {"systemd"} else "detached",
+    )
+
+
+# ----------------------------------------------------------------------------------------- down
+
+
+async def _clean_node(cluster: ClusterInfo, node: NodeInfo) -> dict:
+    script = (NODE_SCRIPTS / "cleanup.py").read_text()
+    args = [layout.shell(layout.HOME_DIR)]
+    if cluster.shared_dir:
+        args += [f"{cluster.shared_dir}/code", *layout.SYNCED]
+    command = " ".join([shlex.quote(cluster.python), "-", *map(shlex.quote, args)])
+    try:
+        async with ssh.connect(cluster, node, timeout_s=DOWN_TIMEOUT_S / 4) as conn:
+            result = await asyncio.wait_for(conn.run(command, input=script, check=False), DOWN_TIMEOUT_S)
+        return json.loads(result.stdout.strip().splitlines()[-1])
+    except (OSError, asyncssh.Error, asyncio.TimeoutError) as exc:
+        return {"error": ssh.describe(exc)}
+    except (ValueError, IndexError):
+        return {"error": f"cleanup failed: {' '.join((result.stderr or '').split())[-160:]}"}
+
+
+def down(stack: str, say=print) -> bool:
+    """Clean every host (job, watchdog, ~/.gpu-cluster, synced code) and forget the stack; the machines
+    keep running. False, and the stack kept, when a host could not be cleaned."""
+    cluster = inventory.load(stack)
+
+    async def all_nodes():
+        return await asyncio.gather(*(_clean_node(cluster, n) for n in cluster.nodes))
+
+    reports = asyncio.run(all_nodes())
+    failed = []
+    for node, report in zip(cluster.nodes, reports):
+        if "error" in report:
+            failed.append(node.name)
+            say(f"{node.name} ({node.ssh_user}@{node.public_ip}): not cleaned: {report['error']}")
+            continue
+        daemons = f", ended {', '.join(report['daemons'])}" if report["daemons"] else ""
+        removed = ", ".join(report["removed"]) or "nothing to remove"
+        say(f"{node.name} ({node.ssh_user}@{node.public_ip}): job {report['job']}{daemons}; removed {removed}")
+    if failed:
+        return False
+    forget(stack)
+    return True
+
+
+def forget(stack: str) -> None:
+    """The stack's state on this machine, except runs/ (logs are kept)."""
+    for name in ("inventory.json", "known_hosts", "bootstrap.json", "guards.json"):
+        (state.stack_dir(stack) / name).unlink(missing_ok=True)
+    state.clear_current_stack(stack)
+
+
+# --------------------------------------------------------------------------------------- status
+
+
+def status(cluster: ClusterInfo) -> list[dict]:
+    """Per host: a real SSH round trip, and the machine's uptime."""
+    async def all_nodes():
+        return await asyncio.gather(*(_status_row(cluster, n) for n in cluster.nodes))
+
+    return asyncio.run(all_nodes())
+
+
+async def _status_row(cluster: ClusterInfo, node: NodeInfo) -> dict:
+    started = time.perf_counter()
+    uptime_s, error = None, ""
+    try:
+        result = await ssh.run(cluster, node, "cat /proc/uptime", timeout_s=5.0)
+        if result.exit_status == 0:
+            uptime_s = float(result.stdout.split()[0])
+        else:
+            error = f"exited {result.exit_status}"
+    except (OSError, asyncssh.Error, asyncio.TimeoutError) as exc:
+        error = ssh.describe(exc)
+    except (ValueError, IndexError):
+        uptime_s = None
+    return {
+        "name": node.name, "address": f"{node.public_ip}:{node.ssh_port}", "state": "down" if error else "up",
+        "reachable": not error, "round_trip_ms": round((time.perf_counter() - started) * 1000, 1),
+        "uptime_s": None if uptime_s is None else round(uptime_s), "error": error,
+    }

@@ -1,0 +1,59 @@
+"""`fab` keeps this project's exit-code contract: a refusal is one `error: ...` line and exit 2.
+
+`fab` is Fabric's own console script, and Fabric exits 1 with a bare message when it cannot parse a
+command line (an unknown task or option, a flag without its value). `fabfile.py` hands the running
+program to `adopt` while Fabric loads it, which is before Fabric parses the task arguments, so the
+same `fab` users type gets the contract without an entry point of our own.
+"""
+
+import functools
+import re
+
+from invoke import Program
+from invoke.exceptions import Exit, ParseError
+
+from infra.errors import ClusterError
+
+HINT = "fab --list shows the tasks, fab --help TASK a task's options"
+FLAG_WITHOUT_VALUE = re.compile(r"Flag <Argument: (\w+)\b.*needed value")  # invoke's wording of it
+
+
+def adopt(program: Program) -> None:
+    """Make `program` (the running `fab`) report parse errors and ClusterErrors as one line."""
+    program.parse_tasks = _refusing_bad_input(program.parse_tasks)
+    program.parse_cleanup = _refusing_bad_input(program.parse_cleanup)
+    program.execute = _one_line_errors(program.execute)
+
+
+def parse_error_line(error: ParseError) -> str:
+    """invoke's parse error as our one line: `error: no idea what '--x' is (fab --list ...)`."""
+    text = str(error).rstrip("!").strip()
+    flag = FLAG_WITHOUT_VALUE.match(text)
+    if flag:
+        text = f"--{flag.group(1).replace('_', '-')} needs a value"
+    return f"error: {text[:1].lower()}{text[1:]} ({HINT})"
+
+
+def _refusing_bad_input(step):
+    @functools.wraps(step)
+    def wrapped(*args, **kwargs):
+        try:
+            return step(*args, **kwargs)
+        except ParseError as exc:
+            raise Exit(parse_error_line(exc), code=2) from None
+
+    return wrapped
+
+
+def _one_line_errors(execute):
+    """An infra error raised inside a task (a bad stack name, a corrupt inventory) is one line with
+    its own exit code, as in deploy.py."""
+
+    @functools.wraps(execute)
+    def wrapped(*args, **kwargs):
+        try:
+            return execute(*args, **kwargs)
+        except ClusterError as exc:
+            raise Exit(f"error: {exc}", code=exc.exit_code) from None
+
+    return wrapped

@@ -1,0 +1,139 @@
+"""What a node is: OS, Python, GPUs, driver and CUDA, how daemons run, and how it reaches the head node.
+
+Standard library only, and readable by old interpreters too (so a Python that is too old can still
+say which version it is). Prints one JSON object. Two uses:
+
+    python probe.py MASTER_ADDR                   # fab bootstrap's probe stage, from the synced code
+    python3 - --host OWN_ADDRESS HEAD_ADDRESS     # deploy.py up --hosts, sent on stdin: creates nothing
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+
+MIN_PYTHON = (3, 10)
+# A non-root login's PATH often lacks the sbin folders, where Debian keeps `ip`.
+SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+
+
+def tool(name: str) -> str | None:
+    return shutil.which(name, path=SEARCH_PATH)
+
+
+def run(*argv: str) -> str:
+    try:
+        return subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              universal_newlines=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def succeeds(*argv: str) -> bool:
+    try:
+        return subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def gpus() -> dict:
+    if not shutil.which("nvidia-smi"):
+        return {"gpus": [], "driver": None, "cuda": None}
+    rows = run("nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits")
+    found = [dict(zip(("name", "memory_mib", "driver"), (c.strip() for c in row.split(","))))
+             for row in rows.splitlines() if row.strip()]
+    cuda = re.search(r"CUDA Version:\s*([\d.]+)", run("nvidia-smi"))
+    return {"gpus": found, "driver": found[0]["driver"] if found else None, "cuda": cuda.group(1) if cuda else None}
+
+
+def gpu_count() -> int:
+    """GPUs as `nvidia-smi -L` lists them; 0 without a driver."""
+    if not shutil.which("nvidia-smi"):
+        return 0
+    return sum(1 for line in run("nvidia-smi", "-L").splitlines() if line.startswith("GPU "))
+
+
+def route(address: str) -> str:
+    ip = tool("ip")
+    return run(ip, "route", "get", address) if ip else ""
+
+
+def route_interface(address: str) -> str | None:
+    """The interface the kernel would use to reach `address` (never guessed from names)."""
+    match = re.search(r"\bdev\s+(\S+)", route(address))
+    if match:
+        return match.group(1)
+    if tool("route"):  # macOS / BSD
+        match = re.search(r"interface:\s*(\S+)", run(tool("route"), "-n", "get", address))
+        if match:
+            return match.group(1)
+    return None
+
+
+def private_ip(own_address: str, head_address: str) -> str | None:
+    """The address this host uses towards the head node: the one we connect to where it is the host's
+    own (a `local` route), else the source address of the route to the head node."""
+    if route(own_address).startswith("local "):
+        return own_address
+    match = re.search(r"\bsrc\s+(\S+)", route(head_address))
+    return match.group(1) if match else None
+
+
+def daemon() -> str:
+    """`systemd` where systemd is PID 1 and sudo needs no password (to install a unit), else `detached`."""
+    try:
+        with open("/proc/1/comm") as f:
+            init = f.read().strip()
+    except OSError:
+        init = ""
+    return "systemd" if init == "systemd" and succeeds("sudo", "-n", "true") else "detached"
+
+
+def distro() -> str:
+    try:
+        return platform.freedesktop_os_release().get("PRETTY_NAME", "")
+    except (OSError, AttributeError):  # not Linux, or Python before 3.10
+        return ""
+
+
+def node_facts(master_addr: str) -> dict:
+    return {
+        "os": f"{platform.system()} {platform.release()}",
+        "distro": distro(),
+        "python": platform.python_version(),
+        "interface": route_interface(master_addr),
+        "home": os.path.expanduser("~"),
+        **gpus(),
+    }
+
+
+def host_facts(own_address: str, head_address: str) -> dict:
+    return {
+        "python": platform.python_version(),
+        "python_ok": sys.version_info[:2] >= MIN_PYTHON,
+        "executable": sys.executable,
+        "gpus": gpu_count(),
+        "daemon": daemon(),
+        "private_ip": private_ip(own_address, head_address),
+        "home": os.path.expanduser("~"),
+    }
+
+
+def main(argv: list) -> None:
+    if argv[:1] == ["--host"] and len(argv) == 3:
+        facts = host_facts(argv[1], argv[2])
+    elif len(argv) == 1:
+        facts = node_facts(argv[0])
+    else:
+        sys.exit("usage: probe.py MASTER_ADDR | probe.py --host OWN_ADDRESS HEAD_ADDRESS")
+    print(json.dumps(facts))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,152 @@
+"""The node venv: layered over an interpreter that may already have torch, topped up only where needed.
+
+    PYTHON python_env.py DEST REQUIREMENTS     # run BY the interpreter to layer over; prints one JSON object
+
+The venv is made with `--system-site-packages` and without pip (a second or so). Where PYTHON is
+itself a venv or a conda env, `--system-site-packages` would see only the base interpreter's
+packages, so a `.pth` file in the new venv names PYTHON's own site-packages too. Then: where torch
+is missing, pip installs REQUIREMENTS whole; where only the smaller packages are missing, just
+those (a CUDA build of torch the image has is never replaced). Standard library only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import site
+import subprocess
+import sys
+import sysconfig
+import venv
+
+LAYER_PTH = "_gpu_cluster_layer.pth"
+# requirement name -> the module it provides
+MODULES = {"torch": "torch", "nvidia-ml-py": "pynvml", "matplotlib": "matplotlib"}
+
+
+def is_layered_env() -> bool:
+    """A venv, or a conda env: packages that `--system-site-packages` over it would not see."""
+    return sys.prefix != sys.base_prefix or os.path.isdir(os.path.join(sys.prefix, "conda-meta"))
+
+
+def own_site_packages() -> list:
+    found = site.getsitepackages() + [sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]
+    return [p for i, p in enumerate(found) if p not in found[:i] and os.path.isdir(p)]
+
+
+def venv_site_packages(dest: str) -> str:
+    return sysconfig.get_path("purelib", vars={"base": dest, "platbase": dest})
+
+
+def create(dest: str) -> bool:
+    """Make the venv unless it is there and built over this interpreter; True if it was made."""
+    config = os.path.join(dest, "pyvenv.cfg")
+    home = os.path.dirname(getattr(sys, "_base_executable", sys.executable))
+    try:
+        with open(config) as f:
+            if f"home = {home}\n" in f.read() and os.path.exists(os.path.join(dest, "bin", "python")):
+                return False
+    except OSError:
+        pass
+    venv.EnvBuilder(system_site_packages=True, with_pip=False, symlinks=True, clear=True).create(dest)
+    return True
+
+
+def write_layer(dest: str) -> None:
+    path = os.path.join(venv_site_packages(dest), LAYER_PTH)
+    if is_layered_env():
+        with open(path, "w") as f:
+            f.write("".join(p + "\n" for p in own_site_packages()))
+    elif os.path.exists(path):
+        os.unlink(path)
+
+
+def missing_requirements() -> list:
+    """Run inside the venv: the requirements whose module it cannot find (nothing is imported)."""
+    return [name for name, module in MODULES.items() if importlib.util.find_spec(module) is None]
+
+
+def facts() -> dict:
+    """Run inside the venv: what it has (torch's version and CUDA, the missing requirements)."""
+    missing = missing_requirements()
+    found = {"torch": None, "cuda_available": False, "nccl": None, "missing": missing}
+    if "torch" not in missing:
+        import torch
+
+        found.update(torch=torch.__version__, cuda_available=torch.cuda.is_available())
+        if found["cuda_available"]:
+            found["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return found
+
+
+def in_venv(python: str, mode: str):
+    """This file's `mode` run by the venv's interpreter; its JSON answer."""
+    result = subprocess.run([python, os.path.abspath(__file__), mode], stdout=subprocess.PIPE,
+                            universal_newlines=True, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def ensure_pip(python: str) -> None:
+    if subprocess.run([python, "-m", "pip", "--version"], stdout=subprocess.DEVNULL,
+                      stderr=subprocess.DEVNULL).returncode == 0:
+        return
+    if subprocess.run([python, "-m", "ensurepip", "--default-pip"], stdout=subprocess.DEVNULL).returncode == 0:
+        return
+    # Debian and Ubuntu ship ensurepip apart, in python3.X-venv; install it where sudo needs no password.
+    package = f"python{sys.version_info[0]}.{sys.version_info[1]}-venv"
+    installed = subprocess.run(["sudo", "-n", "apt-get", "install", "-y", "-qq", package],
+                               env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}).returncode == 0
+    if not installed or subprocess.run([python, "-m", "ensurepip", "--default-pip"]).returncode != 0:
+        sys.exit(f"{sys.executable} has no pip or ensurepip: install {package} (or set python: to an interpreter "
+                 "that has torch)")
+
+
+def requirement_lines(path: str) -> list:
+    with open(path) as f:
+        return [line.split("#")[0].strip() for line in f if line.split("#")[0].strip()]
+
+
+def top_up(python: str, requirements: str, missing: list) -> list:
+    """Install what is missing: everything where torch is, else only the missing packages."""
+    if not missing:
+        return []
+    ensure_pip(python)
+    pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    if "torch" in missing:
+        subprocess.run(pip + ["-r", requirements], check=True, stdout=sys.stderr)
+        return requirement_lines(requirements)
+    wanted = [line for line in requirement_lines(requirements) if _name(line) in missing]
+    subprocess.run(pip + wanted, check=True, stdout=sys.stderr)
+    return wanted
+
+
+def _name(requirement: str) -> str:
+    for separator in ("==", ">=", "<=", "~=", "<", ">", "["):
+        requirement = requirement.split(separator)[0]
+    return requirement.strip().lower()
+
+
+def main(argv: list) -> None:
+    if argv == ["--facts"]:
+        print(json.dumps(facts()))
+        return
+    if argv == ["--missing"]:
+        print(json.dumps(missing_requirements()))
+        return
+    if len(argv) != 2:
+        sys.exit("usage: PYTHON python_env.py DEST REQUIREMENTS")
+    dest, requirements = os.path.abspath(os.path.expanduser(argv[0])), os.path.expanduser(argv[1])
+    created = create(dest)
+    write_layer(dest)
+    python = os.path.join(dest, "bin", "python")
+    installed = top_up(python, requirements, in_venv(python, "--missing"))
+    found = in_venv(python, "--facts")
+    if found["missing"]:
+        sys.exit(f"{python} still lacks {', '.join(found['missing'])} after installing {requirements}")
+    print(json.dumps({**found, "python": python, "over": sys.executable, "created": created,
+                      "layered": is_layered_env(), "installed": installed}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,82 @@
+"""Checks of `fab` option values, made before anything is created: a bad value is one line, exit 2.
+
+invoke would convert integer options itself and crash with a traceback on `--lines abc`, so the tasks
+take them as text and read them here, where the message can name the flag and the range.
+"""
+
+import re
+import shlex
+from pathlib import Path
+
+from invoke.exceptions import Exit
+
+PORT_RANGE = (1024, 65535)  # below 1024 needs root on the nodes
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # a folder name: no '/', never '.' or '..'
+
+
+def refuse(message: str) -> Exit:
+    """The exception for bad input: `raise refuse("...")`."""
+    return Exit(f"error: {message}", code=2)
+
+
+def integer(flag: str, value: str | int | None, default: int, minimum: int | None = None,
+            maximum: int | None = None) -> int:
+    """`value` as an int within [minimum, maximum]; `default` when the flag was not given."""
+    if value is None:
+        return default
+    bounds = _bounds(minimum, maximum)
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        raise refuse(f"{flag} must be a whole number{bounds}, not {value!r}") from None
+    if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
+        raise refuse(f"{flag} must be a whole number{bounds}, not {number}")
+    return number
+
+
+def _bounds(minimum: int | None, maximum: int | None) -> str:
+    if minimum is not None and maximum is not None:
+        return f" from {minimum} to {maximum}"
+    if minimum is not None:
+        return f" >= {minimum}"
+    return f" <= {maximum}" if maximum is not None else ""
+
+
+def port(flag: str, value: str | int | None, default: int) -> int:
+    return integer(flag, value, default, *PORT_RANGE)
+
+
+def script_arguments(text: str) -> list[str]:
+    """`--args "..."` split as a shell would; an unbalanced quote is bad input, not a traceback."""
+    try:
+        return shlex.split(text or "")
+    except ValueError as exc:
+        raise refuse(f"--args {text!r} cannot be split into arguments ({exc}): check its quotes") from None
+
+
+def run_id(value: str) -> str:
+    """A run folder's name as `--run` gives it; paths such as `../..` are refused."""
+    if not RUN_ID.fullmatch(value):
+        raise refuse(f"--run {value!r} is not a run id (a folder name under runs/, as fab logs prints it)")
+    return value
+
+
+def compiled_script(value: str | None) -> Path:
+    """`--script`: a readable Python file that compiles here, so a typo never reaches the nodes."""
+    if not value:
+        raise refuse("fab run needs --script PATH: a torchrun-able Python script on this machine")
+    path = Path(value)
+    if not path.is_file():
+        raise refuse(f"no such script: {value}")
+    try:
+        source = path.read_bytes()
+    except OSError as exc:
+        raise refuse(f"cannot read the script {value}: {exc.strerror or exc}") from None
+    try:
+        compile(source, str(path), "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        where = f"{exc.filename or value}, line {exc.lineno}" if exc.lineno else (exc.filename or value)
+        raise refuse(f"the script does not compile: {where}: {exc.msg}") from None
+    except ValueError as exc:  # Python < 3.12 raises this for NUL bytes in the source
+        raise refuse(f"the script does not compile: {value}: {exc}") from None
+    return path

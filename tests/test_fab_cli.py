@@ -1,0 +1,43 @@
+"""`fab` refuses bad input as one `error:` line with exit 2, before it touches anything (no cluster needed)."""
+
+import pytest
+
+from conftest import assert_one_line_error, run_fab
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["no-such-task"], ["no-such-task", "fab --list"]),
+    (["hello", "--bogus"], ["--bogus", "fab --help TASK"]),
+    (["logs", "--lines"], ["--lines needs a value"]),
+    (["run"], ["--script PATH"]),
+    (["hello", "--max-restarts", "abc"], ["--max-restarts", "'abc'", ">= 0"]),
+    (["run-ddp", "--max-restarts", "-1"], ["--max-restarts", "-1"]),
+    (["bootstrap", "--master-port", "70000"], ["--master-port", "1024 to 65535"]),
+    (["bootstrap", "--master-port", "abc"], ["--master-port", "'abc'"]),
+    (["logs", "--lines", "-5"], ["--lines", "-5"]),
+    (["logs", "--run", "../.."], ["--run", "'../..'"]),
+    (["hello", "--args", '"unterminated'], ["--args", "No closing quotation"]),
+    (["logs", "--stack", "../x"], ["bad stack name"]),
+])
+def test_bad_input_is_one_line_and_exit_2_and_creates_nothing(state_dir, argv, words):
+    assert_one_line_error(run_fab(*argv), *words)
+    assert not state_dir.exists()
+
+
+def test_a_script_that_does_not_compile_is_refused_naming_the_file_and_line(state_dir, tmp_path):
+    script = tmp_path / "broken.py"
+    script.write_text("import torch\n\ndef main(:\n    pass\n")
+    assert_one_line_error(run_fab("run", "--script", str(script)), "does not compile", f"{script}, line 3")
+    assert not state_dir.exists()
+    assert not (tmp_path / "__pycache__").exists()  # checked without writing bytecode beside it
+
+
+def test_logs_of_a_run_with_a_damaged_summary_are_shown_and_the_damage_named(state_dir):
+    run_dir = state_dir / "local" / "runs" / "20260101-000000-hello-ab12"
+    run_dir.mkdir(parents=True)
+    (run_dir / "node-0.log").write_text("first\nlast words\n")
+    (run_dir / "summary.json").write_text('{"exit_codes": {"node-0": 1}, "duration_s": ')
+    result = run_fab("logs", "--stack", "local", "--lines", "1")
+    assert result.returncode == 0, result.stderr
+    assert "[node-0] last words" in result.stdout and "[node-0] first" not in result.stdout
+    assert "summary.json is damaged" in result.stdout and not result.stderr

@@ -1,0 +1,74 @@
+"""Runs whose `fab` is gone are closed by the next reader of the ledger, at the time they were last seen."""
+
+import os
+import sqlite3
+import subprocess
+
+from infra.ledger import ABANDONED_AFTER_S, Ledger
+
+
+class Clock:
+    def __init__(self, now: float = 1_000_000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def dead_pid() -> int:
+    """A pid that ran on this host and has exited (and been reaped)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_run_whose_fab_died_is_closed_at_its_last_heartbeat(tmp_path):
+    clock = Clock()
+    ledger = Ledger(tmp_path / "ledger.sqlite", clock=clock)
+    ledger.run_started("r1", "local", "hello", 2, 3.6, owner_pid=dead_pid())
+    clock.now += 10
+    ledger.heartbeat("r1")
+    clock.now += 400  # hundreds of seconds later someone runs `cost`
+    reader = Ledger(tmp_path / "ledger.sqlite", clock=clock)
+    run = reader.run("r1")
+    assert run.ended_at == 1_000_010.0 and "gone" in run.end_reason
+    assert run.cost_usd(clock.now) == 3.6 * 10 / 3600  # not a cent more for the time after
+
+
+def test_a_live_fab_keeps_its_run_open_until_it_ends_it(tmp_path):
+    clock = Clock()
+    ledger = Ledger(tmp_path / "ledger.sqlite", clock=clock)
+    ledger.run_started("r1", "local", "hello", 2, 0.0, owner_pid=os.getpid())
+    clock.now += ABANDONED_AFTER_S - 1
+    assert Ledger(tmp_path / "ledger.sqlite", clock=clock).run("r1").ended_at is None
+    assert ledger.run_ended("r1", {"node-0": 0}) == 0.0
+    run = ledger.run("r1")
+    assert run.ended_at == clock.now and run.exit_codes == {"node-0": 0} and run.end_reason is None
+
+
+def test_a_run_not_seen_for_long_is_closed_even_if_its_pid_seems_alive(tmp_path):
+    """A pid can be reused, or its fab frozen; the heartbeat decides then. Its own end still wins."""
+    clock = Clock()
+    ledger = Ledger(tmp_path / "ledger.sqlite", clock=clock)
+    ledger.run_started("r1", "local", "hello", 2, 0.0, owner_pid=os.getpid())
+    clock.now += ABANDONED_AFTER_S + 1
+    assert ledger.close_abandoned_runs() == ["r1"]
+    assert ledger.run("r1").ended_at == 1_000_000.0
+    ledger.run_ended("r1", {"node-0": 0})  # the fab was only frozen: it records the real end
+    assert ledger.run("r1").end_reason is None and ledger.run("r1").ended_at == clock.now
+
+
+def test_a_ledger_from_before_heartbeats_opens_and_its_open_runs_are_closed(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    db = sqlite3.connect(path)
+    db.executescript(
+        "CREATE TABLE runs (run_id TEXT PRIMARY KEY, cluster_id INTEGER, stack TEXT NOT NULL, task TEXT NOT NULL,"
+        " nodes INTEGER NOT NULL, hourly_usd REAL NOT NULL, started_at REAL NOT NULL, ended_at REAL, exit_codes TEXT);"
+        "INSERT INTO runs VALUES ('old', NULL, 'local', 'hello', 2, 0.0, 1000.0, NULL, NULL);"
+        "INSERT INTO runs VALUES ('done', NULL, 'local', 'hello', 2, 0.0, 1000.0, 1010.0, '{\"node-0\": 0}');"
+    )
+    db.commit()
+    db.close()
+    ledger = Ledger(path, clock=Clock(1000.0 + ABANDONED_AFTER_S + 1))
+    assert ledger.run("old").ended_at == 1000.0 and ledger.run("old").end_reason
+    assert ledger.run("done").ended_at == 1010.0 and ledger.run("done").end_reason is None

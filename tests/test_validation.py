@@ -1,0 +1,352 @@
+"""Bad input on the operator's side, without a cluster: every value is checked whole (an empty string is
+a bad value, a trailing newline is not ignored), every file a user can damage gives one line, and
+reading commands create nothing."""
+
+import json
+import os
+import secrets
+import sqlite3
+from dataclasses import replace
+
+import pytest
+
+from conftest import REPO, assert_one_line_error, run_cli, run_fab
+from infra import catalog, config, inventory, state
+from infra.errors import UsageError
+from infra.ledger import Ledger
+
+# ----------------------------------------------------------------------------------- config values
+
+
+@pytest.mark.parametrize("key,value,words", [
+    ("nodes", "", "nodes must be a whole number"),
+    ("nodes", "2\n", "nodes must be a whole number"),
+    ("nodes", " 2", "nodes must be a whole number"),
+    ("nodes", True, "nodes must be a whole number"),
+    ("nodes", 2.5, "nodes must be a whole number"),
+    ("instanceType", "", "is not supported"),
+    ("instanceType", "g4dn.xlarge\n", "is not supported"),
+    ("instanceType", "g5.96xlarge", "is not supported"),  # an unlisted multi-GPU type, not one process per node
+    ("region", "us-east-1\n", "not a region name"),
+    ("region", "", "not a region name"),
+    ("availabilityZone", "", "not a zone name"),
+    ("availabilityZone", "us-east-1a\n", "not a zone name"),
+    ("availabilityZone", "us-west-2a", "is not in aws:region us-east-1"),
+    ("amiId", "ami-0123456789abcdef0\n", "not an AMI id"),
+    ("sshCidr", "", "not a CIDR block"),
+    ("sshCidr", "203.0.113.7/32\n", "not a CIDR block"),
+    ("sshPublicKey", "ssh-ed25519 AAAAC3Nz\nssh-rsa AAAAB3Nz", "not one OpenSSH public key line"),
+    ("rootVolumeGb", "100\n", "rootVolumeGb has a bad value"),
+    ("maxTotalUsd", "", "maxTotalUsd must be a positive number"),
+    ("maxTotalUsd", "5\n", "maxTotalUsd must be a positive number"),
+    ("idleMinutes", "nan", "idleMinutes must be a positive number"),
+    ("spot", "true\n", "spot has a bad value"),
+])
+def test_every_config_value_is_checked_whole(key, value, words):
+    with pytest.raises(UsageError, match=words.replace(".", r"\.")):
+        config.validate("dev", {key: value})
+
+
+def test_good_values_still_pass_as_text_or_yaml_types():
+    parsed = config.validate("dev", {"nodes": "3", "instanceType": "g6.2xlarge", "maxTotalUsd": "2.5",
+                                     "idleMinutes": 30, "rootVolumeGb": 200, "spot": "true",
+                                     "availabilityZone": "us-east-1b", "sshCidr": "203.0.113.7/32",
+                                     "sshPublicKey": "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAA user@host"})
+    assert (parsed.nodes, parsed.max_total_usd, parsed.idle_minutes, parsed.spot) == (3, 2.5, 30.0, True)
+    assert config.validate("dev", {"nodes": None}).nodes == 2  # None is "not given"
+
+
+@pytest.mark.parametrize("name", ["", "evil\n", "Bad", "-x", "a" * 41, "../x"])
+def test_stack_names_are_matched_whole(name, monkeypatch):
+    with pytest.raises(UsageError, match="bad stack name"):
+        state.check_stack_name(name)
+    with pytest.raises(UsageError, match="bad stack name"):
+        state.resolve_stack(name)
+    monkeypatch.setenv("CLUSTER_STACK", name)
+    if name:  # an empty $CLUSTER_STACK counts as unset, as `export CLUSTER_STACK=` means in a shell
+        with pytest.raises(UsageError, match=r"bad \$CLUSTER_STACK"):
+            state.resolve_stack(None)
+
+
+@pytest.mark.parametrize("content,words", [
+    (b"evil\nmore\n", "bad stack name in"),
+    (b"\xff\xfe\n", "not UTF-8"),
+])
+def test_a_damaged_current_file_is_one_line(state_dir, content, words):
+    state_dir.mkdir()
+    (state_dir / "current").write_bytes(content)
+    with pytest.raises(UsageError, match=words):
+        state.resolve_stack(None)
+    assert_one_line_error(run_cli("status"), words, "--stack")
+
+
+# -------------------------------------------------------------------------------------- stack files
+
+
+@pytest.fixture
+def stack_file():
+    """Write `Pulumi.<name>.yaml` in the repository (where deploy.py reads it); removed afterwards."""
+    made = []
+
+    def write(content: bytes | None, folder: bool = False) -> str:
+        name = f"t-{secrets.token_hex(4)}"
+        path = REPO / f"Pulumi.{name}.yaml"
+        made.append(path)
+        if folder:
+            path.mkdir()
+        else:
+            path.write_bytes(content)
+        return name
+
+    yield write
+    for path in made:
+        if path.is_dir():
+            path.rmdir()
+        else:
+            path.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("content,words,command", [
+    (b"config:\n  - gpu-cluster:nodes\n", "`config:` must be a mapping", None),
+    (b"config: 3\n", "`config:` must be a mapping", None),
+    (b"just a string\n", "must be a YAML mapping", None),
+    (b"- a\n- b\n", "must be a YAML mapping", ["plan"]),
+    (b"config:\n  gpu-cluster:nodes: 2\n  gpu-cluster:instanceType: \xe9\n", "not UTF-8", ["up", "--local"]),
+    (b"config: [unclosed\n", "not valid YAML", None),
+    (None, "it is a folder", ["up", "--yes"]),
+])
+def test_a_damaged_stack_file_is_one_line_for_plan_and_both_ups(state_dir, stack_file, content, words, command):
+    name = stack_file(content, folder=content is None)
+    with pytest.raises(UsageError, match=words):
+        config.load_stack(name)
+    if command:  # each entry point that reads stack files, once
+        assert_one_line_error(run_cli(*command, "--stack", name), f"Pulumi.{name}.yaml", words)
+        assert not state_dir.exists()
+
+
+# ------------------------------------------------------------------------------------- inventories
+
+
+def write_inventory(state_dir, stack: str, data) -> None:
+    (state_dir / stack).mkdir(parents=True, exist_ok=True)
+    (state_dir / stack / "inventory.json").write_text(json.dumps(data))
+
+
+GOOD_INVENTORY = {
+    "stack": "dev", "provider": "aws", "region": "us-east-1", "instance_type": "g4dn.2xlarge", "hourly_usd": 1.5,
+    "ssh_user": "ubuntu", "ssh_key": "/k", "known_hosts": "/kh", "shared_dir": "/shared", "created_at": "t",
+    "nodes": [{"name": "node-0", "public_ip": "203.0.113.10", "private_ip": "10.42.1.10", "ssh_port": 22, "gpus": 1}],
+}
+
+
+@pytest.mark.parametrize("data,words", [
+    ([1, 2], "not a JSON object"),
+    ({**GOOD_INVENTORY, "nodes": {}}, "nodes must be a non-empty list"),
+    ({**GOOD_INVENTORY, "nodes": ["node-0"]}, "must be a JSON object"),
+    ({**GOOD_INVENTORY, "hourly_usd": "1.5"}, "hourly_usd must be a number"),
+    ({**GOOD_INVENTORY, "ssh_key": None}, "ssh_key must be a string"),
+    ({**GOOD_INVENTORY, "nodes": [{**GOOD_INVENTORY["nodes"][0], "ssh_port": "22"}]},
+     "ssh_port must be a whole number"),
+])
+def test_an_inventory_of_the_wrong_shape_is_corrupt(state_dir, data, words):
+    write_inventory(state_dir, "dev", data)
+    with pytest.raises(UsageError, match=f"corrupt.*{words}"):
+        inventory.load("dev")
+
+
+def test_an_inventory_that_is_a_folder_is_one_line_everywhere(state_dir):
+    (state_dir / "dev" / "inventory.json").mkdir(parents=True)
+    for result in (run_cli("status", "--stack", "dev"), run_fab("hello", "--stack", "dev")):
+        assert_one_line_error(result, "inventory", "corrupt", "it is a folder", "down --stack dev")
+    (state_dir / "local" / "inventory.json").mkdir(parents=True)  # down still cleans up a local stack
+    down = run_cli("down", "--stack", "local")
+    assert down.returncode == 0 and down.stderr == "", down.stderr
+    assert not (state_dir / "local").exists()
+
+
+# ------------------------------------------------------------------------------------------ ledger
+
+
+def damage_ledger(path, statement: str) -> None:
+    Ledger(path).close()
+    db = sqlite3.connect(path)
+    db.executescript(statement)
+    db.commit()
+    db.close()
+
+
+@pytest.mark.parametrize("statement", [
+    "DROP TABLE runs; CREATE TABLE runs (id INTEGER PRIMARY KEY, note TEXT);",
+    "INSERT INTO runs (run_id, stack, task, nodes, hourly_usd, started_at, exit_codes) "
+    "VALUES ('r1', 'dev', 'hello', 2, 1.0, 1.0, '{not json');",
+    "INSERT INTO runs (run_id, stack, task, nodes, hourly_usd, started_at, exit_codes) "
+    "VALUES ('r1', 'dev', 'hello', 2, 1.0, 1.0, '[0, 1]');",
+    "INSERT INTO clusters (stack, provider, instance_type, nodes, hourly_usd, created_at) "
+    "VALUES ('dev', 'aws', 'g4dn.2xlarge', 2, 'one dollar', 1.0);",
+])
+def test_a_ledger_that_does_not_read_back_is_kept_aside_like_a_corrupt_file(tmp_path, statement):
+    path = tmp_path / "ledger.sqlite"
+    damage_ledger(path, statement)
+    ledger = Ledger(path)
+    assert len(ledger.warnings) == 1 and "corrupt" in ledger.warnings[0]
+    assert ledger.clusters() == [] and ledger.runs() == []
+    [backup] = tmp_path.glob("ledger.sqlite.corrupt-*")
+    assert sqlite3.connect(backup).execute("SELECT count(*) FROM sqlite_master").fetchone()[0] > 0
+
+
+def test_cost_with_a_damaged_ledger_warns_and_reports(state_dir):
+    state_dir.mkdir()
+    damage_ledger(state_dir / "ledger.sqlite", "UPDATE intervals SET started_at = 'yesterday'; "
+                  "INSERT INTO clusters (stack, provider, instance_type, nodes, hourly_usd, created_at) "
+                  "VALUES ('dev', 'aws', 'g4dn.2xlarge', 2, 'one dollar', 1.0);")
+    result = run_cli("cost", "--json")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert "was corrupt" in result.stdout and json.loads(result.stdout[result.stdout.index("{"):])["total_usd"] == 0
+
+
+# --------------------------------------------------------------------------- reading creates nothing
+
+
+def test_cost_status_ssh_and_plan_on_a_fresh_machine_create_nothing(state_dir):
+    assert run_cli("cost").returncode == 0
+    assert run_cli("cost", "--json", "--stack", "dev").returncode == 0
+    assert_one_line_error(run_cli("status"), "no cluster")
+    assert_one_line_error(run_cli("ssh"), "no cluster")
+    assert run_cli("down").returncode == 0
+    assert run_cli("plan", "--json").returncode == 0
+    assert not state_dir.exists()
+
+
+def test_down_of_an_unknown_local_stack_creates_nothing(state_dir):
+    result = run_cli("down", "--stack", "local")
+    assert result.returncode == 0 and "nothing to do" in result.stdout
+    assert not state_dir.exists()
+
+
+# ----------------------------------------------------------------------------------- command lines
+
+
+@pytest.mark.parametrize("args,words", [
+    (["up", "--local", "--nodes", ""], ["nodes must be a whole number", "''"]),
+    (["up", "--local", "--instance-type", ""], ["instance type ''", "not supported"]),
+    (["up", "--local", "--stack", ""], ["bad stack name ''"]),
+    (["up", "--local", "--stack", "evil\n"], ["bad stack name 'evil\\n'"]),
+    (["up", "--local", "--instance-type", "g4dn.xlarge\n"], ["not supported"]),
+    (["up", "--local", "--bind", ""], ["--bind ''"]),
+    (["up", "--local", "--max-total-usd", ""], ["maxTotalUsd"]),
+    (["up", "--local", "--instance-type", "g5.96xlarge"], ["g5.96xlarge", "not supported"]),
+    (["status", "--stack", ""], ["bad stack name ''"]),
+    (["down", "--stack", "evil\n"], ["bad stack name"]),
+    (["cost", "--stack", ""], ["bad stack name ''"]),
+    (["up", "--local", "--", "--nodes", "3"], ["unrecognized arguments after --"]),
+])
+def test_bad_command_lines_are_one_line_and_create_nothing(state_dir, args, words):
+    assert_one_line_error(run_cli(*args), *words)
+    assert not state_dir.exists()
+
+
+def test_help_lists_every_command_and_each_has_its_own(capsys):
+    import deploy
+
+    with pytest.raises(SystemExit):
+        deploy.parse_args(["--help"])
+    commands_section = capsys.readouterr().out.split("COMMAND", 2)[-1]
+    for command in ("up", "down", "status", "plan", "cost", "ssh"):
+        assert any(line.split()[:1] == [command] for line in commands_section.splitlines()), command
+        with pytest.raises(SystemExit) as exited:
+            deploy.parse_args([command, "--help"])  # a deleted subcommand is a UsageError, not a help page
+        assert exited.value.code == 0 and capsys.readouterr().out.startswith(f"usage: python deploy.py {command}")
+
+
+# ----------------------------------------------------------------------------------------- catalog
+
+
+def test_every_catalog_type_validates_prices_and_plans(state_dir):
+    from infra import plan, pricing
+
+    for name, facts in catalog.instance_types().items():
+        parsed = config.validate("dev", {"instanceType": name, "nodes": 2})
+        assert parsed.gpus_per_node == facts.gpus >= 1 and facts.quota_family == name[0].upper()
+        bundled = pricing.BUNDLED["on_demand_usd_per_hour"]["us-east-1"]
+        assert (name in bundled) == facts.bundled_price, f"{name}: the catalog and prices.json disagree"
+        estimate, note = plan.estimate(parsed)
+        if facts.bundled_price:
+            assert estimate.instances_hourly_usd == pytest.approx(2 * bundled[name]) and not note
+        else:
+            assert estimate is None and "Price List API" in note
+        run = plan.run_program(plan.plan_config(parsed))
+        instances = [r for r in run.resources if r.type == "aws:ec2/instance:Instance"]
+        assert [r.inputs["instanceType"] for r in instances] == [name, name]
+        assert facts.gpu in catalog.gpu_peak_tflops()
+    assert set(pricing.BUNDLED["on_demand_usd_per_hour"]["us-east-1"]) <= set(catalog.instance_types())
+
+
+def test_plan_of_a_type_only_the_price_list_api_prices_says_so(state_dir, stack_file):
+    name = stack_file(b"config:\n  gpu-cluster:instanceType: p5.48xlarge\n  gpu-cluster:nodes: 1\n")
+    result = run_cli("plan", "--stack", name, "--json")
+    assert result.returncode == 0, result.stderr
+    planned = json.loads(result.stdout)
+    assert planned["hourly_usd"] is None and "Price List API" in planned["price_note"]
+    assert [r["settings"]["type"] for r in planned["resources"] if r["type"].endswith("Instance")] == ["p5.48xlarge"]
+
+
+def test_validation_preflight_pricing_and_the_harness_read_the_one_catalog(monkeypatch, tmp_path):
+    from harness import metrics
+    from infra import preflight, pricing
+
+    document = json.loads(catalog.CATALOG_PATH.read_text())
+    document["instance_types"]["g9.xlarge"] = {"gpu": "Z1", "gpus": 2, "vcpus": 6, "quota_family": "P",
+                                               "bundled_price": False}
+    document["gpu_peak_tflops"]["Z1"] = {"bf16": 123.0}
+    monkeypatch.setattr(catalog, "_document", lambda: document)
+    assert config.validate("dev", {"instanceType": "g9.xlarge"}).gpus_per_node == 2
+    assert preflight.quota_family("g9.xlarge") == "P"
+    with pytest.raises(UsageError, match="g9.xlarge has no bundled price"):
+        pricing.bundled_on_demand("g9.xlarge", "us-east-1")
+
+    assert metrics.CATALOG_PATH == catalog.CATALOG_PATH  # the harness reads the same file, shipped with it
+    copy = tmp_path / "catalog.json"
+    copy.write_text(json.dumps(document))
+    monkeypatch.setattr(metrics, "CATALOG_PATH", copy)
+    assert metrics.peak_tflops("NVIDIA Z1 96GB", "bf16") == 123.0
+
+
+def test_the_key_is_checked_before_a_command_logs_in(tmp_path):
+    key, known_hosts = tmp_path / "key", tmp_path / "known_hosts"
+    cluster = inventory.ClusterInfo.from_dict({**GOOD_INVENTORY, "ssh_key": str(key), "known_hosts": str(known_hosts)})
+    with pytest.raises(UsageError, match="the cluster key .* is missing"):
+        inventory.check_login_files(cluster)
+    key.write_text("k")
+    for mode in (0o644, 0o640, 0o604):
+        key.chmod(mode)
+        with pytest.raises(UsageError, match=f"mode {mode:04o}.*chmod 600 {key}"):
+            inventory.check_login_files(cluster)
+    key.chmod(0o600)
+    with pytest.raises(UsageError, match="pinned host keys .* are missing"):
+        inventory.check_login_files(cluster)
+    known_hosts.write_text("")
+    inventory.check_login_files(replace(cluster))
+
+
+# ------------------------------------------------------------------------ what jobs on a node can write
+
+
+def test_a_damaged_stop_marker_cannot_damage_the_ledger(state_dir):
+    from infra import costs
+
+    Ledger().cluster_up("local", "local", "g4dn.2xlarge", 2, 0.0)
+    costs.record_self_stop("local", ["not", "text"], "yesterday", say=print)
+    reopened = Ledger()
+    [cluster] = reopened.clusters("local")
+    assert reopened.warnings == [] and isinstance(cluster.intervals[0].ended_at, float)
+    assert cluster.intervals[0].end_reason == "stopped itself: ['not', 'text']"
+
+
+def test_a_node_server_never_signals_its_own_init_or_every_group_from_a_pid_file(tmp_path):
+    from infra.local.node_server import PID_REGISTRY, ProcessTable
+
+    registry = tmp_path / PID_REGISTRY
+    registry.mkdir(parents=True)
+    for name, text in {"a": "0", "b": "1", "c": "-1", "d": "abc", "e": str(os.getpid()), "f": "4242 x"}.items():
+        (registry / f"{name}.pid").write_text(text)
+    assert ProcessTable(tmp_path, "token").registered_daemons() == [4242]
