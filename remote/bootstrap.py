@@ -365,11 +365,11 @@ class Bootstrap:
     def _watchdog_argv(self, record: NodeRecord, guards: dict) -> list[str]:
         from datetime import datetime
 
-        job_file = f"{record.facts('probe').get('home') or '~'}/{layout.JOB}"
+        home = record.facts('probe').get('home') or '~'
         argv = [self.python_for(record), "-m", "harness.watchdog", "--shared-dir", self.cluster.shared_dir,
                 "--hourly-usd", f"{self.cluster.hourly_usd:g}",
                 "--started-at", f"{datetime.fromisoformat(self.cluster.created_at).timestamp():.0f}",
-                "--job-file", job_file]
+                "--job-file", f"{home}/{layout.JOB}", "--progress-dir", f"{home}/{layout.PROGRESS}"]
         if guards.get("max_total_usd") is not None:
             argv += ["--max-total-usd", f"{guards['max_total_usd']:g}"]
         if guards.get("idle_minutes") is not None:

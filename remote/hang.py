@@ -294,3 +294,33 @@ def _ranges(numbers: list[int]) -> str:
             spans.append(str(start) if start == n else f"{start}-{n}")
             start = None
     return ", ".join(spans)
+
+
+GLOO_MISMATCH = re.compile(r"op\.preamble\.length <= op\.nbytes\. (\d+) vs (\d+)\. Received data size doesn't match")
+FAULT_FRAME = re.compile(r'^\s+File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<function>\S+)')
+ROOT_CAUSE_RANK = re.compile(r"^\s+rank\s+:\s+(\d+)\b.*\n\s+exitcode\s+:\s+-6\b", re.M)
+
+
+def mismatch_line(node: str, log: str) -> str | None:
+    """For a node whose log shows gloo aborting a rank over a collective's size, the line that says
+    which rank, where (from the Python stack PYTHONFAULTHANDLER printed) and what gloo saw; else None.
+    gloo checks sizes and aborts, so on CPU a shape mismatch ends the job instead of hanging it."""
+    sizes = GLOO_MISMATCH.search(log)
+    if sizes is None:
+        return None
+    rank = ROOT_CAUSE_RANK.search(log)
+    frames = []
+    for block in log.split("Fatal Python error: Aborted")[1:2]:
+        for text in block.splitlines():
+            match = FAULT_FRAME.match(text)
+            if match:
+                path = match["path"]
+                library = any(p in path for p in ("site-packages", "dist-packages")) or path.startswith(sys.prefix)
+                frames.append(Frame(match["function"], path.rsplit("/", 1)[-1], int(match["line"]), library))
+            elif frames and not text.strip():
+                break
+    frame = RankView.user_frame_of(tuple(reversed(frames)))
+    who = f"rank {rank.group(1)} ({node})" if rank else f"a rank on {node}"
+    where = f" in {frame.describe()}" if frame else ""
+    return (f"fab: collective mismatch: {who} aborted{where}: gloo received {sizes.group(1)} bytes where "
+            f"{sizes.group(2)} were expected; the ranks called one collective with different sizes")

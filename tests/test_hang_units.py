@@ -96,3 +96,29 @@ def test_py_spy_frames_of_installed_packages_and_the_standard_library_are_not_th
             "    <module> (/home/me/proj/train.py:40)\n")
     frames = hang.py_spy_main_thread(text)
     assert hang.RankView.user_frame_of(frames).describe() == "step (train.py:31)"
+
+
+GLOO_ABORT_LOG = """terminate called after throwing an instance of 'gloo::EnforceNotMet'
+  what():  [enforce fail at /__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:456] op.preamble.length <= op.nbytes. 4096 vs 1024. Received data size doesn't match expected size. Is there a distributed collective mismatch in your code?
+Fatal Python error: Aborted
+
+Thread 0x00007f5b177beb80 (most recent call first):
+  File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce
+  File "/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 83 in wrapper
+  File "/home/me/train.py", line 15 in <module>
+
+Extension modules: numpy._core._multiarray_umath, torch._C (total: 2)
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-22_02:09:48
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -6 (pid: 4017)  (SIGABRT)
+"""
+
+
+def test_a_gloo_size_abort_is_explained_with_the_rank_and_its_frame():
+    line = hang.mismatch_line("node-0", GLOO_ABORT_LOG)
+    assert line == ("fab: collective mismatch: rank 0 (node-0) aborted in <module> (train.py:15): gloo received "
+                    "4096 bytes where 1024 were expected; the ranks called one collective with different sizes")
+    assert hang.mismatch_line("node-1", "RuntimeError: Connection reset by peer\n") is None

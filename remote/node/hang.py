@@ -15,7 +15,6 @@ import argparse
 import glob
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -136,8 +135,11 @@ def py_spy_dump(py_spy: str | None, pid: int) -> str:
 
 
 def find_py_spy() -> str | None:
-    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
-    return beside if os.access(beside, os.X_OK) else shutil.which("py-spy")
+    """py-spy installed with the packages this interpreter sees (python_env.py puts it there)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from python_env import find_program
+
+    return find_program("py-spy")
 
 
 def main(argv: list[str] | None = None) -> int:
