@@ -198,9 +198,12 @@ def _collective(entry: dict) -> Collective:
 
 def find_hang(ranks: list[RankView], hang_timeout_s: float) -> Hang | None:
     """The longest-stalled collective that some member of its group has not joined, or None."""
-    by_rank = {view.rank: view for view in ranks}
+    by_rank = {}
+    for view in ranks:  # one view per rank; one that has reported beats one found only as a process
+        if view.rank not in by_rank or (view.entered and not by_rank[view.rank].entered):
+            by_rank[view.rank] = view
     candidates = []
-    for view in ranks:
+    for view in by_rank.values():
         for collective in view.active:
             waited = view.waiting_s.get((collective.group, collective.seq), 0.0)
             if waited >= hang_timeout_s:

@@ -122,3 +122,9 @@ def test_a_gloo_size_abort_is_explained_with_the_rank_and_its_frame():
     assert line == ("fab: collective mismatch: rank 0 (node-0) aborted in <module> (train.py:15): gloo received "
                     "4096 bytes where 1024 were expected; the ranks called one collective with different sizes")
     assert hang.mismatch_line("node-1", "RuntimeError: Connection reset by peer\n") is None
+
+
+def test_a_rank_reported_by_its_node_wins_over_the_same_rank_found_only_as_a_process():
+    found_elsewhere = {"rank": 0, "pid": 4700, "node": "node-1", "state": "running", "time": NOW, "reported": False}
+    ranks = views(record(0, 4, [WAITING_IN_4]), record(1, 3, node="node-1"), found_elsewhere)
+    assert [v.rank for v in hang.find_hang(ranks, hang_timeout_s=10).missing] == [1]

@@ -38,8 +38,10 @@ def process_state(pid: int) -> str:
 
 def rank_processes(run_id: str) -> dict[int, int]:
     """{rank: pid} of this run's torchrun workers on this node, found by their environment (a rank
-    that stopped or hung before its monitor wrote anything is found too)."""
+    that stopped or hung before its monitor wrote anything is found too). Where several nodes share
+    one machine (the local provider), CLUSTER_NODE tells this node's workers from the others'."""
     wanted = f"CLUSTER_RUN_ID={run_id}".encode()
+    node = os.environ.get("CLUSTER_NODE")
     found = {}
     for path in glob.glob("/proc/[0-9]*/environ"):
         try:
@@ -47,7 +49,7 @@ def rank_processes(run_id: str) -> dict[int, int]:
                 entries = f.read().split(b"\0")
         except OSError:
             continue  # gone, or another user's
-        if wanted not in entries:
+        if wanted not in entries or (node and f"CLUSTER_NODE={node}".encode() not in entries):
             continue
         rank = next((e[5:] for e in entries if e.startswith(b"RANK=")), None)
         if rank is not None and rank.isdigit():
