@@ -312,18 +312,31 @@ def mismatch_line(node: str, log: str) -> str | None:
     if sizes is None:
         return None
     rank = ROOT_CAUSE_RANK.search(log)
-    frames = []
-    for block in log.split("Fatal Python error: Aborted")[1:2]:
-        for text in block.splitlines():
-            match = FAULT_FRAME.match(text)
-            if match:
-                path = match["path"]
-                library = any(p in path for p in ("site-packages", "dist-packages")) or path.startswith(sys.prefix)
-                frames.append(Frame(match["function"], path.rsplit("/", 1)[-1], int(match["line"]), library))
-            elif frames and not text.strip():
-                break
+    frames = _aborted_thread_frames(log)
     frame = RankView.user_frame_of(tuple(reversed(frames)))
     who = f"rank {rank.group(1)} ({node})" if rank else f"a rank on {node}"
     where = f" in {frame.describe()}" if frame else ""
     return (f"fab: collective mismatch: {who} aborted{where}: gloo received {sizes.group(1)} bytes where "
             f"{sizes.group(2)} were expected; the ranks called one collective with different sizes")
+
+
+def _aborted_thread_frames(log: str) -> list[Frame]:
+    """From PYTHONFAULTHANDLER's report of an abort: the frames (innermost first) of the thread that
+    was inside a torch.distributed call, else of the last thread listed (the main thread)."""
+    section = log.split("Fatal Python error: Aborted", 1)[1] if "Fatal Python error: Aborted" in log else ""
+    threads: list[list[Frame]] = []
+    for text in section.splitlines():
+        if re.match(r"^(Current thread|Thread) 0x", text):
+            threads.append([])
+            continue
+        match = FAULT_FRAME.match(text)
+        if match and threads:
+            path = match["path"]
+            library = any(p in path for p in ("site-packages", "dist-packages")) or path.startswith(sys.prefix)
+            threads[-1].append(Frame(match["function"], path.rsplit("/", 1)[-1], int(match["line"]), library))
+        elif text.startswith("Extension modules:"):
+            break
+    in_collective = [t for t in threads if any(f.file == "distributed_c10d.py" for f in t)]
+    if in_collective:
+        return in_collective[0]
+    return threads[-1] if threads else []

@@ -102,6 +102,10 @@ GLOO_ABORT_LOG = """terminate called after throwing an instance of 'gloo::Enforc
   what():  [enforce fail at /__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:456] op.preamble.length <= op.nbytes. 4096 vs 1024. Received data size doesn't match expected size. Is there a distributed collective mismatch in your code?
 Fatal Python error: Aborted
 
+Thread 0x00007f5b0d7fa6c0 (most recent call first):
+  File "/code/remote/node/rankhook/gpu_cluster_rank_monitor.py", line 69 in run
+  File "/usr/lib/python3.11/threading.py", line 982 in run
+
 Thread 0x00007f5b177beb80 (most recent call first):
   File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce
   File "/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 83 in wrapper
