@@ -6,6 +6,7 @@ The cluster is the current stack's inventory (`--stack`, else $CLUSTER_STACK, el
 import json
 import shlex
 import sqlite3
+from dataclasses import dataclass
 from pathlib import Path
 
 from invoke import Collection, task
@@ -25,13 +26,6 @@ from remote.stream import console, say
 STACK_HELP = "stack to use (default: $CLUSTER_STACK, else the last `python deploy.py up`)"
 ARGS_HELP = 'arguments for the script, quoted as one string, e.g. --args "--steps 200"'
 RESTARTS_HELP = "torchrun --max-restarts: restart a failed worker group this many times (default 0)"
-EXAMPLES = {
-    "hello": "examples/distributed_hello.py",
-    "run-ddp": "examples/ddp_training.py",
-    "profile": "examples/profile_communication.py",
-    "accumulate": "examples/gradient_accumulation.py",
-    "model-parallel": "examples/model_parallelism.py",
-}
 
 
 def cluster_for(stack: str | None) -> ClusterInfo:
@@ -111,22 +105,40 @@ def start_job(stack: str | None, spec: JobSpec) -> None:
         f"(${cluster.hourly_usd:.3f}/h); {where}")
 
 
-def example_task(name: str, doc: str):
-    """A launch task for one of the examples."""
+@dataclass(frozen=True)
+class ExampleTask:
+    """A launch task that runs one of the examples on every node."""
+
+    name: str
+    """The fab task's name, dashed (`fab run-ddp`)."""
+    script: str
+    """The example it runs, relative to the synced code folder."""
+    help: str
+    """One line for `fab --list`."""
+
+
+# Adding an example task is one line here: the table registers the tasks and the collection.
+EXAMPLE_TASKS = (
+    ExampleTask("hello", "examples/distributed_hello.py",
+                "Distributed hello: every rank reports in; all-reduce, broadcast, all-gather checked."),
+    ExampleTask("run-ddp", "examples/ddp_training.py", "DDP training across all nodes (examples/ddp_training.py)."),
+    ExampleTask("profile", "examples/profile_communication.py",
+                "All-reduce and friends over message sizes, as nccl-tests tables."),
+    ExampleTask("accumulate", "examples/gradient_accumulation.py",
+                "Gradient accumulation: one all-reduce per optimizer step with no_sync."),
+    ExampleTask("model-parallel", "examples/model_parallelism.py", "Pipeline parallel: one stage per rank, GPipe or 1F1B."),
+)
+
+
+def example_task(example: ExampleTask):
+    """The fab task that launches `example.script`."""
 
     def body(c, args="", max_restarts=0, stack=None):
-        start_job(stack, JobSpec(name, EXAMPLES[name], shlex.split(args), int(max_restarts)))
+        start_job(stack, JobSpec(example.name, example.script, shlex.split(args), int(max_restarts)))
 
-    body.__name__ = name.replace("-", "_")
-    body.__doc__ = doc
-    return task(body, name=name, help={"args": ARGS_HELP, "max-restarts": RESTARTS_HELP, "stack": STACK_HELP})
-
-
-hello = example_task("hello", "Distributed hello: every rank reports in; all-reduce, broadcast, all-gather checked.")
-run_ddp = example_task("run-ddp", "DDP training across all nodes (examples/ddp_training.py).")
-profile = example_task("profile", "All-reduce and friends over message sizes, as nccl-tests tables.")
-accumulate = example_task("accumulate", "Gradient accumulation: one all-reduce per optimizer step with no_sync.")
-model_parallel = example_task("model-parallel", "Pipeline parallel: one stage per rank, GPipe or 1F1B.")
+    body.__name__ = example.name.replace("-", "_")
+    body.__doc__ = example.help
+    return task(body, name=example.name, help={"args": ARGS_HELP, "max-restarts": RESTARTS_HELP, "stack": STACK_HELP})
 
 
 @task(help={"script": "a torchrun-able Python script on this machine (copied to the cluster first)",
@@ -234,4 +246,4 @@ def gpus(c, stack=None):
         out.print(table)
 
 
-ns = Collection(bootstrap, hello, run_ddp, profile, accumulate, model_parallel, run, gpus, logs, stop)
+ns = Collection(bootstrap, *(example_task(example) for example in EXAMPLE_TASKS), run, gpus, logs, stop)
