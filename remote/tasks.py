@@ -26,6 +26,7 @@ from remote.stream import console, say
 STACK_HELP = "stack to use (default: $CLUSTER_STACK, else the last `python deploy.py up`)"
 ARGS_HELP = 'arguments for the script, quoted as one string, e.g. --args "--steps 200"'
 RESTARTS_HELP = "torchrun --max-restarts: restart a failed worker group this many times (default 0)"
+NPROC_HELP = "processes per node (default: one per GPU, one on CPU nodes); at most the GPU count on GPU nodes"
 
 
 def cluster_for(stack: str | None) -> ClusterInfo:
@@ -70,9 +71,22 @@ class RunBook:
             return None
 
 
+def nproc_option(value) -> int | None:
+    """`--nproc-per-node` as given on the command line (a string), or None when not given."""
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise Exit(f"error: --nproc-per-node must be a whole number, not {value!r}", code=2) from None
+
+
 def start_job(stack: str | None, spec: JobSpec) -> None:
     """Launch `spec` on every node; exit 1 naming the node that failed, 130 on Ctrl-C."""
     cluster = cluster_for(stack)
+    problem = commands.nproc_problem(cluster.nodes, spec.nproc_per_node)
+    if problem:
+        raise Exit(f"error: {problem}", code=2)
     setup = setup_for(cluster)
     book = RunBook(cluster)
     result, local_dir = launch(cluster, spec, setup, state.runs_dir(cluster.stack),
@@ -133,22 +147,25 @@ EXAMPLE_TASKS = (
 def example_task(example: ExampleTask):
     """The fab task that launches `example.script`."""
 
-    def body(c, args="", max_restarts=0, stack=None):
-        start_job(stack, JobSpec(example.name, example.script, shlex.split(args), int(max_restarts)))
+    def body(c, args="", max_restarts=0, nproc_per_node=None, stack=None):
+        start_job(stack, JobSpec(example.name, example.script, shlex.split(args), int(max_restarts),
+                                 nproc_per_node=nproc_option(nproc_per_node)))
 
     body.__name__ = example.name.replace("-", "_")
     body.__doc__ = example.help
-    return task(body, name=example.name, help={"args": ARGS_HELP, "max-restarts": RESTARTS_HELP, "stack": STACK_HELP})
+    return task(body, name=example.name, help={"args": ARGS_HELP, "max-restarts": RESTARTS_HELP,
+                                               "nproc-per-node": NPROC_HELP, "stack": STACK_HELP})
 
 
 @task(help={"script": "a torchrun-able Python script on this machine (copied to the cluster first)",
-            "args": ARGS_HELP, "max-restarts": RESTARTS_HELP, "stack": STACK_HELP})
-def run(c, script, args="", max_restarts=0, stack=None):
+            "args": ARGS_HELP, "max-restarts": RESTARTS_HELP, "nproc-per-node": NPROC_HELP, "stack": STACK_HELP})
+def run(c, script, args="", max_restarts=0, nproc_per_node=None, stack=None):
     """Run any torchrun script of yours on every node: it is copied to the shared folder first."""
     path = Path(script)
     if not path.is_file():
         raise Exit(f"error: no such script: {script}", code=2)
-    start_job(stack, JobSpec("run", path.name, shlex.split(args), int(max_restarts), upload=path.resolve()))
+    start_job(stack, JobSpec("run", path.name, shlex.split(args), int(max_restarts), upload=path.resolve(),
+                             nproc_per_node=nproc_option(nproc_per_node)))
 
 
 @task(help={"force": "redo every stage even where it is up to date",
