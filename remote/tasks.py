@@ -141,6 +141,16 @@ EXAMPLE_TASKS = (
     ExampleTask("accumulate", "examples/gradient_accumulation.py",
                 "Gradient accumulation: one all-reduce per optimizer step with no_sync."),
     ExampleTask("model-parallel", "examples/model_parallelism.py", "Pipeline parallel: one stage per rank, GPipe or 1F1B."),
+    ExampleTask("compress", "examples/gradient_compression.py",
+                "DDP gradient compression (fp16, PowerSGD): bytes per step, loss and time against none."),
+    ExampleTask("fsdp", "examples/fsdp_training.py",
+                "FSDP2 (ZeRO-2/3): per-rank memory from the shards next to DDP's; sharded checkpoints."),
+    ExampleTask("tensor-parallel", "examples/tensor_parallel.py",
+                "Tensor parallel attention and MLP over all ranks; collectives counted per step."),
+    ExampleTask("hybrid", "examples/hybrid_parallel.py",
+                "Hybrid dp x tp: tensor parallel within a node, FSDP across nodes (--nproc-per-node 2 on CPU)."),
+    ExampleTask("compare", "examples/compare_strategies.py",
+                "The strategy table: DDP, PowerSGD, ZeRO-2/3, TP, hybrid: memory, bytes, time (+ PNG)."),
 )
 
 

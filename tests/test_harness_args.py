@@ -21,6 +21,11 @@ BAD_ARGUMENTS = {
     "model_parallelism.py": (["--micro-batches", "0"], "--micro-batches"),
     "profile_communication.py": (["--factor", "1"], "--factor"),
     "scaling_efficiency.py": (["--steps", "-3"], "--steps"),
+    "gradient_compression.py": (["--start-iter", "1"], "--start-iter"),
+    "fsdp_training.py": (["--checkpoint-every", "0"], "--checkpoint-every"),
+    "tensor_parallel.py": (["--d-model", "30", "--n-heads", "4"], "does not split into --n-heads 4"),
+    "hybrid_parallel.py": (["--tp", "0"], "--tp"),
+    "compare_strategies.py": (["--strategies", "ddp,zero4"], "unknown --strategies zero4"),
 }
 
 
