@@ -41,7 +41,7 @@ from harness.memory import (  # noqa: E402
 from harness.metrics import MetricsWriter  # noqa: E402
 from harness.parallel import (  # noqa: E402
     Batches, MeshShape, ModelConfig, add_model_arguments, build_mesh, layout_problem, mesh_shape, model_config,
-    synchronize, timed, train_step,
+    timed, train_step,
 )
 from harness.results import results_path, write_json  # noqa: E402
 
@@ -58,13 +58,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=non_negative_int, default=POWERSGD_START,
                         help=f"untimed steps first (default {POWERSGD_START}: PowerSGD's plain steps)")
     parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per strategy (default 5)")
-    parser.add_argument("--powersgd-rank", type=positive_int, default=1, help="PowerSGD's approximation rank (default 1)")
+    parser.add_argument("--powersgd-rank", type=positive_int, default=1,
+                        help="PowerSGD's approximation rank (default 1)")
     parser.add_argument("--tp", type=positive_int, default=None,
                         help="tensor-parallel ranks of hybrid (default: the ranks on a node, else 2)")
     parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="model and data seed (default 0)")
-    parser.add_argument("--plot", type=Path, default=None, help="PNG of the table (default strategies.png in the results folder)")
-    parser.add_argument("--json", type=Path, default=None, help="the figures (default strategies.json in the results folder)")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="PNG of the table (default strategies.png in the results folder)")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="the figures (default strategies.json in the results folder)")
     parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks")
     args = parser.parse_args(argv)
     args.strategies = args.strategies.split(",")
@@ -137,11 +140,10 @@ def measure(name: str, args, ctx, batches: Batches, hybrid: MeshShape | None) ->
     def step(index: int, forward_context=None):
         inputs, targets = batches.replica_batch(index, built.replica, built.replicas, ctx.device)
         train_step(built.model, built.optimizer, inputs, targets, forward_context)
-        synchronize(ctx.device)
 
     for index in range(args.warmup):
         step(index)
-    seconds = [timed(lambda: step(args.warmup + i)) for i in range(args.steps)]
+    seconds = [timed(lambda: step(args.warmup + i), ctx.device) for i in range(args.steps)]
     counter = CollectiveCounter()
     if built.ddp_tally is not None:
         built.ddp_tally.reset()

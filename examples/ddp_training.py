@@ -43,7 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=positive_int, default=64, help="samples per rank per step (default 64)")
     parser.add_argument("--lr", type=positive_float, default=None,
                         help="learning rate (default: 0.05 mlp, 3e-3 transformer)")
-    parser.add_argument("--samples", type=positive_int, default=8192, help="size of the synthetic dataset (default 8192)")
+    parser.add_argument("--samples", type=positive_int, default=8192,
+                        help="size of the synthetic dataset (default 8192)")
     parser.add_argument("--d-model", type=positive_int, default=128, help="transformer width (default 128)")
     parser.add_argument("--n-layers", type=positive_int, default=2, help="transformer blocks (default 2)")
     parser.add_argument("--seq-len", type=positive_int, default=64, help="transformer context length (default 64)")
@@ -55,13 +56,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-every", type=positive_int, default=20, help="save every N steps (default 20)")
     parser.add_argument("--simulate-failure-at-step", type=positive_int, default=None, metavar="N",
                         help="crash the last rank once at step N (to see a torchrun restart resume)")
-    parser.add_argument("--log-every", type=positive_int, default=10, help="print a step line every N steps (default 10)")
+    parser.add_argument("--log-every", type=positive_int, default=10,
+                        help="print a step line every N steps (default 10)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="model and data seed (default 0)")
     parser.add_argument("--profile-dir", default=None, help="write torch.profiler TensorBoard traces here")
-    parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks (default 300)")
+    parser.add_argument("--timeout", type=positive_float, default=300,
+                        help="seconds to wait for all ranks (default 300)")
     args = parser.parse_args(argv)
     if args.model == "transformer" and args.d_model % heads(args.d_model):
-        parser.error(f"--d-model {args.d_model} must divide into {heads(args.d_model)} heads of 64 (use a multiple of 64)")
+        parser.error(f"--d-model {args.d_model} must divide into {heads(args.d_model)} heads of 64 "
+                     "(use a multiple of 64)")
     if dataset_size(args) < args.batch_size:
         parser.error(f"--samples {args.samples} gives {dataset_size(args)} training examples, fewer than one "
                      f"--batch-size of {args.batch_size}")
@@ -163,7 +167,8 @@ def main(argv=None) -> int:
             print0(f"resuming from step {start} ({checkpoints})")
         loader, sampler = build_loader(dataset, ctx, args.batch_size, args.seed)
         if len(loader) == 0:
-            fail(f"--samples {args.samples} is too few for {ctx.world_size} ranks x --batch-size {args.batch_size}", code=2)
+            fail(f"--samples {args.samples} is too few for {ctx.world_size} ranks x --batch-size {args.batch_size}",
+                 code=2)
         print0(f"{args.model}: {count_parameters(model):,} parameters, {ctx.world_size} ranks ({ctx.backend}), "
                f"{args.precision}, global batch {args.batch_size * ctx.world_size}")
         meter = CostMeter(ctx.env.hourly_usd)

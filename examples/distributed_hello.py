@@ -25,8 +25,10 @@ from harness.metrics import MetricsWriter  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ExampleParser(__doc__)
-    parser.add_argument("--expect-world-size", type=positive_int, help="fail unless the job has exactly this many ranks")
-    parser.add_argument("--timeout", type=positive_float, default=120, help="seconds to wait for all ranks (default 120)")
+    parser.add_argument("--expect-world-size", type=positive_int,
+                        help="fail unless the job has exactly this many ranks")
+    parser.add_argument("--timeout", type=positive_float, default=120,
+                        help="seconds to wait for all ranks (default 120)")
     return parser.parse_args(argv)
 
 

@@ -61,12 +61,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="sequences per global batch, split over the ranks (default 16)")
     parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     parser.add_argument("--checkpoint-dir", type=Path, default=None,
-                        help="save and resume here; relative: inside $CLUSTER_SHARED_DIR (default: $CLUSTER_RUN_DIR/checkpoints)")
+                        help="save and resume here; relative: inside $CLUSTER_SHARED_DIR "
+                             "(default: $CLUSTER_RUN_DIR/checkpoints)")
     parser.add_argument("--checkpoint-every", type=positive_int, default=20, help="save every N steps and at the end")
     parser.add_argument("--async-save", action="store_true", help="write checkpoints while training goes on")
     parser.add_argument("--log-every", type=positive_int, default=5, help="print a step line every N steps (default 5)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="model and data seed (default 0)")
-    parser.add_argument("--check", action="store_true", help="compare losses and parameters with DDP; one line, exit 0/1")
+    parser.add_argument("--check", action="store_true",
+                        help="compare losses and parameters with DDP; one line, exit 0/1")
     parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks")
     args = parser.parse_args(argv)
     args.model = model_config(args, parser)
@@ -94,7 +96,7 @@ def train(args, ctx, model, optimizer, batches: Batches, start: int, checkpointe
         inputs, targets = batches.replica_batch(step, ctx.rank, ctx.world_size, ctx.device)
         measure = saved if step + 1 == args.steps else None
         losses = []
-        seconds = timed(lambda: losses.append(train_step(model, optimizer, inputs, targets, measure)))
+        seconds = timed(lambda: losses.append(train_step(model, optimizer, inputs, targets, measure)), ctx.device)
         done = step + 1 == args.steps
         log = done or (step + 1) % args.log_every == 0
         logger.step(step + 1, mean_over_ranks(losses[0]) if log else 0.0, seconds, log=log)
@@ -105,9 +107,7 @@ def train(args, ctx, model, optimizer, batches: Batches, start: int, checkpointe
     return saved
 
 
-def memory_table(ctx, mine: MemoryBreakdown, ddp: MemoryBreakdown) -> str:
-    everyone: list = [None] * ctx.world_size
-    dist.all_gather_object(everyone, mine)
+def memory_table(everyone: list[MemoryBreakdown], ddp: MemoryBreakdown) -> str:
     columns = ("parameters", "gathered", "gradients", "optimizer", "activations", "total")
     lines = [f"{'rank':>6} " + " ".join(f"{c:>12}" for c in columns)]
     for name, figures in [*enumerate(everyone), ("DDP", ddp)]:
@@ -117,14 +117,15 @@ def memory_table(ctx, mine: MemoryBreakdown, ddp: MemoryBreakdown) -> str:
     sharded = max(f.parameters_bytes + f.gradients_bytes + f.optimizer_bytes for f in everyone)
     whole = ddp.parameters_bytes + ddp.gradients_bytes + ddp.optimizer_bytes
     lines.append(f"sharded state (parameters + gradients + optimizer) on the fullest rank: {sharded / whole:.3f} "
-                 f"of DDP's (1/N = {1 / ctx.world_size:.3f})")
+                 f"of DDP's (1/N = {1 / len(everyone):.3f})")
     return "\n".join(lines)
 
 
 def check(args, ctx, batches: Batches) -> int:
     """FSDP and DDP from the same weights on the same batches: losses at every step, parameters at the end."""
     model, optimizer = build(args, ctx)
-    reference = DDP(args.model.build(args.seed, ctx.device), device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    reference = DDP(args.model.build(args.seed, ctx.device),
+                    device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr)
     worst = 0.0
     for step in range(args.steps):
@@ -162,11 +163,12 @@ def main(argv=None) -> int:
         summary = {"example": "fsdp_training", "zero": args.zero, "precision": args.mixed_precision,
                    "world_size": ctx.world_size, "steps": args.steps, "resumed_from": start}
         if start < args.steps:
-            mine = breakdown(model, optimizer, saved)
+            everyone: list = [None] * ctx.world_size
+            dist.all_gather_object(everyone, breakdown(model, optimizer, saved))
             ddp = whole_breakdown(model, optimizer, saved.activations_bytes)
             print0("bytes held per rank, from the local shards (DDP: the same tensors, whole, on every rank):")
-            print0(memory_table(ctx, mine, ddp))
-            summary.update(memory=mine.as_dict(), ddp_memory=ddp.as_dict())
+            print0(memory_table(everyone, ddp))
+            summary.update(memory_per_rank=[m.as_dict() for m in everyone], ddp_memory=ddp.as_dict())
         parameters_digest = digest(full_parameters(model))
         print0(f"parameters sha256 {parameters_digest[:16]} at step {args.steps} (gathered whole from "
                f"{ctx.world_size} ranks)")

@@ -40,9 +40,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--micro-batch-size", type=positive_int, default=16,
                         help="samples per rank per micro-batch (default 16)")
     parser.add_argument("--steps", type=positive_int, default=30, help="optimizer steps (default 30)")
-    parser.add_argument("--hidden", type=positive_int, default=512, help="MLP width (default 512; larger = more to all-reduce)")
+    parser.add_argument("--hidden", type=positive_int, default=512,
+                        help="MLP width (default 512; larger = more to all-reduce)")
     parser.add_argument("--layers", type=positive_int, default=1, help="hidden layers (default 1)")
-    parser.add_argument("--sync-every-micro-step", action="store_true", help="naive: all-reduce after every micro-batch")
+    parser.add_argument("--sync-every-micro-step", action="store_true",
+                        help="naive: all-reduce after every micro-batch")
     parser.add_argument("--check-gradient", action="store_true", help="compare with the full-batch gradient and exit")
     parser.add_argument("--log-every", type=positive_int, default=10, help="print a step line every N optimizer steps")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="model and data seed")

@@ -93,7 +93,7 @@ def train(args, ctx, hook: str, batches: Batches, logger: StepLogger | None) -> 
     for step in range(args.steps):
         inputs, targets = batches.replica_batch(step, ctx.rank, ctx.world_size, ctx.device)
         tally.reset()  # what is left in it after the loop is the last step's traffic
-        seconds = timed(lambda: losses.append(train_step(ddp, optimizer, inputs, targets)))
+        seconds = timed(lambda: losses.append(train_step(ddp, optimizer, inputs, targets)), ctx.device)
         step_times.append(seconds)
         log = logger is not None and (step + 1 == args.steps or (step + 1) % args.log_every == 0)
         if logger is not None:
@@ -135,7 +135,8 @@ def main(argv=None) -> int:
         batches = Batches(args.model, args.batch_size, args.seed)
         if args.check:
             return check(args, ctx, batches)
-        print0(f"{args.model.describe()}; DDP on {ctx.world_size} ranks ({ctx.backend}), global batch {args.batch_size}")
+        print0(f"{args.model.describe()}; DDP on {ctx.world_size} ranks ({ctx.backend}), "
+               f"global batch {args.batch_size}")
         meter = CostMeter(ctx.env.hourly_usd)
         metrics = MetricsWriter(ctx.env.run_dir, ctx.is_rank0)
         runs = []

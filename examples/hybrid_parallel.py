@@ -59,12 +59,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="sequences per global batch, split over the dp replicas (default 16)")
     parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     parser.add_argument("--checkpoint-dir", type=Path, default=None,
-                        help="save and resume here; relative: inside $CLUSTER_SHARED_DIR (default: $CLUSTER_RUN_DIR/checkpoints)")
+                        help="save and resume here; relative: inside $CLUSTER_SHARED_DIR "
+                             "(default: $CLUSTER_RUN_DIR/checkpoints)")
     parser.add_argument("--checkpoint-every", type=positive_int, default=20, help="save every N steps and at the end")
     parser.add_argument("--async-save", action="store_true", help="write checkpoints while training goes on")
     parser.add_argument("--log-every", type=positive_int, default=5, help="print a step line every N steps (default 5)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="model and data seed (default 0)")
-    parser.add_argument("--check", action="store_true", help="compare with a single-process reference; one line, exit 0/1")
+    parser.add_argument("--check", action="store_true",
+                        help="compare with a single-process reference; one line, exit 0/1")
     parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks")
     args = parser.parse_args(argv)
     args.model = model_config(args, parser)
@@ -113,14 +115,16 @@ def check(args, ctx, shape: MeshShape, batches: Batches) -> int:
 
 
 def train(args, ctx, model, optimizer, replica: int, shape: MeshShape, batches, start, checkpointer, logger):
-    """Steps start+1..args.steps; the last one is measured (memory and collectives)."""
+    """Steps start+1..args.steps; the first one is measured (memory and collectives), as it pays for
+    warming up anyway: the steps the lines show are not slowed by the counting."""
     saved, counter = SavedForBackward(model), CollectiveCounter()
     for step in range(start, args.steps):
         inputs, targets = batches.replica_batch(step, replica, shape.dp, ctx.device)
-        done = step + 1 == args.steps
+        first, done = step == start, step + 1 == args.steps
         losses = []
-        with counter if done else contextlib.nullcontext():
-            seconds = timed(lambda: losses.append(train_step(model, optimizer, inputs, targets, saved if done else None)))
+        with counter if first else contextlib.nullcontext():
+            seconds = timed(lambda: losses.append(train_step(model, optimizer, inputs, targets,
+                                                             saved if first else None)), ctx.device)
         log = done or (step + 1) % args.log_every == 0
         logger.step(step + 1, mean_over_ranks(losses[0]) if log else 0.0, seconds, log=log)
         if checkpointer and (done or (step + 1) % args.checkpoint_every == 0):
@@ -130,7 +134,7 @@ def train(args, ctx, model, optimizer, replica: int, shape: MeshShape, batches, 
     return saved, counter
 
 
-def last_step_report(model, optimizer, saved, counter) -> tuple[str, dict]:
+def step_report(model, optimizer, saved, counter) -> tuple[str, dict]:
     memory = breakdown(model, optimizer, saved)
     traffic = ", ".join(f"{op} x{t.calls} {format_bytes(t.size_bytes)}" for op, t in counter.tally.ops.items())
     text = (f"rank 0 holds parameters {format_bytes(memory.parameters_bytes)}, gradients "
@@ -168,7 +172,7 @@ def main(argv=None) -> int:
         summary = {"example": "hybrid_parallel", "dp": shape.dp, "tp": shape.tp, "steps": args.steps,
                    "resumed_from": start}
         if start < args.steps:
-            text, figures = last_step_report(model, optimizer, saved, counter)
+            text, figures = step_report(model, optimizer, saved, counter)
             print0(text)
             summary.update(figures)
         parameters_digest = digest(full_parameters(model))

@@ -39,13 +39,16 @@ SAMPLES = 4096
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ExampleParser(__doc__)
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default 1f1b)")
-    parser.add_argument("--micro-batches", "-m", type=positive_int, default=8, help="micro-batches per step (default 8)")
+    parser.add_argument("--micro-batches", "-m", type=positive_int, default=8,
+                        help="micro-batches per step (default 8)")
     parser.add_argument("--batch-size", type=positive_int, default=256, help="samples per optimizer step (default 256)")
     parser.add_argument("--width", type=positive_int, default=256, help="layer width (default 256)")
-    parser.add_argument("--layers-per-stage", type=positive_int, default=2, help="Linear+ReLU blocks per stage (default 2)")
+    parser.add_argument("--layers-per-stage", type=positive_int, default=2,
+                        help="Linear+ReLU blocks per stage (default 2)")
     parser.add_argument("--steps", type=positive_int, default=20, help="optimizer steps (default 20)")
     parser.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate (default 0.05)")
-    parser.add_argument("--check", action="store_true", help="compare loss and gradients with the unsplit model, then exit")
+    parser.add_argument("--check", action="store_true",
+                        help="compare loss and gradients with the unsplit model, then exit")
     parser.add_argument("--two-device-split", action="store_true", help="also run the two-GPU split on node 0")
     parser.add_argument("--log-every", type=positive_int, default=5, help="print a step line every N steps (default 5)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="model and data seed")

@@ -42,7 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--factor", type=positive_int, default=2, help="size multiplier between rows (default 2)")
     parser.add_argument("--warmup", type=non_negative_int, default=5, help="untimed runs per size (default 5)")
     parser.add_argument("--iters", type=positive_int, default=20, help="timed runs per size (default 20)")
-    parser.add_argument("--json", type=Path, default=None, help="write results here (default profile.json in the results folder)")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="write results here (default profile.json in the results folder)")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of busbw against size here")
     parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks")
     args = parser.parse_args(argv)

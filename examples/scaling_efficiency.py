@@ -36,7 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per size (default 20)")
     parser.add_argument("--warmup", type=non_negative_int, default=3, help="untimed steps per size (default 3)")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of throughput and efficiency here")
-    parser.add_argument("--json", type=Path, default=None, help="write results here (default scaling.json in the results folder)")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="write results here (default scaling.json in the results folder)")
     parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks")
     return parser.parse_args(argv)
 

@@ -141,7 +141,7 @@ def main(argv=None) -> int:
         for step in range(1, args.steps):
             inputs, targets = batches.replica_batch(step, 0, 1, ctx.device)
             losses = []
-            seconds = timed(lambda: losses.append(train_step(model, optimizer, inputs, targets)))
+            seconds = timed(lambda: losses.append(train_step(model, optimizer, inputs, targets)), ctx.device)
             log = step + 1 == args.steps or (step + 1) % args.log_every == 0
             logger.step(step + 1, mean_over_ranks(losses[0]) if log else 0.0, seconds, log=log)
         metrics.write("summary", example="tensor_parallel", world_size=ctx.world_size, steps=args.steps,

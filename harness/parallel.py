@@ -168,10 +168,11 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(step) -> float:
-    """Seconds one call of `step()` takes (device work included)."""
+def timed(step, device: torch.device) -> float:
+    """Seconds one call of `step()` takes, the device's queued work included."""
     started = time.perf_counter()
     step()
+    synchronize(device)
     return time.perf_counter() - started
 
 
