@@ -61,7 +61,7 @@ def test_a_check_that_does_not_hold_says_fail_and_exits_1():
     assert re.match(r"^check: .+ 1\.\dx fewer bytes .+ FAIL$", result.stdout.strip()), result.stdout
 
 
-def test_fsdp_holds_a_quarter_on_4_ranks_and_its_checkpoint_resumes_on_2(tmp_path):
+def test_fsdp_holds_a_quarter_on_4_ranks_and_its_committed_checkpoint_resumes_on_2(tmp_path):
     checkpoints = tmp_path / "ckpt"
     saved = ok(torchrun("fsdp_training.py", *TINY, "--steps", "3", "--checkpoint-dir", str(checkpoints),
                         "--async-save", nproc=4, run_dir=tmp_path / "four"))
@@ -71,6 +71,9 @@ def test_fsdp_holds_a_quarter_on_4_ranks_and_its_checkpoint_resumes_on_2(tmp_pat
     for rank in four["memory_per_rank"]:
         assert sum(rank[k] for k in state) <= whole / 4 * 1.1, (rank, whole)
     assert (checkpoints / "step-00000003" / "COMMITTED").is_file()
+    interrupted = checkpoints / "step-00000009"  # a later save cut short: shards, no commit marker
+    interrupted.mkdir()
+    (interrupted / "__0_0.distcp").write_bytes(b"half a shard")
     resumed = ok(torchrun("fsdp_training.py", *TINY, "--steps", "3", "--checkpoint-dir", str(checkpoints),
                           nproc=2, run_dir=tmp_path / "two"))
     assert "resumed from step 3" in resumed.stdout and "saved by 4 ranks, loaded onto 2" in resumed.stdout
