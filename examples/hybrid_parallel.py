@@ -176,8 +176,8 @@ def main(argv=None) -> int:
             print0(text)
             summary.update(figures)
         parameters_digest = digest(full_parameters(model))
-        print0(f"parameters sha256 {parameters_digest[:16]} at step {args.steps} (gathered whole from "
-               f"{ctx.world_size} ranks)")
+        print0(f"parameters sha256 {parameters_digest[:16]} at step {args.steps} (gathered whole, "
+               f"world size {ctx.world_size})")
         metrics.write("summary", **summary, parameter_digest=parameters_digest, usd=meter.usd_so_far())
         return 0
     finally:
