@@ -96,12 +96,3 @@ def peak_tflops(device_name: str, precision: str) -> float | None:
             return peaks.get(precision)
     return None
 
-
-def write_results(data: dict, explicit: Path | None, run_dir: Path | None, default_name: str) -> Path | None:
-    """Write a results JSON where asked (`--json`), else into the run folder; the path, or None."""
-    path = explicit or (run_dir / default_name if run_dir else None)
-    if path is None:
-        return None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
-    return path

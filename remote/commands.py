@@ -25,9 +25,28 @@ DEFAULT_MASTER_PORT = 29500
 TERMINATE_GRACE_S = 5
 
 
-def nproc_per_node(gpus: int) -> int:
-    """One process per GPU; one on CPU nodes."""
+def nproc_per_node(gpus: int, requested: int | None = None) -> int:
+    """What was asked for (`--nproc-per-node`), else one process per GPU, one on CPU nodes."""
+    if requested is not None:
+        return requested
     return gpus if gpus > 0 else 1
+
+
+def nproc_problem(nodes: tuple[NodeInfo, ...], requested: int | None) -> str | None:
+    """Why `--nproc-per-node requested` cannot run on these nodes, or None where it can.
+
+    CPU nodes take any number (2 local nodes x 2 processes form a 4-rank mesh); a GPU node takes at
+    most one process per GPU, since two ranks sharing a GPU break NCCL.
+    """
+    if requested is None:
+        return None
+    if requested < 1:
+        return f"--nproc-per-node must be at least 1, not {requested}"
+    for node in nodes:
+        if 0 < node.gpus < requested:
+            return (f"--nproc-per-node {requested} is more than {node.name}'s {node.gpus} GPU(s): "
+                    f"use at most {node.gpus} (one process per GPU)")
+    return None
 
 
 def new_run_id(task: str, now: datetime | None = None) -> str:
@@ -95,7 +114,8 @@ def env_file_text(env: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def torchrun_argv(cluster: ClusterInfo, node: NodeInfo, run_id: str, max_restarts: int, master_port: int) -> list[str]:
+def torchrun_argv(cluster: ClusterInfo, node: NodeInfo, run_id: str, max_restarts: int, master_port: int,
+                  nproc: int | None = None) -> list[str]:
     """torchrun with c10d rendezvous on node-0 and a fresh rendezvous id per run (the script follows).
 
     `--local-addr` is each node's private address: c10d ranks nodes by (address, pid), so with the
@@ -106,7 +126,7 @@ def torchrun_argv(cluster: ClusterInfo, node: NodeInfo, run_id: str, max_restart
     return [
         "-m", "remote.node.torchrun",
         f"--nnodes={len(cluster.nodes)}",
-        f"--nproc-per-node={nproc_per_node(node.gpus)}",
+        f"--nproc-per-node={nproc_per_node(node.gpus, nproc)}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={cluster.head.private_ip}:{master_port}",
         f"--rdzv-conf=is_host={int(node == cluster.head)}",
@@ -117,7 +137,7 @@ def torchrun_argv(cluster: ClusterInfo, node: NodeInfo, run_id: str, max_restart
 
 
 def launch_command(cluster: ClusterInfo, node: NodeInfo, run_id: str, task: str, script: str,
-                   script_args: list[str], max_restarts: int, master_port: int,
+                   script_args: list[str], max_restarts: int, master_port: int, nproc: int | None = None,
                    job_env: dict[str, str] | None = None, pythonpath_first: tuple[str, ...] = ()) -> str:
     """Source the node environment, record the job, run torchrun, then print the exit marker.
 
@@ -131,7 +151,7 @@ def launch_command(cluster: ClusterInfo, node: NodeInfo, run_id: str, task: str,
     expand); the progress folder of the hang watch is made fresh, old runs' folders removed.
     """
     run_dir = remote_run_dir(cluster, run_id)
-    torchrun = " ".join(shlex.quote(a) for a in torchrun_argv(cluster, node, run_id, max_restarts, master_port))
+    torchrun = " ".join(shlex.quote(a) for a in torchrun_argv(cluster, node, run_id, max_restarts, master_port, nproc))
     arguments = " ".join(shlex.quote(a) for a in script_args)
     extra = "".join(f"{key}={value} " for key, value in (job_env or {}).items())
     pythonpath = ":".join([*pythonpath_first, "$CLUSTER_CODE_DIR"])
@@ -143,6 +163,7 @@ def launch_command(cluster: ClusterInfo, node: NodeInfo, run_id: str, task: str,
         f"rm -rf {progress} && mkdir -p {progress}/{shlex.quote(run_id)}",
         f"echo \"$$ {shlex.quote(run_id)} {shlex.quote(task)}\" > {JOB_FILE}",
         f"env CLUSTER_RUN_ID={shlex.quote(run_id)} CLUSTER_RUN_DIR={shell_path(run_dir)} MASTER_PORT={master_port} "
+        f"NPROC_PER_NODE={nproc_per_node(node.gpus, nproc)} "
         f"PYTHONUNBUFFERED=1 {extra}PYTHONPATH=\"{pythonpath}${{PYTHONPATH:+:$PYTHONPATH}}\" "
         f"\"$CLUSTER_PYTHON\" {torchrun} {shell_path(script)} {arguments} 2>&1",
     ]) + f"; code=$?; echo \"{EXIT_MARKER} $code ${{EPOCHREALTIME:-$(date +%s.%N)}}\"; exit $code"

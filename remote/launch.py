@@ -46,6 +46,8 @@ class JobSpec:
     """torchrun --max-restarts: how often a failed worker group is restarted."""
     upload: Path | None = None
     """A local script to copy into the run folder first (`fab run --script`)."""
+    nproc_per_node: int | None = None
+    """Processes per node (`--nproc-per-node`); None: one per GPU, one on CPU nodes."""
     hang: HangPolicy = HangPolicy()
     """When a job counts as hung, and what to do then (`--hang-timeout`, `--on-hang`)."""
 
@@ -214,8 +216,8 @@ def run_job(cluster: ClusterInfo, sessions: list[NodeSession], spec: JobSpec, se
 
     def start(session: NodeSession) -> int:
         command = commands.launch_command(cluster, session.node, run_id, spec.task, script, spec.args,
-                                          spec.max_restarts, setup.master_port, job_environment(run_id, spec.hang),
-                                          (rankhook_path(),) if spec.hang.enabled else ())
+                                          spec.max_restarts, setup.master_port, spec.nproc_per_node,
+                                          job_environment(run_id, spec.hang), (rankhook_path(),) if spec.hang.enabled else ())
         stream = streams[session.node.name]
         try:
             result = session.run(command, out_stream=stream, err_stream=stream, hide=False, pty=False)

@@ -8,6 +8,7 @@ import os
 import sqlite3
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from invoke import Collection, task
@@ -33,13 +34,7 @@ HANG_HELP = {
                "the job running for you",
 }
 RESTARTS_HELP = "torchrun --max-restarts: restart a failed worker group this many times, >= 0 (default 0)"
-EXAMPLES = {
-    "hello": "examples/distributed_hello.py",
-    "run-ddp": "examples/ddp_training.py",
-    "profile": "examples/profile_communication.py",
-    "accumulate": "examples/gradient_accumulation.py",
-    "model-parallel": "examples/model_parallelism.py",
-}
+NPROC_HELP = "processes per node, >= 1 (default: one per GPU, one on CPU nodes); at most the GPU count on GPU nodes"
 
 
 def cluster_for(stack: str | None) -> ClusterInfo:
@@ -134,6 +129,9 @@ class Heartbeat(threading.Thread):
 def start_job(stack: str | None, spec: JobSpec) -> None:
     """Launch `spec` on every node; exit 1 naming the node that failed, 130 on Ctrl-C."""
     cluster = cluster_for(stack)
+    problem = commands.nproc_problem(cluster.nodes, spec.nproc_per_node)
+    if problem:
+        raise Exit(f"error: {problem}", code=2)
     setup = setup_for(cluster)
     book = RunBook(cluster)
     result, local_dir = launch(cluster, spec, setup, state.runs_dir(cluster.stack),
@@ -173,38 +171,74 @@ def start_job(stack: str | None, spec: JobSpec) -> None:
         f"(${cluster.hourly_usd:.3f}/h); {where}")
 
 
-def example_task(name: str, doc: str):
-    """A launch task for one of the examples."""
+@dataclass(frozen=True)
+class ExampleTask:
+    """A launch task that runs one of the examples on every node."""
 
-    def body(c, args="", max_restarts=None, hang_timeout=None, on_hang=None, stack=None):
-        start_job(stack, JobSpec(name, EXAMPLES[name], options.script_arguments(args), restarts(max_restarts),
+    name: str
+    """The fab task's name, dashed (`fab run-ddp`)."""
+    script: str
+    """The example it runs, relative to the synced code folder."""
+    help: str
+    """One line for `fab --list`."""
+
+
+# Adding an example task is one line here: the table registers the tasks and the collection.
+EXAMPLE_TASKS = (
+    ExampleTask("hello", "examples/distributed_hello.py",
+                "Distributed hello: every rank reports in; all-reduce, broadcast, all-gather checked."),
+    ExampleTask("run-ddp", "examples/ddp_training.py", "DDP training across all nodes (examples/ddp_training.py)."),
+    ExampleTask("profile", "examples/profile_communication.py",
+                "All-reduce and friends over message sizes, as nccl-tests tables."),
+    ExampleTask("accumulate", "examples/gradient_accumulation.py",
+                "Gradient accumulation: one all-reduce per optimizer step with no_sync."),
+    ExampleTask("model-parallel", "examples/model_parallelism.py",
+                "Pipeline parallel: one stage per rank, GPipe or 1F1B."),
+    ExampleTask("compress", "examples/gradient_compression.py",
+                "DDP gradient compression (fp16, PowerSGD): bytes per step, loss and time against none."),
+    ExampleTask("fsdp", "examples/fsdp_training.py",
+                "FSDP2 (ZeRO-2/3): per-rank memory from the shards next to DDP's; sharded checkpoints."),
+    ExampleTask("tensor-parallel", "examples/tensor_parallel.py",
+                "Tensor parallel attention and MLP over all ranks; collectives counted per step."),
+    ExampleTask("hybrid", "examples/hybrid_parallel.py",
+                "Hybrid dp x tp: tensor parallel within a node, FSDP across nodes (--nproc-per-node 2 on CPU)."),
+    ExampleTask("compare", "examples/compare_strategies.py",
+                "The strategy table: DDP, PowerSGD, ZeRO-2/3, TP, hybrid: memory, bytes, time (+ PNG)."),
+)
+
+
+def example_task(example: ExampleTask):
+    """The fab task that launches `example.script`."""
+
+    def body(c, args="", max_restarts=None, nproc_per_node=None, hang_timeout=None, on_hang=None, stack=None):
+        start_job(stack, JobSpec(example.name, example.script, options.script_arguments(args), restarts(max_restarts),
+                                 nproc_per_node=processes(nproc_per_node),
                                  hang=options.hang_policy(hang_timeout, on_hang)))
 
-    body.__name__ = name.replace("-", "_")
-    body.__doc__ = doc
-    return task(body, name=name, help={"args": ARGS_HELP, "max-restarts": RESTARTS_HELP, **HANG_HELP,
-                                       "stack": STACK_HELP})
-
-
-hello = example_task("hello", "Distributed hello: every rank reports in; all-reduce, broadcast, all-gather checked.")
-run_ddp = example_task("run-ddp", "DDP training across all nodes (examples/ddp_training.py).")
-profile = example_task("profile", "All-reduce and friends over message sizes, as nccl-tests tables.")
-accumulate = example_task("accumulate", "Gradient accumulation: one all-reduce per optimizer step with no_sync.")
-model_parallel = example_task("model-parallel", "Pipeline parallel: one stage per rank, GPipe or 1F1B.")
+    body.__name__ = example.name.replace("-", "_")
+    body.__doc__ = example.help
+    return task(body, name=example.name, help={"args": ARGS_HELP, "max-restarts": RESTARTS_HELP,
+                                               "nproc-per-node": NPROC_HELP, **HANG_HELP, "stack": STACK_HELP})
 
 
 @task(help={"script": "a torchrun-able Python script on this machine (copied to the cluster first)",
-            "args": ARGS_HELP, "max-restarts": RESTARTS_HELP, **HANG_HELP, "stack": STACK_HELP})
-def run(c, script=None, args="", max_restarts=None, hang_timeout=None, on_hang=None, stack=None):
+            "args": ARGS_HELP, "max-restarts": RESTARTS_HELP, "nproc-per-node": NPROC_HELP, **HANG_HELP,
+            "stack": STACK_HELP})
+def run(c, script=None, args="", max_restarts=None, nproc_per_node=None, hang_timeout=None, on_hang=None, stack=None):
     """Run any torchrun script of yours on every node: it is copied to the shared folder first."""
     path = options.compiled_script(script)
-    spec = JobSpec("run", path.name, options.script_arguments(args), restarts(max_restarts), upload=path.resolve(),
-                   hang=options.hang_policy(hang_timeout, on_hang))
-    start_job(stack, spec)
+    start_job(stack, JobSpec("run", path.name, options.script_arguments(args), restarts(max_restarts),
+                             upload=path.resolve(), nproc_per_node=processes(nproc_per_node),
+                             hang=options.hang_policy(hang_timeout, on_hang)))
 
 
 def restarts(value: str | None) -> int:
     return options.integer("--max-restarts", value, 0, minimum=0)
+
+
+def processes(value: str | None) -> int | None:
+    """`--nproc-per-node` as given (None: one per GPU); the GPU-count limit is checked at launch."""
+    return None if value is None else options.integer("--nproc-per-node", value, 1, minimum=1)
 
 
 @task(help={"force": "redo every stage even where it is up to date",
@@ -315,4 +349,4 @@ def gpus(c, stack=None):
         out.print(table)
 
 
-ns = Collection(bootstrap, hello, run_ddp, profile, accumulate, model_parallel, run, gpus, logs, stop)
+ns = Collection(bootstrap, *(example_task(example) for example in EXAMPLE_TASKS), run, gpus, logs, stop)

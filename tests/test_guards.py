@@ -14,11 +14,12 @@ def watchdog_processes(state_dir: Path) -> list[int]:
 
 
 def test_an_idle_local_cluster_brings_itself_down_and_says_why(state_dir, make_cluster):
-    make_cluster("local", 2, "--idle-minutes", "0.05")  # 3 seconds
-    assert json.loads((state_dir / "local" / "guards.json").read_text())["idle_minutes"] == 0.05
+    # 12 seconds: long enough that bootstrap, which starts the watchdog, finishes first on a loaded machine
+    make_cluster("local", 2, "--idle-minutes", "0.2")
+    assert json.loads((state_dir / "local" / "guards.json").read_text())["idle_minutes"] == 0.2
     bootstrap = run_fab("bootstrap", "--master-port", str(free_port()))
     assert bootstrap.returncode == 0, bootstrap.stdout + bootstrap.stderr
-    assert "idle 0.05 min" in bootstrap.stdout
+    assert "idle 0.2 min" in bootstrap.stdout
     deadline, status = time.monotonic() + 60, None
     while time.monotonic() < deadline:
         status = run_cli("status", "--json")

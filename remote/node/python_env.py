@@ -23,7 +23,7 @@ import venv
 
 LAYER_PTH = "_gpu_cluster_layer.pth"
 # requirement name -> the module it provides
-MODULES = {"torch": "torch", "nvidia-ml-py": "pynvml", "matplotlib": "matplotlib"}
+MODULES = {"torch": "torch", "nvidia-ml-py": "pynvml", "matplotlib": "matplotlib", "rich": "rich"}
 # requirement name -> the program it installs (beside an interpreter whose site-packages hold it)
 PROGRAMS = {"py-spy": "py-spy"}
 
