@@ -382,8 +382,12 @@ class Bootstrap:
         if self.cluster.daemon == "detached":
             # Its own session, output to a file, registered in the node's pid registry: the SSH session
             # ends at once, and powering the node off (or `down`) finds it.
-            return (f"cd {commands.shell_path(code)} && PYTHONPATH={commands.shell_path(code)} setsid {argv} "
-                    f">> {layout.shell(layout.WATCHDOG_LOG)} 2>&1 < /dev/null & echo $! > {layout.shell(layout.WATCHDOG_PID)}")
+            # The braces matter: `cd X && Y &` would put a subshell in the background that keeps the
+            # session's output open (the command would not return until the watchdog exits) and whose
+            # pid, not the watchdog's, `$!` would record.
+            return (f"cd {commands.shell_path(code)} && {{ PYTHONPATH={commands.shell_path(code)} setsid {argv} "
+                    f">> {layout.shell(layout.WATCHDOG_LOG)} 2>&1 < /dev/null & "
+                    f"echo $! > {layout.shell(layout.WATCHDOG_PID)}; }}")
         unit = WATCHDOG_UNIT.format(user=record.session.node.ssh_user, code=code, argv=argv)
         record.session.conn.put(io.StringIO(unit), remote=layout.WATCHDOG_UNIT_FILE)
         return (f"sudo -n install -m 644 {layout.shell(layout.WATCHDOG_UNIT_FILE)} /etc/systemd/system/ && "
