@@ -45,6 +45,11 @@ def format_step(step: int, loss: float, step_ms: float, samples_per_s: float, me
     )
 
 
+last_step: int | None = None
+"""The last training step any StepLogger saw in this process: the rank monitor a `fab` launch starts
+(remote/node/rankhook/) reports it, so the head node's watchdog can tell a stalled job from a slow one."""
+
+
 class StepLogger:
     """One line per logged step from rank 0 (the header first), each also kept in the metrics."""
 
@@ -59,6 +64,8 @@ class StepLogger:
         self.printed_header = False
 
     def step(self, step: int, loss: float, step_s: float, log: bool) -> None:
+        global last_step
+        last_step = step
         self.samples += self.global_batch
         if not (log and self.is_rank0):
             return

@@ -137,7 +137,8 @@ def torchrun_argv(cluster: ClusterInfo, node: NodeInfo, run_id: str, max_restart
 
 
 def launch_command(cluster: ClusterInfo, node: NodeInfo, run_id: str, task: str, script: str,
-                   script_args: list[str], max_restarts: int, master_port: int, nproc: int | None = None) -> str:
+                   script_args: list[str], max_restarts: int, master_port: int, nproc: int | None = None,
+                   job_env: dict[str, str] | None = None, pythonpath_first: tuple[str, ...] = ()) -> str:
     """Source the node environment, record the job, run torchrun, then print the exit marker.
 
     The job runs in its run folder (relative outputs such as plots land there and come back with the
@@ -146,18 +147,24 @@ def launch_command(cluster: ClusterInfo, node: NodeInfo, run_id: str, task: str,
     whole process group; torchrun's workers (which start their own sessions) are found by
     CLUSTER_RUN_ID in their environment. The marker carries the time this node saw torchrun end, by
     its own clock, so fail-fast can name the node that failed first however late its SSH call returns.
+    `job_env` values and `pythonpath_first` entries are shell words (`$HOME`, `$CLUSTER_CODE_DIR`
+    expand); the progress folder of the hang watch is made fresh, old runs' folders removed.
     """
     run_dir = remote_run_dir(cluster, run_id)
     torchrun = " ".join(shlex.quote(a) for a in torchrun_argv(cluster, node, run_id, max_restarts, master_port, nproc))
     arguments = " ".join(shlex.quote(a) for a in script_args)
+    extra = "".join(f"{key}={value} " for key, value in (job_env or {}).items())
+    pythonpath = ":".join([*pythonpath_first, "$CLUSTER_CODE_DIR"])
+    progress = f"~/{layout.PROGRESS}"
     return " && ".join([
         f". {ENV_FILE}",
         f"mkdir -p {shell_path(run_dir)}",
         f"cd {shell_path(run_dir)}",
+        f"rm -rf {progress} && mkdir -p {progress}/{shlex.quote(run_id)}",
         f"echo \"$$ {shlex.quote(run_id)} {shlex.quote(task)}\" > {JOB_FILE}",
         f"env CLUSTER_RUN_ID={shlex.quote(run_id)} CLUSTER_RUN_DIR={shell_path(run_dir)} MASTER_PORT={master_port} "
         f"NPROC_PER_NODE={nproc_per_node(node.gpus, nproc)} "
-        f"PYTHONUNBUFFERED=1 PYTHONPATH=\"$CLUSTER_CODE_DIR${{PYTHONPATH:+:$PYTHONPATH}}\" "
+        f"PYTHONUNBUFFERED=1 {extra}PYTHONPATH=\"{pythonpath}${{PYTHONPATH:+:$PYTHONPATH}}\" "
         f"\"$CLUSTER_PYTHON\" {torchrun} {shell_path(script)} {arguments} 2>&1",
     ]) + f"; code=$?; echo \"{EXIT_MARKER} $code ${{EPOCHREALTIME:-$(date +%s.%N)}}\"; exit $code"
 

@@ -22,7 +22,8 @@ from pathlib import Path
 from invoke.exceptions import Exit
 
 from infra.inventory import ClusterInfo
-from remote import commands
+from remote import commands, hang
+from remote.hangwatch import HangPolicy, HangReport, HangWatch, job_environment, rankhook_path
 from remote.connect import CONNECTION_ERRORS, NodeSession, describe, on_all_nodes, open_sessions
 from remote.stream import NodeStream, say
 
@@ -47,6 +48,8 @@ class JobSpec:
     """A local script to copy into the run folder first (`fab run --script`)."""
     nproc_per_node: int | None = None
     """Processes per node (`--nproc-per-node`); None: one per GPU, one on CPU nodes."""
+    hang: HangPolicy = HangPolicy()
+    """When a job counts as hung, and what to do then (`--hang-timeout`, `--on-hang`)."""
 
 
 @dataclass
@@ -69,6 +72,8 @@ class JobResult:
     """True when Ctrl-C ended it."""
     tails: dict[str, list[str]] = field(default_factory=dict)
     """The last lines of each node's output."""
+    hang: HangReport | None = None
+    """What the hang watch found, if the job hung."""
 
     @property
     def ok(self) -> bool:
@@ -197,7 +202,7 @@ def _sftp_path(remote_dir: str, name: str) -> str:
 
 
 def run_job(cluster: ClusterInfo, sessions: list[NodeSession], spec: JobSpec, setup: NodeSetup,
-            run_id: str, log_dir: Path, echo: bool = True) -> JobResult:
+            run_id: str, log_dir: Path, echo: bool = True, on_hang=None) -> JobResult:
     """Start the job on every node, supervise it, and return how it ended."""
     log_dir.mkdir(parents=True, exist_ok=True)
     script = spec.upload.name if spec.upload else f"$CLUSTER_CODE_DIR/{spec.script}"
@@ -211,7 +216,8 @@ def run_job(cluster: ClusterInfo, sessions: list[NodeSession], spec: JobSpec, se
 
     def start(session: NodeSession) -> int:
         command = commands.launch_command(cluster, session.node, run_id, spec.task, script, spec.args,
-                                          spec.max_restarts, setup.master_port, spec.nproc_per_node)
+                                          spec.max_restarts, setup.master_port, spec.nproc_per_node,
+                                          job_environment(run_id, spec.hang), (rankhook_path(),) if spec.hang.enabled else ())
         stream = streams[session.node.name]
         try:
             result = session.run(command, out_stream=stream, err_stream=stream, hide=False, pty=False)
@@ -222,9 +228,11 @@ def run_job(cluster: ClusterInfo, sessions: list[NodeSession], spec: JobSpec, se
 
     pool = ThreadPoolExecutor(max_workers=len(sessions))
     futures: dict[Future, NodeSession] = {pool.submit(start, s): s for s in sessions}
+    watch = HangWatch(cluster, setup.python, run_id, spec.hang, log_dir, lambda: stop_everywhere(cluster),
+                      on_hang).start()
     previous_handlers = _interrupt_on_signals()
     try:
-        _supervise(cluster, futures, exit_codes, returned)
+        _supervise(cluster, futures, exit_codes, returned, quiet=watch.stopping.is_set)
     except KeyboardInterrupt:
         interrupted = True
         say("fab: interrupted: stopping the job on every node")
@@ -232,13 +240,14 @@ def run_job(cluster: ClusterInfo, sessions: list[NodeSession], spec: JobSpec, se
         _collect(futures, exit_codes, timeout_s=STOP_WAIT_S)
     finally:
         _restore(previous_handlers)
+        watch.close()
         pool.shutdown(wait=False, cancel_futures=True)
         for stream in streams.values():
             stream.close()
     exited_at = {name: stream.exit[1] if stream.exit else None for name, stream in streams.items()}
     return JobResult(run_id, exit_codes, started_at, _now(), time.monotonic() - started,
                      first_failure(exit_codes, exited_at, returned), interrupted,
-                     {name: stream.tail for name, stream in streams.items()})
+                     {name: stream.tail for name, stream in streams.items()}, watch.report)
 
 
 def _interrupt_on_signals() -> dict:
@@ -258,9 +267,11 @@ def _restore(handlers: dict) -> None:
         signal.signal(sig, handler)
 
 
-def _supervise(cluster: ClusterInfo, futures: dict[Future, NodeSession], exit_codes: dict, returned: list) -> None:
+def _supervise(cluster: ClusterInfo, futures: dict[Future, NodeSession], exit_codes: dict, returned: list,
+               quiet=lambda: False) -> None:
     """Wait for every node (`returned` says in which order they did); at the first failure stop the
-    others, and wherever a connection dropped, reconnect and stop that node's part too."""
+    others, and wherever a connection dropped, reconnect and stop that node's part too. `quiet()` is
+    true once the hang watch is stopping the job: the failures that follow are its doing."""
     pending, stopping, stoppers = set(futures), False, []
     while pending:
         done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
@@ -273,7 +284,7 @@ def _supervise(cluster: ClusterInfo, futures: dict[Future, NodeSession], exit_co
             if exit_codes[name] != 0 and not stopping:
                 stopping = True
                 others = [futures[f].node.name for f in pending]
-                if others:
+                if others and not quiet():
                     say(f"fab: {name} exited {exit_codes[name]}: stopping the job on {', '.join(others)}")
                     stoppers.append((_stop_in_background(cluster, others), others))
     deadline = time.monotonic() + STOP_WAIT_S
@@ -327,7 +338,8 @@ def fetch_results(cluster: ClusterInfo, session: NodeSession, run_id: str, local
     return fetched
 
 
-def launch(cluster: ClusterInfo, spec: JobSpec, setup: NodeSetup, runs_root: Path, on_start=None) -> tuple[JobResult, Path]:
+def launch(cluster: ClusterInfo, spec: JobSpec, setup: NodeSetup, runs_root: Path, on_start=None,
+           on_hang=None) -> tuple[JobResult, Path]:
     """The whole launch: checks, upload, run, results. Exit 2 before anything starts if not ready."""
     sessions, statuses = open_sessions(cluster, commands.job_status_command())
     try:
@@ -340,7 +352,10 @@ def launch(cluster: ClusterInfo, spec: JobSpec, setup: NodeSetup, runs_root: Pat
             say(f"fab: run {run_id}: {spec.task} on {len(sessions)} nodes; logs in {local_dir}")
             if on_start:
                 on_start(run_id)
-            result = run_job(cluster, sessions, spec, setup, run_id, local_dir)
+            result = run_job(cluster, sessions, spec, setup, run_id, local_dir,
+                             on_hang=(lambda report: on_hang(run_id, report)) if on_hang else None)
+            if not result.ok:
+                explain_failure(local_dir)
             try:
                 fetch_results(cluster, sessions[0], run_id, local_dir)
             except Exception as exc:  # results are a convenience; the logs are already local
@@ -349,6 +364,17 @@ def launch(cluster: ClusterInfo, spec: JobSpec, setup: NodeSetup, runs_root: Pat
     finally:
         for session in sessions:
             session.close()
+
+
+def explain_failure(local_dir: Path) -> None:
+    """Say what the node logs show about a failed job beyond its exit codes (a collective mismatch)."""
+    for log in sorted(local_dir.glob("node-*.log")):
+        try:
+            line = hang.mismatch_line(log.stem, log.read_text(errors="replace"))
+        except OSError:
+            continue
+        if line:
+            say(line)
 
 
 def _now() -> str:

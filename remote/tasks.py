@@ -7,6 +7,7 @@ import json
 import os
 import sqlite3
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,12 @@ from remote.stream import console, say
 
 STACK_HELP = "stack to use (default: $CLUSTER_STACK, else the last `python deploy.py up`)"
 ARGS_HELP = 'arguments for the script, quoted as one string, e.g. --args "--steps 200"'
+HANG_HELP = {
+    "hang-timeout": "seconds a rank may wait inside a collective that another rank has not entered before the "
+                    "job counts as hung (default 300; 0 turns the flight recorder and hang detection off)",
+    "on-hang": "stop (default): name the culprit, keep the evidence and stop the job; wait: name it and leave "
+               "the job running for you",
+}
 RESTARTS_HELP = "torchrun --max-restarts: restart a failed worker group this many times, >= 0 (default 0)"
 NPROC_HELP = "processes per node, >= 1 (default: one per GPU, one on CPU nodes); at most the GPU count on GPU nodes"
 
@@ -61,6 +68,19 @@ class RunBook:
         if self.ledger is not None:
             self.heartbeat = Heartbeat(self.ledger.path, run_id)
             self.heartbeat.start()
+
+    def hung(self, run_id: str, report) -> None:
+        """Record the hang watch's finding, from its own thread (a connection of its own)."""
+        if self.ledger is None:
+            return
+        try:
+            ledger = Ledger(self.ledger.path)
+            try:
+                ledger.run_hung(run_id, report.verdict, report.stalled_since, report.detected_at)
+            finally:
+                ledger.close()
+        except (sqlite3.Error, OSError) as exc:
+            say(f"fab: warning: could not record the hang in the ledger ({exc})")
 
     def ended(self, run_id: str, exit_codes: dict, duration_s: float) -> float:
         if self.heartbeat is not None:
@@ -115,7 +135,7 @@ def start_job(stack: str | None, spec: JobSpec) -> None:
     setup = setup_for(cluster)
     book = RunBook(cluster)
     result, local_dir = launch(cluster, spec, setup, state.runs_dir(cluster.stack),
-                               on_start=lambda run_id: book.started(run_id, spec.task))
+                               on_start=lambda run_id: book.started(run_id, spec.task), on_hang=book.hung)
     cost_usd = book.ended(result.run_id, result.exit_codes, result.duration_s)
     summary = {
         "task": spec.task,
@@ -130,11 +150,18 @@ def start_job(stack: str | None, spec: JobSpec) -> None:
         "script": spec.script if not spec.upload else str(spec.upload),
         "args": spec.args,
     }
+    if result.hang:
+        summary["hang"] = {"verdict": result.hang.verdict, "stalled_at": result.hang.stalled_since,
+                           "detected_at": result.hang.detected_at, "evidence": str(result.hang.evidence_dir),
+                           "usd_since_stall": round(cluster.hourly_usd * (time.time() - result.hang.stalled_since) / 3600, 6)}
     state.write_atomic(local_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     where = f"logs: {local_dir}"
     if result.interrupted:
         say(f"fab: run {result.run_id} interrupted after {result.duration_s:.1f} s; job stopped on every node; {where}")
         raise Exit(code=130)
+    if result.hang and spec.hang.on_hang == "stop":
+        raise Exit(f"error: run {result.run_id} hung and was stopped on every node ({result.hang.verdict.split(': ', 1)[1]}); "
+                   f"evidence: {result.hang.evidence_dir}; {where}", code=1)
     if not result.ok:
         first = result.failed_node or next(n for n, c in result.exit_codes.items() if c != 0)
         codes = ", ".join(f"{n} exited {c}" for n, c in result.exit_codes.items() if c not in (0, None))
@@ -183,23 +210,26 @@ EXAMPLE_TASKS = (
 def example_task(example: ExampleTask):
     """The fab task that launches `example.script`."""
 
-    def body(c, args="", max_restarts=None, nproc_per_node=None, stack=None):
+    def body(c, args="", max_restarts=None, nproc_per_node=None, hang_timeout=None, on_hang=None, stack=None):
         start_job(stack, JobSpec(example.name, example.script, options.script_arguments(args), restarts(max_restarts),
-                                 nproc_per_node=processes(nproc_per_node)))
+                                 nproc_per_node=processes(nproc_per_node),
+                                 hang=options.hang_policy(hang_timeout, on_hang)))
 
     body.__name__ = example.name.replace("-", "_")
     body.__doc__ = example.help
     return task(body, name=example.name, help={"args": ARGS_HELP, "max-restarts": RESTARTS_HELP,
-                                               "nproc-per-node": NPROC_HELP, "stack": STACK_HELP})
+                                               "nproc-per-node": NPROC_HELP, **HANG_HELP, "stack": STACK_HELP})
 
 
 @task(help={"script": "a torchrun-able Python script on this machine (copied to the cluster first)",
-            "args": ARGS_HELP, "max-restarts": RESTARTS_HELP, "nproc-per-node": NPROC_HELP, "stack": STACK_HELP})
-def run(c, script=None, args="", max_restarts=None, nproc_per_node=None, stack=None):
+            "args": ARGS_HELP, "max-restarts": RESTARTS_HELP, "nproc-per-node": NPROC_HELP, **HANG_HELP,
+            "stack": STACK_HELP})
+def run(c, script=None, args="", max_restarts=None, nproc_per_node=None, hang_timeout=None, on_hang=None, stack=None):
     """Run any torchrun script of yours on every node: it is copied to the shared folder first."""
     path = options.compiled_script(script)
     start_job(stack, JobSpec("run", path.name, options.script_arguments(args), restarts(max_restarts),
-                             upload=path.resolve(), nproc_per_node=processes(nproc_per_node)))
+                             upload=path.resolve(), nproc_per_node=processes(nproc_per_node),
+                             hang=options.hang_policy(hang_timeout, on_hang)))
 
 
 def restarts(value: str | None) -> int:

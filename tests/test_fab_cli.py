@@ -18,6 +18,9 @@ from conftest import assert_one_line_error, run_fab
     (["logs", "--run", "../.."], ["--run", "'../..'"]),
     (["hello", "--args", '"unterminated'], ["--args", "No closing quotation"]),
     (["logs", "--stack", "../x"], ["bad stack name"]),
+    (["run-ddp", "--hang-timeout", "soon"], ["--hang-timeout", "seconds >= 0", "'soon'"]),
+    (["hello", "--hang-timeout", "-3"], ["--hang-timeout", "'-3'"]),
+    (["hello", "--on-hang", "panic"], ["--on-hang", "stop or wait", "'panic'"]),
 ])
 def test_bad_input_is_one_line_and_exit_2_and_creates_nothing(state_dir, argv, words):
     assert_one_line_error(run_fab(*argv), *words)
