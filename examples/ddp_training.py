@@ -24,6 +24,7 @@ import torch  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from harness import data  # noqa: E402
+from harness.args import ExampleParser, non_negative_int, positive_float, positive_int  # noqa: E402
 from harness.cost import CostMeter  # noqa: E402
 from harness.dist import Distributed, cleanup, fail, init_distributed, print0, run  # noqa: E402
 from harness.gpu_monitor import GpuMonitor  # noqa: E402
@@ -36,28 +37,48 @@ from harness.train import (  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ExampleParser(__doc__)
     parser.add_argument("--model", choices=("mlp", "transformer"), default="mlp", help="what to train (default mlp)")
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps in all (default 60)")
-    parser.add_argument("--batch-size", type=int, default=64, help="samples per rank per step (default 64)")
-    parser.add_argument("--lr", type=float, default=None, help="learning rate (default: 0.05 mlp, 3e-3 transformer)")
-    parser.add_argument("--samples", type=int, default=8192, help="size of the synthetic dataset (default 8192)")
-    parser.add_argument("--d-model", type=int, default=128, help="transformer width (default 128)")
-    parser.add_argument("--n-layers", type=int, default=2, help="transformer blocks (default 2)")
-    parser.add_argument("--seq-len", type=int, default=64, help="transformer context length (default 64)")
+    parser.add_argument("--steps", type=positive_int, default=60, help="optimizer steps in all (default 60)")
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="samples per rank per step (default 64)")
+    parser.add_argument("--lr", type=positive_float, default=None,
+                        help="learning rate (default: 0.05 mlp, 3e-3 transformer)")
+    parser.add_argument("--samples", type=positive_int, default=8192,
+                        help="size of the synthetic dataset (default 8192)")
+    parser.add_argument("--d-model", type=positive_int, default=128, help="transformer width (default 128)")
+    parser.add_argument("--n-layers", type=positive_int, default=2, help="transformer blocks (default 2)")
+    parser.add_argument("--seq-len", type=positive_int, default=64, help="transformer context length (default 64)")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help="fp32, fp16 (+GradScaler) or bf16")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--activation-checkpointing", action="store_true", help="recompute activations in backward")
     parser.add_argument("--checkpoint-dir", type=Path, default=None,
                         help="save and resume here (default: $CLUSTER_RUN_DIR/checkpoints when set)")
-    parser.add_argument("--checkpoint-every", type=int, default=20, help="save every N steps (default 20)")
-    parser.add_argument("--simulate-failure-at-step", type=int, default=None, metavar="N",
+    parser.add_argument("--checkpoint-every", type=positive_int, default=20, help="save every N steps (default 20)")
+    parser.add_argument("--simulate-failure-at-step", type=positive_int, default=None, metavar="N",
                         help="crash the last rank once at step N (to see a torchrun restart resume)")
-    parser.add_argument("--log-every", type=int, default=10, help="print a step line every N steps (default 10)")
-    parser.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
+    parser.add_argument("--log-every", type=positive_int, default=10,
+                        help="print a step line every N steps (default 10)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="model and data seed (default 0)")
     parser.add_argument("--profile-dir", default=None, help="write torch.profiler TensorBoard traces here")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for all ranks (default 300)")
-    return parser.parse_args(argv)
+    parser.add_argument("--timeout", type=positive_float, default=300,
+                        help="seconds to wait for all ranks (default 300)")
+    args = parser.parse_args(argv)
+    if args.model == "transformer" and args.d_model % heads(args.d_model):
+        parser.error(f"--d-model {args.d_model} must divide into {heads(args.d_model)} heads of 64 "
+                     "(use a multiple of 64)")
+    if dataset_size(args) < args.batch_size:
+        parser.error(f"--samples {args.samples} gives {dataset_size(args)} training examples, fewer than one "
+                     f"--batch-size of {args.batch_size}")
+    return args
+
+
+def heads(d_model: int) -> int:
+    return max(1, d_model // 64)
+
+
+def dataset_size(args) -> int:
+    """The transformer's sequences are 4x longer examples, so it gets a quarter of them."""
+    return args.samples if args.model == "mlp" else args.samples // 4
 
 
 def build_model(args, ctx: Distributed) -> tuple[torch.nn.Module, object]:
@@ -66,9 +87,9 @@ def build_model(args, ctx: Distributed) -> tuple[torch.nn.Module, object]:
         model = MLP(activation_checkpointing=args.activation_checkpointing)
         dataset = data.teacher_classification(samples=args.samples, seed=args.seed)
     else:
-        model = TinyTransformerLM(seq_len=args.seq_len, d_model=args.d_model, n_heads=max(1, args.d_model // 64),
+        model = TinyTransformerLM(seq_len=args.seq_len, d_model=args.d_model, n_heads=heads(args.d_model),
                                   n_layers=args.n_layers, activation_checkpointing=args.activation_checkpointing)
-        dataset = data.teacher_sequences(samples=args.samples // 4, seq_len=args.seq_len, seed=args.seed)
+        dataset = data.teacher_sequences(samples=dataset_size(args), seq_len=args.seq_len, seed=args.seed)
     model = model.to(ctx.device)
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     return (torch.compile(ddp) if args.compile else ddp), dataset
@@ -145,6 +166,9 @@ def main(argv=None) -> int:
         if start:
             print0(f"resuming from step {start} ({checkpoints})")
         loader, sampler = build_loader(dataset, ctx, args.batch_size, args.seed)
+        if len(loader) == 0:
+            fail(f"--samples {args.samples} is too few for {ctx.world_size} ranks x --batch-size {args.batch_size}",
+                 code=2)
         print0(f"{args.model}: {count_parameters(model):,} parameters, {ctx.world_size} ranks ({ctx.backend}), "
                f"{args.precision}, global batch {args.batch_size * ctx.world_size}")
         meter = CostMeter(ctx.env.hourly_usd)

@@ -18,15 +18,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from harness.args import ExampleParser, positive_float, positive_int  # noqa: E402
 from harness.dist import cleanup, init_distributed, print0, run  # noqa: E402
 from harness.metrics import MetricsWriter  # noqa: E402
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--expect-world-size", type=int, help="fail unless the job has exactly this many ranks")
-    parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for all ranks (default 120)")
-    return parser.parse_args()
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = ExampleParser(__doc__)
+    parser.add_argument("--expect-world-size", type=positive_int,
+                        help="fail unless the job has exactly this many ranks")
+    parser.add_argument("--timeout", type=positive_float, default=120,
+                        help="seconds to wait for all ranks (default 120)")
+    return parser.parse_args(argv)
 
 
 def report(ctx) -> dict:
@@ -62,8 +65,8 @@ def run_checks(ctx, world_size: int) -> list[str]:
     return failures
 
 
-def main() -> int:
-    args = parse_args()
+def main(argv=None) -> int:
+    args = parse_args(argv)
     ctx = init_distributed(timeout_s=args.timeout)
     try:
         reports: list[dict] = [{}] * ctx.world_size

@@ -23,27 +23,37 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from harness import data  # noqa: E402
+from harness.args import ExampleParser, non_negative_int, positive_float, positive_int  # noqa: E402
 from harness.cost import CostMeter  # noqa: E402
 from harness.dist import cleanup, init_distributed, print0, run  # noqa: E402
 from harness.metrics import MetricsWriter, StepLogger  # noqa: E402
 from harness.models import MLP, loss_fn  # noqa: E402
 
 GRADIENT_TOLERANCE = 1e-5
+SAMPLES = 8192
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--accumulation-steps", "-k", type=int, default=4, help="micro-batches per optimizer step (default 4)")
-    parser.add_argument("--micro-batch-size", type=int, default=16, help="samples per rank per micro-batch (default 16)")
-    parser.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
-    parser.add_argument("--hidden", type=int, default=512, help="MLP width (default 512; larger = more to all-reduce)")
-    parser.add_argument("--layers", type=int, default=1, help="hidden layers (default 1)")
-    parser.add_argument("--sync-every-micro-step", action="store_true", help="naive: all-reduce after every micro-batch")
+    parser = ExampleParser(__doc__)
+    parser.add_argument("--accumulation-steps", "-k", type=positive_int, default=4,
+                        help="micro-batches per optimizer step (default 4)")
+    parser.add_argument("--micro-batch-size", type=positive_int, default=16,
+                        help="samples per rank per micro-batch (default 16)")
+    parser.add_argument("--steps", type=positive_int, default=30, help="optimizer steps (default 30)")
+    parser.add_argument("--hidden", type=positive_int, default=512,
+                        help="MLP width (default 512; larger = more to all-reduce)")
+    parser.add_argument("--layers", type=positive_int, default=1, help="hidden layers (default 1)")
+    parser.add_argument("--sync-every-micro-step", action="store_true",
+                        help="naive: all-reduce after every micro-batch")
     parser.add_argument("--check-gradient", action="store_true", help="compare with the full-batch gradient and exit")
-    parser.add_argument("--log-every", type=int, default=10, help="print a step line every N optimizer steps")
-    parser.add_argument("--seed", type=int, default=0, help="model and data seed")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for all ranks")
-    return parser.parse_args(argv)
+    parser.add_argument("--log-every", type=positive_int, default=10, help="print a step line every N optimizer steps")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="model and data seed")
+    parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks")
+    args = parser.parse_args(argv)
+    if args.accumulation_steps * args.micro_batch_size >= SAMPLES:
+        parser.error(f"-k {args.accumulation_steps} x --micro-batch-size {args.micro_batch_size} must stay below the "
+                     f"{SAMPLES} samples of the dataset")
+    return args
 
 
 class AllReduceCounter:
@@ -127,7 +137,7 @@ def main(argv=None) -> int:
     ctx = init_distributed(timeout_s=args.timeout)
     try:
         ddp, counter, optimizer = build(args, ctx)
-        dataset = data.teacher_classification(samples=8192, seed=args.seed).tensors
+        dataset = data.teacher_classification(samples=SAMPLES, seed=args.seed).tensors
         if args.check_gradient:
             return check_gradient(args, ctx, ddp, counter, dataset)
         mode = "naive: all-reduce every micro-step" if args.sync_every_micro_step else "no_sync for k-1 micro-steps"

@@ -22,6 +22,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from harness import data  # noqa: E402
+from harness.args import ExampleParser, non_negative_int, positive_float, positive_int  # noqa: E402
 from harness.cost import CostMeter  # noqa: E402
 from harness.dist import cleanup, init_distributed, print0, run  # noqa: E402
 from harness.metrics import MetricsWriter, StepLogger  # noqa: E402
@@ -32,23 +33,29 @@ from harness.pipeline import (  # noqa: E402
 
 CHECK_TOLERANCE = 1e-5
 CLASSES = 10
+SAMPLES = 4096
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ExampleParser(__doc__)
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default 1f1b)")
-    parser.add_argument("--micro-batches", "-m", type=int, default=8, help="micro-batches per step (default 8)")
-    parser.add_argument("--batch-size", type=int, default=256, help="samples per optimizer step (default 256)")
-    parser.add_argument("--width", type=int, default=256, help="layer width (default 256)")
-    parser.add_argument("--layers-per-stage", type=int, default=2, help="Linear+ReLU blocks per stage (default 2)")
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
-    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
-    parser.add_argument("--check", action="store_true", help="compare loss and gradients with the unsplit model, then exit")
+    parser.add_argument("--micro-batches", "-m", type=positive_int, default=8,
+                        help="micro-batches per step (default 8)")
+    parser.add_argument("--batch-size", type=positive_int, default=256, help="samples per optimizer step (default 256)")
+    parser.add_argument("--width", type=positive_int, default=256, help="layer width (default 256)")
+    parser.add_argument("--layers-per-stage", type=positive_int, default=2,
+                        help="Linear+ReLU blocks per stage (default 2)")
+    parser.add_argument("--steps", type=positive_int, default=20, help="optimizer steps (default 20)")
+    parser.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate (default 0.05)")
+    parser.add_argument("--check", action="store_true",
+                        help="compare loss and gradients with the unsplit model, then exit")
     parser.add_argument("--two-device-split", action="store_true", help="also run the two-GPU split on node 0")
-    parser.add_argument("--log-every", type=int, default=5, help="print a step line every N steps (default 5)")
-    parser.add_argument("--seed", type=int, default=0, help="model and data seed")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for all ranks")
+    parser.add_argument("--log-every", type=positive_int, default=5, help="print a step line every N steps (default 5)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="model and data seed")
+    parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks")
     args = parser.parse_args(argv)
+    if args.batch_size > SAMPLES:
+        parser.error(f"--batch-size {args.batch_size} is more than the {SAMPLES} samples of the dataset")
     if args.batch_size % args.micro_batches:
         parser.error(f"--batch-size {args.batch_size} must divide into {args.micro_batches} equal micro-batches")
     return args
@@ -159,7 +166,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     ctx = init_distributed(timeout_s=args.timeout)
     try:
-        dataset = data.teacher_classification(samples=4096, features=args.width, classes=CLASSES, seed=args.seed).tensors
+        dataset = data.teacher_classification(samples=SAMPLES, features=args.width, classes=CLASSES,
+                                               seed=args.seed).tensors
         if args.check:
             return check_against_unsplit(args, ctx, dataset)
         code = train(args, ctx, dataset)

@@ -4,8 +4,9 @@ fab profile --args "--max-bytes 256M --plot busbw.png"
 Sweeps all-reduce, all-gather, reduce-scatter and broadcast over message sizes and prints one
 nccl-tests table per operation (size, count, type, redop, root, time, algbw, busbw, #wrong), so the
 figures compare directly with `all_reduce_perf -b 8 -e 256M -f 2 -g 1` run on the same nodes. Every
-size is also checked for correct data (#wrong). The results go to JSON (`--json`, by default
-`$CLUSTER_RUN_DIR/profile.json`) and, with `--plot`, to a PNG of bus bandwidth against size.
+size is also checked for correct data (#wrong). The results go to JSON (`--json`, default `profile.json`)
+and, with `--plot`, to a PNG of bus bandwidth against size, both in the results folder
+(`$CLUSTER_RESULTS_DIR`, else `$CLUSTER_RUN_DIR`, else here) unless the path is absolute.
 """
 
 import argparse
@@ -15,37 +16,44 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness.comm_bench import OPS, average_busbw, format_table, measure, sizes  # noqa: E402
 from examples._plots import NO_MATPLOTLIB, pyplot  # noqa: E402
+from harness.args import ExampleParser, non_negative_int, positive_float, positive_int  # noqa: E402
+from harness.comm_bench import OPS, average_busbw, format_table, measure, sizes  # noqa: E402
 from harness.dist import cleanup, init_distributed, print0, run  # noqa: E402
-from harness.metrics import MetricsWriter, write_results  # noqa: E402
+from harness.metrics import MetricsWriter  # noqa: E402
+from harness.results import results_path, write_json  # noqa: E402
 
 UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
 
 def byte_size(text: str) -> int:
     match = re.fullmatch(r"(\d+)([KMG]?)B?", text.strip().upper())
-    if not match:
+    if not match or int(match.group(1)) == 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size like 8, 64K, 16M or 1G")
     return int(match.group(1)) * UNITS[match.group(2)]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ExampleParser(__doc__)
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
     parser.add_argument("--min-bytes", type=byte_size, default=byte_size("1K"), help="smallest message (default 1K)")
     parser.add_argument("--max-bytes", type=byte_size, default=None,
                         help="largest message (default 64M on GPUs, 4M on CPU)")
-    parser.add_argument("--factor", type=int, default=2, help="size multiplier between rows (default 2)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed runs per size (default 5)")
-    parser.add_argument("--iters", type=int, default=20, help="timed runs per size (default 20)")
-    parser.add_argument("--json", type=Path, default=None, help="write results here (default $CLUSTER_RUN_DIR/profile.json)")
+    parser.add_argument("--factor", type=positive_int, default=2, help="size multiplier between rows (default 2)")
+    parser.add_argument("--warmup", type=non_negative_int, default=5, help="untimed runs per size (default 5)")
+    parser.add_argument("--iters", type=positive_int, default=20, help="timed runs per size (default 20)")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="write results here (default profile.json in the results folder)")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of busbw against size here")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for all ranks")
+    parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks")
     args = parser.parse_args(argv)
     unknown = set(args.ops.split(",")) - set(OPS)
     if unknown:
         parser.error(f"unknown --ops {', '.join(sorted(unknown))}; choose from {', '.join(OPS)}")
+    if args.factor < 2:
+        parser.error("--factor must be at least 2 (the sizes grow by it)")
+    if args.max_bytes is not None and args.max_bytes < args.min_bytes:
+        parser.error(f"--max-bytes {args.max_bytes} is below --min-bytes {args.min_bytes}")
     return args
 
 
@@ -91,11 +99,9 @@ def main(argv=None) -> int:
             "wrong": wrong,
         }
         if ctx.is_rank0:
-            json_path = write_results(summary, args.json, ctx.env.run_dir, "profile.json")
-            if json_path:
-                print(f"results: {json_path}", flush=True)
+            print(f"results: {write_json(summary, results_path(args.json, 'profile.json'))}", flush=True)
             if args.plot:
-                print(plot(args.plot, results, ctx.world_size, ctx.backend), flush=True)
+                print(plot(results_path(args.plot, 'busbw.png'), results, ctx.world_size, ctx.backend), flush=True)
         MetricsWriter(ctx.env.run_dir, ctx.is_rank0).write(
             "summary", example="profile_communication", avg_busbw_gbps=summary["avg_busbw_gbps"], wrong=wrong
         )

@@ -18,24 +18,27 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from harness import data  # noqa: E402
 from examples._plots import NO_MATPLOTLIB, pyplot  # noqa: E402
-from harness.dist import cleanup, init_distributed, print0, run  # noqa: E402
-from harness.metrics import MetricsWriter, write_results  # noqa: E402
-from harness.models import MLP, loss_fn  # noqa: E402
+from harness import data  # noqa: E402
+from harness.args import ExampleParser, non_negative_int, positive_float, positive_int  # noqa: E402
 from harness.comm_bench import synchronize  # noqa: E402
+from harness.dist import cleanup, init_distributed, print0, run  # noqa: E402
+from harness.metrics import MetricsWriter  # noqa: E402
+from harness.models import MLP, loss_fn  # noqa: E402
+from harness.results import results_path, write_json  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch-size", type=int, default=64, help="samples per rank per step (default 64)")
-    parser.add_argument("--hidden", type=int, default=512, help="MLP width (default 512)")
-    parser.add_argument("--layers", type=int, default=1, help="MLP hidden layers (default 1)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per size (default 20)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per size (default 3)")
+    parser = ExampleParser(__doc__)
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="samples per rank per step (default 64)")
+    parser.add_argument("--hidden", type=positive_int, default=512, help="MLP width (default 512)")
+    parser.add_argument("--layers", type=positive_int, default=1, help="MLP hidden layers (default 1)")
+    parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per size (default 20)")
+    parser.add_argument("--warmup", type=non_negative_int, default=3, help="untimed steps per size (default 3)")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of throughput and efficiency here")
-    parser.add_argument("--json", type=Path, default=None, help="write results here (default $CLUSTER_RUN_DIR/scaling.json)")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for all ranks")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="write results here (default scaling.json in the results folder)")
+    parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks")
     return parser.parse_args(argv)
 
 
@@ -124,12 +127,10 @@ def main(argv=None) -> int:
         print0(f"DDP weak scaling, {args.batch_size} samples per rank, {ctx.backend}:")
         print0(table(results))
         if ctx.is_rank0:
-            json_path = write_results({"backend": ctx.backend, "results": results}, args.json, ctx.env.run_dir,
-                                      "scaling.json")
-            if json_path:
-                print(f"results: {json_path}", flush=True)
+            report = {"backend": ctx.backend, "results": results}
+            print(f"results: {write_json(report, results_path(args.json, 'scaling.json'))}", flush=True)
             if args.plot:
-                print(plot(args.plot, results, ctx.backend), flush=True)
+                print(plot(results_path(args.plot, 'scaling.png'), results, ctx.backend), flush=True)
         MetricsWriter(ctx.env.run_dir, ctx.is_rank0).write("summary", example="scaling_efficiency", results=results)
         return 0
     finally:

@@ -45,6 +45,11 @@ def format_step(step: int, loss: float, step_ms: float, samples_per_s: float, me
     )
 
 
+last_step: int | None = None
+"""The last training step any StepLogger saw in this process: the rank monitor a `fab` launch starts
+(remote/node/rankhook/) reports it, so the head node's watchdog can tell a stalled job from a slow one."""
+
+
 class StepLogger:
     """One line per logged step from rank 0 (the header first), each also kept in the metrics."""
 
@@ -59,6 +64,8 @@ class StepLogger:
         self.printed_header = False
 
     def step(self, step: int, loss: float, step_s: float, log: bool) -> None:
+        global last_step
+        last_step = step
         self.samples += self.global_batch
         if not (log and self.is_rank0):
             return
@@ -89,12 +96,3 @@ def peak_tflops(device_name: str, precision: str) -> float | None:
             return peaks.get(precision)
     return None
 
-
-def write_results(data: dict, explicit: Path | None, run_dir: Path | None, default_name: str) -> Path | None:
-    """Write a results JSON where asked (`--json`), else into the run folder; the path, or None."""
-    path = explicit or (run_dir / default_name if run_dir else None)
-    if path is None:
-        return None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
-    return path

@@ -33,23 +33,32 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention, then an MLP."""
+    """Pre-norm transformer block: causal self-attention, then an MLP.
+
+    q, k and v are separate projections and the heads are counted from the width a projection
+    returns, so tensor parallelism can split them column-wise (each rank computing whole heads) and
+    split `proj` row-wise, with no change here (examples/tensor_parallel.py).
+    """
 
     def __init__(self, d_model: int, n_heads: int):
         super().__init__()
-        self.n_heads = n_heads
+        self.head_dim = d_model // n_heads
         self.norm1 = nn.LayerNorm(d_model)
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.q = nn.Linear(d_model, d_model)
+        # No bias on k: it would add the same amount to every score of a query, which softmax ignores,
+        # so its gradient is rounding noise (and Adam turns noise into full-size steps).
+        self.k = nn.Linear(d_model, d_model, bias=False)
+        self.v = nn.Linear(d_model, d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.norm2 = nn.LayerNorm(d_model)
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(width, dim=2)
-        q, k, v = (t.view(batch, seq, self.n_heads, width // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        batch, seq, _ = x.shape
+        h = self.norm1(x)
+        q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (self.q(h), self.k(h), self.v(h)))
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attended.transpose(1, 2).reshape(batch, seq, width))
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, seq, -1))
         return x + self.mlp(self.norm2(x))
 
 

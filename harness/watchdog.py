@@ -4,8 +4,10 @@
         --max-total-usd 25 --idle-minutes 30
 
 Every check it works out what the cluster has cost since it came up. When the next check would find
-it past `--max-total-usd`, or when no job has run and the GPUs have been idle for `--idle-minutes`, it
-stops the job on this node and writes the stop marker `$CLUSTER_SHARED_DIR/.gpu-cluster/stop.json`
+it past `--max-total-usd`, or when no job has run and the GPUs have been idle for `--idle-minutes`, or
+when the running job has made no progress that long (no collective completed and no training step,
+as its ranks' monitors report: a stalled job is as idle as no job), it stops the job on this node
+and writes the stop marker `$CLUSTER_SHARED_DIR/.gpu-cluster/stop.json`
 with the reason. Every node powers itself off when the marker appears (on AWS a systemd timer from
 cloud-init; on the local provider the node's SSH server), which terminates or stops the instances as
 the stack says. `deploy.py status` then says the cluster stopped itself, and why, and the ledger records it.
@@ -25,6 +27,7 @@ from harness.gpu_monitor import busy as gpus_busy
 STOP_MARKER = ".gpu-cluster/stop.json"
 HEARTBEAT = ".gpu-cluster/watchdog.json"
 JOB_FILE = "~/.gpu-cluster/job"
+PROGRESS_DIR = "~/.gpu-cluster/progress"
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,33 @@ class Decision:
     """Seconds without a job or GPU work."""
 
 
+def running_run_id(job_file: Path) -> str | None:
+    """The run id recorded by `fab`'s launch (`PID RUN_ID TASK`), if its job is alive."""
+    if not job_running(job_file):
+        return None
+    try:
+        return job_file.read_text().split()[1]
+    except (OSError, IndexError):
+        return None
+
+
+def job_progress(progress_dir: Path, run_id: str) -> tuple | None:
+    """What the run's ranks on this node have done so far: per rank, the collectives each process
+    group completed and the harness's step (from their monitors, remote/node/rankhook/). Two equal
+    values mean no progress in between; None when no rank reports (then nothing is known)."""
+    done = []
+    for path in sorted((progress_dir / run_id).glob("rank-*.json")):
+        if path.name.endswith(".fr.json"):
+            continue
+        try:
+            record = json.loads(path.read_text())
+            groups = tuple(sorted((name, int(g["completed"])) for name, g in record.get("groups", {}).items()))
+            done.append((int(record["rank"]), groups, record.get("step")))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # being replaced, or damaged: judged at the next check
+    return tuple(done) or None
+
+
 def job_running(job_file: Path) -> bool:
     """The job recorded by `fab`'s launch is alive (zombies count as gone)."""
     try:
@@ -80,16 +110,18 @@ class Watchdog:
     """Checks the guards; the clock and the activity probes are injectable, for tests."""
 
     def __init__(self, guards: Guards, shared_dir: Path, job_file: Path, clock=time.time,
-                 gpus_are_busy=gpus_busy):
+                 gpus_are_busy=gpus_busy, progress_dir: Path | None = None):
         self.guards, self.shared_dir, self.job_file = guards, shared_dir, job_file
         self.clock, self.gpus_are_busy = clock, gpus_are_busy
+        self.progress_dir = progress_dir or Path(os.path.expanduser(PROGRESS_DIR))
         self.last_active = clock()
+        self.last_progress: tuple | None = None
+        self.stalled_run: str | None = None
 
     def check(self) -> Decision:
         now, g = self.clock(), self.guards
         accrued = g.hourly_usd * max(0.0, now - g.started_at) / 3600
-        if job_running(self.job_file) or self.gpus_are_busy():
-            self.last_active = now
+        self.note_activity(now)
         idle_s = now - self.last_active
         if g.max_total_usd is not None:
             at_next_check = accrued + g.hourly_usd * g.interval_s / 3600
@@ -97,9 +129,28 @@ class Watchdog:
                 return Decision(True, f"budget: ${accrued:.2f} spent of maxTotalUsd ${g.max_total_usd:g} "
                                       f"at ${g.hourly_usd:.3f}/h", accrued, idle_s)
         if g.idle_minutes is not None and idle_s >= g.idle_minutes * 60:
+            if self.stalled_run:
+                return Decision(True, f"stalled: job {self.stalled_run} made no progress (no collective completed, "
+                                      f"no training step) for {idle_s / 60:.1f} min (idleMinutes {g.idle_minutes:g})",
+                                accrued, idle_s)
             return Decision(True, f"idle: no job and idle GPUs for {idle_s / 60:.1f} min "
                                   f"(idleMinutes {g.idle_minutes:g})", accrued, idle_s)
         return Decision(False, "within budget" if g.max_total_usd is not None else "active", accrued, idle_s)
+
+    def note_activity(self, now: float) -> None:
+        """A job that makes progress, or (with no job, or one whose ranks report nothing) a running job
+        or busy GPUs, counts as activity. A job whose ranks report the same progress as before does
+        not: it is stalled, however busy its GPUs spin (a hung NCCL collective keeps them at 100%)."""
+        run_id = running_run_id(self.job_file)
+        progress = job_progress(self.progress_dir, run_id) if run_id else None
+        if progress is not None:
+            if (run_id, progress) != self.last_progress:
+                self.last_progress, self.last_active = (run_id, progress), now
+            self.stalled_run = run_id
+            return
+        self.stalled_run = None
+        if run_id or job_running(self.job_file) or self.gpus_are_busy():
+            self.last_active = now
 
     def heartbeat(self, decision: Decision) -> None:
         _write_json(self.shared_dir / HEARTBEAT, {"pid": os.getpid(), "checked_at": self.clock(),
@@ -158,13 +209,16 @@ def main(argv=None) -> int:
     parser.add_argument("--idle-minutes", type=float, default=None, help="power off after this long idle")
     parser.add_argument("--interval-s", type=float, default=None, help="seconds between checks (default: derived)")
     parser.add_argument("--job-file", default=JOB_FILE, help=f"the job record of fab launches (default {JOB_FILE})")
+    parser.add_argument("--progress-dir", default=PROGRESS_DIR,
+                        help=f"where the ranks of fab launches record their progress (default {PROGRESS_DIR})")
     args = parser.parse_args(argv)
     if args.max_total_usd is None and args.idle_minutes is None:
         parser.error("nothing to guard: give --max-total-usd and/or --idle-minutes")
     guards = Guards(args.hourly_usd, args.started_at, args.max_total_usd, args.idle_minutes,
                     args.interval_s or check_interval_s(args.idle_minutes))
     print(f"watchdog: guarding {asdict(guards)}", flush=True)
-    Watchdog(guards, args.shared_dir, Path(os.path.expanduser(args.job_file))).run()
+    Watchdog(guards, args.shared_dir, Path(os.path.expanduser(args.job_file)),
+             progress_dir=Path(os.path.expanduser(args.progress_dir))).run()
     return 0
 
 

@@ -124,4 +124,6 @@ def _run_row(r, now: float) -> dict:
         "run_id": r.run_id, "stack": r.stack, "task": r.task, "nodes": r.nodes, "started_at": _iso(r.started_at),
         "ended_at": _iso(r.ended_at), "seconds": round((r.ended_at or now) - r.started_at, 1),
         "exit_codes": r.exit_codes, "cost_usd": round(r.cost_usd(now), 6), "end_reason": r.end_reason,
+        "hung": r.hang_verdict is not None, "hang_verdict": r.hang_verdict, "stalled_at": _iso(r.stalled_at),
+        "usd_since_stall": None if r.stalled_at is None else round(r.usd_since_stall(now), 6),
     }

@@ -31,7 +31,9 @@ HEARTBEAT_S = 5
 """How often a supervising fab records that its run is alive."""
 ABANDONED_AFTER_S = 12 * HEARTBEAT_S
 """A run not seen for this long is over, even where its owner's pid seems alive (reused, or frozen)."""
-RUN_OWNER_COLUMNS = {"owner_host": "TEXT", "owner_pid": "INTEGER", "last_seen_at": "REAL", "end_reason": "TEXT"}
+RUN_OWNER_COLUMNS = {"owner_host": "TEXT", "owner_pid": "INTEGER", "last_seen_at": "REAL", "end_reason": "TEXT",
+                     # a run the hang watch found hung: its verdict, when progress stopped, when it was found
+                     "hang_verdict": "TEXT", "stalled_at": "REAL", "hang_detected_at": "REAL"}
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS clusters (
     id INTEGER PRIMARY KEY,
@@ -132,9 +134,19 @@ class RunRecord:
     exit_codes: dict | None
     end_reason: str | None = None
     """Why a run ended without its fab, e.g. that fab's process was gone."""
+    hang_verdict: str | None = None
+    """The hang watch's verdict line, where the run hung."""
+    stalled_at: float | None = None
+    """When a hung run's progress stopped."""
 
     def cost_usd(self, now: float) -> float:
         return cost_usd(self.hourly_usd, (self.ended_at or now) - self.started_at)
+
+    def usd_since_stall(self, now: float) -> float | None:
+        """What the cluster cost from the moment a hung run stopped making progress to its end."""
+        if self.stalled_at is None:
+            return None
+        return cost_usd(self.hourly_usd, max(0.0, (self.ended_at or now) - self.stalled_at))
 
 
 class Ledger:
@@ -264,6 +276,12 @@ class Ledger:
         with self._transaction():
             self.db.execute("UPDATE runs SET last_seen_at = ? WHERE run_id = ? AND ended_at IS NULL", (at, run_id))
 
+    def run_hung(self, run_id: str, verdict: str, stalled_at: float, detected_at: float) -> None:
+        """The hang watch found this run hung: what it said, when progress stopped, when it was found."""
+        with self._transaction():
+            self.db.execute("UPDATE runs SET hang_verdict = ?, stalled_at = ?, hang_detected_at = ? WHERE run_id = ?",
+                            (verdict, stalled_at, detected_at, run_id))
+
     def close_abandoned_runs(self, now: float | None = None) -> list[str]:
         """Close open runs whose fab is gone (its pid dead on this host, or not seen for
         ABANDONED_AFTER_S) at the time it was last seen; the run ids closed."""
@@ -310,11 +328,11 @@ class Ledger:
             where.append("run_id = ?")
             args.append(run_id)
         rows = self.db.execute(
-            "SELECT run_id, stack, task, nodes, hourly_usd, started_at, ended_at, exit_codes, end_reason FROM runs"
-            + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY started_at",
+            "SELECT run_id, stack, task, nodes, hourly_usd, started_at, ended_at, exit_codes, end_reason, hang_verdict,"
+            " stalled_at FROM runs" + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY started_at",
             args,
         ).fetchall()
-        return [RunRecord(*row[:7], json.loads(row[7]) if row[7] else None, row[8]) for row in rows]
+        return [RunRecord(*row[:7], json.loads(row[7]) if row[7] else None, *row[8:]) for row in rows]
 
 
 def _process_alive(pid: int) -> bool:

@@ -117,8 +117,13 @@ def cost_tables(data: dict) -> None:
         runs.add_column(column)
     for r in data["runs"]:
         codes = ", ".join(f"{k}={v}" for k, v in (r["exit_codes"] or {}).items()) or r.get("end_reason") or "running"
+        if r.get("hung"):
+            codes = f"HUNG: no progress from {(r['stalled_at'] or '')[11:19]} UTC, ${r['usd_since_stall']:.4f} spent since; {codes}"
         runs.add_row(r["run_id"], r["task"], r["stack"], str(r["nodes"]), f"{r['seconds']:.1f}", f"${r['cost_usd']:.4f}", codes)
     console.print(runs)
+    for r in data["runs"]:
+        if r.get("hung"):
+            console.print(r["hang_verdict"], markup=False)
     would = data["local_would_have_cost_usd"]
     extra = f"; local clusters would have cost ${would:.4f} on their instance types" if would is not None else ""
     console.print(f"total: ${data['total_usd']:.4f}{extra}")

@@ -365,11 +365,11 @@ class Bootstrap:
     def _watchdog_argv(self, record: NodeRecord, guards: dict) -> list[str]:
         from datetime import datetime
 
-        job_file = f"{record.facts('probe').get('home') or '~'}/{layout.JOB}"
+        home = record.facts('probe').get('home') or '~'
         argv = [self.python_for(record), "-m", "harness.watchdog", "--shared-dir", self.cluster.shared_dir,
                 "--hourly-usd", f"{self.cluster.hourly_usd:g}",
                 "--started-at", f"{datetime.fromisoformat(self.cluster.created_at).timestamp():.0f}",
-                "--job-file", job_file]
+                "--job-file", f"{home}/{layout.JOB}", "--progress-dir", f"{home}/{layout.PROGRESS}"]
         if guards.get("max_total_usd") is not None:
             argv += ["--max-total-usd", f"{guards['max_total_usd']:g}"]
         if guards.get("idle_minutes") is not None:
@@ -382,8 +382,12 @@ class Bootstrap:
         if self.cluster.daemon == "detached":
             # Its own session, output to a file, registered in the node's pid registry: the SSH session
             # ends at once, and powering the node off (or `down`) finds it.
-            return (f"cd {commands.shell_path(code)} && PYTHONPATH={commands.shell_path(code)} setsid {argv} "
-                    f">> {layout.shell(layout.WATCHDOG_LOG)} 2>&1 < /dev/null & echo $! > {layout.shell(layout.WATCHDOG_PID)}")
+            # The braces matter: `cd X && Y &` would put a subshell in the background that keeps the
+            # session's output open (the command would not return until the watchdog exits) and whose
+            # pid, not the watchdog's, `$!` would record.
+            return (f"cd {commands.shell_path(code)} && {{ PYTHONPATH={commands.shell_path(code)} setsid {argv} "
+                    f">> {layout.shell(layout.WATCHDOG_LOG)} 2>&1 < /dev/null & "
+                    f"echo $! > {layout.shell(layout.WATCHDOG_PID)}; }}")
         unit = WATCHDOG_UNIT.format(user=record.session.node.ssh_user, code=code, argv=argv)
         record.session.conn.put(io.StringIO(unit), remote=layout.WATCHDOG_UNIT_FILE)
         return (f"sudo -n install -m 644 {layout.shell(layout.WATCHDOG_UNIT_FILE)} /etc/systemd/system/ && "

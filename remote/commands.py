@@ -25,9 +25,28 @@ DEFAULT_MASTER_PORT = 29500
 TERMINATE_GRACE_S = 5
 
 
-def nproc_per_node(gpus: int) -> int:
-    """One process per GPU; one on CPU nodes."""
+def nproc_per_node(gpus: int, requested: int | None = None) -> int:
+    """What was asked for (`--nproc-per-node`), else one process per GPU, one on CPU nodes."""
+    if requested is not None:
+        return requested
     return gpus if gpus > 0 else 1
+
+
+def nproc_problem(nodes: tuple[NodeInfo, ...], requested: int | None) -> str | None:
+    """Why `--nproc-per-node requested` cannot run on these nodes, or None where it can.
+
+    CPU nodes take any number (2 local nodes x 2 processes form a 4-rank mesh); a GPU node takes at
+    most one process per GPU, since two ranks sharing a GPU break NCCL.
+    """
+    if requested is None:
+        return None
+    if requested < 1:
+        return f"--nproc-per-node must be at least 1, not {requested}"
+    for node in nodes:
+        if 0 < node.gpus < requested:
+            return (f"--nproc-per-node {requested} is more than {node.name}'s {node.gpus} GPU(s): "
+                    f"use at most {node.gpus} (one process per GPU)")
+    return None
 
 
 def new_run_id(task: str, now: datetime | None = None) -> str:
@@ -105,7 +124,8 @@ RESERVED_VARIABLES = ("NODE_RANK", "NNODES", "NPROC_PER_NODE", "MASTER_ADDR", "M
                       "GLOO_SOCKET_IFNAME", "PYTHONPATH", "PYTHONUNBUFFERED", *TORCHRUN_VARIABLES)
 
 
-def torchrun_argv(cluster: ClusterInfo, node: NodeInfo, run_id: str, max_restarts: int, master_port: int) -> list[str]:
+def torchrun_argv(cluster: ClusterInfo, node: NodeInfo, run_id: str, max_restarts: int, master_port: int,
+                  nproc: int | None = None) -> list[str]:
     """torchrun with c10d rendezvous on node-0 and a fresh rendezvous id per run (the script follows).
 
     `--local-addr` is each node's private address: c10d ranks nodes by (address, pid), so with the
@@ -118,7 +138,7 @@ def torchrun_argv(cluster: ClusterInfo, node: NodeInfo, run_id: str, max_restart
     return [
         TORCHRUN,
         f"--nnodes={len(cluster.nodes)}",
-        f"--nproc-per-node={nproc_per_node(node.gpus)}",
+        f"--nproc-per-node={nproc_per_node(node.gpus, nproc)}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={cluster.head.private_ip}:{master_port}",
         f"--rdzv-conf=is_host={int(node == cluster.head)}",
@@ -143,13 +163,15 @@ def results_dir(run_id: str) -> str:
     return f"{node_run_dir(run_id)}/results"
 
 
-def job_variables(cluster: ClusterInfo, run_id: str, master_port: int, python: str | None = None) -> dict[str, str]:
+def job_variables(cluster: ClusterInfo, node: NodeInfo, run_id: str, master_port: int, nproc: int | None = None,
+                  python: str | None = None) -> dict[str, str]:
     """What the launch sets on top of the node environment; each value a word or a path (`shell_path`)."""
     variables = {
         "CLUSTER_RUN_ID": run_id,
         "CLUSTER_RUN_DIR": remote_run_dir(cluster, run_id),
         "CLUSTER_RESULTS_DIR": results_dir(run_id),
         "MASTER_PORT": str(master_port),
+        "NPROC_PER_NODE": str(nproc_per_node(node.gpus, nproc)),
         "PYTHONUNBUFFERED": "1",
     }
     if python:
@@ -157,9 +179,10 @@ def job_variables(cluster: ClusterInfo, run_id: str, master_port: int, python: s
     return variables
 
 
-def python_path(run_id: str) -> list[str]:
-    """PYTHONPATH of the job, first to last, before the node's own: the workdir, then the synced code."""
-    return [job_workdir(run_id), "$CLUSTER_CODE_DIR"]
+def python_path(run_id: str, first: tuple[str, ...] = ()) -> list[str]:
+    """PYTHONPATH of the job, first to last, before the node's own: `first` (the hang watch's rank
+    hook, whose sitecustomize must be found before any other), the workdir, then the synced code."""
+    return [*first, job_workdir(run_id), "$CLUSTER_CODE_DIR"]
 
 
 def reserved_variable(key: str) -> bool:
@@ -168,8 +191,9 @@ def reserved_variable(key: str) -> bool:
 
 
 def launch_command(cluster: ClusterInfo, node: NodeInfo, run_id: str, task: str, script: str,
-                   script_args: list[str], max_restarts: int, master_port: int, *, workdir_key: str | None = None,
-                   python: str | None = None, env: dict[str, str] | None = None) -> str:
+                   script_args: list[str], max_restarts: int, master_port: int, nproc: int | None = None,
+                   job_env: dict[str, str] | None = None, pythonpath_first: tuple[str, ...] = (), *,
+                   workdir_key: str | None = None, python: str | None = None, env: dict[str, str] | None = None) -> str:
     """Source the node environment, make the run's folders, record the job, run torchrun, then print
     the exit marker.
 
@@ -177,25 +201,30 @@ def launch_command(cluster: ClusterInfo, node: NodeInfo, run_id: str, task: str,
     (`workdir_key`, from `fab run --workdir`) or an empty folder, so two nodes writing the same
     relative file never meet. That folder and the synced code are on PYTHONPATH. `script` may start
     with `$HOME/` or `$CLUSTER_CODE_DIR/`; `python` (a --requirements environment) replaces the node's
-    interpreter; `env` (--env) values arrive literally. The pid recorded is the session leader's, so
-    `stop` can signal the whole process group; torchrun's workers (which start their own sessions)
-    are found by CLUSTER_RUN_ID in their environment. The marker carries the time this node saw
-    torchrun end, by its own clock, so fail-fast can name the node that failed first however late
-    its SSH call returns.
+    interpreter; `job_env` values (the hang watch's) are shell words (`$HOME`, `${X:-default}` expand)
+    and `pythonpath_first` paths come first on PYTHONPATH; `env` (--env) values arrive literally, after
+    them, so they win. The hang watch's progress folder is made fresh, old runs' folders removed. The
+    pid recorded is the session leader's, so `stop` can signal the whole process group; torchrun's
+    workers (which start their own sessions) are found by CLUSTER_RUN_ID in their environment. The
+    marker carries the time this node saw torchrun end, by its own clock, so fail-fast can name the
+    node that failed first however late its SSH call returns.
     """
-    variables = job_variables(cluster, run_id, master_port, python)
+    variables = job_variables(cluster, node, run_id, master_port, nproc, python)
     assignments = [f"{key}={shell_path(value)}" for key, value in variables.items()]
-    search_path = ":".join(shell_path(p) for p in python_path(run_id))
+    assignments += [f"{key}={value}" for key, value in (job_env or {}).items()]
+    search_path = ":".join(shell_path(p) for p in python_path(run_id, pythonpath_first))
     assignments.append(f'PYTHONPATH={search_path}"${{PYTHONPATH:+:$PYTHONPATH}}"')
     assignments += [f"{key}={shlex.quote(value)}" for key, value in (env or {}).items()]
     interpreter = shell_path(python) if python else '"$CLUSTER_PYTHON"'
-    torchrun = " ".join(shell_path(a) for a in torchrun_argv(cluster, node, run_id, max_restarts, master_port))
+    torchrun = " ".join(shell_path(a) for a in torchrun_argv(cluster, node, run_id, max_restarts, master_port, nproc))
     arguments = " ".join(shlex.quote(a) for a in script_args)
+    progress = f"~/{layout.PROGRESS}"
     return " && ".join([
         f". {ENV_FILE}",
         f"mkdir -p {shell_path(remote_run_dir(cluster, run_id))} {shell_path(results_dir(run_id))}",
         _workdir_step(run_id, workdir_key),
         f"cd {shell_path(job_workdir(run_id))}",
+        f"rm -rf {progress} && mkdir -p {progress}/{shlex.quote(run_id)}",
         f"echo \"$$ {shlex.quote(run_id)} {shlex.quote(task)}\" > {JOB_FILE}",
         f"env {' '.join(assignments)} {interpreter} {torchrun} {shell_path(script)} {arguments} 2>&1",
     ]) + f"; code=$?; echo \"{EXIT_MARKER} $code ${{EPOCHREALTIME:-$(date +%s.%N)}}\"; exit $code"

@@ -22,7 +22,8 @@ from invoke.exceptions import Exit
 
 from infra import state
 from infra.inventory import ClusterInfo
-from remote import commands, workdir
+from remote import commands, hang, workdir
+from remote.hangwatch import HangPolicy, HangReport, HangWatch, job_environment, rankhook_path
 from remote.connect import CONNECTION_ERRORS, NodeSession, describe, on_all_nodes, open_sessions
 from remote.packages import Requirements, ensure as ensure_requirements
 from remote.stream import NodeStream, say
@@ -49,6 +50,10 @@ class JobSpec:
     """torchrun --max-restarts: how often a failed worker group is restarted."""
     upload: Path | None = None
     """A local script to copy into the run folder first (`fab run --script`)."""
+    nproc_per_node: int | None = None
+    """Processes per node (`--nproc-per-node`); None: one per GPU, one on CPU nodes."""
+    hang: HangPolicy = HangPolicy()
+    """When a job counts as hung, and what to do then (`--hang-timeout`, `--on-hang`)."""
     workdir: Project | None = None
     """A project folder to sync and run in (`fab run --workdir`); `script` is then relative to it."""
     requirements: Requirements | None = None
@@ -79,6 +84,8 @@ class JobResult:
     """True when Ctrl-C ended it."""
     tails: dict[str, list[str]] = field(default_factory=dict)
     """The last lines of each node's output."""
+    hang: HangReport | None = None
+    """What the hang watch found, if the job hung."""
 
     @property
     def ok(self) -> bool:
@@ -207,7 +214,7 @@ def _sftp_path(remote_dir: str, name: str) -> str:
 
 
 def run_job(cluster: ClusterInfo, sessions: list[NodeSession], spec: JobSpec, setup: NodeSetup,
-            run_id: str, log_dir: Path, echo: bool = True) -> JobResult:
+            run_id: str, log_dir: Path, echo: bool = True, on_hang=None) -> JobResult:
     """Start the job on every node, supervise it, and return how it ended."""
     log_dir.mkdir(parents=True, exist_ok=True)
     script = job_script(cluster, spec, run_id)
@@ -222,6 +229,7 @@ def run_job(cluster: ClusterInfo, sessions: list[NodeSession], spec: JobSpec, se
     def start(session: NodeSession) -> int:
         command = commands.launch_command(
             cluster, session.node, run_id, spec.task, script, spec.args, spec.max_restarts, setup.master_port,
+            spec.nproc_per_node, job_environment(run_id, spec.hang), (rankhook_path(),) if spec.hang.enabled else (),
             workdir_key=spec.workdir.key if spec.workdir else None,
             python=spec.requirements.python if spec.requirements else None, env=spec.env)
         stream = streams[session.node.name]
@@ -234,9 +242,11 @@ def run_job(cluster: ClusterInfo, sessions: list[NodeSession], spec: JobSpec, se
 
     pool = ThreadPoolExecutor(max_workers=len(sessions))
     futures: dict[Future, NodeSession] = {pool.submit(start, s): s for s in sessions}
+    watch = HangWatch(cluster, setup.python, run_id, spec.hang, log_dir, lambda: stop_everywhere(cluster),
+                      on_hang).start()
     previous_handlers = _interrupt_on_signals()
     try:
-        _supervise(cluster, futures, exit_codes, returned)
+        _supervise(cluster, futures, exit_codes, returned, quiet=watch.stopping.is_set)
     except KeyboardInterrupt:
         interrupted = True
         say("fab: interrupted: stopping the job on every node")
@@ -244,13 +254,14 @@ def run_job(cluster: ClusterInfo, sessions: list[NodeSession], spec: JobSpec, se
         _collect(futures, exit_codes, timeout_s=STOP_WAIT_S)
     finally:
         _restore(previous_handlers)
+        watch.close()
         pool.shutdown(wait=False, cancel_futures=True)
         for stream in streams.values():
             stream.close()
     exited_at = {name: stream.exit[1] if stream.exit else None for name, stream in streams.items()}
     return JobResult(run_id, exit_codes, started_at, _now(), time.monotonic() - started,
                      first_failure(exit_codes, exited_at, returned), interrupted,
-                     {name: stream.tail for name, stream in streams.items()})
+                     {name: stream.tail for name, stream in streams.items()}, watch.report)
 
 
 def job_script(cluster: ClusterInfo, spec: JobSpec, run_id: str) -> str:
@@ -279,9 +290,11 @@ def _restore(handlers: dict) -> None:
         signal.signal(sig, handler)
 
 
-def _supervise(cluster: ClusterInfo, futures: dict[Future, NodeSession], exit_codes: dict, returned: list) -> None:
+def _supervise(cluster: ClusterInfo, futures: dict[Future, NodeSession], exit_codes: dict, returned: list,
+               quiet=lambda: False) -> None:
     """Wait for every node (`returned` says in which order they did); at the first failure stop the
-    others, and wherever a connection dropped, reconnect and stop that node's part too."""
+    others, and wherever a connection dropped, reconnect and stop that node's part too. `quiet()` is
+    true once the hang watch is stopping the job: the failures that follow are its doing."""
     pending, stopping, stoppers = set(futures), False, []
     while pending:
         done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
@@ -294,7 +307,7 @@ def _supervise(cluster: ClusterInfo, futures: dict[Future, NodeSession], exit_co
             if exit_codes[name] != 0 and not stopping:
                 stopping = True
                 others = [futures[f].node.name for f in pending]
-                if others:
+                if others and not quiet():
                     say(f"fab: {name} exited {exit_codes[name]}: stopping the job on {', '.join(others)}")
                     stoppers.append((_stop_in_background(cluster, others), others))
     deadline = time.monotonic() + STOP_WAIT_S
@@ -403,7 +416,8 @@ def _tagged(sessions: list[NodeSession], statuses: list[str], tag: str) -> dict[
     return {s.node.name: commands.parse_tagged(output, tag) for s, output in zip(sessions, statuses)}
 
 
-def launch(cluster: ClusterInfo, spec: JobSpec, setup: NodeSetup, runs_root: Path, on_start=None) -> tuple[JobResult, Path]:
+def launch(cluster: ClusterInfo, spec: JobSpec, setup: NodeSetup, runs_root: Path, on_start=None,
+           on_hang=None) -> tuple[JobResult, Path]:
     """The whole launch: checks, sync, upload, run, results. Exit 2 before anything starts if not ready."""
     wanted = None
     if spec.workdir:
@@ -422,7 +436,10 @@ def launch(cluster: ClusterInfo, spec: JobSpec, setup: NodeSetup, runs_root: Pat
             say(f"fab: run {run_id}: {spec.task} on {len(sessions)} nodes; logs in {local_dir}")
             if on_start:
                 on_start(run_id)
-            result = run_job(cluster, sessions, spec, setup, run_id, local_dir)
+            result = run_job(cluster, sessions, spec, setup, run_id, local_dir,
+                             on_hang=(lambda report: on_hang(run_id, report)) if on_hang else None)
+            if not result.ok:
+                explain_failure(local_dir)
             head = sessions[0].node.name
             try:
                 fetched = fetch_results(cluster, sessions[0], setup.python[head], run_id, local_dir,
@@ -434,6 +451,17 @@ def launch(cluster: ClusterInfo, spec: JobSpec, setup: NodeSetup, runs_root: Pat
     finally:
         for session in sessions:
             session.close()
+
+
+def explain_failure(local_dir: Path) -> None:
+    """Say what the node logs show about a failed job beyond its exit codes (a collective mismatch)."""
+    for log in sorted(local_dir.glob("node-*.log")):
+        try:
+            line = hang.mismatch_line(log.stem, log.read_text(errors="replace"))
+        except OSError:
+            continue
+        if line:
+            say(line)
 
 
 def _now() -> str:

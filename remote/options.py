@@ -149,3 +149,24 @@ def requirements_file(value: str | None) -> Requirements | None:
         raise refuse(f"no such requirements file: {value}") from None
     except OSError as exc:
         raise refuse(f"cannot read the requirements file {value}: {exc.strerror or exc}") from None
+
+
+def hang_policy(timeout: str | None, on_hang: str | None):
+    """`--hang-timeout S` (seconds, 0 turns the recorder and the watch off) and `--on-hang stop|wait`."""
+    from remote.hangwatch import DEFAULT_HANG_TIMEOUT_S, ON_HANG, HangPolicy
+
+    seconds = DEFAULT_HANG_TIMEOUT_S if timeout is None else _seconds("--hang-timeout", timeout)
+    action = "stop" if on_hang is None else str(on_hang).strip()
+    if action not in ON_HANG:
+        raise refuse(f"--on-hang must be {' or '.join(ON_HANG)}, not {on_hang!r}")
+    return HangPolicy(seconds, action)
+
+
+def _seconds(flag: str, value: str) -> float:
+    try:
+        seconds = float(str(value).strip())
+    except ValueError:
+        seconds = float("nan")
+    if not seconds >= 0 or seconds == float("inf"):
+        raise refuse(f"{flag} must be a number of seconds >= 0 (0 turns hang detection off), not {value!r}")
+    return seconds

@@ -7,6 +7,8 @@ import json
 import os
 import sqlite3
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from invoke import Collection, task
@@ -26,14 +28,14 @@ from remote.stream import console, say
 
 STACK_HELP = "stack to use (default: $CLUSTER_STACK, else the last `python deploy.py up`)"
 ARGS_HELP = 'arguments for the script, quoted as one string, e.g. --args "--steps 200"'
-RESTARTS_HELP = "torchrun --max-restarts: restart a failed worker group this many times, >= 0 (default 0)"
-EXAMPLES = {
-    "hello": "examples/distributed_hello.py",
-    "run-ddp": "examples/ddp_training.py",
-    "profile": "examples/profile_communication.py",
-    "accumulate": "examples/gradient_accumulation.py",
-    "model-parallel": "examples/model_parallelism.py",
+HANG_HELP = {
+    "hang-timeout": "seconds a rank may wait inside a collective that another rank has not entered before the "
+                    "job counts as hung (default 300; 0 turns the flight recorder and hang detection off)",
+    "on-hang": "stop (default): name the culprit, keep the evidence and stop the job; wait: name it and leave "
+               "the job running for you",
 }
+RESTARTS_HELP = "torchrun --max-restarts: restart a failed worker group this many times, >= 0 (default 0)"
+NPROC_HELP = "processes per node, >= 1 (default: one per GPU, one on CPU nodes); at most the GPU count on GPU nodes"
 
 
 def cluster_for(stack: str | None) -> ClusterInfo:
@@ -67,6 +69,19 @@ class RunBook:
         if self.ledger is not None:
             self.heartbeat = Heartbeat(self.ledger.path, run_id)
             self.heartbeat.start()
+
+    def hung(self, run_id: str, report) -> None:
+        """Record the hang watch's finding, from its own thread (a connection of its own)."""
+        if self.ledger is None:
+            return
+        try:
+            ledger = Ledger(self.ledger.path)
+            try:
+                ledger.run_hung(run_id, report.verdict, report.stalled_since, report.detected_at)
+            finally:
+                ledger.close()
+        except (sqlite3.Error, OSError) as exc:
+            say(f"fab: warning: could not record the hang in the ledger ({exc})")
 
     def ended(self, run_id: str, exit_codes: dict, duration_s: float) -> float:
         if self.heartbeat is not None:
@@ -115,10 +130,13 @@ class Heartbeat(threading.Thread):
 def start_job(stack: str | None, spec: JobSpec) -> None:
     """Launch `spec` on every node; exit 1 naming the node that failed, 130 on Ctrl-C."""
     cluster = cluster_for(stack)
+    problem = commands.nproc_problem(cluster.nodes, spec.nproc_per_node)
+    if problem:
+        raise Exit(f"error: {problem}", code=2)
     setup = setup_for(cluster)
     book = RunBook(cluster)
     result, local_dir = launch(cluster, spec, setup, state.runs_dir(cluster.stack),
-                               on_start=lambda run_id: book.started(run_id, spec.task))
+                               on_start=lambda run_id: book.started(run_id, spec.task), on_hang=book.hung)
     cost_usd = book.ended(result.run_id, result.exit_codes, result.duration_s)
     summary = {
         "task": spec.task,
@@ -136,11 +154,18 @@ def start_job(stack: str | None, spec: JobSpec) -> None:
         "requirements": str(spec.requirements.path) if spec.requirements else None,
         "env": sorted(spec.env),  # names only: values may be secrets, and this file outlives the run
     }
+    if result.hang:
+        summary["hang"] = {"verdict": result.hang.verdict, "stalled_at": result.hang.stalled_since,
+                           "detected_at": result.hang.detected_at, "evidence": str(result.hang.evidence_dir),
+                           "usd_since_stall": round(cluster.hourly_usd * (time.time() - result.hang.stalled_since) / 3600, 6)}
     state.write_atomic(local_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     where = f"logs: {local_dir}"
     if result.interrupted:
         say(f"fab: run {result.run_id} interrupted after {result.duration_s:.1f} s; job stopped on every node; {where}")
         raise Exit(code=130)
+    if result.hang and spec.hang.on_hang == "stop":
+        raise Exit(f"error: run {result.run_id} hung and was stopped on every node ({result.hang.verdict.split(': ', 1)[1]}); "
+                   f"evidence: {result.hang.evidence_dir}; {where}", code=1)
     if not result.ok:
         first = result.failed_node or next(n for n, c in result.exit_codes.items() if c != 0)
         codes = ", ".join(f"{n} exited {c}" for n, c in result.exit_codes.items() if c not in (0, None))
@@ -150,22 +175,54 @@ def start_job(stack: str | None, spec: JobSpec) -> None:
         f"(${cluster.hourly_usd:.3f}/h); {where}")
 
 
-def example_task(name: str, doc: str):
-    """A launch task for one of the examples."""
+@dataclass(frozen=True)
+class ExampleTask:
+    """A launch task that runs one of the examples on every node."""
 
-    def body(c, args="", max_restarts=None, stack=None):
-        start_job(stack, JobSpec(name, EXAMPLES[name], options.script_arguments(args), restarts(max_restarts)))
+    name: str
+    """The fab task's name, dashed (`fab run-ddp`)."""
+    script: str
+    """The example it runs, relative to the synced code folder."""
+    help: str
+    """One line for `fab --list`."""
 
-    body.__name__ = name.replace("-", "_")
-    body.__doc__ = doc
-    return task(body, name=name, help={"args": ARGS_HELP, "max-restarts": RESTARTS_HELP, "stack": STACK_HELP})
+
+# Adding an example task is one line here: the table registers the tasks and the collection.
+EXAMPLE_TASKS = (
+    ExampleTask("hello", "examples/distributed_hello.py",
+                "Distributed hello: every rank reports in; all-reduce, broadcast, all-gather checked."),
+    ExampleTask("run-ddp", "examples/ddp_training.py", "DDP training across all nodes (examples/ddp_training.py)."),
+    ExampleTask("profile", "examples/profile_communication.py",
+                "All-reduce and friends over message sizes, as nccl-tests tables."),
+    ExampleTask("accumulate", "examples/gradient_accumulation.py",
+                "Gradient accumulation: one all-reduce per optimizer step with no_sync."),
+    ExampleTask("model-parallel", "examples/model_parallelism.py",
+                "Pipeline parallel: one stage per rank, GPipe or 1F1B."),
+    ExampleTask("compress", "examples/gradient_compression.py",
+                "DDP gradient compression (fp16, PowerSGD): bytes per step, loss and time against none."),
+    ExampleTask("fsdp", "examples/fsdp_training.py",
+                "FSDP2 (ZeRO-2/3): per-rank memory from the shards next to DDP's; sharded checkpoints."),
+    ExampleTask("tensor-parallel", "examples/tensor_parallel.py",
+                "Tensor parallel attention and MLP over all ranks; collectives counted per step."),
+    ExampleTask("hybrid", "examples/hybrid_parallel.py",
+                "Hybrid dp x tp: tensor parallel within a node, FSDP across nodes (--nproc-per-node 2 on CPU)."),
+    ExampleTask("compare", "examples/compare_strategies.py",
+                "The strategy table: DDP, PowerSGD, ZeRO-2/3, TP, hybrid: memory, bytes, time (+ PNG)."),
+)
 
 
-hello = example_task("hello", "Distributed hello: every rank reports in; all-reduce, broadcast, all-gather checked.")
-run_ddp = example_task("run-ddp", "DDP training across all nodes (examples/ddp_training.py).")
-profile = example_task("profile", "All-reduce and friends over message sizes, as nccl-tests tables.")
-accumulate = example_task("accumulate", "Gradient accumulation: one all-reduce per optimizer step with no_sync.")
-model_parallel = example_task("model-parallel", "Pipeline parallel: one stage per rank, GPipe or 1F1B.")
+def example_task(example: ExampleTask):
+    """The fab task that launches `example.script`."""
+
+    def body(c, args="", max_restarts=None, nproc_per_node=None, hang_timeout=None, on_hang=None, stack=None):
+        start_job(stack, JobSpec(example.name, example.script, options.script_arguments(args), restarts(max_restarts),
+                                 nproc_per_node=processes(nproc_per_node),
+                                 hang=options.hang_policy(hang_timeout, on_hang)))
+
+    body.__name__ = example.name.replace("-", "_")
+    body.__doc__ = example.help
+    return task(body, name=example.name, help={"args": ARGS_HELP, "max-restarts": RESTARTS_HELP,
+                                               "nproc-per-node": NPROC_HELP, **HANG_HELP, "stack": STACK_HELP})
 
 
 RUN_HELP = {
@@ -179,21 +236,25 @@ RUN_HELP = {
     "max-sync-mb": f"refuse a workdir bigger than this (default {workdir.DEFAULT_MAX_SYNC_MB}; 1 MB = 1,000,000 bytes)",
     "max-result-mb": f"leave a result file bigger than this on the head node (default {DEFAULT_MAX_RESULT_MB})",
     "max-restarts": RESTARTS_HELP,
+    "nproc-per-node": NPROC_HELP,
+    **HANG_HELP,
     "stack": STACK_HELP,
 }
 
 
-@task(help=RUN_HELP, iterable=["env"], auto_shortflags=False)  # long flags only: nine options share few letters
+@task(help=RUN_HELP, iterable=["env"], auto_shortflags=False)  # long flags only: a dozen options share few letters
 def run(c, script=None, workdir=None, args="", requirements=None, env=None, max_sync_mb=None, max_result_mb=None,
-        max_restarts=None, stack=None):
+        max_restarts=None, nproc_per_node=None, hang_timeout=None, on_hang=None, stack=None):
     """Run a torchrun script of yours on every node: one file, or a whole project folder (--workdir)."""
-    start_job(stack, run_spec(script, workdir, args, requirements, env or [], max_sync_mb, max_result_mb, max_restarts))
+    launch_options = dict(args=options.script_arguments(args), max_restarts=restarts(max_restarts),
+                          nproc_per_node=processes(nproc_per_node), hang=options.hang_policy(hang_timeout, on_hang))
+    start_job(stack, run_spec(script, workdir, requirements, env or [], max_sync_mb, max_result_mb, launch_options))
 
 
-def run_spec(script, folder, args, requirements, env, max_sync_mb, max_result_mb, max_restarts) -> JobSpec:
+def run_spec(script, folder, requirements, env, max_sync_mb, max_result_mb, launch_options: dict) -> JobSpec:
     """`fab run`'s options, every one checked before anything is created."""
-    common = dict(args=options.script_arguments(args), max_restarts=restarts(max_restarts),
-                  requirements=options.requirements_file(requirements), env=options.environment(env),
+    common = dict(launch_options, requirements=options.requirements_file(requirements),
+                  env=options.environment(env),
                   max_result_bytes=options.megabytes("--max-result-mb", max_result_mb, DEFAULT_MAX_RESULT_MB))
     if folder is None:
         if max_sync_mb is not None:
@@ -209,6 +270,11 @@ def run_spec(script, folder, args, requirements, env, max_sync_mb, max_result_mb
 
 def restarts(value: str | None) -> int:
     return options.integer("--max-restarts", value, 0, minimum=0)
+
+
+def processes(value: str | None) -> int | None:
+    """`--nproc-per-node` as given (None: one per GPU); the GPU-count limit is checked at launch."""
+    return None if value is None else options.integer("--nproc-per-node", value, 1, minimum=1)
 
 
 @task(help={"force": "redo every stage even where it is up to date",
@@ -348,4 +414,4 @@ def gpus(c, stack=None):
         out.print(table)
 
 
-ns = Collection(bootstrap, hello, run_ddp, profile, accumulate, model_parallel, run, gpus, logs, stop, clean_runs)
+ns = Collection(bootstrap, *(example_task(example) for example in EXAMPLE_TASKS), run, gpus, logs, stop, clean_runs)

@@ -197,7 +197,7 @@ def test_a_corrupt_ledger_is_kept_aside_and_a_new_one_started(tmp_path):
 def watch(tmp_path, clock, **guards):
     values = {"hourly_usd": 3.6, "started_at": clock.now, "interval_s": 30.0, **guards}
     return watchdog.Watchdog(watchdog.Guards(**values), tmp_path / "shared", tmp_path / "job", clock=clock,
-                             gpus_are_busy=lambda: False)
+                             gpus_are_busy=lambda: False, progress_dir=tmp_path / "progress")
 
 
 def test_the_budget_guard_stops_before_the_next_check_would_cross_it(tmp_path):
@@ -234,6 +234,39 @@ def test_the_idle_guard_counts_time_without_jobs_or_gpu_work(tmp_path):
     clock.now += 1
     decision = dog.check()
     assert decision.stop and "idle" in decision.reason and decision.idle_s == 600
+
+
+def test_a_job_whose_ranks_stop_progressing_is_stalled_and_one_that_progresses_slowly_is_not(tmp_path):
+    clock = Clock()
+    dog = watch(tmp_path, clock, idle_minutes=10)
+    dog.gpus_are_busy = lambda: True  # a hung NCCL collective keeps GPUs busy: that is no progress
+    ranks = tmp_path / "progress" / "run-1"
+    ranks.mkdir(parents=True)
+
+    def progress(completed: int, step=None):
+        for rank in (0, 1):
+            record = {"rank": rank, "groups": {"0": {"ranks": [0, 1], "enqueued": completed + 1,
+                                                    "completed": completed}}, "step": step}
+            (ranks / f"rank-{rank}.json").write_text(json.dumps(record))
+
+    job = subprocess.Popen(["sleep", "300"])
+    try:
+        (tmp_path / "job").write_text(f"{job.pid} run-1 run-ddp\n")
+        for completed in range(1, 5):  # slow but healthy: a collective completes every 9 minutes
+            progress(completed)
+            clock.now += 540
+            assert not dog.check().stop
+        progress(4, step=7)  # a harness step with no new collective is progress too
+        clock.now += 540
+        assert not dog.check().stop
+        clock.now += 599  # the same record for 10 minutes: stalled
+        assert not dog.check().stop
+        clock.now += 1
+        decision = dog.check()
+    finally:
+        job.kill()
+        job.wait()
+    assert decision.stop and decision.reason.startswith("stalled: job run-1 made no progress") and "idleMinutes 10" in decision.reason
 
 
 def test_powering_off_stops_the_job_and_writes_the_marker_every_node_obeys(tmp_path):

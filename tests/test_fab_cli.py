@@ -24,6 +24,9 @@ from conftest import assert_one_line_error, run_fab
     (["run", "--script", "x.py", "--max-sync-mb", "5"], ["--max-sync-mb", "--workdir"]),
     (["run", "--script", "x.py", "--max-result-mb", "0"], ["--max-result-mb", ">= 1"]),
     (["run", "--script", "x.py", "--requirements", "/no/such.txt"], ["no such requirements file"]),
+    (["run-ddp", "--hang-timeout", "soon"], ["--hang-timeout", "seconds >= 0", "'soon'"]),
+    (["hello", "--hang-timeout", "-3"], ["--hang-timeout", "'-3'"]),
+    (["hello", "--on-hang", "panic"], ["--on-hang", "stop or wait", "'panic'"]),
 ])
 def test_bad_input_is_one_line_and_exit_2_and_creates_nothing(state_dir, argv, words):
     assert_one_line_error(run_fab(*argv), *words)

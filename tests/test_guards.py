@@ -14,11 +14,11 @@ def watchdog_processes(state_dir: Path) -> list[int]:
 
 
 def test_an_idle_local_cluster_brings_itself_down_and_says_why(state_dir, make_cluster):
-    make_cluster("local", 2, "--idle-minutes", "0.05")  # 3 seconds
-    assert json.loads((state_dir / "local" / "guards.json").read_text())["idle_minutes"] == 0.05
+    make_cluster("local", 2, "--idle-minutes", "0.1")  # 6 seconds
+    assert json.loads((state_dir / "local" / "guards.json").read_text())["idle_minutes"] == 0.1
     bootstrap = run_fab("bootstrap", "--master-port", str(free_port()))
     assert bootstrap.returncode == 0, bootstrap.stdout + bootstrap.stderr
-    assert "idle 0.05 min" in bootstrap.stdout
+    assert "idle 0.1 min" in bootstrap.stdout
     deadline, status = time.monotonic() + 60, None
     while time.monotonic() < deadline:
         status = run_cli("status", "--json")
@@ -55,3 +55,34 @@ def test_a_cluster_without_guards_runs_no_watchdog(state_dir, make_cluster):
 def test_bad_budgets_are_refused_before_anything_starts(state_dir, flag, value, words):
     assert_one_line_error(run_cli("up", "--local", flag, value), *words)
     assert not (state_dir / "local").exists() and node_server_processes(state_dir) == []
+
+
+STEPS_SCRIPT = """
+import sys, time
+import torch, torch.distributed as dist
+
+dist.init_process_group("gloo")
+stall = sys.argv[1] == "stall"
+for step in range(5):
+    time.sleep(1.5)  # slow: a collective every 1.5 s
+    if stall and step == 2 and dist.get_rank() == 1:
+        time.sleep(600)  # rank 1 never comes back; rank 0 waits in the all-reduce
+    dist.all_reduce(torch.ones(8))
+dist.destroy_process_group()
+"""
+
+
+def test_a_stalled_job_stops_billing_and_a_slow_healthy_one_does_not(state_dir, make_cluster, tmp_path):
+    make_cluster("local", 2, "--idle-minutes", "0.1")  # 6 s without progress
+    assert run_fab("bootstrap", "--master-port", str(free_port())).returncode == 0
+    script = tmp_path / "steps.py"
+    script.write_text(STEPS_SCRIPT)
+    slow = run_fab("run", "--script", str(script), "--args", "healthy", "--hang-timeout", "600")
+    assert slow.returncode == 0, slow.stdout + slow.stderr  # 7.5 s of slow steps, longer than the idle window
+    stalled = run_fab("run", "--script", str(script), "--args", "stall", "--hang-timeout", "600", timeout=180)
+    assert stalled.returncode != 0  # the nodes powered off under it
+    report = json.loads(run_cli("status", "--json").stdout)
+    assert report["stopped_reason"].startswith("stalled: job ") and "made no progress" in report["stopped_reason"]
+    [cluster] = json.loads(run_cli("cost", "--json").stdout)["clusters"]
+    assert cluster["intervals"][-1]["end_reason"].startswith("stopped itself: stalled")
+    assert node_server_processes(state_dir) == [] and watchdog_processes(state_dir) == []

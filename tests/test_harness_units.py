@@ -152,7 +152,7 @@ def test_harness_imports_only_torch_nvml_and_the_standard_library():
 
 
 def test_examples_build_only_on_the_harness():
-    allowed = {"torch", "harness", "examples", "matplotlib"} | set(sys.stdlib_module_names)
+    allowed = {"torch", "harness", "examples", "matplotlib", "rich"} | set(sys.stdlib_module_names)
     for path in (REPO / "examples").glob("*.py"):
         assert _imported_modules(path) <= allowed, path.name
         if path.name.startswith("_"):

@@ -398,6 +398,9 @@ def not_private(root) -> list[str]:
     """Everything under `root` (itself included) that its group or others may read, write or enter."""
     found = []
     for folder, dirs, files in os.walk(root):
+        if os.path.basename(folder) == "venv" and os.path.basename(os.path.dirname(folder)) == ".gpu-cluster":
+            dirs[:] = []  # a node's venv is what `python -m venv` makes on any machine; the home around it is 0700
+            files = []
         for path in [folder, *(os.path.join(folder, name) for name in files)]:
             mode = os.lstat(path).st_mode
             if not stat.S_ISLNK(mode) and mode & 0o077:

@@ -477,11 +477,13 @@ def test_launching_before_bootstrap_says_what_to_do(state_dir, make_cluster):
 
 def test_a_stage_failing_on_one_node_is_reported_and_stops_the_bootstrap(state_dir, make_cluster):
     make_cluster()
-    # A torch that cannot be imported, on node-1 only: `python -c` puts the node's home first on sys.path.
-    (state_dir / "local" / "nodes" / "node-1" / "torch.py").write_text("raise ImportError('planted by the test')\n")
+    # A file where node-1's venv must go: the deps stage cannot make the venv there, on node-1 only.
+    planted = state_dir / "local" / "nodes" / "node-1" / ".gpu-cluster" / "venv"
+    planted.parent.mkdir(parents=True, exist_ok=True)
+    planted.write_text("planted by the test\n")
     result = run_fab("bootstrap", "--master-port", str(free_port()))
     assert result.returncode == 1
-    assert "node-1: deps failed" in result.stdout and "planted by the test" in result.stdout
+    assert "node-1: deps failed" in result.stdout and ".gpu-cluster/venv" in result.stdout, result.stdout
     states = {node: json.loads((state_dir / "local" / "nodes" / node / ".gpu-cluster" / "state.json").read_text())
               for node in ("node-0", "node-1")}
     assert all("probe" in state for state in states.values())  # the stage before it is complete on every node

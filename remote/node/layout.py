@@ -30,6 +30,8 @@ WORKDIRS = f"{HOME_DIR}/workdirs"
 ENVS = f"{HOME_DIR}/envs"
 """`fab run --requirements` environments, one per requirements file: `<digest>/` (a venv), with
 `<digest>.txt` (the file) and `<digest>.log` (pip's output) beside it."""
+PROGRESS = f"{HOME_DIR}/progress"
+"""`<run-id>/rank-<R>.json`: each rank's collective progress, for hang detection (always node-local)."""
 WATCHDOG_PID = f"{PIDS}/watchdog.pid"
 """The detached watchdog's process group."""
 WATCHDOG_LOG = f"{HOME_DIR}/watchdog.log"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import site
 import subprocess
 import sys
@@ -22,7 +23,9 @@ import venv
 
 LAYER_PTH = "_gpu_cluster_layer.pth"
 # requirement name -> the module it provides
-MODULES = {"torch": "torch", "nvidia-ml-py": "pynvml", "matplotlib": "matplotlib"}
+MODULES = {"torch": "torch", "nvidia-ml-py": "pynvml", "matplotlib": "matplotlib", "rich": "rich"}
+# requirement name -> the program it installs (beside an interpreter whose site-packages hold it)
+PROGRAMS = {"py-spy": "py-spy"}
 
 
 def is_layered_env() -> bool:
@@ -77,8 +80,23 @@ def write_layer(dest: str) -> None:
 
 
 def missing_requirements() -> list:
-    """Run inside the venv: the requirements whose module it cannot find (nothing is imported)."""
-    return [name for name, module in MODULES.items() if importlib.util.find_spec(module) is None]
+    """Run inside the venv: the requirements whose module or program it cannot find (nothing is imported)."""
+    missing = [name for name, module in MODULES.items() if importlib.util.find_spec(module) is None]
+    return missing + [name for name, program in PROGRAMS.items() if find_program(program) is None]
+
+
+def find_program(name: str):
+    """A program installed with the packages this interpreter sees: beside it, or in the bin folder of
+    any environment whose site-packages are on its path (the layered venv's base), else on PATH."""
+    folders = [os.path.dirname(sys.executable)]
+    for entry in sys.path:
+        if os.path.basename(entry) in ("site-packages", "dist-packages"):
+            folders.append(os.path.join(entry, os.pardir, os.pardir, os.pardir, "bin"))
+    for folder in folders:
+        candidate = os.path.normpath(os.path.join(folder, name))
+        if os.access(candidate, os.X_OK):
+            return candidate
+    return shutil.which(name)
 
 
 def facts() -> dict:

@@ -1,0 +1,188 @@
+"""torchrun --standalone --nproc-per-node 4 examples/hybrid_parallel.py --dp 2 --tp 2
+fab hybrid --nproc-per-node 2
+
+Hybrid (2-D) parallelism, the course's third challenge, on a dp x tp device mesh: tensor parallelism
+splits every block over the tp ranks of a node (its all-reduces, two per block each way, stay on the
+node's fast links) and FSDP shards each replica over the dp ranks across nodes (an all-gather and a
+reduce-scatter per block per step cross the network). It is tensor_parallel.py's `split_blocks` on
+mesh["tp"], then fsdp_training.py's `shard` on mesh["dp"]; each replica trains on its slice of the
+global batch.
+
+By default tp is the number of ranks on a node and dp the number of nodes; `--dp` and `--tp` set them,
+and a layout that does not multiply to the world size is refused with the whole picture, e.g.
+`dp(2) x tp(2) = 4 != WORLD_SIZE(3)`. The default "medium" transformer trains on 4 CPU ranks in under
+a minute; the README gives a size for GPUs.
+
+`--check` trains a single-process reference on rank 0 beside it and compares the losses of every step
+and the parameters at the end. Checkpoints as in fsdp_training.py (`--checkpoint-dir`, `--async-save`):
+saved on a 2 x 2 mesh, they load on 1 x 2.
+"""
+
+import argparse
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from examples.fsdp_training import shard  # noqa: E402
+from examples.tensor_parallel import split_blocks  # noqa: E402
+from harness.args import ExampleParser, non_negative_int, positive_float, positive_int  # noqa: E402
+from harness.checks import report_check  # noqa: E402
+from harness.comm_bytes import CollectiveCounter  # noqa: E402
+from harness.cost import CostMeter  # noqa: E402
+from harness.dist import DistEnv, cleanup, fail, init_distributed, print0, run  # noqa: E402
+from harness.memory import SavedForBackward, breakdown, format_bytes  # noqa: E402
+from harness.metrics import MetricsWriter, StepLogger  # noqa: E402
+from harness.parallel import (  # noqa: E402
+    Batches, MeshShape, ModelConfig, add_model_arguments, build_mesh, digest, full_parameters, layout_problem,
+    max_parameter_diff, mean_over_ranks, mesh_shape, model_config, timed, train_step,
+)
+from harness.sharded_checkpoint import ShardedCheckpointer, checkpoint_root  # noqa: E402
+
+DEFAULT_MODEL = ModelConfig(vocab=128, seq_len=32, d_model=256, n_heads=8, n_layers=4)
+TOLERANCE = 1e-5  # the same sums in another order, through AdamW's steps
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = ExampleParser(__doc__)
+    parser.add_argument("--dp", type=positive_int, default=None, help="data-parallel replicas (default: the nodes)")
+    parser.add_argument("--tp", type=positive_int, default=None,
+                        help="tensor-parallel ranks per replica (default: the ranks on a node)")
+    add_model_arguments(parser, DEFAULT_MODEL)
+    parser.add_argument("--steps", type=positive_int, default=10, help="train up to this step (default 10)")
+    parser.add_argument("--batch-size", type=positive_int, default=16,
+                        help="sequences per global batch, split over the dp replicas (default 16)")
+    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None,
+                        help="save and resume here; relative: inside $CLUSTER_SHARED_DIR "
+                             "(default: $CLUSTER_RUN_DIR/checkpoints)")
+    parser.add_argument("--checkpoint-every", type=positive_int, default=20, help="save every N steps and at the end")
+    parser.add_argument("--async-save", action="store_true", help="write checkpoints while training goes on")
+    parser.add_argument("--log-every", type=positive_int, default=5, help="print a step line every N steps (default 5)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="model and data seed (default 0)")
+    parser.add_argument("--check", action="store_true",
+                        help="compare with a single-process reference; one line, exit 0/1")
+    parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks")
+    args = parser.parse_args(argv)
+    args.model = model_config(args, parser)
+    return args
+
+
+def build(args, ctx, shape: MeshShape):
+    mesh = build_mesh(shape, ctx.device)
+    model = args.model.build(args.seed, ctx.device)
+    model = shard(split_blocks(model, mesh["tp"]), mesh["dp"], zero=3, precision="fp32")
+    return model, torch.optim.AdamW(model.parameters(), lr=args.lr), mesh
+
+
+def layout(ctx, mesh, shape: MeshShape) -> str:
+    """Which ranks form each replica and on which nodes they run; a replica spanning nodes is named."""
+    node = os.environ.get("CLUSTER_NODE", f"node-{ctx.env.node_rank}")
+    nodes: list = [None] * ctx.world_size
+    dist.all_gather_object(nodes, node)
+    lines = [f"mesh dp({shape.dp}) x tp({shape.tp}):"]
+    for replica in range(shape.dp):
+        ranks = list(range(replica * shape.tp, (replica + 1) * shape.tp))
+        on = sorted({nodes[r] for r in ranks})
+        note = "" if len(on) == 1 else "  (spans nodes: its per-layer all-reduces cross the network)"
+        lines.append(f"  replica {replica}: ranks {', '.join(map(str, ranks))} on {', '.join(on)}{note}")
+    return "\n".join(lines)
+
+
+def check(args, ctx, shape: MeshShape, batches: Batches) -> int:
+    """Hybrid vs one process training the whole model on the whole global batch (on rank 0)."""
+    model, optimizer, mesh = build(args, ctx, shape)
+    replica = mesh["dp"].get_local_rank()
+    reference = args.model.build(args.seed, ctx.device) if ctx.is_rank0 else None
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr) if reference else None
+    worst = 0.0
+    for step in range(args.steps):
+        inputs, targets = batches.replica_batch(step, replica, shape.dp, ctx.device)
+        loss = mean_over_ranks(train_step(model, optimizer, inputs, targets))
+        if reference is not None:
+            inputs, targets = batches.replica_batch(step, 0, 1, ctx.device)
+            worst = max(worst, abs(loss - train_step(reference, reference_optimizer, inputs, targets).item()))
+    whole = full_parameters(model)
+    if reference is not None:
+        worst = max(worst, max_parameter_diff(whole, full_parameters(reference)))
+    what = f"dp({shape.dp}) x tp({shape.tp}) vs one process, losses and parameters over {args.steps} steps,"
+    return report_check(what, worst, TOLERANCE, ctx.device)
+
+
+def train(args, ctx, model, optimizer, replica: int, shape: MeshShape, batches, start, checkpointer, logger):
+    """Steps start+1..args.steps; the first one is measured (memory and collectives), as it pays for
+    warming up anyway: the steps the lines show are not slowed by the counting."""
+    saved, counter = SavedForBackward(model), CollectiveCounter()
+    for step in range(start, args.steps):
+        inputs, targets = batches.replica_batch(step, replica, shape.dp, ctx.device)
+        first, done = step == start, step + 1 == args.steps
+        losses = []
+        with counter if first else contextlib.nullcontext():
+            seconds = timed(lambda: losses.append(train_step(model, optimizer, inputs, targets,
+                                                             saved if first else None)), ctx.device)
+        log = done or (step + 1) % args.log_every == 0
+        logger.step(step + 1, mean_over_ranks(losses[0]) if log else 0.0, seconds, log=log)
+        if checkpointer and (done or (step + 1) % args.checkpoint_every == 0):
+            checkpointer.save(step + 1, model, optimizer)
+    if checkpointer:
+        checkpointer.wait()
+    return saved, counter
+
+
+def step_report(model, optimizer, saved, counter) -> tuple[str, dict]:
+    memory = breakdown(model, optimizer, saved)
+    traffic = ", ".join(f"{op} x{t.calls} {format_bytes(t.size_bytes)}" for op, t in counter.tally.ops.items())
+    text = (f"rank 0 holds parameters {format_bytes(memory.parameters_bytes)}, gradients "
+            f"{format_bytes(memory.gradients_bytes)}, optimizer {format_bytes(memory.optimizer_bytes)}, activations "
+            f"{format_bytes(memory.activations_bytes)}; one step's collectives: {traffic}; "
+            f"{format_bytes(counter.tally.sent_bytes)} sent per rank (ring)")
+    return text, {"memory": memory.as_dict(), "sent_bytes_per_step": counter.tally.sent_bytes}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    env = DistEnv.from_environ()
+    shape = mesh_shape(env.world_size, env.local_world_size, args.dp, args.tp)
+    problem = layout_problem(shape, env.world_size, args.model, args.batch_size)
+    if problem:
+        fail(problem, code=2)
+    ctx = init_distributed(timeout_s=args.timeout)
+    try:
+        batches = Batches(args.model, args.batch_size, args.seed)
+        if args.check:
+            return check(args, ctx, shape, batches)
+        model, optimizer, mesh = build(args, ctx, shape)
+        print0(f"{args.model.describe()}; {ctx.world_size} ranks ({ctx.backend}), global batch {args.batch_size}")
+        print0(layout(ctx, mesh, shape))
+        root = checkpoint_root(args.checkpoint_dir, ctx.env.shared_dir, ctx.env.run_dir)
+        checkpointer = ShardedCheckpointer(root, args.async_save) if root else None
+        start, saved_by = checkpointer.load_latest(model, optimizer) if checkpointer else (0, 0)
+        if start:
+            print0(f"resumed from step {start} ({root}), saved by {saved_by} ranks, loaded onto {ctx.world_size}")
+        meter = CostMeter(ctx.env.hourly_usd)
+        metrics = MetricsWriter(ctx.env.run_dir, ctx.is_rank0)
+        logger = StepLogger(ctx.is_rank0, ctx.device, meter, metrics, args.batch_size)
+        saved, counter = train(args, ctx, model, optimizer, mesh["dp"].get_local_rank(), shape, batches, start,
+                               checkpointer, logger)
+        summary = {"example": "hybrid_parallel", "dp": shape.dp, "tp": shape.tp, "steps": args.steps,
+                   "resumed_from": start}
+        if start < args.steps:
+            text, figures = step_report(model, optimizer, saved, counter)
+            print0(text)
+            summary.update(figures)
+        parameters_digest = digest(full_parameters(model))
+        print0(f"parameters sha256 {parameters_digest[:16]} at step {args.steps} (gathered whole, "
+               f"world size {ctx.world_size})")
+        metrics.write("summary", **summary, parameter_digest=parameters_digest, usd=meter.usd_so_far())
+        return 0
+    finally:
+        cleanup()
+
+
+if __name__ == "__main__":
+    run(main)

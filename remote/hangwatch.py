@@ -1,0 +1,175 @@
+"""While a job runs: watch every rank's collectives, and when the job hangs, name the culprit and act.
+
+Every launch turns on torch's flight recorder and a monitor thread in each rank (remote/node/rankhook/;
+nothing in the user's script changes). `HangWatch` asks each node every `poll_s` what its ranks are
+doing (remote/node/hang.py status, over SSH connections of its own) and applies the rule in
+remote/hang.py. On a hang it collects from every node the recorder dumps and the `py-spy dump` stacks
+of every rank, keeps them in the run folder (`hang/`), prints one verdict line, and then stops the
+job everywhere (`--on-hang stop`, the default) or leaves it running for a person (`--on-hang wait`).
+"""
+
+import json
+import shlex
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from infra import state
+from infra.inventory import ClusterInfo
+from remote import commands, hang
+from remote.connect import NodeSession, on_all_nodes
+from remote.node import layout
+from remote.stream import say
+
+DEFAULT_HANG_TIMEOUT_S = 300
+ON_HANG = ("stop", "wait")
+# Ring-buffer entries of torch's flight recorder per rank: enough for the collectives in flight plus
+# their recent history. Recording costs the same whatever the size; dumping the buffer is ~0.5 ms per
+# 1000 entries, and happens only when a rank sits in one collective for a whole monitor interval.
+RECORDER_ENTRIES = 1000
+COLLECT_WAIT_S = 5
+
+
+@dataclass(frozen=True)
+class HangPolicy:
+    """What a launch does about hangs (`--hang-timeout`, `--on-hang`)."""
+
+    timeout_s: float = DEFAULT_HANG_TIMEOUT_S
+    """A rank inside a collective this long while another rank has not entered it is a hang; 0 turns
+    the recorder and the watch off."""
+    on_hang: str = "stop"
+    """stop: end the job everywhere (exit 1); wait: leave it running for a person."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.timeout_s > 0
+
+    @property
+    def poll_s(self) -> float:
+        """Often enough to report within a fifth of the timeout, never more than every second."""
+        return min(10.0, max(1.0, self.timeout_s / 5))
+
+
+def progress_dir(run_id: str) -> str:
+    """Each node's folder for its ranks' progress records (node-local: every node has its own)."""
+    return f"{layout.PROGRESS}/{run_id}"
+
+
+def job_environment(run_id: str, policy: HangPolicy) -> dict[str, str]:
+    """What the launch command adds to every rank's environment (values for a shell, unquoted `$`)."""
+    if not policy.enabled:
+        return {}
+    return {
+        # A recorder size the user chose (in the node env or --env) wins.
+        "TORCH_FR_BUFFER_SIZE": f"${{TORCH_FR_BUFFER_SIZE:-{RECORDER_ENTRIES}}}",
+        "CLUSTER_PROGRESS_DIR": f'"$HOME"/{progress_dir(run_id)}',
+        "CLUSTER_PROGRESS_INTERVAL_S": "1",
+        "PYTHONFAULTHANDLER": "1",  # a rank that aborts (gloo's size checks) prints its Python stack
+    }
+
+
+def rankhook_path() -> str:
+    """Put first on PYTHONPATH: its sitecustomize starts the monitor in every rank."""
+    return "$CLUSTER_CODE_DIR/remote/node/rankhook"
+
+
+@dataclass
+class HangReport:
+    """What the watch found, for the summary and the ledger."""
+
+    verdict: str
+    """The one line, `HANG run=...: ...`."""
+    stalled_since: float
+    """When progress stopped: the first waiting rank entered the collective (epoch seconds)."""
+    detected_at: float
+    """When the watch declared the hang."""
+    evidence_dir: Path
+    """Where the dumps and stacks were kept."""
+
+
+class HangWatch:
+    """Polls the ranks of one run on every node until told to stop, or until it has found a hang."""
+
+    def __init__(self, cluster: ClusterInfo, python: dict[str, str], run_id: str, policy: HangPolicy,
+                 local_dir: Path, stop_job, on_hang=None):
+        self.cluster, self.python, self.run_id, self.policy = cluster, python, run_id, policy
+        self.local_dir, self.stop_job, self.on_hang = local_dir, stop_job, on_hang
+        self.report: HangReport | None = None
+        self.finished = threading.Event()
+        self.stopping = threading.Event()
+        """Set once the watch is stopping the job (fail-fast then has nothing to add)."""
+        self.thread = threading.Thread(target=self._run, name=f"hang-watch-{run_id}", daemon=True)
+
+    def start(self) -> "HangWatch":
+        if self.policy.enabled:
+            self.thread.start()
+        return self
+
+    def close(self) -> None:
+        self.finished.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=self.policy.poll_s + 60)
+
+    def _run(self) -> None:
+        sessions = [NodeSession(self.cluster, node) for node in self.cluster.nodes]
+        try:
+            while not self.finished.wait(self.policy.poll_s):
+                found = hang.find_hang(self._ask(sessions, "status"), self.policy.timeout_s)
+                if found is None or self.finished.is_set():
+                    continue
+                self.report = self._diagnose(sessions, found)
+                if self.on_hang:
+                    self.on_hang(self.report)
+                if self.policy.on_hang == "stop":
+                    self.stopping.set()
+                    say("fab: stopping the hung job on every node (--on-hang wait leaves it running)")
+                    self.stop_job()
+                else:
+                    say("fab: --on-hang wait: the job keeps running; fab stop (or Ctrl-C here) ends it")
+                return
+        finally:
+            for session in sessions:
+                session.close()
+
+    def _command(self, session: NodeSession, action: str) -> str:
+        python = self.python.get(session.node.name, "python3")
+        folder = commands.shell_path(f"$HOME/{progress_dir(self.run_id)}")
+        script = commands.shell_path(f"{commands.code_dir(self.cluster)}/remote/node/hang.py")
+        wait = f" --wait-s {COLLECT_WAIT_S}" if action == "collect" else ""
+        return f". {commands.ENV_FILE} 2>/dev/null; {shlex.quote(python)} {script} {action} {folder} " \
+               f"{shlex.quote(self.run_id)}{wait}"
+
+    def _payloads(self, sessions: list[NodeSession], action: str) -> list[dict]:
+        def ask(session: NodeSession) -> dict:
+            result = session.run(self._command(session, action), timeout=60)
+            return commands.parse_last_json(result.stdout) if result.exited == 0 else {}
+
+        return [p for p in on_all_nodes(sessions, ask) if isinstance(p, dict)]
+
+    def _ask(self, sessions: list[NodeSession], action: str) -> list[hang.RankView]:
+        return [view for payload in self._payloads(sessions, action) for view in hang.parse_ranks(payload)]
+
+    def _diagnose(self, sessions: list[NodeSession], found: hang.Hang) -> HangReport:
+        detected_at = time.time()
+        payloads = self._payloads(sessions, "collect")
+        evidence = hang.Evidence.from_collected(payloads)
+        line = hang.verdict(self.run_id, found, evidence)
+        folder = keep_evidence(self.local_dir / "hang", payloads, line)
+        say(line)
+        say(f"fab: flight-recorder dumps and stacks of every rank in {folder}")
+        return HangReport(line, hang.stalled_since(found), detected_at, folder)
+
+
+def keep_evidence(folder: Path, payloads: list[dict], line: str) -> Path:
+    """The run folder's `hang/`: the verdict, each rank's recorder dump and stacks, the raw answers."""
+    state.make_private_dir(folder)
+    state.write_atomic(folder / "verdict.txt", line + "\n")
+    for payload in payloads:
+        for rank, dump in payload.get("dumps", {}).items():
+            state.write_atomic(folder / f"rank-{rank}.flight-recorder.json", json.dumps(dump, indent=1) + "\n")
+        for rank, text in payload.get("py_spy", {}).items():
+            state.write_atomic(folder / f"rank-{rank}.py-spy.txt", text)
+        node = next((r.get("node") for r in payload.get("ranks", []) if r.get("node")), "node")
+        state.write_atomic(folder / f"{node}.progress.json", json.dumps(payload.get("ranks", []), indent=1) + "\n")
+    return folder

@@ -1,0 +1,164 @@
+"""On a node: what each rank of a running job is doing, for `fab`'s hang detection and diagnosis.
+
+    python hang.py status PROGRESS_DIR RUN_ID    # one JSON line: every rank's last progress record
+    python hang.py collect PROGRESS_DIR RUN_ID   # also the flight-recorder dumps and py-spy stacks
+
+The ranks' monitors (rankhook/gpu_cluster_rank_monitor.py) write `rank-<R>.json` into PROGRESS_DIR
+every second. `status` adds what only this node can tell: how old each record is by this node's
+clock, and whether the rank's process runs, is stopped (SIGSTOP) or is gone. `collect` asks every
+rank for its whole recorder buffer and thread stacks (the `dump.request` file), waits a few seconds
+for the ranks that can still answer, and runs `py-spy dump` on every rank, which works on a stopped
+process too. Standard library only.
+"""
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+DUMP_REQUEST = "dump.request"
+PY_SPY_TIMEOUT_S = 20
+
+
+def process_state(pid: int) -> str:
+    """`running`, `stopped` (SIGSTOP or traced), `gone` (exited or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+    if state in ("T", "t"):
+        return "stopped"
+    return "gone" if state in ("Z", "X") else "running"
+
+
+def rank_processes(run_id: str) -> dict[int, int]:
+    """{rank: pid} of this run's torchrun workers on this node, found by their environment (a rank
+    that stopped or hung before its monitor wrote anything is found too). Where several nodes share
+    one machine (the local provider), CLUSTER_NODE tells this node's workers from the others'."""
+    wanted = f"CLUSTER_RUN_ID={run_id}".encode()
+    node = os.environ.get("CLUSTER_NODE")
+    found = {}
+    for path in glob.glob("/proc/[0-9]*/environ"):
+        try:
+            with open(path, "rb") as f:
+                entries = f.read().split(b"\0")
+        except OSError:
+            continue  # gone, or another user's
+        if wanted not in entries or (node and f"CLUSTER_NODE={node}".encode() not in entries):
+            continue
+        rank = next((e[5:] for e in entries if e.startswith(b"RANK=")), None)
+        if rank is not None and rank.isdigit():
+            found[int(rank)] = int(path.split("/")[2])
+    return found
+
+
+def read_ranks(folder: str, run_id: str, now: float) -> list[dict]:
+    """Every rank of the run on this node: its last progress record, if any, and its process state."""
+    records = {}
+    for path in glob.glob(os.path.join(folder, "rank-*.json")):
+        if path.endswith(".fr.json"):
+            continue
+        try:
+            with open(path) as f:
+                record = json.load(f)
+            records[int(record["rank"])] = record
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # being replaced right now, or damaged: the next poll reads it
+    for rank, pid in rank_processes(run_id).items():
+        if rank not in records or records[rank].get("pid") != pid:
+            records[rank] = {"rank": rank, "pid": pid, "time": now, "reported": False}
+    ranks = []
+    for rank, record in sorted(records.items()):
+        record.setdefault("reported", True)
+        record["node"] = record.get("node") or os.environ.get("CLUSTER_NODE", "")
+        record["age_s"] = round(now - float(record.get("time", now)), 3)
+        record["state"] = process_state(int(record.get("pid", 0)))
+        ranks.append(record)
+    return ranks
+
+
+def status(folder: str, run_id: str) -> dict:
+    now = time.time()
+    return {"now": now, "ranks": read_ranks(folder, run_id, now)}
+
+
+def collect(folder: str, run_id: str, wait_s: float, py_spy: str | None) -> dict:
+    requested_at = time.time()
+    with open(os.path.join(folder, DUMP_REQUEST), "w") as f:
+        f.write(f"{requested_at}\n")
+    ranks = read_ranks(folder, run_id, requested_at)
+    dumps = _wait_for_dumps(folder, ranks, requested_at, wait_s)
+    with ThreadPoolExecutor(max_workers=max(1, len(ranks))) as pool:
+        stacks = dict(zip((str(r["rank"]) for r in ranks), pool.map(lambda r: py_spy_dump(py_spy, r["pid"]), ranks)))
+    now = time.time()
+    return {"now": now, "ranks": read_ranks(folder, run_id, now), "dumps": dumps, "py_spy": stacks}
+
+
+def _wait_for_dumps(folder: str, ranks: list[dict], requested_at: float, wait_s: float) -> dict:
+    """Each rank's fresh dump; a stopped or gone rank cannot answer, so it is not waited for."""
+    expected = {r["rank"] for r in ranks if r["state"] == "running" and r["reported"]}
+    dumps, deadline = {}, time.monotonic() + wait_s
+    while True:
+        for rank in list(expected):
+            path = os.path.join(folder, f"rank-{rank}.fr.json")
+            try:
+                if os.stat(path).st_mtime >= requested_at:
+                    with open(path) as f:
+                        dumps[str(rank)] = json.load(f)
+                    expected.discard(rank)
+            except (OSError, ValueError):
+                continue
+        if not expected or time.monotonic() > deadline:
+            return dumps
+        time.sleep(0.1)
+
+
+def py_spy_dump(py_spy: str | None, pid: int) -> str:
+    """The process's Python stacks from py-spy, or why there are none. `--nonblocking` reads the
+    process's memory without pausing it, which also works when it is stopped."""
+    if not py_spy:
+        return "py-spy is not installed on this node"
+    try:
+        result = subprocess.run([py_spy, "dump", "--nonblocking", "--pid", str(pid)],
+                                capture_output=True, text=True, timeout=PY_SPY_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"py-spy timed out after {PY_SPY_TIMEOUT_S} s"
+    except OSError as exc:
+        return f"py-spy could not run: {exc}"
+    if result.returncode != 0:
+        why = (result.stderr.strip().splitlines() or ["no output"])[0]
+        return f"py-spy failed: {why} (on Ubuntu, kernel.yama.ptrace_scope=1 allows it only with sudo)"
+    return result.stdout
+
+
+def find_py_spy() -> str | None:
+    """py-spy installed with the packages this interpreter sees (python_env.py puts it there)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from python_env import find_program
+
+    return find_program("py-spy")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("action", choices=("status", "collect"))
+    parser.add_argument("folder", help="the run's progress folder on this node")
+    parser.add_argument("run_id", help="the run's id (its workers carry it as CLUSTER_RUN_ID)")
+    parser.add_argument("--wait-s", type=float, default=5.0, help="collect: how long to wait for the ranks' dumps")
+    args = parser.parse_args(argv)
+    os.makedirs(args.folder, exist_ok=True)
+    if args.action == "status":
+        result = status(args.folder, args.run_id)
+    else:
+        result = collect(args.folder, args.run_id, args.wait_s, find_py_spy())
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""Inside every rank of a `fab` launch: where its collectives stand, written where the launcher reads it.
+
+Started by this folder's `sitecustomize.py` in each process torchrun starts for a `fab` launch, so
+nothing in the user's script changes. A daemon thread waits until the script has formed its default
+process group, then every `CLUSTER_PROGRESS_INTERVAL_S` (default 1 s) writes `rank-<RANK>.json` into
+`$CLUSTER_PROGRESS_DIR`:
+
+- per process group, the last collective the rank enqueued and the last it completed, from torch's
+  flight recorder (enabled by `TORCH_FR_BUFFER_SIZE`, which the launch sets);
+- the collective it is inside, per group: sequence number, op, sizes, dtypes, and since when;
+- the main thread's Python stack, innermost frame last;
+- the harness's training step, when the script uses the harness.
+
+When `dump.request` appears in that folder (`remote/node/hang.py collect` writes it) the thread also
+writes the recorder's whole buffer (`rank-<RANK>.fr.json`) and every thread's stack. Reading the
+recorder needs no lock the training thread holds (the thread runs while the main thread waits in a
+collective), so a rank blocked inside a collective still reports. Standard library only; torch is
+used once the script has imported it.
+"""
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+
+INTERVAL_S = float(os.environ.get("CLUSTER_PROGRESS_INTERVAL_S", "1") or 1)
+DUMP_REQUEST = "dump.request"
+STACK_DEPTH = 12
+_STDLIB = os.path.dirname(os.__file__) + os.sep
+
+
+def start() -> threading.Thread | None:
+    """Start the monitor thread in a torchrun worker of a fab launch; None elsewhere."""
+    folder, rank = os.environ.get("CLUSTER_PROGRESS_DIR"), os.environ.get("RANK")
+    if not folder or rank is None:
+        return None
+    monitor = RankMonitor(folder, int(rank), threading.main_thread())
+    thread = threading.Thread(target=monitor.run, name="gpu-cluster-rank-monitor", daemon=True)
+    thread.start()
+    return thread
+
+
+class RankMonitor:
+    """Writes this rank's progress every interval, and the full recorder dump when asked.
+
+    Each report asks the recorder only for its per-group counters (about 10 us). The whole buffer
+    (about 0.5 ms per 1000 entries to dump, as much again to parse) is read only when a group
+    appears that has not been named yet, or when the rank has been inside the same collective for
+    a whole interval, to learn which collective that is: a healthy job pays it rarely."""
+
+    def __init__(self, folder: str, rank: int, main_thread: threading.Thread, interval_s: float = INTERVAL_S):
+        self.folder, self.rank, self.main_thread, self.interval_s = folder, rank, main_thread, interval_s
+        self.answered_request = 0.0
+        self.names = {"0": "0"}
+        """Recorder group id -> the group's name (ids are per process, names agree across ranks)."""
+        self.inside = {}
+        """Group id -> (last completed collective, when this rank was first seen past it)."""
+        self.details = {}
+        """(group id, sequence number) -> that collective as the recorder's buffer showed it."""
+
+    def run(self) -> None:
+        while self.main_thread.is_alive():
+            dist = _initialized_dist()
+            if dist is not None:
+                self.report(dist)
+            # Until the group forms, look often: a rank can finish its first collectives quickly.
+            time.sleep(self.interval_s if dist is not None else min(self.interval_s, 0.05))
+
+    def report(self, dist) -> None:
+        recorder = _recorder()
+        try:
+            counters = self.observe(recorder.counters(), time.time())
+            if counters.pop("__full__", False):
+                self.learn(recorder.full())
+            error = ""
+        except Exception as exc:  # a recorder that cannot dump must never break the job
+            counters, error = {}, f"{type(exc).__name__}: {exc}"
+        _write_json(os.path.join(self.folder, f"rank-{self.rank}.json"), self.snapshot(dist, counters, error))
+        self.answer_dump_request(recorder)
+
+    def observe(self, counters: dict, now: float) -> dict:
+        """Note which collectives the rank is inside; mark `__full__` when the buffer must be read."""
+        full = False
+        for pg_id, (enqueued, completed) in counters.items():
+            if pg_id not in self.names and enqueued > 0:
+                full = True
+            if enqueued <= completed:
+                self.inside.pop(pg_id, None)
+                continue
+            previous = self.inside.get(pg_id)
+            if previous is None or previous[0] != completed:
+                self.inside[pg_id] = (completed, now)
+            elif (pg_id, completed + 1) not in self.details:
+                full = True
+        return {**counters, "__full__": full}
+
+    def learn(self, trace: dict) -> None:
+        for entry in trace.get("entries", []):
+            self.names[str(entry.get("pg_id"))] = str((entry.get("process_group") or [""])[0])
+        self.details = {(e["pg"], e["seq"]): e for e in active_entries(trace)}
+
+    def snapshot(self, dist, counters: dict, error: str) -> dict:
+        ranks = group_ranks(dist)
+        groups, active = {}, []
+        for pg_id, (enqueued, completed) in counters.items():
+            name = self.names.get(pg_id)
+            if name is None:
+                continue
+            groups[name] = {"ranks": ranks.get(name, []), "enqueued": enqueued, "completed": completed}
+            if pg_id in self.inside:
+                seen_at = self.inside[pg_id][1]
+                known = self.details.get((pg_id, completed + 1))
+                detail = {k: v for k, v in (known or {}).items() if k != "pg"}
+                active.append({"op": "", "sizes": [], "dtypes": [], "since": seen_at, **detail,
+                               "group": name, "seq": completed + 1})
+        return {
+            "rank": self.rank,
+            "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+            "node": os.environ.get("CLUSTER_NODE", ""),
+            "pid": os.getpid(),
+            "time": time.time(),
+            "groups": groups,
+            "active": active,
+            "stack": thread_stack(self.main_thread.ident),
+            "step": _harness_step(),
+            "error": error,
+        }
+
+    def answer_dump_request(self, recorder) -> None:
+        request = os.path.join(self.folder, DUMP_REQUEST)
+        try:
+            requested_at = os.stat(request).st_mtime
+        except OSError:
+            return
+        if requested_at <= self.answered_request:
+            return
+        self.answered_request = requested_at
+        try:
+            trace = recorder.full()
+        except Exception as exc:
+            trace = {"error": f"{type(exc).__name__}: {exc}"}
+        _write_json(os.path.join(self.folder, f"rank-{self.rank}.fr.json"),
+                    {"rank": self.rank, "pid": os.getpid(), "time": time.time(), "trace": trace,
+                     "threads": all_thread_stacks()})
+
+
+class _Recorder:
+    """torch's flight recorder, as JSON."""
+
+    def __init__(self, c10d):
+        self.c10d = c10d
+
+    def counters(self) -> dict:
+        """{group id: (last enqueued, last completed)}: the cheap part of a dump."""
+        status = json.loads(self.c10d._dump_fr_trace_json(includeCollectives=False)).get("pg_status", {})
+        return {str(pg_id): (int(s.get("last_enqueued_collective", -1)), int(s.get("last_completed_collective", -1)))
+                for pg_id, s in status.items()}
+
+    def full(self) -> dict:
+        return json.loads(self.c10d._dump_fr_trace_json(includeCollectives=True))
+
+
+def _recorder() -> _Recorder:
+    from torch._C import _distributed_c10d
+
+    return _Recorder(_distributed_c10d)
+
+
+def _initialized_dist():
+    """torch.distributed once the script has imported it and formed its default group, else None."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+    except Exception:
+        return None
+
+
+def group_ranks(dist) -> dict[str, list[int]]:
+    """Global ranks of every process group, by the group's name (the same on every rank)."""
+    found = {}
+    for group, name in list(dist.distributed_c10d._world.pg_names.items()):
+        try:
+            found[str(name)] = list(dist.get_process_group_ranks(group))
+        except Exception:  # a group being torn down
+            continue
+    return found
+
+
+def active_entries(trace: dict) -> list[dict]:
+    """The recorder's collectives this rank has entered and not finished (gloo records no send/recv)."""
+    active = []
+    for entry in trace.get("entries", []):
+        if entry.get("retired") or entry.get("is_p2p"):
+            continue
+        active.append({
+            "pg": str(entry.get("pg_id")),
+            "group": str((entry.get("process_group") or [""])[0]),
+            "seq": int(entry.get("collective_seq_id", -1)),
+            "op": str(entry.get("profiling_name", "")).split(":")[-1],
+            "sizes": entry.get("input_sizes", []),
+            "dtypes": entry.get("input_dtypes", []),
+            "since": int(entry.get("time_created_ns", 0)) / 1e9,
+        })
+    return active
+
+
+def thread_stack(ident: int | None) -> list[dict]:
+    """A thread's Python frames, innermost last: function, file name, line, and whether the file
+    belongs to a library (the standard library or an installed package) rather than the user."""
+    frame = sys._current_frames().get(ident)
+    if frame is None:
+        return []
+    frames = traceback.extract_stack(frame)[-STACK_DEPTH:]
+    return [{"function": f.name, "file": os.path.basename(f.filename), "line": f.lineno,
+             "library": _is_library(f.filename)} for f in frames]
+
+
+def _is_library(path: str) -> bool:
+    return any(part in ("site-packages", "dist-packages") for part in path.split(os.sep)) or \
+        path.startswith(_STDLIB) or path.startswith("<")
+
+
+def all_thread_stacks() -> dict:
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return {names.get(ident, str(ident)): thread_stack(ident) for ident in sys._current_frames()}
+
+
+def _harness_step():
+    metrics = sys.modules.get("harness.metrics")
+    return getattr(metrics, "last_step", None)
+
+
+def _write_json(path: str, data: dict) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)

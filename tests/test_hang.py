@@ -1,0 +1,144 @@
+"""Hung jobs on a real 2-node local cluster: the verdict names the rank, the collective and the frame.
+
+Each user script uses plain torch.distributed (nothing of this project); rank 1 misbehaves at step 3.
+"""
+
+import json
+import re
+import time
+
+import pytest
+
+from test_remote import Cluster, run_processes
+
+HANG_TIMEOUT_S = 3
+SCRIPT = """
+import os, signal, sys, time
+import torch
+import torch.distributed as dist
+
+
+def load_batch(step):
+    if CASE == "sleep" and RANK == 1 and step == 3:
+        time.sleep(600)
+    if CASE == "stop" and RANK == 1 and step == 3:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if CASE == "kill" and RANK == 1 and step == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if CASE == "slow":
+        time.sleep(1.5 * HANG_TIMEOUT_S)  # every rank computes longer than the hang timeout
+    return torch.ones(1024)
+
+
+dist.init_process_group("gloo")
+CASE, RANK, HANG_TIMEOUT_S = sys.argv[1], dist.get_rank(), float(sys.argv[2])
+for step in range(3 if CASE == "slow" else 6):
+    batch = load_batch(step)
+    if CASE == "op" and RANK == 1 and step == 3:
+        dist.broadcast(batch, 0)
+    elif CASE == "shape" and RANK == 1 and step == 3:
+        dist.all_reduce(torch.ones(4096))
+    else:
+        dist.all_reduce(batch)
+print(f"rank {RANK} done", flush=True)
+dist.destroy_process_group()
+"""
+LINE = {name: number for number, text in enumerate(SCRIPT.splitlines(), start=1)
+        for name, needle in (("sleep", "time.sleep(600)"), ("stop", "signal.SIGSTOP)"), ("op", "dist.broadcast("))
+        if needle in text}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    handle = Cluster(tmp_path_factory.mktemp("hang") / "state")
+    try:
+        bootstrap = handle.fab("bootstrap", "--master-port", str(handle.master_port))
+        assert bootstrap.returncode == 0, bootstrap.stdout + bootstrap.stderr
+        script = tmp_path_factory.mktemp("scripts") / "hangcase.py"
+        script.write_text(SCRIPT)
+        handle.script = script
+        yield handle
+    finally:
+        handle.down()
+
+
+def launch(cluster, case: str, *extra: str, timeout_s: float = HANG_TIMEOUT_S):
+    started = time.monotonic()
+    result = cluster.fab("run", "--script", str(cluster.script), "--args", f"{case} {timeout_s}",
+                         "--hang-timeout", str(timeout_s), *extra, timeout=240)
+    run_id = re.search(r"fab: run (\S+):", result.stdout).group(1)
+    return result, run_id, time.monotonic() - started
+
+
+def verdict_of(result) -> str:
+    lines = [line for line in result.stdout.splitlines() if line.startswith("HANG run=")]
+    assert len(lines) == 1, result.stdout + result.stderr
+    return lines[0]
+
+
+def assert_hung_and_cleaned_up(cluster, result, run_id, elapsed_s):
+    assert result.returncode == 1 and "hung and was stopped on every node" in result.stderr, result.stderr
+    assert elapsed_s < HANG_TIMEOUT_S + 60 + 30  # the verdict within timeout + 60 s; the rest is start-up
+    deadline = time.monotonic() + 20
+    while run_processes(run_id) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert run_processes(run_id) == []
+    run = next(r for r in json.loads(cluster.cli("cost", "--json").stdout)["runs"] if r["run_id"] == run_id)
+    assert run["hung"] and run["hang_verdict"] == verdict_of(result) and run["stalled_at"] is not None
+    assert run["usd_since_stall"] == 0.0  # a local cluster costs nothing; the figure is there
+    evidence = cluster.state_dir / "local" / "runs" / run_id / "hang"
+    assert (evidence / "verdict.txt").read_text().strip() == verdict_of(result)
+    assert {"rank-0.py-spy.txt", "rank-1.py-spy.txt"} <= {p.name for p in evidence.iterdir()}
+    return evidence
+
+
+def test_a_rank_sleeping_before_a_collective_is_named_with_its_frame(cluster):
+    result, run_id, elapsed = launch(cluster, "sleep")
+    line = verdict_of(result)
+    assert re.fullmatch(rf"HANG run={run_id}: rank 1 \(node-1, pid \d+\) never entered all_reduce #4 "
+                        rf"\(1024 x float32\); rank 0 waiting since \d\d:\d\d:\d\d UTC; "
+                        rf"rank 1 is in load_batch \(hangcase.py:{LINE['sleep']}\)", line), line
+    evidence = assert_hung_and_cleaned_up(cluster, result, run_id, elapsed)
+    assert "load_batch" in (evidence / "rank-1.py-spy.txt").read_text()
+    assert json.loads((evidence / "rank-0.flight-recorder.json").read_text())["trace"]["entries"]
+
+
+def test_a_rank_calling_a_different_collective_is_named_with_both(cluster):
+    result, run_id, elapsed = launch(cluster, "op")
+    line = verdict_of(result)
+    assert "rank 1 (node-1, pid" in line and "called broadcast #4 (1024 x float32) where rank 0 called " \
+                                             "all_reduce #4 (1024 x float32)" in line, line
+    assert line.endswith(f"rank 1 is in <module> (hangcase.py:{LINE['op']})"), line
+    assert_hung_and_cleaned_up(cluster, result, run_id, elapsed)
+
+
+def test_a_stopped_rank_is_said_to_be_stopped_and_is_ended(cluster):
+    result, run_id, elapsed = launch(cluster, "stop")
+    line = verdict_of(result)
+    assert "rank 1 (node-1, pid" in line and "is stopped (SIGSTOP) and never entered all_reduce #4" in line, line
+    assert line.endswith(f"rank 1 is in load_batch (hangcase.py:{LINE['stop']})"), line
+    assert_hung_and_cleaned_up(cluster, result, run_id, elapsed)
+
+
+def test_a_killed_rank_fails_fast_and_is_no_hang(cluster):
+    result, run_id, elapsed = launch(cluster, "kill", timeout_s=30)
+    assert result.returncode == 1 and "HANG" not in result.stdout and "failed" in result.stderr, result.stdout
+    assert elapsed < 30  # fail-fast, long before the hang timeout
+    run = next(r for r in json.loads(cluster.cli("cost", "--json").stdout)["runs"] if r["run_id"] == run_id)
+    assert not run["hung"]
+
+
+def test_a_shape_mismatch_is_caught_by_gloo_and_named(cluster):
+    """gloo checks sizes and aborts the rank that receives the wrong amount (NCCL would hang instead,
+    which the verdict covers: see test_hang_units), so fail-fast ends the job and fab names the mismatch."""
+    result, run_id, _ = launch(cluster, "shape", timeout_s=30)
+    assert result.returncode == 1 and "HANG" not in result.stdout, result.stdout
+    mismatch = [line for line in result.stdout.splitlines() if line.startswith("fab: collective mismatch")]
+    assert len(mismatch) == 1 and re.search(r"gloo received \d+ bytes where \d+ were expected", mismatch[0]), result.stdout
+    assert re.search(r"rank \d \(node-\d\) aborted in <module> \(hangcase\.py:\d+\)", mismatch[0]), mismatch[0]
+
+
+def test_a_slow_healthy_job_is_never_flagged(cluster):
+    result, run_id, _ = launch(cluster, "slow", timeout_s=2)
+    assert result.returncode == 0 and "HANG" not in result.stdout, result.stdout + result.stderr
+    assert result.stdout.count("done") == 2

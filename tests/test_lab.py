@@ -1,0 +1,164 @@
+"""The parallelism lab under real torchrun with gloo, and `fab hybrid` on 2 local nodes x 2 processes.
+
+Models are tiny (one block of width 32) so that each run is a few seconds of work; what is proven is
+the same at any size: every `--check` against its reference on 2 and on 4 ranks, a checkpoint saved
+on 4 ranks resumed on 2 with equal parameters, and the strategy table's figures.
+"""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, assert_one_line_error, child_env
+from test_remote import Cluster
+
+TINY = ["--vocab", "32", "--seq-len", "16", "--d-model", "32", "--n-heads", "4", "--n-layers", "1", "--batch-size", "8"]
+CHECK_LINE = re.compile(r"^check: .+ max diff \S+ \(tolerance \S+\) ok$")
+
+
+def torchrun(script: str, *args: str, nproc: int, run_dir=None, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = child_env(**({"CLUSTER_RUN_DIR": str(run_dir)} if run_dir else {}))
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                           f"examples/{script}", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+def summary(run_dir) -> dict:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["kind"] == "summary"][-1]
+
+
+CHECKS = {
+    "gradient_compression.py": ["--steps", "4"],
+    "fsdp_training.py": ["--steps", "2", "--zero", "2"],
+    "tensor_parallel.py": [],
+    "hybrid_parallel.py": ["--steps", "2", "--tp", "2"],
+}
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("example", sorted(CHECKS))
+def test_each_check_prints_one_ok_line(example, nproc, tmp_path):
+    result = ok(torchrun(example, "--check", *TINY, *CHECKS[example], nproc=nproc, run_dir=tmp_path))
+    assert CHECK_LINE.match(result.stdout.strip()), result.stdout
+
+
+def test_a_check_that_does_not_hold_says_fail_and_exits_1():
+    # A rank-16 approximation of 32-wide matrices is no smaller than they are: PowerSGD sends them
+    # whole. (One process, started without torchrun, is a world of one: DDP and its hooks still run.)
+    result = subprocess.run([sys.executable, "examples/gradient_compression.py", "--check", *TINY, "--steps", "4",
+                             "--rank", "16"], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert re.match(r"^check: .+ 1\.\dx fewer bytes .+ FAIL$", result.stdout.strip()), result.stdout
+
+
+def test_fsdp_holds_a_quarter_on_4_ranks_and_its_committed_checkpoint_resumes_on_2(tmp_path):
+    checkpoints = tmp_path / "ckpt"
+    saved = ok(torchrun("fsdp_training.py", *TINY, "--steps", "3", "--checkpoint-dir", str(checkpoints),
+                        "--async-save", nproc=4, run_dir=tmp_path / "four"))
+    four = summary(tmp_path / "four")
+    state = ("parameters_bytes", "gradients_bytes", "optimizer_bytes")
+    whole = sum(four["ddp_memory"][k] for k in state)
+    for rank in four["memory_per_rank"]:
+        assert sum(rank[k] for k in state) <= whole / 4 * 1.1, (rank, whole)
+    assert (checkpoints / "step-00000003" / "COMMITTED").is_file()
+    interrupted = checkpoints / "step-00000009"  # a later save cut short: shards, no commit marker
+    interrupted.mkdir()
+    (interrupted / "__0_0.distcp").write_bytes(b"half a shard")
+    resumed = ok(torchrun("fsdp_training.py", *TINY, "--steps", "3", "--checkpoint-dir", str(checkpoints),
+                          nproc=2, run_dir=tmp_path / "two"))
+    assert "resumed from step 3" in resumed.stdout and "saved by 4 ranks, loaded onto 2" in resumed.stdout
+    assert summary(tmp_path / "two")["parameter_digest"] == four["parameter_digest"]
+    assert "parameters sha256" in saved.stdout
+
+
+def test_the_strategy_table_measures_every_strategy(tmp_path):
+    result = ok(torchrun("compare_strategies.py", *TINY, "--steps", "1", nproc=4, run_dir=tmp_path))
+    report = json.loads((tmp_path / "strategies.json").read_text())
+    rows = {r["strategy"]: r for r in report["strategies"]}
+    assert list(rows) == ["ddp", "ddp-powersgd", "fsdp-zero2", "fsdp-zero3", "tp", "hybrid dp(2) x tp(2)"]
+    memory = {name: r["memory"] for name, r in rows.items()}
+    sent = {name: r["sent_bytes_per_step"] for name, r in rows.items()}
+    assert memory["fsdp-zero3"]["optimizer_bytes"] <= memory["ddp"]["optimizer_bytes"] / 4 * 1.1
+    assert memory["fsdp-zero2"]["gathered_bytes"] > 0 == memory["fsdp-zero3"]["gathered_bytes"]
+    assert sent["ddp-powersgd"] < sent["ddp"] / 4
+    assert sent["fsdp-zero3"] == pytest.approx(1.5 * sent["fsdp-zero2"], rel=0.1)  # weights gathered twice
+    assert all(r["estimate_bytes"] > 0 and r["ms_per_step"] > 0 for r in rows.values())
+    assert "course estimate" in result.stdout and "fsdp-zero3" in result.stdout
+    assert (tmp_path / "strategies.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("script,args,words", [
+    ("hybrid_parallel.py", ["--dp", "2", "--tp", "2"], ["dp(2) x tp(2) = 4 != WORLD_SIZE(1)"]),
+    ("gradient_compression.py", ["--hook", "bf16"], ["--hook bf16 needs NCCL", "gloo"]),
+])
+def test_a_job_that_cannot_run_here_is_refused_in_one_line(script, args, words):
+    result = subprocess.run([sys.executable, f"examples/{script}", *args], cwd=REPO, env=child_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert_one_line_error(result, *words)
+
+
+# -------------------------------------------------------------------- fab, 2 nodes x 2 processes
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """One bootstrapped 2-node local cluster for the fab tests of this module."""
+    handle = Cluster(tmp_path_factory.mktemp("lab") / "state")
+    try:
+        bootstrapped = handle.fab("bootstrap", "--master-port", str(handle.master_port))
+        assert bootstrapped.returncode == 0, bootstrapped.stdout + bootstrapped.stderr
+        yield handle
+    finally:
+        handle.down()
+
+
+def test_fab_hybrid_runs_2_nodes_x_2_processes_and_resumes_on_2_ranks(cluster):
+    args = " ".join(TINY) + " --steps 2 --checkpoint-dir ckpt/hybrid"
+    four = cluster.fab("hybrid", "--nproc-per-node", "2", "--args", args)
+    assert four.returncode == 0, four.stdout[-3000:] + four.stderr
+    assert "[node-0] mesh dp(2) x tp(2):" in four.stdout
+    assert "[node-0]   replica 0: ranks 0, 1 on node-0" in four.stdout  # global rank 0 is on node-0
+    assert "[node-0]   replica 1: ranks 2, 3 on node-1" in four.stdout
+    two = cluster.fab("hybrid", "--args", args)  # one process per CPU node: dp(2) x tp(1)
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr
+    assert "saved by 4 ranks, loaded onto 2" in two.stdout
+    digest = lambda out: re.search(r"parameters sha256 (\w+) at step 2", out).group(1)  # noqa: E731
+    assert digest(two.stdout) == digest(four.stdout)
+
+
+def test_fab_refuses_a_process_count_below_1_before_anything_runs(cluster):
+    before = cluster.runs()
+    assert_one_line_error(cluster.fab("hybrid", "--nproc-per-node", "0"), "--nproc-per-node", "at least 1")
+    assert_one_line_error(cluster.fab("hello", "--nproc-per-node", "two"), "--nproc-per-node", "whole number")
+    assert cluster.runs() == before
+
+
+# ---------------------------------------------------------------------------------------- GPU only
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_bf16_hook_halves_the_bytes_on_nccl(tmp_path):
+    ok(torchrun("gradient_compression.py", *TINY, "--hook", "bf16", "--steps", "4", nproc=torch.cuda.device_count(),
+                run_dir=tmp_path))
+    runs = {r["hook"]: r for r in summary(tmp_path)["runs"]}
+    assert runs["bf16"]["size_bytes"] * 2 == runs["none"]["size_bytes"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_strategy_table_reports_peak_cuda_memory(tmp_path):
+    ok(torchrun("compare_strategies.py", *TINY, "--steps", "1", "--strategies", "ddp,fsdp-zero3",
+                nproc=torch.cuda.device_count(), run_dir=tmp_path))
+    rows = json.loads((tmp_path / "strategies.json").read_text())["strategies"]
+    assert all(r["peak_cuda_bytes"] >= r["memory"]["parameters_bytes"] for r in rows)
