@@ -71,15 +71,18 @@ def running_run_id(job_file: Path) -> str | None:
 
 
 def job_progress(progress_dir: Path, run_id: str) -> tuple | None:
-    """What the run's ranks on this node have done so far: per rank, the collectives each process
-    group completed and the harness's step (from their monitors, remote/node/rankhook/). Two equal
-    values mean no progress in between; None when no rank reports (then nothing is known)."""
+    """What the run's live ranks on this node have done so far: per rank, the collectives each
+    process group completed and the harness's step (from their monitors, remote/node/rankhook/). Two
+    equal values mean no progress in between; None when no live rank reports (then nothing is known:
+    torchrun starting its workers, or tearing down after they ended, is not a stall)."""
     done = []
     for path in sorted((progress_dir / run_id).glob("rank-*.json")):
         if path.name.endswith(".fr.json"):
             continue
         try:
             record = json.loads(path.read_text())
+            if not pid_alive(int(record["pid"])):
+                continue
             groups = tuple(sorted((name, int(g["completed"])) for name, g in record.get("groups", {}).items()))
             done.append((int(record["rank"]), groups, record.get("step")))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -93,6 +96,11 @@ def job_running(job_file: Path) -> bool:
         pid = int(job_file.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return False
+    return pid_alive(pid)
+
+
+def pid_alive(pid: int) -> bool:
+    """A process runs with this pid (zombies count as gone)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         return stat.rsplit(")", 1)[1].split()[0] != "Z"

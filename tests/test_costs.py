@@ -1,6 +1,7 @@
 """Prices, the ledger and the watchdog's decisions, with recorded AWS answers and fake clocks."""
 
 import json
+import os
 import multiprocessing
 import signal
 import subprocess
@@ -243,10 +244,10 @@ def test_a_job_whose_ranks_stop_progressing_is_stalled_and_one_that_progresses_s
     ranks = tmp_path / "progress" / "run-1"
     ranks.mkdir(parents=True)
 
-    def progress(completed: int, step=None):
+    def progress(completed: int, step=None, pid=os.getpid()):
         for rank in (0, 1):
-            record = {"rank": rank, "groups": {"0": {"ranks": [0, 1], "enqueued": completed + 1,
-                                                    "completed": completed}}, "step": step}
+            record = {"rank": rank, "pid": pid, "step": step,
+                      "groups": {"0": {"ranks": [0, 1], "enqueued": completed + 1, "completed": completed}}}
             (ranks / f"rank-{rank}.json").write_text(json.dumps(record))
 
     job = subprocess.Popen(["sleep", "300"])
@@ -263,6 +264,11 @@ def test_a_job_whose_ranks_stop_progressing_is_stalled_and_one_that_progresses_s
         assert not dog.check().stop
         clock.now += 1
         decision = dog.check()
+        progress(4, step=7, pid=job.pid + 10_000_000)  # ranks that exited report nothing: torchrun tearing down
+        teardown = watch(tmp_path, clock, idle_minutes=10)
+        assert not teardown.check().stop
+        clock.now += 660
+        assert not teardown.check().stop
     finally:
         job.kill()
         job.wait()
