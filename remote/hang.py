@@ -322,7 +322,7 @@ def mismatch_line(node: str, log: str) -> str | None:
 
 def _aborted_thread_frames(log: str) -> list[Frame]:
     """From PYTHONFAULTHANDLER's report of an abort: the frames (innermost first) of the thread that
-    was inside a torch.distributed call, else of the last thread listed (the main thread)."""
+    was inside a torch.distributed call, else of the last thread listed that is not our monitor."""
     section = log.split("Fatal Python error: Aborted", 1)[1] if "Fatal Python error: Aborted" in log else ""
     threads: list[list[Frame]] = []
     for text in section.splitlines():
@@ -332,11 +332,18 @@ def _aborted_thread_frames(log: str) -> list[Frame]:
         match = FAULT_FRAME.match(text)
         if match and threads:
             path = match["path"]
-            library = any(p in path for p in ("site-packages", "dist-packages")) or path.startswith(sys.prefix)
-            threads[-1].append(Frame(match["function"], path.rsplit("/", 1)[-1], int(match["line"]), library))
+            threads[-1].append(Frame(match["function"], path.rsplit("/", 1)[-1], int(match["line"]),
+                                     _library_path(path)))
         elif text.startswith("Extension modules:"):
             break
     in_collective = [t for t in threads if any(f.file == "distributed_c10d.py" for f in t)]
     if in_collective:
         return in_collective[0]
-    return threads[-1] if threads else []
+    users = [t for t in threads if not any(f.file == "gpu_cluster_rank_monitor.py" for f in t)]
+    return users[-1] if users else []
+
+
+def _library_path(path: str) -> bool:
+    """An installed package or the standard library of whatever interpreter the node ran."""
+    parts = path.split("/")
+    return "site-packages" in parts or "dist-packages" in parts or bool(re.search(r"/lib/python3\.\d+/", path))

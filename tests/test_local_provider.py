@@ -381,7 +381,7 @@ def dead_pid() -> int:
 def test_every_file_of_the_state_folder_is_private_through_up_bootstrap_run_and_down(state_dir, make_cluster, tmp_path):
     make_cluster()
     script = tmp_path / "job.py"
-    script.write_text('import os\nopen(os.environ["CLUSTER_RUN_DIR"] + "/result.txt", "w").write("ok")\n')
+    script.write_text('import os\nopen(os.environ["CLUSTER_RESULTS_DIR"] + "/result.txt", "w").write("ok")\n')
     bootstrap = run_fab("bootstrap", "--master-port", str(free_port()))
     assert bootstrap.returncode == 0, bootstrap.stdout + bootstrap.stderr
     run = run_fab("run", "--script", str(script), "--args", "--secret-looking-argument")

@@ -23,7 +23,6 @@ import os
 import sys
 import threading
 import time
-import traceback
 
 INTERVAL_S = float(os.environ.get("CLUSTER_PROGRESS_INTERVAL_S", "1") or 1)
 DUMP_REQUEST = "dump.request"
@@ -208,13 +207,16 @@ def active_entries(trace: dict) -> list[dict]:
 
 def thread_stack(ident: int | None) -> list[dict]:
     """A thread's Python frames, innermost last: function, file name, line, and whether the file
-    belongs to a library (the standard library or an installed package) rather than the user."""
+    belongs to a library (the standard library or an installed package) rather than the user.
+    Read from the frame objects alone: no source file is opened."""
     frame = sys._current_frames().get(ident)
-    if frame is None:
-        return []
-    frames = traceback.extract_stack(frame)[-STACK_DEPTH:]
-    return [{"function": f.name, "file": os.path.basename(f.filename), "line": f.lineno,
-             "library": _is_library(f.filename)} for f in frames]
+    frames = []
+    while frame is not None and len(frames) < STACK_DEPTH:
+        code = frame.f_code
+        frames.append({"function": code.co_name, "file": os.path.basename(code.co_filename),
+                       "line": frame.f_lineno, "library": _is_library(code.co_filename)})
+        frame = frame.f_back
+    return frames[::-1]
 
 
 def _is_library(path: str) -> bool:
