@@ -563,4 +563,3 @@ def test_a_connection_dropped_during_bootstrap_is_retried(state_dir, make_cluste
     # a cut between commands is mended silently, as Fabric reopens a closed connection. Either way the
     # bootstrap went on over a new connection.
     assert proxy.connections >= 2
-    assert "retry 1" in result.stdout or "connection lost" not in result.stdout
