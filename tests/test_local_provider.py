@@ -387,7 +387,7 @@ def test_every_file_of_the_state_folder_is_private_through_up_bootstrap_run_and_
     run = run_fab("run", "--script", str(script), "--args", "--secret-looking-argument")
     assert run.returncode == 0, run.stdout + run.stderr
     [run_dir] = (state_dir / "local" / "runs").iterdir()
-    assert (run_dir / "result.txt").read_text() == "ok" and (run_dir / "summary.json").exists()
+    assert (run_dir / "results" / "result.txt").read_text() == "ok" and (run_dir / "summary.json").exists()
     assert not_private(state_dir) == []
     assert run_cli("down").returncode == 0
     assert (run_dir / "node-0.log").exists() and (state_dir / "ledger.sqlite").exists()

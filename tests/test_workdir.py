@@ -179,8 +179,10 @@ def test_an_unchanged_project_sends_nothing_and_costs_no_ssh_command_more_than_o
     cache = node_home(cluster, "node-1") / "workdirs"
     cached = {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()}
 
+    # The hang watch polls the nodes over connections of its own while a job runs, as often as the job
+    # lasts: off for the two launches whose SSH commands are counted.
     before = exec_count(cluster)
-    again = fab_in(cluster, project, "run", "--workdir", ".", "--script", "quick.py")
+    again = fab_in(cluster, project, "run", "--workdir", ".", "--script", "quick.py", "--hang-timeout", "0")
     after = exec_count(cluster)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "fab: workdir: 0 files sent (unchanged)" in again.stdout and "[node-1] quick" in again.stdout
@@ -188,7 +190,7 @@ def test_an_unchanged_project_sends_nothing_and_costs_no_ssh_command_more_than_o
 
     one_file = tmp_path / "quick.py"
     one_file.write_text(project_quick.read_text())
-    plain = fab_in(cluster, tmp_path, "run", "--script", "quick.py")
+    plain = fab_in(cluster, tmp_path, "run", "--script", "quick.py", "--hang-timeout", "0")
     assert plain.returncode == 0, plain.stdout + plain.stderr
     for node in after:  # the workdir's digest comes back with the launch's first command: no round trip more
         assert after[node] - before[node] <= exec_count(cluster)[node] - after[node], (node, before, after)
