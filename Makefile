@@ -23,9 +23,13 @@ demo: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/demo.sh
 
 # The OpenSSH tests' node users need a Python with torch outside any private home: built once (cached).
+# The suite runs on TEST_WORKERS processes (pytest-xdist): most of its time is spent waiting on real SSH
+# servers, rendezvous and timeouts, not computing. A module that shares one cluster runs whole on one
+# worker (tests/conftest.py). `make test TEST_WORKERS=0` runs it in one process.
+TEST_WORKERS ?= 4
 test: setup
 	-$(BIN)/python tests/openssh.py build-python
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
 bench: setup
 	$(BIN)/python -m bench

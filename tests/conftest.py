@@ -185,3 +185,19 @@ def openssh_hosts(tmp_path_factory):
         yield hosts
     finally:
         hosts.stop()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist (`make test` runs `pytest -n ... --dist loadgroup`), a module whose tests share a
+    module-scoped fixture (a running cluster) runs whole on one worker, in order, as it would alone;
+    every other test is handed out on its own."""
+    shared = {item.module.__name__ for item in items if _uses_a_shared_fixture(item)}
+    for item in items:
+        if item.module.__name__ in shared and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+def _uses_a_shared_fixture(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    ours = [d for defs in (info.name2fixturedefs.values() if info else ()) for d in defs if d.baseid]
+    return bool({d.scope for d in ours} & {"module", "package", "session"})

@@ -20,6 +20,9 @@ import yaml
 from conftest import REPO, assert_one_line_error, child_env, free_port, run_cli, run_fab
 from openssh import processes_of
 
+# Every test here logs in as the same Unix users (gcnode0, gcnode1): under xdist they run on one worker.
+pytestmark = pytest.mark.xdist_group("openssh")
+
 STACK = "hosts"
 
 
