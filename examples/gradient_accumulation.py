@@ -112,7 +112,9 @@ def check_gradient(args, ctx, ddp, counter, dataset) -> int:
     """Accumulated DDP gradient vs. one backward pass over the whole global batch."""
     batches = micro_batches(dataset, ctx, args, step=0)
     ddp.zero_grad(set_to_none=True)
+    syncs, calls = counter.synced_backwards, counter.calls
     accumulate(ddp, counter, batches, args.sync_every_micro_step)
+    syncs, calls = counter.synced_backwards - syncs, counter.calls - calls
     accumulated = [p.grad.detach().clone() for p in ddp.module.parameters()]
     everything = [None] * ctx.world_size
     dist.all_gather_object(everything, [(x.cpu(), y.cpu()) for x, y in batches])
@@ -127,8 +129,10 @@ def check_gradient(args, ctx, ddp, counter, dataset) -> int:
     dist.broadcast(worst, src=0)
     ok = worst.item() <= GRADIENT_TOLERANCE
     print0(f"accumulated gradient vs full-batch gradient: max abs difference {worst.item():.3e} "
-           f"(tolerance {GRADIENT_TOLERANCE:g}): {'equal' if ok else 'MISMATCH'}")
-    MetricsWriter(ctx.env.run_dir, ctx.is_rank0).write("gradient_check", max_abs_diff=worst.item(), ok=ok)
+           f"(tolerance {GRADIENT_TOLERANCE:g}): {'equal' if ok else 'MISMATCH'}; "
+           f"{syncs} gradient synchronisation(s), {calls} all-reduce call(s) for {args.accumulation_steps} micro-batches")
+    MetricsWriter(ctx.env.run_dir, ctx.is_rank0).write("gradient_check", max_abs_diff=worst.item(), ok=ok,
+                                                       synchronisations=syncs, allreduce_calls=calls)
     return 0 if ok else 1
 
 

@@ -42,7 +42,7 @@ from harness.parallel import (  # noqa: E402
     Batches, MeshShape, ModelConfig, add_model_arguments, build_mesh, digest, full_parameters, layout_problem,
     max_parameter_diff, mean_over_ranks, mesh_shape, model_config, timed, train_step,
 )
-from harness.sharded_checkpoint import ShardedCheckpointer, checkpoint_root  # noqa: E402
+from harness.sharded_checkpoint import ShardedCheckpointer, add_checkpoint_arguments, checkpoint_root  # noqa: E402
 
 DEFAULT_MODEL = ModelConfig(vocab=128, seq_len=32, d_model=256, n_heads=8, n_layers=4)
 TOLERANCE = 1e-5  # the same sums in another order, through AdamW's steps
@@ -58,11 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=positive_int, default=16,
                         help="sequences per global batch, split over the dp replicas (default 16)")
     parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    parser.add_argument("--checkpoint-dir", type=Path, default=None,
-                        help="save and resume here; relative: inside $CLUSTER_SHARED_DIR "
-                             "(default: $CLUSTER_RUN_DIR/checkpoints)")
-    parser.add_argument("--checkpoint-every", type=positive_int, default=20, help="save every N steps and at the end")
-    parser.add_argument("--async-save", action="store_true", help="write checkpoints while training goes on")
+    add_checkpoint_arguments(parser)
     parser.add_argument("--log-every", type=positive_int, default=5, help="print a step line every N steps (default 5)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="model and data seed (default 0)")
     parser.add_argument("--check", action="store_true",

@@ -11,6 +11,7 @@ With `async_save=True`, a save copies the state aside and writes it while traini
 marker follows when the write has finished, at the next save or at the end.
 """
 
+import argparse
 import json
 import os
 import shutil
@@ -23,8 +24,19 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from harness.args import positive_int
+
 COMMIT_MARKER = "COMMITTED"
 KEEP = 2  # committed checkpoints kept; older ones are removed after a new one commits
+
+
+def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--checkpoint-dir`, `--checkpoint-every` and `--async-save`, for the examples that save this way."""
+    parser.add_argument("--checkpoint-dir", type=Path, default=None,
+                        help="save and resume here; relative: inside $CLUSTER_SHARED_DIR "
+                             "(default: $CLUSTER_RUN_DIR/checkpoints)")
+    parser.add_argument("--checkpoint-every", type=positive_int, default=20, help="save every N steps and at the end")
+    parser.add_argument("--async-save", action="store_true", help="write checkpoints while training goes on")
 
 
 def checkpoint_root(given: Path | None, shared_dir: Path | None, run_dir: Path | None) -> Path | None:

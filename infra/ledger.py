@@ -198,6 +198,7 @@ class Ledger:
         except Exception:  # the connection may never have opened
             pass
         os.replace(self.path, backup)
+        os.chmod(backup, 0o600)  # kept in the state folder, private like the rest of it
         for suffix in ("-wal", "-shm"):
             Path(str(self.path) + suffix).unlink(missing_ok=True)
         self.warnings.append(f"the ledger {self.path} was corrupt ({exc}); kept it as {backup.name} and started a new one")

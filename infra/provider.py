@@ -140,6 +140,7 @@ class AwsProvider(Provider):
     name = "aws"
 
     def up(self, request: UpRequest, say) -> tuple[ClusterInfo, bool]:
+        config.load_stack(request.stack, request.overrides)  # bad input: one line now, before boto3 and Pulumi load
         from infra import aws_provider
 
         if not config.stack_file(request.stack).exists():

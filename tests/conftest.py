@@ -6,6 +6,7 @@ import random
 import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -187,6 +188,7 @@ def openssh_hosts(tmp_path_factory):
         hosts.stop()
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """Under xdist (`make test` runs `pytest -n ... --dist loadgroup`), a module whose tests share a
     module-scoped fixture (a running cluster) runs whole on one worker, in order, as it would alone;
@@ -201,3 +203,61 @@ def _uses_a_shared_fixture(item) -> bool:
     info = getattr(item, "_fixtureinfo", None)
     ours = [d for defs in (info.name2fixturedefs.values() if info else ()) for d in defs if d.baseid]
     return bool({d.scope for d in ours} & {"module", "package", "session"})
+
+
+class CuttingProxy:
+    """A TCP proxy on `address` to `target` whose connections can be cut: all open ones at once (`cut()`),
+    or the first one `cut_first_after_s` after it opened. New connections still pass; `connections`
+    counts those accepted."""
+
+    def __init__(self, address: str, target: tuple[str, int], cut_first_after_s: float | None = None):
+        self.listener = socket.create_server((address, 0))
+        self.port, self.target, self.cut_first_after_s = self.listener.getsockname()[1], target, cut_first_after_s
+        self.open: list[socket.socket] = []
+        self.connections = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            pair = [client, socket.create_connection(self.target)]
+            self.open += pair
+            for source, sink in (pair, pair[::-1]):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+            if self.connections == 1 and self.cut_first_after_s is not None:
+                threading.Timer(self.cut_first_after_s, self._cut, args=pair).start()
+
+    @classmethod
+    def _pump(cls, source, sink):
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:  # one side closing closes the other, as a real connection would
+            for sock in (source, sink):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def cut(self):
+        cut, self.open = self.open, []
+        self._cut(*cut)
+
+    @staticmethod
+    def _cut(*sockets):
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+            except OSError:
+                pass
+
+    def close(self):
+        self.listener.close()
+        self.cut()

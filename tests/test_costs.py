@@ -5,7 +5,6 @@ import os
 import multiprocessing
 import signal
 import subprocess
-import time
 from datetime import datetime, timezone
 
 import boto3

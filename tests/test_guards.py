@@ -40,13 +40,6 @@ def test_an_idle_local_cluster_brings_itself_down_and_says_why(state_dir, make_c
     assert len(cluster["intervals"]) == 1 and cluster["intervals"][0]["end_reason"].startswith("stopped itself")
 
 
-def test_a_cluster_without_guards_runs_no_watchdog(state_dir, make_cluster):
-    make_cluster()
-    result = run_fab("bootstrap", "--master-port", str(free_port()))
-    assert result.returncode == 0 and "no guard set" in result.stdout
-    assert watchdog_processes(state_dir) == []
-
-
 @pytest.mark.parametrize("flag,value,words", [
     ("--max-total-usd", "-5", ["maxTotalUsd", "positive"]),
     ("--max-total-usd", "lots", ["maxTotalUsd", "positive number"]),

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from test_remote import Cluster, run_processes
+from test_remote import bootstrapped_cluster, run_processes
 
 HANG_TIMEOUT_S = 3
 SCRIPT = """
@@ -50,16 +50,10 @@ LINE = {name: number for number, text in enumerate(SCRIPT.splitlines(), start=1)
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    handle = Cluster(tmp_path_factory.mktemp("hang") / "state")
-    try:
-        bootstrap = handle.fab("bootstrap", "--master-port", str(handle.master_port))
-        assert bootstrap.returncode == 0, bootstrap.stdout + bootstrap.stderr
-        script = tmp_path_factory.mktemp("scripts") / "hangcase.py"
-        script.write_text(SCRIPT)
-        handle.script = script
+    with bootstrapped_cluster(tmp_path_factory, "hang") as handle:
+        handle.script = tmp_path_factory.mktemp("scripts") / "hangcase.py"
+        handle.script.write_text(SCRIPT)
         yield handle
-    finally:
-        handle.down()
 
 
 def launch(cluster, case: str, *extra: str, timeout_s: float = HANG_TIMEOUT_S):

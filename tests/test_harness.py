@@ -1,4 +1,6 @@
-"""The examples under real torchrun with gloo on CPU: each correctness claim of issue 4, checked."""
+"""The examples under real torchrun with gloo on CPU: each correctness claim of issue 4, checked (those a
+fab launch shows as well, a restart resuming to the same parameters, the pipeline bubble, hello on two
+nodes, are proven through fab in test_remote.py)."""
 
 import json
 import re
@@ -11,13 +13,13 @@ import torch
 from conftest import REPO, child_env
 
 
-def torchrun(script: str, *args: str, run_dir=None, nproc: int = 2, max_restarts: int = 0, timeout: float = 240):
-    env = child_env()
+def torchrun(script: str, *args: str, run_dir=None, nproc: int = 2, timeout: float = 240, **env_vars: str):
+    env = child_env(**env_vars)
     if run_dir is not None:
         env["CLUSTER_RUN_DIR"] = str(run_dir)
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-         f"--max-restarts={max_restarts}", f"examples/{script}", *args],
+         f"examples/{script}", *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
     )
 
@@ -35,14 +37,6 @@ def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 # ------------------------------------------------------------------------------------------ hello
 
 
-def test_hello_checks_pass_and_every_rank_reports(tmp_path):
-    result = ok(torchrun("distributed_hello.py", run_dir=tmp_path))
-    assert "rank 0/2" in result.stdout and "rank 1/2" in result.stdout
-    assert "all correct" in result.stdout
-    summary = records(tmp_path, "summary")[0]
-    assert summary["world_size"] == 2 and summary["failures"] == {}
-
-
 def test_hello_fails_on_a_wrong_expectation():
     result = torchrun("distributed_hello.py", "--expect-world-size", "3")
     assert result.returncode != 0
@@ -52,30 +46,21 @@ def test_hello_fails_on_a_wrong_expectation():
 # -------------------------------------------------------------------------------------------- DDP
 
 
-def test_ddp_trains_the_loss_falls_and_parameters_are_identical_on_every_rank(tmp_path):
-    result = ok(torchrun("ddp_training.py", "--steps", "60", run_dir=tmp_path))
+def test_ddp_trains_in_bf16_the_loss_falls_parameters_stay_identical_and_steps_are_priced(tmp_path):
+    # bf16 autocast on CPU; fp32 is what every fab launch test trains in. $3.60/h is $0.001 per second.
+    result = ok(torchrun("ddp_training.py", "--steps", "60", "--precision", "bf16", run_dir=tmp_path,
+                         CLUSTER_HOURLY_USD="3.6"))
     summary = records(tmp_path, "summary")[0]
-    assert summary["parameters_identical"] is True
+    assert summary["precision"] == "bf16" and summary["parameters_identical"] is True
     assert summary["last_loss"] < 0.8 * summary["first_loss"]
     assert "parameters identical on all 2 ranks" in result.stdout
     steps = records(tmp_path, "step")
     assert [s["step"] for s in steps] == [10, 20, 30, 40, 50, 60]
     header = next(line for line in result.stdout.splitlines() if "samples/s" in line)
     assert header.split() == ["step", "loss", "ms/step", "samples/s", "mem", "GiB", "$/h", "$", "so", "far"]
-
-
-def test_a_restarted_run_resumes_to_the_same_parameters_as_an_uninterrupted_one(tmp_path):
-    straight = tmp_path / "straight"
-    ok(torchrun("ddp_training.py", "--steps", "30", "--checkpoint-every", "10", run_dir=straight))
-    crashed = tmp_path / "crashed"
-    result = ok(torchrun("ddp_training.py", "--steps", "30", "--checkpoint-every", "10",
-                         "--simulate-failure-at-step", "15", run_dir=crashed, max_restarts=1))
-    assert "failing on purpose at step 15" in result.stdout
-    assert "resuming from step 10" in result.stdout
-    uninterrupted = records(straight, "summary")[0]
-    resumed = records(crashed, "summary")[-1]
-    assert resumed["resumed_from"] == 10 and resumed["steps"] == 30
-    assert resumed["parameter_digest"] == uninterrupted["parameter_digest"]
+    assert summary["usd"] == pytest.approx(summary["elapsed_s"] * 0.001, rel=0.5)
+    assert summary["usd_per_million_samples"] > 0
+    assert all(step["hourly_usd"] == 3.6 for step in steps)
 
 
 def test_a_crash_without_restarts_fails_the_job(tmp_path):
@@ -89,56 +74,32 @@ def test_a_crash_without_restarts_fails_the_job(tmp_path):
     assert "parameters identical" not in result.stdout
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_mixed_precision_trains_on_cpu(tmp_path, precision):
-    ok(torchrun("ddp_training.py", "--steps", "20", "--precision", precision, run_dir=tmp_path))
+def test_fp16_trains_on_cpu(tmp_path):
+    ok(torchrun("ddp_training.py", "--steps", "20", "--precision", "fp16", run_dir=tmp_path))
     summary = records(tmp_path, "summary")[0]
-    assert summary["precision"] == precision and summary["parameters_identical"]
+    assert summary["precision"] == "fp16" and summary["parameters_identical"]
 
 
 def test_the_transformer_learns_the_teacher_chain(tmp_path):
-    ok(torchrun("ddp_training.py", "--model", "transformer", "--steps", "30", "--activation-checkpointing",
+    ok(torchrun("ddp_training.py", "--model", "transformer", "--steps", "12", "--activation-checkpointing",
                 run_dir=tmp_path))
     summary = records(tmp_path, "summary")[0]
     assert summary["last_loss"] < 0.5 * summary["first_loss"]
 
 
-def test_step_lines_price_the_run_from_the_hourly_rate(tmp_path):
-    env_rate = "3.6"  # $3.60/h is $0.001 per second
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "examples/ddp_training.py", "--steps", "20"],
-        cwd=REPO, env=child_env(CLUSTER_HOURLY_USD=env_rate, CLUSTER_RUN_DIR=str(tmp_path)),
-        capture_output=True, text=True, timeout=240,
-    )
-    ok(result)
-    summary = records(tmp_path, "summary")[0]
-    assert summary["usd"] == pytest.approx(summary["elapsed_s"] * 0.001, rel=0.5)
-    assert summary["usd_per_million_samples"] > 0
-    assert all(step["hourly_usd"] == 3.6 for step in records(tmp_path, "step"))
-
-
 # ----------------------------------------------------------------------------------- accumulation
 
 
-def test_no_sync_all_reduces_once_per_optimizer_step_and_naive_k_times(tmp_path):
-    ok(torchrun("gradient_accumulation.py", "-k", "4", "--steps", "6", run_dir=tmp_path / "no_sync"))
-    ok(torchrun("gradient_accumulation.py", "-k", "4", "--steps", "6", "--sync-every-micro-step",
-                run_dir=tmp_path / "naive"))
-    no_sync = records(tmp_path / "no_sync", "summary")[0]
-    naive = records(tmp_path / "naive", "summary")[0]
-    assert no_sync["synchronisations_per_step"] == 1
-    assert naive["synchronisations_per_step"] == 4
-    assert naive["allreduce_calls_per_step"] == 4 * no_sync["allreduce_calls_per_step"]
-
-
-@pytest.mark.parametrize("naive", [False, True])
-def test_the_accumulated_gradient_equals_the_full_batch_gradient(tmp_path, naive):
-    args = ["--check-gradient", "-k", "4"] + (["--sync-every-micro-step"] if naive else [])
-    result = ok(torchrun("gradient_accumulation.py", *args, run_dir=tmp_path))
-    check = records(tmp_path, "gradient_check")[0]
-    assert check["ok"] and check["max_abs_diff"] <= 1e-5
-    assert "tolerance 1e-05" in result.stdout
+def test_the_accumulated_gradient_equals_the_full_batch_one_and_no_sync_all_reduces_once_not_k_times(tmp_path):
+    checks = {}
+    for mode, extra in (("no_sync", []), ("naive", ["--sync-every-micro-step"])):
+        result = ok(torchrun("gradient_accumulation.py", "--check-gradient", "-k", "4", *extra, run_dir=tmp_path / mode))
+        assert "tolerance 1e-05" in result.stdout
+        checks[mode] = records(tmp_path / mode, "gradient_check")[0]
+        assert checks[mode]["ok"] and checks[mode]["max_abs_diff"] <= 1e-5
+    # counted at run time by a hook around DDP's all-reduce: once per optimizer step, or once per micro-batch
+    assert (checks["no_sync"]["synchronisations"], checks["naive"]["synchronisations"]) == (1, 4)
+    assert checks["naive"]["allreduce_calls"] == 4 * checks["no_sync"]["allreduce_calls"] > 0
 
 
 # --------------------------------------------------------------------------------------- pipeline
@@ -149,14 +110,6 @@ def test_the_staged_model_has_the_loss_and_gradients_of_the_unsplit_one(tmp_path
     ok(torchrun("model_parallelism.py", "--check", "--schedule", schedule, "-m", "4", run_dir=tmp_path))
     check = records(tmp_path, "pipeline_check")[0]
     assert check["ok"] and check["loss_diff"] <= 1e-5 and check["grad_diff"] <= 1e-5
-
-
-def test_pipeline_training_reports_bubble_beside_theory(tmp_path):
-    result = ok(torchrun("model_parallelism.py", "--steps", "4", "-m", "4", run_dir=tmp_path))
-    summary = records(tmp_path, "summary")[0]
-    assert summary["bubble_theory"] == pytest.approx(1 / 5)
-    assert 0 <= summary["bubble_measured"] < 1
-    assert "theory (p-1)/(m+p-1) = 20.0%" in result.stdout
 
 
 # ---------------------------------------------------------------------------------------- profile

@@ -1,4 +1,4 @@
-"""The parallelism lab under real torchrun with gloo (`fab hybrid` on 2 local nodes: test_lab_fab.py).
+"""The parallelism lab under real torchrun with gloo (`fab hybrid` on 2 local nodes: test_remote.py).
 
 Models are tiny (one block of width 32) so that each run is a few seconds of work; what is proven is
 the same at any size: every `--check` against its reference on 2 and on 4 ranks, a checkpoint saved

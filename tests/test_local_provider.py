@@ -19,7 +19,6 @@ from conftest import (
     child_env,
     fabric_connection,
     free_endpoint,
-    free_port,
     node_server_processes,
     run_cli,
     run_fab,
@@ -373,36 +372,3 @@ def dead_pid() -> int:
     gone = subprocess.Popen(["true"])
     gone.wait()
     return gone.pid
-
-
-# ------------------------------------------------------------------------------------- private state
-
-
-def test_every_file_of_the_state_folder_is_private_through_up_bootstrap_run_and_down(state_dir, make_cluster, tmp_path):
-    make_cluster()
-    script = tmp_path / "job.py"
-    script.write_text('import os\nopen(os.environ["CLUSTER_RESULTS_DIR"] + "/result.txt", "w").write("ok")\n')
-    bootstrap = run_fab("bootstrap", "--master-port", str(free_port()))
-    assert bootstrap.returncode == 0, bootstrap.stdout + bootstrap.stderr
-    run = run_fab("run", "--script", str(script), "--args", "--secret-looking-argument")
-    assert run.returncode == 0, run.stdout + run.stderr
-    [run_dir] = (state_dir / "local" / "runs").iterdir()
-    assert (run_dir / "results" / "result.txt").read_text() == "ok" and (run_dir / "summary.json").exists()
-    assert not_private(state_dir) == []
-    assert run_cli("down").returncode == 0
-    assert (run_dir / "node-0.log").exists() and (state_dir / "ledger.sqlite").exists()
-    assert not_private(state_dir) == []
-
-
-def not_private(root) -> list[str]:
-    """Everything under `root` (itself included) that its group or others may read, write or enter."""
-    found = []
-    for folder, dirs, files in os.walk(root):
-        if os.path.basename(folder) == "venv" and os.path.basename(os.path.dirname(folder)) == ".gpu-cluster":
-            dirs[:] = []  # a node's venv is what `python -m venv` makes on any machine; the home around it is 0700
-            files = []
-        for path in [folder, *(os.path.join(folder, name) for name in files)]:
-            mode = os.lstat(path).st_mode
-            if not stat.S_ISLNK(mode) and mode & 0o077:
-                found.append(f"{stat.S_IMODE(mode):04o} {path}")
-    return found

@@ -2,17 +2,23 @@
 
 import json
 import os
+import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, assert_one_line_error, child_env, free_port, run_cli, run_fab, start_local_cluster
+from conftest import (
+    REPO, assert_one_line_error, child_env, free_port, processes_of, run_cli, run_fab, start_local_cluster,
+)
+from test_lab import TINY
 
 PLAIN_SCRIPT = """
 import os, torch.distributed as dist
@@ -67,17 +73,23 @@ def start_local_cluster_in(state_dir: Path, stack: str) -> dict:
             os.environ["CLUSTER_STATE_DIR"] = old
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """One bootstrapped 2-node cluster for the launch tests of this module."""
-    handle = Cluster(tmp_path_factory.mktemp("remote") / "state")
+@contextmanager
+def bootstrapped_cluster(tmp_path_factory, name: str):
+    """A 2-node local cluster, bootstrapped, that a module's tests share; `down` afterwards, pass or fail."""
+    handle = Cluster(tmp_path_factory.mktemp(name) / "state")
     try:
-        first = handle.fab("bootstrap", "--master-port", str(handle.master_port))
-        assert first.returncode == 0, first.stdout + first.stderr
-        handle.first_bootstrap = first
+        handle.first_bootstrap = handle.fab("bootstrap", "--master-port", str(handle.master_port))
+        assert handle.first_bootstrap.returncode == 0, handle.first_bootstrap.stdout + handle.first_bootstrap.stderr
         yield handle
     finally:
         handle.down()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """One bootstrapped 2-node cluster for the launch tests of this module."""
+    with bootstrapped_cluster(tmp_path_factory, "remote") as handle:
+        yield handle
 
 
 def metrics_of(run_dir: Path, kind: str) -> list[dict]:
@@ -120,6 +132,7 @@ def wait_for_output(proc: subprocess.Popen, *texts: str, timeout_s: float = 60) 
 def test_bootstrap_prepares_every_node_and_a_second_run_changes_nothing(cluster):
     first = cluster.first_bootstrap.stdout
     assert "all-reduce ok (2 ranks)" in first and "ready" in first
+    assert "no guard set" in first and processes_of("harness.watchdog", cluster.state_dir) == []  # none asked for
     second = cluster.fab("bootstrap", "--master-port", str(cluster.master_port))
     assert second.returncode == 0
     for stage in ("probe", "deps", "code", "env", "health"):
@@ -174,11 +187,14 @@ def test_a_master_port_in_use_or_an_ssh_port_is_refused_before_anything_is_writt
 # --------------------------------------------------------------------------------------- launches
 
 
-def test_hello_runs_on_both_nodes_and_keeps_logs_and_a_summary(cluster):
+def test_hello_runs_on_both_nodes_keeps_logs_and_a_summary_and_is_priced_in_the_ledger(cluster):
     result = cluster.fab("hello")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "[node-0] hello from 2 ranks on 2 nodes" in result.stdout
+    assert "[node-0] hello from 2 ranks on 2 nodes" in result.stdout and "all correct" in result.stdout
+    assert "rank 0/2 on node-0" in result.stdout and "rank 1/2 on node-1" in result.stdout
     run_dir = cluster.runs()[-1]
+    [checked] = metrics_of(run_dir, "summary")  # the example's own record, fetched with the run
+    assert checked["world_size"] == 2 and checked["failures"] == {}
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["task"] == "hello" and summary["exit_codes"] == {"node-0": 0, "node-1": 0}
     assert summary["cost_usd"] == 0 and summary["nodes"] == ["node-0", "node-1"]
@@ -188,13 +204,8 @@ def test_hello_runs_on_both_nodes_and_keeps_logs_and_a_summary(cluster):
     shown = [line for line in logs.stdout.splitlines() if line.startswith("[node-0] ")]  # rank 0 prints for all
     assert logs.returncode == 0 and 0 < len(shown) <= 5 and "exit codes {'node-0': 0, 'node-1': 0}" in logs.stdout, logs.stdout
 
-
-def test_every_run_is_in_the_ledger_with_its_cost(cluster):
-    result = cluster.fab("hello")
-    assert result.returncode == 0
-    run_id = json.loads((cluster.runs()[-1] / "summary.json").read_text())["run_id"]
-    report = json.loads(cluster.cli("cost", "--json").stdout)
-    [run] = [r for r in report["runs"] if r["run_id"] == run_id]
+    report = json.loads(cluster.cli("cost", "--json").stdout)  # the run is in the ledger, priced
+    [run] = [r for r in report["runs"] if r["run_id"] == summary["run_id"]]
     assert run["task"] == "hello" and run["exit_codes"] == {"node-0": 0, "node-1": 0} and run["cost_usd"] == 0
     [local] = report["clusters"]
     assert local["up"] and local["cost_usd"] == 0 and local["would_have_cost_usd"] > 0
@@ -202,20 +213,14 @@ def test_every_run_is_in_the_ledger_with_its_cost(cluster):
     assert "on AWS it would cost" in cluster.cli("cost").stdout
 
 
-def test_a_corrupt_ledger_never_breaks_a_launch(cluster):
-    ledger = cluster.state_dir / "ledger.sqlite"
+def test_run_ddp_trains_and_fetches_the_metrics_even_over_a_corrupt_ledger(cluster):
     for path in cluster.state_dir.glob("ledger.sqlite*"):
         path.unlink()
-    ledger.write_bytes(b"garbage" * 1000)
-    result = cluster.fab("hello")
-    assert result.returncode == 0
-    assert "warning: the ledger" in result.stdout and "corrupt" in result.stdout
-    assert list(cluster.state_dir.glob("ledger.sqlite.corrupt-*"))
-
-
-def test_run_ddp_trains_and_fetches_the_metrics(cluster):
+    (cluster.state_dir / "ledger.sqlite").write_bytes(b"garbage" * 1000)
     result = cluster.fab("run-ddp", "--args", "--steps 20 --log-every 5")
     assert result.returncode == 0, result.stdout + result.stderr
+    assert "warning: the ledger" in result.stdout and "corrupt" in result.stdout  # set aside, a new one begun
+    assert list(cluster.state_dir.glob("ledger.sqlite.corrupt-*"))
     assert "parameters identical on all 2 ranks" in result.stdout
     metrics = [json.loads(l) for l in (cluster.runs()[-1] / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if m["kind"] == "step"] == [5, 10, 15, 20]
@@ -263,6 +268,29 @@ def test_model_parallel_runs_one_pipeline_stage_per_node(cluster):
     assert "theory (p-1)/(m+p-1) = 33.3%" in result.stdout  # p = 2 nodes, m = 2 micro-batches
     summary = metrics_of(cluster.run_dir(result.stdout), "summary")[-1]
     assert summary["stages"] == 2
+    assert summary["bubble_theory"] == pytest.approx(1 / 3) and 0 <= summary["bubble_measured"] < 1
+
+
+def test_fab_hybrid_runs_2_nodes_x_2_processes_and_resumes_on_2_ranks(cluster):
+    """The lab's 4-rank mesh through the real launcher, and a checkpoint it saves resumed on 2 ranks."""
+    args = " ".join(TINY) + " --steps 2 --checkpoint-dir ckpt/hybrid"
+    four = cluster.fab("hybrid", "--nproc-per-node", "2", "--args", args)
+    assert four.returncode == 0, four.stdout[-3000:] + four.stderr
+    assert "[node-0] mesh dp(2) x tp(2):" in four.stdout
+    assert "[node-0]   replica 0: ranks 0, 1 on node-0" in four.stdout  # global rank 0 is on node-0
+    assert "[node-0]   replica 1: ranks 2, 3 on node-1" in four.stdout
+    two = cluster.fab("hybrid", "--args", args)  # one process per CPU node: dp(2) x tp(1)
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr
+    assert "saved by 4 ranks, loaded onto 2" in two.stdout
+    digest = lambda out: re.search(r"parameters sha256 (\w+) at step 2", out).group(1)  # noqa: E731
+    assert digest(two.stdout) == digest(four.stdout)
+
+
+def test_fab_refuses_a_process_count_below_1_before_anything_runs(cluster):
+    before = cluster.runs()
+    assert_one_line_error(cluster.fab("hybrid", "--nproc-per-node", "0"), "--nproc-per-node", ">= 1")
+    assert_one_line_error(cluster.fab("hello", "--nproc-per-node", "two"), "--nproc-per-node", "whole number")
+    assert cluster.runs() == before
 
 
 def test_a_plain_torchrun_script_sees_distinct_node_ranks_and_one_master(cluster, tmp_path):
@@ -310,17 +338,6 @@ def start_sleeping_job(cluster, tmp_path) -> tuple[subprocess.Popen, str]:
     return job, run_id_in(wait_for_output(job, "[node-0] sleeping", "[node-1] sleeping"))
 
 
-def test_stop_ends_a_running_job_on_every_node(cluster, tmp_path):
-    job, run_id = start_sleeping_job(cluster, tmp_path)
-    try:
-        busy = cluster.fab("hello")
-        assert_one_line_error(busy, "running job", "fab stop")
-        stopped = cluster.fab("stop")
-        assert stopped.returncode == 0 and stopped.stdout.count("stopped") == 2
-        assert job.wait(timeout=30) == 1
-    finally:
-        job.kill()
-    assert run_processes(run_id) == []
 
 
 def test_ctrl_c_stops_the_job_everywhere(cluster, tmp_path):
@@ -405,7 +422,7 @@ def _raw_address(hex_address: str) -> tuple[int, bytes]:
     return (socket.AF_INET if len(raw) == 4 else socket.AF_INET6), words
 
 
-def test_the_job_listens_on_loopback_only(cluster, tmp_path):
+def test_a_running_job_listens_on_loopback_only_refuses_a_second_and_stop_ends_it_everywhere(cluster, tmp_path):
     script = tmp_path / "listen.py"
     script.write_text(
         "import time, torch.distributed as dist\n"
@@ -420,9 +437,14 @@ def test_the_job_listens_on_loopback_only(cluster, tmp_path):
         assert f"{head}:{cluster.master_port}" in addresses  # the rendezvous store, on MASTER_ADDR only
         assert len(addresses) >= 3  # with the workers' store and gloo's sockets
         assert all(a.startswith("127.") for a in addresses), addresses
+
+        assert_one_line_error(cluster.fab("hello"), "running job", "fab stop")
+        stopped = cluster.fab("stop")
+        assert stopped.returncode == 0 and stopped.stdout.count("stopped") == 2
+        assert job.wait(timeout=30) == 1
     finally:
-        cluster.fab("stop")
-        job.wait(timeout=60)
+        job.kill()
+    assert run_processes(run_id) == []
 
 
 def test_a_killed_fab_leaves_no_run_open_in_the_ledger(cluster, tmp_path):
@@ -451,3 +473,35 @@ def test_a_missing_script_is_refused_before_anything_starts(cluster):
     before = cluster.runs()
     assert_one_line_error(cluster.fab("run", "--script", "/no/such/script.py"), "no such script")
     assert cluster.runs() == before
+
+
+# ------------------------------------------------------------------------------------- private state
+
+
+def test_every_file_of_the_state_folder_stays_private_through_the_runs_and_down(cluster, tmp_path):
+    """Last in this module: the launches above wrote runs, logs, results and the ledger; this one writes a
+    result and passes an argument that lands in the nodes' logs."""
+    script = tmp_path / "job.py"
+    script.write_text('import os\nopen(os.environ["CLUSTER_RESULTS_DIR"] + "/result.txt", "w").write("ok")\n')
+    run = cluster.fab("run", "--script", str(script), "--args", "--secret-looking-argument")
+    assert run.returncode == 0, run.stdout + run.stderr
+    run_dir = cluster.run_dir(run.stdout)
+    assert (run_dir / "results" / "result.txt").read_text() == "ok" and (run_dir / "summary.json").exists()
+    assert not_private(cluster.state_dir) == []
+    assert cluster.cli("down", "--stack", cluster.stack).returncode == 0
+    assert (run_dir / "node-0.log").exists() and (cluster.state_dir / "ledger.sqlite").exists()
+    assert not_private(cluster.state_dir) == []
+
+
+def not_private(root) -> list[str]:
+    """Everything under `root` (itself included) that its group or others may read, write or enter."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        if os.path.basename(folder) == "venv" and os.path.basename(os.path.dirname(folder)) == ".gpu-cluster":
+            dirs[:] = []  # a node's venv is what `python -m venv` makes on any machine; the home around it is 0700
+            files = []
+        for path in [folder, *(os.path.join(folder, name) for name in files)]:
+            mode = os.lstat(path).st_mode
+            if not stat.S_ISLNK(mode) and mode & 0o077:
+                found.append(f"{stat.S_IMODE(mode):04o} {path}")
+    return found

@@ -4,11 +4,9 @@ node, no bootstrap yet, a stage failing on one node, a connection dropped during
 import json
 import os
 import signal
-import socket
-import threading
 from pathlib import Path
 
-from conftest import assert_one_line_error, free_port, run_fab
+from conftest import CuttingProxy, assert_one_line_error, free_port, run_fab
 
 
 # ---------------------------------------------------------------------------------------- faults
@@ -50,63 +48,12 @@ def test_a_stage_failing_on_one_node_is_reported_and_stops_the_bootstrap(state_d
     assert not (state_dir / "local" / "bootstrap.json").exists()
 
 
-class DroppingProxy:
-    """A TCP proxy that cuts its first connection after `cut_after_s` and forwards the rest."""
-
-    def __init__(self, address: str, target: tuple[str, int], cut_after_s: float):
-        self.listener = socket.socket()
-        self.listener.bind((address, 0))
-        self.listener.listen()
-        self.port = self.listener.getsockname()[1]
-        self.target, self.cut_after_s, self.connections = target, cut_after_s, 0
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self):
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            self.connections += 1
-            upstream = socket.create_connection(self.target)
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-            if self.connections == 1:
-                threading.Timer(self.cut_after_s, self._cut, args=(client, upstream)).start()
-
-    @staticmethod
-    def _pump(source, sink):
-        try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (source, sink):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    @staticmethod
-    def _cut(*sockets):
-        for s in sockets:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-                s.close()
-            except OSError:
-                pass
-
-    def close(self):
-        self.listener.close()
-
-
 def test_a_connection_dropped_during_bootstrap_is_retried(state_dir, make_cluster):
     make_cluster()
     inventory_path = state_dir / "local" / "inventory.json"
     inventory = json.loads(inventory_path.read_text())
     node1 = inventory["nodes"][1]
-    proxy = DroppingProxy(node1["public_ip"], (node1["public_ip"], node1["ssh_port"]), cut_after_s=1.0)
+    proxy = CuttingProxy(node1["public_ip"], (node1["public_ip"], node1["ssh_port"]), cut_first_after_s=1.0)
     try:
         known_hosts = Path(inventory["known_hosts"])
         host_key = next(l for l in known_hosts.read_text().splitlines() if l.startswith(f"[{node1['public_ip']}]"))

@@ -10,14 +10,13 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import REPO, assert_one_line_error, child_env, free_port, run_cli, run_fab
+from conftest import REPO, CuttingProxy, assert_one_line_error, child_env, free_port, run_cli, run_fab
 from openssh import processes_of
 
 # Every test here logs in as the same Unix users (gcnode0, gcnode1): under xdist they run on one worker.
@@ -228,48 +227,6 @@ def test_ctrl_c_stops_the_job_on_both_hosts(cluster, tmp_path):
     finally:
         job.kill()
     assert wait_until_no_job_processes(cluster.hosts.users) == []
-
-
-class CuttingProxy:
-    """A TCP proxy to one sshd whose open connections can be cut at once (new ones still pass)."""
-
-    def __init__(self, address: str, target: tuple[str, int]):
-        self.listener = socket.create_server((address, 0))
-        self.port, self.target = self.listener.getsockname()[1], target
-        self.open: list[socket.socket] = []
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self):
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(self.target)
-            self.open += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pump(source, sink):
-        try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-        except OSError:
-            pass
-
-    def cut(self):
-        cut, self.open = self.open, []
-        for sock in cut:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-                sock.close()
-            except OSError:
-                pass
-
-    def close(self):
-        self.listener.close()
-        self.cut()
 
 
 def test_a_node_whose_connection_drops_is_reconnected_and_stopped(cluster, tmp_path):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import REPO, assert_one_line_error, child_env
-from test_remote import Cluster, run_id_in
+from test_remote import Cluster, bootstrapped_cluster, run_id_in
 
 # A two-file project as pytorch/examples' ddp-tutorial-series/multinode.py is one (that code itself is
 # not copied here): the script imports its sibling datautils.py, and local rank 0 of every node saves
@@ -131,13 +131,8 @@ def tiny_wheel(folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """One bootstrapped 2-node cluster for this module."""
-    handle = Cluster(tmp_path_factory.mktemp("workdir") / "state")
-    try:
-        bootstrapped = handle.fab("bootstrap", "--master-port", str(handle.master_port))
-        assert bootstrapped.returncode == 0, bootstrapped.stdout + bootstrapped.stderr
+    with bootstrapped_cluster(tmp_path_factory, "workdir") as handle:
         yield handle
-    finally:
-        handle.down()
 
 
 @pytest.fixture(scope="module")

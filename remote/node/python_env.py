@@ -100,16 +100,31 @@ def find_program(name: str):
 
 
 def facts() -> dict:
-    """Run inside the venv: what it has (torch's version and CUDA, the missing requirements)."""
+    """Run inside the venv: what it has (torch's version and CUDA, the missing requirements). Without an
+    NVIDIA driver (no nvidia-smi) CUDA cannot be available, and torch's version is read from its
+    metadata: importing torch costs seconds of CPU, and the health stage imports it anyway."""
     missing = missing_requirements()
     found = {"torch": None, "cuda_available": False, "nccl": None, "missing": missing}
-    if "torch" not in missing:
+    if "torch" in missing:
+        return found
+    if shutil.which("nvidia-smi") is None and (version := _distribution_version("torch")):
+        found["torch"] = version
+    else:
         import torch
 
         found.update(torch=torch.__version__, cuda_available=torch.cuda.is_available())
         if found["cuda_available"]:
             found["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     return found
+
+
+def _distribution_version(name: str):
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
 
 
 def in_venv(python: str, mode: str):
