@@ -70,7 +70,7 @@ class RankView:
     node: str
     pid: int
     state: str
-    """running, stopped (SIGSTOP) or gone."""
+    """running, stopped (SIGSTOP), gone, or finished (its script ended normally)."""
     waiting_s: dict
     """(group, seq) -> seconds inside that collective, by the node's clock."""
     entered: dict
@@ -170,12 +170,13 @@ def parse_ranks(payload: dict) -> list[RankView]:
     now = float(payload.get("now", time.time()))
     views = []
     for record in payload.get("ranks", []):
-        active = tuple(_collective(entry) for entry in record.get("active", []))
+        finished = bool(record.get("finished"))  # its script ended: inside nothing, whatever its process does
+        active = () if finished else tuple(_collective(entry) for entry in record.get("active", []))
         views.append(RankView(
             rank=int(record["rank"]),
             node=str(record.get("node", "")),
             pid=int(record.get("pid", 0)),
-            state=str(record.get("state", "running")),
+            state="finished" if finished else str(record.get("state", "running")),
             # Waiting time by the node's own clock: the operator's clock may disagree with it.
             waiting_s={(c.group, c.seq): now - c.since for c in active if c.since > 0},
             entered={name: int(g.get("enqueued", -1)) for name, g in record.get("groups", {}).items()},
@@ -280,7 +281,8 @@ def _where(view: RankView) -> str:
 
 
 def _state(view: RankView) -> str:
-    return {"stopped": " is stopped (SIGSTOP) and", "gone": " is dead (its process is gone) and"}.get(view.state, "")
+    return {"stopped": " is stopped (SIGSTOP) and", "gone": " is dead (its process is gone) and",
+            "finished": " finished its script and"}.get(view.state, "")
 
 
 def _ranks(views) -> str:

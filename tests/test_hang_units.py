@@ -41,6 +41,16 @@ def test_no_hang_before_the_timeout_or_while_every_rank_computes_or_every_rank_h
     assert hang.find_hang(slow_but_joined, hang_timeout_s=1) is None
 
 
+def test_a_finished_rank_waits_in_nothing_and_one_that_finished_without_joining_is_named_so():
+    # The script ended (the monitor's last record, written at exit) while the process lingers in
+    # shutdown: the record it wrote a moment before, inside the last all-reduce, no longer counts.
+    done = dict(record(0, 4, [WAITING_IN_4]), finished=True)
+    assert hang.find_hang(views(done, record(1, 3, state="gone")), hang_timeout_s=1) is None
+    early = dict(record(1, 3, node="node-1"), finished=True)  # rank 1 ended without the 4th all-reduce
+    found = hang.find_hang(views(record(0, 4, [WAITING_IN_4]), early), hang_timeout_s=10)
+    assert "rank 1 (node-1, pid 4701) finished its script and never entered all_reduce #4" in hang.verdict("r1", found)
+
+
 def test_a_different_collective_under_the_same_number_names_both():
     ranks = views(record(0, 4, [WAITING_IN_4]), record(1, 4, [("0", 4, "broadcast", [[1024]], 29.0)]))
     found = hang.find_hang(ranks, hang_timeout_s=10)

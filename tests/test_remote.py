@@ -242,15 +242,46 @@ def test_max_restarts_restarts_both_nodes_and_training_resumes(cluster):
     assert resumed["parameter_digest"] == straight_summary["parameter_digest"]
 
 
-def test_profile_prints_an_nccl_tests_table_per_collective_and_fetches_its_json(cluster):
-    result = cluster.fab("profile", "--args", "--max-bytes 2K --warmup 1 --iters 2")
+ROW = re.compile(r"^\s+(\d+)\s+(\d+)\s+float\s+(\w+)\s+(-?\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)$")
+
+
+def parse_tables(lines: list[str]) -> dict[str, list[tuple]]:
+    tables, current = {}, None
+    for line in lines:
+        heading = re.match(r"^# (\w+): \d+ ranks", line)
+        if heading:
+            current = tables.setdefault(heading.group(1), [])
+        elif current is not None and (match := ROW.match(line)):
+            current.append(match.groups())
+    return tables
+
+
+def test_profile_prints_nccl_tests_tables_that_agree_with_its_json_and_fetches_both_and_a_plot(cluster):
+    result = cluster.fab("profile", "--args", "--max-bytes 8K --warmup 1 --iters 2 --plot busbw.png")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr
-    for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
-        assert f"[node-0] # {op}: 2 ranks, gloo" in result.stdout
-    assert result.stdout.count("[node-0] # Avg bus bandwidth") == 4
-    report = json.loads((cluster.run_dir(result.stdout) / "results" / "profile.json").read_text())  # by declaration
-    assert report["world_size"] == 2 and len(report["results"]) == 4 * 2  # 1K and 2K for each collective
-    assert all(row["wrong"] == 0 for row in report["results"])
+    head = [line[len("[node-0] "):] for line in result.stdout.splitlines() if line.startswith("[node-0] ")]
+    tables = parse_tables(head)
+    assert set(tables) == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
+    assert sum(line.startswith("# Avg bus bandwidth") for line in head) == 4
+    results = cluster.run_dir(result.stdout) / "results"  # by declaration
+    report = json.loads((results / "profile.json").read_text())
+    n = report["world_size"]
+    assert n == 2 and len(report["results"]) == 4 * 4  # 1K, 2K, 4K and 8K for each collective
+    for row in report["results"]:
+        factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+                  "broadcast": 1.0}[row["op"]]
+        assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * factor)
+        assert row["algbw_gbps"] == pytest.approx(row["size_bytes"] / (row["time_us"] * 1e-6) / 1e9)
+        assert row["wrong"] == 0
+    for op, rows in tables.items():
+        json_rows = [r for r in report["results"] if r["op"] == op]
+        assert len(rows) == len(json_rows) == 4
+        for printed, data in zip(rows, json_rows):
+            assert int(printed[0]) == data["size_bytes"] and int(printed[1]) == data["count"]
+            assert float(printed[4]) == pytest.approx(data["time_us"], abs=0.051)
+            assert float(printed[6]) == pytest.approx(data["busbw_gbps"], abs=0.0051)
+            assert int(printed[7]) == data["wrong"] == 0
+    assert (results / "busbw.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_accumulate_all_reduces_once_per_optimizer_step_across_the_nodes(cluster):

@@ -101,7 +101,7 @@ def collect(folder: str, run_id: str, wait_s: float, py_spy: str | None) -> dict
 
 def _wait_for_dumps(folder: str, ranks: list[dict], requested_at: float, wait_s: float) -> dict:
     """Each rank's fresh dump; a stopped or gone rank cannot answer, so it is not waited for."""
-    expected = {r["rank"] for r in ranks if r["state"] == "running" and r["reported"]}
+    expected = {r["rank"] for r in ranks if r["state"] == "running" and r["reported"] and not r.get("finished")}
     dumps, deadline = {}, time.monotonic() + wait_s
     while True:
         for rank in list(expected):

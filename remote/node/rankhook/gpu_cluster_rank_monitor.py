@@ -18,6 +18,7 @@ collective), so a rank blocked inside a collective still reports. Standard libra
 used once the script has imported it.
 """
 
+import atexit
 import json
 import os
 import sys
@@ -38,6 +39,7 @@ def start() -> threading.Thread | None:
     monitor = RankMonitor(folder, int(rank), threading.main_thread())
     thread = threading.Thread(target=monitor.run, name="gpu-cluster-rank-monitor", daemon=True)
     thread.start()
+    atexit.register(monitor.finish)
     return thread
 
 
@@ -66,6 +68,30 @@ class RankMonitor:
                 self.report(dist)
             # Until the group forms, look often: a rank can finish its first collectives quickly.
             time.sleep(self.interval_s if dist is not None else min(self.interval_s, 0.05))
+
+    def finish(self) -> None:
+        """At a normal exit (atexit, in the main thread): a last record saying the script finished, inside
+        no collective. Without it the last record, up to an interval old, could still show the rank
+        inside its final collective while the process lingers in shutdown."""
+        path = os.path.join(self.folder, f"rank-{self.rank}.json")
+        try:
+            with open(path) as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            return  # it never formed a process group: nothing was reported, nothing to correct
+        dist = _initialized_dist()
+        if dist is not None:
+            try:  # the counters as the script left them, where the group still exists
+                groups, ranks = record.setdefault("groups", {}), group_ranks(dist)
+                for pg_id, (enqueued, completed) in _recorder().counters().items():
+                    name = self.names.get(pg_id)
+                    if name is not None:
+                        groups.setdefault(name, {"ranks": ranks.get(name, [])}).update(enqueued=enqueued,
+                                                                                      completed=completed)
+            except Exception:
+                pass
+        record.update(time=time.time(), active=[], stack=[], finished=True)
+        _write_json(path, record)
 
     def report(self, dist) -> None:
         recorder = _recorder()
