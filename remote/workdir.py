@@ -34,6 +34,7 @@ from infra.inventory import ClusterInfo
 from remote import commands
 from remote.connect import NodeSession, describe, on_all_nodes
 from remote.node import layout
+from remote.node.sync import file_sha256  # the node hashes its cache the same way
 from remote.stream import say
 
 IGNORE_FILES = (".gitignore", ".gpuclusterignore")  # in this order: the second overrides the first
@@ -214,14 +215,6 @@ def _read_cache(path: Path) -> dict:
         return files if isinstance(files, dict) else {}
     except (OSError, ValueError, KeyError, TypeError):
         return {}  # a missing or damaged cache costs one full read
-
-
-def file_sha256(path: Path) -> str:
-    hasher = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            hasher.update(block)
-    return hasher.hexdigest()
 
 
 def manifest_digest(hashes: dict[str, str]) -> str:

@@ -45,10 +45,13 @@ def node_python() -> Path | None:
 
 def build_node_python() -> Path:
     """A venv from Debian's python3 with requirements-node.txt, readable by every user; cached."""
+    root = node_python_dir()
+    for stale in root.parent.glob("python-*"):  # built for an earlier requirements-node.txt
+        if stale != root:
+            shutil.rmtree(stale, ignore_errors=True)
     ready = node_python()
     if ready:
         return ready
-    root = node_python_dir()
     shutil.rmtree(root, ignore_errors=True)
     root.parent.mkdir(parents=True, exist_ok=True)
     os.chmod(root.parent, 0o755)
@@ -227,9 +230,11 @@ class Hosts:
         return path
 
     def stop(self) -> None:
+        """Stop the servers, end what the users still run, and remove the users and their homes."""
         for server in self.servers:
             server.stop()
             end_processes_of(server.user)
+            subprocess.run(["userdel", "--remove", server.user], capture_output=True)
 
 
 def start_hosts(folder: Path, first_address: str, port: int, count: int = 2) -> Hosts:
