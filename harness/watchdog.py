@@ -27,6 +27,7 @@ from harness.gpu_monitor import busy as gpus_busy
 STOP_MARKER = ".gpu-cluster/stop.json"
 HEARTBEAT = ".gpu-cluster/watchdog.json"
 JOB_FILE = "~/.gpu-cluster/job"
+JOB_LOCK = "~/.gpu-cluster/job.lock"
 PROGRESS_DIR = "~/.gpu-cluster/progress"
 
 
@@ -99,6 +100,20 @@ def job_running(job_file: Path) -> bool:
     return pid_alive(pid)
 
 
+def lock_held(lock_file: Path, locks_table: Path = Path("/proc/locks")) -> bool:
+    """Someone holds the flock on `lock_file`: a launch owns the cluster (syncing a project, installing
+    its requirements, starting its ranks) before its job is recorded. Read from the kernel's lock
+    table, so the check never takes the lock itself and can never turn a launch away."""
+    try:
+        info = lock_file.stat()
+        table = locks_table.read_text()
+    except OSError:
+        return False
+    where = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    return any(len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == where
+               for fields in (line.split() for line in table.splitlines()))
+
+
 def pid_alive(pid: int) -> bool:
     """A process runs with this pid (zombies count as gone)."""
     try:
@@ -118,8 +133,9 @@ class Watchdog:
     """Checks the guards; the clock and the activity probes are injectable, for tests."""
 
     def __init__(self, guards: Guards, shared_dir: Path, job_file: Path, clock=time.time,
-                 gpus_are_busy=gpus_busy, progress_dir: Path | None = None):
+                 gpus_are_busy=gpus_busy, progress_dir: Path | None = None, job_lock: Path | None = None):
         self.guards, self.shared_dir, self.job_file = guards, shared_dir, job_file
+        self.job_lock = job_lock or job_file.with_name(Path(JOB_LOCK).name)
         self.clock, self.gpus_are_busy = clock, gpus_are_busy
         self.progress_dir = progress_dir or Path(os.path.expanduser(PROGRESS_DIR))
         self.last_active = clock()
@@ -146,9 +162,10 @@ class Watchdog:
         return Decision(False, "within budget" if g.max_total_usd is not None else "active", accrued, idle_s)
 
     def note_activity(self, now: float) -> None:
-        """A job that makes progress, or (with no job, or one whose ranks report nothing) a running job
-        or busy GPUs, counts as activity. A job whose ranks report the same progress as before does
-        not: it is stalled, however busy its GPUs spin (a hung NCCL collective keeps them at 100%)."""
+        """A job that makes progress, or (with no job, or one whose ranks report nothing) a running job,
+        a launch under way (the job lock held) or busy GPUs, counts as activity. A job whose ranks report
+        the same progress as before does not: it is stalled, however busy its GPUs spin (a hung NCCL
+        collective keeps them at 100%)."""
         run_id = running_run_id(self.job_file)
         progress = job_progress(self.progress_dir, run_id) if run_id else None
         if progress is not None:
@@ -157,7 +174,7 @@ class Watchdog:
             self.stalled_run = run_id
             return
         self.stalled_run = None
-        if run_id or job_running(self.job_file) or self.gpus_are_busy():
+        if run_id or job_running(self.job_file) or lock_held(self.job_lock) or self.gpus_are_busy():
             self.last_active = now
 
     def heartbeat(self, decision: Decision) -> None:

@@ -108,6 +108,8 @@ class Hang:
     """(RankView, Collective): ranks that called something else under the same sequence number."""
     waiting_s: float = 0.0
     """How long the longest-waiting rank has been inside it."""
+    silent: tuple = ()
+    """Ranks of the group that no node reported (their node did not answer) when the wait ran past the grace."""
 
 
 @dataclass
@@ -197,23 +199,47 @@ def _collective(entry: dict) -> Collective:
                       float(entry.get("since", 0)))
 
 
-def find_hang(ranks: list[RankView], hang_timeout_s: float) -> Hang | None:
-    """The longest-stalled collective that some member of its group has not joined, or None."""
-    by_rank = {}
-    for view in ranks:  # one view per rank; one that has reported beats one found only as a process
-        if view.rank not in by_rank or (view.entered and not by_rank[view.rank].entered):
-            by_rank[view.rank] = view
+def find_hang(ranks: list[RankView], hang_timeout_s: float, overdue_s: float | None = None) -> Hang | None:
+    """The longest-stalled collective that some member of its group has not joined, or None.
+
+    With `overdue_s`, a collective some rank has waited in that long is a hang whatever the others
+    report: every member inside it and none finishing (a transport that stopped moving), or members
+    whose node does not answer (`silent`). The watch passes the hang timeout plus a grace, so that a
+    job is always named in the end instead of waiting for evidence that never comes."""
+    by_rank = _one_view_per_rank(ranks)
     candidates = []
     for view in by_rank.values():
         for collective in view.active:
             waited = view.waiting_s.get((collective.group, collective.seq), 0.0)
             if waited >= hang_timeout_s:
                 candidates.append((waited, view, collective))
-    for waited, view, collective in sorted(candidates, key=lambda c: -c[0]):
+    ordered = sorted(candidates, key=lambda c: -c[0])
+    for waited, view, collective in ordered:
         hang = _judge(collective, view, by_rank, waited)
         if hang is not None:
             return hang
+    for waited, view, collective in ordered:
+        if overdue_s is not None and waited >= overdue_s:
+            return _overdue(collective, view, by_rank, waited)
     return None
+
+
+def _one_view_per_rank(ranks: list[RankView]) -> dict[int, RankView]:
+    """One view per rank; one that has reported beats one found only as a process."""
+    by_rank: dict[int, RankView] = {}
+    for view in ranks:
+        if view.rank not in by_rank or (view.entered and not by_rank[view.rank].entered):
+            by_rank[view.rank] = view
+    return by_rank
+
+
+def _overdue(collective: Collective, seen_by: RankView, by_rank: dict, waited: float) -> Hang:
+    """A collective waited in past the grace: the members inside it wait, the ones not reported are silent."""
+    members = seen_by.members.get(collective.group) or tuple(sorted(by_rank))
+    waiting = tuple(by_rank[r] for r in members if r in by_rank and any(
+        (c.group, c.seq) == (collective.group, collective.seq) for c in by_rank[r].active))
+    silent = tuple(r for r in members if r not in by_rank)
+    return Hang(collective, waiting or (seen_by,), (), (), waited, silent)
 
 
 def _judge(collective: Collective, seen_by: RankView, by_rank: dict, waited: float) -> Hang | None:
@@ -258,16 +284,27 @@ def verdict(run_id: str, hang: Hang, evidence: Evidence | None = None) -> str:
         view = latest.get(view.rank, view)
         parts.append(f"rank {view.rank} ({_where(view)}){_state(view)} called {call.describe()} where "
                      f"{_ranks(hang.waiting)} called {hang.collective.describe()}")
+    if not hang.missing and not hang.mismatched:
+        parts.append(_overdue_part(hang))
     since = min(c.since for v in hang.waiting for c in v.active if (c.group, c.seq) == (hang.collective.group,
                                                                                             hang.collective.seq))
     parts.append(f"{_ranks(hang.waiting)} waiting since {time.strftime('%H:%M:%S', time.gmtime(since))} UTC")
-    for view in [*hang.missing, *(v for v, _ in hang.mismatched)]:
+    for view in [*hang.missing, *(v for v, _ in hang.mismatched)] or list(hang.waiting):
         view = latest.get(view.rank, view)
         stack, fresh = evidence.stack_of(view.rank, view.stack) if evidence else (view.stack, False)
         frame = RankView.user_frame_of(stack)
         if frame is not None:
             parts.append(f"rank {view.rank} {'is' if fresh else 'was last seen'} in {frame.describe()}")
     return f"HANG run={run_id}: " + "; ".join(parts)
+
+
+def _overdue_part(hang: Hang) -> str:
+    """Why a hang with no rank to blame was declared: silent nodes, or a collective nobody finishes."""
+    what = hang.collective.describe()
+    if hang.silent:
+        return (f"{_ranks_numbers(hang.silent)} of {what} not reported (their node did not answer) while "
+                f"{_ranks(hang.waiting)} waited {hang.waiting_s:.0f} s")
+    return f"{_ranks(hang.waiting)} entered {what} and none finished it in {hang.waiting_s:.0f} s (a stalled transport)"
 
 
 def stalled_since(hang: Hang) -> float:
@@ -286,7 +323,11 @@ def _state(view: RankView) -> str:
 
 
 def _ranks(views) -> str:
-    numbers = sorted(v.rank for v in views)
+    return _ranks_numbers(v.rank for v in views)
+
+
+def _ranks_numbers(ranks) -> str:
+    numbers = sorted(ranks)
     return ("rank " if len(numbers) == 1 else "ranks ") + _ranges(numbers)
 
 

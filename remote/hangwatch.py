@@ -18,7 +18,7 @@ from pathlib import Path
 from infra import state
 from infra.inventory import ClusterInfo
 from remote import commands, hang
-from remote.connect import NodeSession, on_all_nodes
+from remote.connect import NodeSession, describe, on_all_nodes
 from remote.node import layout
 from remote.stream import say
 
@@ -29,6 +29,12 @@ ON_HANG = ("stop", "wait")
 # 1000 entries, and happens only when a rank sits in one collective for a whole monitor interval.
 RECORDER_ENTRIES = 1000
 COLLECT_WAIT_S = 5
+# Past the hang timeout plus this, a rank still waiting in one collective is a hang even where the rule
+# has no rank to blame (a node that stopped answering, a transport that stopped moving): the verdict
+# comes within the timeout + 60 s, polls and evidence included, and a run never waits forever for one.
+OVERDUE_GRACE_S = 30
+STOP_ATTEMPTS = 3
+STOP_CHECK_S = 20  # how long a stopped job may take to end before the watch stops it again
 
 
 @dataclass(frozen=True)
@@ -114,23 +120,44 @@ class HangWatch:
     def _run(self) -> None:
         sessions = [NodeSession(self.cluster, node) for node in self.cluster.nodes]
         try:
-            while not self.finished.wait(self.policy.poll_s):
-                found = hang.find_hang(self._ask(sessions, "status"), self.policy.timeout_s)
-                if found is None or self.finished.is_set():
-                    continue
-                self.report = self._diagnose(sessions, found)
-                if self.on_hang:
-                    self.on_hang(self.report)
-                if self.policy.on_hang == "stop":
-                    self.stopping.set()
-                    say("fab: stopping the hung job on every node (--on-hang wait leaves it running)")
-                    self.stop_job()
-                else:
-                    say("fab: --on-hang wait: the job keeps running; fab stop (or Ctrl-C here) ends it")
+            found = self._watch(sessions)
+            if found is None:
                 return
+            self.report = self._diagnose(sessions, found)
+            if self.on_hang:
+                self.on_hang(self.report)
+            if self.policy.on_hang == "stop":
+                self.stopping.set()
+                say("fab: stopping the hung job on every node (--on-hang wait leaves it running)")
+                self._stop_until_ended()
+            else:
+                say("fab: --on-hang wait: the job keeps running; fab stop (or Ctrl-C here) ends it")
         finally:
             for session in sessions:
                 session.close()
+
+    def _watch(self, sessions: list[NodeSession]) -> hang.Hang | None:
+        """Poll until a hang is found (returned) or the job has ended (None). A poll that fails (a node
+        that does not answer, a damaged record) is simply made again: the watch itself never ends early."""
+        overdue_s = self.policy.timeout_s + OVERDUE_GRACE_S
+        while not self.finished.wait(self.policy.poll_s):
+            try:
+                found = hang.find_hang(self._ask(sessions, "status"), self.policy.timeout_s, overdue_s)
+            except Exception as exc:  # noqa: BLE001 - the next poll tries again
+                say(f"fab: hang watch: a poll failed ({describe(exc)}); trying again")
+                continue
+            if found is not None and not self.finished.is_set():
+                return found
+        return None
+
+    def _stop_until_ended(self) -> None:
+        """Stop the job everywhere, and again while it has not ended (a node that missed the first stop)."""
+        for attempt in range(STOP_ATTEMPTS):
+            self.stop_job()
+            if self.finished.wait(STOP_CHECK_S):
+                return
+            say(f"fab: the hung job has not ended {STOP_CHECK_S} s after stop {attempt + 1}; stopping it again")
+        say("fab: could not end the hung job on every node; run fab stop once the nodes answer")
 
     def _command(self, session: NodeSession, action: str) -> str:
         python = self.python.get(session.node.name, "python3")
@@ -142,7 +169,11 @@ class HangWatch:
 
     def _payloads(self, sessions: list[NodeSession], action: str) -> list[dict]:
         def ask(session: NodeSession) -> dict:
-            result = session.run(self._command(session, action), timeout=60)
+            try:
+                result = session.run(self._command(session, action), timeout=60)
+            except Exception:  # the node did not answer: a fresh connection for the next poll
+                session.reopen()
+                raise
             return commands.parse_last_json(result.stdout) if result.exited == 0 else {}
 
         return [p for p in on_all_nodes(sessions, ask) if isinstance(p, dict)]

@@ -5,6 +5,7 @@ import os
 import multiprocessing
 import signal
 import subprocess
+import sys
 from datetime import datetime, timezone
 
 import boto3
@@ -13,6 +14,7 @@ import pytest
 from botocore.stub import ANY, Stubber
 
 from aws_fakes import pricing_client, recorded_price_list
+from conftest import REPO
 from harness import watchdog
 from infra import cloud_init, pricing
 from infra.errors import UsageError
@@ -229,6 +231,15 @@ def test_the_idle_guard_counts_time_without_jobs_or_gpu_work(tmp_path):
     finally:
         job.kill()
         job.wait()
+    lock = subprocess.Popen([sys.executable, str(REPO / "remote/node/job_lock.py"), str(tmp_path / "job.lock"),
+                             "run-2", "run", "me"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert lock.stdout.readline().strip() == "locked"
+        clock.now += 599
+        assert not dog.check().stop  # a launch holds the job lock (syncing, installing): no job yet, not idle
+    finally:
+        lock.stdin.close()
+        lock.wait()
     clock.now += 599
     assert not dog.check().stop
     clock.now += 1

@@ -55,9 +55,9 @@ import sys, time
 import torch, torch.distributed as dist
 
 dist.init_process_group("gloo")
-stall = sys.argv[1] == "stall"
+stall, step_s = sys.argv[1] == "stall", float(sys.argv[2])
 for step in range(5):
-    time.sleep(1.5)  # slow: a collective every 1.5 s
+    time.sleep(step_s)  # slow: a collective every step_s
     if stall and step == 2 and dist.get_rank() == 1:
         time.sleep(600)  # rank 1 never comes back; rank 0 waits in the all-reduce
     dist.all_reduce(torch.ones(8))
@@ -65,14 +65,26 @@ dist.destroy_process_group()
 """
 
 
+def idle_window_s() -> float:
+    """An idle window this machine can keep apart from a launch right now. Between two launches nothing
+    holds the cluster for as long as a new `fab` takes to start and take the job lock: a few times what
+    `fab --list` takes now, which is a second when the machine is quiet and several under load."""
+    started = time.monotonic()
+    run_fab("--list", check=True)
+    return max(6.0, 8 * (time.monotonic() - started))
+
+
 def test_a_stalled_job_stops_billing_and_a_slow_healthy_one_does_not(state_dir, make_cluster, tmp_path):
-    make_cluster("local", 2, "--idle-minutes", "0.1")  # 6 s without progress
+    window_s = idle_window_s()
+    make_cluster("local", 2, "--idle-minutes", f"{window_s / 60:.4f}")
     assert run_fab("bootstrap", "--master-port", str(free_port())).returncode == 0
     script = tmp_path / "steps.py"
     script.write_text(STEPS_SCRIPT)
-    slow = run_fab("run", "--script", str(script), "--args", "healthy", "--hang-timeout", "600")
-    assert slow.returncode == 0, slow.stdout + slow.stderr  # 7.5 s of slow steps, longer than the idle window
-    stalled = run_fab("run", "--script", str(script), "--args", "stall", "--hang-timeout", "600", timeout=180)
+    step_s = f"{window_s / 4:.2f}"
+    slow = run_fab("run", "--script", str(script), "--args", f"healthy {step_s}", "--hang-timeout", "600")
+    assert slow.returncode == 0, slow.stdout + slow.stderr  # 5 slow steps: longer than the idle window
+    stalled = run_fab("run", "--script", str(script), "--args", f"stall {step_s}", "--hang-timeout", "600",
+                      timeout=180 + 4 * window_s)
     assert stalled.returncode != 0  # the nodes powered off under it
     report = json.loads(run_cli("status", "--json").stdout)
     assert report["stopped_reason"].startswith("stalled: job ") and "made no progress" in report["stopped_reason"]

@@ -5,7 +5,10 @@ Each user script uses plain torch.distributed (nothing of this project); rank 1 
 
 import json
 import re
+import subprocess
+import sys
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -59,7 +62,7 @@ def cluster(tmp_path_factory):
 def launch(cluster, case: str, *extra: str, timeout_s: float = HANG_TIMEOUT_S):
     started = time.monotonic()
     result = cluster.fab("run", "--script", str(cluster.script), "--args", f"{case} {timeout_s}",
-                         "--hang-timeout", str(timeout_s), *extra, timeout=240)
+                         "--hang-timeout", str(timeout_s), *extra, timeout=420)
     run_id = re.search(r"fab: run (\S+):", result.stdout).group(1)
     return result, run_id, time.monotonic() - started
 
@@ -70,9 +73,23 @@ def verdict_of(result) -> str:
     return lines[0]
 
 
-def assert_hung_and_cleaned_up(cluster, result, run_id, elapsed_s):
+@contextmanager
+def busy_cores():
+    """Two processes that spin for as long as the block runs: the machine as loaded as it gets."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
+def assert_hung_and_cleaned_up(cluster, result, run_id):
     assert result.returncode == 1 and "hung and was stopped on every node" in result.stderr, result.stderr
-    assert elapsed_s < HANG_TIMEOUT_S + 60 + 30  # the verdict within timeout + 60 s; the rest is start-up
+    summary = json.loads((cluster.state_dir / "local" / "runs" / run_id / "summary.json").read_text())
+    # Named within the timeout + 60 s of the moment progress stopped, however long start-up took.
+    assert summary["hang"]["detected_at"] - summary["hang"]["stalled_at"] < HANG_TIMEOUT_S + 60, summary["hang"]
     deadline = time.monotonic() + 20
     while run_processes(run_id) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -87,37 +104,38 @@ def assert_hung_and_cleaned_up(cluster, result, run_id, elapsed_s):
 
 
 def test_a_rank_sleeping_before_a_collective_is_named_with_its_frame(cluster):
-    result, run_id, elapsed = launch(cluster, "sleep")
+    result, run_id, _ = launch(cluster, "sleep")
     line = verdict_of(result)
     assert re.fullmatch(rf"HANG run={run_id}: rank 1 \(node-1, pid \d+\) never entered all_reduce #4 "
                         rf"\(1024 x float32\); rank 0 waiting since \d\d:\d\d:\d\d UTC; "
                         rf"rank 1 is in load_batch \(hangcase.py:{LINE['sleep']}\)", line), line
-    evidence = assert_hung_and_cleaned_up(cluster, result, run_id, elapsed)
+    evidence = assert_hung_and_cleaned_up(cluster, result, run_id)
     assert "load_batch" in (evidence / "rank-1.py-spy.txt").read_text()
     assert json.loads((evidence / "rank-0.flight-recorder.json").read_text())["trace"]["entries"]
 
 
-def test_a_rank_calling_a_different_collective_is_named_with_both(cluster):
-    result, run_id, elapsed = launch(cluster, "op")
+def test_a_rank_calling_a_different_collective_is_named_with_both_on_a_loaded_machine(cluster):
+    with busy_cores():
+        result, run_id, _ = launch(cluster, "op")
     line = verdict_of(result)
     assert "rank 1 (node-1, pid" in line and "called broadcast #4 (1024 x float32) where rank 0 called " \
                                              "all_reduce #4 (1024 x float32)" in line, line
     assert line.endswith(f"rank 1 is in <module> (hangcase.py:{LINE['op']})"), line
-    assert_hung_and_cleaned_up(cluster, result, run_id, elapsed)
+    assert_hung_and_cleaned_up(cluster, result, run_id)
 
 
 def test_a_stopped_rank_is_said_to_be_stopped_and_is_ended(cluster):
-    result, run_id, elapsed = launch(cluster, "stop")
+    result, run_id, _ = launch(cluster, "stop")
     line = verdict_of(result)
     assert "rank 1 (node-1, pid" in line and "is stopped (SIGSTOP) and never entered all_reduce #4" in line, line
     assert line.endswith(f"rank 1 is in load_batch (hangcase.py:{LINE['stop']})"), line
-    assert_hung_and_cleaned_up(cluster, result, run_id, elapsed)
+    assert_hung_and_cleaned_up(cluster, result, run_id)
 
 
 def test_a_killed_rank_fails_fast_and_is_no_hang(cluster):
-    result, run_id, elapsed = launch(cluster, "kill", timeout_s=120)
+    # A hang timeout longer than fab is given to run: only fail-fast can end this job in time.
+    result, run_id, _ = launch(cluster, "kill", timeout_s=600)
     assert result.returncode == 1 and "HANG" not in result.stdout and "failed" in result.stderr, result.stdout
-    assert elapsed < 120  # fail-fast, long before the hang timeout (start-up included)
     run = next(r for r in json.loads(cluster.cli("cost", "--json").stdout)["runs"] if r["run_id"] == run_id)
     assert not run["hung"]
 
@@ -134,6 +152,7 @@ def test_a_shape_mismatch_is_caught_by_gloo_and_named(cluster):
 
 
 def test_a_slow_healthy_job_is_never_flagged(cluster):
-    result, run_id, _ = launch(cluster, "slow", timeout_s=2)
+    # Steps 1.5 x the timeout apart; 4 s, since ranks of a loaded machine enter a collective seconds apart.
+    result, run_id, _ = launch(cluster, "slow", timeout_s=4)
     assert result.returncode == 0 and "HANG" not in result.stdout, result.stdout + result.stderr
     assert result.stdout.count("done") == 2

@@ -142,3 +142,18 @@ def test_a_rank_reported_by_its_node_wins_over_the_same_rank_found_only_as_a_pro
     found_elsewhere = {"rank": 0, "pid": 4700, "node": "node-1", "state": "running", "time": NOW, "reported": False}
     ranks = views(record(0, 4, [WAITING_IN_4]), record(1, 3, node="node-1"), found_elsewhere)
     assert [v.rank for v in hang.find_hang(ranks, hang_timeout_s=10).missing] == [1]
+
+
+def test_past_the_grace_a_silent_node_or_a_collective_nobody_finishes_is_still_a_hang():
+    alone = views(record(0, 4, [WAITING_IN_4], stack=TRAIN_STACK))  # node-1 did not answer: no rank 1 at all
+    assert hang.find_hang(alone, hang_timeout_s=10) is None
+    assert hang.find_hang(alone, hang_timeout_s=10, overdue_s=40) is None  # waited 30 s: within the grace
+    found = hang.find_hang(alone, hang_timeout_s=10, overdue_s=25)
+    assert found.silent == (1,) and [v.rank for v in found.waiting] == [0]
+    assert "rank 1 of all_reduce #4 (1024 x float32) not reported (their node did not answer) while rank 0 " \
+           "waited 30 s" in hang.verdict("r1", found)
+    both = views(record(0, 4, [WAITING_IN_4]), record(1, 4, [WAITING_IN_4], stack=TRAIN_STACK))
+    assert hang.find_hang(both, hang_timeout_s=10) is None  # every rank joined: slow, not hung
+    line = hang.verdict("r1", hang.find_hang(both, hang_timeout_s=10, overdue_s=25))
+    assert "ranks 0-1 entered all_reduce #4 (1024 x float32) and none finished it in 30 s" in line
+    assert line.endswith("rank 1 was last seen in load_batch (train.py:14)")
