@@ -25,7 +25,8 @@ SSHD = Path("/usr/sbin/sshd")
 SYSTEM_PYTHON = Path("/usr/bin/python3")
 NODE_PYTHON_ROOT = Path("/opt/gpu-cluster-test")
 WHEELS = Path("/opt/wheels")  # where a CPU wheel of torch may already lie (CI's machine has one)
-USER_PREFIX = "gcnode"
+# Two suites at once on one machine (two checkouts) would share the node users: a run may name its own.
+USER_PREFIX = os.environ.get("GPU_CLUSTER_TEST_USER_PREFIX", "gcnode")
 READY_TIMEOUT_S = 20.0
 
 
