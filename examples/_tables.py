@@ -22,5 +22,6 @@ def render_table(title: str, columns: list[str], rows: list[list[str]]) -> str:
 def _plain(title: str, columns: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(cell)) for cell in column) for column in zip(columns, *rows)]
     line = lambda cells: "  ".join(  # noqa: E731
-        f"{cell:<{w}}" if i == 0 else f"{cell:>{w}}" for i, (cell, w) in enumerate(zip(cells, widths)))
+        f"{cell:<{w}}" if i == 0 else f"{cell:>{w}}" for i, (cell, w) in enumerate(zip(cells, widths))
+    )
     return "\n".join([title, line(columns), *map(line, rows)])

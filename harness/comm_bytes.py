@@ -47,8 +47,11 @@ class CommTally:
         self._lock = threading.Lock()
 
     def add(self, op: str, size_bytes: int, group_size: int) -> None:
-        factor = bus_factor(op, group_size) if op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast") \
+        factor = (
+            bus_factor(op, group_size)
+            if op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
             else (group_size - 1) / group_size
+        )
         with self._lock:
             tally = self.ops.setdefault(op, OpTally())
             tally.calls += 1
@@ -103,18 +106,28 @@ class CountingProcessGroup(dist.ProcessGroup):
         return self.inner.getBackendName() if hasattr(self.inner, "getBackendName") else self.inner.name()
 
 
-def register_counted_hook(ddp, hook: str, tally: CommTally, powersgd_rank: int = 1, start_iter: int = 2,
-                          group: dist.ProcessGroup | None = None):
+def register_counted_hook(
+    ddp,
+    hook: str,
+    tally: CommTally,
+    powersgd_rank: int = 1,
+    start_iter: int = 2,
+    group: dist.ProcessGroup | None = None,
+):
     """Register DDP's `hook` (none, fp16, bf16 or powersgd) so that its all-reduces are counted into
     `tally`; returns the hook's state (PowerSGD's holds its error feedback and low-rank buffers)."""
     counting = CountingProcessGroup(group or dist.group.WORLD, tally)
     if hook == "powersgd":
-        state = powerSGD_hook.PowerSGDState(process_group=counting, matrix_approximation_rank=powersgd_rank,
-                                            start_powerSGD_iter=start_iter)
+        state = powerSGD_hook.PowerSGDState(
+            process_group=counting, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=start_iter
+        )
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return state
-    plain = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
-             "bf16": default_hooks.bf16_compress_hook}[hook]
+    plain = {
+        "none": default_hooks.allreduce_hook,
+        "fp16": default_hooks.fp16_compress_hook,
+        "bf16": default_hooks.bf16_compress_hook,
+    }[hook]
     ddp.register_comm_hook(counting, plain)
     return counting
 

@@ -8,8 +8,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 
-def teacher_classification(samples: int = 8192, features: int = 784, classes: int = 10,
-                           seed: int = 0) -> Dataset:
+def teacher_classification(samples: int = 8192, features: int = 784, classes: int = 10, seed: int = 0) -> Dataset:
     """Gaussian inputs labelled by a fixed random two-layer network (a learnable rule, not noise)."""
     generator = torch.Generator().manual_seed(seed)
     inputs = torch.randn(samples, features, generator=generator)

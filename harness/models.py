@@ -11,13 +11,17 @@ from torch.utils.checkpoint import checkpoint
 class MLP(nn.Module):
     """784-512-10 by default (the course's), deeper or wider on request for benchmarks."""
 
-    def __init__(self, in_features: int = 784, hidden: int = 512, classes: int = 10, layers: int = 1,
-                 activation_checkpointing: bool = False):
+    def __init__(
+        self,
+        in_features: int = 784,
+        hidden: int = 512,
+        classes: int = 10,
+        layers: int = 1,
+        activation_checkpointing: bool = False,
+    ):
         super().__init__()
         widths = [in_features] + [hidden] * layers
-        self.hidden = nn.ModuleList(
-            nn.Sequential(nn.Linear(a, b), nn.ReLU()) for a, b in zip(widths[:-1], widths[1:])
-        )
+        self.hidden = nn.ModuleList(nn.Sequential(nn.Linear(a, b), nn.ReLU()) for a, b in zip(widths[:-1], widths[1:]))
         self.head = nn.Linear(widths[-1], classes)
         self.activation_checkpointing = activation_checkpointing
 
@@ -65,8 +69,15 @@ class Block(nn.Module):
 class TinyTransformerLM(nn.Module):
     """A GPT-style language model small enough to train on two CPU ranks in a minute."""
 
-    def __init__(self, vocab: int = 64, seq_len: int = 64, d_model: int = 128, n_heads: int = 4,
-                 n_layers: int = 2, activation_checkpointing: bool = False):
+    def __init__(
+        self,
+        vocab: int = 64,
+        seq_len: int = 64,
+        d_model: int = 128,
+        n_heads: int = 4,
+        n_layers: int = 2,
+        activation_checkpointing: bool = False,
+    ):
         super().__init__()
         self.seq_len = seq_len
         self.token = nn.Embedding(vocab, d_model)

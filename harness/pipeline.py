@@ -35,7 +35,7 @@ def stage_slice(model: nn.Sequential, stage: int, stages: int) -> nn.Sequential:
     if len(blocks) % stages:
         raise ValueError(f"{len(blocks)} layers do not split evenly into {stages} stages")
     per_stage = len(blocks) // stages
-    mine = blocks[stage * per_stage:(stage + 1) * per_stage]
+    mine = blocks[stage * per_stage : (stage + 1) * per_stage]
     if stage == stages - 1:
         mine.append(model[-1])
     return nn.Sequential(*mine)

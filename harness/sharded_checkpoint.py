@@ -32,9 +32,12 @@ KEEP = 2  # committed checkpoints kept; older ones are removed after a new one c
 
 def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     """`--checkpoint-dir`, `--checkpoint-every` and `--async-save`, for the examples that save this way."""
-    parser.add_argument("--checkpoint-dir", type=Path, default=None,
-                        help="save and resume here; relative: inside $CLUSTER_SHARED_DIR "
-                             "(default: $CLUSTER_RUN_DIR/checkpoints)")
+    parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        help="save and resume here; relative: inside $CLUSTER_SHARED_DIR (default: $CLUSTER_RUN_DIR/checkpoints)",
+    )
     parser.add_argument("--checkpoint-every", type=positive_int, default=20, help="save every N steps and at the end")
     parser.add_argument("--async-save", action="store_true", help="write checkpoints while training goes on")
 
@@ -58,8 +61,8 @@ def committed_steps(root: Path) -> list[int]:
         return []
     steps = []
     for path in root.glob("step-*"):
-        if (path / COMMIT_MARKER).is_file() and path.name[len("step-"):].isdigit():
-            steps.append(int(path.name[len("step-"):]))
+        if (path / COMMIT_MARKER).is_file() and path.name[len("step-") :].isdigit():
+            steps.append(int(path.name[len("step-") :]))
     return sorted(steps)
 
 
