@@ -18,6 +18,7 @@ import argparse
 import gc
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -169,29 +170,34 @@ def build(name: str, args, ctx, hybrid: MeshShape | None) -> Built:
     )
 
 
+def train_on(built: Built, batches: Batches, step: int, device: torch.device, forward_context=None) -> torch.Tensor:
+    """One optimizer step of `built` on its slice of global batch `step`."""
+    inputs, targets = batches.replica_batch(step, built.replica, built.replicas, device)
+    return train_step(built.model, built.optimizer, inputs, targets, forward_context)
+
+
 def measure(name: str, args, ctx, batches: Batches, hybrid: MeshShape | None) -> dict:
     """Warm up, time, then one step counted and one measured; the figures of the fullest rank."""
     built = build(name, args, ctx, hybrid)
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
-
-    def step(index: int, forward_context=None):
-        inputs, targets = batches.replica_batch(index, built.replica, built.replicas, ctx.device)
-        train_step(built.model, built.optimizer, inputs, targets, forward_context)
-
-    for index in range(args.warmup):
-        step(index)
-    seconds = [timed(lambda: step(args.warmup + i), ctx.device) for i in range(args.steps)]
+    for step in range(args.warmup):
+        train_on(built, batches, step, ctx.device)
+    seconds = []
+    for step in range(args.warmup, args.warmup + args.steps):
+        _, step_s = timed(partial(train_on, built, batches, step, ctx.device), ctx.device)
+        seconds.append(step_s)
+    counted, measured = args.warmup + args.steps, args.warmup + args.steps + 1
     counter = CollectiveCounter()
     if built.ddp_tally is not None:
         built.ddp_tally.reset()
-        step(args.warmup + args.steps)
+        train_on(built, batches, counted, ctx.device)
     else:
         with counter:
-            step(args.warmup + args.steps)
+            train_on(built, batches, counted, ctx.device)
     sent = (built.ddp_tally or counter.tally).sent_bytes
     saved = SavedForBackward(built.model)
-    step(args.warmup + args.steps + 1, saved)
+    train_on(built, batches, measured, ctx.device, saved)
     figures = {
         "memory": breakdown(built.model, built.optimizer, saved),
         "sent_bytes": sent,
@@ -208,7 +214,7 @@ def measure(name: str, args, ctx, batches: Batches, hybrid: MeshShape | None) ->
             local_batch, args.model.seq_len, args.model.d_model, args.model.n_layers, args.model.vocab, built.tp
         ),
     )
-    del built
+    del built  # and collect its reference cycles (hooks, meshes): the next strategy's peak is its own
     gc.collect()
     return fullest(name, everyone, estimate)
 
@@ -292,7 +298,7 @@ def plot(path: Path, rows: list[dict], title: str) -> str:
     ):
         widths = [r["memory"][key] / 2**20 for r in rows]
         memory_axes.barh(names, widths, left=left, label=label)
-        left = [a + b for a, b in zip(left, widths)]
+        left = [a + b for a, b in zip(left, widths, strict=True)]
     memory_axes.scatter(
         [r["estimate_bytes"] / 2**20 for r in rows], names, marker="x", color="black", zorder=3, label="course estimate"
     )

@@ -21,6 +21,7 @@ committed checkpoint, on any number of ranks: saved by 4, it loads on 2.
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -113,11 +114,10 @@ def train(args, ctx, model, optimizer, batches: Batches, start: int, checkpointe
     for step in range(start, args.steps):
         inputs, targets = batches.replica_batch(step, ctx.rank, ctx.world_size, ctx.device)
         measure = saved if step + 1 == args.steps else None
-        losses = []
-        seconds = timed(lambda: losses.append(train_step(model, optimizer, inputs, targets, measure)), ctx.device)
+        loss, seconds = timed(partial(train_step, model, optimizer, inputs, targets, measure), ctx.device)
         done = step + 1 == args.steps
         log = done or (step + 1) % args.log_every == 0
-        logger.step(step + 1, mean_over_ranks(losses[0]) if log else 0.0, seconds, log=log)
+        logger.step(step + 1, mean_over_ranks(loss) if log else 0.0, seconds, log=log)
         if checkpointer and (done or (step + 1) % args.checkpoint_every == 0):
             checkpointer.save(step + 1, model, optimizer)
     if checkpointer:

@@ -17,6 +17,7 @@ uncompressed loss at every step and PowerSGD sends at least 4x fewer bytes.
 import argparse
 import sys
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -106,15 +107,17 @@ def build(args, ctx, hook: str) -> tuple[DDP, torch.optim.Optimizer, CommTally]:
 
 def train(args, ctx, hook: str, batches: Batches, logger: StepLogger | None) -> HookRun:
     ddp, optimizer, tally = build(args, ctx, hook)
-    losses, step_times = [], []
+    losses: list[torch.Tensor] = []
+    step_times: list[float] = []
     for step in range(args.steps):
         inputs, targets = batches.replica_batch(step, ctx.rank, ctx.world_size, ctx.device)
         tally.reset()  # what is left in it after the loop is the last step's traffic
-        seconds = timed(lambda: losses.append(train_step(ddp, optimizer, inputs, targets)), ctx.device)
+        loss, seconds = timed(partial(train_step, ddp, optimizer, inputs, targets), ctx.device)
+        losses.append(loss)
         step_times.append(seconds)
         log = logger is not None and (step + 1 == args.steps or (step + 1) % args.log_every == 0)
         if logger is not None:
-            logger.step(step + 1, mean_over_ranks(losses[-1]) if log else 0.0, seconds, log=log)
+            logger.step(step + 1, mean_over_ranks(loss) if log else 0.0, seconds, log=log)
     global_losses = torch.stack(losses).float()
     torch.distributed.all_reduce(global_losses)
     later = step_times[1:] or step_times
@@ -141,7 +144,7 @@ def table(runs: list[HookRun]) -> str:
 
 def check(args, ctx, batches: Batches) -> int:
     none, fp16, powersgd = (train(args, ctx, hook, batches, None) for hook in ("none", "fp16", "powersgd"))
-    worst = max(abs(a - b) for a, b in zip(none.losses, fp16.losses))
+    worst = max(abs(a - b) for a, b in zip(none.losses, fp16.losses, strict=True))
     fewer = none.size_bytes / max(powersgd.size_bytes, 1)
     what = (
         f"fp16 loss vs uncompressed over {args.steps} steps, PowerSGD rank {args.rank} sending "

@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -135,14 +136,12 @@ def train(args, ctx, model, optimizer, replica: int, shape: MeshShape, batches, 
     for step in range(start, args.steps):
         inputs, targets = batches.replica_batch(step, replica, shape.dp, ctx.device)
         first, done = step == start, step + 1 == args.steps
-        losses = []
         with counter if first else contextlib.nullcontext():
-            seconds = timed(
-                lambda: losses.append(train_step(model, optimizer, inputs, targets, saved if first else None)),
-                ctx.device,
+            loss, seconds = timed(
+                partial(train_step, model, optimizer, inputs, targets, saved if first else None), ctx.device
             )
         log = done or (step + 1) % args.log_every == 0
-        logger.step(step + 1, mean_over_ranks(losses[0]) if log else 0.0, seconds, log=log)
+        logger.step(step + 1, mean_over_ranks(loss) if log else 0.0, seconds, log=log)
         if checkpointer and (done or (step + 1) % args.checkpoint_every == 0):
             checkpointer.save(step + 1, model, optimizer)
     if checkpointer:

@@ -16,6 +16,7 @@ bytes they carry. `--check` compares the split model's outputs and gradients wit
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -153,10 +154,9 @@ def main(argv=None) -> int:
         logger = StepLogger(ctx.is_rank0, ctx.device, meter, metrics, args.batch_size)
         for step in range(1, args.steps):
             inputs, targets = batches.replica_batch(step, 0, 1, ctx.device)
-            losses = []
-            seconds = timed(lambda: losses.append(train_step(model, optimizer, inputs, targets)), ctx.device)
+            loss, seconds = timed(partial(train_step, model, optimizer, inputs, targets), ctx.device)
             log = step + 1 == args.steps or (step + 1) % args.log_every == 0
-            logger.step(step + 1, mean_over_ranks(losses[0]) if log else 0.0, seconds, log=log)
+            logger.step(step + 1, mean_over_ranks(loss) if log else 0.0, seconds, log=log)
         metrics.write(
             "summary",
             example="tensor_parallel",

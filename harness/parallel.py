@@ -12,7 +12,9 @@ import contextlib
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,8 @@ from torch.distributed.tensor import DTensor
 from harness import data
 from harness.args import positive_int
 from harness.models import TinyTransformerLM, loss_fn
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -189,12 +193,12 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(step, device: torch.device) -> float:
-    """Seconds one call of `step()` takes, the device's queued work included."""
+def timed(step: Callable[[], T], device: torch.device) -> tuple[T, float]:
+    """What one call of `step()` returns, and the seconds it took, the device's queued work included."""
     started = time.perf_counter()
-    step()
+    result = step()
     synchronize(device)
-    return time.perf_counter() - started
+    return result, time.perf_counter() - started
 
 
 # -------------------------------------------------------------------------------- whole parameters
