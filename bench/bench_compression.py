@@ -54,8 +54,8 @@ def hook_runs(hook: str, nproc: int) -> dict[str, list[dict]]:
 
 def ratios(runs: dict[str, list[dict]], hook: str) -> tuple[float, float]:
     """(how many times fewer bytes, the hook's time per step / none's), medians."""
-    fewer = median([n["size_bytes"] / h["size_bytes"] for n, h in zip(runs["none"], runs[hook])])
-    slower = median([h["ms_per_step"] / n["ms_per_step"] for n, h in zip(runs["none"], runs[hook])])
+    fewer = median([n["size_bytes"] / h["size_bytes"] for n, h in zip(runs["none"], runs[hook], strict=True)])
+    slower = median([h["ms_per_step"] / n["ms_per_step"] for n, h in zip(runs["none"], runs[hook], strict=True)])
     for name in ("none", hook):
         times = " ".join(f"{r['ms_per_step']:.1f}" for r in runs[name])
         print(f"{name:9s} bytes/step {runs[name][0]['size_bytes']:>11,d}  ms/step {times}")

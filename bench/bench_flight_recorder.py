@@ -42,9 +42,8 @@ def run() -> list[Check]:
         on.append(timed_loop(recording))
     wrote = sorted(p.name for p in Path(recording["CLUSTER_PROGRESS_DIR"]).glob("rank-*.json"))
     print(f"recorder off, wall (s): {' '.join(f'{t:.3f}' for t, _ in off)}")
-    print(
-        f"recorder on,  wall (s): {' '.join(f'{t:.3f}' for t, _ in on)}   (progress files: {', '.join(wrote) or 'none'})"
-    )
+    files = ", ".join(wrote) or "none"
+    print(f"recorder on,  wall (s): {' '.join(f'{t:.3f}' for t, _ in on)}   (progress files: {files})")
     wall = median([t for t, _ in on]) / median([t for t, _ in off])
     cpu = median([c for _, c in on]) / median([c for _, c in off])
     per_call_us = (median([t for t, _ in on]) - median([t for t, _ in off])) / ITERS * 1e6

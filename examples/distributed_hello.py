@@ -98,7 +98,8 @@ def main(argv=None) -> int:
                     print0(f"MISMATCH on rank {rank}: {message}")
             return 1
         print0(
-            f"hello from {ctx.world_size} ranks on {nodes} nodes: all-reduce, broadcast and all-gather checked, all correct"
+            f"hello from {ctx.world_size} ranks on {nodes} nodes: "
+            "all-reduce, broadcast and all-gather checked, all correct"
         )
         return 0
     finally:

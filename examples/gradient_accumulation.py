@@ -97,7 +97,7 @@ def micro_batches(dataset: tuple[torch.Tensor, torch.Tensor], ctx, args, step: i
     per_step = k * size * ctx.world_size
     start = (step * per_step + ctx.rank * k * size) % (len(all_inputs) - k * size)
     inputs, targets = (t[start : start + k * size].to(ctx.device) for t in (all_inputs, all_targets))
-    return list(zip(inputs.split(size), targets.split(size)))
+    return list(zip(inputs.split(size), targets.split(size), strict=True))
 
 
 def accumulate(ddp, counter: AllReduceCounter, batches, sync_every_micro_step: bool) -> float:
@@ -131,7 +131,9 @@ def check_gradient(args, ctx, ddp, counter, dataset) -> int:
         inputs = torch.cat([x for rank_batches in everything for x, _ in rank_batches]).to(ctx.device)
         targets = torch.cat([y for rank_batches in everything for _, y in rank_batches]).to(ctx.device)
         loss_fn(reference(inputs), targets).backward()
-        worst[0] = max((a - p.grad).abs().max().item() for a, p in zip(accumulated, reference.parameters()))
+        worst[0] = max(
+            (a - p.grad).abs().max().item() for a, p in zip(accumulated, reference.parameters(), strict=True)
+        )
     dist.broadcast(worst, src=0)
     ok = worst.item() <= GRADIENT_TOLERANCE
     print0(

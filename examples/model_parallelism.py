@@ -96,7 +96,9 @@ def check_against_unsplit(args, ctx, dataset) -> int:
     reference_loss = loss_fn(reference(inputs), targets)
     reference_loss.backward()
     mine = stage_slice(reference, ctx.rank, ctx.world_size)
-    grad_diff = max((a.grad - b.grad).abs().max().item() for a, b in zip(stage.module.parameters(), mine.parameters()))
+    grad_diff = max(
+        (a.grad - b.grad).abs().max().item() for a, b in zip(stage.module.parameters(), mine.parameters(), strict=True)
+    )
     loss_diff = abs(loss - reference_loss.item()) if stage.last else 0.0
     worst = torch.tensor([grad_diff, loss_diff], device=ctx.device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)

@@ -1,6 +1,7 @@
 """The models the examples train: the course's MLP and a small causal transformer language model."""
 
 import math
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,7 @@ class MLP(nn.Module):
     ):
         super().__init__()
         widths = [in_features] + [hidden] * layers
-        self.hidden = nn.ModuleList(nn.Sequential(nn.Linear(a, b), nn.ReLU()) for a, b in zip(widths[:-1], widths[1:]))
+        self.hidden = nn.ModuleList(nn.Sequential(nn.Linear(a, b), nn.ReLU()) for a, b in pairwise(widths))
         self.head = nn.Linear(widths[-1], classes)
         self.activation_checkpointing = activation_checkpointing
 
