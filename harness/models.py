@@ -9,6 +9,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module inside DDP and torch.compile wrappers (`module`, `_orig_mod`), however nested."""
+    for wrapped in ("module", "_orig_mod"):
+        inner = getattr(model, wrapped, None)
+        if isinstance(inner, nn.Module):
+            return unwrap(inner)
+    return model
+
+
 class MLP(nn.Module):
     """784-512-10 by default (the course's), deeper or wider on request for benchmarks."""
 

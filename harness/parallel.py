@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from harness import data
 from harness.args import positive_int
-from harness.models import TinyTransformerLM, loss_fn
+from harness.models import TinyTransformerLM, loss_fn, unwrap
 
 T = TypeVar("T")
 
@@ -216,10 +216,6 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
         tensor = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
         whole[name] = tensor.detach().float().cpu()
     return whole
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if hasattr(model, "module") else model
 
 
 def digest(parameters: dict[str, torch.Tensor]) -> str:

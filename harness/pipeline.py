@@ -123,6 +123,8 @@ class PipelineStage:
             out.backward(gradient)
         x = self.inputs.pop(micro)
         if not self.first:
+            if x.grad is None:
+                raise RuntimeError(f"stage {self.stage}: backward left no gradient on micro-batch {micro}'s input")
             self.pending.append(dist.isend(x.grad, dst=self.stage - 1, tag=GRADIENT_TAG_OFFSET + micro))
 
     def _computing(self):

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from harness.dist import Distributed
 from harness.metrics import StepLogger
-from harness.models import loss_fn
+from harness.models import loss_fn, unwrap
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 
@@ -94,13 +94,6 @@ def load_checkpoint(directory: Path | None, model: nn.Module, optimizer, scaler,
     return int(state["step"])
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain module inside DDP and torch.compile wrappers."""
-    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
-        model = getattr(model, "module", None) or model._orig_mod
-    return model
-
-
 # ------------------------------------------------------------------------------------------- checks
 
 
@@ -124,8 +117,8 @@ def digests_across_ranks(digest: str) -> list[str]:
 
 def build_loader(
     dataset: Dataset, ctx: Distributed, batch_size: int, seed: int
-) -> tuple[DataLoader, DistributedSampler]:
-    sampler = DistributedSampler(
+) -> tuple[DataLoader, DistributedSampler[int]]:
+    sampler: DistributedSampler[int] = DistributedSampler(
         dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=seed, drop_last=True
     )
     loader = DataLoader(
