@@ -23,6 +23,8 @@ def timed_loop(env: dict[str, str]) -> tuple[float, float]:
     """(wall seconds, CPU seconds) of rank 0's loop."""
     result = torchrun(str(REPO / "bench" / "recorder_worker.py"), str(ITERS), env=env)
     found = re.search(r"elapsed_s=([\d.]+) cpu_s=([\d.]+)", result.stdout)
+    if found is None:
+        raise RuntimeError(f"recorder_worker.py printed no timing line:\n{result.stdout}")
     return float(found.group(1)), float(found.group(2))
 
 

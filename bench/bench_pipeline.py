@@ -21,7 +21,7 @@ ARGS = ["--width", "1024", "--layers-per-stage", "6", "--batch-size", "2048", "-
 
 def run() -> list[Check]:
     env = scratch_env()
-    runs = {1: [], 8: []}
+    runs: dict[int, list[dict]] = {1: [], 8: []}
     for _ in range(2):
         for micro in (1, 8):
             run_dir = Path(tempfile.mkdtemp(prefix=f"pipeline-m{micro}-"))

@@ -158,6 +158,8 @@ def build(name: str, args, ctx, hybrid: MeshShape | None) -> Built:
     if name == "tp":
         model = split_blocks(model, init_device_mesh(ctx.device.type, (n,)))
         return Built(model, torch.optim.AdamW(model.parameters(), lr=args.lr), 0, 1, n, Sharing(1 / n, 1 / n, 1 / n))
+    if hybrid is None:
+        raise ValueError(f"hybrid: no dp x tp layout with both above 1 on {n} ranks")
     mesh = build_mesh(hybrid, ctx.device)
     model = shard(split_blocks(model, mesh["tp"]), mesh["dp"], zero=3, precision="fp32")
     return Built(
@@ -336,7 +338,7 @@ def main(argv=None) -> int:
                 print0(f"hybrid: skipped, no dp x tp layout with both above 1 on {ctx.world_size} ranks (try 4)")
                 continue
             rows.append(measure(name, args, ctx, batches, hybrid))
-            label = f"hybrid dp({hybrid.dp}) x tp({hybrid.tp})" if name == "hybrid" else name
+            label = f"hybrid dp({hybrid.dp}) x tp({hybrid.tp})" if name == "hybrid" and hybrid else name
             rows[-1]["strategy"] = label
             print0(
                 f"{label}: {rows[-1]['ms_per_step']:.1f} ms/step, {format_bytes(rows[-1]['memory']['total_bytes'])} "

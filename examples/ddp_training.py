@@ -17,11 +17,13 @@ import argparse
 import contextlib
 import sys
 from pathlib import Path
+from typing import cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import TensorDataset
 
 from harness import data
 from harness.args import ExampleParser, non_negative_int, positive_float, positive_int
@@ -29,7 +31,7 @@ from harness.cost import CostMeter
 from harness.dist import Distributed, cleanup, fail, init_distributed, print0, run
 from harness.gpu_monitor import GpuMonitor
 from harness.metrics import MetricsWriter, StepLogger, peak_memory_gib, peak_tflops
-from harness.models import MLP, TinyTransformerLM, count_parameters
+from harness.models import MLP, TinyTransformerLM, count_parameters, unwrap
 from harness.train import (
     PRECISIONS,
     LoopConfig,
@@ -40,7 +42,6 @@ from harness.train import (
     parameter_digest,
     resolve_precision,
     train_loop,
-    unwrap,
 )
 
 
@@ -105,8 +106,9 @@ def dataset_size(args) -> int:
     return args.samples if args.model == "mlp" else args.samples // 4
 
 
-def build_model(args, ctx: Distributed) -> tuple[torch.nn.Module, object]:
+def build_model(args, ctx: Distributed) -> tuple[torch.nn.Module, TensorDataset]:
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
+    model: torch.nn.Module
     if args.model == "mlp":
         model = MLP(activation_checkpointing=args.activation_checkpointing)
         dataset = data.teacher_classification(samples=args.samples, seed=args.seed)
@@ -121,7 +123,10 @@ def build_model(args, ctx: Distributed) -> tuple[torch.nn.Module, object]:
         dataset = data.teacher_sequences(samples=dataset_size(args), seq_len=args.seq_len, seed=args.seed)
     model = model.to(ctx.device)
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-    return (torch.compile(ddp) if args.compile else ddp), dataset
+    if args.compile:
+        # torch.compile(module) returns an OptimizedModule, a Module; its annotation says only a callable.
+        return cast(torch.nn.Module, torch.compile(ddp)), dataset
+    return ddp, dataset
 
 
 def build_optimizer(args, model) -> torch.optim.Optimizer:
@@ -138,10 +143,11 @@ def default_checkpoint_dir(args, ctx: Distributed) -> Path | None:
 
 def utilisation(args, ctx, result, model, samples: int) -> dict:
     """Tokens/s and model FLOPs utilisation of the transformer against the GPU's datasheet peak."""
-    if args.model != "transformer" or not result.elapsed_s:
+    transformer = unwrap(model)
+    if not isinstance(transformer, TinyTransformerLM) or not result.elapsed_s:
         return {}
     tokens_per_s = samples * args.seq_len / result.elapsed_s
-    achieved_tflops = tokens_per_s * unwrap(model).flops_per_token() / 1e12
+    achieved_tflops = tokens_per_s * transformer.flops_per_token() / 1e12
     figures = {"tokens_per_s": tokens_per_s, "model_tflops": achieved_tflops}
     if ctx.device.type == "cuda":
         peak = peak_tflops(torch.cuda.get_device_name(ctx.device), args.precision)

@@ -38,6 +38,7 @@ from harness.cost import CostMeter
 from harness.dist import DistEnv, cleanup, fail, init_distributed, print0, run
 from harness.memory import MemoryBreakdown, SavedForBackward, breakdown, format_bytes, whole_breakdown
 from harness.metrics import MetricsWriter, StepLogger
+from harness.models import TinyTransformerLM
 from harness.parallel import (
     Batches,
     ModelConfig,
@@ -94,12 +95,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def shard(model: torch.nn.Module, mesh, zero: int, precision: str) -> torch.nn.Module:
+def shard(model: TinyTransformerLM, mesh, zero: int, precision: str) -> TinyTransformerLM:
     """Shard each block (its weights are gathered together, one block at a time), then the rest."""
     policy = MixedPrecisionPolicy(param_dtype=PRECISIONS[precision], reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=policy)
-    return fully_shard(model, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=policy)
+    return model  # sharded in place: the same module, now also an FSDPModule
 
 
 def build(args, ctx) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -122,7 +122,7 @@ def check_gradient(args, ctx, ddp, counter, dataset) -> int:
     accumulate(ddp, counter, batches, args.sync_every_micro_step)
     syncs, calls = counter.synced_backwards - syncs, counter.calls - calls
     accumulated = [p.grad.detach().clone() for p in ddp.module.parameters()]
-    everything = [None] * ctx.world_size
+    everything: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]] * ctx.world_size
     dist.all_gather_object(everything, [(x.cpu(), y.cpu()) for x, y in batches])
     worst = torch.zeros(1, device=ctx.device)
     if ctx.is_rank0:
@@ -152,7 +152,8 @@ def main(argv=None) -> int:
     ctx = init_distributed(timeout_s=args.timeout)
     try:
         ddp, counter, optimizer = build(args, ctx)
-        dataset = data.teacher_classification(samples=SAMPLES, seed=args.seed).tensors
+        inputs, labels = data.teacher_classification(samples=SAMPLES, seed=args.seed).tensors
+        dataset = (inputs, labels)
         if args.check_gradient:
             return check_gradient(args, ctx, ddp, counter, dataset)
         mode = "naive: all-reduce every micro-step" if args.sync_every_micro_step else "no_sync for k-1 micro-steps"

@@ -109,22 +109,27 @@ def layout(ctx, mesh, shape: MeshShape) -> str:
     return "\n".join(lines)
 
 
+def single_process(args, ctx) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The whole model and its optimizer in one process: what the dp x tp layout must reproduce."""
+    reference = args.model.build(args.seed, ctx.device)
+    return reference, torch.optim.AdamW(reference.parameters(), lr=args.lr)
+
+
 def check(args, ctx, shape: MeshShape, batches: Batches) -> int:
     """Hybrid vs one process training the whole model on the whole global batch (on rank 0)."""
     model, optimizer, mesh = build(args, ctx, shape)
     replica = mesh["dp"].get_local_rank()
-    reference = args.model.build(args.seed, ctx.device) if ctx.is_rank0 else None
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr) if reference else None
+    reference = single_process(args, ctx) if ctx.is_rank0 else None
     worst = 0.0
     for step in range(args.steps):
         inputs, targets = batches.replica_batch(step, replica, shape.dp, ctx.device)
         loss = mean_over_ranks(train_step(model, optimizer, inputs, targets))
         if reference is not None:
             inputs, targets = batches.replica_batch(step, 0, 1, ctx.device)
-            worst = max(worst, abs(loss - train_step(reference, reference_optimizer, inputs, targets).item()))
+            worst = max(worst, abs(loss - train_step(*reference, inputs, targets).item()))
     whole = full_parameters(model)
     if reference is not None:
-        worst = max(worst, max_parameter_diff(whole, full_parameters(reference)))
+        worst = max(worst, max_parameter_diff(whole, full_parameters(reference[0])))
     what = f"dp({shape.dp}) x tp({shape.tp}) vs one process, losses and parameters over {args.steps} steps,"
     return report_check(what, worst, TOLERANCE, ctx.device)
 

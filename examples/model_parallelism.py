@@ -23,6 +23,7 @@ from torch import nn
 
 from harness import data
 from harness.args import ExampleParser, non_negative_int, positive_float, positive_int
+from harness.checks import gradient, max_abs_diff
 from harness.cost import CostMeter
 from harness.dist import cleanup, init_distributed, print0, run
 from harness.metrics import MetricsWriter, StepLogger
@@ -97,7 +98,8 @@ def check_against_unsplit(args, ctx, dataset) -> int:
     reference_loss.backward()
     mine = stage_slice(reference, ctx.rank, ctx.world_size)
     grad_diff = max(
-        (a.grad - b.grad).abs().max().item() for a, b in zip(stage.module.parameters(), mine.parameters(), strict=True)
+        max_abs_diff(gradient(a), gradient(b))
+        for a, b in zip(stage.module.parameters(), mine.parameters(), strict=True)
     )
     loss_diff = abs(loss - reference_loss.item()) if stage.last else 0.0
     worst = torch.tensor([grad_diff, loss_diff], device=ctx.device)

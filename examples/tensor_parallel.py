@@ -27,13 +27,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from harness.args import ExampleParser, non_negative_int, positive_float, positive_int
-from harness.checks import max_abs_diff, report_check
+from harness.checks import gradient, max_abs_diff, report_check
 from harness.comm_bytes import CollectiveCounter
 from harness.cost import CostMeter
 from harness.dist import DistEnv, cleanup, fail, init_distributed, print0, run
 from harness.memory import format_bytes
 from harness.metrics import MetricsWriter, StepLogger
-from harness.models import loss_fn
+from harness.models import TinyTransformerLM, loss_fn
 from harness.parallel import (
     Batches,
     MeshShape,
@@ -78,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def split_blocks(model: torch.nn.Module, mesh) -> torch.nn.Module:
+def split_blocks(model: TinyTransformerLM, mesh) -> TinyTransformerLM:
     """Split every block's attention and MLP over `mesh` (its ranks share a node in a hybrid job)."""
     for block in model.blocks:
         parallelize_module(block, mesh, TP_PLAN)
@@ -119,10 +119,9 @@ def check(args, ctx, batches: Batches) -> int:
     worst = max_abs_diff(logits, reference_logits)
     split = dict(model.named_parameters())
     for name, parameter in reference.named_parameters():
-        gradient = split[name].grad
-        worst = max(
-            worst, max_abs_diff(gradient.full_tensor() if isinstance(gradient, DTensor) else gradient, parameter.grad)
-        )
+        split_gradient = gradient(split[name])
+        whole = split_gradient.full_tensor() if isinstance(split_gradient, DTensor) else split_gradient
+        worst = max(worst, max_abs_diff(whole, gradient(parameter)))
     what = f"tensor parallel over {ctx.world_size} ranks vs the unsplit model, outputs and gradients,"
     return report_check(what, worst, TOLERANCE, ctx.device)
 
