@@ -32,7 +32,14 @@ from examples._plots import NO_MATPLOTLIB, pyplot
 from examples._tables import render_table
 from examples.fsdp_training import shard
 from examples.tensor_parallel import split_blocks
-from harness.args import ExampleParser, non_negative_int, positive_float, positive_int
+from harness.args import (
+    ExampleParser,
+    add_results_arguments,
+    add_run_arguments,
+    add_training_arguments,
+    non_negative_int,
+    positive_int,
+)
 from harness.comm_bytes import CollectiveCounter, CommTally, bucket_cap_mb, register_counted_hook
 from harness.dist import DistEnv, cleanup, fail, init_distributed, print0, run
 from harness.memory import (
@@ -61,6 +68,7 @@ from harness.results import results_path, write_json
 
 DEFAULT_MODEL = ModelConfig(vocab=64, seq_len=32, d_model=128, n_heads=4, n_layers=2)
 STRATEGIES = ("ddp", "ddp-powersgd", "fsdp-zero2", "fsdp-zero3", "tp", "hybrid")
+RESULTS_JSON, RESULTS_PNG = "strategies.json", "strategies.png"
 POWERSGD_START = 2  # PowerSGD compresses from this step on: the warm-up covers the plain steps
 
 
@@ -68,14 +76,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = ExampleParser(__doc__)
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help=f"a subset of {','.join(STRATEGIES)}")
     add_model_arguments(parser, DEFAULT_MODEL)
-    parser.add_argument("--batch-size", type=positive_int, default=16, help="sequences per global batch (default 16)")
+    add_training_arguments(
+        parser,
+        steps=5,
+        steps_help="timed steps per strategy",
+        batch_size=16,
+        batch_help="sequences per global batch",
+        lr=3e-3,
+    )
     parser.add_argument(
         "--warmup",
         type=non_negative_int,
         default=POWERSGD_START,
         help=f"untimed steps first (default {POWERSGD_START}: PowerSGD's plain steps)",
     )
-    parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per strategy (default 5)")
     parser.add_argument(
         "--powersgd-rank", type=positive_int, default=1, help="PowerSGD's approximation rank (default 1)"
     )
@@ -85,15 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="tensor-parallel ranks of hybrid (default: the ranks on a node, else 2)",
     )
-    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="model and data seed (default 0)")
-    parser.add_argument(
-        "--plot", type=Path, default=None, help="PNG of the table (default strategies.png in the results folder)"
-    )
-    parser.add_argument(
-        "--json", type=Path, default=None, help="the figures (default strategies.json in the results folder)"
-    )
-    parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks")
+    add_results_arguments(parser, json_name=RESULTS_JSON, plot_what="the table", plot_name=RESULTS_PNG)
+    add_run_arguments(parser)
     args = parser.parse_args(argv)
     args.strategies = args.strategies.split(",")
     unknown = set(args.strategies) - set(STRATEGIES)
@@ -353,8 +360,8 @@ def main(argv=None) -> int:
                 "batch_size": args.batch_size,
                 "strategies": rows,
             }
-            print(f"results: {write_json(report, results_path(args.json, 'strategies.json'))}", flush=True)
-            print(plot(results_path(args.plot, "strategies.png"), rows, title), flush=True)
+            print(f"results: {write_json(report, results_path(args.json, RESULTS_JSON))}", flush=True)
+            print(plot(results_path(args.plot, RESULTS_PNG), rows, title), flush=True)
         MetricsWriter(ctx.env.run_dir, ctx.is_rank0).write("summary", example="compare_strategies", strategies=rows)
         return 0
     finally:

@@ -26,7 +26,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
 
 from harness import data
-from harness.args import ExampleParser, non_negative_int, positive_float, positive_int
+from harness.args import (
+    ExampleParser,
+    add_run_arguments,
+    add_training_arguments,
+    positive_float,
+    positive_int,
+)
 from harness.cost import CostMeter
 from harness.dist import Distributed, cleanup, fail, init_distributed, print0, run
 from harness.gpu_monitor import GpuMonitor
@@ -48,8 +54,9 @@ from harness.train import (
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ExampleParser(__doc__)
     parser.add_argument("--model", choices=("mlp", "transformer"), default="mlp", help="what to train (default mlp)")
-    parser.add_argument("--steps", type=positive_int, default=60, help="optimizer steps in all (default 60)")
-    parser.add_argument("--batch-size", type=positive_int, default=64, help="samples per rank per step (default 64)")
+    add_training_arguments(
+        parser, steps=60, steps_help="optimizer steps in all", batch_size=64, batch_help="samples per rank per step"
+    )
     parser.add_argument(
         "--lr", type=positive_float, default=None, help="learning rate (default: 0.05 mlp, 3e-3 transformer)"
     )
@@ -76,14 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="N",
         help="crash the last rank once at step N (to see a torchrun restart resume)",
     )
-    parser.add_argument(
-        "--log-every", type=positive_int, default=10, help="print a step line every N steps (default 10)"
-    )
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="model and data seed (default 0)")
     parser.add_argument("--profile-dir", default=None, help="write torch.profiler TensorBoard traces here")
-    parser.add_argument(
-        "--timeout", type=positive_float, default=300, help="seconds to wait for all ranks (default 300)"
-    )
+    add_run_arguments(parser, log_every=10)
     args = parser.parse_args(argv)
     if args.model == "transformer" and args.d_model % heads(args.d_model):
         parser.error(

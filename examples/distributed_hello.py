@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 import torch.distributed as dist
 
-from harness.args import ExampleParser, positive_float, positive_int
+from harness.args import ExampleParser, add_run_arguments, positive_int
 from harness.dist import cleanup, init_distributed, print0, run
 from harness.metrics import MetricsWriter
 
@@ -28,9 +28,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--expect-world-size", type=positive_int, help="fail unless the job has exactly this many ranks"
     )
-    parser.add_argument(
-        "--timeout", type=positive_float, default=120, help="seconds to wait for all ranks (default 120)"
-    )
+    add_run_arguments(parser, seed=False, timeout_s=120)
     return parser.parse_args(argv)
 
 

@@ -32,7 +32,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from harness.args import ExampleParser, non_negative_int, positive_float, positive_int
+from harness.args import (
+    ExampleParser,
+    add_run_arguments,
+    add_training_arguments,
+)
 from harness.checks import report_check
 from harness.cost import CostMeter
 from harness.dist import DistEnv, cleanup, fail, init_distributed, print0, run
@@ -75,21 +79,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="weights' dtype in forward and backward; shards and Adam stay fp32 (default fp32)",
     )
     add_model_arguments(parser, DEFAULT_MODEL)
-    parser.add_argument("--steps", type=positive_int, default=20, help="train up to this step (default 20)")
-    parser.add_argument(
-        "--batch-size",
-        type=positive_int,
-        default=16,
-        help="sequences per global batch, split over the ranks (default 16)",
+    add_training_arguments(
+        parser,
+        steps=20,
+        steps_help="train up to this step",
+        batch_size=16,
+        batch_help="sequences per global batch, split over the ranks",
+        lr=3e-3,
     )
-    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     add_checkpoint_arguments(parser)
-    parser.add_argument("--log-every", type=positive_int, default=5, help="print a step line every N steps (default 5)")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="model and data seed (default 0)")
-    parser.add_argument(
-        "--check", action="store_true", help="compare losses and parameters with DDP; one line, exit 0/1"
-    )
-    parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks")
+    add_run_arguments(parser, log_every=5, check="compare losses and parameters with DDP; one line, exit 0/1")
     args = parser.parse_args(argv)
     args.model = model_config(args, parser)
     return args

@@ -23,7 +23,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness import data
-from harness.args import ExampleParser, non_negative_int, positive_float, positive_int
+from harness.args import (
+    ExampleParser,
+    add_run_arguments,
+    add_training_arguments,
+    positive_int,
+)
 from harness.cost import CostMeter
 from harness.dist import cleanup, init_distributed, print0, run
 from harness.metrics import MetricsWriter, StepLogger
@@ -41,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--micro-batch-size", type=positive_int, default=16, help="samples per rank per micro-batch (default 16)"
     )
-    parser.add_argument("--steps", type=positive_int, default=30, help="optimizer steps (default 30)")
+    add_training_arguments(parser, steps=30)
     parser.add_argument(
         "--hidden", type=positive_int, default=512, help="MLP width (default 512; larger = more to all-reduce)"
     )
@@ -50,9 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--sync-every-micro-step", action="store_true", help="naive: all-reduce after every micro-batch"
     )
     parser.add_argument("--check-gradient", action="store_true", help="compare with the full-batch gradient and exit")
-    parser.add_argument("--log-every", type=positive_int, default=10, help="print a step line every N optimizer steps")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="model and data seed")
-    parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks")
+    add_run_arguments(parser, log_every=10, log_help="print a step line every N optimizer steps")
     args = parser.parse_args(argv)
     if args.accumulation_steps * args.micro_batch_size >= SAMPLES:
         parser.error(

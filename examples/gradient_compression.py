@@ -25,7 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from harness.args import ExampleParser, non_negative_int, positive_float, positive_int
+from harness.args import (
+    ExampleParser,
+    add_run_arguments,
+    add_training_arguments,
+    positive_int,
+)
 from harness.checks import report_check
 from harness.comm_bytes import HOOKS, CommTally, bf16_problem, bucket_cap_mb, register_counted_hook
 from harness.cost import CostMeter
@@ -58,18 +63,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="PowerSGD compresses from this step on, plain all-reduce before (default 2, at least 2)",
     )
     add_model_arguments(parser, DEFAULT_MODEL)
-    parser.add_argument("--steps", type=positive_int, default=20, help="optimizer steps per hook (default 20)")
-    parser.add_argument(
-        "--batch-size",
-        type=positive_int,
-        default=16,
-        help="sequences per global batch, split over the ranks (default 16)",
+    add_training_arguments(
+        parser,
+        steps=20,
+        steps_help="optimizer steps per hook",
+        batch_size=16,
+        batch_help="sequences per global batch, split over the ranks",
+        lr=3e-3,
     )
-    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    parser.add_argument("--log-every", type=positive_int, default=5, help="print a step line every N steps (default 5)")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="model and data seed (default 0)")
-    parser.add_argument("--check", action="store_true", help="compare fp16 and powersgd with none; one line, exit 0/1")
-    parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks")
+    add_run_arguments(parser, log_every=5, check="compare fp16 and powersgd with none; one line, exit 0/1")
     args = parser.parse_args(argv)
     if args.start_iter < 2:
         parser.error("--start-iter must be at least 2: PowerSGD's error feedback starts from a plain step")

@@ -32,7 +32,12 @@ import torch.distributed as dist
 
 from examples.fsdp_training import shard
 from examples.tensor_parallel import split_blocks
-from harness.args import ExampleParser, non_negative_int, positive_float, positive_int
+from harness.args import (
+    ExampleParser,
+    add_run_arguments,
+    add_training_arguments,
+    positive_int,
+)
 from harness.checks import report_check
 from harness.comm_bytes import CollectiveCounter
 from harness.cost import CostMeter
@@ -68,21 +73,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--tp", type=positive_int, default=None, help="tensor-parallel ranks per replica (default: the ranks on a node)"
     )
     add_model_arguments(parser, DEFAULT_MODEL)
-    parser.add_argument("--steps", type=positive_int, default=10, help="train up to this step (default 10)")
-    parser.add_argument(
-        "--batch-size",
-        type=positive_int,
-        default=16,
-        help="sequences per global batch, split over the dp replicas (default 16)",
+    add_training_arguments(
+        parser,
+        steps=10,
+        steps_help="train up to this step",
+        batch_size=16,
+        batch_help="sequences per global batch, split over the dp replicas",
+        lr=3e-3,
     )
-    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     add_checkpoint_arguments(parser)
-    parser.add_argument("--log-every", type=positive_int, default=5, help="print a step line every N steps (default 5)")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="model and data seed (default 0)")
-    parser.add_argument(
-        "--check", action="store_true", help="compare with a single-process reference; one line, exit 0/1"
-    )
-    parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks")
+    add_run_arguments(parser, log_every=5, check="compare with a single-process reference; one line, exit 0/1")
     args = parser.parse_args(argv)
     args.model = model_config(args, parser)
     return args

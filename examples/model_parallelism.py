@@ -22,7 +22,12 @@ import torch.distributed as dist
 from torch import nn
 
 from harness import data
-from harness.args import ExampleParser, non_negative_int, positive_float, positive_int
+from harness.args import (
+    ExampleParser,
+    add_run_arguments,
+    add_training_arguments,
+    positive_int,
+)
 from harness.checks import gradient, max_abs_diff
 from harness.cost import CostMeter
 from harness.dist import cleanup, init_distributed, print0, run
@@ -49,20 +54,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--micro-batches", "-m", type=positive_int, default=8, help="micro-batches per step (default 8)"
     )
-    parser.add_argument("--batch-size", type=positive_int, default=256, help="samples per optimizer step (default 256)")
+    add_training_arguments(
+        parser, steps=20, batch_size=256, batch_help="samples per optimizer step", lr=0.05, lr_help="SGD learning rate"
+    )
     parser.add_argument("--width", type=positive_int, default=256, help="layer width (default 256)")
     parser.add_argument(
         "--layers-per-stage", type=positive_int, default=2, help="Linear+ReLU blocks per stage (default 2)"
     )
-    parser.add_argument("--steps", type=positive_int, default=20, help="optimizer steps (default 20)")
-    parser.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate (default 0.05)")
-    parser.add_argument(
-        "--check", action="store_true", help="compare loss and gradients with the unsplit model, then exit"
-    )
     parser.add_argument("--two-device-split", action="store_true", help="also run the two-GPU split on node 0")
-    parser.add_argument("--log-every", type=positive_int, default=5, help="print a step line every N steps (default 5)")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="model and data seed")
-    parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks")
+    add_run_arguments(parser, log_every=5, check="compare loss and gradients with the unsplit model, then exit")
     args = parser.parse_args(argv)
     if args.batch_size > SAMPLES:
         parser.error(f"--batch-size {args.batch_size} is more than the {SAMPLES} samples of the dataset")

@@ -20,26 +20,33 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from examples._plots import NO_MATPLOTLIB, pyplot
 from harness import data
-from harness.args import ExampleParser, non_negative_int, positive_float, positive_int
+from harness.args import (
+    ExampleParser,
+    add_results_arguments,
+    add_run_arguments,
+    add_training_arguments,
+    non_negative_int,
+    positive_int,
+)
 from harness.comm_bench import synchronize
 from harness.dist import cleanup, init_distributed, print0, run
 from harness.metrics import MetricsWriter
 from harness.models import MLP, loss_fn
 from harness.results import results_path, write_json
 
+RESULTS_JSON = "scaling.json"
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ExampleParser(__doc__)
-    parser.add_argument("--batch-size", type=positive_int, default=64, help="samples per rank per step (default 64)")
+    add_training_arguments(
+        parser, steps=20, steps_help="timed steps per size", batch_size=64, batch_help="samples per rank per step"
+    )
     parser.add_argument("--hidden", type=positive_int, default=512, help="MLP width (default 512)")
     parser.add_argument("--layers", type=positive_int, default=1, help="MLP hidden layers (default 1)")
-    parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per size (default 20)")
     parser.add_argument("--warmup", type=non_negative_int, default=3, help="untimed steps per size (default 3)")
-    parser.add_argument("--plot", type=Path, default=None, help="write a PNG of throughput and efficiency here")
-    parser.add_argument(
-        "--json", type=Path, default=None, help="write results here (default scaling.json in the results folder)"
-    )
-    parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks")
+    add_results_arguments(parser, json_name=RESULTS_JSON, plot_what="throughput and efficiency")
+    add_run_arguments(parser, seed=False)
     return parser.parse_args(argv)
 
 
@@ -140,7 +147,7 @@ def main(argv=None) -> int:
         print0(table(results))
         if ctx.is_rank0:
             report = {"backend": ctx.backend, "results": results}
-            print(f"results: {write_json(report, results_path(args.json, 'scaling.json'))}", flush=True)
+            print(f"results: {write_json(report, results_path(args.json, RESULTS_JSON))}", flush=True)
             if args.plot:
                 print(plot(results_path(args.plot, "scaling.png"), results, ctx.backend), flush=True)
         MetricsWriter(ctx.env.run_dir, ctx.is_rank0).write("summary", example="scaling_efficiency", results=results)

@@ -26,7 +26,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from harness.args import ExampleParser, non_negative_int, positive_float, positive_int
+from harness.args import (
+    ExampleParser,
+    add_run_arguments,
+    add_training_arguments,
+)
 from harness.checks import gradient, max_abs_diff, report_check
 from harness.comm_bytes import CollectiveCounter
 from harness.cost import CostMeter
@@ -64,15 +68,10 @@ TP_PLAN = {
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ExampleParser(__doc__)
     add_model_arguments(parser, DEFAULT_MODEL)
-    parser.add_argument("--steps", type=positive_int, default=20, help="optimizer steps (default 20)")
-    parser.add_argument(
-        "--batch-size", type=positive_int, default=8, help="sequences per step, the same on every rank (default 8)"
+    add_training_arguments(
+        parser, steps=20, batch_size=8, batch_help="sequences per step, the same on every rank", lr=3e-3
     )
-    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    parser.add_argument("--log-every", type=positive_int, default=5, help="print a step line every N steps (default 5)")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="model and data seed (default 0)")
-    parser.add_argument("--check", action="store_true", help="compare outputs and gradients with the unsplit model")
-    parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks")
+    add_run_arguments(parser, log_every=5, check="compare outputs and gradients with the unsplit model")
     args = parser.parse_args(argv)
     args.model = model_config(args, parser)
     return args
