@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench lock clean
+.PHONY: setup demo lint format test bench lock clean
 
 setup: $(STAMP)
 
@@ -22,12 +22,29 @@ $(STAMP): requirements.txt
 demo: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/demo.sh
 
+# The project's Python, checked by ruff (format and lint) and mypy as configured in pyproject.toml: every
+# folder that holds some (scripts/ holds only shell; a folder that does not exist is skipped).
+LINT_PATHS ?= $(foreach d,infra remote node harness examples bench scripts,$(if $(wildcard $(d)/*.py),$(d))) \
+	deploy.py fabfile.py
+# All three run, so one pass shows every finding; any of them failing fails the target.
+lint: setup
+	@status=0; \
+	$(BIN)/ruff format --check $(LINT_PATHS) || status=1; \
+	$(BIN)/ruff check $(LINT_PATHS) || status=1; \
+	$(BIN)/mypy $(LINT_PATHS) || status=1; \
+	exit $$status
+
+# Rewrites the files: the formatter, then ruff's safe fixes (import order, pyupgrade).
+format: setup
+	$(BIN)/ruff format $(LINT_PATHS)
+	$(BIN)/ruff check --fix $(LINT_PATHS)
+
 # The OpenSSH tests' node users need a Python with torch outside any private home: built once (cached).
 # The suite runs on TEST_WORKERS processes (pytest-xdist): most of its time is spent waiting on real SSH
 # servers, rendezvous and timeouts, not computing. A module that shares one cluster runs whole on one
 # worker (tests/conftest.py). `make test TEST_WORKERS=0` runs it in one process.
 TEST_WORKERS ?= 4
-test: setup
+test: setup lint
 	-$(BIN)/python tests/openssh.py build-python
 	$(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 

@@ -1,7 +1,7 @@
 """`make bench`: run every benchmark, print a summary table, exit 1 if any requirement is missed.
 
-    python -m bench                 # all
-    python -m bench local_cluster   # one (its module name without bench_)
+python -m bench                 # all
+python -m bench local_cluster   # one (its module name without bench_)
 """
 
 import importlib
@@ -17,7 +17,7 @@ from rich.table import Table
 
 def discover() -> list[str]:
     here = Path(__file__).parent
-    return sorted(m.name[len("bench_"):] for m in pkgutil.iter_modules([str(here)]) if m.name.startswith("bench_"))
+    return sorted(m.name[len("bench_") :] for m in pkgutil.iter_modules([str(here)]) if m.name.startswith("bench_"))
 
 
 def main(argv: list[str]) -> int:

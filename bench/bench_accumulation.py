@@ -15,7 +15,7 @@ ARGS = ["--hidden", "2048", "--layers", "4", "--micro-batch-size", "4", "-k", "4
 
 def run() -> list[Check]:
     env = scratch_env()
-    times = {"no_sync": [], "naive": []}
+    times: dict[str, list[float]] = {"no_sync": [], "naive": []}
     for _ in range(2):
         for mode, extra in (("no_sync", []), ("naive", ["--sync-every-micro-step"])):
             run_dir = Path(tempfile.mkdtemp(prefix=f"accumulate-{mode}-"))

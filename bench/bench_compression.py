@@ -16,8 +16,22 @@ import torch
 
 from bench.common import Check, median, scratch_env, summary, torchrun
 
-ARGS = ["--d-model", "512", "--n-layers", "4", "--n-heads", "8", "--seq-len", "16", "--batch-size", "2",
-        "--steps", "8", "--log-every", "100"]
+ARGS = [
+    "--d-model",
+    "512",
+    "--n-layers",
+    "4",
+    "--n-heads",
+    "8",
+    "--seq-len",
+    "16",
+    "--batch-size",
+    "2",
+    "--steps",
+    "8",
+    "--log-every",
+    "100",
+]
 
 
 def hook_runs(hook: str, nproc: int) -> dict[str, list[dict]]:
@@ -25,8 +39,14 @@ def hook_runs(hook: str, nproc: int) -> dict[str, list[dict]]:
     runs: dict[str, list[dict]] = {}
     for _ in range(2):
         run_dir = Path(tempfile.mkdtemp(prefix=f"compression-{hook}-"))
-        torchrun("examples/gradient_compression.py", *ARGS, "--hook", hook,
-                 env={**env, "CLUSTER_RUN_DIR": str(run_dir)}, nproc=nproc)
+        torchrun(
+            "examples/gradient_compression.py",
+            *ARGS,
+            "--hook",
+            hook,
+            env={**env, "CLUSTER_RUN_DIR": str(run_dir)},
+            nproc=nproc,
+        )
         for run in summary(run_dir)["runs"]:
             runs.setdefault(run["hook"], []).append(run)
     return runs
@@ -34,8 +54,8 @@ def hook_runs(hook: str, nproc: int) -> dict[str, list[dict]]:
 
 def ratios(runs: dict[str, list[dict]], hook: str) -> tuple[float, float]:
     """(how many times fewer bytes, the hook's time per step / none's), medians."""
-    fewer = median([n["size_bytes"] / h["size_bytes"] for n, h in zip(runs["none"], runs[hook])])
-    slower = median([h["ms_per_step"] / n["ms_per_step"] for n, h in zip(runs["none"], runs[hook])])
+    fewer = median([n["size_bytes"] / h["size_bytes"] for n, h in zip(runs["none"], runs[hook], strict=True)])
+    slower = median([h["ms_per_step"] / n["ms_per_step"] for n, h in zip(runs["none"], runs[hook], strict=True)])
     for name in ("none", hook):
         times = " ".join(f"{r['ms_per_step']:.1f}" for r in runs[name])
         print(f"{name:9s} bytes/step {runs[name][0]['size_bytes']:>11,d}  ms/step {times}")
@@ -50,8 +70,14 @@ def run() -> list[Check]:
     ]
     if torch.cuda.is_available():
         fewer, slower = ratios(hook_runs("bf16", torch.cuda.device_count()), "bf16")
-        checks.append(Check("compression: bf16 hook bytes and time vs none (GPU)",
-                            f"{fewer:.1f}x fewer, {slower:.2f}x time", "2x fewer; time recorded", abs(fewer - 2) < 0.01))
+        checks.append(
+            Check(
+                "compression: bf16 hook bytes and time vs none (GPU)",
+                f"{fewer:.1f}x fewer, {slower:.2f}x time",
+                "2x fewer; time recorded",
+                abs(fewer - 2) < 0.01,
+            )
+        )
     else:
         print("no CUDA GPU: the bf16 hook (NCCL only) is not measured here")
     return checks

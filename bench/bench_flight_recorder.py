@@ -23,25 +23,37 @@ def timed_loop(env: dict[str, str]) -> tuple[float, float]:
     """(wall seconds, CPU seconds) of rank 0's loop."""
     result = torchrun(str(REPO / "bench" / "recorder_worker.py"), str(ITERS), env=env)
     found = re.search(r"elapsed_s=([\d.]+) cpu_s=([\d.]+)", result.stdout)
+    if found is None:
+        raise RuntimeError(f"recorder_worker.py printed no timing line:\n{result.stdout}")
     return float(found.group(1)), float(found.group(2))
 
 
 def run() -> list[Check]:
     plain = scratch_env()
     plain.pop("TORCH_FR_BUFFER_SIZE", None)
-    recording = {**plain, "TORCH_FR_BUFFER_SIZE": "2000", "CLUSTER_RUN_ID": "bench-recorder",
-                 "CLUSTER_PROGRESS_DIR": tempfile.mkdtemp(prefix="gpu-cluster-progress-"),
-                 "PYTHONPATH": f"{RANKHOOK}:{plain.get('PYTHONPATH', '')}".rstrip(":")}
+    recording = {
+        **plain,
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "CLUSTER_RUN_ID": "bench-recorder",
+        "CLUSTER_PROGRESS_DIR": tempfile.mkdtemp(prefix="gpu-cluster-progress-"),
+        "PYTHONPATH": f"{RANKHOOK}:{plain.get('PYTHONPATH', '')}".rstrip(":"),
+    }
     off, on = [], []
     for _ in range(ROUNDS):
         off.append(timed_loop(plain))
         on.append(timed_loop(recording))
     wrote = sorted(p.name for p in Path(recording["CLUSTER_PROGRESS_DIR"]).glob("rank-*.json"))
     print(f"recorder off, wall (s): {' '.join(f'{t:.3f}' for t, _ in off)}")
-    print(f"recorder on,  wall (s): {' '.join(f'{t:.3f}' for t, _ in on)}   (progress files: {', '.join(wrote) or 'none'})")
+    files = ", ".join(wrote) or "none"
+    print(f"recorder on,  wall (s): {' '.join(f'{t:.3f}' for t, _ in on)}   (progress files: {files})")
     wall = median([t for t, _ in on]) / median([t for t, _ in off])
     cpu = median([c for _, c in on]) / median([c for _, c in off])
     per_call_us = (median([t for t, _ in on]) - median([t for t, _ in off])) / ITERS * 1e6
-    return [Check(f"{ITERS} 1 KB all-reduces, recorder + monitor on / off (median of {ROUNDS})",
-                  f"{wall:.3f}x wall ({per_call_us:+.1f} us per collective), {cpu:.3f}x CPU", "<= 1.05x wall",
-                  wall <= 1.05 and len(wrote) == 2)]
+    return [
+        Check(
+            f"{ITERS} 1 KB all-reduces, recorder + monitor on / off (median of {ROUNDS})",
+            f"{wall:.3f}x wall ({per_call_us:+.1f} us per collective), {cpu:.3f}x CPU",
+            "<= 1.05x wall",
+            wall <= 1.05 and len(wrote) == 2,
+        )
+    ]

@@ -13,8 +13,22 @@ from pathlib import Path
 from bench.common import Check, scratch_env, summary, torchrun
 
 RANKS = 4
-ARGS = ["--d-model", "256", "--n-layers", "4", "--n-heads", "8", "--seq-len", "32", "--batch-size", "8",
-        "--steps", "2", "--log-every", "100"]
+ARGS = [
+    "--d-model",
+    "256",
+    "--n-layers",
+    "4",
+    "--n-heads",
+    "8",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "8",
+    "--steps",
+    "2",
+    "--log-every",
+    "100",
+]
 
 
 def run() -> list[Check]:
@@ -23,11 +37,20 @@ def run() -> list[Check]:
     figures = summary(run_dir)
     ddp = figures["ddp_memory"]
     checks = []
-    for key, label in (("optimizer_bytes", "optimizer state"), ("parameters_bytes", "parameters"),
-                       ("gradients_bytes", "gradients")):
+    for key, label in (
+        ("optimizer_bytes", "optimizer state"),
+        ("parameters_bytes", "parameters"),
+        ("gradients_bytes", "gradients"),
+    ):
         share = max(rank[key] for rank in figures["memory_per_rank"]) / ddp[key]
         print(f"{label:16s} fullest rank {share:.4f} of DDP's (1/N = {1 / RANKS:.4f})")
         if key == "optimizer_bytes":
-            checks.append(Check(f"fsdp: per-rank optimizer state vs DDP ({RANKS} ranks)", f"{share:.4f}",
-                                f"<= 1/N + 10% ({1.1 / RANKS:.3f})", share <= 1.1 / RANKS))
+            checks.append(
+                Check(
+                    f"fsdp: per-rank optimizer state vs DDP ({RANKS} ranks)",
+                    f"{share:.4f}",
+                    f"<= 1/N + 10% ({1.1 / RANKS:.3f})",
+                    share <= 1.1 / RANKS,
+                )
+            )
     return checks

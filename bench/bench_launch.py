@@ -45,10 +45,22 @@ def raw_torchrun(script: Path, env: dict[str, str], port: int, cwd: Path = REPO)
     started = time.perf_counter()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.201.10:{port}", f"--rdzv-id={rendezvous_id}",
-             f"--local-addr=127.0.201.{10 + i}", str(script)],
-            cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.201.10:{port}",
+                f"--rdzv-id={rendezvous_id}",
+                f"--local-addr=127.0.201.{10 + i}",
+                str(script),
+            ],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         for i in range(2)
     ]
@@ -93,8 +105,11 @@ def run() -> list[Check]:
             started = time.perf_counter()
             fab("run", "--workdir", str(project), "--script", "train.py", env=env)
             via_workdir.append(time.perf_counter() - started)
-            raw_project.append(raw_torchrun(project / "train.py", {**node_like, "PYTHONPATH": str(project)},
-                                            29630 + round_, cwd=project))
+            raw_project.append(
+                raw_torchrun(
+                    project / "train.py", {**node_like, "PYTHONPATH": str(project)}, 29630 + round_, cwd=project
+                )
+            )
     finally:
         deploy("down", "--stack", "local", env=env, check=False)
     print(f"bootstrap: first {first:.2f} s, second {second:.2f} s")
@@ -105,11 +120,22 @@ def run() -> list[Check]:
     overhead = median(via_fab) / median(raw)
     workdir_overhead = median(via_workdir) / median(raw_project)
     return [
-        Check("fab run --script vs raw torchrun x2", f"{overhead:.2f}x ({median(via_fab):.2f} / {median(raw):.2f} s)",
-              "<= 1.3x", overhead <= 1.3),
-        Check("fab run --workdir (unchanged, 3 s script) vs raw torchrun x2",
-              f"{workdir_overhead:.2f}x ({median(via_workdir):.2f} / {median(raw_project):.2f} s)", "<= 1.3x",
-              workdir_overhead <= 1.3),
-        Check("second bootstrap / first", f"{second / first:.0%} ({second:.2f} / {first:.2f} s)", "<= 25%",
-              second / first <= 0.25),
+        Check(
+            "fab run --script vs raw torchrun x2",
+            f"{overhead:.2f}x ({median(via_fab):.2f} / {median(raw):.2f} s)",
+            "<= 1.3x",
+            overhead <= 1.3,
+        ),
+        Check(
+            "fab run --workdir (unchanged, 3 s script) vs raw torchrun x2",
+            f"{workdir_overhead:.2f}x ({median(via_workdir):.2f} / {median(raw_project):.2f} s)",
+            "<= 1.3x",
+            workdir_overhead <= 1.3,
+        ),
+        Check(
+            "second bootstrap / first",
+            f"{second / first:.0%} ({second:.2f} / {first:.2f} s)",
+            "<= 25%",
+            second / first <= 0.25,
+        ),
     ]

@@ -21,11 +21,13 @@ ARGS = ["--width", "1024", "--layers-per-stage", "6", "--batch-size", "2048", "-
 
 def run() -> list[Check]:
     env = scratch_env()
-    runs = {1: [], 8: []}
+    runs: dict[int, list[dict]] = {1: [], 8: []}
     for _ in range(2):
         for micro in (1, 8):
             run_dir = Path(tempfile.mkdtemp(prefix=f"pipeline-m{micro}-"))
-            torchrun("examples/model_parallelism.py", *ARGS, "-m", str(micro), env={**env, "CLUSTER_RUN_DIR": str(run_dir)})
+            torchrun(
+                "examples/model_parallelism.py", *ARGS, "-m", str(micro), env={**env, "CLUSTER_RUN_DIR": str(run_dir)}
+            )
             runs[micro].append(summary(run_dir))
     checks = []
     throughput = {m: median([r["samples_per_s"] for r in rs]) for m, rs in runs.items()}
@@ -34,8 +36,14 @@ def run() -> list[Check]:
         theory = results[0]["bubble_theory"]
         print(f"m={micro}: {throughput[micro]:.1f} samples/s, bubble measured {measured:.1%}, theory {theory:.1%}")
         gap_points = abs(measured - theory) * 100
-        checks.append(Check(f"pipeline m={micro}: bubble vs theory", f"{measured:.1%} vs {theory:.1%}",
-                            "within 5 points", gap_points <= 5))
+        checks.append(
+            Check(
+                f"pipeline m={micro}: bubble vs theory",
+                f"{measured:.1%} vs {theory:.1%}",
+                "within 5 points",
+                gap_points <= 5,
+            )
+        )
     ratio = throughput[8] / throughput[1]
     checks.insert(0, Check("pipeline: m=8 vs m=1 throughput", f"{ratio:.2f}x", ">= 1.5x", ratio >= 1.5))
     return checks

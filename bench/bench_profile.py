@@ -15,7 +15,9 @@ def run() -> list[Check]:
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     ratios = [r["harness"] / r["independent"] for r in rows]
     for r in rows:
-        print(f"{r['size']:>10d} B  harness {r['harness']:.3f} GB/s  independent {r['independent']:.3f} GB/s  "
-              f"ratio {r['harness'] / r['independent']:.3f}")
+        print(
+            f"{r['size']:>10d} B  harness {r['harness']:.3f} GB/s  independent {r['independent']:.3f} GB/s  "
+            f"ratio {r['harness'] / r['independent']:.3f}"
+        )
     ratio = median(ratios)
     return [Check("profile: harness busbw / independent", f"{ratio:.3f}", "within 10% (0.9..1.1)", 0.9 <= ratio <= 1.1)]

@@ -40,7 +40,10 @@ def main() -> int:
                 harness = measure("all_reduce", size, ctx.device, warmup=2, iters=ITERS).busbw_gbps
                 independent = independent_busbw(size, ctx.device)
                 if ctx.is_rank0:
-                    print(json.dumps({"round": round_, "size": size, "harness": harness, "independent": independent}), flush=True)
+                    print(
+                        json.dumps({"round": round_, "size": size, "harness": harness, "independent": independent}),
+                        flush=True,
+                    )
         return 0
     finally:
         cleanup()

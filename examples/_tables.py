@@ -20,7 +20,12 @@ def render_table(title: str, columns: list[str], rows: list[list[str]]) -> str:
 
 
 def _plain(title: str, columns: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(cell)) for cell in column) for column in zip(columns, *rows)]
-    line = lambda cells: "  ".join(  # noqa: E731
-        f"{cell:<{w}}" if i == 0 else f"{cell:>{w}}" for i, (cell, w) in enumerate(zip(cells, widths)))
+    widths = [max(len(str(cell)) for cell in column) for column in zip(columns, *rows, strict=True)]
+
+    def line(cells: list[str]) -> str:
+        """The first cell left-aligned (a name), the others right-aligned (figures)."""
+        return "  ".join(
+            f"{cell:<{w}}" if i == 0 else f"{cell:>{w}}" for i, (cell, w) in enumerate(zip(cells, widths, strict=True))
+        )
+
     return "\n".join([title, line(columns), *map(line, rows)])

@@ -18,35 +18,57 @@ import argparse
 import gc
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from examples._plots import NO_MATPLOTLIB, pyplot  # noqa: E402
-from examples._tables import render_table  # noqa: E402
-from examples.fsdp_training import shard  # noqa: E402
-from examples.tensor_parallel import split_blocks  # noqa: E402
-from harness.args import ExampleParser, non_negative_int, positive_float, positive_int  # noqa: E402
-from harness.comm_bytes import CollectiveCounter, CommTally, bucket_cap_mb, register_counted_hook  # noqa: E402
-from harness.dist import DistEnv, cleanup, fail, init_distributed, print0, run  # noqa: E402
-from harness.memory import (  # noqa: E402
-    MemoryBreakdown, SavedForBackward, Sharing, activation_estimate_bytes, breakdown, course_estimate_bytes,
+from examples._plots import NO_MATPLOTLIB, pyplot
+from examples._tables import render_table
+from examples.fsdp_training import shard
+from examples.tensor_parallel import split_blocks
+from harness.args import (
+    ExampleParser,
+    add_results_arguments,
+    add_run_arguments,
+    add_training_arguments,
+    non_negative_int,
+    positive_int,
+)
+from harness.comm_bytes import CollectiveCounter, CommTally, bucket_cap_mb, register_counted_hook
+from harness.dist import DistEnv, cleanup, fail, init_distributed, print0, run
+from harness.memory import (
+    MemoryBreakdown,
+    SavedForBackward,
+    Sharing,
+    activation_estimate_bytes,
+    breakdown,
+    course_estimate_bytes,
     format_bytes,
 )
-from harness.metrics import MetricsWriter  # noqa: E402
-from harness.parallel import (  # noqa: E402
-    Batches, MeshShape, ModelConfig, add_model_arguments, build_mesh, layout_problem, mesh_shape, model_config,
-    timed, train_step,
+from harness.metrics import MetricsWriter
+from harness.parallel import (
+    Batches,
+    MeshShape,
+    ModelConfig,
+    add_model_arguments,
+    build_mesh,
+    layout_problem,
+    mesh_shape,
+    model_config,
+    timed,
+    train_step,
 )
-from harness.results import results_path, write_json  # noqa: E402
+from harness.results import results_path, write_json
 
 DEFAULT_MODEL = ModelConfig(vocab=64, seq_len=32, d_model=128, n_heads=4, n_layers=2)
 STRATEGIES = ("ddp", "ddp-powersgd", "fsdp-zero2", "fsdp-zero3", "tp", "hybrid")
+RESULTS_JSON, RESULTS_PNG = "strategies.json", "strategies.png"
 POWERSGD_START = 2  # PowerSGD compresses from this step on: the warm-up covers the plain steps
 
 
@@ -54,21 +76,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = ExampleParser(__doc__)
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help=f"a subset of {','.join(STRATEGIES)}")
     add_model_arguments(parser, DEFAULT_MODEL)
-    parser.add_argument("--batch-size", type=positive_int, default=16, help="sequences per global batch (default 16)")
-    parser.add_argument("--warmup", type=non_negative_int, default=POWERSGD_START,
-                        help=f"untimed steps first (default {POWERSGD_START}: PowerSGD's plain steps)")
-    parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per strategy (default 5)")
-    parser.add_argument("--powersgd-rank", type=positive_int, default=1,
-                        help="PowerSGD's approximation rank (default 1)")
-    parser.add_argument("--tp", type=positive_int, default=None,
-                        help="tensor-parallel ranks of hybrid (default: the ranks on a node, else 2)")
-    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="model and data seed (default 0)")
-    parser.add_argument("--plot", type=Path, default=None,
-                        help="PNG of the table (default strategies.png in the results folder)")
-    parser.add_argument("--json", type=Path, default=None,
-                        help="the figures (default strategies.json in the results folder)")
-    parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks")
+    add_training_arguments(
+        parser,
+        steps=5,
+        steps_help="timed steps per strategy",
+        batch_size=16,
+        batch_help="sequences per global batch",
+        lr=3e-3,
+    )
+    parser.add_argument(
+        "--warmup",
+        type=non_negative_int,
+        default=POWERSGD_START,
+        help=f"untimed steps first (default {POWERSGD_START}: PowerSGD's plain steps)",
+    )
+    parser.add_argument(
+        "--powersgd-rank", type=positive_int, default=1, help="PowerSGD's approximation rank (default 1)"
+    )
+    parser.add_argument(
+        "--tp",
+        type=positive_int,
+        default=None,
+        help="tensor-parallel ranks of hybrid (default: the ranks on a node, else 2)",
+    )
+    add_results_arguments(parser, json_name=RESULTS_JSON, plot_what="the table", plot_name=RESULTS_PNG)
+    add_run_arguments(parser)
     args = parser.parse_args(argv)
     args.strategies = args.strategies.split(",")
     unknown = set(args.strategies) - set(STRATEGIES)
@@ -111,11 +143,19 @@ def build(name: str, args, ctx, hybrid: MeshShape | None) -> Built:
     n = ctx.world_size
     model = args.model.build(args.seed, ctx.device)
     if name in ("ddp", "ddp-powersgd"):
-        ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-                  bucket_cap_mb=bucket_cap_mb(model, ctx.backend))
+        ddp = DDP(
+            model,
+            device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+            bucket_cap_mb=bucket_cap_mb(model, ctx.backend),
+        )
         tally = CommTally()
-        register_counted_hook(ddp, "none" if name == "ddp" else "powersgd", tally, powersgd_rank=args.powersgd_rank,
-                              start_iter=POWERSGD_START)
+        register_counted_hook(
+            ddp,
+            "none" if name == "ddp" else "powersgd",
+            tally,
+            powersgd_rank=args.powersgd_rank,
+            start_iter=POWERSGD_START,
+        )
         return Built(ddp, torch.optim.AdamW(ddp.parameters(), lr=args.lr), ctx.rank, n, 1, Sharing(1, 1, 1), tally)
     if name in ("fsdp-zero2", "fsdp-zero3"):
         zero = 2 if name == "fsdp-zero2" else 3
@@ -125,10 +165,24 @@ def build(name: str, args, ctx, hybrid: MeshShape | None) -> Built:
     if name == "tp":
         model = split_blocks(model, init_device_mesh(ctx.device.type, (n,)))
         return Built(model, torch.optim.AdamW(model.parameters(), lr=args.lr), 0, 1, n, Sharing(1 / n, 1 / n, 1 / n))
+    if hybrid is None:
+        raise ValueError(f"hybrid: no dp x tp layout with both above 1 on {n} ranks")
     mesh = build_mesh(hybrid, ctx.device)
     model = shard(split_blocks(model, mesh["tp"]), mesh["dp"], zero=3, precision="fp32")
-    return Built(model, torch.optim.AdamW(model.parameters(), lr=args.lr), mesh["dp"].get_local_rank(), hybrid.dp,
-                 hybrid.tp, Sharing(1 / n, 1 / n, 1 / n))
+    return Built(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=args.lr),
+        mesh["dp"].get_local_rank(),
+        hybrid.dp,
+        hybrid.tp,
+        Sharing(1 / n, 1 / n, 1 / n),
+    )
+
+
+def train_on(built: Built, batches: Batches, step: int, device: torch.device, forward_context=None) -> torch.Tensor:
+    """One optimizer step of `built` on its slice of global batch `step`."""
+    inputs, targets = batches.replica_batch(step, built.replica, built.replicas, device)
+    return train_step(built.model, built.optimizer, inputs, targets, forward_context)
 
 
 def measure(name: str, args, ctx, batches: Batches, hybrid: MeshShape | None) -> dict:
@@ -136,57 +190,103 @@ def measure(name: str, args, ctx, batches: Batches, hybrid: MeshShape | None) ->
     built = build(name, args, ctx, hybrid)
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
-
-    def step(index: int, forward_context=None):
-        inputs, targets = batches.replica_batch(index, built.replica, built.replicas, ctx.device)
-        train_step(built.model, built.optimizer, inputs, targets, forward_context)
-
-    for index in range(args.warmup):
-        step(index)
-    seconds = [timed(lambda: step(args.warmup + i), ctx.device) for i in range(args.steps)]
+    for step in range(args.warmup):
+        train_on(built, batches, step, ctx.device)
+    seconds = []
+    for step in range(args.warmup, args.warmup + args.steps):
+        _, step_s = timed(partial(train_on, built, batches, step, ctx.device), ctx.device)
+        seconds.append(step_s)
+    counted, measured = args.warmup + args.steps, args.warmup + args.steps + 1
     counter = CollectiveCounter()
     if built.ddp_tally is not None:
         built.ddp_tally.reset()
-        step(args.warmup + args.steps)
+        train_on(built, batches, counted, ctx.device)
     else:
         with counter:
-            step(args.warmup + args.steps)
+            train_on(built, batches, counted, ctx.device)
     sent = (built.ddp_tally or counter.tally).sent_bytes
     saved = SavedForBackward(built.model)
-    step(args.warmup + args.steps + 1, saved)
-    figures = {"memory": breakdown(built.model, built.optimizer, saved), "sent_bytes": sent,
-               "step_s": sum(seconds) / len(seconds),
-               "peak_cuda_bytes": torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else None}
+    train_on(built, batches, measured, ctx.device, saved)
+    figures = {
+        "memory": breakdown(built.model, built.optimizer, saved),
+        "sent_bytes": sent,
+        "step_s": sum(seconds) / len(seconds),
+        "peak_cuda_bytes": torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else None,
+    }
     everyone: list = [None] * ctx.world_size
     dist.all_gather_object(everyone, figures)
     local_batch = args.batch_size // built.replicas
-    estimate = course_estimate_bytes(args.model.parameter_count(), built.sharing, activation_estimate_bytes(
-        local_batch, args.model.seq_len, args.model.d_model, args.model.n_layers, args.model.vocab, built.tp))
-    del built
+    estimate = course_estimate_bytes(
+        args.model.parameter_count(),
+        built.sharing,
+        activation_estimate_bytes(
+            local_batch, args.model.seq_len, args.model.d_model, args.model.n_layers, args.model.vocab, built.tp
+        ),
+    )
+    del built  # and collect its reference cycles (hooks, meshes): the next strategy's peak is its own
     gc.collect()
     return fullest(name, everyone, estimate)
 
 
 def fullest(name: str, everyone: list[dict], estimate_bytes: int) -> dict:
     """Each figure as its largest over the ranks: the rank that runs out of memory first, the slowest."""
-    memory = MemoryBreakdown(*(max(getattr(f["memory"], field) for f in everyone) for field in (
-        "parameters_bytes", "gathered_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes")))
+    memory = MemoryBreakdown(
+        *(
+            max(getattr(f["memory"], field) for f in everyone)
+            for field in (
+                "parameters_bytes",
+                "gathered_bytes",
+                "gradients_bytes",
+                "optimizer_bytes",
+                "activations_bytes",
+            )
+        )
+    )
     peaks = [f["peak_cuda_bytes"] for f in everyone if f["peak_cuda_bytes"] is not None]
-    return {"strategy": name, "memory": memory.as_dict(), "estimate_bytes": estimate_bytes,
-            "sent_bytes_per_step": max(f["sent_bytes"] for f in everyone),
-            "ms_per_step": max(f["step_s"] for f in everyone) * 1000, "peak_cuda_bytes": max(peaks) if peaks else None}
+    return {
+        "strategy": name,
+        "memory": memory.as_dict(),
+        "estimate_bytes": estimate_bytes,
+        "sent_bytes_per_step": max(f["sent_bytes"] for f in everyone),
+        "ms_per_step": max(f["step_s"] for f in everyone) * 1000,
+        "peak_cuda_bytes": max(peaks) if peaks else None,
+    }
 
 
 def table(rows: list[dict], title: str) -> str:
     gpu = any(r["peak_cuda_bytes"] is not None for r in rows)
-    columns = ["strategy", "parameters", "gathered", "gradients", "optimizer", "activations", "total",
-               "course estimate", "sent/step", "ms/step"] + (["peak CUDA"] if gpu else [])
+    columns = [
+        "strategy",
+        "parameters",
+        "gathered",
+        "gradients",
+        "optimizer",
+        "activations",
+        "total",
+        "course estimate",
+        "sent/step",
+        "ms/step",
+    ] + (["peak CUDA"] if gpu else [])
     lines = []
     for r in rows:
         m = r["memory"]
-        cells = [r["strategy"], *(format_bytes(m[k]) for k in ("parameters_bytes", "gathered_bytes", "gradients_bytes",
-                                                                "optimizer_bytes", "activations_bytes", "total_bytes")),
-                 format_bytes(r["estimate_bytes"]), format_bytes(r["sent_bytes_per_step"]), f"{r['ms_per_step']:.1f}"]
+        cells = [
+            r["strategy"],
+            *(
+                format_bytes(m[k])
+                for k in (
+                    "parameters_bytes",
+                    "gathered_bytes",
+                    "gradients_bytes",
+                    "optimizer_bytes",
+                    "activations_bytes",
+                    "total_bytes",
+                )
+            ),
+            format_bytes(r["estimate_bytes"]),
+            format_bytes(r["sent_bytes_per_step"]),
+            f"{r['ms_per_step']:.1f}",
+        ]
         lines.append(cells + ([format_bytes(r["peak_cuda_bytes"] or 0)] if gpu else []))
     return render_table(title, columns, lines)
 
@@ -198,14 +298,19 @@ def plot(path: Path, rows: list[dict], title: str) -> str:
     names = [r["strategy"] for r in rows]
     figure, (memory_axes, comm_axes, time_axes) = plt.subplots(1, 3, figsize=(15, 4.5))
     left = [0.0] * len(rows)
-    for key, label in (("parameters_bytes", "parameters"), ("gathered_bytes", "gathered"),
-                       ("gradients_bytes", "gradients"), ("optimizer_bytes", "optimizer"),
-                       ("activations_bytes", "activations")):
+    for key, label in (
+        ("parameters_bytes", "parameters"),
+        ("gathered_bytes", "gathered"),
+        ("gradients_bytes", "gradients"),
+        ("optimizer_bytes", "optimizer"),
+        ("activations_bytes", "activations"),
+    ):
         widths = [r["memory"][key] / 2**20 for r in rows]
         memory_axes.barh(names, widths, left=left, label=label)
-        left = [a + b for a, b in zip(left, widths)]
-    memory_axes.scatter([r["estimate_bytes"] / 2**20 for r in rows], names, marker="x", color="black", zorder=3,
-                        label="course estimate")
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    memory_axes.scatter(
+        [r["estimate_bytes"] / 2**20 for r in rows], names, marker="x", color="black", zorder=3, label="course estimate"
+    )
     memory_axes.set(xlabel="MiB per rank", title="memory (fullest rank)")
     memory_axes.invert_yaxis()
     memory_axes.legend(fontsize=7)
@@ -224,31 +329,39 @@ def plot(path: Path, rows: list[dict], title: str) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     env = DistEnv.from_environ()
-    problem = layout_problem(MeshShape(env.world_size, 1), env.world_size, args.model, args.batch_size) or \
-        layout_problem(MeshShape(1, env.world_size), env.world_size, args.model, args.batch_size)
+    problem = layout_problem(
+        MeshShape(env.world_size, 1), env.world_size, args.model, args.batch_size
+    ) or layout_problem(MeshShape(1, env.world_size), env.world_size, args.model, args.batch_size)
     if problem:
         fail(problem, code=2)
     hybrid = hybrid_shape(args, env)
     ctx = init_distributed(timeout_s=args.timeout)
     try:
         batches = Batches(args.model, args.batch_size, args.seed)
-        title = (f"{args.model.describe()}; global batch {args.batch_size}, {ctx.world_size} ranks ({ctx.backend})")
+        title = f"{args.model.describe()}; global batch {args.batch_size}, {ctx.world_size} ranks ({ctx.backend})"
         rows = []
         for name in args.strategies:
             if name == "hybrid" and hybrid is None:
                 print0(f"hybrid: skipped, no dp x tp layout with both above 1 on {ctx.world_size} ranks (try 4)")
                 continue
             rows.append(measure(name, args, ctx, batches, hybrid))
-            label = f"hybrid dp({hybrid.dp}) x tp({hybrid.tp})" if name == "hybrid" else name
+            label = f"hybrid dp({hybrid.dp}) x tp({hybrid.tp})" if name == "hybrid" and hybrid else name
             rows[-1]["strategy"] = label
-            print0(f"{label}: {rows[-1]['ms_per_step']:.1f} ms/step, {format_bytes(rows[-1]['memory']['total_bytes'])} "
-                   "on the fullest rank")
+            print0(
+                f"{label}: {rows[-1]['ms_per_step']:.1f} ms/step, {format_bytes(rows[-1]['memory']['total_bytes'])} "
+                "on the fullest rank"
+            )
         print0(table(rows, title))
         if ctx.is_rank0:
-            report = {"world_size": ctx.world_size, "backend": ctx.backend, "model": vars(args.model),
-                      "batch_size": args.batch_size, "strategies": rows}
-            print(f"results: {write_json(report, results_path(args.json, 'strategies.json'))}", flush=True)
-            print(plot(results_path(args.plot, "strategies.png"), rows, title), flush=True)
+            report = {
+                "world_size": ctx.world_size,
+                "backend": ctx.backend,
+                "model": vars(args.model),
+                "batch_size": args.batch_size,
+                "strategies": rows,
+            }
+            print(f"results: {write_json(report, results_path(args.json, RESULTS_JSON))}", flush=True)
+            print(plot(results_path(args.plot, RESULTS_PNG), rows, title), flush=True)
         MetricsWriter(ctx.env.run_dir, ctx.is_rank0).write("summary", example="compare_strategies", strategies=rows)
         return 0
     finally:

@@ -17,58 +17,84 @@ import argparse
 import contextlib
 import sys
 from pathlib import Path
+from typing import cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import TensorDataset
 
-from harness import data  # noqa: E402
-from harness.args import ExampleParser, non_negative_int, positive_float, positive_int  # noqa: E402
-from harness.cost import CostMeter  # noqa: E402
-from harness.dist import Distributed, cleanup, fail, init_distributed, print0, run  # noqa: E402
-from harness.gpu_monitor import GpuMonitor  # noqa: E402
-from harness.metrics import MetricsWriter, StepLogger, peak_memory_gib, peak_tflops  # noqa: E402
-from harness.models import MLP, TinyTransformerLM, count_parameters  # noqa: E402
-from harness.train import (  # noqa: E402
-    PRECISIONS, LoopConfig, build_loader, digests_across_ranks, load_checkpoint, maybe_profile,
-    parameter_digest, resolve_precision, train_loop, unwrap,
+from harness import data
+from harness.args import (
+    ExampleParser,
+    add_run_arguments,
+    add_training_arguments,
+    positive_float,
+    positive_int,
+)
+from harness.cost import CostMeter
+from harness.dist import Distributed, cleanup, fail, init_distributed, print0, run
+from harness.gpu_monitor import GpuMonitor
+from harness.metrics import MetricsWriter, StepLogger, peak_memory_gib, peak_tflops
+from harness.models import MLP, TinyTransformerLM, count_parameters, unwrap
+from harness.train import (
+    PRECISIONS,
+    LoopConfig,
+    build_loader,
+    digests_across_ranks,
+    load_checkpoint,
+    maybe_profile,
+    parameter_digest,
+    resolve_precision,
+    train_loop,
 )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ExampleParser(__doc__)
     parser.add_argument("--model", choices=("mlp", "transformer"), default="mlp", help="what to train (default mlp)")
-    parser.add_argument("--steps", type=positive_int, default=60, help="optimizer steps in all (default 60)")
-    parser.add_argument("--batch-size", type=positive_int, default=64, help="samples per rank per step (default 64)")
-    parser.add_argument("--lr", type=positive_float, default=None,
-                        help="learning rate (default: 0.05 mlp, 3e-3 transformer)")
-    parser.add_argument("--samples", type=positive_int, default=8192,
-                        help="size of the synthetic dataset (default 8192)")
+    add_training_arguments(
+        parser, steps=60, steps_help="optimizer steps in all", batch_size=64, batch_help="samples per rank per step"
+    )
+    parser.add_argument(
+        "--lr", type=positive_float, default=None, help="learning rate (default: 0.05 mlp, 3e-3 transformer)"
+    )
+    parser.add_argument(
+        "--samples", type=positive_int, default=8192, help="size of the synthetic dataset (default 8192)"
+    )
     parser.add_argument("--d-model", type=positive_int, default=128, help="transformer width (default 128)")
     parser.add_argument("--n-layers", type=positive_int, default=2, help="transformer blocks (default 2)")
     parser.add_argument("--seq-len", type=positive_int, default=64, help="transformer context length (default 64)")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help="fp32, fp16 (+GradScaler) or bf16")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--activation-checkpointing", action="store_true", help="recompute activations in backward")
-    parser.add_argument("--checkpoint-dir", type=Path, default=None,
-                        help="save and resume here (default: $CLUSTER_RUN_DIR/checkpoints when set)")
+    parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        help="save and resume here (default: $CLUSTER_RUN_DIR/checkpoints when set)",
+    )
     parser.add_argument("--checkpoint-every", type=positive_int, default=20, help="save every N steps (default 20)")
-    parser.add_argument("--simulate-failure-at-step", type=positive_int, default=None, metavar="N",
-                        help="crash the last rank once at step N (to see a torchrun restart resume)")
-    parser.add_argument("--log-every", type=positive_int, default=10,
-                        help="print a step line every N steps (default 10)")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="model and data seed (default 0)")
+    parser.add_argument(
+        "--simulate-failure-at-step",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="crash the last rank once at step N (to see a torchrun restart resume)",
+    )
     parser.add_argument("--profile-dir", default=None, help="write torch.profiler TensorBoard traces here")
-    parser.add_argument("--timeout", type=positive_float, default=300,
-                        help="seconds to wait for all ranks (default 300)")
+    add_run_arguments(parser, log_every=10)
     args = parser.parse_args(argv)
     if args.model == "transformer" and args.d_model % heads(args.d_model):
-        parser.error(f"--d-model {args.d_model} must divide into {heads(args.d_model)} heads of 64 "
-                     "(use a multiple of 64)")
+        parser.error(
+            f"--d-model {args.d_model} must divide into {heads(args.d_model)} heads of 64 (use a multiple of 64)"
+        )
     if dataset_size(args) < args.batch_size:
-        parser.error(f"--samples {args.samples} gives {dataset_size(args)} training examples, fewer than one "
-                     f"--batch-size of {args.batch_size}")
+        parser.error(
+            f"--samples {args.samples} gives {dataset_size(args)} training examples, fewer than one "
+            f"--batch-size of {args.batch_size}"
+        )
     return args
 
 
@@ -81,18 +107,27 @@ def dataset_size(args) -> int:
     return args.samples if args.model == "mlp" else args.samples // 4
 
 
-def build_model(args, ctx: Distributed) -> tuple[torch.nn.Module, object]:
+def build_model(args, ctx: Distributed) -> tuple[torch.nn.Module, TensorDataset]:
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
+    model: torch.nn.Module
     if args.model == "mlp":
         model = MLP(activation_checkpointing=args.activation_checkpointing)
         dataset = data.teacher_classification(samples=args.samples, seed=args.seed)
     else:
-        model = TinyTransformerLM(seq_len=args.seq_len, d_model=args.d_model, n_heads=heads(args.d_model),
-                                  n_layers=args.n_layers, activation_checkpointing=args.activation_checkpointing)
+        model = TinyTransformerLM(
+            seq_len=args.seq_len,
+            d_model=args.d_model,
+            n_heads=heads(args.d_model),
+            n_layers=args.n_layers,
+            activation_checkpointing=args.activation_checkpointing,
+        )
         dataset = data.teacher_sequences(samples=dataset_size(args), seq_len=args.seq_len, seed=args.seed)
     model = model.to(ctx.device)
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-    return (torch.compile(ddp) if args.compile else ddp), dataset
+    if args.compile:
+        # torch.compile(module) returns an OptimizedModule, a Module; its annotation says only a callable.
+        return cast(torch.nn.Module, torch.compile(ddp)), dataset
+    return ddp, dataset
 
 
 def build_optimizer(args, model) -> torch.optim.Optimizer:
@@ -109,10 +144,11 @@ def default_checkpoint_dir(args, ctx: Distributed) -> Path | None:
 
 def utilisation(args, ctx, result, model, samples: int) -> dict:
     """Tokens/s and model FLOPs utilisation of the transformer against the GPU's datasheet peak."""
-    if args.model != "transformer" or not result.elapsed_s:
+    transformer = unwrap(model)
+    if not isinstance(transformer, TinyTransformerLM) or not result.elapsed_s:
         return {}
     tokens_per_s = samples * args.seq_len / result.elapsed_s
-    achieved_tflops = tokens_per_s * unwrap(model).flops_per_token() / 1e12
+    achieved_tflops = tokens_per_s * transformer.flops_per_token() / 1e12
     figures = {"tokens_per_s": tokens_per_s, "model_tflops": achieved_tflops}
     if ctx.device.type == "cuda":
         peak = peak_tflops(torch.cuda.get_device_name(ctx.device), args.precision)
@@ -128,19 +164,35 @@ def summarize(args, ctx, result, meter: CostMeter, logger: StepLogger, metrics: 
     trained = (result.steps - result.started_at_step) * args.batch_size * ctx.world_size
     speed = utilisation(args, ctx, result, model, trained)
     metrics.write(
-        "summary", example="ddp_training", model=args.model, precision=args.precision, world_size=ctx.world_size,
-        steps=result.steps, resumed_from=result.started_at_step, first_loss=result.first_loss,
-        last_loss=result.last_loss, samples=logger.samples, elapsed_s=round(result.elapsed_s, 3),
-        usd=meter.usd_so_far(), usd_per_million_samples=per_million, parameter_digest=digests[0],
-        parameters_identical=identical, peak_mem_gib=peak_memory_gib(ctx.device),
-        ms_per_step=result.elapsed_s / max(result.steps - result.started_at_step, 1) * 1000, **speed,
+        "summary",
+        example="ddp_training",
+        model=args.model,
+        precision=args.precision,
+        world_size=ctx.world_size,
+        steps=result.steps,
+        resumed_from=result.started_at_step,
+        first_loss=result.first_loss,
+        last_loss=result.last_loss,
+        samples=logger.samples,
+        elapsed_s=round(result.elapsed_s, 3),
+        usd=meter.usd_so_far(),
+        usd_per_million_samples=per_million,
+        parameter_digest=digests[0],
+        parameters_identical=identical,
+        peak_mem_gib=peak_memory_gib(ctx.device),
+        ms_per_step=result.elapsed_s / max(result.steps - result.started_at_step, 1) * 1000,
+        **speed,
     )
     if result.first_loss is not None:
-        print0(f"trained steps {result.started_at_step + 1}..{result.steps} on {ctx.world_size} ranks in "
-               f"{result.elapsed_s:.1f} s: loss {result.first_loss:.4f} -> {result.last_loss:.4f}")
+        print0(
+            f"trained steps {result.started_at_step + 1}..{result.steps} on {ctx.world_size} ranks in "
+            f"{result.elapsed_s:.1f} s: loss {result.first_loss:.4f} -> {result.last_loss:.4f}"
+        )
     if "mfu" in speed:
-        print0(f"{speed['tokens_per_s']:.0f} tokens/s, {speed['model_tflops']:.1f} model TFLOP/s, "
-               f"MFU {speed['mfu']:.1%} of {torch.cuda.get_device_name(ctx.device)}'s {args.precision} peak")
+        print0(
+            f"{speed['tokens_per_s']:.0f} tokens/s, {speed['model_tflops']:.1f} model TFLOP/s, "
+            f"MFU {speed['mfu']:.1%} of {torch.cuda.get_device_name(ctx.device)}'s {args.precision} peak"
+        )
     price = f"${per_million:.4f} per million samples" if per_million is not None else "no samples trained"
     print0(f"cost: ${meter.usd_so_far():.6f} at ${meter.hourly_usd:.3f}/h; {price}")
     if not identical:
@@ -167,18 +219,37 @@ def main(argv=None) -> int:
             print0(f"resuming from step {start} ({checkpoints})")
         loader, sampler = build_loader(dataset, ctx, args.batch_size, args.seed)
         if len(loader) == 0:
-            fail(f"--samples {args.samples} is too few for {ctx.world_size} ranks x --batch-size {args.batch_size}",
-                 code=2)
-        print0(f"{args.model}: {count_parameters(model):,} parameters, {ctx.world_size} ranks ({ctx.backend}), "
-               f"{args.precision}, global batch {args.batch_size * ctx.world_size}")
+            fail(
+                f"--samples {args.samples} is too few for {ctx.world_size} ranks x --batch-size {args.batch_size}",
+                code=2,
+            )
+        print0(
+            f"{args.model}: {count_parameters(model):,} parameters, {ctx.world_size} ranks ({ctx.backend}), "
+            f"{args.precision}, global batch {args.batch_size * ctx.world_size}"
+        )
         meter = CostMeter(ctx.env.hourly_usd)
         metrics = MetricsWriter(ctx.env.run_dir, ctx.is_rank0)
         logger = StepLogger(ctx.is_rank0, ctx.device, meter, metrics, args.batch_size * ctx.world_size)
-        config = LoopConfig(args.steps, args.log_every, checkpoints, args.checkpoint_every, args.simulate_failure_at_step)
-        with GpuMonitor(metrics.write, ctx.env.node_rank) if ctx.is_rank0 else contextlib.nullcontext(), \
-                maybe_profile(args.profile_dir, ctx.rank, ctx.device) as profiler:
-            result = train_loop(ctx, model, optimizer, scaler, precision, loader, sampler, config, logger,
-                                start_step=start, profiler=profiler)
+        config = LoopConfig(
+            args.steps, args.log_every, checkpoints, args.checkpoint_every, args.simulate_failure_at_step
+        )
+        with (
+            GpuMonitor(metrics.write, ctx.env.node_rank) if ctx.is_rank0 else contextlib.nullcontext(),
+            maybe_profile(args.profile_dir, ctx.rank, ctx.device) as profiler,
+        ):
+            result = train_loop(
+                ctx,
+                model,
+                optimizer,
+                scaler,
+                precision,
+                loader,
+                sampler,
+                config,
+                logger,
+                start_step=start,
+                profiler=profiler,
+            )
         return summarize(args, ctx, result, meter, logger, metrics, model)
     finally:
         cleanup()

@@ -15,20 +15,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from harness.args import ExampleParser, positive_float, positive_int  # noqa: E402
-from harness.dist import cleanup, init_distributed, print0, run  # noqa: E402
-from harness.metrics import MetricsWriter  # noqa: E402
+from harness.args import ExampleParser, add_run_arguments, positive_int
+from harness.dist import cleanup, init_distributed, print0, run
+from harness.metrics import MetricsWriter
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ExampleParser(__doc__)
-    parser.add_argument("--expect-world-size", type=positive_int,
-                        help="fail unless the job has exactly this many ranks")
-    parser.add_argument("--timeout", type=positive_float, default=120,
-                        help="seconds to wait for all ranks (default 120)")
+    parser.add_argument(
+        "--expect-world-size", type=positive_int, help="fail unless the job has exactly this many ranks"
+    )
+    add_run_arguments(parser, seed=False, timeout_s=120)
     return parser.parse_args(argv)
 
 
@@ -83,15 +83,22 @@ def main(argv=None) -> int:
         bad = {rank: f for rank, f in enumerate(all_failures) if f}
         nodes = len({r["node"] for r in reports})
         MetricsWriter(ctx.env.run_dir, ctx.is_rank0).write(
-            "summary", example="distributed_hello", world_size=ctx.world_size, nodes=nodes,
-            failures={str(k): v for k, v in bad.items()}, ranks=reports,
+            "summary",
+            example="distributed_hello",
+            world_size=ctx.world_size,
+            nodes=nodes,
+            failures={str(k): v for k, v in bad.items()},
+            ranks=reports,
         )
         if bad:
             for rank, messages in bad.items():
                 for message in messages:
                     print0(f"MISMATCH on rank {rank}: {message}")
             return 1
-        print0(f"hello from {ctx.world_size} ranks on {nodes} nodes: all-reduce, broadcast and all-gather checked, all correct")
+        print0(
+            f"hello from {ctx.world_size} ranks on {nodes} nodes: "
+            "all-reduce, broadcast and all-gather checked, all correct"
+        )
         return 0
     finally:
         cleanup()

@@ -21,27 +21,41 @@ committed checkpoint, on any number of ranks: saved by 4, it loads on 2.
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from harness.args import ExampleParser, non_negative_int, positive_float, positive_int  # noqa: E402
-from harness.checks import report_check  # noqa: E402
-from harness.cost import CostMeter  # noqa: E402
-from harness.dist import DistEnv, cleanup, fail, init_distributed, print0, run  # noqa: E402
-from harness.memory import MemoryBreakdown, SavedForBackward, breakdown, format_bytes, whole_breakdown  # noqa: E402
-from harness.metrics import MetricsWriter, StepLogger  # noqa: E402
-from harness.parallel import (  # noqa: E402
-    Batches, ModelConfig, add_model_arguments, digest, full_parameters, max_parameter_diff, mean_over_ranks,
-    model_config, timed, train_step,
+from harness.args import (
+    ExampleParser,
+    add_run_arguments,
+    add_training_arguments,
 )
-from harness.sharded_checkpoint import ShardedCheckpointer, add_checkpoint_arguments, checkpoint_root  # noqa: E402
+from harness.checks import report_check
+from harness.cost import CostMeter
+from harness.dist import DistEnv, cleanup, fail, init_distributed, print0, run
+from harness.memory import MemoryBreakdown, SavedForBackward, breakdown, format_bytes, whole_breakdown
+from harness.metrics import MetricsWriter, StepLogger
+from harness.models import TinyTransformerLM
+from harness.parallel import (
+    Batches,
+    ModelConfig,
+    add_model_arguments,
+    digest,
+    full_parameters,
+    max_parameter_diff,
+    mean_over_ranks,
+    model_config,
+    timed,
+    train_step,
+)
+from harness.sharded_checkpoint import ShardedCheckpointer, add_checkpoint_arguments, checkpoint_root
 
 DEFAULT_MODEL = ModelConfig(vocab=64, seq_len=32, d_model=128, n_heads=4, n_layers=2)
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -51,32 +65,42 @@ TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-2}
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ExampleParser(__doc__)
-    parser.add_argument("--zero", type=int, choices=(2, 3), default=3,
-                        help="3: free gathered weights after forward; 2: keep them until backward (default 3)")
-    parser.add_argument("--mixed-precision", choices=PRECISIONS, default="fp32",
-                        help="weights' dtype in forward and backward; shards and Adam stay fp32 (default fp32)")
+    parser.add_argument(
+        "--zero",
+        type=int,
+        choices=(2, 3),
+        default=3,
+        help="3: free gathered weights after forward; 2: keep them until backward (default 3)",
+    )
+    parser.add_argument(
+        "--mixed-precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="weights' dtype in forward and backward; shards and Adam stay fp32 (default fp32)",
+    )
     add_model_arguments(parser, DEFAULT_MODEL)
-    parser.add_argument("--steps", type=positive_int, default=20, help="train up to this step (default 20)")
-    parser.add_argument("--batch-size", type=positive_int, default=16,
-                        help="sequences per global batch, split over the ranks (default 16)")
-    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    add_training_arguments(
+        parser,
+        steps=20,
+        steps_help="train up to this step",
+        batch_size=16,
+        batch_help="sequences per global batch, split over the ranks",
+        lr=3e-3,
+    )
     add_checkpoint_arguments(parser)
-    parser.add_argument("--log-every", type=positive_int, default=5, help="print a step line every N steps (default 5)")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="model and data seed (default 0)")
-    parser.add_argument("--check", action="store_true",
-                        help="compare losses and parameters with DDP; one line, exit 0/1")
-    parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks")
+    add_run_arguments(parser, log_every=5, check="compare losses and parameters with DDP; one line, exit 0/1")
     args = parser.parse_args(argv)
     args.model = model_config(args, parser)
     return args
 
 
-def shard(model: torch.nn.Module, mesh, zero: int, precision: str) -> torch.nn.Module:
+def shard(model: TinyTransformerLM, mesh, zero: int, precision: str) -> TinyTransformerLM:
     """Shard each block (its weights are gathered together, one block at a time), then the rest."""
     policy = MixedPrecisionPolicy(param_dtype=PRECISIONS[precision], reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=policy)
-    return fully_shard(model, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=policy)
+    return model  # sharded in place: the same module, now also an FSDPModule
 
 
 def build(args, ctx) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -91,11 +115,10 @@ def train(args, ctx, model, optimizer, batches: Batches, start: int, checkpointe
     for step in range(start, args.steps):
         inputs, targets = batches.replica_batch(step, ctx.rank, ctx.world_size, ctx.device)
         measure = saved if step + 1 == args.steps else None
-        losses = []
-        seconds = timed(lambda: losses.append(train_step(model, optimizer, inputs, targets, measure)), ctx.device)
+        loss, seconds = timed(partial(train_step, model, optimizer, inputs, targets, measure), ctx.device)
         done = step + 1 == args.steps
         log = done or (step + 1) % args.log_every == 0
-        logger.step(step + 1, mean_over_ranks(losses[0]) if log else 0.0, seconds, log=log)
+        logger.step(step + 1, mean_over_ranks(loss) if log else 0.0, seconds, log=log)
         if checkpointer and (done or (step + 1) % args.checkpoint_every == 0):
             checkpointer.save(step + 1, model, optimizer)
     if checkpointer:
@@ -107,21 +130,30 @@ def memory_table(everyone: list[MemoryBreakdown], ddp: MemoryBreakdown) -> str:
     columns = ("parameters", "gathered", "gradients", "optimizer", "activations", "total")
     lines = [f"{'rank':>6} " + " ".join(f"{c:>12}" for c in columns)]
     for name, figures in [*enumerate(everyone), ("DDP", ddp)]:
-        values = (figures.parameters_bytes, figures.gathered_bytes, figures.gradients_bytes, figures.optimizer_bytes,
-                  figures.activations_bytes, figures.total_bytes)
+        values = (
+            figures.parameters_bytes,
+            figures.gathered_bytes,
+            figures.gradients_bytes,
+            figures.optimizer_bytes,
+            figures.activations_bytes,
+            figures.total_bytes,
+        )
         lines.append(f"{name:>6} " + " ".join(f"{format_bytes(v):>12}" for v in values))
     sharded = max(f.parameters_bytes + f.gradients_bytes + f.optimizer_bytes for f in everyone)
     whole = ddp.parameters_bytes + ddp.gradients_bytes + ddp.optimizer_bytes
-    lines.append(f"sharded state (parameters + gradients + optimizer) on the fullest rank: {sharded / whole:.3f} "
-                 f"of DDP's (1/N = {1 / len(everyone):.3f})")
+    lines.append(
+        f"sharded state (parameters + gradients + optimizer) on the fullest rank: {sharded / whole:.3f} "
+        f"of DDP's (1/N = {1 / len(everyone):.3f})"
+    )
     return "\n".join(lines)
 
 
 def check(args, ctx, batches: Batches) -> int:
     """FSDP and DDP from the same weights on the same batches: losses at every step, parameters at the end."""
     model, optimizer = build(args, ctx)
-    reference = DDP(args.model.build(args.seed, ctx.device),
-                    device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    reference = DDP(
+        args.model.build(args.seed, ctx.device), device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None
+    )
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr)
     worst = 0.0
     for step in range(args.steps):
@@ -148,16 +180,24 @@ def main(argv=None) -> int:
         root = checkpoint_root(args.checkpoint_dir, ctx.env.shared_dir, ctx.env.run_dir)
         checkpointer = ShardedCheckpointer(root, args.async_save) if root else None
         start, saved_by = checkpointer.load_latest(model, optimizer) if checkpointer else (0, 0)
-        print0(f"{args.model.describe()}; FSDP ZeRO-{args.zero} on {ctx.world_size} ranks ({ctx.backend}), "
-               f"{args.mixed_precision}, global batch {args.batch_size}")
+        print0(
+            f"{args.model.describe()}; FSDP ZeRO-{args.zero} on {ctx.world_size} ranks ({ctx.backend}), "
+            f"{args.mixed_precision}, global batch {args.batch_size}"
+        )
         if start:
             print0(f"resumed from step {start} ({root}), saved by {saved_by} ranks, loaded onto {ctx.world_size}")
         meter = CostMeter(ctx.env.hourly_usd)
         metrics = MetricsWriter(ctx.env.run_dir, ctx.is_rank0)
         logger = StepLogger(ctx.is_rank0, ctx.device, meter, metrics, args.batch_size)
         saved = train(args, ctx, model, optimizer, batches, start, checkpointer, logger)
-        summary = {"example": "fsdp_training", "zero": args.zero, "precision": args.mixed_precision,
-                   "world_size": ctx.world_size, "steps": args.steps, "resumed_from": start}
+        summary = {
+            "example": "fsdp_training",
+            "zero": args.zero,
+            "precision": args.mixed_precision,
+            "world_size": ctx.world_size,
+            "steps": args.steps,
+            "resumed_from": start,
+        }
         if start < args.steps:
             everyone: list = [None] * ctx.world_size
             dist.all_gather_object(everyone, breakdown(model, optimizer, saved))
@@ -166,8 +206,10 @@ def main(argv=None) -> int:
             print0(memory_table(everyone, ddp))
             summary.update(memory_per_rank=[m.as_dict() for m in everyone], ddp_memory=ddp.as_dict())
         parameters_digest = digest(full_parameters(model))
-        print0(f"parameters sha256 {parameters_digest[:16]} at step {args.steps} (gathered whole, "
-               f"world size {ctx.world_size})")
+        print0(
+            f"parameters sha256 {parameters_digest[:16]} at step {args.steps} (gathered whole, "
+            f"world size {ctx.world_size})"
+        )
         metrics.write("summary", **summary, parameter_digest=parameters_digest, usd=meter.usd_so_far())
         return 0
     finally:

@@ -18,16 +18,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from harness import data  # noqa: E402
-from harness.args import ExampleParser, non_negative_int, positive_float, positive_int  # noqa: E402
-from harness.cost import CostMeter  # noqa: E402
-from harness.dist import cleanup, init_distributed, print0, run  # noqa: E402
-from harness.metrics import MetricsWriter, StepLogger  # noqa: E402
-from harness.models import MLP, loss_fn  # noqa: E402
+from harness import data
+from harness.args import (
+    ExampleParser,
+    add_run_arguments,
+    add_training_arguments,
+    positive_int,
+)
+from harness.cost import CostMeter
+from harness.dist import cleanup, init_distributed, print0, run
+from harness.metrics import MetricsWriter, StepLogger
+from harness.models import MLP, loss_fn
 
 GRADIENT_TOLERANCE = 1e-5
 SAMPLES = 8192
@@ -35,24 +40,28 @@ SAMPLES = 8192
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ExampleParser(__doc__)
-    parser.add_argument("--accumulation-steps", "-k", type=positive_int, default=4,
-                        help="micro-batches per optimizer step (default 4)")
-    parser.add_argument("--micro-batch-size", type=positive_int, default=16,
-                        help="samples per rank per micro-batch (default 16)")
-    parser.add_argument("--steps", type=positive_int, default=30, help="optimizer steps (default 30)")
-    parser.add_argument("--hidden", type=positive_int, default=512,
-                        help="MLP width (default 512; larger = more to all-reduce)")
+    parser.add_argument(
+        "--accumulation-steps", "-k", type=positive_int, default=4, help="micro-batches per optimizer step (default 4)"
+    )
+    parser.add_argument(
+        "--micro-batch-size", type=positive_int, default=16, help="samples per rank per micro-batch (default 16)"
+    )
+    add_training_arguments(parser, steps=30)
+    parser.add_argument(
+        "--hidden", type=positive_int, default=512, help="MLP width (default 512; larger = more to all-reduce)"
+    )
     parser.add_argument("--layers", type=positive_int, default=1, help="hidden layers (default 1)")
-    parser.add_argument("--sync-every-micro-step", action="store_true",
-                        help="naive: all-reduce after every micro-batch")
+    parser.add_argument(
+        "--sync-every-micro-step", action="store_true", help="naive: all-reduce after every micro-batch"
+    )
     parser.add_argument("--check-gradient", action="store_true", help="compare with the full-batch gradient and exit")
-    parser.add_argument("--log-every", type=positive_int, default=10, help="print a step line every N optimizer steps")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="model and data seed")
-    parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks")
+    add_run_arguments(parser, log_every=10, log_help="print a step line every N optimizer steps")
     args = parser.parse_args(argv)
     if args.accumulation_steps * args.micro_batch_size >= SAMPLES:
-        parser.error(f"-k {args.accumulation_steps} x --micro-batch-size {args.micro_batch_size} must stay below the "
-                     f"{SAMPLES} samples of the dataset")
+        parser.error(
+            f"-k {args.accumulation_steps} x --micro-batch-size {args.micro_batch_size} must stay below the "
+            f"{SAMPLES} samples of the dataset"
+        )
     return args
 
 
@@ -90,8 +99,8 @@ def micro_batches(dataset: tuple[torch.Tensor, torch.Tensor], ctx, args, step: i
     all_inputs, all_targets = dataset
     per_step = k * size * ctx.world_size
     start = (step * per_step + ctx.rank * k * size) % (len(all_inputs) - k * size)
-    inputs, targets = (t[start:start + k * size].to(ctx.device) for t in (all_inputs, all_targets))
-    return list(zip(inputs.split(size), targets.split(size)))
+    inputs, targets = (t[start : start + k * size].to(ctx.device) for t in (all_inputs, all_targets))
+    return list(zip(inputs.split(size), targets.split(size), strict=True))
 
 
 def accumulate(ddp, counter: AllReduceCounter, batches, sync_every_micro_step: bool) -> float:
@@ -116,7 +125,7 @@ def check_gradient(args, ctx, ddp, counter, dataset) -> int:
     accumulate(ddp, counter, batches, args.sync_every_micro_step)
     syncs, calls = counter.synced_backwards - syncs, counter.calls - calls
     accumulated = [p.grad.detach().clone() for p in ddp.module.parameters()]
-    everything = [None] * ctx.world_size
+    everything: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]] * ctx.world_size
     dist.all_gather_object(everything, [(x.cpu(), y.cpu()) for x, y in batches])
     worst = torch.zeros(1, device=ctx.device)
     if ctx.is_rank0:
@@ -125,14 +134,19 @@ def check_gradient(args, ctx, ddp, counter, dataset) -> int:
         inputs = torch.cat([x for rank_batches in everything for x, _ in rank_batches]).to(ctx.device)
         targets = torch.cat([y for rank_batches in everything for _, y in rank_batches]).to(ctx.device)
         loss_fn(reference(inputs), targets).backward()
-        worst[0] = max((a - p.grad).abs().max().item() for a, p in zip(accumulated, reference.parameters()))
+        worst[0] = max(
+            (a - p.grad).abs().max().item() for a, p in zip(accumulated, reference.parameters(), strict=True)
+        )
     dist.broadcast(worst, src=0)
     ok = worst.item() <= GRADIENT_TOLERANCE
-    print0(f"accumulated gradient vs full-batch gradient: max abs difference {worst.item():.3e} "
-           f"(tolerance {GRADIENT_TOLERANCE:g}): {'equal' if ok else 'MISMATCH'}; "
-           f"{syncs} gradient synchronisation(s), {calls} all-reduce call(s) for {args.accumulation_steps} micro-batches")
-    MetricsWriter(ctx.env.run_dir, ctx.is_rank0).write("gradient_check", max_abs_diff=worst.item(), ok=ok,
-                                                       synchronisations=syncs, allreduce_calls=calls)
+    print0(
+        f"accumulated gradient vs full-batch gradient: max abs difference {worst.item():.3e} "
+        f"(tolerance {GRADIENT_TOLERANCE:g}): {'equal' if ok else 'MISMATCH'}; "
+        f"{syncs} gradient synchronisation(s), {calls} all-reduce call(s) for {args.accumulation_steps} micro-batches"
+    )
+    MetricsWriter(ctx.env.run_dir, ctx.is_rank0).write(
+        "gradient_check", max_abs_diff=worst.item(), ok=ok, synchronisations=syncs, allreduce_calls=calls
+    )
     return 0 if ok else 1
 
 
@@ -141,7 +155,8 @@ def main(argv=None) -> int:
     ctx = init_distributed(timeout_s=args.timeout)
     try:
         ddp, counter, optimizer = build(args, ctx)
-        dataset = data.teacher_classification(samples=SAMPLES, seed=args.seed).tensors
+        inputs, labels = data.teacher_classification(samples=SAMPLES, seed=args.seed).tensors
+        dataset = (inputs, labels)
         if args.check_gradient:
             return check_gradient(args, ctx, ddp, counter, dataset)
         mode = "naive: all-reduce every micro-step" if args.sync_every_micro_step else "no_sync for k-1 micro-steps"
@@ -157,18 +172,30 @@ def main(argv=None) -> int:
             loss = accumulate(ddp, counter, micro_batches(dataset, ctx, args, step), args.sync_every_micro_step)
             optimizer.step()
             done = step + 1 == args.steps
-            logger.step(step + 1, loss, time.perf_counter() - step_started, log=done or (step + 1) % args.log_every == 0)
+            logger.step(
+                step + 1, loss, time.perf_counter() - step_started, log=done or (step + 1) % args.log_every == 0
+            )
         elapsed = time.perf_counter() - started
         per_step_calls = counter.calls / args.steps
         per_step_syncs = counter.synced_backwards / args.steps
         buckets = counter.calls / max(counter.synced_backwards, 1)
-        print0(f"all-reduce per optimizer step: {per_step_syncs:g} gradient synchronisation(s), "
-               f"{per_step_calls:g} all-reduce call(s) ({buckets:g} bucket(s) each), counted at run time")
+        print0(
+            f"all-reduce per optimizer step: {per_step_syncs:g} gradient synchronisation(s), "
+            f"{per_step_calls:g} all-reduce call(s) ({buckets:g} bucket(s) each), counted at run time"
+        )
         print0(f"{elapsed / args.steps * 1000:.1f} ms per optimizer step")
-        metrics.write("summary", example="gradient_accumulation", k=k, naive=args.sync_every_micro_step,
-                      steps=args.steps, allreduce_calls_per_step=per_step_calls,
-                      synchronisations_per_step=per_step_syncs, buckets=buckets,
-                      ms_per_step=elapsed / args.steps * 1000, usd=meter.usd_so_far())
+        metrics.write(
+            "summary",
+            example="gradient_accumulation",
+            k=k,
+            naive=args.sync_every_micro_step,
+            steps=args.steps,
+            allreduce_calls_per_step=per_step_calls,
+            synchronisations_per_step=per_step_syncs,
+            buckets=buckets,
+            ms_per_step=elapsed / args.steps * 1000,
+            usd=meter.usd_so_far(),
+        )
         return 0
     finally:
         cleanup()

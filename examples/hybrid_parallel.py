@@ -22,27 +22,45 @@ import argparse
 import contextlib
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from examples.fsdp_training import shard  # noqa: E402
-from examples.tensor_parallel import split_blocks  # noqa: E402
-from harness.args import ExampleParser, non_negative_int, positive_float, positive_int  # noqa: E402
-from harness.checks import report_check  # noqa: E402
-from harness.comm_bytes import CollectiveCounter  # noqa: E402
-from harness.cost import CostMeter  # noqa: E402
-from harness.dist import DistEnv, cleanup, fail, init_distributed, print0, run  # noqa: E402
-from harness.memory import SavedForBackward, breakdown, format_bytes  # noqa: E402
-from harness.metrics import MetricsWriter, StepLogger  # noqa: E402
-from harness.parallel import (  # noqa: E402
-    Batches, MeshShape, ModelConfig, add_model_arguments, build_mesh, digest, full_parameters, layout_problem,
-    max_parameter_diff, mean_over_ranks, mesh_shape, model_config, timed, train_step,
+from examples.fsdp_training import shard
+from examples.tensor_parallel import split_blocks
+from harness.args import (
+    ExampleParser,
+    add_run_arguments,
+    add_training_arguments,
+    positive_int,
 )
-from harness.sharded_checkpoint import ShardedCheckpointer, add_checkpoint_arguments, checkpoint_root  # noqa: E402
+from harness.checks import report_check
+from harness.comm_bytes import CollectiveCounter
+from harness.cost import CostMeter
+from harness.dist import DistEnv, cleanup, fail, init_distributed, print0, run
+from harness.memory import SavedForBackward, breakdown, format_bytes
+from harness.metrics import MetricsWriter, StepLogger
+from harness.parallel import (
+    Batches,
+    MeshShape,
+    ModelConfig,
+    add_model_arguments,
+    build_mesh,
+    digest,
+    full_parameters,
+    layout_problem,
+    max_parameter_diff,
+    mean_over_ranks,
+    mesh_shape,
+    model_config,
+    timed,
+    train_step,
+)
+from harness.sharded_checkpoint import ShardedCheckpointer, add_checkpoint_arguments, checkpoint_root
 
 DEFAULT_MODEL = ModelConfig(vocab=128, seq_len=32, d_model=256, n_heads=8, n_layers=4)
 TOLERANCE = 1e-5  # the same sums in another order, through AdamW's steps
@@ -51,19 +69,20 @@ TOLERANCE = 1e-5  # the same sums in another order, through AdamW's steps
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ExampleParser(__doc__)
     parser.add_argument("--dp", type=positive_int, default=None, help="data-parallel replicas (default: the nodes)")
-    parser.add_argument("--tp", type=positive_int, default=None,
-                        help="tensor-parallel ranks per replica (default: the ranks on a node)")
+    parser.add_argument(
+        "--tp", type=positive_int, default=None, help="tensor-parallel ranks per replica (default: the ranks on a node)"
+    )
     add_model_arguments(parser, DEFAULT_MODEL)
-    parser.add_argument("--steps", type=positive_int, default=10, help="train up to this step (default 10)")
-    parser.add_argument("--batch-size", type=positive_int, default=16,
-                        help="sequences per global batch, split over the dp replicas (default 16)")
-    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    add_training_arguments(
+        parser,
+        steps=10,
+        steps_help="train up to this step",
+        batch_size=16,
+        batch_help="sequences per global batch, split over the dp replicas",
+        lr=3e-3,
+    )
     add_checkpoint_arguments(parser)
-    parser.add_argument("--log-every", type=positive_int, default=5, help="print a step line every N steps (default 5)")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="model and data seed (default 0)")
-    parser.add_argument("--check", action="store_true",
-                        help="compare with a single-process reference; one line, exit 0/1")
-    parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks")
+    add_run_arguments(parser, log_every=5, check="compare with a single-process reference; one line, exit 0/1")
     args = parser.parse_args(argv)
     args.model = model_config(args, parser)
     return args
@@ -90,22 +109,27 @@ def layout(ctx, mesh, shape: MeshShape) -> str:
     return "\n".join(lines)
 
 
+def single_process(args, ctx) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The whole model and its optimizer in one process: what the dp x tp layout must reproduce."""
+    reference = args.model.build(args.seed, ctx.device)
+    return reference, torch.optim.AdamW(reference.parameters(), lr=args.lr)
+
+
 def check(args, ctx, shape: MeshShape, batches: Batches) -> int:
     """Hybrid vs one process training the whole model on the whole global batch (on rank 0)."""
     model, optimizer, mesh = build(args, ctx, shape)
     replica = mesh["dp"].get_local_rank()
-    reference = args.model.build(args.seed, ctx.device) if ctx.is_rank0 else None
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr) if reference else None
+    reference = single_process(args, ctx) if ctx.is_rank0 else None
     worst = 0.0
     for step in range(args.steps):
         inputs, targets = batches.replica_batch(step, replica, shape.dp, ctx.device)
         loss = mean_over_ranks(train_step(model, optimizer, inputs, targets))
         if reference is not None:
             inputs, targets = batches.replica_batch(step, 0, 1, ctx.device)
-            worst = max(worst, abs(loss - train_step(reference, reference_optimizer, inputs, targets).item()))
+            worst = max(worst, abs(loss - train_step(*reference, inputs, targets).item()))
     whole = full_parameters(model)
     if reference is not None:
-        worst = max(worst, max_parameter_diff(whole, full_parameters(reference)))
+        worst = max(worst, max_parameter_diff(whole, full_parameters(reference[0])))
     what = f"dp({shape.dp}) x tp({shape.tp}) vs one process, losses and parameters over {args.steps} steps,"
     return report_check(what, worst, TOLERANCE, ctx.device)
 
@@ -117,12 +141,12 @@ def train(args, ctx, model, optimizer, replica: int, shape: MeshShape, batches, 
     for step in range(start, args.steps):
         inputs, targets = batches.replica_batch(step, replica, shape.dp, ctx.device)
         first, done = step == start, step + 1 == args.steps
-        losses = []
         with counter if first else contextlib.nullcontext():
-            seconds = timed(lambda: losses.append(train_step(model, optimizer, inputs, targets,
-                                                             saved if first else None)), ctx.device)
+            loss, seconds = timed(
+                partial(train_step, model, optimizer, inputs, targets, saved if first else None), ctx.device
+            )
         log = done or (step + 1) % args.log_every == 0
-        logger.step(step + 1, mean_over_ranks(losses[0]) if log else 0.0, seconds, log=log)
+        logger.step(step + 1, mean_over_ranks(loss) if log else 0.0, seconds, log=log)
         if checkpointer and (done or (step + 1) % args.checkpoint_every == 0):
             checkpointer.save(step + 1, model, optimizer)
     if checkpointer:
@@ -133,10 +157,12 @@ def train(args, ctx, model, optimizer, replica: int, shape: MeshShape, batches, 
 def step_report(model, optimizer, saved, counter) -> tuple[str, dict]:
     memory = breakdown(model, optimizer, saved)
     traffic = ", ".join(f"{op} x{t.calls} {format_bytes(t.size_bytes)}" for op, t in counter.tally.ops.items())
-    text = (f"rank 0 holds parameters {format_bytes(memory.parameters_bytes)}, gradients "
-            f"{format_bytes(memory.gradients_bytes)}, optimizer {format_bytes(memory.optimizer_bytes)}, activations "
-            f"{format_bytes(memory.activations_bytes)}; one step's collectives: {traffic}; "
-            f"{format_bytes(counter.tally.sent_bytes)} sent per rank (ring)")
+    text = (
+        f"rank 0 holds parameters {format_bytes(memory.parameters_bytes)}, gradients "
+        f"{format_bytes(memory.gradients_bytes)}, optimizer {format_bytes(memory.optimizer_bytes)}, activations "
+        f"{format_bytes(memory.activations_bytes)}; one step's collectives: {traffic}; "
+        f"{format_bytes(counter.tally.sent_bytes)} sent per rank (ring)"
+    )
     return text, {"memory": memory.as_dict(), "sent_bytes_per_step": counter.tally.sent_bytes}
 
 
@@ -163,17 +189,25 @@ def main(argv=None) -> int:
         meter = CostMeter(ctx.env.hourly_usd)
         metrics = MetricsWriter(ctx.env.run_dir, ctx.is_rank0)
         logger = StepLogger(ctx.is_rank0, ctx.device, meter, metrics, args.batch_size)
-        saved, counter = train(args, ctx, model, optimizer, mesh["dp"].get_local_rank(), shape, batches, start,
-                               checkpointer, logger)
-        summary = {"example": "hybrid_parallel", "dp": shape.dp, "tp": shape.tp, "steps": args.steps,
-                   "resumed_from": start}
+        saved, counter = train(
+            args, ctx, model, optimizer, mesh["dp"].get_local_rank(), shape, batches, start, checkpointer, logger
+        )
+        summary = {
+            "example": "hybrid_parallel",
+            "dp": shape.dp,
+            "tp": shape.tp,
+            "steps": args.steps,
+            "resumed_from": start,
+        }
         if start < args.steps:
             text, figures = step_report(model, optimizer, saved, counter)
             print0(text)
             summary.update(figures)
         parameters_digest = digest(full_parameters(model))
-        print0(f"parameters sha256 {parameters_digest[:16]} at step {args.steps} (gathered whole, "
-               f"world size {ctx.world_size})")
+        print0(
+            f"parameters sha256 {parameters_digest[:16]} at step {args.steps} (gathered whole, "
+            f"world size {ctx.world_size})"
+        )
         metrics.write("summary", **summary, parameter_digest=parameters_digest, usd=meter.usd_so_far())
         return 0
     finally:

@@ -17,18 +17,30 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+import torch.distributed as dist
+from torch import nn
 
-from harness import data  # noqa: E402
-from harness.args import ExampleParser, non_negative_int, positive_float, positive_int  # noqa: E402
-from harness.cost import CostMeter  # noqa: E402
-from harness.dist import cleanup, init_distributed, print0, run  # noqa: E402
-from harness.metrics import MetricsWriter, StepLogger  # noqa: E402
-from harness.models import loss_fn  # noqa: E402
-from harness.pipeline import (  # noqa: E402
-    SCHEDULES, PipelineStage, bubble_theory, build_full_model, measured_bubble, schedule_order, stage_slice,
+from harness import data
+from harness.args import (
+    ExampleParser,
+    add_run_arguments,
+    add_training_arguments,
+    positive_int,
+)
+from harness.checks import gradient, max_abs_diff
+from harness.cost import CostMeter
+from harness.dist import cleanup, init_distributed, print0, run
+from harness.metrics import MetricsWriter, StepLogger
+from harness.models import loss_fn
+from harness.pipeline import (
+    SCHEDULES,
+    PipelineStage,
+    bubble_theory,
+    build_full_model,
+    measured_bubble,
+    schedule_order,
+    stage_slice,
 )
 
 CHECK_TOLERANCE = 1e-5
@@ -39,20 +51,18 @@ SAMPLES = 4096
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ExampleParser(__doc__)
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default 1f1b)")
-    parser.add_argument("--micro-batches", "-m", type=positive_int, default=8,
-                        help="micro-batches per step (default 8)")
-    parser.add_argument("--batch-size", type=positive_int, default=256, help="samples per optimizer step (default 256)")
+    parser.add_argument(
+        "--micro-batches", "-m", type=positive_int, default=8, help="micro-batches per step (default 8)"
+    )
+    add_training_arguments(
+        parser, steps=20, batch_size=256, batch_help="samples per optimizer step", lr=0.05, lr_help="SGD learning rate"
+    )
     parser.add_argument("--width", type=positive_int, default=256, help="layer width (default 256)")
-    parser.add_argument("--layers-per-stage", type=positive_int, default=2,
-                        help="Linear+ReLU blocks per stage (default 2)")
-    parser.add_argument("--steps", type=positive_int, default=20, help="optimizer steps (default 20)")
-    parser.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate (default 0.05)")
-    parser.add_argument("--check", action="store_true",
-                        help="compare loss and gradients with the unsplit model, then exit")
+    parser.add_argument(
+        "--layers-per-stage", type=positive_int, default=2, help="Linear+ReLU blocks per stage (default 2)"
+    )
     parser.add_argument("--two-device-split", action="store_true", help="also run the two-GPU split on node 0")
-    parser.add_argument("--log-every", type=positive_int, default=5, help="print a step line every N steps (default 5)")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="model and data seed")
-    parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks")
+    add_run_arguments(parser, log_every=5, check="compare loss and gradients with the unsplit model, then exit")
     args = parser.parse_args(argv)
     if args.batch_size > SAMPLES:
         parser.error(f"--batch-size {args.batch_size} is more than the {SAMPLES} samples of the dataset")
@@ -64,7 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def batch(dataset, args, step: int, device):
     inputs, targets = dataset
     start = (step * args.batch_size) % (len(inputs) - args.batch_size + 1)
-    return inputs[start:start + args.batch_size].to(device), targets[start:start + args.batch_size].to(device)
+    return inputs[start : start + args.batch_size].to(device), targets[start : start + args.batch_size].to(device)
 
 
 def make_stage(args, ctx) -> tuple[PipelineStage, nn.Sequential]:
@@ -77,22 +87,32 @@ def check_against_unsplit(args, ctx, dataset) -> int:
     stage, full = make_stage(args, ctx)
     inputs, targets = batch(dataset, args, 0, ctx.device)
     order = schedule_order(args.schedule, ctx.rank, ctx.world_size, args.micro_batches)
-    loss, _ = stage.run_step(order, inputs.chunk(args.micro_batches), targets.chunk(args.micro_batches),
-                             (args.batch_size // args.micro_batches, args.width))
+    loss, _ = stage.run_step(
+        order,
+        inputs.chunk(args.micro_batches),
+        targets.chunk(args.micro_batches),
+        (args.batch_size // args.micro_batches, args.width),
+    )
     reference = full.to(ctx.device)
     reference_loss = loss_fn(reference(inputs), targets)
     reference_loss.backward()
     mine = stage_slice(reference, ctx.rank, ctx.world_size)
-    grad_diff = max((a.grad - b.grad).abs().max().item() for a, b in zip(stage.module.parameters(), mine.parameters()))
+    grad_diff = max(
+        max_abs_diff(gradient(a), gradient(b))
+        for a, b in zip(stage.module.parameters(), mine.parameters(), strict=True)
+    )
     loss_diff = abs(loss - reference_loss.item()) if stage.last else 0.0
     worst = torch.tensor([grad_diff, loss_diff], device=ctx.device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     ok = worst.max().item() <= CHECK_TOLERANCE
-    print0(f"{args.schedule}, {ctx.world_size} stages, m={args.micro_batches}: staged vs unsplit model: "
-           f"loss differs by {worst[1].item():.2e}, gradients by at most {worst[0].item():.2e} "
-           f"(tolerance {CHECK_TOLERANCE:g}): {'equal' if ok else 'MISMATCH'}")
+    print0(
+        f"{args.schedule}, {ctx.world_size} stages, m={args.micro_batches}: staged vs unsplit model: "
+        f"loss differs by {worst[1].item():.2e}, gradients by at most {worst[0].item():.2e} "
+        f"(tolerance {CHECK_TOLERANCE:g}): {'equal' if ok else 'MISMATCH'}"
+    )
     MetricsWriter(ctx.env.run_dir, ctx.is_rank0).write(
-        "pipeline_check", schedule=args.schedule, loss_diff=worst[1].item(), grad_diff=worst[0].item(), ok=ok)
+        "pipeline_check", schedule=args.schedule, loss_diff=worst[1].item(), grad_diff=worst[0].item(), ok=ok
+    )
     return 0 if ok else 1
 
 
@@ -105,8 +125,10 @@ def train(args, ctx, dataset) -> int:
     logger = StepLogger(ctx.is_rank0, ctx.device, meter, metrics, args.batch_size)
     shape = (args.batch_size // args.micro_batches, args.width)
     bubbles, step_times = [], []
-    print0(f"{ctx.world_size} stages x {args.layers_per_stage} layers of width {args.width}, {args.schedule}, "
-           f"m={args.micro_batches} micro-batches of {shape[0]}")
+    print0(
+        f"{ctx.world_size} stages x {args.layers_per_stage} layers of width {args.width}, {args.schedule}, "
+        f"m={args.micro_batches} micro-batches of {shape[0]}"
+    )
     for step in range(args.steps):
         inputs, targets = batch(dataset, args, step, ctx.device)
         optimizer.zero_grad(set_to_none=True)
@@ -129,9 +151,17 @@ def report(args, ctx, bubbles, step_times, metrics, meter) -> int:
     samples_per_s = args.batch_size / (sum(step_times) / len(step_times)) if step_times else float("nan")
     print0(f"bubble: measured {measured:.1%} (mean over steps 2..{args.steps}), theory (p-1)/(m+p-1) = {theory:.1%}")
     print0(f"throughput: {samples_per_s:.1f} samples/s")
-    metrics.write("summary", example="model_parallelism", schedule=args.schedule, stages=ctx.world_size,
-                  micro_batches=args.micro_batches, bubble_measured=measured, bubble_theory=theory,
-                  samples_per_s=samples_per_s, usd=meter.usd_so_far())
+    metrics.write(
+        "summary",
+        example="model_parallelism",
+        schedule=args.schedule,
+        stages=ctx.world_size,
+        micro_batches=args.micro_batches,
+        bubble_measured=measured,
+        bubble_theory=theory,
+        samples_per_s=samples_per_s,
+        usd=meter.usd_so_far(),
+    )
     return 0
 
 
@@ -146,8 +176,10 @@ def two_device_split(args, ctx) -> None:
         first = stage_slice(full, 0, 2).to("cuda:0")
         second = stage_slice(full, 1, 2).to("cuda:1")
         optimizer = torch.optim.SGD(list(first.parameters()) + list(second.parameters()), lr=args.lr)
-        inputs, targets = (t[:args.batch_size] for t in data.teacher_classification(
-            samples=args.batch_size, features=args.width, seed=args.seed).tensors)
+        inputs, targets = (
+            t[: args.batch_size]
+            for t in data.teacher_classification(samples=args.batch_size, features=args.width, seed=args.seed).tensors
+        )
         started = time.perf_counter()
         for _ in range(args.steps):
             optimizer.zero_grad(set_to_none=True)
@@ -157,8 +189,11 @@ def two_device_split(args, ctx) -> None:
             optimizer.step()
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - started
-        print(f"two-device split on node 0 (cuda:0 -> cuda:1): {args.steps} steps, "
-              f"{args.steps * args.batch_size / elapsed:.1f} samples/s, loss {loss.item():.4f}", flush=True)
+        print(
+            f"two-device split on node 0 (cuda:0 -> cuda:1): {args.steps} steps, "
+            f"{args.steps * args.batch_size / elapsed:.1f} samples/s, loss {loss.item():.4f}",
+            flush=True,
+        )
     dist.barrier()
 
 
@@ -166,8 +201,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     ctx = init_distributed(timeout_s=args.timeout)
     try:
-        dataset = data.teacher_classification(samples=SAMPLES, features=args.width, classes=CLASSES,
-                                               seed=args.seed).tensors
+        dataset = data.teacher_classification(
+            samples=SAMPLES, features=args.width, classes=CLASSES, seed=args.seed
+        ).tensors
         if args.check:
             return check_against_unsplit(args, ctx, dataset)
         code = train(args, ctx, dataset)

@@ -16,13 +16,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from examples._plots import NO_MATPLOTLIB, pyplot  # noqa: E402
-from harness.args import ExampleParser, non_negative_int, positive_float, positive_int  # noqa: E402
-from harness.comm_bench import OPS, average_busbw, format_table, measure, sizes  # noqa: E402
-from harness.dist import cleanup, init_distributed, print0, run  # noqa: E402
-from harness.metrics import MetricsWriter  # noqa: E402
-from harness.results import results_path, write_json  # noqa: E402
+from examples._plots import NO_MATPLOTLIB, pyplot
+from harness.args import (
+    ExampleParser,
+    add_results_arguments,
+    add_run_arguments,
+    non_negative_int,
+    positive_int,
+)
+from harness.comm_bench import OPS, average_busbw, format_table, measure, sizes
+from harness.dist import cleanup, init_distributed, print0, run
+from harness.metrics import MetricsWriter
+from harness.results import results_path, write_json
 
+RESULTS_JSON = "profile.json"
 UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
 
@@ -37,15 +44,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = ExampleParser(__doc__)
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
     parser.add_argument("--min-bytes", type=byte_size, default=byte_size("1K"), help="smallest message (default 1K)")
-    parser.add_argument("--max-bytes", type=byte_size, default=None,
-                        help="largest message (default 64M on GPUs, 4M on CPU)")
+    parser.add_argument(
+        "--max-bytes", type=byte_size, default=None, help="largest message (default 64M on GPUs, 4M on CPU)"
+    )
     parser.add_argument("--factor", type=positive_int, default=2, help="size multiplier between rows (default 2)")
     parser.add_argument("--warmup", type=non_negative_int, default=5, help="untimed runs per size (default 5)")
     parser.add_argument("--iters", type=positive_int, default=20, help="timed runs per size (default 20)")
-    parser.add_argument("--json", type=Path, default=None,
-                        help="write results here (default profile.json in the results folder)")
-    parser.add_argument("--plot", type=Path, default=None, help="write a PNG of busbw against size here")
-    parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks")
+    add_results_arguments(parser, json_name=RESULTS_JSON, plot_what="busbw against size")
+    add_run_arguments(parser, seed=False)
     args = parser.parse_args(argv)
     unknown = set(args.ops.split(",")) - set(OPS)
     if unknown:
@@ -84,7 +90,10 @@ def main(argv=None) -> int:
         ops = args.ops.split(",")
         results = []
         for op in ops:
-            rows = [measure(op, size, ctx.device, args.warmup, args.iters) for size in sizes(args.min_bytes, max_bytes, args.factor)]
+            rows = [
+                measure(op, size, ctx.device, args.warmup, args.iters)
+                for size in sizes(args.min_bytes, max_bytes, args.factor)
+            ]
             results += rows
             print0(format_table(op, ctx.world_size, ctx.backend, rows))
             print0()
@@ -99,9 +108,9 @@ def main(argv=None) -> int:
             "wrong": wrong,
         }
         if ctx.is_rank0:
-            print(f"results: {write_json(summary, results_path(args.json, 'profile.json'))}", flush=True)
+            print(f"results: {write_json(summary, results_path(args.json, RESULTS_JSON))}", flush=True)
             if args.plot:
-                print(plot(results_path(args.plot, 'busbw.png'), results, ctx.world_size, ctx.backend), flush=True)
+                print(plot(results_path(args.plot, "busbw.png"), results, ctx.world_size, ctx.backend), flush=True)
         MetricsWriter(ctx.env.run_dir, ctx.is_rank0).write(
             "summary", example="profile_communication", avg_busbw_gbps=summary["avg_busbw_gbps"], wrong=wrong
         )

@@ -14,31 +14,39 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from examples._plots import NO_MATPLOTLIB, pyplot  # noqa: E402
-from harness import data  # noqa: E402
-from harness.args import ExampleParser, non_negative_int, positive_float, positive_int  # noqa: E402
-from harness.comm_bench import synchronize  # noqa: E402
-from harness.dist import cleanup, init_distributed, print0, run  # noqa: E402
-from harness.metrics import MetricsWriter  # noqa: E402
-from harness.models import MLP, loss_fn  # noqa: E402
-from harness.results import results_path, write_json  # noqa: E402
+from examples._plots import NO_MATPLOTLIB, pyplot
+from harness import data
+from harness.args import (
+    ExampleParser,
+    add_results_arguments,
+    add_run_arguments,
+    add_training_arguments,
+    non_negative_int,
+    positive_int,
+)
+from harness.comm_bench import synchronize
+from harness.dist import cleanup, init_distributed, print0, run
+from harness.metrics import MetricsWriter
+from harness.models import MLP, loss_fn
+from harness.results import results_path, write_json
+
+RESULTS_JSON = "scaling.json"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ExampleParser(__doc__)
-    parser.add_argument("--batch-size", type=positive_int, default=64, help="samples per rank per step (default 64)")
+    add_training_arguments(
+        parser, steps=20, steps_help="timed steps per size", batch_size=64, batch_help="samples per rank per step"
+    )
     parser.add_argument("--hidden", type=positive_int, default=512, help="MLP width (default 512)")
     parser.add_argument("--layers", type=positive_int, default=1, help="MLP hidden layers (default 1)")
-    parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per size (default 20)")
     parser.add_argument("--warmup", type=non_negative_int, default=3, help="untimed steps per size (default 3)")
-    parser.add_argument("--plot", type=Path, default=None, help="write a PNG of throughput and efficiency here")
-    parser.add_argument("--json", type=Path, default=None,
-                        help="write results here (default scaling.json in the results folder)")
-    parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks")
+    add_results_arguments(parser, json_name=RESULTS_JSON, plot_what="throughput and efficiency")
+    add_run_arguments(parser, seed=False)
     return parser.parse_args(argv)
 
 
@@ -63,8 +71,11 @@ def measure_size(args, ctx, ranks: int, group, inputs, targets) -> dict | None:
     if ctx.rank >= ranks:
         return None
     torch.manual_seed(0)
-    model = DDP(MLP(hidden=args.hidden, layers=args.layers).to(ctx.device), process_group=group,
-                device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    model = DDP(
+        MLP(hidden=args.hidden, layers=args.layers).to(ctx.device),
+        process_group=group,
+        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     timed_steps(model, optimizer, inputs, targets, args.warmup, True, ctx.device)
     step_s = timed_steps(model, optimizer, inputs, targets, args.steps, True, ctx.device)
@@ -81,8 +92,10 @@ def slowest(figures: list[dict | None]) -> dict:
 def table(results: list[dict]) -> str:
     lines = [f"{'ranks':>5} {'samples/s':>11} {'efficiency':>10} {'ms/step':>8} {'compute ms':>10} {'comm ms':>8}"]
     for r in results:
-        lines.append(f"{r['ranks']:>5d} {r['samples_per_s']:>11.1f} {r['efficiency']:>10.1%} {r['step_s'] * 1e3:>8.2f} "
-                     f"{r['compute_s'] * 1e3:>10.2f} {r['comm_s'] * 1e3:>8.2f}")
+        lines.append(
+            f"{r['ranks']:>5d} {r['samples_per_s']:>11.1f} {r['efficiency']:>10.1%} {r['step_s'] * 1e3:>8.2f} "
+            f"{r['compute_s'] * 1e3:>10.2f} {r['comm_s'] * 1e3:>8.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -97,8 +110,12 @@ def plot(path: Path, results: list[dict], backend: str) -> str:
     left.set(xlabel="ranks", ylabel="samples/s", title=f"DDP throughput ({backend})")
     left.legend()
     right.bar(ranks, [r["compute_s"] * 1e3 for r in results], label="compute")
-    right.bar(ranks, [r["comm_s"] * 1e3 for r in results], bottom=[r["compute_s"] * 1e3 for r in results],
-              label="exposed communication")
+    right.bar(
+        ranks,
+        [r["comm_s"] * 1e3 for r in results],
+        bottom=[r["compute_s"] * 1e3 for r in results],
+        label="exposed communication",
+    )
     right.set(xlabel="ranks", ylabel="ms per step", title="where a step goes")
     right.legend()
     figure.tight_layout()
@@ -110,8 +127,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     ctx = init_distributed(timeout_s=args.timeout)
     try:
-        inputs, targets = (t[:args.batch_size].to(ctx.device) for t in data.teacher_classification(
-            samples=args.batch_size, seed=ctx.rank).tensors)
+        inputs, targets = (
+            t[: args.batch_size].to(ctx.device)
+            for t in data.teacher_classification(samples=args.batch_size, seed=ctx.rank).tensors
+        )
         results = []
         for ranks in range(1, ctx.world_size + 1):
             group = dist.new_group(list(range(ranks)))
@@ -128,9 +147,9 @@ def main(argv=None) -> int:
         print0(table(results))
         if ctx.is_rank0:
             report = {"backend": ctx.backend, "results": results}
-            print(f"results: {write_json(report, results_path(args.json, 'scaling.json'))}", flush=True)
+            print(f"results: {write_json(report, results_path(args.json, RESULTS_JSON))}", flush=True)
             if args.plot:
-                print(plot(results_path(args.plot, 'scaling.png'), results, ctx.backend), flush=True)
+                print(plot(results_path(args.plot, "scaling.png"), results, ctx.backend), flush=True)
         MetricsWriter(ctx.env.run_dir, ctx.is_rank0).write("summary", example="scaling_efficiency", results=results)
         return 0
     finally:

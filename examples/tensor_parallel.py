@@ -16,25 +16,37 @@ bytes they carry. `--check` compares the split model's outputs and gradients wit
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from harness.args import ExampleParser, non_negative_int, positive_float, positive_int  # noqa: E402
-from harness.checks import max_abs_diff, report_check  # noqa: E402
-from harness.comm_bytes import CollectiveCounter  # noqa: E402
-from harness.cost import CostMeter  # noqa: E402
-from harness.dist import DistEnv, cleanup, fail, init_distributed, print0, run  # noqa: E402
-from harness.memory import format_bytes  # noqa: E402
-from harness.metrics import MetricsWriter, StepLogger  # noqa: E402
-from harness.models import loss_fn  # noqa: E402
-from harness.parallel import (  # noqa: E402
-    Batches, MeshShape, ModelConfig, add_model_arguments, layout_problem, mean_over_ranks, model_config, timed,
+from harness.args import (
+    ExampleParser,
+    add_run_arguments,
+    add_training_arguments,
+)
+from harness.checks import gradient, max_abs_diff, report_check
+from harness.comm_bytes import CollectiveCounter
+from harness.cost import CostMeter
+from harness.dist import DistEnv, cleanup, fail, init_distributed, print0, run
+from harness.memory import format_bytes
+from harness.metrics import MetricsWriter, StepLogger
+from harness.models import TinyTransformerLM, loss_fn
+from harness.parallel import (
+    Batches,
+    MeshShape,
+    ModelConfig,
+    add_model_arguments,
+    layout_problem,
+    mean_over_ranks,
+    model_config,
+    timed,
     train_step,
 )
 
@@ -56,20 +68,16 @@ TP_PLAN = {
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ExampleParser(__doc__)
     add_model_arguments(parser, DEFAULT_MODEL)
-    parser.add_argument("--steps", type=positive_int, default=20, help="optimizer steps (default 20)")
-    parser.add_argument("--batch-size", type=positive_int, default=8,
-                        help="sequences per step, the same on every rank (default 8)")
-    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    parser.add_argument("--log-every", type=positive_int, default=5, help="print a step line every N steps (default 5)")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="model and data seed (default 0)")
-    parser.add_argument("--check", action="store_true", help="compare outputs and gradients with the unsplit model")
-    parser.add_argument("--timeout", type=positive_float, default=300, help="seconds to wait for all ranks")
+    add_training_arguments(
+        parser, steps=20, batch_size=8, batch_help="sequences per step, the same on every rank", lr=3e-3
+    )
+    add_run_arguments(parser, log_every=5, check="compare outputs and gradients with the unsplit model")
     args = parser.parse_args(argv)
     args.model = model_config(args, parser)
     return args
 
 
-def split_blocks(model: torch.nn.Module, mesh) -> torch.nn.Module:
+def split_blocks(model: TinyTransformerLM, mesh) -> TinyTransformerLM:
     """Split every block's attention and MLP over `mesh` (its ranks share a node in a hybrid job)."""
     for block in model.blocks:
         parallelize_module(block, mesh, TP_PLAN)
@@ -92,8 +100,10 @@ def collective_table(counter: CollectiveCounter) -> str:
         backward = sum(n for op, n in counts["backward"].items() if str(op) == kind)
         lines.append(f"{kind:<32} {forward:>8} {backward:>9}")
     for op, tally in counter.tally.ops.items():
-        lines.append(f"{op}: {tally.calls} calls, {format_bytes(tally.size_bytes)} in all, "
-                     f"{format_bytes(tally.sent_bytes)} sent per rank (ring)")
+        lines.append(
+            f"{op}: {tally.calls} calls, {format_bytes(tally.size_bytes)} in all, "
+            f"{format_bytes(tally.sent_bytes)} sent per rank (ring)"
+        )
     return "\n".join(lines)
 
 
@@ -108,9 +118,9 @@ def check(args, ctx, batches: Batches) -> int:
     worst = max_abs_diff(logits, reference_logits)
     split = dict(model.named_parameters())
     for name, parameter in reference.named_parameters():
-        gradient = split[name].grad
-        worst = max(worst, max_abs_diff(gradient.full_tensor() if isinstance(gradient, DTensor) else gradient,
-                                        parameter.grad))
+        split_gradient = gradient(split[name])
+        whole = split_gradient.full_tensor() if isinstance(split_gradient, DTensor) else split_gradient
+        worst = max(worst, max_abs_diff(whole, gradient(parameter)))
     what = f"tensor parallel over {ctx.world_size} ranks vs the unsplit model, outputs and gradients,"
     return report_check(what, worst, TOLERANCE, ctx.device)
 
@@ -127,8 +137,10 @@ def main(argv=None) -> int:
         if args.check:
             return check(args, ctx, batches)
         model, optimizer = build(args, ctx)
-        print0(f"{args.model.describe()}; tensor parallel over {ctx.world_size} ranks ({ctx.backend}), "
-               f"batch {args.batch_size} on every rank")
+        print0(
+            f"{args.model.describe()}; tensor parallel over {ctx.world_size} ranks ({ctx.backend}), "
+            f"batch {args.batch_size} on every rank"
+        )
         counter = CollectiveCounter()
         with counter:
             inputs, targets = batches.replica_batch(0, 0, 1, ctx.device)
@@ -140,12 +152,17 @@ def main(argv=None) -> int:
         logger = StepLogger(ctx.is_rank0, ctx.device, meter, metrics, args.batch_size)
         for step in range(1, args.steps):
             inputs, targets = batches.replica_batch(step, 0, 1, ctx.device)
-            losses = []
-            seconds = timed(lambda: losses.append(train_step(model, optimizer, inputs, targets)), ctx.device)
+            loss, seconds = timed(partial(train_step, model, optimizer, inputs, targets), ctx.device)
             log = step + 1 == args.steps or (step + 1) % args.log_every == 0
-            logger.step(step + 1, mean_over_ranks(losses[0]) if log else 0.0, seconds, log=log)
-        metrics.write("summary", example="tensor_parallel", world_size=ctx.world_size, steps=args.steps,
-                      collectives={op: vars(t) for op, t in counter.tally.ops.items()}, usd=meter.usd_so_far())
+            logger.step(step + 1, mean_over_ranks(loss) if log else 0.0, seconds, log=log)
+        metrics.write(
+            "summary",
+            example="tensor_parallel",
+            world_size=ctx.world_size,
+            steps=args.steps,
+            collectives={op: vars(t) for op, t in counter.tally.ops.items()},
+            usd=meter.usd_so_far(),
+        )
         return 0
     finally:
         cleanup()

@@ -39,5 +39,12 @@ def report_check(what: str, max_diff: float, tolerance: float, device: torch.dev
     return 0 if passed else 1
 
 
+def gradient(parameter: torch.Tensor) -> torch.Tensor:
+    """`parameter.grad` for a check to compare: one that backward never reached is an error, not a zero."""
+    if parameter.grad is None:
+        raise ValueError(f"a parameter of shape {tuple(parameter.shape)} has no gradient: backward never reached it")
+    return parameter.grad
+
+
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.detach().float() - b.detach().float()).abs().max().item() if a.numel() else 0.0

@@ -56,8 +56,9 @@ class CollectiveResult:
 
 def bus_factor(op: str, world_size: int) -> float:
     n = world_size
-    return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-            "broadcast": 1.0}[op]
+    return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "broadcast": 1.0}[
+        op
+    ]
 
 
 def sizes(min_bytes: int, max_bytes: int, factor: int = 2) -> list[int]:
@@ -81,8 +82,12 @@ class Collective:
         self.op, self.count, self.device = op, count, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         chunk = count // self.world
-        shapes = {"all_reduce": (count, count), "all_gather": (chunk, count), "reduce_scatter": (count, chunk),
-                  "broadcast": (count, count)}[op]
+        shapes = {
+            "all_reduce": (count, count),
+            "all_gather": (chunk, count),
+            "reduce_scatter": (count, chunk),
+            "broadcast": (count, count),
+        }[op]
         self.input = torch.empty(shapes[0], device=device)
         self.output = self.input if op in ("all_reduce", "broadcast") else torch.empty(shapes[1], device=device)
 
@@ -113,7 +118,7 @@ class Collective:
             return torch.cat([torch.arange(chunk, device=self.device, dtype=torch.float32) % 97 + r for r in range(n)])
         if self.op == "reduce_scatter":
             chunk = self.count // n
-            return (positions * n + rank_sum)[self.rank * chunk:(self.rank + 1) * chunk]
+            return (positions * n + rank_sum)[self.rank * chunk : (self.rank + 1) * chunk]
         return positions
 
     def count_wrong(self) -> int:
@@ -162,10 +167,16 @@ def measure(op: str, size_bytes: int, device: torch.device, warmup: int, iters: 
     size = collective.count * ELEMENT_BYTES
     algbw = size / seconds / 1e9
     return CollectiveResult(
-        op=op, size_bytes=size, count=collective.count, dtype="float",
+        op=op,
+        size_bytes=size,
+        count=collective.count,
+        dtype="float",
         redop="sum" if op in ("all_reduce", "reduce_scatter") else "none",
-        root=0 if op == "broadcast" else -1, time_us=seconds * 1e6, algbw_gbps=algbw,
-        busbw_gbps=algbw * bus_factor(op, world), wrong=wrong,
+        root=0 if op == "broadcast" else -1,
+        time_us=seconds * 1e6,
+        algbw_gbps=algbw,
+        busbw_gbps=algbw * bus_factor(op, world),
+        wrong=wrong,
     )
 
 

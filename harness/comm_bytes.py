@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.distributed_c10d import GroupName
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -47,8 +48,11 @@ class CommTally:
         self._lock = threading.Lock()
 
     def add(self, op: str, size_bytes: int, group_size: int) -> None:
-        factor = bus_factor(op, group_size) if op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast") \
+        factor = (
+            bus_factor(op, group_size)
+            if op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
             else (group_size - 1) / group_size
+        )
         with self._lock:
             tally = self.ops.setdefault(op, OpTally())
             tally.calls += 1
@@ -92,10 +96,13 @@ class CountingProcessGroup(dist.ProcessGroup):
     """
 
     def __init__(self, inner: dist.ProcessGroup, tally: CommTally):
-        super().__init__(inner.rank(), inner.size())
+        # The binding also takes (rank, size), for Python subclasses; torch's stub lists only (store, rank, size).
+        super().__init__(inner.rank(), inner.size())  # type: ignore[call-arg]
         self.inner, self.tally = inner, tally
 
-    def allreduce(self, tensors, opts=None):
+    # torch calls a Python group's collectives as (tensors, opts); the stub's other overloads are ways to call
+    # a C++ group from Python, which nothing does with this one.
+    def allreduce(self, tensors, opts=None):  # type: ignore[override]
         self.tally.add("all_reduce", tensor_bytes(tensors), self.size())
         return self.inner.allreduce(tensors, opts) if opts is not None else self.inner.allreduce(tensors)
 
@@ -103,18 +110,31 @@ class CountingProcessGroup(dist.ProcessGroup):
         return self.inner.getBackendName() if hasattr(self.inner, "getBackendName") else self.inner.name()
 
 
-def register_counted_hook(ddp, hook: str, tally: CommTally, powersgd_rank: int = 1, start_iter: int = 2,
-                          group: dist.ProcessGroup | None = None):
+def register_counted_hook(
+    ddp,
+    hook: str,
+    tally: CommTally,
+    powersgd_rank: int = 1,
+    start_iter: int = 2,
+    group: dist.ProcessGroup | None = None,
+):
     """Register DDP's `hook` (none, fp16, bf16 or powersgd) so that its all-reduces are counted into
     `tally`; returns the hook's state (PowerSGD's holds its error feedback and low-rank buffers)."""
-    counting = CountingProcessGroup(group or dist.group.WORLD, tally)
+    inner = group or dist.group.WORLD
+    if inner is None:
+        raise RuntimeError("register_counted_hook needs torch.distributed initialised first")
+    counting = CountingProcessGroup(inner, tally)
     if hook == "powersgd":
-        state = powerSGD_hook.PowerSGDState(process_group=counting, matrix_approximation_rank=powersgd_rank,
-                                            start_powerSGD_iter=start_iter)
+        state = powerSGD_hook.PowerSGDState(
+            process_group=counting, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=start_iter
+        )
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return state
-    plain = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
-             "bf16": default_hooks.bf16_compress_hook}[hook]
+    plain = {
+        "none": default_hooks.allreduce_hook,
+        "fp16": default_hooks.fp16_compress_hook,
+        "bf16": default_hooks.bf16_compress_hook,
+    }[hook]
     ddp.register_comm_hook(counting, plain)
     return counting
 
@@ -143,7 +163,7 @@ def bf16_problem(hook: str, backend: str) -> str | None:
 
 def _group_size_of(group) -> int:
     if isinstance(group, str):  # functional collectives name their group
-        return dist.distributed_c10d._resolve_process_group(group).size()
+        return dist.distributed_c10d._resolve_process_group(GroupName(group)).size()
     return dist.ProcessGroup.unbox(group).size()
 
 

@@ -5,11 +5,10 @@ batches an uninterrupted one would, and the loss falls far below chance.
 """
 
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import TensorDataset
 
 
-def teacher_classification(samples: int = 8192, features: int = 784, classes: int = 10,
-                           seed: int = 0) -> Dataset:
+def teacher_classification(samples: int = 8192, features: int = 784, classes: int = 10, seed: int = 0) -> TensorDataset:
     """Gaussian inputs labelled by a fixed random two-layer network (a learnable rule, not noise)."""
     generator = torch.Generator().manual_seed(seed)
     inputs = torch.randn(samples, features, generator=generator)
@@ -19,7 +18,7 @@ def teacher_classification(samples: int = 8192, features: int = 784, classes: in
     return TensorDataset(inputs, labels)
 
 
-def teacher_sequences(samples: int = 2048, seq_len: int = 64, vocab: int = 64, seed: int = 0) -> Dataset:
+def teacher_sequences(samples: int = 2048, seq_len: int = 64, vocab: int = 64, seed: int = 0) -> TensorDataset:
     """Token sequences from a fixed random Markov chain whose next token is nearly determined.
 
     Each token has 2 likely successors, so a model that learns the chain reaches a loss near ln 2

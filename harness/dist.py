@@ -137,8 +137,11 @@ def _attempt_store(env: DistEnv, timeout_s: float) -> dict:
         return {}
     store = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=timeout_s))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return {"store": dist.PrefixStore(f"harness/attempt-{attempt}", store), "rank": env.rank,
-            "world_size": env.world_size}
+    return {
+        "store": dist.PrefixStore(f"harness/attempt-{attempt}", store),
+        "rank": env.rank,
+        "world_size": env.world_size,
+    }
 
 
 def _single_process_defaults() -> None:

@@ -35,8 +35,13 @@ class MemoryBreakdown:
 
     @property
     def total_bytes(self) -> int:
-        return (self.parameters_bytes + self.gathered_bytes + self.gradients_bytes + self.optimizer_bytes
-                + self.activations_bytes)
+        return (
+            self.parameters_bytes
+            + self.gathered_bytes
+            + self.gradients_bytes
+            + self.optimizer_bytes
+            + self.activations_bytes
+        )
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total_bytes": self.total_bytes}
@@ -113,8 +118,13 @@ class SavedForBackward:
 
 def breakdown(model: nn.Module, optimizer: torch.optim.Optimizer, saved: SavedForBackward) -> MemoryBreakdown:
     """This rank's figures after a step measured with `saved` (gradients and optimizer state present)."""
-    return MemoryBreakdown(parameter_bytes(model), saved.gathered_bytes, gradient_bytes(model),
-                           optimizer_bytes(optimizer), saved.activations_bytes)
+    return MemoryBreakdown(
+        parameter_bytes(model),
+        saved.gathered_bytes,
+        gradient_bytes(model),
+        optimizer_bytes(optimizer),
+        saved.activations_bytes,
+    )
 
 
 def whole_breakdown(model: nn.Module, optimizer: torch.optim.Optimizer, activations_bytes: int) -> MemoryBreakdown:
@@ -125,8 +135,13 @@ def whole_breakdown(model: nn.Module, optimizer: torch.optim.Optimizer, activati
         return 0 if tensor is None else tensor.numel() * tensor.element_size()
 
     states = [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    return MemoryBreakdown(sum(whole(p) for p in model.parameters()), 0, sum(whole(p.grad) for p in model.parameters()),
-                           sum(whole(v) for v in states), activations_bytes)
+    return MemoryBreakdown(
+        sum(whole(p) for p in model.parameters()),
+        0,
+        sum(whole(p.grad) for p in model.parameters()),
+        sum(whole(v) for v in states),
+        activations_bytes,
+    )
 
 
 @dataclass(frozen=True)
@@ -144,12 +159,18 @@ class Sharing:
 def course_estimate_bytes(parameters: int, sharing: Sharing, activations_bytes: int) -> int:
     """The course's estimate: weights (4 B/param) + gradients (4 B/param) + Adam (8 B/param), each
     divided as the strategy divides it, + activations."""
-    return round(parameters * (WEIGHT_BYTES * sharing.weights + GRADIENT_BYTES * sharing.gradients
-                               + ADAM_BYTES * sharing.optimizer)) + activations_bytes
+    return (
+        round(
+            parameters
+            * (WEIGHT_BYTES * sharing.weights + GRADIENT_BYTES * sharing.gradients + ADAM_BYTES * sharing.optimizer)
+        )
+        + activations_bytes
+    )
 
 
-def activation_estimate_bytes(batch: int, seq_len: int, d_model: int, n_layers: int, vocab: int, tp: int = 1,
-                              value_bytes: int = 4) -> int:
+def activation_estimate_bytes(
+    batch: int, seq_len: int, d_model: int, n_layers: int, vocab: int, tp: int = 1, value_bytes: int = 4
+) -> int:
     """About what a pre-norm block keeps for backward, per token: the two LayerNorms' inputs and
     outputs (4 x d, replicated under tensor parallelism), q, k, v, the attention output and its
     reshaped copy (5 x d) and the MLP's two 4d-wide activations (8 x d), these 13 x d split by tensor

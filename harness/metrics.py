@@ -37,8 +37,9 @@ def peak_memory_gib(device: torch.device) -> float:
     return peak_kib * (1 if sys.platform != "darwin" else 1 / 1024) / 2**20
 
 
-def format_step(step: int, loss: float, step_ms: float, samples_per_s: float, mem_gib: float,
-                hourly_usd: float, usd_so_far: float) -> str:
+def format_step(
+    step: int, loss: float, step_ms: float, samples_per_s: float, mem_gib: float, hourly_usd: float, usd_so_far: float
+) -> str:
     return (
         f"{step:>6d} {loss:>9.4f} {step_ms:>9.1f} {samples_per_s:>11.1f} {mem_gib:>8.2f} "
         f"{hourly_usd:>8.3f} {usd_so_far:>10.4f}"
@@ -53,8 +54,9 @@ last_step: int | None = None
 class StepLogger:
     """One line per logged step from rank 0 (the header first), each also kept in the metrics."""
 
-    def __init__(self, is_rank0: bool, device: torch.device, meter: CostMeter, metrics: MetricsWriter,
-                 global_batch: int):
+    def __init__(
+        self, is_rank0: bool, device: torch.device, meter: CostMeter, metrics: MetricsWriter, global_batch: int
+    ):
         self.is_rank0 = is_rank0
         self.device = device
         self.meter = meter
@@ -77,8 +79,14 @@ class StepLogger:
         usd = self.meter.usd_so_far()
         print(format_step(step, loss, step_s * 1000, samples_per_s, mem, self.meter.hourly_usd, usd), flush=True)
         self.metrics.write(
-            "step", step=step, loss=loss, step_ms=round(step_s * 1000, 3), samples_per_s=round(samples_per_s, 2),
-            mem_gib=round(mem, 4), hourly_usd=self.meter.hourly_usd, usd_so_far=usd,
+            "step",
+            step=step,
+            loss=loss,
+            step_ms=round(step_s * 1000, 3),
+            samples_per_s=round(samples_per_s, 2),
+            mem_gib=round(mem, 4),
+            hourly_usd=self.meter.hourly_usd,
+            usd_so_far=usd,
         )
 
 
@@ -95,4 +103,3 @@ def peak_tflops(device_name: str, precision: str) -> float | None:
         if model in tokens:
             return peaks.get(precision)
     return None
-

@@ -1,6 +1,7 @@
 """The models the examples train: the course's MLP and a small causal transformer language model."""
 
 import math
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -8,16 +9,29 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module inside DDP and torch.compile wrappers (`module`, `_orig_mod`), however nested."""
+    for wrapped in ("module", "_orig_mod"):
+        inner = getattr(model, wrapped, None)
+        if isinstance(inner, nn.Module):
+            return unwrap(inner)
+    return model
+
+
 class MLP(nn.Module):
     """784-512-10 by default (the course's), deeper or wider on request for benchmarks."""
 
-    def __init__(self, in_features: int = 784, hidden: int = 512, classes: int = 10, layers: int = 1,
-                 activation_checkpointing: bool = False):
+    def __init__(
+        self,
+        in_features: int = 784,
+        hidden: int = 512,
+        classes: int = 10,
+        layers: int = 1,
+        activation_checkpointing: bool = False,
+    ):
         super().__init__()
         widths = [in_features] + [hidden] * layers
-        self.hidden = nn.ModuleList(
-            nn.Sequential(nn.Linear(a, b), nn.ReLU()) for a, b in zip(widths[:-1], widths[1:])
-        )
+        self.hidden = nn.ModuleList(nn.Sequential(nn.Linear(a, b), nn.ReLU()) for a, b in pairwise(widths))
         self.head = nn.Linear(widths[-1], classes)
         self.activation_checkpointing = activation_checkpointing
 
@@ -65,8 +79,15 @@ class Block(nn.Module):
 class TinyTransformerLM(nn.Module):
     """A GPT-style language model small enough to train on two CPU ranks in a minute."""
 
-    def __init__(self, vocab: int = 64, seq_len: int = 64, d_model: int = 128, n_heads: int = 4,
-                 n_layers: int = 2, activation_checkpointing: bool = False):
+    def __init__(
+        self,
+        vocab: int = 64,
+        seq_len: int = 64,
+        d_model: int = 128,
+        n_heads: int = 4,
+        n_layers: int = 2,
+        activation_checkpointing: bool = False,
+    ):
         super().__init__()
         self.seq_len = seq_len
         self.token = nn.Embedding(vocab, d_model)

@@ -12,7 +12,9 @@ import contextlib
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,7 +24,9 @@ from torch.distributed.tensor import DTensor
 
 from harness import data
 from harness.args import positive_int
-from harness.models import TinyTransformerLM, loss_fn
+from harness.models import TinyTransformerLM, loss_fn, unwrap
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -43,28 +47,41 @@ class ModelConfig:
     def build(self, seed: int, device: torch.device) -> TinyTransformerLM:
         """The model with the weights `seed` gives, the same on every rank and in every strategy."""
         torch.manual_seed(seed)
-        return TinyTransformerLM(vocab=self.vocab, seq_len=self.seq_len, d_model=self.d_model, n_heads=self.n_heads,
-                                 n_layers=self.n_layers).to(device)
+        return TinyTransformerLM(
+            vocab=self.vocab, seq_len=self.seq_len, d_model=self.d_model, n_heads=self.n_heads, n_layers=self.n_layers
+        ).to(device)
 
     def parameter_count(self) -> int:
         with torch.device("meta"):
-            model = TinyTransformerLM(vocab=self.vocab, seq_len=self.seq_len, d_model=self.d_model,
-                                      n_heads=self.n_heads, n_layers=self.n_layers)
+            model = TinyTransformerLM(
+                vocab=self.vocab,
+                seq_len=self.seq_len,
+                d_model=self.d_model,
+                n_heads=self.n_heads,
+                n_layers=self.n_layers,
+            )
         return sum(p.numel() for p in model.parameters())
 
     def describe(self) -> str:
-        return (f"transformer d_model {self.d_model}, {self.n_layers} layers, {self.n_heads} heads, "
-                f"seq {self.seq_len}, vocab {self.vocab}: {self.parameter_count():,} parameters")
+        return (
+            f"transformer d_model {self.d_model}, {self.n_layers} layers, {self.n_heads} heads, "
+            f"seq {self.seq_len}, vocab {self.vocab}: {self.parameter_count():,} parameters"
+        )
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, defaults: ModelConfig) -> None:
     group = parser.add_argument_group("model")
-    for field, help_text in (("vocab", "tokens in the vocabulary"), ("seq_len", "tokens per sequence"),
-                             ("d_model", "model width"), ("n_heads", "attention heads"),
-                             ("n_layers", "transformer blocks")):
+    for field, help_text in (
+        ("vocab", "tokens in the vocabulary"),
+        ("seq_len", "tokens per sequence"),
+        ("d_model", "model width"),
+        ("n_heads", "attention heads"),
+        ("n_layers", "transformer blocks"),
+    ):
         default = getattr(defaults, field)
-        group.add_argument(f"--{field.replace('_', '-')}", type=positive_int, default=default,
-                           help=f"{help_text} (default {default})")
+        group.add_argument(
+            f"--{field.replace('_', '-')}", type=positive_int, default=default, help=f"{help_text} (default {default})"
+        )
 
 
 def model_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelConfig:
@@ -108,8 +125,10 @@ def mesh_shape(world_size: int, local_world_size: int, dp: int | None = None, tp
 def layout_problem(shape: MeshShape, world_size: int, config: ModelConfig, batch_size: int) -> str | None:
     """Why this layout cannot run, with the whole picture; None where it can."""
     if shape.size != world_size:
-        return (f"dp({shape.dp}) x tp({shape.tp}) = {shape.size} != WORLD_SIZE({world_size}): "
-                "choose --dp and --tp whose product is the number of ranks")
+        return (
+            f"dp({shape.dp}) x tp({shape.tp}) = {shape.size} != WORLD_SIZE({world_size}): "
+            "choose --dp and --tp whose product is the number of ranks"
+        )
     if config.n_heads % shape.tp:
         return f"tp({shape.tp}) must divide --n-heads {config.n_heads}: each rank computes whole heads"
     if batch_size % shape.dp:
@@ -130,12 +149,13 @@ class Batches:
 
     def __init__(self, config: ModelConfig, batch_size: int, seed: int, samples: int = 1024):
         self.batch_size = batch_size
-        self.inputs, self.targets = data.teacher_sequences(samples=max(samples, batch_size), seq_len=config.seq_len,
-                                                           vocab=config.vocab, seed=seed).tensors
+        self.inputs, self.targets = data.teacher_sequences(
+            samples=max(samples, batch_size), seq_len=config.seq_len, vocab=config.vocab, seed=seed
+        ).tensors
 
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = (step * self.batch_size) % (len(self.inputs) - self.batch_size + 1)
-        return self.inputs[start:start + self.batch_size], self.targets[start:start + self.batch_size]
+        return self.inputs[start : start + self.batch_size], self.targets[start : start + self.batch_size]
 
     def replica_batch(self, step: int, replica: int, replicas: int, device: torch.device):
         """Replica `replica`'s slice of step `step`'s global batch, on `device`."""
@@ -143,8 +163,13 @@ class Batches:
         return inputs.chunk(replicas)[replica].to(device), targets.chunk(replicas)[replica].to(device)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor,
-               forward_context=None) -> torch.Tensor:
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    forward_context=None,
+) -> torch.Tensor:
     """One optimizer step; returns the loss of this rank's slice (a tensor: no sync with the device).
     `forward_context` wraps the forward pass (a `memory.SavedForBackward` to measure it)."""
     optimizer.zero_grad(set_to_none=True)
@@ -168,12 +193,12 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(step, device: torch.device) -> float:
-    """Seconds one call of `step()` takes, the device's queued work included."""
+def timed(step: Callable[[], T], device: torch.device) -> tuple[T, float]:
+    """What one call of `step()` returns, and the seconds it took, the device's queued work included."""
     started = time.perf_counter()
-    step()
+    result = step()
     synchronize(device)
-    return time.perf_counter() - started
+    return result, time.perf_counter() - started
 
 
 # -------------------------------------------------------------------------------- whole parameters
@@ -191,10 +216,6 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
         tensor = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
         whole[name] = tensor.detach().float().cpu()
     return whole
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if hasattr(model, "module") else model
 
 
 def digest(parameters: dict[str, torch.Tensor]) -> str:

@@ -35,7 +35,7 @@ def stage_slice(model: nn.Sequential, stage: int, stages: int) -> nn.Sequential:
     if len(blocks) % stages:
         raise ValueError(f"{len(blocks)} layers do not split evenly into {stages} stages")
     per_stage = len(blocks) // stages
-    mine = blocks[stage * per_stage:(stage + 1) * per_stage]
+    mine = blocks[stage * per_stage : (stage + 1) * per_stage]
     if stage == stages - 1:
         mine.append(model[-1])
     return nn.Sequential(*mine)
@@ -123,6 +123,8 @@ class PipelineStage:
             out.backward(gradient)
         x = self.inputs.pop(micro)
         if not self.first:
+            if x.grad is None:
+                raise RuntimeError(f"stage {self.stage}: backward left no gradient on micro-batch {micro}'s input")
             self.pending.append(dist.isend(x.grad, dst=self.stage - 1, tag=GRADIENT_TAG_OFFSET + micro))
 
     def _computing(self):

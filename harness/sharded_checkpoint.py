@@ -18,11 +18,13 @@ import shutil
 import time
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from harness.args import positive_int
 
@@ -32,9 +34,12 @@ KEEP = 2  # committed checkpoints kept; older ones are removed after a new one c
 
 def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     """`--checkpoint-dir`, `--checkpoint-every` and `--async-save`, for the examples that save this way."""
-    parser.add_argument("--checkpoint-dir", type=Path, default=None,
-                        help="save and resume here; relative: inside $CLUSTER_SHARED_DIR "
-                             "(default: $CLUSTER_RUN_DIR/checkpoints)")
+    parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        help="save and resume here; relative: inside $CLUSTER_SHARED_DIR (default: $CLUSTER_RUN_DIR/checkpoints)",
+    )
     parser.add_argument("--checkpoint-every", type=positive_int, default=20, help="save every N steps and at the end")
     parser.add_argument("--async-save", action="store_true", help="write checkpoints while training goes on")
 
@@ -58,8 +63,8 @@ def committed_steps(root: Path) -> list[int]:
         return []
     steps = []
     for path in root.glob("step-*"):
-        if (path / COMMIT_MARKER).is_file() and path.name[len("step-"):].isdigit():
-            steps.append(int(path.name[len("step-"):]))
+        if (path / COMMIT_MARKER).is_file() and path.name[len("step-") :].isdigit():
+            steps.append(int(path.name[len("step-") :]))
     return sorted(steps)
 
 
@@ -92,7 +97,9 @@ class ShardedCheckpointer:
         state = {"model": model_state, "optimizer": optimizer_state}
         path = step_dir(self.root, step)
         if self.async_save:
-            self.pending = (step, dcp.async_save(state, checkpoint_id=path, process_group=self.group))
+            saving = dcp.async_save(state, checkpoint_id=path, process_group=self.group)
+            # A Future, or with an async stager (not used here) a response whose upload_completion is one.
+            self.pending = (step, saving.upload_completion if isinstance(saving, AsyncSaveResponse) else saving)
         else:
             dcp.save(state, checkpoint_id=path)
             self._commit(step)
@@ -121,7 +128,7 @@ class ShardedCheckpointer:
         if path is None:
             return 0, 0
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
+        state: dict[str, dict[str, Any]] = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         marker = json.loads((path / COMMIT_MARKER).read_text())

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from harness.dist import Distributed
 from harness.metrics import StepLogger
-from harness.models import loss_fn
+from harness.models import loss_fn, unwrap
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 
@@ -72,8 +72,12 @@ def save_checkpoint(directory: Path, step: int, model: nn.Module, optimizer, sca
     target = checkpoint_path(directory)
     tmp = target.with_name(f".latest.{os.getpid()}.tmp")
     torch.save(
-        {"step": step, "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-         "scaler": scaler.state_dict()},
+        {
+            "step": step,
+            "model": unwrap(model).state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict(),
+        },
         tmp,
     )
     os.replace(tmp, target)
@@ -88,13 +92,6 @@ def load_checkpoint(directory: Path | None, model: nn.Module, optimizer, scaler,
     optimizer.load_state_dict(state["optimizer"])
     scaler.load_state_dict(state["scaler"])
     return int(state["step"])
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain module inside DDP and torch.compile wrappers."""
-    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
-        model = getattr(model, "module", None) or model._orig_mod
-    return model
 
 
 # ------------------------------------------------------------------------------------------- checks
@@ -118,11 +115,15 @@ def digests_across_ranks(digest: str) -> list[str]:
 # ---------------------------------------------------------------------------------------- the loop
 
 
-def build_loader(dataset: Dataset, ctx: Distributed, batch_size: int, seed: int) -> tuple[DataLoader, DistributedSampler]:
-    sampler = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=seed,
-                                 drop_last=True)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
-                        pin_memory=ctx.device.type == "cuda")
+def build_loader(
+    dataset: Dataset, ctx: Distributed, batch_size: int, seed: int
+) -> tuple[DataLoader, DistributedSampler[int]]:
+    sampler: DistributedSampler[int] = DistributedSampler(
+        dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=seed, drop_last=True
+    )
+    loader = DataLoader(
+        dataset, batch_size=batch_size, sampler=sampler, drop_last=True, pin_memory=ctx.device.type == "cuda"
+    )
     return loader, sampler
 
 
@@ -158,9 +159,19 @@ class LoopConfig:
     """Crash the last rank once at this step, to show a torchrun restart resuming (`--max-restarts`)."""
 
 
-def train_loop(ctx: Distributed, model: nn.Module, optimizer, scaler, precision: Precision,
-               loader: DataLoader, sampler: DistributedSampler, config: LoopConfig, logger: StepLogger,
-               start_step: int = 0, profiler=None) -> LoopResult:
+def train_loop(
+    ctx: Distributed,
+    model: nn.Module,
+    optimizer,
+    scaler,
+    precision: Precision,
+    loader: DataLoader,
+    sampler: DistributedSampler,
+    config: LoopConfig,
+    logger: StepLogger,
+    start_step: int = 0,
+    profiler=None,
+) -> LoopResult:
     step, first_loss, last_loss = start_step, None, None
     steps_per_epoch = len(loader)
     started = time.perf_counter()
@@ -184,8 +195,15 @@ def train_loop(ctx: Distributed, model: nn.Module, optimizer, scaler, precision:
     return LoopResult(first_loss, last_loss, step, start_step, time.perf_counter() - started)
 
 
-def train_step(ctx: Distributed, model: nn.Module, optimizer, scaler, precision: Precision,
-               inputs: torch.Tensor, targets: torch.Tensor) -> float:
+def train_step(
+    ctx: Distributed,
+    model: nn.Module,
+    optimizer,
+    scaler,
+    precision: Precision,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+) -> float:
     inputs = inputs.to(ctx.device, non_blocking=True)
     targets = targets.to(ctx.device, non_blocking=True)
     optimizer.zero_grad(set_to_none=True)
