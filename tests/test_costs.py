@@ -13,13 +13,13 @@ import botocore.exceptions
 import pytest
 from botocore.stub import ANY, Stubber
 
-from aws_fakes import pricing_client, recorded_price_list
-from conftest import REPO
 from harness import watchdog
 from infra import cloud_init, pricing
 from infra.errors import UsageError
 from infra.ledger import Ledger
 from infra.local import node_server
+from tests.support import REPO
+from tests.support.aws_fakes import pricing_client, recorded_price_list
 
 
 class Clock:

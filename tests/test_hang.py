@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from test_remote import bootstrapped_cluster, run_processes
+from tests.support.clusters import bootstrapped_cluster, run_processes
 
 HANG_TIMEOUT_S = 3
 SCRIPT = """

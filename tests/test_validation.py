@@ -10,10 +10,11 @@ from dataclasses import replace
 
 import pytest
 
-from conftest import REPO, assert_one_line_error, run_cli, run_fab
 from infra import catalog, config, inventory, state
 from infra.errors import UsageError
 from infra.ledger import Ledger
+from tests.support import REPO
+from tests.support.cli import assert_one_line_error, run_cli, run_fab
 
 # ----------------------------------------------------------------------------------- config values
 
