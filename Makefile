@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo lint format test bench lock clean
+.PHONY: setup demo lint format test test-unit bench lock clean
 
 setup: $(STAMP)
 
@@ -39,13 +39,19 @@ format: setup
 	$(BIN)/ruff format $(LINT_PATHS)
 	$(BIN)/ruff check --fix $(LINT_PATHS)
 
-# The OpenSSH tests' node users need a Python with torch outside any private home: built once (cached).
-# The suite runs on TEST_WORKERS processes (pytest-xdist): most of its time is spent waiting on real SSH
-# servers, rendezvous and timeouts, not computing. A module that shares one cluster runs whole on one
-# worker (tests/conftest.py). `make test TEST_WORKERS=0` runs it in one process.
+# tests/unit: pure logic (command building and parsing, the watchdog's rules, moto, Pulumi's mocks), no
+# cluster, no SSH server, no torchrun, no deploy.py or fab; in one process, under a minute.
+test-unit: setup
+	$(BIN)/python -m pytest tests/unit
+
+# The whole suite: tests/unit and tests/integration (real local clusters, stock sshd, torchrun, the CLIs
+# as a user runs them). The OpenSSH tests' node users need a Python with torch outside any private home:
+# built once (cached). The suite runs on TEST_WORKERS processes (pytest-xdist): most of its time is spent
+# waiting on real SSH servers, rendezvous and timeouts, not computing. A module that shares one cluster
+# runs whole on one worker (tests/conftest.py). `make test TEST_WORKERS=0` runs it in one process.
 TEST_WORKERS ?= 4
 test: setup lint
-	-$(BIN)/python tests/openssh.py build-python
+	-$(BIN)/python -m tests.support.openssh build-python
 	$(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
 bench: setup

@@ -13,9 +13,10 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, assert_one_line_error, child_env
+from tests.support import REPO
+from tests.support.cli import assert_one_line_error, child_env
+from tests.support.examples import TINY
 
-TINY = ["--vocab", "32", "--seq-len", "16", "--d-model", "32", "--n-heads", "4", "--n-layers", "1", "--batch-size", "8"]
 CHECK_LINE = re.compile(r"^check: .+ max diff \S+ \(tolerance \S+\) ok$")
 
 

@@ -13,13 +13,14 @@ import botocore.exceptions
 import pytest
 from botocore.stub import ANY, Stubber
 
-from aws_fakes import pricing_client, recorded_price_list
-from conftest import REPO
 from harness import watchdog
 from infra import cloud_init, pricing
 from infra.errors import UsageError
 from infra.ledger import Ledger
 from infra.local import node_server
+from tests.support import REPO
+from tests.support.aws_fakes import pricing_client, recorded_price_list
+from tests.support.ledgers import write_runs
 
 
 class Clock:
@@ -160,19 +161,11 @@ def test_local_clusters_cost_nothing_but_say_what_they_would_have_cost(tmp_path)
     assert cluster.cost_usd(clock.now) == 0 and cluster.reference_cost_usd(clock.now) == pytest.approx(1.504)
 
 
-def _write_runs(path, writer: int, count: int) -> None:
-    ledger = Ledger(path)
-    for i in range(count):
-        ledger.run_started(f"w{writer}-{i}", "dev", "hello", 2, 1.0)
-        ledger.run_ended(f"w{writer}-{i}", {"node-0": 0})
-    ledger.close()
-
-
 def test_two_writers_at_once_lose_nothing(tmp_path):
     path = tmp_path / "ledger.sqlite"
     Ledger(path).close()
     context = multiprocessing.get_context("spawn")
-    writers = [context.Process(target=_write_runs, args=(path, w, 40)) for w in range(4)]
+    writers = [context.Process(target=write_runs, args=(path, w, 40)) for w in range(4)]
     for process in writers:
         process.start()
     for process in writers:

@@ -12,17 +12,10 @@ import time
 
 import pytest
 
-from conftest import (
-    REPO,
-    LocalCluster,
-    assert_one_line_error,
-    child_env,
-    fabric_connection,
-    free_endpoint,
-    node_server_processes,
-    run_cli,
-    run_fab,
-)
+from tests.support import REPO
+from tests.support.cli import assert_one_line_error, child_env, run_cli, run_fab
+from tests.support.clusters import LocalCluster, fabric_connection, node_server_processes
+from tests.support.network import free_endpoint
 
 FAKE_SECRET = "AKIA-fake-secret-for-the-scrub-test"
 

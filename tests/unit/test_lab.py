@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import REPO
 from harness.checks import check_line
 from harness.comm_bytes import (
     CommTally, bf16_problem, bucket_cap_mb, collective_size, register_counted_hook,
@@ -22,6 +21,7 @@ from harness.parallel import MeshShape, ModelConfig, layout_problem, mesh_shape,
 from harness.sharded_checkpoint import checkpoint_root, committed_steps, latest_committed, step_dir, write_marker
 from infra.inventory import ClusterInfo, NodeInfo
 from remote import commands, tasks
+from tests.support import REPO
 
 
 def test_the_task_table_registers_every_example_task_with_its_help():

@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO
 from harness import comm_bench, data, pipeline
 from harness.cost import CostMeter
 from harness.dist import DistEnv
 from harness.metrics import STEP_HEADER, format_step, peak_tflops
 from harness.models import MLP, TinyTransformerLM
 from harness.train import parameter_digest, resolve_precision
+from tests.support import REPO
 
 
 @pytest.mark.parametrize("schedule", pipeline.SCHEDULES)

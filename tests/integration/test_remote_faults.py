@@ -6,7 +6,8 @@ import os
 import signal
 from pathlib import Path
 
-from conftest import CuttingProxy, assert_one_line_error, free_port, run_fab
+from tests.support.cli import assert_one_line_error, run_fab
+from tests.support.network import CuttingProxy, free_port
 
 
 # ---------------------------------------------------------------------------------------- faults

@@ -9,10 +9,11 @@ import boto3
 import pytest
 from botocore.stub import Stubber
 
-from aws_fakes import clients, moto_aws
 from infra import aws_provider, inventory, state, teardown
 from infra.errors import UsageError
-from test_automation import FakePulumi
+from tests.support import pulumi_fakes
+from tests.support.aws_fakes import clients, moto_aws
+from tests.support.pulumi_fakes import FakePulumi
 
 
 @pytest.fixture
@@ -38,9 +39,7 @@ def fake_outputs(local) -> dict:
 
 
 def test_up_falls_back_a_zone_pins_host_keys_and_writes_the_inventory(instances, monkeypatch, state_dir):
-    import test_automation
-
-    monkeypatch.setattr(test_automation, "OUTPUTS", fake_outputs(instances))
+    monkeypatch.setattr(pulumi_fakes, "OUTPUTS", fake_outputs(instances))
     fake = FakePulumi(no_capacity={"us-east-1a"})
     said: list[str] = []
     with moto_aws(monkeypatch):

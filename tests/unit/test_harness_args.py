@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, assert_one_line_error, child_env
 from harness.args import non_negative_int, positive_float, positive_int
 from harness.results import results_dir, results_path
+from tests.support import REPO
+from tests.support.cli import assert_one_line_error, child_env
 
 # One bad value per example, each a value that used to crash (or hang) the job after it started.
 BAD_ARGUMENTS = {

@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, child_env
+from tests.support import REPO
+from tests.support.cli import child_env
 
 
 def torchrun(script: str, *args: str, run_dir=None, nproc: int = 2, timeout: float = 240, **env_vars: str):

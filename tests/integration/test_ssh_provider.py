@@ -1,7 +1,7 @@
 """The `ssh` provider end to end on stock OpenSSH servers: up --hosts, bootstrap, launches, faults, down.
 
 The two "machines" are real sshd processes on loopback, each logging in a Unix user of its own
-(tests/openssh.py), so every command goes through OpenSSH's login shell, environment and process
+(tests/support/openssh.py), so every command goes through OpenSSH's login shell, environment and process
 handling, not through the local provider's server.
 """
 
@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, CuttingProxy, assert_one_line_error, child_env, free_port, run_cli, run_fab
-from openssh import processes_of
+from tests.support import REPO
+from tests.support.cli import assert_one_line_error, child_env, run_cli, run_fab
+from tests.support.network import CuttingProxy, free_port
+from tests.support.openssh import processes_of
 
 # Every test here logs in as the same Unix users (gcnode0, gcnode1): under xdist they run on one worker.
 pytestmark = pytest.mark.xdist_group("openssh")

@@ -11,17 +11,12 @@ from datetime import datetime, timezone
 
 import pytest
 
-from infra.inventory import ClusterInfo, NodeInfo
+from infra.inventory import ClusterInfo
 from remote import commands
 from remote.bootstrap import REPO, SYNCED, digest, local_manifest
 from remote.launch import JobStream, first_failure
 from remote.stream import NodeStream
-
-
-def cluster(provider="aws", shared="/shared", gpus=(1, 1), hourly=1.504) -> ClusterInfo:
-    nodes = tuple(NodeInfo(f"node-{i}", f"54.0.0.{i + 1}", f"10.0.1.{10 + i}", 22, g) for i, g in enumerate(gpus))
-    return ClusterInfo("dev", provider, "us-east-1", "g4dn.2xlarge", hourly, "ubuntu", "/k", "/kh", shared,
-                       "2026-11-21T00:00:00+00:00", nodes)
+from tests.support.inventories import cluster
 
 
 def test_node_environment_names_the_head_and_the_routed_interface():

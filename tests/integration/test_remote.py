@@ -7,18 +7,17 @@ import signal
 import socket
 import stat
 import subprocess
-import sys
 import time
-from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
 import pytest
 
-from conftest import (
-    REPO, assert_one_line_error, child_env, free_port, processes_of, run_cli, run_fab, start_local_cluster,
-)
-from test_lab import TINY
+from tests.support import REPO
+from tests.support.cli import assert_one_line_error
+from tests.support.clusters import bootstrapped_cluster, metrics_of, processes_of, run_id_in, run_processes
+from tests.support.examples import TINY
+from tests.support.network import free_port
 
 PLAIN_SCRIPT = """
 import os, torch.distributed as dist
@@ -31,89 +30,11 @@ dist.destroy_process_group()
 """
 
 
-class Cluster:
-    """A local cluster that tests share, with its own state folder."""
-
-    def __init__(self, state_dir: Path, stack: str = "local", master_port: int | None = None):
-        self.state_dir, self.stack = state_dir, stack
-        self.env = {"CLUSTER_STATE_DIR": str(state_dir)}
-        self.info = start_local_cluster_in(state_dir, stack)
-        self.master_port = master_port or free_port()
-
-    def fab(self, *args: str, **kwargs):
-        return run_fab(*args, **self.env, **kwargs)
-
-    def cli(self, *args: str):
-        return run_cli(*args, **self.env)
-
-    def popen_fab(self, *args: str, stderr=subprocess.STDOUT) -> subprocess.Popen:
-        return subprocess.Popen([str(Path(sys.executable).with_name("fab")), *args], cwd=REPO,
-                                env=child_env(**self.env), stdout=subprocess.PIPE, stderr=stderr, text=True)
-
-    def runs(self) -> list[Path]:
-        return sorted((self.state_dir / self.stack / "runs").glob("*"))
-
-    def run_dir(self, output: str) -> Path:
-        """The local run folder of the launch that printed `output`."""
-        return self.state_dir / self.stack / "runs" / run_id_in(output)
-
-    def down(self):
-        self.cli("down", "--stack", self.stack)
-
-
-def start_local_cluster_in(state_dir: Path, stack: str) -> dict:
-    old = os.environ.get("CLUSTER_STATE_DIR")
-    os.environ["CLUSTER_STATE_DIR"] = str(state_dir)
-    try:
-        return start_local_cluster(stack, state_dir).inventory
-    finally:
-        if old is None:
-            os.environ.pop("CLUSTER_STATE_DIR")
-        else:
-            os.environ["CLUSTER_STATE_DIR"] = old
-
-
-@contextmanager
-def bootstrapped_cluster(tmp_path_factory, name: str):
-    """A 2-node local cluster, bootstrapped, that a module's tests share; `down` afterwards, pass or fail."""
-    handle = Cluster(tmp_path_factory.mktemp(name) / "state")
-    try:
-        handle.first_bootstrap = handle.fab("bootstrap", "--master-port", str(handle.master_port))
-        assert handle.first_bootstrap.returncode == 0, handle.first_bootstrap.stdout + handle.first_bootstrap.stderr
-        yield handle
-    finally:
-        handle.down()
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """One bootstrapped 2-node cluster for the launch tests of this module."""
     with bootstrapped_cluster(tmp_path_factory, "remote") as handle:
         yield handle
-
-
-def metrics_of(run_dir: Path, kind: str) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [record for record in map(json.loads, lines) if record["kind"] == kind]
-
-
-def run_id_in(output: str) -> str:
-    """The run id a launch announces (`fab: run <id>: ...`)."""
-    return next(line.split()[2].rstrip(":") for line in output.splitlines() if line.startswith("fab: run "))
-
-
-def run_processes(run_id: str) -> list[int]:
-    """Processes of a run still alive anywhere on this machine (found by CLUSTER_RUN_ID)."""
-    found = []
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            if f"CLUSTER_RUN_ID={run_id}".encode() in environ.read_bytes().split(b"\0"):
-                stat = (environ.parent / "stat").read_text().rsplit(")", 1)[1].split()
-                if stat[0] != "Z":
-                    found.append(int(environ.parent.name))
-        except OSError:
-            continue
-    return found
 
 
 def wait_for_output(proc: subprocess.Popen, *texts: str, timeout_s: float = 60) -> str:

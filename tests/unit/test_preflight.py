@@ -5,8 +5,8 @@ from dataclasses import replace
 import boto3
 import pytest
 
-from aws_fakes import clients, moto_aws
 from infra import catalog, config as stack_config, preflight
+from tests.support.aws_fakes import clients, moto_aws
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from conftest import assert_one_line_error, run_cli
 from infra.aws_provider import host_keys_from_console
 from infra.cloud_init import STOP_MARKER, user_data
+from tests.support.cli import assert_one_line_error, run_cli
 
 
 @pytest.fixture

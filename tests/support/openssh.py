@@ -6,7 +6,7 @@ machines would. The users run a Python with torch that lives at a world-readable
 (`/opt/gpu-cluster-test/`), built once from Debian's python3 and cached by requirements-node.txt's
 digest, since the project's own venv may sit under a private home.
 
-    python tests/openssh.py build-python     # what `make test` runs first (as root)
+    python -m tests.support.openssh build-python     # what `make test` runs first (as root)
 """
 
 import hashlib
@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.support import REPO
+
 SSHD = Path("/usr/sbin/sshd")
 SYSTEM_PYTHON = Path("/usr/bin/python3")
 NODE_PYTHON_ROOT = Path("/opt/gpu-cluster-test")
@@ -261,7 +262,7 @@ def start_hosts(folder: Path, first_address: str, port: int, count: int = 2) -> 
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["build-python"]:
-        sys.exit("usage: python tests/openssh.py build-python")
+        sys.exit("usage: python -m tests.support.openssh build-python")
     if unavailable():
         print(f"skipping the node Python: the OpenSSH tests will skip: {unavailable()}")
         sys.exit(0)

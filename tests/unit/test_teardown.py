@@ -4,9 +4,9 @@ import boto3
 import pytest
 from botocore.stub import Stubber
 
-from aws_fakes import moto_aws
 from infra import teardown
 from infra.cluster import STACK_TAG
+from tests.support.aws_fakes import moto_aws
 
 
 @pytest.fixture

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_one_line_error, free_port, node_server_processes, processes_of, run_cli, run_fab
+from tests.support.cli import assert_one_line_error, run_cli, run_fab
+from tests.support.clusters import node_server_processes, processes_of
+from tests.support.network import free_port
 
 
 def watchdog_processes(state_dir: Path) -> list[int]:

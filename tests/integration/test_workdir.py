@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, assert_one_line_error, child_env
-from test_remote import Cluster, bootstrapped_cluster, run_id_in
+from tests.support import REPO
+from tests.support.cli import assert_one_line_error, child_env
+from tests.support.clusters import Cluster, bootstrapped_cluster, run_id_in
 
 # A two-file project as pytorch/examples' ddp-tutorial-series/multinode.py is one (that code itself is
 # not copied here): the script imports its sibling datautils.py, and local rank 0 of every node saves

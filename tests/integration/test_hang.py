@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from test_remote import bootstrapped_cluster, run_processes
+from tests.support.clusters import bootstrapped_cluster, run_processes
 
 HANG_TIMEOUT_S = 3
 SCRIPT = """
@@ -142,7 +142,7 @@ def test_a_killed_rank_fails_fast_and_is_no_hang(cluster):
 
 def test_a_shape_mismatch_is_caught_by_gloo_and_named(cluster):
     """gloo checks sizes and aborts the rank that receives the wrong amount (NCCL would hang instead,
-    which the verdict covers: see test_hang_units), so fail-fast ends the job and fab names the mismatch."""
+    which the verdict covers: see unit/test_hang.py), so fail-fast ends the job and fab names the mismatch."""
     result, run_id, _ = launch(cluster, "shape", timeout_s=30)
     assert result.returncode == 1 and "HANG" not in result.stdout, result.stdout
     mismatch = [line for line in result.stdout.splitlines() if line.startswith("fab: collective mismatch")]

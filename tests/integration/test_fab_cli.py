@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import assert_one_line_error, run_fab
+from tests.support.cli import assert_one_line_error, run_fab
 
 
 @pytest.mark.parametrize("argv,words", [

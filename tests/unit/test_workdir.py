@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from invoke.exceptions import Exit
 
-from conftest import REPO
 from remote import commands, options, workdir
-from test_remote_units import cluster as aws_cluster
+from tests.support import REPO
+from tests.support.inventories import cluster as aws_cluster
 
 sys.path.insert(0, str(REPO / "remote" / "node"))
 import sync  # noqa: E402  (remote/node/sync.py, as the nodes run it)

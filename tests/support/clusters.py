@@ -1,0 +1,147 @@
+"""Local clusters made by the real `deploy.py up --local`, and what tests look at on them: their
+processes, a run's id and metrics."""
+
+import json
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.support import REPO
+from tests.support.cli import child_env, run_cli, run_fab
+from tests.support.network import free_endpoint, free_port
+
+
+@dataclass
+class LocalCluster:
+    """A running local cluster made by the real `deploy.py up --local`."""
+
+    stack: str
+    state_dir: Path
+    inventory: dict
+
+    @property
+    def stack_dir(self) -> Path:
+        return self.state_dir / self.stack
+
+
+def start_local_cluster(stack: str, state_dir: Path, nodes: int = 2, *extra: str) -> LocalCluster:
+    address, port = free_endpoint(nodes)
+    run_cli("up", "--local", "--stack", stack, "--nodes", str(nodes), "--bind", address, "--ssh-port", str(port), *extra, check=True)
+    inventory = json.loads((state_dir / stack / "inventory.json").read_text())
+    return LocalCluster(stack, state_dir, inventory)
+
+
+class Cluster:
+    """A local cluster that tests share, with its own state folder."""
+
+    def __init__(self, state_dir: Path, stack: str = "local", master_port: int | None = None):
+        self.state_dir, self.stack = state_dir, stack
+        self.env = {"CLUSTER_STATE_DIR": str(state_dir)}
+        self.info = start_local_cluster_in(state_dir, stack)
+        self.master_port = master_port or free_port()
+
+    def fab(self, *args: str, **kwargs):
+        return run_fab(*args, **self.env, **kwargs)
+
+    def cli(self, *args: str):
+        return run_cli(*args, **self.env)
+
+    def popen_fab(self, *args: str, stderr=subprocess.STDOUT) -> subprocess.Popen:
+        return subprocess.Popen([str(Path(sys.executable).with_name("fab")), *args], cwd=REPO,
+                                env=child_env(**self.env), stdout=subprocess.PIPE, stderr=stderr, text=True)
+
+    def runs(self) -> list[Path]:
+        return sorted((self.state_dir / self.stack / "runs").glob("*"))
+
+    def run_dir(self, output: str) -> Path:
+        """The local run folder of the launch that printed `output`."""
+        return self.state_dir / self.stack / "runs" / run_id_in(output)
+
+    def down(self):
+        self.cli("down", "--stack", self.stack)
+
+
+def start_local_cluster_in(state_dir: Path, stack: str) -> dict:
+    old = os.environ.get("CLUSTER_STATE_DIR")
+    os.environ["CLUSTER_STATE_DIR"] = str(state_dir)
+    try:
+        return start_local_cluster(stack, state_dir).inventory
+    finally:
+        if old is None:
+            os.environ.pop("CLUSTER_STATE_DIR")
+        else:
+            os.environ["CLUSTER_STATE_DIR"] = old
+
+
+@contextmanager
+def bootstrapped_cluster(tmp_path_factory, name: str):
+    """A 2-node local cluster, bootstrapped, that a module's tests share; `down` afterwards, pass or fail."""
+    handle = Cluster(tmp_path_factory.mktemp(name) / "state")
+    try:
+        handle.first_bootstrap = handle.fab("bootstrap", "--master-port", str(handle.master_port))
+        assert handle.first_bootstrap.returncode == 0, handle.first_bootstrap.stdout + handle.first_bootstrap.stderr
+        yield handle
+    finally:
+        handle.down()
+
+
+def metrics_of(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [record for record in map(json.loads, lines) if record["kind"] == kind]
+
+
+def run_id_in(output: str) -> str:
+    """The run id a launch announces (`fab: run <id>: ...`)."""
+    return next(line.split()[2].rstrip(":") for line in output.splitlines() if line.startswith("fab: run "))
+
+
+def run_processes(run_id: str) -> list[int]:
+    """Processes of a run still alive anywhere on this machine (found by CLUSTER_RUN_ID)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"CLUSTER_RUN_ID={run_id}".encode() in environ.read_bytes().split(b"\0"):
+                stat = (environ.parent / "stat").read_text().rsplit(")", 1)[1].split()
+                if stat[0] != "Z":
+                    found.append(int(environ.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def processes_of(module: str, state_dir: Path) -> list[int]:
+    """Live (non-zombie) processes running `python -m module` for this state dir."""
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if module.encode() in cmdline and str(state_dir).encode() in cmdline and stat[0] != "Z":
+            pids.append(int(proc.name))
+    return pids
+
+
+def node_server_processes(state_dir: Path) -> list[int]:
+    return processes_of("infra.local.node_server", state_dir)
+
+
+def fabric_connection(inventory: dict, node: dict):
+    """A Fabric connection built only from the inventory: its key, its pinned host keys."""
+    import paramiko
+    from fabric import Config, Connection
+
+    conn = Connection(
+        node["public_ip"],
+        port=node["ssh_port"],
+        user=node.get("ssh_user") or inventory["ssh_user"],
+        connect_kwargs={"key_filename": inventory["ssh_key"], "look_for_keys": False, "allow_agent": False},
+        config=Config(overrides={"run": {"in_stream": False}, "load_ssh_configs": False}),
+    )
+    conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    conn.client.load_host_keys(inventory["known_hosts"])
+    return conn
