@@ -47,7 +47,7 @@ def format_step(step: int, loss: float, step_ms: float, samples_per_s: float, me
 
 last_step: int | None = None
 """The last training step any StepLogger saw in this process: the rank monitor a `fab` launch starts
-(remote/node/rankhook/) reports it, so the head node's watchdog can tell a stalled job from a slow one."""
+(node/rankhook/) reports it, so the head node's watchdog can tell a stalled job from a slow one."""
 
 
 class StepLogger:

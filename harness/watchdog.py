@@ -73,7 +73,7 @@ def running_run_id(job_file: Path) -> str | None:
 
 def job_progress(progress_dir: Path, run_id: str) -> tuple | None:
     """What the run's live ranks on this node have done so far: per rank, the collectives each
-    process group completed and the harness's step (from their monitors, remote/node/rankhook/). Two
+    process group completed and the harness's step (from their monitors, node/rankhook/). Two
     equal values mean no progress in between; None when no live rank reports (then nothing is known:
     torchrun starting its workers, or tearing down after they ended, is not a stall)."""
     done = []

@@ -25,11 +25,11 @@ import yaml
 from infra import inventory, keys, ssh, state
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo, NodeInfo
-from remote.node import layout
+from node import contract
 
 DEFAULT_STACK = "hosts"
 PROVIDER = "ssh"
-NODE_SCRIPTS = Path(__file__).resolve().parent.parent / "remote" / "node"
+NODE_SCRIPTS = Path(__file__).resolve().parent.parent / "node"
 CHECK_TIMEOUT_S = 30.0
 DOWN_TIMEOUT_S = 60.0
 MAX_HOSTS = 16
@@ -82,7 +82,7 @@ class HostCheck:
     fingerprint: str = ""
     """`SHA256:...` of that key."""
     facts: dict | None = None
-    """What the probe printed (remote/node/probe.py)."""
+    """What the probe printed (node/probe.py)."""
 
 
 # ---------------------------------------------------------------------------------- hosts file
@@ -338,9 +338,9 @@ def _cluster(stack: str, hosts_file: HostsFile, checks: list[HostCheck], known_h
 
 async def _clean_node(cluster: ClusterInfo, node: NodeInfo) -> dict:
     script = (NODE_SCRIPTS / "cleanup.py").read_text()
-    args = [layout.shell(layout.HOME_DIR)]
+    args = [contract.shell(contract.HOME_DIR)]
     if cluster.shared_dir:
-        args += [f"{cluster.shared_dir}/code", *layout.SYNCED]
+        args += [f"{cluster.shared_dir}/code", *contract.SYNCED]
     command = " ".join([shlex.quote(cluster.python), "-", *map(shlex.quote, args)])
     try:
         async with ssh.connect(cluster, node, timeout_s=DOWN_TIMEOUT_S / 4) as conn:

@@ -1,8 +1,8 @@
 """While a job runs: watch every rank's collectives, and when the job hangs, name the culprit and act.
 
-Every launch turns on torch's flight recorder and a monitor thread in each rank (remote/node/rankhook/;
+Every launch turns on torch's flight recorder and a monitor thread in each rank (node/rankhook/;
 nothing in the user's script changes). `HangWatch` asks each node every `poll_s` what its ranks are
-doing (remote/node/hang.py status, over SSH connections of its own) and applies the rule in
+doing (node/hang.py status, over SSH connections of its own) and applies the rule in
 remote/hang.py. On a hang it collects from every node the recorder dumps and the `py-spy dump` stacks
 of every rank, keeps them in the run folder (`hang/`), prints one verdict line, and then stops the
 job everywhere (`--on-hang stop`, the default) or leaves it running for a person (`--on-hang wait`).
@@ -19,7 +19,7 @@ from infra import state
 from infra.inventory import ClusterInfo
 from remote import commands, hang
 from remote.connect import NodeSession, describe, on_all_nodes
-from remote.node import layout
+from node import contract
 from remote.stream import say
 
 DEFAULT_HANG_TIMEOUT_S = 300
@@ -59,7 +59,7 @@ class HangPolicy:
 
 def progress_dir(run_id: str) -> str:
     """Each node's folder for its ranks' progress records (node-local: every node has its own)."""
-    return f"{layout.PROGRESS}/{run_id}"
+    return f"{contract.PROGRESS}/{run_id}"
 
 
 def job_environment(run_id: str, policy: HangPolicy) -> dict[str, str]:
@@ -77,7 +77,7 @@ def job_environment(run_id: str, policy: HangPolicy) -> dict[str, str]:
 
 def rankhook_path() -> str:
     """Put first on PYTHONPATH: its sitecustomize starts the monitor in every rank."""
-    return "$CLUSTER_CODE_DIR/remote/node/rankhook"
+    return "$CLUSTER_CODE_DIR/node/rankhook"
 
 
 @dataclass
@@ -162,7 +162,7 @@ class HangWatch:
     def _command(self, session: NodeSession, action: str) -> str:
         python = self.python.get(session.node.name, "python3")
         folder = commands.shell_path(f"$HOME/{progress_dir(self.run_id)}")
-        script = commands.shell_path(f"{commands.code_dir(self.cluster)}/remote/node/hang.py")
+        script = commands.shell_path(f"{commands.code_dir(self.cluster)}/node/hang.py")
         wait = f" --wait-s {COLLECT_WAIT_S}" if action == "collect" else ""
         return f". {commands.ENV_FILE} 2>/dev/null; {shlex.quote(python)} {script} {action} {folder} " \
                f"{shlex.quote(self.run_id)}{wait}"

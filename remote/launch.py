@@ -111,7 +111,7 @@ class NodeSetup:
 
 
 class JobLock:
-    """The cluster's one-job lock on the head node (remote/node/job_lock.py), held over an SSH channel
+    """The cluster's one-job lock on the head node (node/job_lock.py), held over an SSH channel
     of its own: taking it is atomic, and closing the channel, or losing it, releases it."""
 
     def __init__(self, head: NodeSession, run_id: str, task: str):

@@ -23,7 +23,7 @@ from remote import commands, options, workdir
 from remote.bootstrap import Bootstrap
 from remote.connect import describe, on_all_nodes, open_sessions
 from remote.launch import DEFAULT_MAX_RESULT_MB, JobLock, JobSpec, NodeSetup, check_ready, launch, stop_everywhere
-from remote.node import layout
+from node import contract
 from remote.stream import console, say
 
 STACK_HELP = "stack to use (default: $CLUSTER_STACK, else the last `python deploy.py up`)"
@@ -307,7 +307,7 @@ def clean_runs(c, keep=None, stack=None):
         check_ready(sessions, statuses)
         with JobLock(sessions[0], commands.new_run_id("clean-runs"), "clean-runs"):  # no job starts meanwhile
             outcomes = on_all_nodes(sessions, lambda s: commands.parse_last_json(s.run(
-                "cd && " + commands.node_module(cluster, setup.python[s.node.name], "sync", "clean", layout.RUNS,
+                "cd && " + commands.node_module(cluster, setup.python[s.node.name], "sync", "clean", contract.RUNS,
                                                 str(count)), warn=False).stdout))
     finally:
         for session in sessions:

@@ -231,7 +231,7 @@ def test_the_idle_guard_counts_time_without_jobs_or_gpu_work(tmp_path):
     finally:
         job.kill()
         job.wait()
-    lock = subprocess.Popen([sys.executable, str(REPO / "remote/node/job_lock.py"), str(tmp_path / "job.lock"),
+    lock = subprocess.Popen([sys.executable, str(REPO / "node/job_lock.py"), str(tmp_path / "job.lock"),
                              "run-2", "run", "me"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert lock.stdout.readline().strip() == "locked"

@@ -52,7 +52,7 @@ def test_torchrun_uses_c10d_on_the_head_with_a_fresh_id_and_node_addresses():
     argv = commands.torchrun_argv(c, c.nodes[1], "run-1", 2, 29500)
     # torchrun, with the job's stores bound to one address, started by its path: a project's own
     # remote/ package in the job's working directory cannot hide it
-    assert argv[0] == "$CLUSTER_CODE_DIR/remote/node/torchrun.py" and "-m" not in argv
+    assert argv[0] == "$CLUSTER_CODE_DIR/node/torchrun.py" and "-m" not in argv
     assert "--rdzv-conf=is_host=0" in argv and "--rdzv-conf=is_host=1" in commands.torchrun_argv(c, c.nodes[0], "r", 0, 1)
     assert "--nnodes=2" in argv and "--nproc-per-node=4" in argv
     assert "--rdzv-backend=c10d" in argv and "--rdzv-endpoint=10.0.1.10:29500" in argv
@@ -84,7 +84,7 @@ def test_launch_command_passes_the_exit_code_and_reports_when_the_node_saw_it(tm
                             capture_output=True, text=True, cwd=tmp_path)
     lines = result.stdout.splitlines()
     assert result.returncode == 3, result.stdout + result.stderr
-    assert lines[0].startswith("args: /code/remote/node/torchrun.py ") and lines[0].endswith("x.py --a b c")
+    assert lines[0].startswith("args: /code/node/torchrun.py ") and lines[0].endswith("x.py --a b c")
     code, seen_at = commands.parse_exit_marker(lines[-1])
     assert code == 3 and before <= seen_at <= time.time()
     assert (shared / "runs" / "r1").is_dir()
@@ -212,7 +212,7 @@ def test_the_code_manifest_is_what_git_has_in_the_synced_folders_with_their_hash
     expected = {path for path in listed.stdout.splitlines() if (REPO / path).is_file()}
     manifest = local_manifest()
     assert set(manifest) == expected
-    assert "remote/node/job_lock.py" in manifest and "examples/ddp_training.py" in manifest
+    assert "node/job_lock.py" in manifest and "examples/ddp_training.py" in manifest
     assert not any(path.startswith(("infra/", "tests/", "remote/tasks")) for path in manifest)
     for path, sha in manifest.items():
         assert sha == hashlib.sha256((REPO / path).read_bytes()).hexdigest(), path
@@ -251,7 +251,7 @@ def test_code_hashes_come_from_coreutils_and_name_paths_under_the_synced_folders
     (tmp_path / "harness" / "dist.py").write_text("x = 1\n")
     (tmp_path / "harness" / "__pycache__" / "dist.pyc").write_bytes(b"cache")
     (tmp_path / "mine.txt").write_text("the user's own file\n")
-    out = subprocess.run(["bash", "-c", commands.hash_files_command(str(tmp_path), ("harness", "remote/node"))],
+    out = subprocess.run(["bash", "-c", commands.hash_files_command(str(tmp_path), ("harness", "node"))],
                          capture_output=True, text=True)
     assert out.returncode == 0
     assert commands.parse_hashes(out.stdout) == {"harness/dist.py": hashlib.sha256(b"x = 1\n").hexdigest()}
@@ -314,7 +314,7 @@ def test_lock_replies(reply, parsed):
 
 
 def test_the_job_lock_is_taken_once_and_released_when_its_holder_ends(tmp_path):
-    """Two holders of remote/node/job_lock.py for real: the second is refused naming the first, and
+    """Two holders of node/job_lock.py for real: the second is refused naming the first, and
     once the first's input closes (fab ended the job) the lock is free again."""
     lock = tmp_path / "job.lock"
     holder = [sys.executable, str(commands.NODE_CODE / "job_lock.py"), str(lock)]

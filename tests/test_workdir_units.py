@@ -15,8 +15,8 @@ from conftest import REPO
 from remote import commands, options, workdir
 from test_remote_units import cluster as aws_cluster
 
-sys.path.insert(0, str(REPO / "remote" / "node"))
-import sync  # noqa: E402  (remote/node/sync.py, as the nodes run it)
+sys.path.insert(0, str(REPO / "node"))
+import sync  # noqa: E402  (node/sync.py, as the nodes run it)
 
 
 def tree(root: Path, files: dict[str, str]) -> Path:

@@ -11,7 +11,7 @@ process group, then every `CLUSTER_PROGRESS_INTERVAL_S` (default 1 s) writes `ra
 - the main thread's Python stack, innermost frame last;
 - the harness's training step, when the script uses the harness.
 
-When `dump.request` appears in that folder (`remote/node/hang.py collect` writes it) the thread also
+When `dump.request` appears in that folder (`node/hang.py collect` writes it) the thread also
 writes the recorder's whole buffer (`rank-<RANK>.fr.json`) and every thread's stack. Reading the
 recorder needs no lock the training thread holds (the thread runs while the main thread waits in a
 collective), so a rank blocked inside a collective still reports. Standard library only; torch is

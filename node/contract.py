@@ -2,7 +2,7 @@
 
 Paths are relative to the login user's home, as SFTP takes them; `shell()` gives the `~/...` form
 for commands. Standard library only: bootstrap, `fab` and `deploy.py down` import it on the operator's
-machine, and it is shipped to the nodes with the rest of `remote/node/`.
+machine, and it is shipped to the nodes with the rest of `node/`.
 """
 
 HOME_DIR = ".gpu-cluster"
@@ -13,7 +13,7 @@ STATE = f"{HOME_DIR}/state.json"
 JOB = f"{HOME_DIR}/job"
 """`PID RUN_ID TASK` of the job running on this node (its session leader)."""
 JOB_LOCK = f"{HOME_DIR}/job.lock"
-"""flock'd on the head node by the launch that owns the cluster's one job (remote/node/job_lock.py)."""
+"""flock'd on the head node by the launch that owns the cluster's one job (node/job_lock.py)."""
 PIDS = f"{HOME_DIR}/pids"
 """Daemons started on the node register `<name>.pid` (a process group id) here."""
 VENV = f"{HOME_DIR}/venv"
@@ -21,7 +21,7 @@ VENV = f"{HOME_DIR}/venv"
 REQUIREMENTS = f"{HOME_DIR}/requirements-node.txt"
 """What the venv installs where torch is missing."""
 CODE = f"{HOME_DIR}/code"
-"""harness/, examples/ and remote/node/, where the cluster has no shared folder."""
+"""harness/, examples/ and node/, where the cluster has no shared folder."""
 RUNS = f"{HOME_DIR}/runs"
 """Each run's node-local folder, on every node: `<run-id>/workdir` (the job's working directory) and
 `<run-id>/results` (`$CLUSTER_RESULTS_DIR`); also the run folder itself where there is no shared folder."""
@@ -40,7 +40,7 @@ WATCHDOG_UNIT = "gpu-cluster-watchdog"
 """The systemd unit of the watchdog, where the node runs systemd."""
 WATCHDOG_UNIT_FILE = f"{HOME_DIR}/{WATCHDOG_UNIT}.service"
 """The unit file as sent, before it is installed into /etc/systemd/system."""
-SYNCED = ("harness", "examples", "remote/node")
+SYNCED = ("harness", "examples", "node")
 """The code folders bootstrap syncs (relative to the repository and to the code folder)."""
 
 
