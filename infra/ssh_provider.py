@@ -25,7 +25,7 @@ import yaml
 from infra import inventory, keys, ssh, state
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo, NodeInfo
-from node import contract
+from node import contract, standalone
 
 DEFAULT_STACK = "hosts"
 PROVIDER = "ssh"
@@ -337,7 +337,7 @@ def _cluster(stack: str, hosts_file: HostsFile, checks: list[HostCheck], known_h
 
 
 async def _clean_node(cluster: ClusterInfo, node: NodeInfo) -> dict:
-    script = (NODE_SCRIPTS / "cleanup.py").read_text()
+    script = standalone.source("cleanup")
     args = [contract.shell(contract.HOME_DIR)]
     if cluster.shared_dir:
         args += [f"{cluster.shared_dir}/code", *contract.SYNCED]

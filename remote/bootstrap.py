@@ -478,10 +478,6 @@ def _torch(facts: dict) -> str:
     return f"torch {facts.get('torch')} (CPU)"
 
 
-def _expanded(path: str) -> str:
-    """A path for a program's argument list: $HOME/x becomes x relative to the login directory."""
-    return path[len("$HOME/"):] if path.startswith("$HOME/") else path
-
-
 def _sftp(destination: str, relative: str) -> str:
-    return f"{_expanded(destination)}/{relative}"
+    """SFTP does not expand $HOME; relative paths start in the login directory."""
+    return f"{contract.home_relative(destination)}/{relative}"

@@ -4,14 +4,13 @@ Every value that reaches a shell goes through `shlex.quote`; nothing here talks 
 """
 
 import json
-import re
 import secrets
 import shlex
 from datetime import datetime, timezone
 from pathlib import Path
 
 from infra.inventory import ClusterInfo, NodeInfo
-from node import contract
+from node import contract, standalone
 
 STATE_DIR = contract.shell(contract.HOME_DIR)
 ENV_FILE = contract.shell(contract.ENV)
@@ -19,8 +18,7 @@ STATE_FILE = contract.shell(contract.STATE)
 JOB_FILE = contract.shell(contract.JOB)
 LOCK_FILE = contract.shell(contract.JOB_LOCK)
 NODE_CODE = Path(__file__).resolve().parent.parent / "node"
-# The line a launch command prints after torchrun returns: its exit code and the node's own clock.
-EXIT_MARKER = "__gpu_cluster_exit__"
+EXIT_MARKER = contract.EXIT_MARKER
 DEFAULT_MASTER_PORT = 29500
 TERMINATE_GRACE_S = 5
 
@@ -58,7 +56,7 @@ def shared_or_home(cluster: ClusterInfo, folder: str) -> str:
     """A folder on the shared storage, or under each node's `~/.gpu-cluster` where the cluster has none."""
     if cluster.shared_dir:
         return f"{cluster.shared_dir.rstrip('/')}/{folder}"
-    return f"$HOME/{contract.HOME_DIR}/{folder}"
+    return contract.in_home(f"{contract.HOME_DIR}/{folder}")
 
 
 def code_dir(cluster: ClusterInfo) -> str:
@@ -73,12 +71,6 @@ def node_module(cluster: ClusterInfo, python: str, module: str, *args: str) -> s
     """Run one of node/'s files with `python`, from the synced code folder."""
     path = shell_path(f"{code_dir(cluster)}/node/{module}.py")
     return " ".join([shlex.quote(python), path, *map(shlex.quote, args)])
-
-
-def parse_route_interface(ip_route_output: str) -> str | None:
-    """The `dev` of `ip route get ADDR` output: the interface that carries traffic to ADDR."""
-    match = re.search(r"\bdev\s+(\S+)", ip_route_output)
-    return match.group(1) if match else None
 
 
 def node_environment(cluster: ClusterInfo, index: int, interface: str, python: str,
@@ -115,13 +107,6 @@ def env_file_text(env: dict[str, str]) -> str:
 
 
 TORCHRUN = "$CLUSTER_CODE_DIR/node/torchrun.py"
-# What torchrun gives every worker, beside what the node environment and the launch set.
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME")
-# Variables a user's --env may not set: the node's, torchrun's, the launch's, and any CLUSTER_*.
-RESERVED_PREFIXES = ("CLUSTER_", "TORCHELASTIC_")
-RESERVED_VARIABLES = ("NODE_RANK", "NNODES", "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "NCCL_SOCKET_IFNAME",
-                      "GLOO_SOCKET_IFNAME", "PYTHONPATH", "PYTHONUNBUFFERED", *TORCHRUN_VARIABLES)
 
 
 def torchrun_argv(cluster: ClusterInfo, node: NodeInfo, run_id: str, max_restarts: int, master_port: int,
@@ -150,24 +135,24 @@ def torchrun_argv(cluster: ClusterInfo, node: NodeInfo, run_id: str, max_restart
 
 def node_run_dir(run_id: str) -> str:
     """The run's folder on each node's own disk (contract.RUNS)."""
-    return f"$HOME/{contract.node_run(run_id)}"
+    return contract.in_home(contract.node_run(run_id))
 
 
 def job_workdir(run_id: str) -> str:
     """The job's working directory on each node: its own copy of the workdir, or an empty folder."""
-    return f"{node_run_dir(run_id)}/workdir"
+    return f"{node_run_dir(run_id)}/{contract.RUN_WORKDIR}"
 
 
 def results_dir(run_id: str) -> str:
     """`$CLUSTER_RESULTS_DIR`: node-local; what the head node's holds is fetched after the run."""
-    return f"{node_run_dir(run_id)}/results"
+    return f"{node_run_dir(run_id)}/{contract.RUN_RESULTS}"
 
 
 def job_variables(cluster: ClusterInfo, node: NodeInfo, run_id: str, master_port: int, nproc: int | None = None,
                   python: str | None = None) -> dict[str, str]:
     """What the launch sets on top of the node environment; each value a word or a path (`shell_path`)."""
     variables = {
-        "CLUSTER_RUN_ID": run_id,
+        contract.RUN_ID_VARIABLE: run_id,
         "CLUSTER_RUN_DIR": remote_run_dir(cluster, run_id),
         "CLUSTER_RESULTS_DIR": results_dir(run_id),
         "MASTER_PORT": str(master_port),
@@ -187,7 +172,7 @@ def python_path(run_id: str, first: tuple[str, ...] = ()) -> list[str]:
 
 def reserved_variable(key: str) -> bool:
     """Whether `key` is set by the node environment, torchrun or the launch (not for --env)."""
-    return key in RESERVED_VARIABLES or key.startswith(RESERVED_PREFIXES)
+    return key in contract.RESERVED_VARIABLES or key.startswith(contract.RESERVED_PREFIXES)
 
 
 def launch_command(cluster: ClusterInfo, node: NodeInfo, run_id: str, task: str, script: str,
@@ -234,7 +219,7 @@ def _workdir_step(run_id: str, workdir_key: str | None) -> str:
     """The job's folder: a copy (never links: a job writing a file would change the cache) or empty."""
     if workdir_key is None:
         return f"mkdir -p {shell_path(job_workdir(run_id))}"
-    files = f"$HOME/{contract.workdir_cache(workdir_key)}/{contract.WORKDIR_FILES}"
+    files = contract.in_home(f"{contract.workdir_cache(workdir_key)}/{contract.WORKDIR_FILES}")
     return f"cp -pR {shell_path(files)} {shell_path(job_workdir(run_id))}"
 
 
@@ -257,7 +242,7 @@ def lock_command(run_id: str, task: str, owner: str) -> str:
     """Take the one-job lock on this (head) node and hold it while the channel stays open
     (node/job_lock.py); CLUSTER_RUN_ID marks the holder as part of the job for `stop`."""
     holder = " ".join(shlex.quote(a) for a in (run_id, task, owner))
-    return (f". {ENV_FILE} && exec env CLUSTER_RUN_ID={shlex.quote(run_id)} \"$CLUSTER_PYTHON\" "
+    return (f". {ENV_FILE} && exec env {contract.RUN_ID_VARIABLE}={shlex.quote(run_id)} \"$CLUSTER_PYTHON\" "
             f"\"$CLUSTER_CODE_DIR\"/node/job_lock.py {LOCK_FILE} {holder}")
 
 
@@ -279,11 +264,6 @@ def shell_path(path: str) -> str:
         if path.startswith(variable + "/"):
             return f"\"{variable}\"/" + shlex.quote(path[len(variable) + 1:])
     return shlex.quote(path)
-
-
-def home_relative(path: str) -> str:
-    """A path for a program's argument list: `$HOME/x` becomes `x`, for programs started in the home."""
-    return path[len("$HOME/"):] if path.startswith("$HOME/") else path
 
 
 # A process is alive if /proc says so and it is not a zombie (where /proc exists), else if kill -0 works.
@@ -339,7 +319,7 @@ def parse_job_status(output: str) -> tuple[dict | None, bool]:
 def stop_command(grace_s: int = TERMINATE_GRACE_S) -> str:
     """End every job on the node (node/stop_jobs.py): SIGTERM, SIGKILL after `grace_s`.
     Prints `stopped RUN_ID...` or `idle`."""
-    source = (NODE_CODE / "stop_jobs.py").read_text()
+    source = standalone.source("stop_jobs")
     return f". {ENV_FILE} 2>/dev/null; \"${{CLUSTER_PYTHON:-python3}}\" -c {shlex.quote(source)} {JOB_FILE} {grace_s}"
 
 

@@ -57,11 +57,6 @@ class HangPolicy:
         return min(10.0, max(1.0, self.timeout_s / 5))
 
 
-def progress_dir(run_id: str) -> str:
-    """Each node's folder for its ranks' progress records (node-local: every node has its own)."""
-    return f"{contract.PROGRESS}/{run_id}"
-
-
 def job_environment(run_id: str, policy: HangPolicy) -> dict[str, str]:
     """What the launch command adds to every rank's environment (values for a shell, unquoted `$`)."""
     if not policy.enabled:
@@ -69,7 +64,7 @@ def job_environment(run_id: str, policy: HangPolicy) -> dict[str, str]:
     return {
         # A recorder size the user chose (in the node env or --env) wins.
         "TORCH_FR_BUFFER_SIZE": f"${{TORCH_FR_BUFFER_SIZE:-{RECORDER_ENTRIES}}}",
-        "CLUSTER_PROGRESS_DIR": f'"$HOME"/{progress_dir(run_id)}',
+        contract.PROGRESS_VARIABLE: f'"$HOME"/{contract.progress_dir(run_id)}',  # node-local: each node has its own
         "CLUSTER_PROGRESS_INTERVAL_S": "1",
         "PYTHONFAULTHANDLER": "1",  # a rank that aborts (gloo's size checks) prints its Python stack
     }
@@ -161,7 +156,7 @@ class HangWatch:
 
     def _command(self, session: NodeSession, action: str) -> str:
         python = self.python.get(session.node.name, "python3")
-        folder = commands.shell_path(f"$HOME/{progress_dir(self.run_id)}")
+        folder = commands.shell_path(contract.in_home(contract.progress_dir(self.run_id)))
         script = commands.shell_path(f"{commands.code_dir(self.cluster)}/node/hang.py")
         wait = f" --wait-s {COLLECT_WAIT_S}" if action == "collect" else ""
         return f". {commands.ENV_FILE} 2>/dev/null; {shlex.quote(python)} {script} {action} {folder} " \

@@ -34,7 +34,7 @@ from infra.inventory import ClusterInfo
 from remote import commands
 from remote.connect import NodeSession, describe, on_all_nodes
 from node import contract
-from node.sync import file_sha256  # the node hashes its cache the same way
+from node.sync import PLAN, file_sha256  # the node hashes its cache the same way
 from remote.stream import say
 
 IGNORE_FILES = (".gitignore", ".gpuclusterignore")  # in this order: the second overrides the first
@@ -233,7 +233,7 @@ def write_bundle(project: Project, wanted: Manifest, send: list[str], remove: li
     plan = json.dumps({"remove": remove, "manifest": wanted.hashes, "digest": wanted.digest}).encode()
     by_path = {f.path: f for f in project.files}
     with tarfile.open(target, "w:gz", compresslevel=1) as bundle:
-        info = tarfile.TarInfo("plan.json")
+        info = tarfile.TarInfo(PLAN)
         info.size, info.mtime = len(plan), int(time.time())
         bundle.addfile(info, io.BytesIO(plan))
         for path in send:

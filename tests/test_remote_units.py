@@ -1,6 +1,7 @@
 """The command builders and parsers of remote/, directly (and the stop command run for real in bash)."""
 
 import hashlib
+import json
 import os
 import shlex
 import subprocess
@@ -12,6 +13,7 @@ from datetime import datetime, timezone
 import pytest
 
 from infra.inventory import ClusterInfo, NodeInfo
+from node import probe, standalone
 from remote import commands
 from remote.bootstrap import REPO, SYNCED, digest, local_manifest
 from remote.launch import JobStream, first_failure
@@ -141,7 +143,7 @@ def test_folders_fall_back_to_each_home_without_shared_storage():
     ("RTNETLINK answers: Network is unreachable", None),
 ])
 def test_route_interface_is_read_from_ip_route_get(output, interface):
-    assert commands.parse_route_interface(output) == interface
+    assert probe.parse_route_interface(output) == interface
 
 
 def test_job_status_parsing():
@@ -338,3 +340,13 @@ def test_the_job_lock_is_taken_once_and_released_when_its_holder_ends(tmp_path):
         assert fourth.stdout.strip() == "locked" and fourth.returncode == 0
     finally:
         first.kill()
+
+
+def test_node_files_sent_as_source_carry_their_siblings(tmp_path):
+    """cleanup.py (stdin) and stop_jobs.py (`-c`) run where no `node` package can be imported."""
+    for name in ("cleanup", "stop_jobs"):
+        assert "from node import" not in standalone.source(name)
+    result = subprocess.run([sys.executable, "-", str(tmp_path / "state")], input=standalone.source("cleanup"),
+                            cwd=tmp_path, capture_output=True, text=True, env={"PATH": os.environ["PATH"]})
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"job": "idle", "daemons": [], "removed": []}

@@ -29,11 +29,9 @@ import asyncssh
 
 from infra import state
 from infra.local import procs
-from node import contract
+from node import contract, procfs
 
 SERVER_MODULE = "infra.local.node_server"
-# The watchdog (harness/watchdog.py) writes this file under the shared folder to power the cluster off.
-STOP_MARKER = ".gpu-cluster/stop.json"
 # Daemons started on the node (the watchdog, a detached job) register `<name>.pid` here, so that
 # powering the node off ends them too, as it would on a real machine.
 PID_REGISTRY = contract.PIDS
@@ -103,7 +101,7 @@ class ProcessTable:
         own sessions, such as torchrun's workers) is killed, as a power-off would."""
         groups = set(self.session_groups) | set(self.registered_daemons())
         await asyncio.gather(*(terminate_group(pgid) for pgid in groups))
-        for pid in procs.pids_with_environment(token_entry(self.token)):
+        for pid in procfs.pids_with_environment(token_entry(self.token)):
             _signal_pid(pid, signal.SIGKILL)
 
 
@@ -113,7 +111,7 @@ async def terminate_group(pgid: int, grace_s: float = TERMINATE_GRACE_S) -> None
         return
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
-        if not procs.group_alive(pgid):
+        if not procfs.group_alive(pgid):
             return
         await asyncio.sleep(0.05)
     _signal_group(pgid, signal.SIGKILL)
@@ -312,7 +310,7 @@ class Node:
 
     async def guard(self) -> None:
         """Power off when the watchdog's stop marker appears, as an AWS node's guard timer does."""
-        marker = Path(self.config.shared_dir) / STOP_MARKER
+        marker = Path(self.config.shared_dir) / contract.STOP_MARKER
         while not self.stopping.is_set():
             if marker.exists():
                 log.warning("stop marker %s found: powering off", marker)
