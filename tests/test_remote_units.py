@@ -345,7 +345,7 @@ def test_the_job_lock_is_taken_once_and_released_when_its_holder_ends(tmp_path):
 def test_node_files_sent_as_source_carry_their_siblings(tmp_path):
     """cleanup.py (stdin) and stop_jobs.py (`-c`) run where no `node` package can be imported."""
     for name in ("cleanup", "stop_jobs"):
-        assert "from node import" not in standalone.source(name)
+        assert "\nfrom node import" not in standalone.source(name)
     result = subprocess.run([sys.executable, "-", str(tmp_path / "state")], input=standalone.source("cleanup"),
                             cwd=tmp_path, capture_output=True, text=True, env={"PATH": os.environ["PATH"]})
     assert result.returncode == 0, result.stderr
