@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from harness.gpu_monitor import busy as gpus_busy
-from node import contract, procfs
+from node import billing, contract, procfs
 
 JOB_FILE = contract.shell(contract.JOB)
 PROGRESS_DIR = contract.shell(contract.PROGRESS)
@@ -127,11 +127,11 @@ class Watchdog:
 
     def check(self) -> Decision:
         now, g = self.clock(), self.guards
-        accrued = g.hourly_usd * max(0.0, now - g.started_at) / 3600
+        accrued = billing.cost_usd(g.hourly_usd, max(0.0, now - g.started_at))
         self.note_activity(now)
         idle_s = now - self.last_active
         if g.max_total_usd is not None:
-            at_next_check = accrued + g.hourly_usd * g.interval_s / 3600
+            at_next_check = accrued + billing.cost_usd(g.hourly_usd, g.interval_s)
             if at_next_check >= g.max_total_usd:
                 return Decision(True, f"budget: ${accrued:.2f} spent of maxTotalUsd ${g.max_total_usd:g} "
                                       f"at ${g.hourly_usd:.3f}/h", accrued, idle_s)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from infra import state
 from node import procfs
+from node.billing import cost_usd
 
 MINIMUM_BILLED_S = 60
 HEARTBEAT_S = 5
@@ -69,10 +70,6 @@ CREATE TABLE IF NOT EXISTS runs (
 
 def billed_seconds(seconds: float) -> float:
     return max(seconds, MINIMUM_BILLED_S)
-
-
-def cost_usd(hourly_usd: float, seconds: float) -> float:
-    return hourly_usd * seconds / 3600.0
 
 
 @dataclass

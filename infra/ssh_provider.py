@@ -291,7 +291,7 @@ def up(hosts_path: str, stack: str, say=print) -> tuple[ClusterInfo, bool]:
     for index, check in enumerate(checks):
         say(f"node-{index}: {check.host.user}@{check.host.address}:{check.host.port} host key {check.fingerprint} (pinned)")
     stack_path = state.stack_dir(stack)
-    known_hosts = stack_path / "known_hosts"
+    known_hosts = stack_path / state.KNOWN_HOSTS
     keys.write_known_hosts(known_hosts, [keys.known_hosts_entry(c.host.address, c.host.port, c.host_key) for c in checks])
     cluster = _cluster(stack, hosts_file, checks, known_hosts)
     inventory.save(cluster)
@@ -372,15 +372,8 @@ def down(stack: str, say=print) -> bool:
         say(f"{node.name} ({node.ssh_user}@{node.public_ip}): job {report['job']}{daemons}; removed {removed}")
     if failed:
         return False
-    forget(stack)
+    state.forget(stack)
     return True
-
-
-def forget(stack: str) -> None:
-    """The stack's state on this machine, except runs/ (logs are kept)."""
-    for name in ("inventory.json", "known_hosts", "bootstrap.json", "guards.json"):
-        (state.stack_dir(stack) / name).unlink(missing_ok=True)
-    state.clear_current_stack(stack)
 
 
 # --------------------------------------------------------------------------------------- status

@@ -343,7 +343,7 @@ class Bootstrap:
         """The budget and idle guard on node-0, from `.cluster/<stack>/guards.json` (written by `up`)."""
         if record is not self.records[0]:
             return Outcome("n/a", "")
-        guards = {k: v for k, v in _read_json(self.stack_dir / "guards.json").items() if v is not None}
+        guards = {k: v for k, v in _read_json(self.stack_dir / state.GUARDS).items() if v is not None}
         wanted = digest(guards, self.cluster.hourly_usd, self.cluster.created_at, self.python_for(record),
                         (REPO / "harness" / "watchdog.py").read_text())
         alive = record.session.run(self._watchdog_alive_command()).exited == 0
@@ -416,7 +416,7 @@ class Bootstrap:
             "nodes": {r.name: {"probe": r.facts("probe"), "deps": r.facts("deps")} for r in self.records},
             "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        state.write_atomic(self.stack_dir / "bootstrap.json", json.dumps(setup, indent=2) + "\n")
+        state.write_atomic(self.stack_dir / state.BOOTSTRAP, json.dumps(setup, indent=2) + "\n")
 
     def _report(self, failed_stage: str | None = None) -> None:
         table = Table(title=f"bootstrap of '{self.cluster.stack}'", show_lines=False)

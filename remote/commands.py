@@ -148,17 +148,21 @@ def results_dir(run_id: str) -> str:
     return f"{node_run_dir(run_id)}/{contract.RUN_RESULTS}"
 
 
-def job_variables(cluster: ClusterInfo, node: NodeInfo, run_id: str, master_port: int, nproc: int | None = None,
+def job_variables(cluster: ClusterInfo, node: NodeInfo, run_id: str, nproc: int | None = None,
                   python: str | None = None) -> dict[str, str]:
-    """What the launch sets on top of the node environment; each value a word or a path (`shell_path`)."""
+    """What the launch sets on top of the node environment; each value a word or a path (`shell_path`).
+
+    MASTER_PORT, NPROC_PER_NODE and CLUSTER_PYTHON come from the node environment (`node_environment`,
+    which bootstrap writes with the master port every launch uses); a launch sets the last two only
+    where it asks for other values (`--nproc-per-node`, `--requirements`)."""
     variables = {
         contract.RUN_ID_VARIABLE: run_id,
         "CLUSTER_RUN_DIR": remote_run_dir(cluster, run_id),
         "CLUSTER_RESULTS_DIR": results_dir(run_id),
-        "MASTER_PORT": str(master_port),
-        "NPROC_PER_NODE": str(nproc_per_node(node.gpus, nproc)),
         "PYTHONUNBUFFERED": "1",
     }
+    if nproc is not None:
+        variables["NPROC_PER_NODE"] = str(nproc_per_node(node.gpus, nproc))
     if python:
         variables["CLUSTER_PYTHON"] = python  # the job's own environment (--requirements), for its children
     return variables
@@ -194,7 +198,7 @@ def launch_command(cluster: ClusterInfo, node: NodeInfo, run_id: str, task: str,
     marker carries the time this node saw torchrun end, by its own clock, so fail-fast can name the
     node that failed first however late its SSH call returns.
     """
-    variables = job_variables(cluster, node, run_id, master_port, nproc, python)
+    variables = job_variables(cluster, node, run_id, nproc, python)
     assignments = [f"{key}={shell_path(value)}" for key, value in variables.items()]
     assignments += [f"{key}={value}" for key, value in (job_env or {}).items()]
     search_path = ":".join(shell_path(p) for p in python_path(run_id, pythonpath_first))

@@ -245,7 +245,7 @@ def write_bundle(project: Project, wanted: Manifest, send: list[str], remove: li
 
 
 def hash_cache_path(cluster: ClusterInfo, project: Project) -> Path:
-    return state.stack_dir(cluster.stack) / "workdirs" / f"{project.key}.json"
+    return state.stack_file(cluster.stack, state.WORKDIRS) / f"{project.key}.json"
 
 
 def sync(cluster: ClusterInfo, sessions: list[NodeSession], python: dict[str, str], project: Project,

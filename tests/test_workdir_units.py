@@ -215,7 +215,7 @@ def test_env_values_are_kept_whole_and_every_launch_variable_is_reserved():
     with pytest.raises(Exit, match="twice"):
         options.environment(["A=1", "A=2"])
     c = aws_cluster()
-    launch_set = {**commands.node_environment(c, 0, "lo", "py"), **commands.job_variables(c, c.nodes[0], "r", 1, python="py")}
+    launch_set = {**commands.node_environment(c, 0, "lo", "py"), **commands.job_variables(c, c.nodes[0], "r", python="py")}
     assert all(commands.reserved_variable(key) for key in launch_set)
 
 

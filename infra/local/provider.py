@@ -201,7 +201,7 @@ def _start(options: LocalOptions, addresses: list[tuple[str, int]]) -> ClusterIn
     shared = state.make_private_dir(shared_dir(options.stack))
     client_key = keys.ensure_client_key(stack_path)
     user = getpass.getuser()
-    known_hosts = stack_path / "known_hosts"
+    known_hosts = stack_path / state.KNOWN_HOSTS
     entries, configs = [], []
     for index, (address, port) in enumerate(addresses):
         config, host_public = _prepare_node(options.stack, index, address, port, client_key, user)
@@ -402,7 +402,7 @@ def remove_state(stack: str) -> None:
     stack_path = state.stack_dir(stack)
     if stack_path.exists():
         for child in stack_path.iterdir():
-            if child.name == "runs":
+            if child.name == state.RUNS:
                 for run in [child, *(p for p in child.iterdir() if p.is_dir())]:
                     state.remove_stale_tmp_files(run)
                 continue
@@ -412,7 +412,7 @@ def remove_state(stack: str) -> None:
                 child.unlink(missing_ok=True)
         if not any(stack_path.iterdir()):
             stack_path.rmdir()
-    state.clear_current_stack(stack)
+    state.forget(stack)
 
 
 def _node_endpoints(stack: str) -> list[tuple[str, int]]:
