@@ -14,6 +14,7 @@ from infra.config import StackConfig
 from infra.inventory import ClusterInfo
 from infra.ledger import Ledger
 from infra.pricing import PriceSource
+from node import billing
 
 
 def open_ledger(say=print, create: bool = True) -> Ledger | None:

@@ -52,7 +52,8 @@ def stop_job(home_dir: str) -> str:
     except (OSError, ValueError):
         return "idle"
     stopped = procfs.alive(int(pid)) and end_group(int(pid))
-    for leftover in procfs.pids_with_environment(f"{contract.RUN_ID_VARIABLE}={run_id}"):  # workers in sessions of their own
+    workers = procfs.pids_with_environment(f"{contract.RUN_ID_VARIABLE}={run_id}")  # in sessions of their own
+    for leftover in workers:
         try:
             os.kill(leftover, signal.SIGKILL)
             stopped = True

@@ -35,7 +35,9 @@ def rank_processes(run_id: str) -> dict[int, int]:
     node = os.environ.get(contract.NODE_VARIABLE)
     found = {}
     for pid, variables in procfs.environments():
-        if variables.get(contract.RUN_ID_VARIABLE) != run_id or (node and variables.get(contract.NODE_VARIABLE) != node):
+        if variables.get(contract.RUN_ID_VARIABLE) != run_id:
+            continue
+        if node and variables.get(contract.NODE_VARIABLE) != node:
             continue
         rank = variables.get("RANK")
         if rank is not None and rank.isdigit():

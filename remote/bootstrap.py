@@ -33,8 +33,8 @@ from rich.table import Table
 
 from infra import state
 from infra.inventory import ClusterInfo
-from remote import commands
 from node import contract
+from remote import commands
 from remote.connect import NodeSession, describe, on_all_nodes, open_sessions
 from remote.launch import JobSpec, NodeSetup, run_job
 from remote.stream import console, say

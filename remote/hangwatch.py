@@ -17,9 +17,9 @@ from pathlib import Path
 
 from infra import state
 from infra.inventory import ClusterInfo
+from node import contract
 from remote import commands, hang
 from remote.connect import NodeSession, describe, on_all_nodes
-from node import contract
 from remote.stream import say
 
 DEFAULT_HANG_TIMEOUT_S = 300

@@ -24,9 +24,10 @@ from infra import state
 from infra.inventory import ClusterInfo
 from node import contract
 from remote import commands, hang, workdir
-from remote.hangwatch import HangPolicy, HangReport, HangWatch, job_environment, rankhook_path
 from remote.connect import CONNECTION_ERRORS, NodeSession, describe, on_all_nodes, open_sessions
-from remote.packages import Requirements, ensure as ensure_requirements
+from remote.hangwatch import HangPolicy, HangReport, HangWatch, job_environment, rankhook_path
+from remote.packages import Requirements
+from remote.packages import ensure as ensure_requirements
 from remote.stream import NodeStream, say
 from remote.workdir import Manifest, Project, count_files, human_bytes
 
@@ -206,7 +207,8 @@ def upload_script(cluster: ClusterInfo, sessions: list[NodeSession], run_id: str
     targets = sessions[:1] if cluster.shared_dir else sessions
     for session in targets:
         session.run(f"mkdir -p {commands.shell_path(run_dir)}", warn=False)
-        session.conn.put(str(script), remote=f"{contract.home_relative(run_dir)}/{script.name}")  # SFTP starts in the home
+        # SFTP does not expand $HOME; relative paths start in the login directory.
+        session.conn.put(str(script), remote=f"{contract.home_relative(run_dir)}/{script.name}")
 
 
 def run_job(cluster: ClusterInfo, sessions: list[NodeSession], spec: JobSpec, setup: NodeSetup,

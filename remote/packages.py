@@ -16,9 +16,9 @@ from pathlib import Path
 from invoke.exceptions import Exit
 
 from infra.inventory import ClusterInfo
+from node import contract
 from remote import commands
 from remote.connect import NodeSession, describe, on_all_nodes
-from node import contract
 from remote.stream import say
 
 INSTALL_TIMEOUT_S = 3600

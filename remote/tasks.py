@@ -19,11 +19,11 @@ from infra import inventory, state
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo
 from infra.ledger import HEARTBEAT_S, Ledger
+from node import billing, contract
 from remote import commands, options, workdir
 from remote.bootstrap import Bootstrap
 from remote.connect import describe, on_all_nodes, open_sessions
 from remote.launch import DEFAULT_MAX_RESULT_MB, JobLock, JobSpec, NodeSetup, check_ready, launch, stop_everywhere
-from node import billing, contract
 from remote.stream import console, say
 
 STACK_HELP = "stack to use (default: $CLUSTER_STACK, else the last `python deploy.py up`)"
@@ -157,7 +157,8 @@ def start_job(stack: str | None, spec: JobSpec) -> None:
     if result.hang:
         summary["hang"] = {"verdict": result.hang.verdict, "stalled_at": result.hang.stalled_since,
                            "detected_at": result.hang.detected_at, "evidence": str(result.hang.evidence_dir),
-                           "usd_since_stall": round(billing.cost_usd(cluster.hourly_usd, time.time() - result.hang.stalled_since), 6)}
+                           "usd_since_stall": round(billing.cost_usd(cluster.hourly_usd,
+                                                                     time.time() - result.hang.stalled_since), 6)}
     state.write_atomic(local_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     where = f"logs: {local_dir}"
     if result.interrupted:

@@ -31,10 +31,10 @@ from pathspec import GitIgnoreSpec
 
 from infra import state
 from infra.inventory import ClusterInfo
-from remote import commands
-from remote.connect import NodeSession, describe, on_all_nodes
 from node import contract
 from node.sync import PLAN, file_sha256  # the node hashes its cache the same way
+from remote import commands
+from remote.connect import NodeSession, describe, on_all_nodes
 from remote.stream import say
 
 IGNORE_FILES = (".gitignore", ".gpuclusterignore")  # in this order: the second overrides the first

@@ -28,7 +28,6 @@ from pathlib import Path
 import asyncssh
 
 from infra import state
-from infra.local import procs
 from node import contract, procfs
 
 SERVER_MODULE = "infra.local.node_server"

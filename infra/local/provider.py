@@ -29,8 +29,8 @@ from infra import inventory, keys, ssh, state
 from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo, NodeInfo
 from infra.local import procs
-from node import contract, procfs
 from infra.local.node_server import PID_REGISTRY, SERVER_MODULE, NodeConfig, token_entry
+from node import contract, procfs
 
 DEFAULT_FIRST_ADDRESS = "127.0.0.10"
 DEFAULT_SSH_PORT = 2222
