@@ -118,7 +118,7 @@ def torchrun_argv(cluster: ClusterInfo, node: NodeInfo, run_id: str, max_restart
     torchrun runs through node/torchrun.py, which binds the job's stores to the node's address;
     `is_host` says that node-0 hosts the rendezvous (every local node would think itself the host).
     It is started by its path, not as a module, so a project folder of the user's (the working
-    directory, whose own `remote/` would come first for `-m`) cannot hide it.
+    directory, whose own `node/` would come first for `-m`) cannot hide it.
     """
     return [
         TORCHRUN,
