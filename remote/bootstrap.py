@@ -41,6 +41,8 @@ from remote.stream import console, say
 
 REPO = Path(__file__).resolve().parent.parent
 SYNCED = contract.SYNCED
+# The watchdog's code: a change to any of it restarts the watchdog.
+WATCHDOG_CODE = ("harness/watchdog.py", "node/contract.py", "node/procfs.py", "node/billing.py")
 WATCHDOG_UNIT = """[Unit]
 Description=gpu-cluster budget and idle watchdog
 After=network-online.target remote-fs.target
@@ -345,7 +347,7 @@ class Bootstrap:
             return Outcome("n/a", "")
         guards = {k: v for k, v in _read_json(self.stack_dir / state.GUARDS).items() if v is not None}
         wanted = digest(guards, self.cluster.hourly_usd, self.cluster.created_at, self.python_for(record),
-                        (REPO / "harness" / "watchdog.py").read_text())
+                        *((REPO / path).read_text() for path in WATCHDOG_CODE))
         alive = record.session.run(self._watchdog_alive_command()).exited == 0
         if self._up_to_date(record, "watchdog", wanted) and alive == bool(guards):
             return Outcome("up to date", _guard_text(guards))
