@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -350,3 +351,27 @@ def test_node_files_sent_as_source_carry_their_siblings(tmp_path):
                             cwd=tmp_path, capture_output=True, text=True, env={"PATH": os.environ["PATH"]})
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"job": "idle", "daemons": [], "removed": []}
+
+
+def test_procfs_tells_running_stopped_and_gone_processes_and_finds_them_by_environment():
+    from node import procfs
+
+    child = subprocess.Popen(["sleep", "30"], env={"PATH": os.environ["PATH"], "CLUSTER_RUN_ID": "run-procfs"})
+    try:
+        assert procfs.alive(child.pid) and procfs.process_state(child.pid) == "running"
+        assert procfs.pids_with_environment("CLUSTER_RUN_ID=run-procfs") == [child.pid]
+        assert procfs.environment(child.pid)["CLUSTER_RUN_ID"] == "run-procfs"
+        child.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while procfs.process_state(child.pid) != "stopped" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert procfs.process_state(child.pid) == "stopped"
+        child.kill()
+        deadline = time.monotonic() + 5
+        while procfs.state(child.pid) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not procfs.alive(child.pid) and procfs.process_state(child.pid) == "gone"  # a zombie is gone
+        assert procfs.pids_with_environment("CLUSTER_RUN_ID=run-procfs") == []
+    finally:
+        child.kill()
+        child.wait()
