@@ -16,7 +16,7 @@ from bench.common import REPO, Check, median, scratch_env, torchrun
 
 ROUNDS = 9
 ITERS = 2000
-RANKHOOK = REPO / "remote" / "node" / "rankhook"
+RANKHOOK = REPO / "node" / "rankhook"
 
 
 def timed_loop(env: dict[str, str]) -> tuple[float, float]:

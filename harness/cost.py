@@ -2,6 +2,8 @@
 
 import time
 
+from node import billing
+
 
 class CostMeter:
     """Dollars since the job started, and price-performance."""
@@ -15,7 +17,7 @@ class CostMeter:
         return self.clock() - self.started
 
     def usd_so_far(self) -> float:
-        return self.hourly_usd * self.elapsed_s() / 3600.0
+        return billing.cost_usd(self.hourly_usd, self.elapsed_s())
 
     def usd_per_million_samples(self, samples: int) -> float | None:
         """Cluster dollars per million training samples so far; None before the first sample."""

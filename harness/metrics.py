@@ -48,7 +48,7 @@ def format_step(
 
 last_step: int | None = None
 """The last training step any StepLogger saw in this process: the rank monitor a `fab` launch starts
-(remote/node/rankhook/) reports it, so the head node's watchdog can tell a stalled job from a slow one."""
+(node/rankhook/) reports it, so the head node's watchdog can tell a stalled job from a slow one."""
 
 
 class StepLogger:

@@ -23,12 +23,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from harness.gpu_monitor import busy as gpus_busy
+from node import billing, contract, procfs
 
-STOP_MARKER = ".gpu-cluster/stop.json"
-HEARTBEAT = ".gpu-cluster/watchdog.json"
-JOB_FILE = "~/.gpu-cluster/job"
-JOB_LOCK = "~/.gpu-cluster/job.lock"
-PROGRESS_DIR = "~/.gpu-cluster/progress"
+JOB_FILE = contract.shell(contract.JOB)
+PROGRESS_DIR = contract.shell(contract.PROGRESS)
 
 
 @dataclass(frozen=True)
@@ -73,16 +71,16 @@ def running_run_id(job_file: Path) -> str | None:
 
 def job_progress(progress_dir: Path, run_id: str) -> tuple | None:
     """What the run's live ranks on this node have done so far: per rank, the collectives each
-    process group completed and the harness's step (from their monitors, remote/node/rankhook/). Two
+    process group completed and the harness's step (from their monitors, node/rankhook/). Two
     equal values mean no progress in between; None when no live rank reports (then nothing is known:
     torchrun starting its workers, or tearing down after they ended, is not a stall)."""
     done = []
-    for path in sorted((progress_dir / run_id).glob("rank-*.json")):
-        if path.name.endswith(".fr.json"):
+    for path in sorted((progress_dir / run_id).glob(contract.RANK_PROGRESS_GLOB)):
+        if path.name.endswith(contract.DUMP_SUFFIX):
             continue
         try:
             record = json.loads(path.read_text())
-            if not pid_alive(int(record["pid"])):
+            if not procfs.alive(int(record["pid"])):
                 continue
             groups = tuple(sorted((name, int(g["completed"])) for name, g in record.get("groups", {}).items()))
             done.append((int(record["rank"]), groups, record.get("step")))
@@ -97,7 +95,7 @@ def job_running(job_file: Path) -> bool:
         pid = int(job_file.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return False
-    return pid_alive(pid)
+    return procfs.alive(pid)
 
 
 def lock_held(lock_file: Path, locks_table: Path = Path("/proc/locks")) -> bool:
@@ -114,28 +112,13 @@ def lock_held(lock_file: Path, locks_table: Path = Path("/proc/locks")) -> bool:
                for fields in (line.split() for line in table.splitlines()))
 
 
-def pid_alive(pid: int) -> bool:
-    """A process runs with this pid (zombies count as gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        if Path("/proc/self").exists():
-            return False
-    try:
-        os.kill(pid, 0)
-        return True
-    except OSError:
-        return False
-
-
 class Watchdog:
     """Checks the guards; the clock and the activity probes are injectable, for tests."""
 
     def __init__(self, guards: Guards, shared_dir: Path, job_file: Path, clock=time.time,
                  gpus_are_busy=gpus_busy, progress_dir: Path | None = None, job_lock: Path | None = None):
         self.guards, self.shared_dir, self.job_file = guards, shared_dir, job_file
-        self.job_lock = job_lock or job_file.with_name(Path(JOB_LOCK).name)
+        self.job_lock = job_lock or job_file.with_name(Path(contract.JOB_LOCK).name)
         self.clock, self.gpus_are_busy = clock, gpus_are_busy
         self.progress_dir = progress_dir or Path(os.path.expanduser(PROGRESS_DIR))
         self.last_active = clock()
@@ -144,11 +127,11 @@ class Watchdog:
 
     def check(self) -> Decision:
         now, g = self.clock(), self.guards
-        accrued = g.hourly_usd * max(0.0, now - g.started_at) / 3600
+        accrued = billing.cost_usd(g.hourly_usd, max(0.0, now - g.started_at))
         self.note_activity(now)
         idle_s = now - self.last_active
         if g.max_total_usd is not None:
-            at_next_check = accrued + g.hourly_usd * g.interval_s / 3600
+            at_next_check = accrued + billing.cost_usd(g.hourly_usd, g.interval_s)
             if at_next_check >= g.max_total_usd:
                 return Decision(True, f"budget: ${accrued:.2f} spent of maxTotalUsd ${g.max_total_usd:g} "
                                       f"at ${g.hourly_usd:.3f}/h", accrued, idle_s)
@@ -178,16 +161,16 @@ class Watchdog:
             self.last_active = now
 
     def heartbeat(self, decision: Decision) -> None:
-        _write_json(self.shared_dir / HEARTBEAT, {"pid": os.getpid(), "checked_at": self.clock(),
+        _write_json(self.shared_dir / contract.WATCHDOG_HEARTBEAT, {"pid": os.getpid(), "checked_at": self.clock(),
                                                   "accrued_usd": decision.accrued_usd, "idle_s": decision.idle_s,
                                                   "guards": asdict(self.guards)})
 
     def power_off(self, decision: Decision) -> None:
         """Stop this node's job, then write the marker every node's guard powers off on."""
         _stop_job(self.job_file)
-        _write_json(self.shared_dir / STOP_MARKER, {
+        _write_json(self.shared_dir / contract.STOP_MARKER, {
             "reason": decision.reason, "at": self.clock(), "accrued_usd": round(decision.accrued_usd, 4),
-            "by": "watchdog", "node": os.environ.get("CLUSTER_NODE", "node-0"),
+            "by": "watchdog", "node": os.environ.get(contract.NODE_VARIABLE, "node-0"),
         })
 
     def run(self) -> Decision:

@@ -115,7 +115,7 @@ def _cluster_from_outputs(stack: str, config, outputs: dict, key_path, hourly_us
     )
     return ClusterInfo(
         stack=stack, provider="aws", region=config.region, instance_type=config.instance_type, hourly_usd=hourly_usd,
-        ssh_user=user, ssh_key=str(key_path), known_hosts=str(stack_path / "known_hosts"),
+        ssh_user=user, ssh_key=str(key_path), known_hosts=str(stack_path / state.KNOWN_HOSTS),
         shared_dir=outputs.get("shared_dir", SHARED_DIR), created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         nodes=nodes, python="python3", daemon="systemd",  # the DLAMI runs systemd and the user has sudo
     )
@@ -206,9 +206,7 @@ def down(stack: str, clients: preflight.AwsClients | None = None, command=None, 
     with preflight.aws_answers("after destroy, looking for leftovers"):
         leftovers = teardown.sweep(stack, clients.ec2, clients.efs, placement_ec2)
     if not leftovers:
-        for name in ("inventory.json", "known_hosts", "bootstrap.json"):
-            (state.stack_dir(stack) / name).unlink(missing_ok=True)
-        state.clear_current_stack(stack)
+        state.forget(stack)
     return leftovers
 
 

@@ -6,9 +6,11 @@ idle stop reaches every node without SSH between nodes. What power-off means for
 (terminate or stop) is the instance's shutdown behaviour, set by the Pulumi program.
 """
 
+from node import contract
+
 SHARED_DIR = "/shared"
 READY_MARKER = "/var/lib/gpu-cluster/ready"
-STOP_MARKER = f"{SHARED_DIR}/.gpu-cluster/stop.json"  # the same path harness/watchdog.py writes
+STOP_MARKER = f"{SHARED_DIR}/{contract.STOP_MARKER}"
 MOUNT_OPTIONS = "nfsvers=4.1,rsize=1048576,wsize=1048576,hard,timeo=600,retrans=2,noresvport"
 
 

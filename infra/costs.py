@@ -14,6 +14,7 @@ from infra.config import StackConfig
 from infra.inventory import ClusterInfo
 from infra.ledger import Ledger
 from infra.pricing import PriceSource
+from node import billing
 
 
 def open_ledger(say=print, create: bool = True) -> Ledger | None:
@@ -27,7 +28,7 @@ def open_ledger(say=print, create: bool = True) -> Ledger | None:
 def save_guards(stack: str, config: StackConfig) -> dict:
     """What the watchdog enforces for this stack (`fab bootstrap` installs it from this file)."""
     guards = {"max_total_usd": config.max_total_usd, "idle_minutes": config.idle_minutes}
-    state.write_atomic(state.stack_dir(stack) / "guards.json", json.dumps(guards, indent=2) + "\n")
+    state.write_atomic(state.stack_file(stack, state.GUARDS), json.dumps(guards, indent=2) + "\n")
     return guards
 
 
@@ -113,7 +114,7 @@ def _cluster_row(c, now: float) -> dict:
         "hourly_usd": c.hourly_usd, "reference_hourly_usd": c.reference_hourly_usd, "up": c.is_up,
         "intervals": [{"started_at": _iso(i.started_at), "ended_at": _iso(i.ended_at), "end_reason": i.end_reason,
                        "seconds": round(i.seconds(now), 1)} for i in c.intervals],
-        "hours": round(c.seconds(now) / 3600, 4),
+        "hours": round(billing.hours(c.seconds(now)), 4),
         "cost_usd": round(c.cost_usd(now), 6),
         "would_have_cost_usd": round(reference, 6) if reference is not None else None,
     }

@@ -141,7 +141,7 @@ def _checked(name: str, kind, value):
 
 
 def inventory_path(stack: str) -> Path:
-    return state.stack_dir(stack) / "inventory.json"
+    return state.stack_file(stack, state.INVENTORY)
 
 
 def save(cluster: ClusterInfo) -> Path:

@@ -10,7 +10,7 @@ from infra import state
 
 def ensure_client_key(stack_dir: Path) -> Path:
     """The cluster's ed25519 key (`id_ed25519`, mode 0600, and `.pub`), created once per stack."""
-    key_path = stack_dir / "id_ed25519"
+    key_path = stack_dir / state.SSH_KEY
     if not key_path.exists():
         key = asyncssh.generate_private_key("ssh-ed25519", comment=f"gpu-cluster-{stack_dir.name}")
         state.write_atomic(key_path, key.export_private_key().decode(), mode=0o600)

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra import state
+from node import procfs
+from node.billing import cost_usd
 
 MINIMUM_BILLED_S = 60
 HEARTBEAT_S = 5
@@ -68,10 +70,6 @@ CREATE TABLE IF NOT EXISTS runs (
 
 def billed_seconds(seconds: float) -> float:
     return max(seconds, MINIMUM_BILLED_S)
-
-
-def cost_usd(hourly_usd: float, seconds: float) -> float:
-    return hourly_usd * seconds / 3600.0
 
 
 @dataclass
@@ -295,7 +293,7 @@ class Ledger:
         closed = []
         for run_id, owner_host, owner_pid, last_seen in rows:
             mine = owner_host == host and owner_pid is not None
-            if mine and not _process_alive(owner_pid):
+            if mine and not procfs.alive(owner_pid):
                 reason = f"its fab (pid {owner_pid}) was gone; closed at its last heartbeat"
             elif now - last_seen > ABANDONED_AFTER_S:
                 reason = f"its fab was not seen for {now - last_seen:.0f} s; closed when it was last seen"
@@ -334,23 +332,6 @@ class Ledger:
             args,
         ).fetchall()
         return [RunRecord(*row[:7], json.loads(row[7]) if row[7] else None, *row[8:]) for row in rows]
-
-
-def _process_alive(pid: int) -> bool:
-    """Whether `pid` runs on this host (a zombie, killed but not yet reaped, does not count)."""
-    if os.path.isdir("/proc/self"):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except (OSError, IndexError):
-            return False
-    try:  # no /proc (macOS): ask the kernel
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _expected_columns() -> dict[str, dict[str, str]]:

@@ -25,11 +25,11 @@ import yaml
 from infra import inventory, keys, ssh, state
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo, NodeInfo
-from remote.node import layout
+from node import contract, standalone
 
 DEFAULT_STACK = "hosts"
 PROVIDER = "ssh"
-NODE_SCRIPTS = Path(__file__).resolve().parent.parent / "remote" / "node"
+NODE_SCRIPTS = Path(__file__).resolve().parent.parent / "node"
 CHECK_TIMEOUT_S = 30.0
 DOWN_TIMEOUT_S = 60.0
 MAX_HOSTS = 16
@@ -82,7 +82,7 @@ class HostCheck:
     fingerprint: str = ""
     """`SHA256:...` of that key."""
     facts: dict | None = None
-    """What the probe printed (remote/node/probe.py)."""
+    """What the probe printed (node/probe.py)."""
 
 
 # ---------------------------------------------------------------------------------- hosts file
@@ -291,7 +291,7 @@ def up(hosts_path: str, stack: str, say=print) -> tuple[ClusterInfo, bool]:
     for index, check in enumerate(checks):
         say(f"node-{index}: {check.host.user}@{check.host.address}:{check.host.port} host key {check.fingerprint} (pinned)")
     stack_path = state.stack_dir(stack)
-    known_hosts = stack_path / "known_hosts"
+    known_hosts = stack_path / state.KNOWN_HOSTS
     keys.write_known_hosts(known_hosts, [keys.known_hosts_entry(c.host.address, c.host.port, c.host_key) for c in checks])
     cluster = _cluster(stack, hosts_file, checks, known_hosts)
     inventory.save(cluster)
@@ -337,10 +337,10 @@ def _cluster(stack: str, hosts_file: HostsFile, checks: list[HostCheck], known_h
 
 
 async def _clean_node(cluster: ClusterInfo, node: NodeInfo) -> dict:
-    script = (NODE_SCRIPTS / "cleanup.py").read_text()
-    args = [layout.shell(layout.HOME_DIR)]
+    script = standalone.source("cleanup")
+    args = [contract.shell(contract.HOME_DIR)]
     if cluster.shared_dir:
-        args += [f"{cluster.shared_dir}/code", *layout.SYNCED]
+        args += [f"{cluster.shared_dir}/code", *contract.SYNCED]
     command = " ".join([shlex.quote(cluster.python), "-", *map(shlex.quote, args)])
     try:
         async with ssh.connect(cluster, node, timeout_s=DOWN_TIMEOUT_S / 4) as conn:
@@ -372,15 +372,8 @@ def down(stack: str, say=print) -> bool:
         say(f"{node.name} ({node.ssh_user}@{node.public_ip}): job {report['job']}{daemons}; removed {removed}")
     if failed:
         return False
-    forget(stack)
+    state.forget(stack)
     return True
-
-
-def forget(stack: str) -> None:
-    """The stack's state on this machine, except runs/ (logs are kept)."""
-    for name in ("inventory.json", "known_hosts", "bootstrap.json", "guards.json"):
-        (state.stack_dir(stack) / name).unlink(missing_ok=True)
-    state.clear_current_stack(stack)
 
 
 # --------------------------------------------------------------------------------------- status

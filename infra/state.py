@@ -1,7 +1,7 @@
 """Where the cluster's state lives on the operator's machine, and which stack a command means.
 
-Everything is under `.cluster/` in the repository (or `$CLUSTER_STATE_DIR`, which tests use):
-`<stack>/inventory.json`, `<stack>/id_ed25519`, `<stack>/runs/`, `current`, `ledger.sqlite`, `pulumi/`.
+Everything is under `.cluster/` in the repository (or `$CLUSTER_STATE_DIR`, which tests use): each
+stack's files (named below, the one place that spells them), `current`, `ledger.sqlite`, `pulumi/`.
 The folder is the user's alone: 0700, and every file in it 0600 (keys, logs with script arguments,
 costs). `keep_private` makes that the default for everything a command creates.
 """
@@ -20,6 +20,24 @@ PRIVATE_FILE_MODE = 0o600
 # write_atomic's temporary files: `.<name>.<pid>.tmp`, beside the file they replace.
 TMP_FILE = re.compile(r"\.(?P<name>.+)\.(?P<pid>[0-9]+)\.tmp")
 
+# A stack's files, in `.cluster/<stack>/`:
+INVENTORY = "inventory.json"
+"""The ClusterInfo a provider's `up` writes (infra/inventory.py)."""
+KNOWN_HOSTS = "known_hosts"
+"""The nodes' pinned host keys."""
+SSH_KEY = "id_ed25519"
+"""The cluster's own SSH key (`.pub` beside it), created once per stack (infra/keys.py)."""
+BOOTSTRAP = "bootstrap.json"
+"""What `fab bootstrap` found on the nodes (remote/bootstrap.py)."""
+GUARDS = "guards.json"
+"""The budget and idle guards `up` asked for, which bootstrap starts the watchdog with (infra/costs.py)."""
+WORKDIRS = "workdirs"
+"""`fab run --workdir`: per project, the manifest last synced to the nodes (remote/workdir.py)."""
+RUNS = "runs"
+"""Each run's logs and results, kept when the stack is taken down."""
+FACTS = (INVENTORY, KNOWN_HOSTS, BOOTSTRAP, GUARDS)
+"""What `forget` removes: what was true of the nodes while they were up."""
+
 
 def keep_private() -> None:
     """Files and folders this process creates are its user's alone (as ssh insists for keys)."""
@@ -34,8 +52,21 @@ def stack_dir(stack: str) -> Path:
     return state_root() / stack
 
 
+def stack_file(stack: str, name: str) -> Path:
+    """One of a stack's files (`INVENTORY`, `BOOTSTRAP`, ...)."""
+    return stack_dir(stack) / name
+
+
 def runs_dir(stack: str) -> Path:
-    return stack_dir(stack) / "runs"
+    return stack_dir(stack) / RUNS
+
+
+def forget(stack: str) -> None:
+    """Forget a stack that is down: its facts go (`FACTS`), and it is no longer the current stack;
+    runs/ (the logs) and the key stay."""
+    for name in FACTS:
+        stack_file(stack, name).unlink(missing_ok=True)
+    clear_current_stack(stack)
 
 
 def ledger_path() -> Path:

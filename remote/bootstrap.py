@@ -1,6 +1,6 @@
 """`fab bootstrap`: prepare every node, stage by stage, in parallel, each stage idempotent.
 
-code      harness/, examples/ and remote/node/ into $CLUSTER_SHARED_DIR/code once (into each node's
+code      harness/, examples/ and node/ into $CLUSTER_SHARED_DIR/code once (into each node's
           ~/.gpu-cluster/code without shared storage), only files whose hash differs
 probe     OS, Python, GPUs, driver and CUDA, and the interface that routes to MASTER_ADDR
 deps      the node venv ~/.gpu-cluster/venv over the inventory's `python`, topped up from
@@ -10,7 +10,7 @@ health    every node reaches MASTER_ADDR:MASTER_PORT, then one all-reduce across
 watchdog  the budget and idle guard on the head node, as the inventory's `daemon` says
 
 The same path for every provider: what differs (the interpreter, the shared folder, systemd or not)
-is a fact of the inventory. What runs on a node runs from a file of remote/node/, synced first.
+is a fact of the inventory. What runs on a node runs from a file of node/, synced first.
 
 A stage records a digest of its inputs in the node's ~/.gpu-cluster/state.json; when the digest is
 unchanged the stage is "up to date" and does nothing. Stages run one at a time on all nodes at
@@ -33,14 +33,16 @@ from rich.table import Table
 
 from infra import state
 from infra.inventory import ClusterInfo
+from node import contract
 from remote import commands
-from remote.node import layout
 from remote.connect import NodeSession, describe, on_all_nodes, open_sessions
 from remote.launch import JobSpec, NodeSetup, run_job
 from remote.stream import console, say
 
 REPO = Path(__file__).resolve().parent.parent
-SYNCED = layout.SYNCED
+SYNCED = contract.SYNCED
+# The watchdog's code: a change to any of it restarts the watchdog.
+WATCHDOG_CODE = ("harness/watchdog.py", "node/contract.py", "node/procfs.py", "node/billing.py")
 WATCHDOG_UNIT = """[Unit]
 Description=gpu-cluster budget and idle watchdog
 After=network-online.target remote-fs.target
@@ -162,7 +164,7 @@ class Bootstrap:
         """MASTER_PORT must be free on the head node's MASTER_ADDR, checked before any stage writes."""
         address, port = self.cluster.head.private_ip, self.master_port
         python = self.cluster.python
-        source = (REPO / "remote" / "node" / "port_free.py").read_text()
+        source = (REPO / "node" / "port_free.py").read_text()
         result = head.run(commands.python_json_command(python, source, address, str(port)))
         verdict = result.stdout.strip()
         if verdict == "free":
@@ -204,10 +206,10 @@ class Bootstrap:
     def _record(self, record: NodeRecord, stage: str, wanted: str, facts: dict) -> None:
         record.stages[stage] = {"digest": wanted, "facts": facts}
         text = json.dumps(record.stages, indent=1)
-        tmp = f"{layout.STATE}.tmp"  # SFTP paths start in the login directory
-        record.session.run(f"mkdir -p {layout.shell(layout.PIDS)}", warn=False)
+        tmp = f"{contract.STATE}.tmp"  # SFTP paths start in the login directory
+        record.session.run(f"mkdir -p {contract.shell(contract.PIDS)}", warn=False)
         record.session.conn.put(io.StringIO(text), remote=tmp)
-        record.session.run(f"mv {layout.shell(tmp)} {commands.STATE_FILE}", warn=False)
+        record.session.run(f"mv {contract.shell(tmp)} {commands.STATE_FILE}", warn=False)
 
     def python_for(self, record: NodeRecord) -> str:
         """The interpreter that runs jobs: the node venv (before the deps stage, the inventory's)."""
@@ -240,7 +242,7 @@ class Bootstrap:
 
     def probe(self, record: NodeRecord) -> Outcome:
         python = self.cluster.python
-        wanted = digest(self.manifest.get("remote/node/probe.py"), self.cluster.head.private_ip, python)
+        wanted = digest(self.manifest.get("node/probe.py"), self.cluster.head.private_ip, python)
         if self._up_to_date(record, "probe", wanted):
             return Outcome("up to date", _hardware(record.facts("probe")))
         result = record.session.run(commands.node_module(self.cluster, python, "probe", self.cluster.head.private_ip))
@@ -255,12 +257,12 @@ class Bootstrap:
     def deps(self, record: NodeRecord) -> Outcome:
         """The node venv over the inventory's `python`; pip runs only where something is missing."""
         requirements = (REPO / "requirements-node.txt").read_text()
-        wanted = digest(requirements, self.cluster.python, self.manifest.get("remote/node/python_env.py"))
+        wanted = digest(requirements, self.cluster.python, self.manifest.get("node/python_env.py"))
         if self._up_to_date(record, "deps", wanted):
             return Outcome("up to date", _torch(record.facts("deps")))
-        record.session.run(f"mkdir -p {layout.shell(layout.HOME_DIR)}", warn=False)
-        record.session.conn.put(io.StringIO(requirements), remote=layout.REQUIREMENTS)
-        command = commands.node_module(self.cluster, self.cluster.python, "python_env", layout.VENV, layout.REQUIREMENTS)
+        record.session.run(f"mkdir -p {contract.shell(contract.HOME_DIR)}", warn=False)
+        record.session.conn.put(io.StringIO(requirements), remote=contract.REQUIREMENTS)
+        command = commands.node_module(self.cluster, self.cluster.python, "python_env", contract.VENV, contract.REQUIREMENTS)
         result = record.session.run(f"cd && {command}", timeout=1800)
         if result.exited != 0:
             raise StageFailed(f"the node venv over {self.cluster.python} could not be made", result.stdout + result.stderr)
@@ -276,9 +278,9 @@ class Bootstrap:
         wanted = digest(text)
         if self._up_to_date(record, "env", wanted):
             return Outcome("up to date", f"iface {interface}")
-        record.session.run(f"mkdir -p {layout.shell(layout.PIDS)}", warn=False)
-        record.session.conn.put(io.StringIO(text), remote=f"{layout.ENV}.tmp")
-        record.session.run(f"mv {layout.shell(layout.ENV)}.tmp {commands.ENV_FILE}", warn=False)
+        record.session.run(f"mkdir -p {contract.shell(contract.PIDS)}", warn=False)
+        record.session.conn.put(io.StringIO(text), remote=f"{contract.ENV}.tmp")
+        record.session.run(f"mv {contract.shell(contract.ENV)}.tmp {commands.ENV_FILE}", warn=False)
         self._record(record, "env", wanted, {"interface": interface})
         return Outcome("done", f"iface {interface}")
 
@@ -343,9 +345,9 @@ class Bootstrap:
         """The budget and idle guard on node-0, from `.cluster/<stack>/guards.json` (written by `up`)."""
         if record is not self.records[0]:
             return Outcome("n/a", "")
-        guards = {k: v for k, v in _read_json(self.stack_dir / "guards.json").items() if v is not None}
+        guards = {k: v for k, v in _read_json(self.stack_dir / state.GUARDS).items() if v is not None}
         wanted = digest(guards, self.cluster.hourly_usd, self.cluster.created_at, self.python_for(record),
-                        (REPO / "harness" / "watchdog.py").read_text())
+                        *((REPO / path).read_text() for path in WATCHDOG_CODE))
         alive = record.session.run(self._watchdog_alive_command()).exited == 0
         if self._up_to_date(record, "watchdog", wanted) and alive == bool(guards):
             return Outcome("up to date", _guard_text(guards))
@@ -369,7 +371,7 @@ class Bootstrap:
         argv = [self.python_for(record), "-m", "harness.watchdog", "--shared-dir", self.cluster.shared_dir,
                 "--hourly-usd", f"{self.cluster.hourly_usd:g}",
                 "--started-at", f"{datetime.fromisoformat(self.cluster.created_at).timestamp():.0f}",
-                "--job-file", f"{home}/{layout.JOB}", "--progress-dir", f"{home}/{layout.PROGRESS}"]
+                "--job-file", f"{home}/{contract.JOB}", "--progress-dir", f"{home}/{contract.PROGRESS}"]
         if guards.get("max_total_usd") is not None:
             argv += ["--max-total-usd", f"{guards['max_total_usd']:g}"]
         if guards.get("idle_minutes") is not None:
@@ -386,25 +388,25 @@ class Bootstrap:
             # session's output open (the command would not return until the watchdog exits) and whose
             # pid, not the watchdog's, `$!` would record.
             return (f"cd {commands.shell_path(code)} && {{ PYTHONPATH={commands.shell_path(code)} setsid {argv} "
-                    f">> {layout.shell(layout.WATCHDOG_LOG)} 2>&1 < /dev/null & "
-                    f"echo $! > {layout.shell(layout.WATCHDOG_PID)}; }}")
+                    f">> {contract.shell(contract.WATCHDOG_LOG)} 2>&1 < /dev/null & "
+                    f"echo $! > {contract.shell(contract.WATCHDOG_PID)}; }}")
         unit = WATCHDOG_UNIT.format(user=record.session.node.ssh_user, code=code, argv=argv)
-        record.session.conn.put(io.StringIO(unit), remote=layout.WATCHDOG_UNIT_FILE)
-        return (f"sudo -n install -m 644 {layout.shell(layout.WATCHDOG_UNIT_FILE)} /etc/systemd/system/ && "
-                f"sudo -n systemctl daemon-reload && sudo -n systemctl enable {layout.WATCHDOG_UNIT} && "
-                f"sudo -n systemctl restart {layout.WATCHDOG_UNIT}")
+        record.session.conn.put(io.StringIO(unit), remote=contract.WATCHDOG_UNIT_FILE)
+        return (f"sudo -n install -m 644 {contract.shell(contract.WATCHDOG_UNIT_FILE)} /etc/systemd/system/ && "
+                f"sudo -n systemctl daemon-reload && sudo -n systemctl enable {contract.WATCHDOG_UNIT} && "
+                f"sudo -n systemctl restart {contract.WATCHDOG_UNIT}")
 
     def _watchdog_alive_command(self) -> str:
         if self.cluster.daemon == "detached":
-            pid = layout.shell(layout.WATCHDOG_PID)
+            pid = contract.shell(contract.WATCHDOG_PID)
             return f"[ -f {pid} ] && kill -0 \"$(cat {pid})\" 2>/dev/null"
-        return f"systemctl is-active --quiet {layout.WATCHDOG_UNIT}"
+        return f"systemctl is-active --quiet {contract.WATCHDOG_UNIT}"
 
     def _watchdog_stop_command(self) -> str:
         if self.cluster.daemon == "detached":
-            pid = layout.shell(layout.WATCHDOG_PID)
+            pid = contract.shell(contract.WATCHDOG_PID)
             return f"kill -TERM -- -\"$(cat {pid})\" 2>/dev/null; rm -f {pid}; true"
-        return f"sudo -n systemctl disable --now {layout.WATCHDOG_UNIT}; true"
+        return f"sudo -n systemctl disable --now {contract.WATCHDOG_UNIT}; true"
 
     # ------------------------------------------------------------------------------- results
 
@@ -416,7 +418,7 @@ class Bootstrap:
             "nodes": {r.name: {"probe": r.facts("probe"), "deps": r.facts("deps")} for r in self.records},
             "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        state.write_atomic(self.stack_dir / "bootstrap.json", json.dumps(setup, indent=2) + "\n")
+        state.write_atomic(self.stack_dir / state.BOOTSTRAP, json.dumps(setup, indent=2) + "\n")
 
     def _report(self, failed_stage: str | None = None) -> None:
         table = Table(title=f"bootstrap of '{self.cluster.stack}'", show_lines=False)
@@ -478,10 +480,6 @@ def _torch(facts: dict) -> str:
     return f"torch {facts.get('torch')} (CPU)"
 
 
-def _expanded(path: str) -> str:
-    """A path for a program's argument list: $HOME/x becomes x relative to the login directory."""
-    return path[len("$HOME/"):] if path.startswith("$HOME/") else path
-
-
 def _sftp(destination: str, relative: str) -> str:
-    return f"{_expanded(destination)}/{relative}"
+    """SFTP does not expand $HOME; relative paths start in the login directory."""
+    return f"{contract.home_relative(destination)}/{relative}"

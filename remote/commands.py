@@ -4,23 +4,21 @@ Every value that reaches a shell goes through `shlex.quote`; nothing here talks 
 """
 
 import json
-import re
 import secrets
 import shlex
 from datetime import datetime, timezone
 from pathlib import Path
 
 from infra.inventory import ClusterInfo, NodeInfo
-from remote.node import layout
+from node import contract, standalone
 
-STATE_DIR = layout.shell(layout.HOME_DIR)
-ENV_FILE = layout.shell(layout.ENV)
-STATE_FILE = layout.shell(layout.STATE)
-JOB_FILE = layout.shell(layout.JOB)
-LOCK_FILE = layout.shell(layout.JOB_LOCK)
-NODE_CODE = Path(__file__).resolve().parent / "node"
-# The line a launch command prints after torchrun returns: its exit code and the node's own clock.
-EXIT_MARKER = "__gpu_cluster_exit__"
+STATE_DIR = contract.shell(contract.HOME_DIR)
+ENV_FILE = contract.shell(contract.ENV)
+STATE_FILE = contract.shell(contract.STATE)
+JOB_FILE = contract.shell(contract.JOB)
+LOCK_FILE = contract.shell(contract.JOB_LOCK)
+NODE_CODE = Path(__file__).resolve().parent.parent / "node"
+EXIT_MARKER = contract.EXIT_MARKER
 DEFAULT_MASTER_PORT = 29500
 TERMINATE_GRACE_S = 5
 
@@ -58,7 +56,7 @@ def shared_or_home(cluster: ClusterInfo, folder: str) -> str:
     """A folder on the shared storage, or under each node's `~/.gpu-cluster` where the cluster has none."""
     if cluster.shared_dir:
         return f"{cluster.shared_dir.rstrip('/')}/{folder}"
-    return f"$HOME/{layout.HOME_DIR}/{folder}"
+    return contract.in_home(f"{contract.HOME_DIR}/{folder}")
 
 
 def code_dir(cluster: ClusterInfo) -> str:
@@ -70,15 +68,9 @@ def remote_run_dir(cluster: ClusterInfo, run_id: str) -> str:
 
 
 def node_module(cluster: ClusterInfo, python: str, module: str, *args: str) -> str:
-    """Run one of remote/node/'s files with `python`, from the synced code folder."""
-    path = shell_path(f"{code_dir(cluster)}/remote/node/{module}.py")
+    """Run one of node/'s files with `python`, from the synced code folder."""
+    path = shell_path(f"{code_dir(cluster)}/node/{module}.py")
     return " ".join([shlex.quote(python), path, *map(shlex.quote, args)])
-
-
-def parse_route_interface(ip_route_output: str) -> str | None:
-    """The `dev` of `ip route get ADDR` output: the interface that carries traffic to ADDR."""
-    match = re.search(r"\bdev\s+(\S+)", ip_route_output)
-    return match.group(1) if match else None
 
 
 def node_environment(cluster: ClusterInfo, index: int, interface: str, python: str,
@@ -114,14 +106,7 @@ def env_file_text(env: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-TORCHRUN = "$CLUSTER_CODE_DIR/remote/node/torchrun.py"
-# What torchrun gives every worker, beside what the node environment and the launch set.
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME")
-# Variables a user's --env may not set: the node's, torchrun's, the launch's, and any CLUSTER_*.
-RESERVED_PREFIXES = ("CLUSTER_", "TORCHELASTIC_")
-RESERVED_VARIABLES = ("NODE_RANK", "NNODES", "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "NCCL_SOCKET_IFNAME",
-                      "GLOO_SOCKET_IFNAME", "PYTHONPATH", "PYTHONUNBUFFERED", *TORCHRUN_VARIABLES)
+TORCHRUN = "$CLUSTER_CODE_DIR/node/torchrun.py"
 
 
 def torchrun_argv(cluster: ClusterInfo, node: NodeInfo, run_id: str, max_restarts: int, master_port: int,
@@ -130,10 +115,10 @@ def torchrun_argv(cluster: ClusterInfo, node: NodeInfo, run_id: str, max_restart
 
     `--local-addr` is each node's private address: c10d ranks nodes by (address, pid), so with the
     inventory's ascending addresses node-0 gets global rank 0, and workers reach each other there.
-    torchrun runs through remote/node/torchrun.py, which binds the job's stores to the node's address;
+    torchrun runs through node/torchrun.py, which binds the job's stores to the node's address;
     `is_host` says that node-0 hosts the rendezvous (every local node would think itself the host).
     It is started by its path, not as a module, so a project folder of the user's (the working
-    directory, whose own `remote/` would come first for `-m`) cannot hide it.
+    directory, whose own `node/` would come first for `-m`) cannot hide it.
     """
     return [
         TORCHRUN,
@@ -149,31 +134,35 @@ def torchrun_argv(cluster: ClusterInfo, node: NodeInfo, run_id: str, max_restart
 
 
 def node_run_dir(run_id: str) -> str:
-    """The run's folder on each node's own disk (layout.RUNS)."""
-    return f"$HOME/{layout.node_run(run_id)}"
+    """The run's folder on each node's own disk (contract.RUNS)."""
+    return contract.in_home(contract.node_run(run_id))
 
 
 def job_workdir(run_id: str) -> str:
     """The job's working directory on each node: its own copy of the workdir, or an empty folder."""
-    return f"{node_run_dir(run_id)}/workdir"
+    return f"{node_run_dir(run_id)}/{contract.RUN_WORKDIR}"
 
 
 def results_dir(run_id: str) -> str:
     """`$CLUSTER_RESULTS_DIR`: node-local; what the head node's holds is fetched after the run."""
-    return f"{node_run_dir(run_id)}/results"
+    return f"{node_run_dir(run_id)}/{contract.RUN_RESULTS}"
 
 
-def job_variables(cluster: ClusterInfo, node: NodeInfo, run_id: str, master_port: int, nproc: int | None = None,
+def job_variables(cluster: ClusterInfo, node: NodeInfo, run_id: str, nproc: int | None = None,
                   python: str | None = None) -> dict[str, str]:
-    """What the launch sets on top of the node environment; each value a word or a path (`shell_path`)."""
+    """What the launch sets on top of the node environment; each value a word or a path (`shell_path`).
+
+    MASTER_PORT, NPROC_PER_NODE and CLUSTER_PYTHON come from the node environment (`node_environment`,
+    which bootstrap writes with the master port every launch uses); a launch sets the last two only
+    where it asks for other values (`--nproc-per-node`, `--requirements`)."""
     variables = {
-        "CLUSTER_RUN_ID": run_id,
+        contract.RUN_ID_VARIABLE: run_id,
         "CLUSTER_RUN_DIR": remote_run_dir(cluster, run_id),
         "CLUSTER_RESULTS_DIR": results_dir(run_id),
-        "MASTER_PORT": str(master_port),
-        "NPROC_PER_NODE": str(nproc_per_node(node.gpus, nproc)),
         "PYTHONUNBUFFERED": "1",
     }
+    if nproc is not None:
+        variables["NPROC_PER_NODE"] = str(nproc_per_node(node.gpus, nproc))
     if python:
         variables["CLUSTER_PYTHON"] = python  # the job's own environment (--requirements), for its children
     return variables
@@ -187,7 +176,7 @@ def python_path(run_id: str, first: tuple[str, ...] = ()) -> list[str]:
 
 def reserved_variable(key: str) -> bool:
     """Whether `key` is set by the node environment, torchrun or the launch (not for --env)."""
-    return key in RESERVED_VARIABLES or key.startswith(RESERVED_PREFIXES)
+    return key in contract.RESERVED_VARIABLES or key.startswith(contract.RESERVED_PREFIXES)
 
 
 def launch_command(cluster: ClusterInfo, node: NodeInfo, run_id: str, task: str, script: str,
@@ -209,7 +198,7 @@ def launch_command(cluster: ClusterInfo, node: NodeInfo, run_id: str, task: str,
     marker carries the time this node saw torchrun end, by its own clock, so fail-fast can name the
     node that failed first however late its SSH call returns.
     """
-    variables = job_variables(cluster, node, run_id, master_port, nproc, python)
+    variables = job_variables(cluster, node, run_id, nproc, python)
     assignments = [f"{key}={shell_path(value)}" for key, value in variables.items()]
     assignments += [f"{key}={value}" for key, value in (job_env or {}).items()]
     search_path = ":".join(shell_path(p) for p in python_path(run_id, pythonpath_first))
@@ -218,7 +207,7 @@ def launch_command(cluster: ClusterInfo, node: NodeInfo, run_id: str, task: str,
     interpreter = shell_path(python) if python else '"$CLUSTER_PYTHON"'
     torchrun = " ".join(shell_path(a) for a in torchrun_argv(cluster, node, run_id, max_restarts, master_port, nproc))
     arguments = " ".join(shlex.quote(a) for a in script_args)
-    progress = f"~/{layout.PROGRESS}"
+    progress = f"~/{contract.PROGRESS}"
     return " && ".join([
         f". {ENV_FILE}",
         f"mkdir -p {shell_path(remote_run_dir(cluster, run_id))} {shell_path(results_dir(run_id))}",
@@ -234,7 +223,7 @@ def _workdir_step(run_id: str, workdir_key: str | None) -> str:
     """The job's folder: a copy (never links: a job writing a file would change the cache) or empty."""
     if workdir_key is None:
         return f"mkdir -p {shell_path(job_workdir(run_id))}"
-    files = f"$HOME/{layout.workdir_cache(workdir_key)}/{layout.WORKDIR_FILES}"
+    files = contract.in_home(f"{contract.workdir_cache(workdir_key)}/{contract.WORKDIR_FILES}")
     return f"cp -pR {shell_path(files)} {shell_path(job_workdir(run_id))}"
 
 
@@ -255,10 +244,10 @@ def parse_exit_marker(line: str) -> tuple[int, float | None] | None:
 
 def lock_command(run_id: str, task: str, owner: str) -> str:
     """Take the one-job lock on this (head) node and hold it while the channel stays open
-    (remote/node/job_lock.py); CLUSTER_RUN_ID marks the holder as part of the job for `stop`."""
+    (node/job_lock.py); CLUSTER_RUN_ID marks the holder as part of the job for `stop`."""
     holder = " ".join(shlex.quote(a) for a in (run_id, task, owner))
-    return (f". {ENV_FILE} && exec env CLUSTER_RUN_ID={shlex.quote(run_id)} \"$CLUSTER_PYTHON\" "
-            f"\"$CLUSTER_CODE_DIR\"/remote/node/job_lock.py {LOCK_FILE} {holder}")
+    return (f". {ENV_FILE} && exec env {contract.RUN_ID_VARIABLE}={shlex.quote(run_id)} \"$CLUSTER_PYTHON\" "
+            f"\"$CLUSTER_CODE_DIR\"/node/job_lock.py {LOCK_FILE} {holder}")
 
 
 def parse_lock_reply(line: str) -> tuple[str, dict | None]:
@@ -279,11 +268,6 @@ def shell_path(path: str) -> str:
         if path.startswith(variable + "/"):
             return f"\"{variable}\"/" + shlex.quote(path[len(variable) + 1:])
     return shlex.quote(path)
-
-
-def home_relative(path: str) -> str:
-    """A path for a program's argument list: `$HOME/x` becomes `x`, for programs started in the home."""
-    return path[len("$HOME/"):] if path.startswith("$HOME/") else path
 
 
 # A process is alive if /proc says so and it is not a zombie (where /proc exists), else if kill -0 works.
@@ -309,10 +293,10 @@ def launch_status_command(workdir_key: str | None = None, env_digest: str | None
     environment was made over (`env PYTHON`), each an empty word where there is none."""
     parts = [job_status_command()]
     if workdir_key:
-        digest = layout.shell(f"{layout.workdir_cache(workdir_key)}/{layout.WORKDIR_DIGEST}")
+        digest = contract.shell(f"{contract.workdir_cache(workdir_key)}/{contract.WORKDIR_DIGEST}")
         parts.append(f"printf 'workdir %s\\n' \"$(cat {digest} 2>/dev/null)\"")
     if env_digest:
-        marker = layout.shell(f"{layout.job_env(env_digest)}/{layout.ENV_READY}")
+        marker = contract.shell(f"{contract.job_env(env_digest)}/{contract.ENV_READY}")
         parts.append(f"printf 'env %s\\n' \"$(cat {marker} 2>/dev/null)\"")
     return "; ".join(parts)
 
@@ -337,9 +321,9 @@ def parse_job_status(output: str) -> tuple[dict | None, bool]:
 
 
 def stop_command(grace_s: int = TERMINATE_GRACE_S) -> str:
-    """End every job on the node (remote/node/stop_jobs.py): SIGTERM, SIGKILL after `grace_s`.
+    """End every job on the node (node/stop_jobs.py): SIGTERM, SIGKILL after `grace_s`.
     Prints `stopped RUN_ID...` or `idle`."""
-    source = (NODE_CODE / "stop_jobs.py").read_text()
+    source = standalone.source("stop_jobs")
     return f". {ENV_FILE} 2>/dev/null; \"${{CLUSTER_PYTHON:-python3}}\" -c {shlex.quote(source)} {JOB_FILE} {grace_s}"
 
 
@@ -363,8 +347,8 @@ def parse_hashes(output: str) -> dict[str, str]:
 
 
 def with_stale_code_hint(line: str) -> str:
-    """A node's error line, with what to do where a file of remote/node/ was missing there."""
-    if "can't open file" in line and "/remote/node/" in line:
+    """A node's error line, with what to do where a file of node/ was missing there."""
+    if "can't open file" in line and "/node/" in line:
         return f"{line} (the nodes' code predates this checkout: run fab bootstrap)"
     return line
 

@@ -1,6 +1,6 @@
 """Hang detection and diagnosis for a running job, from what each node's ranks report.
 
-Each rank's monitor (remote/node/rankhook/) records, every second, the last collective it entered
+Each rank's monitor (node/rankhook/) records, every second, the last collective it entered
 and completed in each process group and the collectives it is inside. `find_hang` is the rule:
 a job hangs when some rank has been inside an incomplete collective for longer than the hang
 timeout while at least one other rank of that group has not entered it, or entered a different

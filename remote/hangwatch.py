@@ -1,8 +1,8 @@
 """While a job runs: watch every rank's collectives, and when the job hangs, name the culprit and act.
 
-Every launch turns on torch's flight recorder and a monitor thread in each rank (remote/node/rankhook/;
+Every launch turns on torch's flight recorder and a monitor thread in each rank (node/rankhook/;
 nothing in the user's script changes). `HangWatch` asks each node every `poll_s` what its ranks are
-doing (remote/node/hang.py status, over SSH connections of its own) and applies the rule in
+doing (node/hang.py status, over SSH connections of its own) and applies the rule in
 remote/hang.py. On a hang it collects from every node the recorder dumps and the `py-spy dump` stacks
 of every rank, keeps them in the run folder (`hang/`), prints one verdict line, and then stops the
 job everywhere (`--on-hang stop`, the default) or leaves it running for a person (`--on-hang wait`).
@@ -17,9 +17,9 @@ from pathlib import Path
 
 from infra import state
 from infra.inventory import ClusterInfo
+from node import contract
 from remote import commands, hang
 from remote.connect import NodeSession, describe, on_all_nodes
-from remote.node import layout
 from remote.stream import say
 
 DEFAULT_HANG_TIMEOUT_S = 300
@@ -57,11 +57,6 @@ class HangPolicy:
         return min(10.0, max(1.0, self.timeout_s / 5))
 
 
-def progress_dir(run_id: str) -> str:
-    """Each node's folder for its ranks' progress records (node-local: every node has its own)."""
-    return f"{layout.PROGRESS}/{run_id}"
-
-
 def job_environment(run_id: str, policy: HangPolicy) -> dict[str, str]:
     """What the launch command adds to every rank's environment (values for a shell, unquoted `$`)."""
     if not policy.enabled:
@@ -69,7 +64,7 @@ def job_environment(run_id: str, policy: HangPolicy) -> dict[str, str]:
     return {
         # A recorder size the user chose (in the node env or --env) wins.
         "TORCH_FR_BUFFER_SIZE": f"${{TORCH_FR_BUFFER_SIZE:-{RECORDER_ENTRIES}}}",
-        "CLUSTER_PROGRESS_DIR": f'"$HOME"/{progress_dir(run_id)}',
+        contract.PROGRESS_VARIABLE: f'"$HOME"/{contract.progress_dir(run_id)}',  # node-local: each node has its own
         "CLUSTER_PROGRESS_INTERVAL_S": "1",
         "PYTHONFAULTHANDLER": "1",  # a rank that aborts (gloo's size checks) prints its Python stack
     }
@@ -77,7 +72,7 @@ def job_environment(run_id: str, policy: HangPolicy) -> dict[str, str]:
 
 def rankhook_path() -> str:
     """Put first on PYTHONPATH: its sitecustomize starts the monitor in every rank."""
-    return "$CLUSTER_CODE_DIR/remote/node/rankhook"
+    return "$CLUSTER_CODE_DIR/node/rankhook"
 
 
 @dataclass
@@ -161,8 +156,8 @@ class HangWatch:
 
     def _command(self, session: NodeSession, action: str) -> str:
         python = self.python.get(session.node.name, "python3")
-        folder = commands.shell_path(f"$HOME/{progress_dir(self.run_id)}")
-        script = commands.shell_path(f"{commands.code_dir(self.cluster)}/remote/node/hang.py")
+        folder = commands.shell_path(contract.in_home(contract.progress_dir(self.run_id)))
+        script = commands.shell_path(f"{commands.code_dir(self.cluster)}/node/hang.py")
         wait = f" --wait-s {COLLECT_WAIT_S}" if action == "collect" else ""
         return f". {commands.ENV_FILE} 2>/dev/null; {shlex.quote(python)} {script} {action} {folder} " \
                f"{shlex.quote(self.run_id)}{wait}"

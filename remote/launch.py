@@ -22,10 +22,12 @@ from invoke.exceptions import Exit
 
 from infra import state
 from infra.inventory import ClusterInfo
+from node import contract
 from remote import commands, hang, workdir
-from remote.hangwatch import HangPolicy, HangReport, HangWatch, job_environment, rankhook_path
 from remote.connect import CONNECTION_ERRORS, NodeSession, describe, on_all_nodes, open_sessions
-from remote.packages import Requirements, ensure as ensure_requirements
+from remote.hangwatch import HangPolicy, HangReport, HangWatch, job_environment, rankhook_path
+from remote.packages import Requirements
+from remote.packages import ensure as ensure_requirements
 from remote.stream import NodeStream, say
 from remote.workdir import Manifest, Project, count_files, human_bytes
 
@@ -111,7 +113,7 @@ class NodeSetup:
 
 
 class JobLock:
-    """The cluster's one-job lock on the head node (remote/node/job_lock.py), held over an SSH channel
+    """The cluster's one-job lock on the head node (node/job_lock.py), held over an SSH channel
     of its own: taking it is atomic, and closing the channel, or losing it, releases it."""
 
     def __init__(self, head: NodeSession, run_id: str, task: str):
@@ -205,12 +207,8 @@ def upload_script(cluster: ClusterInfo, sessions: list[NodeSession], run_id: str
     targets = sessions[:1] if cluster.shared_dir else sessions
     for session in targets:
         session.run(f"mkdir -p {commands.shell_path(run_dir)}", warn=False)
-        session.conn.put(str(script), remote=_sftp_path(run_dir, script.name))
-
-
-def _sftp_path(remote_dir: str, name: str) -> str:
-    # SFTP does not expand $HOME; relative paths start in the login directory.
-    return f"{remote_dir[len('$HOME/'):]}/{name}" if remote_dir.startswith("$HOME/") else f"{remote_dir}/{name}"
+        # SFTP does not expand $HOME; relative paths start in the login directory.
+        session.conn.put(str(script), remote=f"{contract.home_relative(run_dir)}/{script.name}")
 
 
 def run_job(cluster: ClusterInfo, sessions: list[NodeSession], spec: JobSpec, setup: NodeSetup,
@@ -363,8 +361,8 @@ def fetch_results(cluster: ClusterInfo, session: NodeSession, python: str, run_i
     """Copy the head node's `$CLUSTER_RESULTS_DIR` (whole) and the run's `metrics.jsonl`, and nothing
     else: checkpoints and whatever else the job left in its folders stay on the nodes."""
     listing = commands.node_module(cluster, python, "sync", "results",
-                                   commands.home_relative(commands.remote_run_dir(cluster, run_id)),
-                                   commands.home_relative(commands.results_dir(run_id)))
+                                   contract.home_relative(commands.remote_run_dir(cluster, run_id)),
+                                   contract.home_relative(commands.results_dir(run_id)))
     entries = commands.parse_last_json(session.run(f"cd && {listing}", warn=False).stdout)["files"]
     names, total, refused = [], 0, []
     for entry in entries:

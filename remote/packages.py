@@ -1,7 +1,7 @@
 """`fab run --requirements FILE`: the job's own packages, installed once per file on every node.
 
 Each node gets a venv per requirements file, named by the file's digest (`~/.gpu-cluster/envs/<digest>`)
-and layered over the node venv (remote/node/job_env.py), so torch is never installed again. The
+and layered over the node venv (node/job_env.py), so torch is never installed again. The
 launch's first command reads each node's ready marker; nodes that have the environment get nothing,
 the others install at once, in parallel, before any rank starts. A failed install stops the launch
 (exit 2) naming the node, pip's error line and its log.
@@ -16,9 +16,9 @@ from pathlib import Path
 from invoke.exceptions import Exit
 
 from infra.inventory import ClusterInfo
+from node import contract
 from remote import commands
 from remote.connect import NodeSession, describe, on_all_nodes
-from remote.node import layout
 from remote.stream import say
 
 INSTALL_TIMEOUT_S = 3600
@@ -40,7 +40,7 @@ class Requirements:
     @property
     def env_dir(self) -> str:
         """The environment on every node (relative to the home)."""
-        return layout.job_env(self.digest)
+        return contract.job_env(self.digest)
 
     @property
     def python(self) -> str:
@@ -77,9 +77,9 @@ def ensure(cluster: ClusterInfo, sessions: list[NodeSession], python: dict[str, 
 def _install(cluster: ClusterInfo, session: NodeSession, python: str, requirements: Requirements,
              workdir_key: str | None) -> dict:
     """Send the file, then run job_env.py in the synced workdir, so the file's relative paths are the project's."""
-    session.run(f"mkdir -p {layout.shell(layout.ENVS)}", warn=False)
+    session.run(f"mkdir -p {contract.shell(contract.ENVS)}", warn=False)
     session.conn.put(io.BytesIO(requirements.text), remote=f"{requirements.env_dir}.txt")
-    where = [f"{layout.workdir_cache(workdir_key)}/{layout.WORKDIR_FILES}"] if workdir_key else []
+    where = [f"{contract.workdir_cache(workdir_key)}/{contract.WORKDIR_FILES}"] if workdir_key else []
     command = commands.node_module(cluster, python, "job_env", requirements.env_dir, f"{requirements.env_dir}.txt",
                                    f"{requirements.env_dir}.log", *where)
     result = session.run(f"cd && {command}", timeout=INSTALL_TIMEOUT_S)

@@ -19,11 +19,11 @@ from infra import inventory, state
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo
 from infra.ledger import HEARTBEAT_S, Ledger
+from node import billing, contract
 from remote import commands, options, workdir
 from remote.bootstrap import Bootstrap
 from remote.connect import describe, on_all_nodes, open_sessions
 from remote.launch import DEFAULT_MAX_RESULT_MB, JobLock, JobSpec, NodeSetup, check_ready, launch, stop_everywhere
-from remote.node import layout
 from remote.stream import console, say
 
 STACK_HELP = "stack to use (default: $CLUSTER_STACK, else the last `python deploy.py up`)"
@@ -46,7 +46,7 @@ def cluster_for(stack: str | None) -> ClusterInfo:
 
 
 def setup_for(cluster: ClusterInfo) -> NodeSetup:
-    return NodeSetup.load(state.stack_dir(cluster.stack) / "bootstrap.json")
+    return NodeSetup.load(state.stack_file(cluster.stack, state.BOOTSTRAP))
 
 
 class RunBook:
@@ -87,7 +87,7 @@ class RunBook:
         if self.heartbeat is not None:
             self.heartbeat.stop()
         cost = self._safely(lambda: self.ledger.run_ended(run_id, exit_codes))
-        return cost if cost is not None else self.cluster.hourly_usd * duration_s / 3600
+        return cost if cost is not None else billing.cost_usd(self.cluster.hourly_usd, duration_s)
 
     def _safely(self, write):
         if self.ledger is None:
@@ -157,7 +157,8 @@ def start_job(stack: str | None, spec: JobSpec) -> None:
     if result.hang:
         summary["hang"] = {"verdict": result.hang.verdict, "stalled_at": result.hang.stalled_since,
                            "detected_at": result.hang.detected_at, "evidence": str(result.hang.evidence_dir),
-                           "usd_since_stall": round(cluster.hourly_usd * (time.time() - result.hang.stalled_since) / 3600, 6)}
+                           "usd_since_stall": round(billing.cost_usd(cluster.hourly_usd,
+                                                                     time.time() - result.hang.stalled_since), 6)}
     state.write_atomic(local_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     where = f"logs: {local_dir}"
     if result.interrupted:
@@ -307,7 +308,7 @@ def clean_runs(c, keep=None, stack=None):
         check_ready(sessions, statuses)
         with JobLock(sessions[0], commands.new_run_id("clean-runs"), "clean-runs"):  # no job starts meanwhile
             outcomes = on_all_nodes(sessions, lambda s: commands.parse_last_json(s.run(
-                "cd && " + commands.node_module(cluster, setup.python[s.node.name], "sync", "clean", layout.RUNS,
+                "cd && " + commands.node_module(cluster, setup.python[s.node.name], "sync", "clean", contract.RUNS,
                                                 str(count)), warn=False).stdout))
     finally:
         for session in sessions:

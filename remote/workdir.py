@@ -7,7 +7,7 @@ is read after the `.gitignore` of its folder, so it can exclude more, or send wh
 (`!weights/small.pt`). Symbolic links are followed where they point inside DIR (the file is sent under
 the link's name); links pointing outside DIR, or nowhere, are skipped and the launch names them.
 
-Each node keeps a cache of the project (`~/.gpu-cluster/workdirs/<key>`, remote/node/sync.py) with the
+Each node keeps a cache of the project (`~/.gpu-cluster/workdirs/<key>`, node/sync.py) with the
 digest of its manifest. The launch's first command reads that digest on every node; where it matches,
 nothing is sent. Elsewhere the node's manifest is read, and one bundle (a tar file) carries the files
 whose content differs, and which to remove. Hashes are cached here by (size, mtime) in
@@ -31,10 +31,10 @@ from pathspec import GitIgnoreSpec
 
 from infra import state
 from infra.inventory import ClusterInfo
+from node import contract
+from node.sync import PLAN, file_sha256  # the node hashes its cache the same way
 from remote import commands
 from remote.connect import NodeSession, describe, on_all_nodes
-from remote.node import layout
-from remote.node.sync import file_sha256  # the node hashes its cache the same way
 from remote.stream import say
 
 IGNORE_FILES = (".gitignore", ".gpuclusterignore")  # in this order: the second overrides the first
@@ -229,11 +229,11 @@ def changes(local: dict[str, str], remote: dict[str, str]) -> tuple[list[str], l
 
 
 def write_bundle(project: Project, wanted: Manifest, send: list[str], remove: list[str], target: Path) -> None:
-    """The tar file remote/node/sync.py applies: the plan first, then the files to send."""
+    """The tar file node/sync.py applies: the plan first, then the files to send."""
     plan = json.dumps({"remove": remove, "manifest": wanted.hashes, "digest": wanted.digest}).encode()
     by_path = {f.path: f for f in project.files}
     with tarfile.open(target, "w:gz", compresslevel=1) as bundle:
-        info = tarfile.TarInfo("plan.json")
+        info = tarfile.TarInfo(PLAN)
         info.size, info.mtime = len(plan), int(time.time())
         bundle.addfile(info, io.BytesIO(plan))
         for path in send:
@@ -245,13 +245,13 @@ def write_bundle(project: Project, wanted: Manifest, send: list[str], remove: li
 
 
 def hash_cache_path(cluster: ClusterInfo, project: Project) -> Path:
-    return state.stack_dir(cluster.stack) / "workdirs" / f"{project.key}.json"
+    return state.stack_file(cluster.stack, state.WORKDIRS) / f"{project.key}.json"
 
 
 def sync(cluster: ClusterInfo, sessions: list[NodeSession], python: dict[str, str], project: Project,
          wanted: Manifest, node_digests: dict[str, str]) -> None:
     """Bring every node's cache of `project` to `wanted`; the nodes whose digest matches get nothing."""
-    cache = layout.workdir_cache(project.key)
+    cache = contract.workdir_cache(project.key)
     behind = [s for s in sessions if node_digests.get(s.node.name) != wanted.digest]
     for path, why in project.skipped[:BIGGEST_SHOWN]:
         say(f"fab: workdir: skipped {path}: {why}")
@@ -263,7 +263,7 @@ def sync(cluster: ClusterInfo, sessions: list[NodeSession], python: dict[str, st
 
     def read_manifest(session: NodeSession) -> dict:
         command = commands.node_module(cluster, python[session.node.name], "sync", "manifest", cache)
-        return commands.parse_last_json(session.run(f"mkdir -p {layout.shell(cache)} && cd && {command}",
+        return commands.parse_last_json(session.run(f"mkdir -p {contract.shell(cache)} && cd && {command}",
                                                     warn=False).stdout)
 
     remote = _node_results(behind, read_manifest, "read the workdir cache")
@@ -278,7 +278,7 @@ def sync(cluster: ClusterInfo, sessions: list[NodeSession], python: dict[str, st
 
         def send_bundle(session: NodeSession) -> dict:
             send, remove = plans[session.node.name]
-            remote_bundle = f"{layout.WORKDIRS}/.bundle-{wanted.digest[:12]}.tar.gz"
+            remote_bundle = f"{contract.WORKDIRS}/.bundle-{wanted.digest[:12]}.tar.gz"
             session.conn.put(str(bundles[(tuple(send), tuple(remove))]), remote=remote_bundle)
             command = commands.node_module(cluster, python[session.node.name], "sync", "apply", cache, remote_bundle)
             return commands.parse_last_json(session.run(f"cd && {command}", warn=False).stdout)

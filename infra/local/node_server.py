@@ -28,19 +28,16 @@ from pathlib import Path
 import asyncssh
 
 from infra import state
-from infra.local import procs
-from remote.node import layout
+from node import contract, procfs
 
 SERVER_MODULE = "infra.local.node_server"
-# The watchdog (harness/watchdog.py) writes this file under the shared folder to power the cluster off.
-STOP_MARKER = ".gpu-cluster/stop.json"
 # Daemons started on the node (the watchdog, a detached job) register `<name>.pid` here, so that
 # powering the node off ends them too, as it would on a real machine.
-PID_REGISTRY = layout.PIDS
+PID_REGISTRY = contract.PIDS
 # Every shell sources the node environment, so NODE_RANK, MASTER_ADDR, CLUSTER_PYTHON are there in
 # plain `ssh` sessions too: non-interactive ones through BASH_ENV (unset at once, so a job's own
 # shells do not source it again over what the job set), interactive ones through the rcfile.
-SOURCE_ENV = f'[ -f "$HOME/{layout.ENV}" ] && . "$HOME/{layout.ENV}"\n'
+SOURCE_ENV = f'[ -f "$HOME/{contract.ENV}" ] && . "$HOME/{contract.ENV}"\n'
 
 TERMINATE_GRACE_S = 3.0
 GUARD_POLL_S = 1.0
@@ -103,7 +100,7 @@ class ProcessTable:
         own sessions, such as torchrun's workers) is killed, as a power-off would."""
         groups = set(self.session_groups) | set(self.registered_daemons())
         await asyncio.gather(*(terminate_group(pgid) for pgid in groups))
-        for pid in procs.pids_with_environment(token_entry(self.token)):
+        for pid in procfs.pids_with_environment(token_entry(self.token)):
             _signal_pid(pid, signal.SIGKILL)
 
 
@@ -113,7 +110,7 @@ async def terminate_group(pgid: int, grace_s: float = TERMINATE_GRACE_S) -> None
         return
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
-        if not procs.group_alive(pgid):
+        if not procfs.group_alive(pgid):
             return
         await asyncio.sleep(0.05)
     _signal_group(pgid, signal.SIGKILL)
@@ -219,7 +216,7 @@ class Node:
             "CLUSTER_NODE_TOKEN": cfg.token,
             # Local nodes are CPU nodes: two "nodes" on one GPU would break NCCL.
             "CUDA_VISIBLE_DEVICES": "",
-            "BASH_ENV": str(self.home / layout.HOME_DIR / "bash_env"),
+            "BASH_ENV": str(self.home / contract.HOME_DIR / "bash_env"),
         }
         env.update(process.env)
         if process.term_type:
@@ -229,7 +226,7 @@ class Node:
     def write_shell_files(self) -> None:
         """BASH_ENV for non-interactive shells; the interactive shell's rc: the usual files, the node
         environment, then a prompt that names the node."""
-        folder = self.home / layout.HOME_DIR
+        folder = self.home / contract.HOME_DIR
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "bash_env").write_text("unset BASH_ENV\n" + SOURCE_ENV)
         (folder / "bashrc").write_text(
@@ -245,7 +242,7 @@ class Node:
         if command is not None:
             argv = ["bash", "-c", command]
         elif process.term_type:
-            argv = ["bash", "--rcfile", str(self.home / layout.HOME_DIR / "bashrc"), "-i"]
+            argv = ["bash", "--rcfile", str(self.home / contract.HOME_DIR / "bashrc"), "-i"]
         else:
             argv = ["bash", "-s"]  # no terminal: a script on stdin
         log.info("%s: %s", "pty" if process.term_type else "exec", command or "<shell>")
@@ -312,7 +309,7 @@ class Node:
 
     async def guard(self) -> None:
         """Power off when the watchdog's stop marker appears, as an AWS node's guard timer does."""
-        marker = Path(self.config.shared_dir) / STOP_MARKER
+        marker = Path(self.config.shared_dir) / contract.STOP_MARKER
         while not self.stopping.is_set():
             if marker.exists():
                 log.warning("stop marker %s found: powering off", marker)

@@ -29,7 +29,8 @@ from infra import inventory, keys, ssh, state
 from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo, NodeInfo
 from infra.local import procs
-from infra.local.node_server import PID_REGISTRY, SERVER_MODULE, STOP_MARKER, NodeConfig, token_entry
+from infra.local.node_server import PID_REGISTRY, SERVER_MODULE, NodeConfig, token_entry
+from node import contract, procfs
 
 DEFAULT_FIRST_ADDRESS = "127.0.0.10"
 DEFAULT_SSH_PORT = 2222
@@ -200,7 +201,7 @@ def _start(options: LocalOptions, addresses: list[tuple[str, int]]) -> ClusterIn
     shared = state.make_private_dir(shared_dir(options.stack))
     client_key = keys.ensure_client_key(stack_path)
     user = getpass.getuser()
-    known_hosts = stack_path / "known_hosts"
+    known_hosts = stack_path / state.KNOWN_HOSTS
     entries, configs = [], []
     for index, (address, port) in enumerate(addresses):
         config, host_public = _prepare_node(options.stack, index, address, port, client_key, user)
@@ -358,7 +359,7 @@ def _end_registered_daemons(stack: str) -> None:
             token = json.loads(path.read_text())["token"]
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        for pid in procs.pids_with_environment(token_entry(token)):
+        for pid in procfs.pids_with_environment(token_entry(token)):
             _kill(pid, signal.SIGKILL)
 
 
@@ -401,7 +402,7 @@ def remove_state(stack: str) -> None:
     stack_path = state.stack_dir(stack)
     if stack_path.exists():
         for child in stack_path.iterdir():
-            if child.name == "runs":
+            if child.name == state.RUNS:
                 for run in [child, *(p for p in child.iterdir() if p.is_dir())]:
                     state.remove_stale_tmp_files(run)
                 continue
@@ -411,7 +412,7 @@ def remove_state(stack: str) -> None:
                 child.unlink(missing_ok=True)
         if not any(stack_path.iterdir()):
             stack_path.rmdir()
-    state.clear_current_stack(stack)
+    state.forget(stack)
 
 
 def _node_endpoints(stack: str) -> list[tuple[str, int]]:
@@ -438,8 +439,8 @@ def _server_pids(stack: str) -> list[int]:
 def _servers_by_command_line(stack: str) -> list[int]:
     """Live node servers started for this stack's node folders (`python -m ... nodes/node-<i>/node.json`)."""
     nodes = str(state.stack_dir(stack) / "nodes") + "/"
-    return [pid for pid in procs.pids_with_argument(SERVER_MODULE)
-            if any(arg.startswith(nodes) for arg in procs.command_line(pid))]
+    return [pid for pid in procfs.pids_with_argument(SERVER_MODULE)
+            if any(arg.startswith(nodes) for arg in procfs.command_line(pid))]
 
 
 def stacks_without_inventory() -> list[str]:
@@ -454,12 +455,9 @@ def _is_node_server(pid: int) -> bool:
     """Alive and really our node server (pid files outlive reboots and pids get reused)."""
     if not procs.alive(pid):
         return False
-    try:
-        return SERVER_MODULE.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except FileNotFoundError:
-        return not Path("/proc/self").exists()  # no procfs (macOS): trust the pid
-    except OSError:
-        return False
+    if not procfs.has_proc():
+        return True  # no procfs (macOS): trust the pid
+    return any(SERVER_MODULE in arg for arg in procfs.command_line(pid))
 
 
 def _kill(pid: int, sig: int) -> None:
@@ -505,7 +503,7 @@ def _server_start_times(stack: str) -> dict[str, float]:
 def stop_record(stack: str) -> dict:
     """The watchdog's stop marker (`reason`, `at`, ...), or {} if it did not power the cluster off."""
     try:
-        record = json.loads((shared_dir(stack) / STOP_MARKER).read_text())
+        record = json.loads((shared_dir(stack) / contract.STOP_MARKER).read_text())
     except (OSError, ValueError):
         return {}
     return record if isinstance(record, dict) else {}
@@ -513,7 +511,7 @@ def stop_record(stack: str) -> dict:
 
 def stacks_that_stopped_themselves() -> list[str]:
     """Local stacks whose watchdog powered them off (their state is still there until `down`)."""
-    return sorted(p.parents[2].name for p in state.state_root().glob(f"*/shared/{STOP_MARKER}"))
+    return sorted(p.parents[2].name for p in state.state_root().glob(f"*/shared/{contract.STOP_MARKER}"))
 
 
 def stop_reason(stack: str) -> str:

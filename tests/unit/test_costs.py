@@ -14,10 +14,10 @@ import pytest
 from botocore.stub import ANY, Stubber
 
 from harness import watchdog
-from infra import cloud_init, pricing
+from infra import pricing
 from infra.errors import UsageError
 from infra.ledger import Ledger
-from infra.local import node_server
+from node import contract
 from tests.support import REPO
 from tests.support.aws_fakes import pricing_client, recorded_price_list
 from tests.support.ledgers import write_runs
@@ -224,7 +224,7 @@ def test_the_idle_guard_counts_time_without_jobs_or_gpu_work(tmp_path):
     finally:
         job.kill()
         job.wait()
-    lock = subprocess.Popen([sys.executable, str(REPO / "remote/node/job_lock.py"), str(tmp_path / "job.lock"),
+    lock = subprocess.Popen([sys.executable, str(REPO / "node/job_lock.py"), str(tmp_path / "job.lock"),
                              "run-2", "run", "me"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert lock.stdout.readline().strip() == "locked"
@@ -285,13 +285,8 @@ def test_powering_off_stops_the_job_and_writes_the_marker_every_node_obeys(tmp_p
     (tmp_path / "job").write_text(f"{job.pid} run-1 run-ddp\n")
     dog.power_off(watchdog.Decision(True, "idle: test", 0.5, 60))
     assert job.wait(timeout=5) == -signal.SIGTERM
-    marker = json.loads((tmp_path / "shared" / watchdog.STOP_MARKER).read_text())
+    marker = json.loads((tmp_path / "shared" / contract.STOP_MARKER).read_text())
     assert marker["reason"] == "idle: test" and marker["at"] == clock.now and marker["by"] == "watchdog"
-
-
-def test_the_stop_marker_is_the_same_file_for_the_watchdog_and_every_guard():
-    assert watchdog.STOP_MARKER == node_server.STOP_MARKER
-    assert cloud_init.STOP_MARKER == f"{cloud_init.SHARED_DIR}/{watchdog.STOP_MARKER}"
 
 
 def test_the_check_interval_keeps_the_idle_guard_prompt():

@@ -6,7 +6,7 @@ NOW = 1_800_000_000.0
 
 
 def record(rank, entered, active=(), node="node-0", pid=None, state="running", stack=(), groups=None):
-    """One rank's progress record as `remote/node/hang.py status` reports it."""
+    """One rank's progress record as `node/hang.py status` reports it."""
     groups = groups or {"0": {"ranks": [0, 1], "enqueued": entered, "completed": entered - len(active)}}
     return {
         "rank": rank, "node": node, "pid": pid or 4700 + rank, "state": state, "time": NOW - 0.5,
@@ -113,7 +113,7 @@ GLOO_ABORT_LOG = """terminate called after throwing an instance of 'gloo::Enforc
 Fatal Python error: Aborted
 
 Thread 0x00007f5b0d7fa6c0 (most recent call first):
-  File "/code/remote/node/rankhook/gpu_cluster_rank_monitor.py", line 69 in run
+  File "/code/node/rankhook/gpu_cluster_rank_monitor.py", line 69 in run
   File "/usr/lib/python3.11/threading.py", line 982 in run
 
 Thread 0x00007f5b177beb80 (most recent call first):

@@ -145,10 +145,22 @@ def _imported_modules(path: Path) -> set[str]:
     return names
 
 
-def test_harness_imports_only_torch_nvml_and_the_standard_library():
-    allowed = {"torch", "pynvml", "harness"} | set(sys.stdlib_module_names)
+def test_harness_imports_only_torch_nvml_the_node_contract_and_the_standard_library():
+    allowed = {"torch", "pynvml", "harness", "node"} | set(sys.stdlib_module_names)
     for path in (REPO / "harness").glob("*.py"):
         assert _imported_modules(path) <= allowed, path.name
+
+
+def test_the_node_side_imports_only_the_standard_library_and_itself():
+    """It runs before bootstrap has installed anything (torch only where a rank has imported it)."""
+    allowed = {"node", "torch", "sitecustomize", "gpu_cluster_rank_monitor"} | set(sys.stdlib_module_names)
+    for path in (REPO / "node").rglob("*.py"):
+        assert _imported_modules(path) <= allowed, path.relative_to(REPO)
+
+
+def test_infra_never_imports_remote():
+    for path in (REPO / "infra").rglob("*.py"):
+        assert "remote" not in _imported_modules(path), path.relative_to(REPO)
 
 
 def test_examples_build_only_on_the_harness():

@@ -1,8 +1,10 @@
 """The command builders and parsers of remote/, directly (and the stop command run for real in bash)."""
 
 import hashlib
+import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -12,6 +14,7 @@ from datetime import datetime, timezone
 import pytest
 
 from infra.inventory import ClusterInfo
+from node import probe, standalone
 from remote import commands
 from remote.bootstrap import REPO, SYNCED, digest, local_manifest
 from remote.launch import JobStream, first_failure
@@ -47,7 +50,7 @@ def test_torchrun_uses_c10d_on_the_head_with_a_fresh_id_and_node_addresses():
     argv = commands.torchrun_argv(c, c.nodes[1], "run-1", 2, 29500)
     # torchrun, with the job's stores bound to one address, started by its path: a project's own
     # remote/ package in the job's working directory cannot hide it
-    assert argv[0] == "$CLUSTER_CODE_DIR/remote/node/torchrun.py" and "-m" not in argv
+    assert argv[0] == "$CLUSTER_CODE_DIR/node/torchrun.py" and "-m" not in argv
     assert "--rdzv-conf=is_host=0" in argv and "--rdzv-conf=is_host=1" in commands.torchrun_argv(c, c.nodes[0], "r", 0, 1)
     assert "--nnodes=2" in argv and "--nproc-per-node=4" in argv
     assert "--rdzv-backend=c10d" in argv and "--rdzv-endpoint=10.0.1.10:29500" in argv
@@ -79,7 +82,7 @@ def test_launch_command_passes_the_exit_code_and_reports_when_the_node_saw_it(tm
                             capture_output=True, text=True, cwd=tmp_path)
     lines = result.stdout.splitlines()
     assert result.returncode == 3, result.stdout + result.stderr
-    assert lines[0].startswith("args: /code/remote/node/torchrun.py ") and lines[0].endswith("x.py --a b c")
+    assert lines[0].startswith("args: /code/node/torchrun.py ") and lines[0].endswith("x.py --a b c")
     code, seen_at = commands.parse_exit_marker(lines[-1])
     assert code == 3 and before <= seen_at <= time.time()
     assert (shared / "runs" / "r1").is_dir()
@@ -136,7 +139,7 @@ def test_folders_fall_back_to_each_home_without_shared_storage():
     ("RTNETLINK answers: Network is unreachable", None),
 ])
 def test_route_interface_is_read_from_ip_route_get(output, interface):
-    assert commands.parse_route_interface(output) == interface
+    assert probe.parse_route_interface(output) == interface
 
 
 def test_job_status_parsing():
@@ -207,7 +210,7 @@ def test_the_code_manifest_is_what_git_has_in_the_synced_folders_with_their_hash
     expected = {path for path in listed.stdout.splitlines() if (REPO / path).is_file()}
     manifest = local_manifest()
     assert set(manifest) == expected
-    assert "remote/node/job_lock.py" in manifest and "examples/ddp_training.py" in manifest
+    assert "node/job_lock.py" in manifest and "examples/ddp_training.py" in manifest
     assert not any(path.startswith(("infra/", "tests/", "remote/tasks")) for path in manifest)
     for path, sha in manifest.items():
         assert sha == hashlib.sha256((REPO / path).read_bytes()).hexdigest(), path
@@ -246,7 +249,7 @@ def test_code_hashes_come_from_coreutils_and_name_paths_under_the_synced_folders
     (tmp_path / "harness" / "dist.py").write_text("x = 1\n")
     (tmp_path / "harness" / "__pycache__" / "dist.pyc").write_bytes(b"cache")
     (tmp_path / "mine.txt").write_text("the user's own file\n")
-    out = subprocess.run(["bash", "-c", commands.hash_files_command(str(tmp_path), ("harness", "remote/node"))],
+    out = subprocess.run(["bash", "-c", commands.hash_files_command(str(tmp_path), ("harness", "node"))],
                          capture_output=True, text=True)
     assert out.returncode == 0
     assert commands.parse_hashes(out.stdout) == {"harness/dist.py": hashlib.sha256(b"x = 1\n").hexdigest()}
@@ -309,7 +312,7 @@ def test_lock_replies(reply, parsed):
 
 
 def test_the_job_lock_is_taken_once_and_released_when_its_holder_ends(tmp_path):
-    """Two holders of remote/node/job_lock.py for real: the second is refused naming the first, and
+    """Two holders of node/job_lock.py for real: the second is refused naming the first, and
     once the first's input closes (fab ended the job) the lock is free again."""
     lock = tmp_path / "job.lock"
     holder = [sys.executable, str(commands.NODE_CODE / "job_lock.py"), str(lock)]
@@ -333,3 +336,37 @@ def test_the_job_lock_is_taken_once_and_released_when_its_holder_ends(tmp_path):
         assert fourth.stdout.strip() == "locked" and fourth.returncode == 0
     finally:
         first.kill()
+
+
+def test_node_files_sent_as_source_carry_their_siblings(tmp_path):
+    """cleanup.py (stdin) and stop_jobs.py (`-c`) run where no `node` package can be imported."""
+    for name in ("cleanup", "stop_jobs"):
+        assert "\nfrom node import" not in standalone.source(name)
+    result = subprocess.run([sys.executable, "-", str(tmp_path / "state")], input=standalone.source("cleanup"),
+                            cwd=tmp_path, capture_output=True, text=True, env={"PATH": os.environ["PATH"]})
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"job": "idle", "daemons": [], "removed": []}
+
+
+def test_procfs_tells_running_stopped_and_gone_processes_and_finds_them_by_environment():
+    from node import procfs
+
+    child = subprocess.Popen(["sleep", "30"], env={"PATH": os.environ["PATH"], "CLUSTER_RUN_ID": "run-procfs"})
+    try:
+        assert procfs.alive(child.pid) and procfs.process_state(child.pid) == "running"
+        assert procfs.pids_with_environment("CLUSTER_RUN_ID=run-procfs") == [child.pid]
+        assert procfs.environment(child.pid)["CLUSTER_RUN_ID"] == "run-procfs"
+        child.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while procfs.process_state(child.pid) != "stopped" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert procfs.process_state(child.pid) == "stopped"
+        child.kill()
+        deadline = time.monotonic() + 5
+        while procfs.state(child.pid) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not procfs.alive(child.pid) and procfs.process_state(child.pid) == "gone"  # a zombie is gone
+        assert procfs.pids_with_environment("CLUSTER_RUN_ID=run-procfs") == []
+    finally:
+        child.kill()
+        child.wait()

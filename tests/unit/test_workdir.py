@@ -15,8 +15,8 @@ from remote import commands, options, workdir
 from tests.support import REPO
 from tests.support.inventories import cluster as aws_cluster
 
-sys.path.insert(0, str(REPO / "remote" / "node"))
-import sync  # noqa: E402  (remote/node/sync.py, as the nodes run it)
+sys.path.insert(0, str(REPO / "node"))
+import sync  # noqa: E402  (node/sync.py, as the nodes run it)
 
 
 def tree(root: Path, files: dict[str, str]) -> Path:
@@ -215,7 +215,7 @@ def test_env_values_are_kept_whole_and_every_launch_variable_is_reserved():
     with pytest.raises(Exit, match="twice"):
         options.environment(["A=1", "A=2"])
     c = aws_cluster()
-    launch_set = {**commands.node_environment(c, 0, "lo", "py"), **commands.job_variables(c, c.nodes[0], "r", 1, python="py")}
+    launch_set = {**commands.node_environment(c, 0, "lo", "py"), **commands.job_variables(c, c.nodes[0], "r", python="py")}
     assert all(commands.reserved_variable(key) for key in launch_set)
 
 

@@ -11,29 +11,42 @@ process group, then every `CLUSTER_PROGRESS_INTERVAL_S` (default 1 s) writes `ra
 - the main thread's Python stack, innermost frame last;
 - the harness's training step, when the script uses the harness.
 
-When `dump.request` appears in that folder (`remote/node/hang.py collect` writes it) the thread also
+When `dump.request` appears in that folder (`node/hang.py collect` writes it) the thread also
 writes the recorder's whole buffer (`rank-<RANK>.fr.json`) and every thread's stack. Reading the
 recorder needs no lock the training thread holds (the thread runs while the main thread waits in a
 collective), so a rank blocked inside a collective still reports. Standard library only; torch is
 used once the script has imported it.
+
+The file names come from node/contract.py, loaded by its path beside this folder: on the rank's
+PYTHONPATH the job's own folder comes before the synced code, and a project's own `node/` would hide ours.
 """
 
 import atexit
+import importlib.util
 import json
 import os
 import sys
 import threading
 import time
 
+
+def _load_contract():
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "contract.py")
+    spec = importlib.util.spec_from_file_location("gpu_cluster_node_contract", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+contract = _load_contract()
 INTERVAL_S = float(os.environ.get("CLUSTER_PROGRESS_INTERVAL_S", "1") or 1)
-DUMP_REQUEST = "dump.request"
 STACK_DEPTH = 12
 _STDLIB = os.path.dirname(os.__file__) + os.sep
 
 
 def start() -> threading.Thread | None:
     """Start the monitor thread in a torchrun worker of a fab launch; None elsewhere."""
-    folder, rank = os.environ.get("CLUSTER_PROGRESS_DIR"), os.environ.get("RANK")
+    folder, rank = os.environ.get(contract.PROGRESS_VARIABLE), os.environ.get("RANK")
     if not folder or rank is None:
         return None
     monitor = RankMonitor(folder, int(rank), threading.main_thread())
@@ -73,7 +86,7 @@ class RankMonitor:
         """At a normal exit (atexit, in the main thread): a last record saying the script finished, inside
         no collective. Without it the last record, up to an interval old, could still show the rank
         inside its final collective while the process lingers in shutdown."""
-        path = os.path.join(self.folder, f"rank-{self.rank}.json")
+        path = os.path.join(self.folder, contract.rank_progress(self.rank))
         try:
             with open(path) as f:
                 record = json.load(f)
@@ -102,7 +115,7 @@ class RankMonitor:
             error = ""
         except Exception as exc:  # a recorder that cannot dump must never break the job
             counters, error = {}, f"{type(exc).__name__}: {exc}"
-        _write_json(os.path.join(self.folder, f"rank-{self.rank}.json"), self.snapshot(dist, counters, error))
+        _write_json(os.path.join(self.folder, contract.rank_progress(self.rank)), self.snapshot(dist, counters, error))
         self.answer_dump_request(recorder)
 
     def observe(self, counters: dict, now: float) -> dict:
@@ -143,7 +156,7 @@ class RankMonitor:
         return {
             "rank": self.rank,
             "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
-            "node": os.environ.get("CLUSTER_NODE", ""),
+            "node": os.environ.get(contract.NODE_VARIABLE, ""),
             "pid": os.getpid(),
             "time": time.time(),
             "groups": groups,
@@ -154,7 +167,7 @@ class RankMonitor:
         }
 
     def answer_dump_request(self, recorder) -> None:
-        request = os.path.join(self.folder, DUMP_REQUEST)
+        request = os.path.join(self.folder, contract.DUMP_REQUEST)
         try:
             requested_at = os.stat(request).st_mtime
         except OSError:
@@ -166,7 +179,7 @@ class RankMonitor:
             trace = recorder.full()
         except Exception as exc:
             trace = {"error": f"{type(exc).__name__}: {exc}"}
-        _write_json(os.path.join(self.folder, f"rank-{self.rank}.fr.json"),
+        _write_json(os.path.join(self.folder, contract.rank_dump(self.rank)),
                     {"rank": self.rank, "pid": os.getpid(), "time": time.time(), "trace": trace,
                      "threads": all_thread_stacks()})
 

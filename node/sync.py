@@ -5,12 +5,13 @@
     python sync.py results RUN_DIR RESULTS_DIR    # what a launch fetches back: [{"remote", "name", "size"}]
     python sync.py clean RUNS KEEP                # remove the node-local copies of all but the newest KEEP runs
 
-A cache (`~/.gpu-cluster/workdirs/<key>`, see layout.py) holds `files/` (the project as last synced),
+A cache (`~/.gpu-cluster/workdirs/<key>`, see contract.py) holds `files/` (the project as last synced),
 `manifest.json` and `digest`. `apply` removes the manifest and the digest before it changes any file
 and writes them back only once every file is in place, so a sync that was cut short leaves no digest
 that a launch could trust: the next `manifest` hashes the files themselves. A bundle is a tar file that
 `fab` built (remote/workdir.py): `plan.json` ({"remove": [...], "manifest": {...}, "digest": "..."}),
-then the changed files under `files/`. Standard library only.
+then the changed files under `files/`. Standard library only; run as a file, it imports its siblings
+from the code folder.
 """
 
 from __future__ import annotations
@@ -23,9 +24,14 @@ import stat
 import sys
 import tarfile
 
-FILES, MANIFEST, DIGEST, PLAN = "files", "manifest.json", "digest", "plan.json"
+if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
+
+from node import contract  # noqa: E402
+
+FILES, MANIFEST, DIGEST = contract.WORKDIR_FILES, contract.WORKDIR_MANIFEST, contract.WORKDIR_DIGEST
+PLAN = "plan.json"
 RESULT_FILES = ("metrics.jsonl",)  # besides the results folder, what a launch fetches from the run folder
-RUN_COPIES = ("workdir", "results")  # what `clean` removes from a run's node-local folder
 
 
 def file_sha256(path: str) -> str:
@@ -148,7 +154,7 @@ def clean(runs: str, keep: int) -> dict:
         if os.path.isdir(runs) else []
     removed, freed = 0, 0
     for run_id in run_ids[:max(0, len(run_ids) - keep)]:
-        copies = [os.path.join(runs, run_id, name) for name in RUN_COPIES]
+        copies = [os.path.join(runs, run_id, name) for name in contract.RUN_COPIES]
         copies = [path for path in copies if os.path.isdir(path) and not os.path.islink(path)]
         for path in copies:
             freed += folder_bytes(path)

@@ -8,7 +8,7 @@ every second. `status` adds what only this node can tell: how old each record is
 clock, and whether the rank's process runs, is stopped (SIGSTOP) or is gone. `collect` asks every
 rank for its whole recorder buffer and thread stacks (the `dump.request` file), waits a few seconds
 for the ranks that can still answer, and runs `py-spy dump` on every rank, which works on a stopped
-process too. Standard library only.
+process too. Standard library only; run as a file, it imports its siblings from the code folder.
 """
 
 import argparse
@@ -20,48 +20,36 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-DUMP_REQUEST = "dump.request"
+if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
+
+from node import contract, procfs  # noqa: E402
+
 PY_SPY_TIMEOUT_S = 20
-
-
-def process_state(pid: int) -> str:
-    """`running`, `stopped` (SIGSTOP or traced), `gone` (exited or a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "gone"
-    if state in ("T", "t"):
-        return "stopped"
-    return "gone" if state in ("Z", "X") else "running"
 
 
 def rank_processes(run_id: str) -> dict[int, int]:
     """{rank: pid} of this run's torchrun workers on this node, found by their environment (a rank
     that stopped or hung before its monitor wrote anything is found too). Where several nodes share
     one machine (the local provider), CLUSTER_NODE tells this node's workers from the others'."""
-    wanted = f"CLUSTER_RUN_ID={run_id}".encode()
-    node = os.environ.get("CLUSTER_NODE")
+    node = os.environ.get(contract.NODE_VARIABLE)
     found = {}
-    for path in glob.glob("/proc/[0-9]*/environ"):
-        try:
-            with open(path, "rb") as f:
-                entries = f.read().split(b"\0")
-        except OSError:
-            continue  # gone, or another user's
-        if wanted not in entries or (node and f"CLUSTER_NODE={node}".encode() not in entries):
+    for pid, variables in procfs.environments():
+        if variables.get(contract.RUN_ID_VARIABLE) != run_id:
             continue
-        rank = next((e[5:] for e in entries if e.startswith(b"RANK=")), None)
+        if node and variables.get(contract.NODE_VARIABLE) != node:
+            continue
+        rank = variables.get("RANK")
         if rank is not None and rank.isdigit():
-            found[int(rank)] = int(path.split("/")[2])
+            found[int(rank)] = pid
     return found
 
 
 def read_ranks(folder: str, run_id: str, now: float) -> list[dict]:
     """Every rank of the run on this node: its last progress record, if any, and its process state."""
     records = {}
-    for path in glob.glob(os.path.join(folder, "rank-*.json")):
-        if path.endswith(".fr.json"):
+    for path in glob.glob(os.path.join(folder, contract.RANK_PROGRESS_GLOB)):
+        if path.endswith(contract.DUMP_SUFFIX):
             continue
         try:
             with open(path) as f:
@@ -75,9 +63,9 @@ def read_ranks(folder: str, run_id: str, now: float) -> list[dict]:
     ranks = []
     for rank, record in sorted(records.items()):
         record.setdefault("reported", True)
-        record["node"] = record.get("node") or os.environ.get("CLUSTER_NODE", "")
+        record["node"] = record.get("node") or os.environ.get(contract.NODE_VARIABLE, "")
         record["age_s"] = round(now - float(record.get("time", now)), 3)
-        record["state"] = process_state(int(record.get("pid", 0)))
+        record["state"] = procfs.process_state(int(record.get("pid", 0)))
         ranks.append(record)
     return ranks
 
@@ -89,7 +77,7 @@ def status(folder: str, run_id: str) -> dict:
 
 def collect(folder: str, run_id: str, wait_s: float, py_spy: str | None) -> dict:
     requested_at = time.time()
-    with open(os.path.join(folder, DUMP_REQUEST), "w") as f:
+    with open(os.path.join(folder, contract.DUMP_REQUEST), "w") as f:
         f.write(f"{requested_at}\n")
     ranks = read_ranks(folder, run_id, requested_at)
     dumps = _wait_for_dumps(folder, ranks, requested_at, wait_s)
@@ -105,7 +93,7 @@ def _wait_for_dumps(folder: str, ranks: list[dict], requested_at: float, wait_s:
     dumps, deadline = {}, time.monotonic() + wait_s
     while True:
         for rank in list(expected):
-            path = os.path.join(folder, f"rank-{rank}.fr.json")
+            path = os.path.join(folder, contract.rank_dump(rank))
             try:
                 if os.stat(path).st_mtime >= requested_at:
                     with open(path) as f:
@@ -138,8 +126,7 @@ def py_spy_dump(py_spy: str | None, pid: int) -> str:
 
 def find_py_spy() -> str | None:
     """py-spy installed with the packages this interpreter sees (python_env.py puts it there)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from python_env import find_program
+    from node.python_env import find_program
 
     return find_program("py-spy")
 

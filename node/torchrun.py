@@ -1,6 +1,6 @@
 """torchrun, with the job's TCP stores listening on this node's own address instead of every interface.
 
-    python -m remote.node.torchrun [torchrun options] SCRIPT [ARGS]     (what `fab` starts on every node)
+    python node/torchrun.py [torchrun options] SCRIPT [ARGS]     (what `fab` starts on every node)
 
 torch's TCPStore server listens on all interfaces whatever host name it is given (torch 2.13's libuv
 and classic backends both bind the wildcard address); only a listening socket the caller made, passed

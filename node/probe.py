@@ -1,7 +1,8 @@
 """What a node is: OS, Python, GPUs, driver and CUDA, how daemons run, and how it reaches the head node.
 
 Standard library only, and readable by old interpreters too (so a Python that is too old can still
-say which version it is). Prints one JSON object. Two uses:
+say which version it is). Self-contained (it is sent on stdin, and needs nothing of its siblings).
+Prints one JSON object. Two uses:
 
     python probe.py MASTER_ADDR                   # fab bootstrap's probe stage, from the synced code
     python3 - --host OWN_ADDRESS HEAD_ADDRESS     # deploy.py up --hosts, sent on stdin: creates nothing
@@ -64,11 +65,17 @@ def route(address: str) -> str:
     return run(ip, "route", "get", address) if ip else ""
 
 
+def parse_route_interface(ip_route_output: str) -> str | None:
+    """The `dev` of `ip route get ADDR` output: the interface that carries traffic to ADDR."""
+    match = re.search(r"\bdev\s+(\S+)", ip_route_output)
+    return match.group(1) if match else None
+
+
 def route_interface(address: str) -> str | None:
     """The interface the kernel would use to reach `address` (never guessed from names)."""
-    match = re.search(r"\bdev\s+(\S+)", route(address))
-    if match:
-        return match.group(1)
+    interface = parse_route_interface(route(address))
+    if interface:
+        return interface
     if tool("route"):  # macOS / BSD
         match = re.search(r"interface:\s*(\S+)", run(tool("route"), "-n", "get", address))
         if match:

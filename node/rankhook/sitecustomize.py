@@ -9,12 +9,12 @@ import sys
 
 
 def _start_rank_monitor() -> None:
-    if os.environ.get("RANK") is None or not os.environ.get("CLUSTER_PROGRESS_DIR"):
+    if os.environ.get("RANK") is None:
         return  # torchrun's agent, or a process started outside a launch
     try:
         import gpu_cluster_rank_monitor
 
-        gpu_cluster_rank_monitor.start()
+        gpu_cluster_rank_monitor.start()  # nothing where the launch set no progress folder
     except Exception as exc:  # the job runs on without its monitor rather than not at all
         print(f"gpu-cluster: the rank monitor did not start ({type(exc).__name__}: {exc})", file=sys.stderr)
 

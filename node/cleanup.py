@@ -6,6 +6,10 @@ then remove everything bootstrap put there. The machine itself is left running.
 HOME_DIR is the node's state folder (`~/.gpu-cluster`); SYNCED_CODE_DIR, where the cluster has a shared
 folder, the code folder in it, of which only the synced TOP folders are removed (a user's own files
 beside them stay). Standard library only; needs nothing that bootstrap installed.
+
+Sent on stdin (nothing is written on the host, whose Python may be older than the project needs), it
+cannot import its siblings from a folder: the sender inlines the `from node import ...` line's modules
+(node/standalone.py), which, like this file, parse on Python 3.7.
 """
 
 from __future__ import annotations
@@ -18,34 +22,11 @@ import subprocess
 import sys
 import time
 
+from node import contract, procfs
+
 GRACE_S = 5.0
-UNIT = "gpu-cluster-watchdog"
+UNIT = contract.WATCHDOG_UNIT
 UNIT_FILE = f"/etc/systemd/system/{UNIT}.service"
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except OSError:
-        return False
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[2] == str(pgid) and fields[0] != "Z":
-                return True
-    return False
 
 
 def end_group(pgid: int) -> bool:
@@ -55,7 +36,7 @@ def end_group(pgid: int) -> bool:
     except OSError:
         return False
     deadline = time.monotonic() + GRACE_S
-    while group_alive(pgid) and time.monotonic() < deadline:
+    while procfs.group_alive(pgid) and time.monotonic() < deadline:
         time.sleep(0.1)
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -64,28 +45,15 @@ def end_group(pgid: int) -> bool:
     return True
 
 
-def processes_with(entry: str) -> list:
-    """This user's processes whose environment holds `entry` (others' are unreadable anyway)."""
-    needle, found = entry.encode(), []
-    for name in os.listdir("/proc"):
-        if name.isdigit() and int(name) != os.getpid():
-            try:
-                with open(f"/proc/{name}/environ", "rb") as f:
-                    if needle in f.read().split(b"\0"):
-                        found.append(int(name))
-            except OSError:
-                continue
-    return found
-
-
 def stop_job(home_dir: str) -> str:
     try:
-        with open(os.path.join(home_dir, "job")) as f:
+        with open(os.path.join(home_dir, os.path.relpath(contract.JOB, contract.HOME_DIR))) as f:
             pid, run_id = f.read().split()[:2]
     except (OSError, ValueError):
         return "idle"
-    stopped = alive(int(pid)) and end_group(int(pid))
-    for leftover in processes_with(f"CLUSTER_RUN_ID={run_id}"):  # workers in sessions of their own
+    stopped = procfs.alive(int(pid)) and end_group(int(pid))
+    workers = procfs.pids_with_environment(f"{contract.RUN_ID_VARIABLE}={run_id}")  # in sessions of their own
+    for leftover in workers:
         try:
             os.kill(leftover, signal.SIGKILL)
             stopped = True
@@ -96,7 +64,7 @@ def stop_job(home_dir: str) -> str:
 
 def stop_daemons(home_dir: str) -> list:
     ended = []
-    registry = os.path.join(home_dir, "pids")
+    registry = os.path.join(home_dir, os.path.relpath(contract.PIDS, contract.HOME_DIR))
     for name in sorted(os.listdir(registry)) if os.path.isdir(registry) else []:
         try:
             with open(os.path.join(registry, name)) as f:

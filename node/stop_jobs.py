@@ -6,6 +6,9 @@ sessions of their own, the head node's job lock holder, and any job started besi
 HOME keeps other nodes' jobs apart where several local nodes share one machine. Each gets SIGTERM,
 then SIGKILL after GRACE_S. Sent by `fab stop` and by fail-fast; standard library only. Processes are
 found in /proc; where there is none (macOS), only the recorded group is stopped.
+
+Sent as source (the node's synced code may be stale or missing), it cannot import its siblings from a
+folder: the sender inlines the `from node import ...` line's modules (node/standalone.py).
 """
 
 import os
@@ -14,26 +17,14 @@ import sys
 import time
 from pathlib import Path
 
-
-def alive(pid: int) -> bool:
-    """Running and not a zombie."""
-    if os.path.isdir("/proc/self"):
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except (OSError, IndexError):
-            return False
-    try:  # no /proc (macOS): ask the kernel
-        os.kill(pid, 0)
-        return True
-    except OSError:
-        return False
+from node import contract, procfs
 
 
 def recorded_job(job_file: Path) -> tuple[int, str] | None:
     """(pid, run id) of the job JOB_FILE records, if it still runs."""
     try:
         pid, run_id = job_file.read_text().split()[:2]
-        return (int(pid), run_id) if alive(int(pid)) else None
+        return (int(pid), run_id) if procfs.alive(int(pid)) else None
     except (OSError, ValueError):
         return None
 
@@ -41,17 +32,10 @@ def recorded_job(job_file: Path) -> tuple[int, str] | None:
 def job_processes(home: str, me: set[int]) -> dict[int, str]:
     """pid -> run id of every process of a job with this HOME (none where /proc is missing)."""
     found = {}
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        pid = int(environ.parent.name)
-        if pid in me:
-            continue
-        try:
-            variables = dict(v.split(b"=", 1) for v in environ.read_bytes().split(b"\0") if b"=" in v)
-        except OSError:  # gone, or another user's
-            continue
-        run_id = variables.get(b"CLUSTER_RUN_ID")
-        if run_id and variables.get(b"HOME") == home.encode() and alive(pid):
-            found[pid] = run_id.decode(errors="replace")
+    for pid, variables in procfs.environments(exclude=me):
+        run_id = variables.get(contract.RUN_ID_VARIABLE)
+        if run_id and variables.get("HOME") == home:
+            found[pid] = run_id
     return found
 
 
@@ -72,7 +56,7 @@ def stop(job_file: Path, grace_s: float, home: str) -> list[str]:
     runs = list(dict.fromkeys(([job[1]] if job else []) + list(strays.values())))
     signal_all(groups, list(strays), signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(alive(p) for p in groups + list(strays)):
+    while time.monotonic() < deadline and any(procfs.alive(p) for p in groups + list(strays)):
         time.sleep(0.1)
     signal_all(groups, list(strays), signal.SIGKILL)
     for pid, run_id in job_processes(home, me).items():  # started while we were stopping

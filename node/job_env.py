@@ -19,9 +19,12 @@ import subprocess
 import sys
 import time
 
-import python_env
+if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
 
-READY = ".installed"  # layout.ENV_READY
+from node import contract, python_env  # noqa: E402
+
+READY = contract.ENV_READY
 
 
 def ready(dest: str) -> bool:

@@ -1,0 +1,144 @@
+"""The node contract: every path, file and environment variable name of the node side, spelled once.
+
+The files under `~/.gpu-cluster`, the stop marker and the watchdog's heartbeat in the shared folder,
+each rank's progress files, a run's folders, the exit marker of the launch command and the variables
+a launch reserves. Paths under the home are relative to it, as SFTP takes them; `shell()` gives the
+`~/...` form for commands. Standard library only, Python 3.7 syntax: bootstrap, `fab`, the providers
+and the harness import it, the node scripts import it beside them, the rank monitor loads it by its
+path, and stop_jobs.py and cleanup.py carry its text (standalone.py).
+"""
+
+HOME_DIR = ".gpu-cluster"
+ENV = f"{HOME_DIR}/env"
+"""The node environment every job sources (written by bootstrap's env stage)."""
+STATE = f"{HOME_DIR}/state.json"
+"""Each bootstrap stage's digest and facts on this node."""
+JOB = f"{HOME_DIR}/job"
+"""`PID RUN_ID TASK` of the job running on this node (its session leader)."""
+JOB_LOCK = f"{HOME_DIR}/job.lock"
+"""flock'd on the head node by the launch that owns the cluster's one job (node/job_lock.py)."""
+PIDS = f"{HOME_DIR}/pids"
+"""Daemons started on the node register `<name>.pid` (a process group id) here."""
+VENV = f"{HOME_DIR}/venv"
+"""The node venv, layered over the inventory's `python`."""
+REQUIREMENTS = f"{HOME_DIR}/requirements-node.txt"
+"""What the venv installs where torch is missing."""
+CODE = f"{HOME_DIR}/code"
+"""harness/, examples/ and node/, where the cluster has no shared folder."""
+RUNS = f"{HOME_DIR}/runs"
+"""Each run's node-local folder, on every node: `<run-id>/workdir` (the job's working directory) and
+`<run-id>/results` (`$CLUSTER_RESULTS_DIR`); also the run folder itself where there is no shared folder."""
+WORKDIRS = f"{HOME_DIR}/workdirs"
+"""`fab run --workdir` caches, one per project folder: `<key>/files/`, `manifest.json` and `digest`."""
+ENVS = f"{HOME_DIR}/envs"
+"""`fab run --requirements` environments, one per requirements file: `<digest>/` (a venv), with
+`<digest>.txt` (the file) and `<digest>.log` (pip's output) beside it."""
+PROGRESS = f"{HOME_DIR}/progress"
+"""`<run-id>/rank-<R>.json`: each rank's collective progress, for hang detection (always node-local)."""
+WATCHDOG_PID = f"{PIDS}/watchdog.pid"
+"""The detached watchdog's process group."""
+WATCHDOG_LOG = f"{HOME_DIR}/watchdog.log"
+"""The detached watchdog's output."""
+WATCHDOG_UNIT = "gpu-cluster-watchdog"
+"""The systemd unit of the watchdog, where the node runs systemd."""
+WATCHDOG_UNIT_FILE = f"{HOME_DIR}/{WATCHDOG_UNIT}.service"
+"""The unit file as sent, before it is installed into /etc/systemd/system."""
+SYNCED = ("harness", "examples", "node")
+"""The code folders bootstrap syncs (relative to the repository and to the code folder)."""
+
+SHARED_STATE = ".gpu-cluster"
+"""Under the shared folder (`$CLUSTER_SHARED_DIR`): what every node sees of the watchdog."""
+STOP_MARKER = f"{SHARED_STATE}/stop.json"
+"""Relative to the shared folder: the watchdog writes it with the reason; every node powers itself off
+when it appears (cloud-init's guard on AWS, the node server on the local provider)."""
+WATCHDOG_HEARTBEAT = f"{SHARED_STATE}/watchdog.json"
+"""Relative to the shared folder: the watchdog's last check (its pid, the cost so far, its guards)."""
+
+
+def node_run(run_id: str) -> str:
+    """A run's node-local folder."""
+    return f"{RUNS}/{run_id}"
+
+
+def workdir_cache(key: str) -> str:
+    """The cache of one project folder (`remote/workdir.py` names the key)."""
+    return f"{WORKDIRS}/{key}"
+
+
+def progress_dir(run_id: str) -> str:
+    """A run's progress folder on each node (`$CLUSTER_PROGRESS_DIR`)."""
+    return f"{PROGRESS}/{run_id}"
+
+
+RANK_PROGRESS_GLOB = "rank-*.json"
+"""In a progress folder: matches every rank's progress file, and its dump (`rank_dump`) too."""
+DUMP_SUFFIX = ".fr.json"
+"""How a rank's dump ends, to tell it from the progress files `RANK_PROGRESS_GLOB` matches."""
+DUMP_REQUEST = "dump.request"
+"""In a progress folder: written by `node/hang.py collect`; each rank answers with its dump."""
+
+
+def rank_progress(rank) -> str:
+    """In a progress folder: the rank's progress, rewritten every second by its monitor."""
+    return f"rank-{rank}.json"
+
+
+def rank_dump(rank) -> str:
+    """In a progress folder: the rank's whole flight-recorder buffer and thread stacks, on request."""
+    return f"rank-{rank}{DUMP_SUFFIX}"
+
+
+RUN_WORKDIR = "workdir"
+"""In a run's node-local folder: the job's working directory (a copy of the workdir cache, or empty)."""
+RUN_RESULTS = "results"
+"""In a run's node-local folder: `$CLUSTER_RESULTS_DIR`."""
+RUN_COPIES = (RUN_WORKDIR, RUN_RESULTS)
+"""What `fab clean-runs` removes from a run's node-local folder."""
+
+EXIT_MARKER = "__gpu_cluster_exit__"
+"""The line a launch command prints after torchrun returns: its exit code and the node's own clock."""
+
+RUN_ID_VARIABLE = "CLUSTER_RUN_ID"
+"""Carried by every process of a launch (ranks, torchrun, the job lock's holder): how they are found."""
+NODE_VARIABLE = "CLUSTER_NODE"
+"""The node's name (`node-<i>`), which tells nodes apart where several share one machine."""
+PROGRESS_VARIABLE = "CLUSTER_PROGRESS_DIR"
+"""Where a rank's monitor writes (the run's `progress_dir`)."""
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME")
+"""What torchrun gives every worker, beside what the node environment and the launch set."""
+RESERVED_PREFIXES = ("CLUSTER_", "TORCHELASTIC_")
+"""Variables a user's --env may not set: any of these prefixes, and `RESERVED_VARIABLES`."""
+RESERVED_VARIABLES = ("NODE_RANK", "NNODES", "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "NCCL_SOCKET_IFNAME",
+                      "GLOO_SOCKET_IFNAME", "PYTHONPATH", "PYTHONUNBUFFERED", *TORCHRUN_VARIABLES)
+"""The node environment's, torchrun's and the launch's own variables."""
+
+
+def job_env(digest: str) -> str:
+    """The environment of one requirements file."""
+    return f"{ENVS}/{digest}"
+
+
+ENV_READY = ".installed"
+"""In a requirements environment: written only after pip succeeded; holds the interpreter it is layered over."""
+WORKDIR_FILES = "files"
+"""In a workdir cache: the synced files."""
+WORKDIR_MANIFEST = "manifest.json"
+"""In a workdir cache: {path: sha256} of the files, written after a sync completes."""
+WORKDIR_DIGEST = "digest"
+"""In a workdir cache: the manifest's digest, which a launch's first command reads."""
+
+
+def in_home(path: str) -> str:
+    """`path` (relative to the home) as `$HOME/path`: a shell expands it (`shell_path` leaves it unquoted)."""
+    return f"$HOME/{path}"
+
+
+def home_relative(path: str) -> str:
+    """`$HOME/x` as `x`, for a program's argument list (programs start in the home); other paths as they are."""
+    return path[len("$HOME/"):] if path.startswith("$HOME/") else path
+
+
+def shell(path: str) -> str:
+    """`path` (relative to the home) for a shell command: `~/` expands, nothing else does."""
+    return f"~/{path}"

@@ -1,0 +1,126 @@
+"""Processes as /proc shows them: alive or not, their state, their environment, their arguments.
+
+The one place that reads /proc: the node scripts (hang.py, stop_jobs.py, cleanup.py), the head node's
+watchdog, the ledger and the local node servers all ask here. A zombie (exited, not yet reaped) counts
+as gone everywhere. Where there is no /proc (macOS) the kernel is asked (`kill(pid, 0)`) and the scans
+find nothing. A non-root user reads only its own processes' environments, which is enough: every job
+runs as the node's login user.
+
+Standard library only, and written for Python 3.7 syntax: cleanup.py, sent on stdin to a host whose
+Python may be too old for the project, carries this file's text (see standalone.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+PROC = "/proc"
+
+
+def has_proc() -> bool:
+    return os.path.isdir(os.path.join(PROC, "self"))
+
+
+def stat_fields(pid) -> list | None:
+    """Fields of /proc/<pid>/stat after the command name (state, ppid, pgrp, ...); None when gone."""
+    try:
+        with open(os.path.join(PROC, str(pid), "stat")) as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def state(pid: int) -> str | None:
+    """The state letter (`R`, `S`, `T`, `Z`, ...), or None when there is no such process."""
+    fields = stat_fields(pid)
+    return fields[0] if fields else None
+
+
+def alive(pid: int) -> bool:
+    """A process runs with this pid; zombies count as gone."""
+    if has_proc():
+        return state(pid) not in (None, "Z", "X")
+    try:  # no /proc (macOS): ask the kernel
+        os.kill(pid, 0)
+    except PermissionError:  # another user's process
+        return True
+    except (OSError, OverflowError, ValueError):
+        return False
+    return True
+
+
+def process_state(pid: int) -> str:
+    """`running`, `stopped` (SIGSTOP or traced), `gone` (exited or a zombie)."""
+    letter = state(pid)
+    if letter in ("T", "t"):
+        return "stopped"
+    return "gone" if letter in (None, "Z", "X") else "running"
+
+
+def group_alive(pgid: int) -> bool:
+    """Any non-zombie process left in the process group."""
+    if not has_proc():
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except OSError:
+            return False
+    for pid in pids():
+        fields = stat_fields(pid)
+        if fields and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
+
+
+def pids() -> list:
+    """Every process id /proc lists (none without /proc)."""
+    try:
+        return [int(name) for name in os.listdir(PROC) if name.isdigit()]
+    except OSError:
+        return []
+
+
+def environment(pid: int) -> dict | None:
+    """The process's environment, or None where it is gone or not this user's."""
+    try:
+        with open(os.path.join(PROC, str(pid), "environ"), "rb") as f:
+            entries = f.read().split(b"\0")
+    except OSError:
+        return None
+    return dict(os.fsdecode(e).split("=", 1) for e in entries if b"=" in e)
+
+
+def environments(exclude=()) -> list:
+    """(pid, environment) of every live process this user may read, but those in `exclude`."""
+    found = []
+    for pid in pids():
+        if pid in exclude:
+            continue
+        variables = environment(pid)
+        if variables is not None and alive(pid):
+            found.append((pid, variables))
+    return found
+
+
+def pids_with_environment(*entries: str, exclude=None) -> list:
+    """Live processes whose environment holds every `NAME=value` of `entries` exactly (this one aside,
+    and those in `exclude`); empty without /proc."""
+    wanted = [entry.split("=", 1) for entry in entries]
+    skip = {os.getpid(), *(exclude or ())}
+    return [pid for pid, variables in environments(skip)
+            if all(variables.get(name) == value for name, value in wanted)]
+
+
+def command_line(pid: int) -> list:
+    """The process's argv, or [] when it is gone or unreadable."""
+    try:
+        with open(os.path.join(PROC, str(pid), "cmdline"), "rb") as f:
+            raw = f.read()
+    except OSError:
+        return []
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+def pids_with_argument(argument: str) -> list:
+    """Live processes with `argument` as one whole element of their argv (this one aside); empty without /proc."""
+    return [pid for pid in pids() if pid != os.getpid() and argument in command_line(pid) and alive(pid)]
