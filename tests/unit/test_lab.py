@@ -53,7 +53,9 @@ def test_nproc_per_node_reaches_torchrun_and_the_job_environment():
     cluster = ClusterInfo("dev", "local", "local", "cpu", 0.0, "u", "/k", "/kh", "/shared",
                           "2026-11-21T00:00:00+00:00", _nodes(0, 0))
     default = commands.launch_command(cluster, cluster.nodes[1], "r1", "hybrid", "x.py", [], 0, 29500)
-    assert "--nproc-per-node=1" in default and "NPROC_PER_NODE=1 " in default
+    # By default the node environment (sourced first) says NPROC_PER_NODE; the launch does not repeat it.
+    assert "--nproc-per-node=1" in default and "NPROC_PER_NODE=" not in default
+    assert commands.node_environment(cluster, 1, "lo", "python3")["NPROC_PER_NODE"] == "1"
     two = commands.launch_command(cluster, cluster.nodes[1], "r1", "hybrid", "x.py", [], 0, 29500, nproc=2)
     assert "--nproc-per-node=2" in two and "NPROC_PER_NODE=2 " in two
     gpu_nodes = _nodes(4, 4)
