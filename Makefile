@@ -24,7 +24,7 @@ demo: setup
 
 # The project's Python, checked by ruff (format and lint) and mypy as configured in pyproject.toml: every
 # folder that holds some (scripts/ holds only shell; a folder that does not exist is skipped).
-LINT_PATHS ?= $(foreach d,infra remote node harness examples bench scripts,$(if $(wildcard $(d)/*.py),$(d))) \
+LINT_PATHS ?= $(foreach d,infra remote node harness examples bench scripts tests,$(if $(wildcard $(d)/*.py),$(d))) \
 	deploy.py fabfile.py
 # All three run, so one pass shows every finding; any of them failing fails the target.
 lint: setup

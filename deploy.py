@@ -36,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     up = commands.add_parser("up", help="create the cluster (or say it is already up)")
     up.add_argument("--local", action="store_true", help="run the nodes on this machine (stack 'local')")
     up.add_argument("--hosts", metavar="FILE", help="your own machines, from a YAML hosts file (stack 'hosts')")
-    up.add_argument("--stack", help="stack name (default: 'local' with --local, 'hosts' with --hosts, "
-                                    "else $CLUSTER_STACK or 'dev')")
+    up.add_argument(
+        "--stack", help="stack name (default: 'local' with --local, 'hosts' with --hosts, else $CLUSTER_STACK or 'dev')"
+    )
     up.add_argument("--nodes", type=str, default=None, help="number of nodes, 1..16 (default: the stack's, or 2)")
     up.add_argument("--instance-type", help="EC2 instance type, e.g. g4dn.2xlarge or g6.2xlarge (local: priced as)")
     up.add_argument("--spot", action="store_true", default=None, help="AWS: spot instances instead of on-demand")
@@ -63,12 +64,19 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--stack", help="only this stack (default: all)")
     cost.add_argument("--json", action="store_true", help='machine-readable: {"clusters", "runs", "total_usd"}')
 
-    ssh = commands.add_parser("ssh", help="interactive ssh into a node (default node-0), or run COMMAND there",
-                              usage="python deploy.py ssh [NODE] [--stack NAME] [-- COMMAND...]")
+    ssh = commands.add_parser(
+        "ssh",
+        help="interactive ssh into a node (default node-0), or run COMMAND there",
+        usage="python deploy.py ssh [NODE] [--stack NAME] [-- COMMAND...]",
+    )
     ssh.add_argument("node", nargs="?", default="node-0", help="node name, e.g. node-1")
     ssh.add_argument("--stack", help=stack_help)
-    ssh.add_argument("words", nargs="*", metavar="COMMAND", help="after --: run this instead of a shell "
-                     "(everything after the first -- goes to the node untouched)")
+    ssh.add_argument(
+        "words",
+        nargs="*",
+        metavar="COMMAND",
+        help="after --: run this instead of a shell (everything after the first -- goes to the node untouched)",
+    )
     return parser
 
 
@@ -76,7 +84,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     """Options before the first `--` are deploy.py's; after it, for `ssh`, the node's command, untouched
     (`ssh node-0 --stack local -- ls --stack x` runs `ls --stack x` on node-0 of stack local)."""
     parser = build_parser()
-    head, tail = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    head, tail = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     args = parser.parse_args(head)
     if args.command == "ssh":
         args.remote_command = [*args.words, *tail]
@@ -98,8 +106,14 @@ def cmd_up(args) -> int:
 
 
 def _overrides(args) -> dict:
-    return {"nodes": args.nodes, "instanceType": args.instance_type, "spot": args.spot, "sshCidr": args.ssh_cidr,
-            "maxTotalUsd": args.max_total_usd, "idleMinutes": args.idle_minutes}
+    return {
+        "nodes": args.nodes,
+        "instanceType": args.instance_type,
+        "spot": args.spot,
+        "sshCidr": args.ssh_cidr,
+        "maxTotalUsd": args.max_total_usd,
+        "idleMinutes": args.idle_minutes,
+    }
 
 
 # ----------------------------------------------------------------------------------------- down
@@ -119,8 +133,10 @@ def _interrupted_local_stack() -> str | None:
     """With no stack current, the one stack an interrupted `up` left behind (several: exit 2)."""
     leftovers = provider.interrupted_stacks()
     if len(leftovers) > 1:
-        raise UsageError(f"no stack is current, and stacks {', '.join(leftovers)} were left by interrupted "
-                         "ups: run python deploy.py down --stack NAME for each")
+        raise UsageError(
+            f"no stack is current, and stacks {', '.join(leftovers)} were left by interrupted "
+            "ups: run python deploy.py down --stack NAME for each"
+        )
     if leftovers:
         report.console.print(f"no stack is current; taking down stack '{leftovers[0]}', left by an interrupted up")
     return leftovers[0] if leftovers else None
@@ -135,8 +151,10 @@ def cmd_status(args) -> int:
     except UsageError:
         leftovers = [] if state.resolve_stack(args.stack) else provider.interrupted_stacks()
         if leftovers:
-            raise UsageError(f"no cluster, but stack '{leftovers[0]}' has node folders left by an interrupted "
-                             f"up: run python deploy.py down --stack {leftovers[0]}") from None
+            raise UsageError(
+                f"no cluster, but stack '{leftovers[0]}' has node folders left by an interrupted "
+                f"up: run python deploy.py down --stack {leftovers[0]}"
+            ) from None
         raise
     rows, stopped = provider.for_cluster(cluster).status(cluster)
     if stopped:
@@ -144,8 +162,15 @@ def cmd_status(args) -> int:
     spent = costs.cost_so_far(cluster.stack, say=report.console.print)
     reason = stopped.get("reason", "") if stopped else ""
     if args.json:
-        report.print_json({"stack": cluster.stack, "provider": cluster.provider, "stopped_reason": reason,
-                           "cost_so_far_usd": spent, "nodes": rows})
+        report.print_json(
+            {
+                "stack": cluster.stack,
+                "provider": cluster.provider,
+                "stopped_reason": reason,
+                "cost_so_far_usd": spent,
+                "nodes": rows,
+            }
+        )
     else:
         report.status_table(cluster, rows, reason, spent)
     return 0 if all(r["reachable"] for r in rows) else 1
@@ -164,8 +189,11 @@ def cmd_plan(args) -> int:
     stack_config = config.load_stack(stack)
     run = plan.run_program(plan.plan_config(stack_config))
     estimate, price_note = plan.estimate(stack_config)
-    resources = [{"type": r.type, "name": r.name, "settings": plan.describe(r)}
-                 for r in sorted(run.resources, key=plan.display_order) if not r.type.startswith("gpu-cluster:")]
+    resources = [
+        {"type": r.type, "name": r.name, "settings": plan.describe(r)}
+        for r in sorted(run.resources, key=plan.display_order)
+        if not r.type.startswith("gpu-cluster:")
+    ]
     if args.json:
         prices = estimate.as_dict() if estimate else {"hourly_usd": None, "price_note": price_note}
         report.print_json({**prices, "stack": stack, "resources": resources})

@@ -108,15 +108,25 @@ def lock_held(lock_file: Path, locks_table: Path = Path("/proc/locks")) -> bool:
     except OSError:
         return False
     where = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
-    return any(len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == where
-               for fields in (line.split() for line in table.splitlines()))
+    return any(
+        len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == where
+        for fields in (line.split() for line in table.splitlines())
+    )
 
 
 class Watchdog:
     """Checks the guards; the clock and the activity probes are injectable, for tests."""
 
-    def __init__(self, guards: Guards, shared_dir: Path, job_file: Path, clock=time.time,
-                 gpus_are_busy=gpus_busy, progress_dir: Path | None = None, job_lock: Path | None = None):
+    def __init__(
+        self,
+        guards: Guards,
+        shared_dir: Path,
+        job_file: Path,
+        clock=time.time,
+        gpus_are_busy=gpus_busy,
+        progress_dir: Path | None = None,
+        job_lock: Path | None = None,
+    ):
         self.guards, self.shared_dir, self.job_file = guards, shared_dir, job_file
         self.job_lock = job_lock or job_file.with_name(Path(contract.JOB_LOCK).name)
         self.clock, self.gpus_are_busy = clock, gpus_are_busy
@@ -133,15 +143,27 @@ class Watchdog:
         if g.max_total_usd is not None:
             at_next_check = accrued + billing.cost_usd(g.hourly_usd, g.interval_s)
             if at_next_check >= g.max_total_usd:
-                return Decision(True, f"budget: ${accrued:.2f} spent of maxTotalUsd ${g.max_total_usd:g} "
-                                      f"at ${g.hourly_usd:.3f}/h", accrued, idle_s)
+                return Decision(
+                    True,
+                    f"budget: ${accrued:.2f} spent of maxTotalUsd ${g.max_total_usd:g} at ${g.hourly_usd:.3f}/h",
+                    accrued,
+                    idle_s,
+                )
         if g.idle_minutes is not None and idle_s >= g.idle_minutes * 60:
             if self.stalled_run:
-                return Decision(True, f"stalled: job {self.stalled_run} made no progress (no collective completed, "
-                                      f"no training step) for {idle_s / 60:.1f} min (idleMinutes {g.idle_minutes:g})",
-                                accrued, idle_s)
-            return Decision(True, f"idle: no job and idle GPUs for {idle_s / 60:.1f} min "
-                                  f"(idleMinutes {g.idle_minutes:g})", accrued, idle_s)
+                return Decision(
+                    True,
+                    f"stalled: job {self.stalled_run} made no progress (no collective completed, "
+                    f"no training step) for {idle_s / 60:.1f} min (idleMinutes {g.idle_minutes:g})",
+                    accrued,
+                    idle_s,
+                )
+            return Decision(
+                True,
+                f"idle: no job and idle GPUs for {idle_s / 60:.1f} min (idleMinutes {g.idle_minutes:g})",
+                accrued,
+                idle_s,
+            )
         return Decision(False, "within budget" if g.max_total_usd is not None else "active", accrued, idle_s)
 
     def note_activity(self, now: float) -> None:
@@ -161,17 +183,30 @@ class Watchdog:
             self.last_active = now
 
     def heartbeat(self, decision: Decision) -> None:
-        _write_json(self.shared_dir / contract.WATCHDOG_HEARTBEAT, {"pid": os.getpid(), "checked_at": self.clock(),
-                                                  "accrued_usd": decision.accrued_usd, "idle_s": decision.idle_s,
-                                                  "guards": asdict(self.guards)})
+        _write_json(
+            self.shared_dir / contract.WATCHDOG_HEARTBEAT,
+            {
+                "pid": os.getpid(),
+                "checked_at": self.clock(),
+                "accrued_usd": decision.accrued_usd,
+                "idle_s": decision.idle_s,
+                "guards": asdict(self.guards),
+            },
+        )
 
     def power_off(self, decision: Decision) -> None:
         """Stop this node's job, then write the marker every node's guard powers off on."""
         _stop_job(self.job_file)
-        _write_json(self.shared_dir / contract.STOP_MARKER, {
-            "reason": decision.reason, "at": self.clock(), "accrued_usd": round(decision.accrued_usd, 4),
-            "by": "watchdog", "node": os.environ.get(contract.NODE_VARIABLE, "node-0"),
-        })
+        _write_json(
+            self.shared_dir / contract.STOP_MARKER,
+            {
+                "reason": decision.reason,
+                "at": self.clock(),
+                "accrued_usd": round(decision.accrued_usd, 4),
+                "by": "watchdog",
+                "node": os.environ.get(contract.NODE_VARIABLE, "node-0"),
+            },
+        )
 
     def run(self) -> Decision:
         while True:
@@ -217,16 +252,28 @@ def main(argv=None) -> int:
     parser.add_argument("--idle-minutes", type=float, default=None, help="power off after this long idle")
     parser.add_argument("--interval-s", type=float, default=None, help="seconds between checks (default: derived)")
     parser.add_argument("--job-file", default=JOB_FILE, help=f"the job record of fab launches (default {JOB_FILE})")
-    parser.add_argument("--progress-dir", default=PROGRESS_DIR,
-                        help=f"where the ranks of fab launches record their progress (default {PROGRESS_DIR})")
+    parser.add_argument(
+        "--progress-dir",
+        default=PROGRESS_DIR,
+        help=f"where the ranks of fab launches record their progress (default {PROGRESS_DIR})",
+    )
     args = parser.parse_args(argv)
     if args.max_total_usd is None and args.idle_minutes is None:
         parser.error("nothing to guard: give --max-total-usd and/or --idle-minutes")
-    guards = Guards(args.hourly_usd, args.started_at, args.max_total_usd, args.idle_minutes,
-                    args.interval_s or check_interval_s(args.idle_minutes))
+    guards = Guards(
+        args.hourly_usd,
+        args.started_at,
+        args.max_total_usd,
+        args.idle_minutes,
+        args.interval_s or check_interval_s(args.idle_minutes),
+    )
     print(f"watchdog: guarding {asdict(guards)}", flush=True)
-    Watchdog(guards, args.shared_dir, Path(os.path.expanduser(args.job_file)),
-             progress_dir=Path(os.path.expanduser(args.progress_dir))).run()
+    Watchdog(
+        guards,
+        args.shared_dir,
+        Path(os.path.expanduser(args.job_file)),
+        progress_dir=Path(os.path.expanduser(args.progress_dir)),
+    ).run()
     return 0
 
 

@@ -21,9 +21,13 @@ def read_config() -> stack_config.StackConfig:
     raw = {key: namespace.get(key) for key in stack_config.CONFIG_KEYS}
     raw["region"] = pulumi.Config("aws").get("region")
     config = stack_config.validate(pulumi.get_stack(), raw)
-    missing = [key for key, value in (("sshCidr", config.ssh_cidr), ("sshPublicKey", config.ssh_public_key)) if not value]
+    missing = [
+        key for key, value in (("sshCidr", config.ssh_cidr), ("sshPublicKey", config.ssh_public_key)) if not value
+    ]
     if missing:
-        raise pulumi.RunError(f"set gpu-cluster:{' and gpu-cluster:'.join(missing)} (python deploy.py up sets them for you)")
+        raise pulumi.RunError(
+            f"set gpu-cluster:{' and gpu-cluster:'.join(missing)} (python deploy.py up sets them for you)"
+        )
     return config
 
 

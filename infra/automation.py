@@ -17,8 +17,10 @@ from infra import state
 from infra.config import StackConfig
 from infra.errors import OperationError, UsageError
 
-INSTALL_HINT = ("install it with `curl -fsSL https://get.pulumi.com | sh` (or `brew install pulumi`; "
-                "https://www.pulumi.com/docs/install/), then run this again")
+INSTALL_HINT = (
+    "install it with `curl -fsSL https://get.pulumi.com | sh` (or `brew install pulumi`; "
+    "https://www.pulumi.com/docs/install/), then run this again"
+)
 CAPACITY_ERRORS = ("InsufficientInstanceCapacity", "Insufficient capacity", "InsufficientCapacity")
 
 
@@ -97,8 +99,9 @@ def is_capacity_error(exc: BaseException) -> bool:
 class Deployment:
     """One stack of the gpu-cluster project, driven through the Pulumi CLI."""
 
-    def __init__(self, stack_name: str, command: auto.PulumiCommand | None = None,
-                 on_output: Callable[[str], None] = print):
+    def __init__(
+        self, stack_name: str, command: auto.PulumiCommand | None = None, on_output: Callable[[str], None] = print
+    ):
         self.on_output = on_output
         try:
             self.stack = auto.create_or_select_stack(

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import asyncssh
 
-from infra import automation, config as stack_config, inventory, keys, preflight, ssh, state, teardown
+from infra import automation, inventory, keys, preflight, ssh, state, teardown
+from infra import config as stack_config
 from infra.cloud_init import READY_MARKER, SHARED_DIR
 from infra.cluster import SSH_USER
 from infra.errors import OperationError, UsageError
@@ -36,17 +37,23 @@ class UpRequest:
     """Skip the cost confirmation."""
 
 
-def up(request: UpRequest, clients: preflight.AwsClients | None = None, command=None,
-       lookup_ip: Callable[[], str] = preflight.lookup_public_ip, confirm: Callable[[str], bool] | None = None,
-       say: Callable[[str], None] = print) -> tuple[ClusterInfo, bool]:
+def up(
+    request: UpRequest,
+    clients: preflight.AwsClients | None = None,
+    command=None,
+    lookup_ip: Callable[[], str] = preflight.lookup_public_ip,
+    confirm: Callable[[str], bool] | None = None,
+    say: Callable[[str], None] = print,
+) -> tuple[ClusterInfo, bool]:
     """Create the cluster (or say it is up); returns (cluster, created)."""
     existing = _existing(request.stack)
     if existing:
         return existing, False
     config = stack_config.load_stack(request.stack, request.overrides)
     clients = clients or preflight.AwsClients.for_region(config.region)
-    found = preflight.run(config, clients, cli_present=command is not None or automation.find_cli() is not None,
-                          lookup_ip=lookup_ip)
+    found = preflight.run(
+        config, clients, cli_present=command is not None or automation.find_cli() is not None, lookup_ip=lookup_ip
+    )
     for note in found.notes:
         say(f"note: {note}")
     if found.problems:
@@ -72,8 +79,10 @@ def _existing(stack: str) -> ClusterInfo | None:
 
 
 def _confirm_cost(config, found: preflight.PreflightResult, yes: bool, confirm, say) -> None:
-    say(f"preflight ok: account {found.account}, {config.region}, zones offering {config.instance_type}: "
-        f"{', '.join(found.zones)}; SSH from {found.ssh_cidr}")
+    say(
+        f"preflight ok: account {found.account}, {config.region}, zones offering {config.instance_type}: "
+        f"{', '.join(found.zones)}; SSH from {found.ssh_cidr}"
+    )
     for line in found.estimate.lines():
         say(f"  {line}")
     if yes:
@@ -114,10 +123,19 @@ def _cluster_from_outputs(stack: str, config, outputs: dict, key_path, hourly_us
         for n in outputs["nodes"]
     )
     return ClusterInfo(
-        stack=stack, provider="aws", region=config.region, instance_type=config.instance_type, hourly_usd=hourly_usd,
-        ssh_user=user, ssh_key=str(key_path), known_hosts=str(stack_path / state.KNOWN_HOSTS),
-        shared_dir=outputs.get("shared_dir", SHARED_DIR), created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        nodes=nodes, python="python3", daemon="systemd",  # the DLAMI runs systemd and the user has sudo
+        stack=stack,
+        provider="aws",
+        region=config.region,
+        instance_type=config.instance_type,
+        hourly_usd=hourly_usd,
+        ssh_user=user,
+        ssh_key=str(key_path),
+        known_hosts=str(stack_path / state.KNOWN_HOSTS),
+        shared_dir=outputs.get("shared_dir", SHARED_DIR),
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        nodes=nodes,
+        python="python3",
+        daemon="systemd",  # the DLAMI runs systemd and the user has sudo
     )
 
 
@@ -163,8 +181,10 @@ async def _host_keys(cluster: ClusterInfo, instance_ids: dict, ec2, deadline: fl
                 how = "on first contact (trust on first use)"
             except (OSError, asyncssh.Error, asyncio.TimeoutError):
                 if time.monotonic() > deadline:
-                    raise OperationError(f"{node.name} ({node.public_ip}) never answered SSH; "
-                                         f"python deploy.py down --stack {cluster.stack} removes the cluster") from None
+                    raise OperationError(
+                        f"{node.name} ({node.public_ip}) never answered SSH; "
+                        f"python deploy.py down --stack {cluster.stack} removes the cluster"
+                    ) from None
                 await asyncio.sleep(5)
         say(f"{node.name}: host key pinned {how}")
         return keys.known_hosts_entry(node.public_ip, node.ssh_port, key)
@@ -182,8 +202,10 @@ async def _wait_ready(cluster: ClusterInfo, deadline: float) -> None:
             except (OSError, asyncssh.Error, asyncio.TimeoutError):
                 pass
             if time.monotonic() > deadline:
-                raise OperationError(f"{node.name} did not finish cloud-init (EFS mount) in time: see "
-                                     "/var/log/gpu-cluster-init.log on it (python deploy.py ssh " + node.name + ")")
+                raise OperationError(
+                    f"{node.name} did not finish cloud-init (EFS mount) in time: see "
+                    "/var/log/gpu-cluster-init.log on it (python deploy.py ssh " + node.name + ")"
+                )
             await asyncio.sleep(5)
 
     await asyncio.gather(*(one(n) for n in cluster.nodes))
@@ -192,8 +214,13 @@ async def _wait_ready(cluster: ClusterInfo, deadline: float) -> None:
 # ----------------------------------------------------------------------------------------- down
 
 
-def down(stack: str, clients: preflight.AwsClients | None = None, command=None, placement_ec2=None,
-         say: Callable[[str], None] = print) -> list[teardown.Leftover]:
+def down(
+    stack: str,
+    clients: preflight.AwsClients | None = None,
+    command=None,
+    placement_ec2=None,
+    say: Callable[[str], None] = print,
+) -> list[teardown.Leftover]:
     """Destroy the stack, then sweep by tag; returns what is left (empty: nothing)."""
     region = _region_of(stack)
     clients = clients or preflight.AwsClients.for_region(region)
@@ -201,8 +228,10 @@ def down(stack: str, clients: preflight.AwsClients | None = None, command=None, 
     try:
         deployment.destroy()
     except Exception as exc:
-        raise OperationError(f"pulumi destroy failed: {automation.first_line(exc)}; run down again "
-                             "(it clears pending operations and refreshes first)") from None
+        raise OperationError(
+            f"pulumi destroy failed: {automation.first_line(exc)}; run down again "
+            "(it clears pending operations and refreshes first)"
+        ) from None
     with preflight.aws_answers("after destroy, looking for leftovers"):
         leftovers = teardown.sweep(stack, clients.ec2, clients.efs, placement_ec2)
     if not leftovers:
@@ -241,13 +270,18 @@ def _status(cluster: ClusterInfo, ec2) -> tuple[list[dict], dict]:
         ec2_state = instance.get("State", {}).get("Name", "missing")
         probe = probes.get(node.name)
         launched = instance.get("LaunchTime")
-        rows.append({
-            "name": node.name, "address": f"{node.public_ip}:{node.ssh_port}", "state": ec2_state,
-            "instance_id": instance.get("InstanceId", ""), "reachable": bool(probe and probe.reachable),
-            "round_trip_ms": round(probe.round_trip_ms, 1) if probe else None,
-            "uptime_s": (now - launched).total_seconds() if launched and ec2_state == "running" else None,
-            "error": (probe.error if probe else instance.get("StateReason", {}).get("Message", "")),
-        })
+        rows.append(
+            {
+                "name": node.name,
+                "address": f"{node.public_ip}:{node.ssh_port}",
+                "state": ec2_state,
+                "instance_id": instance.get("InstanceId", ""),
+                "reachable": bool(probe and probe.reachable),
+                "round_trip_ms": round(probe.round_trip_ms, 1) if probe else None,
+                "uptime_s": (now - launched).total_seconds() if launched and ec2_state == "running" else None,
+                "error": (probe.error if probe else instance.get("StateReason", {}).get("Message", "")),
+            }
+        )
         if ec2_state in ("stopped", "terminated", "shutting-down") and not stopped:
             stopped = _stop_record(ec2, instance)
     return rows, stopped
@@ -269,4 +303,3 @@ def _stop_record(ec2, instance: dict) -> dict:
         pass
     message = instance.get("StateReason", {}).get("Message", "")
     return {"reason": message} if "InstanceInitiatedShutdown" in message else {}
-

@@ -53,19 +53,34 @@ class ClusterNetwork(pulumi.ComponentResource):
         super().__init__("gpu-cluster:index:ClusterNetwork", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         tags = lambda suffix: tags_for(args.stack, f"{name}-{suffix}")  # noqa: E731
-        self.vpc = aws.ec2.Vpc(f"{name}-vpc", cidr_block=VPC_CIDR, enable_dns_support=True,
-                               enable_dns_hostnames=True, tags=tags("vpc"), opts=child)
-        self.gateway = aws.ec2.InternetGateway(f"{name}-igw", vpc_id=self.vpc.id, tags=tags("igw"), opts=child)
-        self.subnet = aws.ec2.Subnet(f"{name}-subnet", vpc_id=self.vpc.id, cidr_block=SUBNET_CIDR,
-                                     availability_zone=args.availability_zone, map_public_ip_on_launch=True,
-                                     tags=tags("subnet"), opts=child)
-        self.route_table = aws.ec2.RouteTable(
-            f"{name}-routes", vpc_id=self.vpc.id,
-            routes=[aws.ec2.RouteTableRouteArgs(cidr_block="0.0.0.0/0", gateway_id=self.gateway.id)],
-            tags=tags("routes"), opts=child,
+        self.vpc = aws.ec2.Vpc(
+            f"{name}-vpc",
+            cidr_block=VPC_CIDR,
+            enable_dns_support=True,
+            enable_dns_hostnames=True,
+            tags=tags("vpc"),
+            opts=child,
         )
-        aws.ec2.RouteTableAssociation(f"{name}-routes-subnet", subnet_id=self.subnet.id,
-                                      route_table_id=self.route_table.id, opts=child)
+        self.gateway = aws.ec2.InternetGateway(f"{name}-igw", vpc_id=self.vpc.id, tags=tags("igw"), opts=child)
+        self.subnet = aws.ec2.Subnet(
+            f"{name}-subnet",
+            vpc_id=self.vpc.id,
+            cidr_block=SUBNET_CIDR,
+            availability_zone=args.availability_zone,
+            map_public_ip_on_launch=True,
+            tags=tags("subnet"),
+            opts=child,
+        )
+        self.route_table = aws.ec2.RouteTable(
+            f"{name}-routes",
+            vpc_id=self.vpc.id,
+            routes=[aws.ec2.RouteTableRouteArgs(cidr_block="0.0.0.0/0", gateway_id=self.gateway.id)],
+            tags=tags("routes"),
+            opts=child,
+        )
+        aws.ec2.RouteTableAssociation(
+            f"{name}-routes-subnet", subnet_id=self.subnet.id, route_table_id=self.route_table.id, opts=child
+        )
         self.register_outputs({"vpc_id": self.vpc.id, "subnet_id": self.subnet.id})
 
 
@@ -93,22 +108,37 @@ class SharedStorage(pulumi.ComponentResource):
         super().__init__("gpu-cluster:index:SharedStorage", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         self.security_group = aws.ec2.SecurityGroup(
-            f"{name}-nfs", vpc_id=args.vpc_id, description="gpu-cluster EFS: NFS from the cluster's nodes only",
-            tags=tags_for(args.stack, f"{name}-nfs"), opts=child,
+            f"{name}-nfs",
+            vpc_id=args.vpc_id,
+            description="gpu-cluster EFS: NFS from the cluster's nodes only",
+            tags=tags_for(args.stack, f"{name}-nfs"),
+            opts=child,
         )
         aws.vpc.SecurityGroupIngressRule(
-            f"{name}-nfs-from-nodes", security_group_id=self.security_group.id,
-            referenced_security_group_id=args.client_security_group_id, ip_protocol="tcp", from_port=2049,
-            to_port=2049, description="NFS from the nodes", tags=tags_for(args.stack, f"{name}-nfs-from-nodes"),
+            f"{name}-nfs-from-nodes",
+            security_group_id=self.security_group.id,
+            referenced_security_group_id=args.client_security_group_id,
+            ip_protocol="tcp",
+            from_port=2049,
+            to_port=2049,
+            description="NFS from the nodes",
+            tags=tags_for(args.stack, f"{name}-nfs-from-nodes"),
             opts=child,
         )
         self.file_system = aws.efs.FileSystem(
-            f"{name}-efs", encrypted=True, throughput_mode="elastic", performance_mode="generalPurpose",
-            tags=tags_for(args.stack, f"{name}-efs"), opts=child,
+            f"{name}-efs",
+            encrypted=True,
+            throughput_mode="elastic",
+            performance_mode="generalPurpose",
+            tags=tags_for(args.stack, f"{name}-efs"),
+            opts=child,
         )
         self.mount_target = aws.efs.MountTarget(
-            f"{name}-efs-mount", file_system_id=self.file_system.id, subnet_id=args.subnet_id,
-            security_groups=[self.security_group.id], opts=child,
+            f"{name}-efs-mount",
+            file_system_id=self.file_system.id,
+            subnet_id=args.subnet_id,
+            security_groups=[self.security_group.id],
+            opts=child,
         )
         self.register_outputs({"file_system_id": self.file_system.id, "dns_name": self.file_system.dns_name})
 
@@ -142,38 +172,65 @@ class GpuCluster(pulumi.ComponentResource):
             StorageArgs(config.stack, self.network.vpc.id, self.network.subnet.id, self.node_group.id),
             opts=child,
         )
-        self.placement_group = aws.ec2.PlacementGroup(f"{name}-placement", strategy="cluster",
-                                                      tags=tags_for(config.stack, f"{name}-placement"), opts=child)
-        self.key_pair = aws.ec2.KeyPair(f"{name}-key", public_key=config.ssh_public_key,
-                                        tags=tags_for(config.stack, f"{name}-key"), opts=child)
+        self.placement_group = aws.ec2.PlacementGroup(
+            f"{name}-placement", strategy="cluster", tags=tags_for(config.stack, f"{name}-placement"), opts=child
+        )
+        self.key_pair = aws.ec2.KeyPair(
+            f"{name}-key", public_key=config.ssh_public_key, tags=tags_for(config.stack, f"{name}-key"), opts=child
+        )
         user_data = self.storage.file_system.dns_name.apply(cloud_init.user_data)
         self.instances = [self._node(name, i, args.ami_id, user_data) for i in range(config.nodes)]
-        self.nodes = pulumi.Output.all(*[
-            pulumi.Output.all(i.id, i.public_ip, i.private_ip, i.availability_zone) for i in self.instances
-        ]).apply(lambda rows: [
-            {"name": f"node-{k}", "instance_id": r[0], "public_ip": r[1], "private_ip": r[2], "zone": r[3]}
-            for k, r in enumerate(rows)
-        ])
+        self.nodes = pulumi.Output.all(
+            *[pulumi.Output.all(i.id, i.public_ip, i.private_ip, i.availability_zone) for i in self.instances]
+        ).apply(
+            lambda rows: [
+                {"name": f"node-{k}", "instance_id": r[0], "public_ip": r[1], "private_ip": r[2], "zone": r[3]}
+                for k, r in enumerate(rows)
+            ]
+        )
         self.register_outputs({"nodes": self.nodes, "efs_id": self.storage.file_system.id})
 
     def _node_security_group(self, name: str, child: pulumi.ResourceOptions) -> aws.ec2.SecurityGroup:
         """SSH only from sshCidr; everything between members (NCCL, gloo, rendezvous); nothing else in."""
         stack = self.config.stack
-        group = aws.ec2.SecurityGroup(f"{name}-nodes", vpc_id=self.network.vpc.id,
-                                      description="gpu-cluster nodes: SSH from the operator, all traffic between nodes",
-                                      tags=tags_for(stack, f"{name}-nodes"), opts=child)
+        group = aws.ec2.SecurityGroup(
+            f"{name}-nodes",
+            vpc_id=self.network.vpc.id,
+            description="gpu-cluster nodes: SSH from the operator, all traffic between nodes",
+            tags=tags_for(stack, f"{name}-nodes"),
+            opts=child,
+        )
         cidr = self.config.ssh_cidr
         address = {"cidr_ipv6": cidr} if ":" in cidr else {"cidr_ipv4": cidr}
-        aws.vpc.SecurityGroupIngressRule(f"{name}-ssh", security_group_id=group.id, ip_protocol="tcp", from_port=22,
-                                         to_port=22, description="SSH from the operator", **address,
-                                         tags=tags_for(stack, f"{name}-ssh"), opts=child)
-        aws.vpc.SecurityGroupIngressRule(f"{name}-intra-cluster", security_group_id=group.id, ip_protocol="-1",
-                                         referenced_security_group_id=group.id,
-                                         description="all traffic between the cluster's nodes",
-                                         tags=tags_for(stack, f"{name}-intra-cluster"), opts=child)
-        aws.vpc.SecurityGroupEgressRule(f"{name}-egress", security_group_id=group.id, ip_protocol="-1",
-                                        cidr_ipv4="0.0.0.0/0", description="out to anywhere (packages, EFS)",
-                                        tags=tags_for(stack, f"{name}-egress"), opts=child)
+        aws.vpc.SecurityGroupIngressRule(
+            f"{name}-ssh",
+            security_group_id=group.id,
+            ip_protocol="tcp",
+            from_port=22,
+            to_port=22,
+            description="SSH from the operator",
+            **address,
+            tags=tags_for(stack, f"{name}-ssh"),
+            opts=child,
+        )
+        aws.vpc.SecurityGroupIngressRule(
+            f"{name}-intra-cluster",
+            security_group_id=group.id,
+            ip_protocol="-1",
+            referenced_security_group_id=group.id,
+            description="all traffic between the cluster's nodes",
+            tags=tags_for(stack, f"{name}-intra-cluster"),
+            opts=child,
+        )
+        aws.vpc.SecurityGroupEgressRule(
+            f"{name}-egress",
+            security_group_id=group.id,
+            ip_protocol="-1",
+            cidr_ipv4="0.0.0.0/0",
+            description="out to anywhere (packages, EFS)",
+            tags=tags_for(stack, f"{name}-egress"),
+            opts=child,
+        )
         return group
 
     def _node(self, name: str, index: int, ami_id, user_data) -> aws.ec2.Instance:
@@ -184,7 +241,8 @@ class GpuCluster(pulumi.ComponentResource):
             market = aws.ec2.InstanceInstanceMarketOptionsArgs(
                 market_type="spot",
                 spot_options=aws.ec2.InstanceInstanceMarketOptionsSpotOptionsArgs(
-                    spot_instance_type="one-time", instance_interruption_behavior="terminate"),
+                    spot_instance_type="one-time", instance_interruption_behavior="terminate"
+                ),
             )
         return aws.ec2.Instance(
             f"{name}-node-{index}",
@@ -197,9 +255,11 @@ class GpuCluster(pulumi.ComponentResource):
             key_name=self.key_pair.key_name,
             placement_group=self.placement_group.name,
             metadata_options=aws.ec2.InstanceMetadataOptionsArgs(
-                http_endpoint="enabled", http_tokens="required", http_put_response_hop_limit=1),
+                http_endpoint="enabled", http_tokens="required", http_put_response_hop_limit=1
+            ),
             root_block_device=aws.ec2.InstanceRootBlockDeviceArgs(
-                volume_type="gp3", volume_size=config.root_volume_gb, encrypted=True, delete_on_termination=True),
+                volume_type="gp3", volume_size=config.root_volume_gb, encrypted=True, delete_on_termination=True
+            ),
             instance_market_options=market,
             instance_initiated_shutdown_behavior=config.shutdown_behavior,
             user_data=user_data,

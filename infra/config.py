@@ -28,8 +28,21 @@ AMI_ID = re.compile(r"ami-[0-9a-f]{8,17}")
 PUBLIC_KEY = re.compile(r"(ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp(256|384|521)) [A-Za-z0-9+/]+={0,3}( [^\r\n]*)?")
 WORLD = ("0.0.0.0/0", "::/0")
 # The stack config keys, in the `gpu-cluster` namespace (`aws:region` aside).
-CONFIG_KEYS = ("nodes", "instanceType", "sshCidr", "sshPublicKey", "allowWorldSsh", "spot", "rootVolumeGb",
-               "maxHourlyUsd", "maxTotalUsd", "idleMinutes", "amiId", "availabilityZone", "shutdownBehavior")
+CONFIG_KEYS = (
+    "nodes",
+    "instanceType",
+    "sshCidr",
+    "sshPublicKey",
+    "allowWorldSsh",
+    "spot",
+    "rootVolumeGb",
+    "maxHourlyUsd",
+    "maxTotalUsd",
+    "idleMinutes",
+    "amiId",
+    "availabilityZone",
+    "shutdownBehavior",
+)
 
 
 @dataclass(frozen=True)
@@ -252,8 +265,9 @@ def read_stack_file(stack: str) -> dict[str, object]:
     settings = document.get("config")
     settings = {} if settings is None else settings
     if not isinstance(settings, dict):
-        raise UsageError(f"{path.name}: `config:` must be a mapping of keys like gpu-cluster:nodes, "
-                         f"not a {_yaml_kind(settings)}")
+        raise UsageError(
+            f"{path.name}: `config:` must be a mapping of keys like gpu-cluster:nodes, not a {_yaml_kind(settings)}"
+        )
     raw = {}
     for key, value in settings.items():
         namespace, _, name = str(key).partition(":")

@@ -44,8 +44,15 @@ def record_up(cluster: ClusterInfo, reference_usd: float | None, say=print) -> N
     ledger = open_ledger(say)
     try:
         created = datetime.fromisoformat(cluster.created_at).timestamp()
-        ledger.cluster_up(cluster.stack, cluster.provider, cluster.instance_type, len(cluster.nodes),
-                          cluster.hourly_usd, reference_usd, at=created)
+        ledger.cluster_up(
+            cluster.stack,
+            cluster.provider,
+            cluster.instance_type,
+            len(cluster.nodes),
+            cluster.hourly_usd,
+            reference_usd,
+            at=created,
+        )
     finally:
         ledger.close()
 
@@ -110,10 +117,22 @@ def _iso(epoch: float | None) -> str | None:
 def _cluster_row(c, now: float) -> dict:
     reference = c.reference_cost_usd(now) if c.provider == "local" else None
     return {
-        "stack": c.stack, "provider": c.provider, "instance_type": c.instance_type, "nodes": c.nodes,
-        "hourly_usd": c.hourly_usd, "reference_hourly_usd": c.reference_hourly_usd, "up": c.is_up,
-        "intervals": [{"started_at": _iso(i.started_at), "ended_at": _iso(i.ended_at), "end_reason": i.end_reason,
-                       "seconds": round(i.seconds(now), 1)} for i in c.intervals],
+        "stack": c.stack,
+        "provider": c.provider,
+        "instance_type": c.instance_type,
+        "nodes": c.nodes,
+        "hourly_usd": c.hourly_usd,
+        "reference_hourly_usd": c.reference_hourly_usd,
+        "up": c.is_up,
+        "intervals": [
+            {
+                "started_at": _iso(i.started_at),
+                "ended_at": _iso(i.ended_at),
+                "end_reason": i.end_reason,
+                "seconds": round(i.seconds(now), 1),
+            }
+            for i in c.intervals
+        ],
         "hours": round(billing.hours(c.seconds(now)), 4),
         "cost_usd": round(c.cost_usd(now), 6),
         "would_have_cost_usd": round(reference, 6) if reference is not None else None,
@@ -122,9 +141,18 @@ def _cluster_row(c, now: float) -> dict:
 
 def _run_row(r, now: float) -> dict:
     return {
-        "run_id": r.run_id, "stack": r.stack, "task": r.task, "nodes": r.nodes, "started_at": _iso(r.started_at),
-        "ended_at": _iso(r.ended_at), "seconds": round((r.ended_at or now) - r.started_at, 1),
-        "exit_codes": r.exit_codes, "cost_usd": round(r.cost_usd(now), 6), "end_reason": r.end_reason,
-        "hung": r.hang_verdict is not None, "hang_verdict": r.hang_verdict, "stalled_at": _iso(r.stalled_at),
+        "run_id": r.run_id,
+        "stack": r.stack,
+        "task": r.task,
+        "nodes": r.nodes,
+        "started_at": _iso(r.started_at),
+        "ended_at": _iso(r.ended_at),
+        "seconds": round((r.ended_at or now) - r.started_at, 1),
+        "exit_codes": r.exit_codes,
+        "cost_usd": round(r.cost_usd(now), 6),
+        "end_reason": r.end_reason,
+        "hung": r.hang_verdict is not None,
+        "hang_verdict": r.hang_verdict,
+        "stalled_at": _iso(r.stalled_at),
         "usd_since_stall": None if r.stalled_at is None else round(r.usd_since_stall(now), 6),
     }

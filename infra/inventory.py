@@ -190,8 +190,12 @@ def check_login_files(cluster: ClusterInfo) -> None:
     if not stat.S_ISREG(key_stat.st_mode):
         raise UsageError(f"the cluster key {key} is not a file: restore it, or start over with {again}")
     if key_stat.st_mode & 0o077:
-        raise UsageError(f"the cluster key {key} is readable by others (mode {stat.S_IMODE(key_stat.st_mode):04o}), "
-                         f"which ssh refuses: run chmod 600 {key}")
+        raise UsageError(
+            f"the cluster key {key} is readable by others (mode {stat.S_IMODE(key_stat.st_mode):04o}), "
+            f"which ssh refuses: run chmod 600 {key}"
+        )
     if not Path(cluster.known_hosts).is_file():
-        raise UsageError(f"the pinned host keys {cluster.known_hosts} are missing: without them no node can be "
-                         f"trusted; start over with {again}")
+        raise UsageError(
+            f"the pinned host keys {cluster.known_hosts} are missing: without them no node can be "
+            f"trusted; start over with {again}"
+        )

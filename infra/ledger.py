@@ -33,9 +33,16 @@ HEARTBEAT_S = 5
 """How often a supervising fab records that its run is alive."""
 ABANDONED_AFTER_S = 12 * HEARTBEAT_S
 """A run not seen for this long is over, even where its owner's pid seems alive (reused, or frozen)."""
-RUN_OWNER_COLUMNS = {"owner_host": "TEXT", "owner_pid": "INTEGER", "last_seen_at": "REAL", "end_reason": "TEXT",
-                     # a run the hang watch found hung: its verdict, when progress stopped, when it was found
-                     "hang_verdict": "TEXT", "stalled_at": "REAL", "hang_detected_at": "REAL"}
+RUN_OWNER_COLUMNS = {
+    "owner_host": "TEXT",
+    "owner_pid": "INTEGER",
+    "last_seen_at": "REAL",
+    "end_reason": "TEXT",
+    # a run the hang watch found hung: its verdict, when progress stopped, when it was found
+    "hang_verdict": "TEXT",
+    "stalled_at": "REAL",
+    "hang_detected_at": "REAL",
+}
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS clusters (
     id INTEGER PRIMARY KEY,
@@ -199,7 +206,9 @@ class Ledger:
         os.chmod(backup, 0o600)  # kept in the state folder, private like the rest of it
         for suffix in ("-wal", "-shm"):
             Path(str(self.path) + suffix).unlink(missing_ok=True)
-        self.warnings.append(f"the ledger {self.path} was corrupt ({exc}); kept it as {backup.name} and started a new one")
+        self.warnings.append(
+            f"the ledger {self.path} was corrupt ({exc}); kept it as {backup.name} and started a new one"
+        )
         self._open()
 
     def _transaction(self):
@@ -210,12 +219,21 @@ class Ledger:
 
     # ---------------------------------------------------------------------------------- clusters
 
-    def cluster_up(self, stack: str, provider: str, instance_type: str, nodes: int, hourly_usd: float,
-                   reference_hourly_usd: float | None = None, at: float | None = None) -> int:
+    def cluster_up(
+        self,
+        stack: str,
+        provider: str,
+        instance_type: str,
+        nodes: int,
+        hourly_usd: float,
+        reference_hourly_usd: float | None = None,
+        at: float | None = None,
+    ) -> int:
         at = self.clock() if at is None else at
         with self._transaction():
             cursor = self.db.execute(
-                "INSERT INTO clusters (stack, provider, instance_type, nodes, hourly_usd, reference_hourly_usd, created_at)"
+                "INSERT INTO clusters"
+                " (stack, provider, instance_type, nodes, hourly_usd, reference_hourly_usd, created_at)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (stack, provider, instance_type, nodes, hourly_usd, reference_hourly_usd, at),
             )
@@ -236,14 +254,15 @@ class Ledger:
 
     def clusters(self, stack: str | None = None) -> list[ClusterRecord]:
         rows = self.db.execute(
-            "SELECT id, stack, provider, instance_type, nodes, hourly_usd, reference_hourly_usd, created_at FROM clusters"
-            + (" WHERE stack = ?" if stack else "") + " ORDER BY created_at, id",
+            "SELECT id, stack, provider, instance_type, nodes, hourly_usd, reference_hourly_usd, created_at"
+            " FROM clusters" + (" WHERE stack = ?" if stack else "") + " ORDER BY created_at, id",
             (stack,) if stack else (),
         ).fetchall()
         records = [ClusterRecord(*row) for row in rows]
         for record in records:
             record.intervals = [
-                Interval(*row) for row in self.db.execute(
+                Interval(*row)
+                for row in self.db.execute(
                     "SELECT started_at, ended_at, end_reason FROM intervals WHERE cluster_id = ? ORDER BY started_at",
                     (record.id,),
                 )
@@ -256,8 +275,16 @@ class Ledger:
 
     # -------------------------------------------------------------------------------------- runs
 
-    def run_started(self, run_id: str, stack: str, task: str, nodes: int, hourly_usd: float,
-                    at: float | None = None, owner_pid: int | None = None) -> None:
+    def run_started(
+        self,
+        run_id: str,
+        stack: str,
+        task: str,
+        nodes: int,
+        hourly_usd: float,
+        at: float | None = None,
+        owner_pid: int | None = None,
+    ) -> None:
         """Record a run; `owner_pid` (on this host) is the fab that supervises it and heartbeats."""
         at = self.clock() if at is None else at
         cluster = self.open_cluster(stack)
@@ -265,8 +292,18 @@ class Ledger:
             self.db.execute(
                 "INSERT OR REPLACE INTO runs (run_id, cluster_id, stack, task, nodes, hourly_usd, started_at,"
                 " owner_host, owner_pid, last_seen_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (run_id, cluster.id if cluster else None, stack, task, nodes, hourly_usd, at,
-                 socket.gethostname() if owner_pid else None, owner_pid, at),
+                (
+                    run_id,
+                    cluster.id if cluster else None,
+                    stack,
+                    task,
+                    nodes,
+                    hourly_usd,
+                    at,
+                    socket.gethostname() if owner_pid else None,
+                    owner_pid,
+                    at,
+                ),
             )
 
     def heartbeat(self, run_id: str, at: float | None = None) -> None:
@@ -278,8 +315,10 @@ class Ledger:
     def run_hung(self, run_id: str, verdict: str, stalled_at: float, detected_at: float) -> None:
         """The hang watch found this run hung: what it said, when progress stopped, when it was found."""
         with self._transaction():
-            self.db.execute("UPDATE runs SET hang_verdict = ?, stalled_at = ?, hang_detected_at = ? WHERE run_id = ?",
-                            (verdict, stalled_at, detected_at, run_id))
+            self.db.execute(
+                "UPDATE runs SET hang_verdict = ?, stalled_at = ?, hang_detected_at = ? WHERE run_id = ?",
+                (verdict, stalled_at, detected_at, run_id),
+            )
 
     def close_abandoned_runs(self, now: float | None = None) -> list[str]:
         """Close open runs whose fab is gone (its pid dead on this host, or not seen for
@@ -300,8 +339,10 @@ class Ledger:
             else:
                 continue
             with self._transaction():
-                self.db.execute("UPDATE runs SET ended_at = ?, end_reason = ? WHERE run_id = ? AND ended_at IS NULL",
-                                (last_seen, reason, run_id))
+                self.db.execute(
+                    "UPDATE runs SET ended_at = ?, end_reason = ? WHERE run_id = ? AND ended_at IS NULL",
+                    (last_seen, reason, run_id),
+                )
             closed.append(run_id)
         return closed
 
@@ -309,8 +350,10 @@ class Ledger:
         """Record the end; returns the run's cost."""
         at = self.clock() if at is None else at
         with self._transaction():
-            self.db.execute("UPDATE runs SET ended_at = ?, exit_codes = ?, end_reason = NULL WHERE run_id = ?",
-                            (at, json.dumps(exit_codes), run_id))
+            self.db.execute(
+                "UPDATE runs SET ended_at = ?, exit_codes = ?, end_reason = NULL WHERE run_id = ?",
+                (at, json.dumps(exit_codes), run_id),
+            )
         run = self.run(run_id)
         return run.cost_usd(at) if run else 0.0
 
@@ -366,8 +409,10 @@ def _check_rows(db: sqlite3.Connection) -> None:
     """Every row reads back as the ledger wrote it: numbers are numbers, exit codes a JSON object."""
     for table, columns in _expected_columns().items():
         for column, kind in columns.items():
-            bad = db.execute(f'SELECT count(*) FROM "{table}" WHERE "{column}" IS NOT NULL AND '
-                             f'typeof("{column}") NOT IN ({_STORAGE[kind]})').fetchone()[0]
+            bad = db.execute(
+                f'SELECT count(*) FROM "{table}" WHERE "{column}" IS NOT NULL AND '
+                f'typeof("{column}") NOT IN ({_STORAGE[kind]})'
+            ).fetchone()[0]
             if bad:
                 raise sqlite3.DatabaseError(f"{bad} row(s) of {table} hold a non-{kind} {column}")
     for run_id, text in db.execute("SELECT run_id, exit_codes FROM runs WHERE exit_codes IS NOT NULL"):

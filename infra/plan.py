@@ -110,12 +110,26 @@ def estimate(config: StackConfig) -> tuple[Estimate | None, str]:
 
 def plan_config(config: StackConfig) -> StackConfig:
     """The config with placeholders where `up` would look things up or make a key."""
-    return replace(config, ssh_cidr=config.ssh_cidr or PLACEHOLDER_CIDR, ssh_public_key=config.ssh_public_key or PLACEHOLDER_KEY)
+    return replace(
+        config, ssh_cidr=config.ssh_cidr or PLACEHOLDER_CIDR, ssh_public_key=config.ssh_public_key or PLACEHOLDER_KEY
+    )
 
 
-ORDER = ("Vpc", "InternetGateway", "Subnet", "RouteTable", "RouteTableAssociation", "SecurityGroup",
-         "SecurityGroupIngressRule", "SecurityGroupEgressRule", "FileSystem", "MountTarget", "PlacementGroup",
-         "KeyPair", "Instance")
+ORDER = (
+    "Vpc",
+    "InternetGateway",
+    "Subnet",
+    "RouteTable",
+    "RouteTableAssociation",
+    "SecurityGroup",
+    "SecurityGroupIngressRule",
+    "SecurityGroupEgressRule",
+    "FileSystem",
+    "MountTarget",
+    "PlacementGroup",
+    "KeyPair",
+    "Instance",
+)
 
 
 def display_order(resource: PlannedResource) -> tuple:
@@ -133,13 +147,18 @@ def describe(resource: PlannedResource) -> dict[str, object]:
     if short == "Instance":
         metadata, root = i.get("metadataOptions", {}), i.get("rootBlockDevice", {})
         market = (i.get("instanceMarketOptions") or {}).get("marketType", "on-demand")
-        return {"type": i.get("instanceType"), "private_ip": i.get("privateIp"), "market": market,
-                "imds": "v2 required" if metadata.get("httpTokens") == "required" else "v1 allowed",
-                "root": f"{int(root.get('volumeSize'))} GB {root.get('volumeType')}"
-                        f"{', encrypted' if root.get('encrypted') else ', NOT encrypted'}",
-                "ami": "newest Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04)"
-                       if i.get("ami") == PLACEHOLDER_AMI else i.get("ami"),
-                "on_shutdown": i.get("instanceInitiatedShutdownBehavior")}
+        return {
+            "type": i.get("instanceType"),
+            "private_ip": i.get("privateIp"),
+            "market": market,
+            "imds": "v2 required" if metadata.get("httpTokens") == "required" else "v1 allowed",
+            "root": f"{int(root.get('volumeSize'))} GB {root.get('volumeType')}"
+            f"{', encrypted' if root.get('encrypted') else ', NOT encrypted'}",
+            "ami": "newest Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04)"
+            if i.get("ami") == PLACEHOLDER_AMI
+            else i.get("ami"),
+            "on_shutdown": i.get("instanceInitiatedShutdownBehavior"),
+        }
     if short == "SecurityGroupIngressRule":
         group = str(i.get("referencedSecurityGroupId", "")).removesuffix("-id")
         source = i.get("cidrIpv4") or i.get("cidrIpv6") or f"members of {group}"

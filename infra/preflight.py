@@ -46,9 +46,14 @@ class AwsClients:
     @classmethod
     def for_region(cls, region: str) -> "AwsClients":
         session = boto3.Session(region_name=region)
-        return cls(sts=session.client("sts"), ec2=session.client("ec2"), quotas=session.client("service-quotas"),
-                   ssm=session.client("ssm"), pricing=session.client("pricing", region_name=PRICING_API_REGION),
-                   efs=session.client("efs"))
+        return cls(
+            sts=session.client("sts"),
+            ec2=session.client("ec2"),
+            quotas=session.client("service-quotas"),
+            ssm=session.client("ssm"),
+            pricing=session.client("pricing", region_name=PRICING_API_REGION),
+            efs=session.client("efs"),
+        )
 
 
 @dataclass
@@ -82,8 +87,9 @@ def quota_family(instance_type: str) -> str:
     return catalog.lookup(instance_type).quota_family
 
 
-def run(config: StackConfig, clients: AwsClients, cli_present: bool,
-        lookup_ip: Callable[[], str] = lookup_public_ip) -> PreflightResult:
+def run(
+    config: StackConfig, clients: AwsClients, cli_present: bool, lookup_ip: Callable[[], str] = lookup_public_ip
+) -> PreflightResult:
     result = PreflightResult()
     if not cli_present:
         result.problems.append(f"the Pulumi CLI is not installed: {INSTALL_HINT}")
@@ -108,12 +114,20 @@ def _check_credentials(clients: AwsClients, result: PreflightResult) -> str | No
 
 
 def credentials_problem(exc: BaseException) -> str:
-    return (f"AWS credentials do not work ({_brief(exc)}): run `aws configure` or set "
-            "AWS_PROFILE (or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)")
+    return (
+        f"AWS credentials do not work ({_brief(exc)}): run `aws configure` or set "
+        "AWS_PROFILE (or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)"
+    )
 
 
-CREDENTIAL_ERRORS = ("AuthFailure", "UnauthorizedOperation", "InvalidClientTokenId", "ExpiredToken",
-                     "SignatureDoesNotMatch", "AccessDenied")
+CREDENTIAL_ERRORS = (
+    "AuthFailure",
+    "UnauthorizedOperation",
+    "InvalidClientTokenId",
+    "ExpiredToken",
+    "SignatureDoesNotMatch",
+    "AccessDenied",
+)
 
 
 @contextmanager
@@ -136,21 +150,27 @@ def _check_instance_type(config: StackConfig, clients: AwsClients, result: Prefl
         described = clients.ec2.describe_instance_types(InstanceTypes=[config.instance_type])["InstanceTypes"]
     except AWS_ERRORS as exc:
         if "InvalidInstanceType" in str(exc):
-            result.problems.append(f"instance type {config.instance_type} does not exist: check the name "
-                                   "(e.g. g4dn.2xlarge, g6.2xlarge)")
+            result.problems.append(
+                f"instance type {config.instance_type} does not exist: check the name (e.g. g4dn.2xlarge, g6.2xlarge)"
+            )
         else:
             result.problems.append(f"could not describe {config.instance_type}: {_brief(exc)}")
         return None
     offerings = clients.ec2.describe_instance_type_offerings(
-        LocationType="availability-zone", Filters=[{"Name": "instance-type", "Values": [config.instance_type]}],
+        LocationType="availability-zone",
+        Filters=[{"Name": "instance-type", "Values": [config.instance_type]}],
     )["InstanceTypeOfferings"]
     result.zones = sorted(o["Location"] for o in offerings)
     if config.availability_zone and config.availability_zone not in result.zones:
-        result.problems.append(f"{config.instance_type} is not offered in {config.availability_zone} "
-                               f"(it is in: {', '.join(result.zones) or 'no zone of ' + config.region})")
+        result.problems.append(
+            f"{config.instance_type} is not offered in {config.availability_zone} "
+            f"(it is in: {', '.join(result.zones) or 'no zone of ' + config.region})"
+        )
     elif not result.zones:
-        result.problems.append(f"{config.instance_type} is not offered in any zone of {config.region}: "
-                               "pick another region (aws:region) or type")
+        result.problems.append(
+            f"{config.instance_type} is not offered in any zone of {config.region}: "
+            "pick another region (aws:region) or type"
+        )
     # The request is counted from the catalog (what validation and pricing also read); AWS's answer
     # only proves the type exists here.
     return catalog.lookup(config.instance_type).vcpus if described else None
@@ -196,8 +216,10 @@ def _check_ami(config: StackConfig, clients: AwsClients, result: PreflightResult
     try:
         clients.ssm.get_parameter(Name=DLAMI_PARAMETER)
     except AWS_ERRORS as exc:
-        result.problems.append(f"no Deep Learning Base GPU AMI found in {config.region} ({_brief(exc)}): "
-                               "set gpu-cluster:amiId to an Ubuntu 22.04 image with the NVIDIA driver")
+        result.problems.append(
+            f"no Deep Learning Base GPU AMI found in {config.region} ({_brief(exc)}): "
+            "set gpu-cluster:amiId to an Ubuntu 22.04 image with the NVIDIA driver"
+        )
 
 
 def _check_ssh_cidr(config: StackConfig, lookup_ip: Callable[[], str], result: PreflightResult) -> None:
@@ -216,8 +238,13 @@ def _estimate(config: StackConfig, clients: AwsClients, result: PreflightResult)
     source = PriceSource(clients.pricing if connected else None, clients.ec2 if connected else None)
     spot_zone = (config.availability_zone or (result.zones[0] if result.zones else None)) if config.spot else None
     try:
-        result.estimate = source.estimate(config.instance_type, config.region, config.nodes, config.root_volume_gb,
-                                          spot_zone=spot_zone or (f"{config.region}a" if config.spot else None))
+        result.estimate = source.estimate(
+            config.instance_type,
+            config.region,
+            config.nodes,
+            config.root_volume_gb,
+            spot_zone=spot_zone or (f"{config.region}a" if config.spot else None),
+        )
     except Exception as exc:  # an unknown price is a problem only where a budget needs it
         result.notes.append(f"no price for {config.instance_type} in {config.region}: {_brief(exc)}")
         if config.max_hourly_usd:

@@ -99,16 +99,22 @@ def _region_table(table: dict, region: str) -> dict | float | None:
 
 def bundled_on_demand(instance_type: str, region: str) -> Price:
     if not catalog.lookup(instance_type).bundled_price:
-        raise UsageError(f"{instance_type} has no bundled price (the instance catalog leaves it to the AWS Price "
-                         "List API): run with AWS credentials so the API can be asked")
+        raise UsageError(
+            f"{instance_type} has no bundled price (the instance catalog leaves it to the AWS Price "
+            "List API): run with AWS credentials so the API can be asked"
+        )
     prices = _region_table(BUNDLED["on_demand_usd_per_hour"], region)
     if prices is None:
         known = ", ".join(k for k in BUNDLED["on_demand_usd_per_hour"])
-        raise UsageError(f"no bundled price for region {region} (it has {known}): run with AWS credentials "
-                         "so the Price List API can be asked")
+        raise UsageError(
+            f"no bundled price for region {region} (it has {known}): run with AWS credentials "
+            "so the Price List API can be asked"
+        )
     if instance_type not in prices:
-        raise UsageError(f"no bundled price for {instance_type} in {region}: run with AWS credentials so the "
-                         "Price List API can be asked, or check the type name")
+        raise UsageError(
+            f"no bundled price for {instance_type} in {region}: run with AWS credentials so the "
+            "Price List API can be asked, or check the type name"
+        )
     return Price(prices[instance_type], "hour", BUNDLED["source"], BUNDLED["as_of"])
 
 
@@ -149,18 +155,22 @@ def parse_on_demand(price_list: list[str], unit: str = "Hrs") -> tuple[float, st
 
 
 def api_on_demand(pricing_client, instance_type: str, region: str) -> Price:
-    answer = pricing_client.get_products(ServiceCode="AmazonEC2", Filters=on_demand_filters(instance_type, region),
-                                         FormatVersion="aws_v1", MaxResults=10)
+    answer = pricing_client.get_products(
+        ServiceCode="AmazonEC2", Filters=on_demand_filters(instance_type, region), FormatVersion="aws_v1", MaxResults=10
+    )
     if not answer["PriceList"]:
-        raise UsageError(f"the Price List API knows no Linux on-demand {instance_type} in {region}: "
-                         "check the type and region names")
+        raise UsageError(
+            f"the Price List API knows no Linux on-demand {instance_type} in {region}: check the type and region names"
+        )
     usd, published = parse_on_demand(answer["PriceList"])
     return Price(usd, "hour", "AWS Price List API", published)
 
 
 def api_storage(pricing_client, region: str, service: str, filters: dict) -> Price:
     answer = pricing_client.get_products(
-        ServiceCode=service, FormatVersion="aws_v1", MaxResults=10,
+        ServiceCode=service,
+        FormatVersion="aws_v1",
+        MaxResults=10,
         Filters=[{"Type": "TERM_MATCH", "Field": k, "Value": v} for k, v in {"regionCode": region, **filters}.items()],
     )
     usd, published = parse_on_demand(answer["PriceList"], unit="GB-Mo")
@@ -170,15 +180,22 @@ def api_storage(pricing_client, region: str, service: str, filters: dict) -> Pri
 def api_spot(ec2_client, instance_type: str, zone: str) -> Price:
     """The latest Linux spot price in `zone`."""
     answer = ec2_client.describe_spot_price_history(
-        InstanceTypes=[instance_type], ProductDescriptions=["Linux/UNIX"], AvailabilityZone=zone,
-        StartTime=datetime.now(timezone.utc), MaxResults=1,
+        InstanceTypes=[instance_type],
+        ProductDescriptions=["Linux/UNIX"],
+        AvailabilityZone=zone,
+        StartTime=datetime.now(timezone.utc),
+        MaxResults=1,
     )
     history = answer.get("SpotPriceHistory", [])
     if not history:
         raise LookupError(f"no spot price for {instance_type} in {zone}")
     latest = max(history, key=lambda h: h["Timestamp"])
-    return Price(float(latest["SpotPrice"]), "hour", f"EC2 spot price history ({zone})",
-                 latest["Timestamp"].isoformat(timespec="seconds"))
+    return Price(
+        float(latest["SpotPrice"]),
+        "hour",
+        f"EC2 spot price history ({zone})",
+        latest["Timestamp"].isoformat(timespec="seconds"),
+    )
 
 
 # ---------------------------------------------------------------------------------------- sources
@@ -193,9 +210,11 @@ class PriceSource:
         self.notes: list[str] = []
 
     def on_demand(self, instance_type: str, region: str) -> Price:
-        return self._cached(f"on-demand/{region}/{instance_type}",
-                            lambda: api_on_demand(self.pricing, instance_type, region),
-                            lambda: bundled_on_demand(instance_type, region))
+        return self._cached(
+            f"on-demand/{region}/{instance_type}",
+            lambda: api_on_demand(self.pricing, instance_type, region),
+            lambda: bundled_on_demand(instance_type, region),
+        )
 
     def spot(self, instance_type: str, zone: str) -> Price:
         """Spot is only known live; without AWS the on-demand price stands in, and says so."""
@@ -206,23 +225,34 @@ class PriceSource:
                 self.notes.append(f"spot price unavailable ({_brief(exc)})")
         region = zone.rstrip("abcdefghijklmnopqrstuvwxyz")
         fallback = self.on_demand(instance_type, region)
-        return Price(fallback.usd, "hour", f"{fallback.source}, on-demand (spot price unknown offline: at most this)",
-                     fallback.as_of)
+        return Price(
+            fallback.usd,
+            "hour",
+            f"{fallback.source}, on-demand (spot price unknown offline: at most this)",
+            fallback.as_of,
+        )
 
     def ebs_gp3(self, region: str) -> Price:
-        return self._cached(f"ebs-gp3/{region}",
-                            lambda: api_storage(self.pricing, region, "AmazonEC2",
-                                                {"productFamily": "Storage", "volumeApiName": "gp3"}),
-                            lambda: bundled_storage(region, "ebs_gp3_usd_per_gb_month"))
+        return self._cached(
+            f"ebs-gp3/{region}",
+            lambda: api_storage(
+                self.pricing, region, "AmazonEC2", {"productFamily": "Storage", "volumeApiName": "gp3"}
+            ),
+            lambda: bundled_storage(region, "ebs_gp3_usd_per_gb_month"),
+        )
 
     def efs_standard(self, region: str) -> Price:
-        return self._cached(f"efs-standard/{region}",
-                            lambda: api_storage(self.pricing, region, "AmazonEFS",
-                                                {"productFamily": "Storage", "storageClass": "General Purpose"}),
-                            lambda: bundled_storage(region, "efs_standard_usd_per_gb_month"))
+        return self._cached(
+            f"efs-standard/{region}",
+            lambda: api_storage(
+                self.pricing, region, "AmazonEFS", {"productFamily": "Storage", "storageClass": "General Purpose"}
+            ),
+            lambda: bundled_storage(region, "efs_standard_usd_per_gb_month"),
+        )
 
-    def estimate(self, instance_type: str, region: str, nodes: int, root_volume_gb: int,
-                 spot_zone: str | None = None) -> Estimate:
+    def estimate(
+        self, instance_type: str, region: str, nodes: int, root_volume_gb: int, spot_zone: str | None = None
+    ) -> Estimate:
         instance = self.spot(instance_type, spot_zone) if spot_zone else self.on_demand(instance_type, region)
         return Estimate(instance, nodes, root_volume_gb, self.ebs_gp3(region), self.efs_standard(region))
 

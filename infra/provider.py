@@ -69,13 +69,25 @@ class LocalProvider(Provider):
 
     def up(self, request: UpRequest, say) -> tuple[ClusterInfo, bool]:
         stack_config = config.load_stack(request.stack, {**request.overrides, "sshCidr": None, "spot": None})
-        asked = {name for name, value in (("nodes", request.overrides.get("nodes")),
-                                          ("instance_type", request.overrides.get("instanceType")),
-                                          ("first_address", request.bind), ("ssh_port", request.ssh_port))
-                 if value is not None}
+        asked = {
+            name
+            for name, value in (
+                ("nodes", request.overrides.get("nodes")),
+                ("instance_type", request.overrides.get("instanceType")),
+                ("first_address", request.bind),
+                ("ssh_port", request.ssh_port),
+            )
+            if value is not None
+        }
         ssh_port = local.DEFAULT_SSH_PORT if request.ssh_port is None else request.ssh_port
-        options = local.LocalOptions(request.stack, stack_config.nodes, stack_config.instance_type, request.bind,
-                                     ssh_port, asked=frozenset(asked))
+        options = local.LocalOptions(
+            request.stack,
+            stack_config.nodes,
+            stack_config.instance_type,
+            request.bind,
+            ssh_port,
+            asked=frozenset(asked),
+        )
         cluster, created = local.up(options)
         if created:
             costs.save_guards(request.stack, stack_config)
@@ -87,8 +99,10 @@ class LocalProvider(Provider):
         stopped_itself = local.stop_record(stack)
         shared = local.shared_contents(stack)
         if shared.files:
-            say(f"removing {report.relative(shared.path)}: {report.plural(shared.files, 'file')}, "
-                f"{shared.describe_size()} (datasets, checkpoints, anything jobs wrote there)")
+            say(
+                f"removing {report.relative(shared.path)}: {report.plural(shared.files, 'file')}, "
+                f"{shared.describe_size()} (datasets, checkpoints, anything jobs wrote there)"
+            )
         started = time.perf_counter()
         result = local.down(stack)
         elapsed = time.perf_counter() - started
@@ -105,8 +119,10 @@ class LocalProvider(Provider):
         elif result.stopped == 0:
             say(f"stack '{stack}': no node was running; state removed, run logs kept")
         else:
-            say(f"stack '{stack}' is down: {report.plural(result.stopped, 'node')} stopped in {elapsed:.1f} s, "
-                "no port left listening")
+            say(
+                f"stack '{stack}' is down: {report.plural(result.stopped, 'node')} stopped in {elapsed:.1f} s, "
+                "no port left listening"
+            )
         _say_runs_kept(stack, say)
         return 0
 
@@ -144,9 +160,13 @@ class AwsProvider(Provider):
         from infra import aws_provider
 
         if not config.stack_file(request.stack).exists():
-            say(f"note: no Pulumi.{request.stack}.yaml: using the defaults (2 x {config.DEFAULT_INSTANCE_TYPE} "
-                f"in {config.DEFAULT_REGION}) and your flags")
-        cluster, created = aws_provider.up(aws_provider.UpRequest(request.stack, request.overrides, request.yes), say=say)
+            say(
+                f"note: no Pulumi.{request.stack}.yaml: using the defaults (2 x {config.DEFAULT_INSTANCE_TYPE} "
+                f"in {config.DEFAULT_REGION}) and your flags"
+            )
+        cluster, created = aws_provider.up(
+            aws_provider.UpRequest(request.stack, request.overrides, request.yes), say=say
+        )
         if created:
             costs.save_guards(request.stack, config.load_stack(request.stack, request.overrides))
             costs.record_up(cluster, None, say=say)
@@ -181,12 +201,21 @@ class SshProvider(Provider):
         from infra import ssh_provider
 
         given = sorted(k for k, v in request.overrides.items() if v is not None)
-        flags = [flag for flag, value in (("--bind", request.bind), ("--ssh-port", request.ssh_port),
-                                          ("--yes", request.yes or None)) if value is not None]
+        flags = [
+            flag
+            for flag, value in (
+                ("--bind", request.bind),
+                ("--ssh-port", request.ssh_port),
+                ("--yes", request.yes or None),
+            )
+            if value is not None
+        ]
         if given or flags:
             names = ", ".join([config_flag(k) for k in given] + flags)
-            raise UsageError(f"{names} do(es) not apply to --hosts: the hosts file says what the machines are, and "
-                             "nothing powers them off")
+            raise UsageError(
+                f"{names} do(es) not apply to --hosts: the hosts file says what the machines are, and "
+                "nothing powers them off"
+            )
         if not request.hosts_file:
             raise UsageError(f"stack {request.stack!r} is not up: pass --hosts FILE to bring your machines up")
         cluster, created = ssh_provider.up(request.hosts_file, request.stack, say=say)
@@ -216,8 +245,14 @@ class SshProvider(Provider):
 
 
 PROVIDERS: dict[str, Provider] = {p.name: p for p in (LocalProvider(), AwsProvider(), SshProvider())}
-CONFIG_FLAGS = {"nodes": "--nodes", "instanceType": "--instance-type", "spot": "--spot", "sshCidr": "--ssh-cidr",
-                "maxTotalUsd": "--max-total-usd", "idleMinutes": "--idle-minutes"}
+CONFIG_FLAGS = {
+    "nodes": "--nodes",
+    "instanceType": "--instance-type",
+    "spot": "--spot",
+    "sshCidr": "--ssh-cidr",
+    "maxTotalUsd": "--max-total-usd",
+    "idleMinutes": "--idle-minutes",
+}
 
 
 def config_flag(key: str) -> str:

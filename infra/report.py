@@ -45,7 +45,9 @@ def up_summary(cluster: ClusterInfo, created: bool, elapsed_s: float, inventory_
     gpus = sum(n.gpus for n in cluster.nodes)
     kind = f"{cluster.instance_type}, {gpus} GPUs" if gpus else "CPU nodes, gloo"
     if not created:
-        console.print(f"cluster '{cluster.stack}' is already up ({plural(len(cluster.nodes), 'node')}); nothing changed")
+        console.print(
+            f"cluster '{cluster.stack}' is already up ({plural(len(cluster.nodes), 'node')}); nothing changed"
+        )
     else:
         console.print(
             f"cluster '{cluster.stack}' is up: {plural(len(cluster.nodes), cluster.provider + ' node')} ({kind}), "
@@ -83,8 +85,10 @@ def status_table(cluster: ClusterInfo, rows: list[dict], stopped_reason: str, sp
 
 
 def plan_table(stack: str, config, resources: list[dict], estimate, price_note: str = "") -> None:
-    console.print(f"plan for stack '{stack}': {config.nodes} x {config.instance_type} in {config.region}"
-                  f"{' (spot)' if config.spot else ''}; nothing is created")
+    console.print(
+        f"plan for stack '{stack}': {config.nodes} x {config.instance_type} in {config.region}"
+        f"{' (spot)' if config.spot else ''}; nothing is created"
+    )
     table = Table(show_edge=False, pad_edge=False)
     for column in ("resource", "name", "settings"):
         table.add_column(column)
@@ -108,9 +112,18 @@ def cost_tables(data: dict) -> None:
         last = c["intervals"][-1] if c["intervals"] else {}
         to = "up now" if c["up"] else f"{(last.get('ended_at') or '')[:19]} ({last.get('end_reason') or 'down'})"
         would = f"${c['would_have_cost_usd']:.4f}" if c["would_have_cost_usd"] is not None else ""
-        clusters.add_row(c["stack"], c["provider"], c["instance_type"], str(c["nodes"]),
-                         (c["intervals"][0]["started_at"] or "")[:19] if c["intervals"] else "", to,
-                         f"{c['hours']:.3f}", f"{c['hourly_usd']:.3f}", f"${c['cost_usd']:.4f}", would)
+        clusters.add_row(
+            c["stack"],
+            c["provider"],
+            c["instance_type"],
+            str(c["nodes"]),
+            (c["intervals"][0]["started_at"] or "")[:19] if c["intervals"] else "",
+            to,
+            f"{c['hours']:.3f}",
+            f"{c['hourly_usd']:.3f}",
+            f"${c['cost_usd']:.4f}",
+            would,
+        )
     console.print(clusters)
     runs = Table(title="runs", show_edge=False, pad_edge=False)
     for column in ("run", "task", "stack", "nodes", "seconds", "cost", "exit codes"):
@@ -118,8 +131,11 @@ def cost_tables(data: dict) -> None:
     for r in data["runs"]:
         codes = ", ".join(f"{k}={v}" for k, v in (r["exit_codes"] or {}).items()) or r.get("end_reason") or "running"
         if r.get("hung"):
-            codes = f"HUNG: no progress from {(r['stalled_at'] or '')[11:19]} UTC, ${r['usd_since_stall']:.4f} spent since; {codes}"
-        runs.add_row(r["run_id"], r["task"], r["stack"], str(r["nodes"]), f"{r['seconds']:.1f}", f"${r['cost_usd']:.4f}", codes)
+            stalled = (r["stalled_at"] or "")[11:19]
+            codes = f"HUNG: no progress from {stalled} UTC, ${r['usd_since_stall']:.4f} spent since; {codes}"
+        runs.add_row(
+            r["run_id"], r["task"], r["stack"], str(r["nodes"]), f"{r['seconds']:.1f}", f"${r['cost_usd']:.4f}", codes
+        )
     console.print(runs)
     for r in data["runs"]:
         if r.get("hung"):

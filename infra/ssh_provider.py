@@ -223,12 +223,21 @@ async def check_host(hosts_file: HostsFile, host: Host, head_address: str) -> Ho
     """Connect, note the host key, and run the probe from stdin (nothing is written on the host)."""
     known_hosts = str(hosts_file.known_hosts) if hosts_file.known_hosts else None
     try:
-        async with asyncssh.connect(host.address, host.port, username=host.user, client_keys=[str(hosts_file.key)],
-                                    known_hosts=known_hosts, agent_path=None, config=None,
-                                    connect_timeout=CHECK_TIMEOUT_S / 2) as conn:
+        async with asyncssh.connect(
+            host.address,
+            host.port,
+            username=host.user,
+            client_keys=[str(hosts_file.key)],
+            known_hosts=known_hosts,
+            agent_path=None,
+            config=None,
+            connect_timeout=CHECK_TIMEOUT_S / 2,
+        ) as conn:
             server_key = conn.get_server_host_key()
             probe = (NODE_SCRIPTS / "probe.py").read_text()
-            command = f"{shlex.quote(hosts_file.python)} - --host {shlex.quote(host.address)} {shlex.quote(head_address)}"
+            command = (
+                f"{shlex.quote(hosts_file.python)} - --host {shlex.quote(host.address)} {shlex.quote(head_address)}"
+            )
             result = await asyncio.wait_for(conn.run(command, input=probe, check=False), CHECK_TIMEOUT_S)
     except (OSError, asyncssh.Error, asyncio.TimeoutError) as exc:
         return HostCheck(host, _connect_problem(exc, hosts_file))
@@ -289,10 +298,15 @@ def up(hosts_path: str, stack: str, say=print) -> tuple[ClusterInfo, bool]:
         raise UsageError(f"{len(problems)} of {len(checks)} host(s) cannot be used: " + "; ".join(problems))
     checks = _rank_order(checks)
     for index, check in enumerate(checks):
-        say(f"node-{index}: {check.host.user}@{check.host.address}:{check.host.port} host key {check.fingerprint} (pinned)")
+        say(
+            f"node-{index}: {check.host.user}@{check.host.address}:{check.host.port} "
+            f"host key {check.fingerprint} (pinned)"
+        )
     stack_path = state.stack_dir(stack)
     known_hosts = stack_path / state.KNOWN_HOSTS
-    keys.write_known_hosts(known_hosts, [keys.known_hosts_entry(c.host.address, c.host.port, c.host_key) for c in checks])
+    keys.write_known_hosts(
+        known_hosts, [keys.known_hosts_entry(c.host.address, c.host.port, c.host_key) for c in checks]
+    )
     cluster = _cluster(stack, hosts_file, checks, known_hosts)
     inventory.save(cluster)
     state.set_current_stack(stack)
@@ -325,10 +339,18 @@ def _cluster(stack: str, hosts_file: HostsFile, checks: list[HostCheck], known_h
     )
     daemons = {c.facts.get("daemon") for c in checks}
     return ClusterInfo(
-        stack=stack, provider=PROVIDER, region=PROVIDER, instance_type="own machines",
-        hourly_usd=hosts_file.hourly_usd, ssh_user=checks[0].host.user, ssh_key=str(hosts_file.key),
-        known_hosts=str(known_hosts), shared_dir=hosts_file.shared_dir,
-        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), nodes=nodes, python=hosts_file.python,
+        stack=stack,
+        provider=PROVIDER,
+        region=PROVIDER,
+        instance_type="own machines",
+        hourly_usd=hosts_file.hourly_usd,
+        ssh_user=checks[0].host.user,
+        ssh_key=str(hosts_file.key),
+        known_hosts=str(known_hosts),
+        shared_dir=hosts_file.shared_dir,
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        nodes=nodes,
+        python=hosts_file.python,
         daemon="systemd" if daemons == {"systemd"} else "detached",
     )
 
@@ -362,7 +384,7 @@ def down(stack: str, say=print) -> bool:
 
     reports = asyncio.run(all_nodes())
     failed = []
-    for node, report in zip(cluster.nodes, reports):
+    for node, report in zip(cluster.nodes, reports, strict=True):
         if "error" in report:
             failed.append(node.name)
             say(f"{node.name} ({node.ssh_user}@{node.public_ip}): not cleaned: {report['error']}")
@@ -381,6 +403,7 @@ def down(stack: str, say=print) -> bool:
 
 def status(cluster: ClusterInfo) -> list[dict]:
     """Per host: a real SSH round trip, and the machine's uptime."""
+
     async def all_nodes():
         return await asyncio.gather(*(_status_row(cluster, n) for n in cluster.nodes))
 
@@ -401,7 +424,11 @@ async def _status_row(cluster: ClusterInfo, node: NodeInfo) -> dict:
     except (ValueError, IndexError):
         uptime_s = None
     return {
-        "name": node.name, "address": f"{node.public_ip}:{node.ssh_port}", "state": "down" if error else "up",
-        "reachable": not error, "round_trip_ms": round((time.perf_counter() - started) * 1000, 1),
-        "uptime_s": None if uptime_s is None else round(uptime_s), "error": error,
+        "name": node.name,
+        "address": f"{node.public_ip}:{node.ssh_port}",
+        "state": "down" if error else "up",
+        "reachable": not error,
+        "round_trip_ms": round((time.perf_counter() - started) * 1000, 1),
+        "uptime_s": None if uptime_s is None else round(uptime_s),
+        "error": error,
     }

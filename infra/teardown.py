@@ -58,11 +58,13 @@ def sweep(stack: str, ec2, efs, placement_ec2=None) -> list[Leftover]:
 
 
 def _network_interfaces(ec2, tagged: list[dict], vpcs: list[str]) -> list[Leftover]:
-    interfaces = {i["NetworkInterfaceId"]: i for i in ec2.describe_network_interfaces(Filters=tagged)["NetworkInterfaces"]}
+    interfaces = {
+        i["NetworkInterfaceId"]: i for i in ec2.describe_network_interfaces(Filters=tagged)["NetworkInterfaces"]
+    }
     if vpcs:
-        for interface in ec2.describe_network_interfaces(
-            Filters=[{"Name": "vpc-id", "Values": vpcs}]
-        )["NetworkInterfaces"]:
+        for interface in ec2.describe_network_interfaces(Filters=[{"Name": "vpc-id", "Values": vpcs}])[
+            "NetworkInterfaces"
+        ]:
             interfaces[interface["NetworkInterfaceId"]] = interface
     # An interface with a public IPv4 address is billed by the hour.
     return [Leftover("network-interface", i, True, interface.get("Status", "")) for i, interface in interfaces.items()]
@@ -77,7 +79,9 @@ def _file_systems(efs, stack: str) -> list[Leftover]:
                 continue
             found.append(Leftover("efs", fs["FileSystemId"], True, fs.get("LifeCycleState", "")))
             for target in efs.describe_mount_targets(FileSystemId=fs["FileSystemId"])["MountTargets"]:
-                found.append(Leftover("efs-mount-target", target["MountTargetId"], True, target.get("LifeCycleState", "")))
+                found.append(
+                    Leftover("efs-mount-target", target["MountTargetId"], True, target.get("LifeCycleState", ""))
+                )
     return found
 
 

@@ -104,13 +104,32 @@ NODE_VARIABLE = "CLUSTER_NODE"
 """The node's name (`node-<i>`), which tells nodes apart where several share one machine."""
 PROGRESS_VARIABLE = "CLUSTER_PROGRESS_DIR"
 """Where a rank's monitor writes (the run's `progress_dir`)."""
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME")
+TORCHRUN_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+)
 """What torchrun gives every worker, beside what the node environment and the launch set."""
 RESERVED_PREFIXES = ("CLUSTER_", "TORCHELASTIC_")
 """Variables a user's --env may not set: any of these prefixes, and `RESERVED_VARIABLES`."""
-RESERVED_VARIABLES = ("NODE_RANK", "NNODES", "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "NCCL_SOCKET_IFNAME",
-                      "GLOO_SOCKET_IFNAME", "PYTHONPATH", "PYTHONUNBUFFERED", *TORCHRUN_VARIABLES)
+RESERVED_VARIABLES = (
+    "NODE_RANK",
+    "NNODES",
+    "NPROC_PER_NODE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NCCL_SOCKET_IFNAME",
+    "GLOO_SOCKET_IFNAME",
+    "PYTHONPATH",
+    "PYTHONUNBUFFERED",
+    *TORCHRUN_VARIABLES,
+)
 """The node environment's, torchrun's and the launch's own variables."""
 
 
@@ -136,7 +155,7 @@ def in_home(path: str) -> str:
 
 def home_relative(path: str) -> str:
     """`$HOME/x` as `x`, for a program's argument list (programs start in the home); other paths as they are."""
-    return path[len("$HOME/"):] if path.startswith("$HOME/") else path
+    return path[len("$HOME/") :] if path.startswith("$HOME/") else path
 
 
 def shell(path: str) -> str:

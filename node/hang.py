@@ -61,7 +61,7 @@ def read_ranks(folder: str, run_id: str, now: float) -> list[dict]:
         if rank not in records or records[rank].get("pid") != pid:
             records[rank] = {"rank": rank, "pid": pid, "time": now, "reported": False}
     ranks = []
-    for rank, record in sorted(records.items()):
+    for _rank, record in sorted(records.items()):
         record.setdefault("reported", True)
         record["node"] = record.get("node") or os.environ.get(contract.NODE_VARIABLE, "")
         record["age_s"] = round(now - float(record.get("time", now)), 3)
@@ -82,7 +82,8 @@ def collect(folder: str, run_id: str, wait_s: float, py_spy: str | None) -> dict
     ranks = read_ranks(folder, run_id, requested_at)
     dumps = _wait_for_dumps(folder, ranks, requested_at, wait_s)
     with ThreadPoolExecutor(max_workers=max(1, len(ranks))) as pool:
-        stacks = dict(zip((str(r["rank"]) for r in ranks), pool.map(lambda r: py_spy_dump(py_spy, r["pid"]), ranks)))
+        answers = pool.map(lambda r: py_spy_dump(py_spy, r["pid"]), ranks)
+        stacks = dict(zip((str(r["rank"]) for r in ranks), answers, strict=True))
     now = time.time()
     return {"now": now, "ranks": read_ranks(folder, run_id, now), "dumps": dumps, "py_spy": stacks}
 
@@ -112,8 +113,12 @@ def py_spy_dump(py_spy: str | None, pid: int) -> str:
     if not py_spy:
         return "py-spy is not installed on this node"
     try:
-        result = subprocess.run([py_spy, "dump", "--nonblocking", "--pid", str(pid)],
-                                capture_output=True, text=True, timeout=PY_SPY_TIMEOUT_S)
+        result = subprocess.run(
+            [py_spy, "dump", "--nonblocking", "--pid", str(pid)],
+            capture_output=True,
+            text=True,
+            timeout=PY_SPY_TIMEOUT_S,
+        )
     except subprocess.TimeoutExpired:
         return f"py-spy timed out after {PY_SPY_TIMEOUT_S} s"
     except OSError as exc:

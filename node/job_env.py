@@ -52,8 +52,12 @@ def install(dest: str, requirements: str, log: str, cwd: str) -> dict:
     python = os.path.join(dest, "bin", "python")
     python_env.ensure_pip(python)
     with open(log, "w") as out:
-        pip = subprocess.run([python, "-m", "pip", "install", "--disable-pip-version-check", "--no-input",
-                              "-r", requirements], stdout=out, stderr=subprocess.STDOUT, cwd=cwd)
+        pip = subprocess.run(
+            [python, "-m", "pip", "install", "--disable-pip-version-check", "--no-input", "-r", requirements],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+        )
     if pip.returncode != 0:
         return {"ok": False, "error": error_line(log), "log": log}
     with open(os.path.join(dest, READY), "w") as f:

@@ -29,16 +29,21 @@ def tool(name: str) -> str | None:
 
 def run(*argv: str) -> str:
     try:
-        return subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                              universal_newlines=True, timeout=30).stdout
+        return subprocess.run(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, universal_newlines=True, timeout=30
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return ""
 
 
 def succeeds(*argv: str) -> bool:
     try:
-        return subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, timeout=30).returncode == 0
+        return (
+            subprocess.run(
+                argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -47,8 +52,11 @@ def gpus() -> dict:
     if not shutil.which("nvidia-smi"):
         return {"gpus": [], "driver": None, "cuda": None}
     rows = run("nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits")
-    found = [dict(zip(("name", "memory_mib", "driver"), (c.strip() for c in row.split(","))))
-             for row in rows.splitlines() if row.strip()]
+    found = [
+        dict(zip(("name", "memory_mib", "driver"), (c.strip() for c in row.split(","))))
+        for row in rows.splitlines()
+        if row.strip()
+    ]
     cuda = re.search(r"CUDA Version:\s*([\d.]+)", run("nvidia-smi"))
     return {"gpus": found, "driver": found[0]["driver"] if found else None, "cuda": cuda.group(1) if cuda else None}
 

@@ -107,8 +107,7 @@ def pids_with_environment(*entries: str, exclude=None) -> list:
     and those in `exclude`); empty without /proc."""
     wanted = [entry.split("=", 1) for entry in entries]
     skip = {os.getpid(), *(exclude or ())}
-    return [pid for pid, variables in environments(skip)
-            if all(variables.get(name) == value for name, value in wanted)]
+    return [pid for pid, variables in environments(skip) if all(variables.get(name) == value for name, value in wanted)]
 
 
 def command_line(pid: int) -> list:

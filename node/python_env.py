@@ -129,24 +129,34 @@ def _distribution_version(name: str):
 
 def in_venv(python: str, mode: str):
     """This file's `mode` run by the venv's interpreter; its JSON answer."""
-    result = subprocess.run([python, os.path.abspath(__file__), mode], stdout=subprocess.PIPE,
-                            universal_newlines=True, check=True)
+    result = subprocess.run([python, os.path.abspath(__file__), mode], stdout=subprocess.PIPE, text=True, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def ensure_pip(python: str) -> None:
-    if subprocess.run([python, "-m", "pip", "--version"], stdout=subprocess.DEVNULL,
-                      stderr=subprocess.DEVNULL).returncode == 0:
+    if (
+        subprocess.run(
+            [python, "-m", "pip", "--version"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        ).returncode
+        == 0
+    ):
         return
     if subprocess.run([python, "-m", "ensurepip", "--default-pip"], stdout=subprocess.DEVNULL).returncode == 0:
         return
     # Debian and Ubuntu ship ensurepip apart, in python3.X-venv; install it where sudo needs no password.
     package = f"python{sys.version_info[0]}.{sys.version_info[1]}-venv"
-    installed = subprocess.run(["sudo", "-n", "apt-get", "install", "-y", "-qq", package],
-                               env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}).returncode == 0
+    installed = (
+        subprocess.run(
+            ["sudo", "-n", "apt-get", "install", "-y", "-qq", package],
+            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+        ).returncode
+        == 0
+    )
     if not installed or subprocess.run([python, "-m", "ensurepip", "--default-pip"]).returncode != 0:
-        sys.exit(f"{sys.executable} has no pip or ensurepip: install {package} (or set python: to an interpreter "
-                 "that has torch)")
+        sys.exit(
+            f"{sys.executable} has no pip or ensurepip: install {package} (or set python: to an interpreter "
+            "that has torch)"
+        )
 
 
 def requirement_lines(path: str) -> list:
@@ -191,8 +201,18 @@ def main(argv: list) -> None:
     found = in_venv(python, "--facts")
     if found["missing"]:
         sys.exit(f"{python} still lacks {', '.join(found['missing'])} after installing {requirements}")
-    print(json.dumps({**found, "python": python, "over": sys.executable, "created": created,
-                      "layered": is_layered_env(), "installed": installed}))
+    print(
+        json.dumps(
+            {
+                **found,
+                "python": python,
+                "over": sys.executable,
+                "created": created,
+                "layered": is_layered_env(),
+                "installed": installed,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

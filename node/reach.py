@@ -27,7 +27,7 @@ def listen(address: str, port: int, expected: int) -> int:
             try:
                 server.accept()[0].close()
                 seen += 1
-            except socket.timeout:
+            except TimeoutError:
                 pass
     print(seen)
     return 0

@@ -45,7 +45,7 @@ def file_sha256(path: str) -> str:
 def regular_files(root: str) -> list:
     """Paths (relative, with '/') of the regular files under `root`; symbolic links are not followed."""
     found = []
-    for folder, dirs, names in os.walk(root):
+    for folder, _dirs, names in os.walk(root):
         for name in names:
             path = os.path.join(folder, name)
             if stat.S_ISREG(os.lstat(path).st_mode):
@@ -90,7 +90,7 @@ def remove(files: str, relative: str) -> None:
 def write_member(bundle: tarfile.TarFile, member: tarfile.TarInfo, files: str, umask: int) -> None:
     if not member.isreg() or not member.name.startswith(f"{FILES}/"):
         raise ValueError(f"refusing the member {member.name!r} in a bundle")
-    path = os.path.join(files, safe_relative(member.name[len(FILES) + 1:]))
+    path = os.path.join(files, safe_relative(member.name[len(FILES) + 1 :]))
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)  # a folder of the last sync is a file now
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -134,8 +134,14 @@ def apply(cache: str, bundle_path: str) -> dict:
 
 def results(run_dir: str, results_dir: str) -> list:
     """The files a launch fetches: the results folder, whole, and the run folder's metrics file."""
-    found = [{"remote": os.path.join(results_dir, path), "name": f"results/{path}",
-              "size": os.path.getsize(os.path.join(results_dir, path))} for path in regular_files(results_dir)]
+    found = [
+        {
+            "remote": os.path.join(results_dir, path),
+            "name": f"results/{path}",
+            "size": os.path.getsize(os.path.join(results_dir, path)),
+        }
+        for path in regular_files(results_dir)
+    ]
     for name in RESULT_FILES:
         path = os.path.join(run_dir, name)
         if os.path.isfile(path) and not os.path.islink(path):
@@ -150,10 +156,13 @@ def folder_bytes(root: str) -> int:
 def clean(runs: str, keep: int) -> dict:
     """Remove `workdir/` and `results/` of every run but the newest `keep` (run ids sort by time);
     anything else in a run's folder (on clusters without shared storage, its checkpoints) stays."""
-    run_ids = sorted(name for name in os.listdir(runs) if os.path.isdir(os.path.join(runs, name))) \
-        if os.path.isdir(runs) else []
+    run_ids = (
+        sorted(name for name in os.listdir(runs) if os.path.isdir(os.path.join(runs, name)))
+        if os.path.isdir(runs)
+        else []
+    )
     removed, freed = 0, 0
-    for run_id in run_ids[:max(0, len(run_ids) - keep)]:
+    for run_id in run_ids[: max(0, len(run_ids) - keep)]:
         copies = [os.path.join(runs, run_id, name) for name in contract.RUN_COPIES]
         copies = [path for path in copies if os.path.isdir(path) and not os.path.islink(path)]
         for path in copies:

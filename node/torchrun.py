@@ -23,8 +23,10 @@ import os
 import socket
 import sys
 
-FALLBACK = ("gpu-cluster: this torch cannot bind the {what} to one address; it listens on every interface "
-            "for this job (see the README, 'What a job exposes')")
+FALLBACK = (
+    "gpu-cluster: this torch cannot bind the {what} to one address; it listens on every interface "
+    "for this job (see the README, 'What a job exposes')"
+)
 
 
 def listening_socket(address: str, port: int) -> socket.socket:
@@ -42,8 +44,9 @@ def bound_store(address: str, port: int):
 
     sock = listening_socket(address, port)
     bound_port = sock.getsockname()[1]
-    return TCPStore(address, bound_port, is_master=True, multi_tenant=True, wait_for_workers=False,
-                    master_listen_fd=sock.detach())
+    return TCPStore(
+        address, bound_port, is_master=True, multi_tenant=True, wait_for_workers=False, master_listen_fd=sock.detach()
+    )
 
 
 def stores_can_be_bound() -> bool:

@@ -135,7 +135,7 @@ class Bootstrap:
         sessions, recorded = open_sessions(self.cluster, f"cat {commands.STATE_FILE} 2>/dev/null || echo '{{}}'")
         try:
             self._refuse_busy_port(sessions[0])
-            self.records = [NodeRecord(s, _parse_state(text)) for s, text in zip(sessions, recorded)]
+            self.records = [NodeRecord(s, _parse_state(text)) for s, text in zip(sessions, recorded, strict=True)]
             for name, stage in self.stages():
                 stage_started = time.monotonic()
                 self._run_stage(name, stage)
@@ -146,9 +146,14 @@ class Bootstrap:
                     raise Exit(code=1)
             self._save_setup()
             self._report()
-            fresh = all(o.status in ("up to date", "shared", "n/a") for per in self.outcomes.values() for o in per.values())
-            say(f"bootstrap: {len(sessions)} nodes {'up to date' if fresh else 'ready'} in {time.monotonic() - started:.1f} s; "
-                "next: fab hello, fab run-ddp")
+            fresh = all(
+                o.status in ("up to date", "shared", "n/a") for per in self.outcomes.values() for o in per.values()
+            )
+            say(
+                f"bootstrap: {len(sessions)} nodes {'up to date' if fresh else 'ready'} "
+                f"in {time.monotonic() - started:.1f} s; "
+                "next: fab hello, fab run-ddp"
+            )
         finally:
             for session in sessions:
                 session.close()
@@ -157,8 +162,11 @@ class Bootstrap:
         """MASTER_PORT may not be a node's SSH port; checked before anything connects."""
         for node in self.cluster.nodes:
             if node.ssh_port == self.master_port:
-                raise Exit(f"error: --master-port {self.master_port} is the SSH port of {node.name}: "
-                           "pick another, e.g. --master-port 29500", code=2)
+                raise Exit(
+                    f"error: --master-port {self.master_port} is the SSH port of {node.name}: "
+                    "pick another, e.g. --master-port 29500",
+                    code=2,
+                )
 
     def _refuse_busy_port(self, head: NodeSession) -> None:
         """MASTER_PORT must be free on the head node's MASTER_ADDR, checked before any stage writes."""
@@ -170,16 +178,28 @@ class Bootstrap:
         if verdict == "free":
             return
         if not verdict.startswith("in use"):
-            raise Exit(f"error: could not check MASTER_PORT {port} on {head.node.name}: "
-                       f"{(result.stderr.strip() or verdict)[-200:]}", code=1)
+            raise Exit(
+                f"error: could not check MASTER_PORT {port} on {head.node.name}: "
+                f"{(result.stderr.strip() or verdict)[-200:]}",
+                code=1,
+            )
         job, _ = commands.parse_job_status(head.run(commands.job_status_command()).stdout)
-        why = (f"job {job['run_id']} ({job['task']}) runs there: wait for it or run fab stop" if job
-               else f"{verdict}: pick another with --master-port")
+        why = (
+            f"job {job['run_id']} ({job['task']}) runs there: wait for it or run fab stop"
+            if job
+            else f"{verdict}: pick another with --master-port"
+        )
         raise Exit(f"error: MASTER_PORT {port} is not free on {head.node.name} ({address}): {why}", code=2)
 
     def stages(self) -> list[tuple[str, Callable[[NodeRecord], Outcome]]]:
-        return [("code", self.code), ("probe", self.probe), ("deps", self.deps), ("env", self.env), ("health", None),
-                ("watchdog", self.watchdog)]
+        return [
+            ("code", self.code),
+            ("probe", self.probe),
+            ("deps", self.deps),
+            ("env", self.env),
+            ("health", None),
+            ("watchdog", self.watchdog),
+        ]
 
     def _run_stage(self, name: str, stage) -> None:
         if name == "health":
@@ -194,7 +214,8 @@ class Bootstrap:
 
         results = on_all_nodes([r.session for r in self.records], lambda s: apply(self._record_of(s)))
         self.outcomes[name] = {
-            r.name: (o if isinstance(o, Outcome) else Outcome("failed", describe(o))) for r, o in zip(self.records, results)
+            r.name: (o if isinstance(o, Outcome) else Outcome("failed", describe(o)))
+            for r, o in zip(self.records, results, strict=True)
         }
 
     def _record_of(self, session: NodeSession) -> NodeRecord:
@@ -232,11 +253,15 @@ class Bootstrap:
             return Outcome("up to date", f"{len(self.manifest)} files")
         folders = sorted({str(Path(p).parent) for p in changed})
         if folders:
-            record.session.run("mkdir -p " + " ".join(commands.shell_path(f"{destination}/{f}") for f in folders), warn=False)
+            record.session.run(
+                "mkdir -p " + " ".join(commands.shell_path(f"{destination}/{f}") for f in folders), warn=False
+            )
         for path in changed:
             record.session.conn.put(str(REPO / path), remote=_sftp(destination, path))
         if stale:
-            record.session.run("rm -f " + " ".join(commands.shell_path(f"{destination}/{p}") for p in stale), warn=False)
+            record.session.run(
+                "rm -f " + " ".join(commands.shell_path(f"{destination}/{p}") for p in stale), warn=False
+            )
         self._record(record, "code", digest(self.manifest), {"files": len(self.manifest)})
         return Outcome("done", f"{len(changed)} sent, {len(stale)} removed")
 
@@ -262,10 +287,14 @@ class Bootstrap:
             return Outcome("up to date", _torch(record.facts("deps")))
         record.session.run(f"mkdir -p {contract.shell(contract.HOME_DIR)}", warn=False)
         record.session.conn.put(io.StringIO(requirements), remote=contract.REQUIREMENTS)
-        command = commands.node_module(self.cluster, self.cluster.python, "python_env", contract.VENV, contract.REQUIREMENTS)
+        command = commands.node_module(
+            self.cluster, self.cluster.python, "python_env", contract.VENV, contract.REQUIREMENTS
+        )
         result = record.session.run(f"cd && {command}", timeout=1800)
         if result.exited != 0:
-            raise StageFailed(f"the node venv over {self.cluster.python} could not be made", result.stdout + result.stderr)
+            raise StageFailed(
+                f"the node venv over {self.cluster.python} could not be made", result.stdout + result.stderr
+            )
         facts = commands.parse_last_json(result.stdout)
         self._record(record, "deps", wanted, facts)
         return Outcome("done", _torch(facts))
@@ -273,7 +302,9 @@ class Bootstrap:
     def env(self, record: NodeRecord) -> Outcome:
         index = self.records.index(record)
         interface = record.facts("probe")["interface"]
-        environment = commands.node_environment(self.cluster, index, interface, self.python_for(record), self.master_port)
+        environment = commands.node_environment(
+            self.cluster, index, interface, self.python_for(record), self.master_port
+        )
         text = commands.env_file_text(environment)
         wanted = digest(text)
         if self._up_to_date(record, "env", wanted):
@@ -293,25 +324,31 @@ class Bootstrap:
             return reachable
         outcomes = self._check_all_reduce()
         if all(o.status == "done" for o in outcomes.values()):
-            on_all_nodes([r.session for r in self.records], lambda s: self._record(self._record_of(s), "health", wanted, {}))
+            on_all_nodes(
+                [r.session for r in self.records], lambda s: self._record(self._record_of(s), "health", wanted, {})
+            )
         return outcomes
 
     def _check_master_reachable(self) -> dict[str, Outcome]:
         head = self.records[0]
         address, port = self.cluster.head.private_ip, str(self.master_port)
-        listen_command = commands.node_module(self.cluster, self.python_for(head), "reach", "listen", address, port,
-                                              str(len(self.records)))
+        listen_command = commands.node_module(
+            self.cluster, self.python_for(head), "reach", "listen", address, port, str(len(self.records))
+        )
         listened = []
         listener = threading.Thread(target=lambda: listened.append(head.session.run(listen_command)))
         listener.start()
         results = on_all_nodes(
             [r.session for r in self.records],
-            lambda s: s.run(commands.node_module(self.cluster, self.python_for(self._record_of(s)), "reach", "connect",
-                                                 address, port)),
+            lambda s: s.run(
+                commands.node_module(
+                    self.cluster, self.python_for(self._record_of(s)), "reach", "connect", address, port
+                )
+            ),
         )
         listener.join()
         outcomes = {}
-        for record, result in zip(self.records, results):
+        for record, result in zip(self.records, results, strict=True):
             if isinstance(result, BaseException):
                 outcomes[record.name] = Outcome("failed", describe(result))
             elif result.exited != 0:
@@ -326,11 +363,20 @@ class Bootstrap:
 
     def _check_all_reduce(self) -> dict[str, Outcome]:
         world = sum(commands.nproc_per_node(n.gpus) for n in self.cluster.nodes)
-        spec = JobSpec("health", "examples/distributed_hello.py", ["--expect-world-size", str(world), "--timeout", "60"])
+        spec = JobSpec(
+            "health", "examples/distributed_hello.py", ["--expect-world-size", str(world), "--timeout", "60"]
+        )
         setup = NodeSetup(self.master_port, {r.name: self.python_for(r) for r in self.records})
         run_id = commands.new_run_id("health")
-        result = run_job(self.cluster, [r.session for r in self.records], spec, setup, run_id,
-                         self.stack_dir / "bootstrap", echo=False)
+        result = run_job(
+            self.cluster,
+            [r.session for r in self.records],
+            spec,
+            setup,
+            run_id,
+            self.stack_dir / "bootstrap",
+            echo=False,
+        )
         self.records[0].session.run(f"rm -rf {commands.shell_path(commands.remote_run_dir(self.cluster, run_id))}")
         outcomes = {}
         for record in self.records:
@@ -338,7 +384,9 @@ class Bootstrap:
             if code == 0:
                 outcomes[record.name] = Outcome("done", f"all-reduce ok ({world} ranks)")
             else:
-                outcomes[record.name] = Outcome("failed", f"all-reduce failed (exit {code})", "\n".join(result.tails[record.name]))
+                outcomes[record.name] = Outcome(
+                    "failed", f"all-reduce failed (exit {code})", "\n".join(result.tails[record.name])
+                )
         return outcomes
 
     def watchdog(self, record: NodeRecord) -> Outcome:
@@ -346,8 +394,13 @@ class Bootstrap:
         if record is not self.records[0]:
             return Outcome("n/a", "")
         guards = {k: v for k, v in _read_json(self.stack_dir / state.GUARDS).items() if v is not None}
-        wanted = digest(guards, self.cluster.hourly_usd, self.cluster.created_at, self.python_for(record),
-                        *((REPO / path).read_text() for path in WATCHDOG_CODE))
+        wanted = digest(
+            guards,
+            self.cluster.hourly_usd,
+            self.cluster.created_at,
+            self.python_for(record),
+            *((REPO / path).read_text() for path in WATCHDOG_CODE),
+        )
         alive = record.session.run(self._watchdog_alive_command()).exited == 0
         if self._up_to_date(record, "watchdog", wanted) and alive == bool(guards):
             return Outcome("up to date", _guard_text(guards))
@@ -367,11 +420,22 @@ class Bootstrap:
     def _watchdog_argv(self, record: NodeRecord, guards: dict) -> list[str]:
         from datetime import datetime
 
-        home = record.facts('probe').get('home') or '~'
-        argv = [self.python_for(record), "-m", "harness.watchdog", "--shared-dir", self.cluster.shared_dir,
-                "--hourly-usd", f"{self.cluster.hourly_usd:g}",
-                "--started-at", f"{datetime.fromisoformat(self.cluster.created_at).timestamp():.0f}",
-                "--job-file", f"{home}/{contract.JOB}", "--progress-dir", f"{home}/{contract.PROGRESS}"]
+        home = record.facts("probe").get("home") or "~"
+        argv = [
+            self.python_for(record),
+            "-m",
+            "harness.watchdog",
+            "--shared-dir",
+            self.cluster.shared_dir,
+            "--hourly-usd",
+            f"{self.cluster.hourly_usd:g}",
+            "--started-at",
+            f"{datetime.fromisoformat(self.cluster.created_at).timestamp():.0f}",
+            "--job-file",
+            f"{home}/{contract.JOB}",
+            "--progress-dir",
+            f"{home}/{contract.PROGRESS}",
+        ]
         if guards.get("max_total_usd") is not None:
             argv += ["--max-total-usd", f"{guards['max_total_usd']:g}"]
         if guards.get("idle_minutes") is not None:
@@ -387,25 +451,29 @@ class Bootstrap:
             # The braces matter: `cd X && Y &` would put a subshell in the background that keeps the
             # session's output open (the command would not return until the watchdog exits) and whose
             # pid, not the watchdog's, `$!` would record.
-            return (f"cd {commands.shell_path(code)} && {{ PYTHONPATH={commands.shell_path(code)} setsid {argv} "
-                    f">> {contract.shell(contract.WATCHDOG_LOG)} 2>&1 < /dev/null & "
-                    f"echo $! > {contract.shell(contract.WATCHDOG_PID)}; }}")
+            return (
+                f"cd {commands.shell_path(code)} && {{ PYTHONPATH={commands.shell_path(code)} setsid {argv} "
+                f">> {contract.shell(contract.WATCHDOG_LOG)} 2>&1 < /dev/null & "
+                f"echo $! > {contract.shell(contract.WATCHDOG_PID)}; }}"
+            )
         unit = WATCHDOG_UNIT.format(user=record.session.node.ssh_user, code=code, argv=argv)
         record.session.conn.put(io.StringIO(unit), remote=contract.WATCHDOG_UNIT_FILE)
-        return (f"sudo -n install -m 644 {contract.shell(contract.WATCHDOG_UNIT_FILE)} /etc/systemd/system/ && "
-                f"sudo -n systemctl daemon-reload && sudo -n systemctl enable {contract.WATCHDOG_UNIT} && "
-                f"sudo -n systemctl restart {contract.WATCHDOG_UNIT}")
+        return (
+            f"sudo -n install -m 644 {contract.shell(contract.WATCHDOG_UNIT_FILE)} /etc/systemd/system/ && "
+            f"sudo -n systemctl daemon-reload && sudo -n systemctl enable {contract.WATCHDOG_UNIT} && "
+            f"sudo -n systemctl restart {contract.WATCHDOG_UNIT}"
+        )
 
     def _watchdog_alive_command(self) -> str:
         if self.cluster.daemon == "detached":
             pid = contract.shell(contract.WATCHDOG_PID)
-            return f"[ -f {pid} ] && kill -0 \"$(cat {pid})\" 2>/dev/null"
+            return f'[ -f {pid} ] && kill -0 "$(cat {pid})" 2>/dev/null'
         return f"systemctl is-active --quiet {contract.WATCHDOG_UNIT}"
 
     def _watchdog_stop_command(self) -> str:
         if self.cluster.daemon == "detached":
             pid = contract.shell(contract.WATCHDOG_PID)
-            return f"kill -TERM -- -\"$(cat {pid})\" 2>/dev/null; rm -f {pid}; true"
+            return f'kill -TERM -- -"$(cat {pid})" 2>/dev/null; rm -f {pid}; true'
         return f"sudo -n systemctl disable --now {contract.WATCHDOG_UNIT}; true"
 
     # ------------------------------------------------------------------------------- results
@@ -430,7 +498,8 @@ class Bootstrap:
             for stage in self.outcomes:
                 outcome = self.outcomes[stage][record.name]
                 mark = {"failed": "[red]FAILED[/red]", "done": "[green]ok[/green]", "n/a": "-"}.get(
-                    outcome.status, outcome.status)
+                    outcome.status, outcome.status
+                )
                 cells.append(f"{mark} {outcome.detail}".strip())
             table.add_row(record.name, *cells)
         out = console()

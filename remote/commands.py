@@ -42,8 +42,10 @@ def nproc_problem(nodes: tuple[NodeInfo, ...], requested: int | None) -> str | N
         return f"--nproc-per-node must be at least 1, not {requested}"
     for node in nodes:
         if 0 < node.gpus < requested:
-            return (f"--nproc-per-node {requested} is more than {node.name}'s {node.gpus} GPU(s): "
-                    f"use at most {node.gpus} (one process per GPU)")
+            return (
+                f"--nproc-per-node {requested} is more than {node.name}'s {node.gpus} GPU(s): "
+                f"use at most {node.gpus} (one process per GPU)"
+            )
     return None
 
 
@@ -73,8 +75,9 @@ def node_module(cluster: ClusterInfo, python: str, module: str, *args: str) -> s
     return " ".join([shlex.quote(python), path, *map(shlex.quote, args)])
 
 
-def node_environment(cluster: ClusterInfo, index: int, interface: str, python: str,
-                     master_port: int = DEFAULT_MASTER_PORT) -> dict[str, str]:
+def node_environment(
+    cluster: ClusterInfo, index: int, interface: str, python: str, master_port: int = DEFAULT_MASTER_PORT
+) -> dict[str, str]:
     """The node environment of ARCHITECTURE.md for node `index`, as bootstrap writes it."""
     node = cluster.nodes[index]
     env = {
@@ -109,8 +112,9 @@ def env_file_text(env: dict[str, str]) -> str:
 TORCHRUN = "$CLUSTER_CODE_DIR/node/torchrun.py"
 
 
-def torchrun_argv(cluster: ClusterInfo, node: NodeInfo, run_id: str, max_restarts: int, master_port: int,
-                  nproc: int | None = None) -> list[str]:
+def torchrun_argv(
+    cluster: ClusterInfo, node: NodeInfo, run_id: str, max_restarts: int, master_port: int, nproc: int | None = None
+) -> list[str]:
     """torchrun with c10d rendezvous on node-0 and a fresh rendezvous id per run (the script follows).
 
     `--local-addr` is each node's private address: c10d ranks nodes by (address, pid), so with the
@@ -148,8 +152,9 @@ def results_dir(run_id: str) -> str:
     return f"{node_run_dir(run_id)}/{contract.RUN_RESULTS}"
 
 
-def job_variables(cluster: ClusterInfo, node: NodeInfo, run_id: str, nproc: int | None = None,
-                  python: str | None = None) -> dict[str, str]:
+def job_variables(
+    cluster: ClusterInfo, node: NodeInfo, run_id: str, nproc: int | None = None, python: str | None = None
+) -> dict[str, str]:
     """What the launch sets on top of the node environment; each value a word or a path (`shell_path`).
 
     MASTER_PORT, NPROC_PER_NODE and CLUSTER_PYTHON come from the node environment (`node_environment`,
@@ -179,10 +184,23 @@ def reserved_variable(key: str) -> bool:
     return key in contract.RESERVED_VARIABLES or key.startswith(contract.RESERVED_PREFIXES)
 
 
-def launch_command(cluster: ClusterInfo, node: NodeInfo, run_id: str, task: str, script: str,
-                   script_args: list[str], max_restarts: int, master_port: int, nproc: int | None = None,
-                   job_env: dict[str, str] | None = None, pythonpath_first: tuple[str, ...] = (), *,
-                   workdir_key: str | None = None, python: str | None = None, env: dict[str, str] | None = None) -> str:
+def launch_command(
+    cluster: ClusterInfo,
+    node: NodeInfo,
+    run_id: str,
+    task: str,
+    script: str,
+    script_args: list[str],
+    max_restarts: int,
+    master_port: int,
+    nproc: int | None = None,
+    job_env: dict[str, str] | None = None,
+    pythonpath_first: tuple[str, ...] = (),
+    *,
+    workdir_key: str | None = None,
+    python: str | None = None,
+    env: dict[str, str] | None = None,
+) -> str:
     """Source the node environment, make the run's folders, record the job, run torchrun, then print
     the exit marker.
 
@@ -208,15 +226,20 @@ def launch_command(cluster: ClusterInfo, node: NodeInfo, run_id: str, task: str,
     torchrun = " ".join(shell_path(a) for a in torchrun_argv(cluster, node, run_id, max_restarts, master_port, nproc))
     arguments = " ".join(shlex.quote(a) for a in script_args)
     progress = f"~/{contract.PROGRESS}"
-    return " && ".join([
-        f". {ENV_FILE}",
-        f"mkdir -p {shell_path(remote_run_dir(cluster, run_id))} {shell_path(results_dir(run_id))}",
-        _workdir_step(run_id, workdir_key),
-        f"cd {shell_path(job_workdir(run_id))}",
-        f"rm -rf {progress} && mkdir -p {progress}/{shlex.quote(run_id)}",
-        f"echo \"$$ {shlex.quote(run_id)} {shlex.quote(task)}\" > {JOB_FILE}",
-        f"env {' '.join(assignments)} {interpreter} {torchrun} {shell_path(script)} {arguments} 2>&1",
-    ]) + f"; code=$?; echo \"{EXIT_MARKER} $code ${{EPOCHREALTIME:-$(date +%s.%N)}}\"; exit $code"
+    return (
+        " && ".join(
+            [
+                f". {ENV_FILE}",
+                f"mkdir -p {shell_path(remote_run_dir(cluster, run_id))} {shell_path(results_dir(run_id))}",
+                _workdir_step(run_id, workdir_key),
+                f"cd {shell_path(job_workdir(run_id))}",
+                f"rm -rf {progress} && mkdir -p {progress}/{shlex.quote(run_id)}",
+                f'echo "$$ {shlex.quote(run_id)} {shlex.quote(task)}" > {JOB_FILE}',
+                f"env {' '.join(assignments)} {interpreter} {torchrun} {shell_path(script)} {arguments} 2>&1",
+            ]
+        )
+        + f'; code=$?; echo "{EXIT_MARKER} $code ${{EPOCHREALTIME:-$(date +%s.%N)}}"; exit $code'
+    )
 
 
 def _workdir_step(run_id: str, workdir_key: str | None) -> str:
@@ -246,8 +269,10 @@ def lock_command(run_id: str, task: str, owner: str) -> str:
     """Take the one-job lock on this (head) node and hold it while the channel stays open
     (node/job_lock.py); CLUSTER_RUN_ID marks the holder as part of the job for `stop`."""
     holder = " ".join(shlex.quote(a) for a in (run_id, task, owner))
-    return (f". {ENV_FILE} && exec env {contract.RUN_ID_VARIABLE}={shlex.quote(run_id)} \"$CLUSTER_PYTHON\" "
-            f"\"$CLUSTER_CODE_DIR\"/node/job_lock.py {LOCK_FILE} {holder}")
+    return (
+        f'. {ENV_FILE} && exec env {contract.RUN_ID_VARIABLE}={shlex.quote(run_id)} "$CLUSTER_PYTHON" '
+        f'"$CLUSTER_CODE_DIR"/node/job_lock.py {LOCK_FILE} {holder}'
+    )
 
 
 def parse_lock_reply(line: str) -> tuple[str, dict | None]:
@@ -256,7 +281,7 @@ def parse_lock_reply(line: str) -> tuple[str, dict | None]:
     if parts == ["locked"]:
         return "locked", None
     if len(parts) == 5 and parts[0] == "held":
-        return "held", dict(zip(("run_id", "task", "owner", "since"), parts[1:]))
+        return "held", dict(zip(("run_id", "task", "owner", "since"), parts[1:], strict=False))
     return "failed", None
 
 
@@ -264,16 +289,15 @@ def shell_path(path: str) -> str:
     """Quote a path for the shell but leave a leading $HOME or $CLUSTER_CODE_DIR to be expanded."""
     for variable in ("$HOME", "$CLUSTER_CODE_DIR"):
         if path == variable:
-            return f"\"{variable}\""
+            return f'"{variable}"'
         if path.startswith(variable + "/"):
-            return f"\"{variable}\"/" + shlex.quote(path[len(variable) + 1:])
+            return f'"{variable}"/' + shlex.quote(path[len(variable) + 1 :])
     return shlex.quote(path)
 
 
 # A process is alive if /proc says so and it is not a zombie (where /proc exists), else if kill -0 works.
 _ALIVE = (
-    "alive() { if [ -r /proc/$1/stat ]; then ! grep -q ') Z ' /proc/$1/stat; "
-    "else kill -0 \"$1\" 2>/dev/null; fi; }"
+    "alive() { if [ -r /proc/$1/stat ]; then ! grep -q ') Z ' /proc/$1/stat; else kill -0 \"$1\" 2>/dev/null; fi; }"
 )
 
 
@@ -281,8 +305,8 @@ def job_status_command() -> str:
     """Prints `running PID RUN_ID TASK`, `idle`, plus `bootstrapped` when the env file exists."""
     return (
         f"{_ALIVE}; "
-        f"if [ -f {JOB_FILE} ] && read -r pid run task < {JOB_FILE} && alive \"$pid\"; "
-        "then echo \"running $pid $run $task\"; else echo idle; fi; "
+        f'if [ -f {JOB_FILE} ] && read -r pid run task < {JOB_FILE} && alive "$pid"; '
+        'then echo "running $pid $run $task"; else echo idle; fi; '
         f"[ -f {ENV_FILE} ] && echo bootstrapped || true"
     )
 
@@ -305,7 +329,7 @@ def parse_tagged(output: str, tag: str) -> str | None:
     """The value of a `TAG value` line of `launch_status_command`'s output ('' for an empty one)."""
     for line in output.splitlines():
         if line == tag or line.startswith(tag + " "):
-            return line[len(tag):].strip()
+            return line[len(tag) :].strip()
     return None
 
 
@@ -324,16 +348,18 @@ def stop_command(grace_s: int = TERMINATE_GRACE_S) -> str:
     """End every job on the node (node/stop_jobs.py): SIGTERM, SIGKILL after `grace_s`.
     Prints `stopped RUN_ID...` or `idle`."""
     source = standalone.source("stop_jobs")
-    return f". {ENV_FILE} 2>/dev/null; \"${{CLUSTER_PYTHON:-python3}}\" -c {shlex.quote(source)} {JOB_FILE} {grace_s}"
+    return f'. {ENV_FILE} 2>/dev/null; "${{CLUSTER_PYTHON:-python3}}" -c {shlex.quote(source)} {JOB_FILE} {grace_s}'
 
 
 def hash_files_command(folder: str, tops: tuple[str, ...]) -> str:
     """sha256 of every file under `folder`/TOP (caches aside) as `HASH  TOP/PATH` lines; coreutils only,
     so it runs before the node has any Python we trust. An absent folder lists nothing."""
     names = " ".join(shlex.quote(top) for top in tops)
-    return (f"cd {shell_path(folder)} 2>/dev/null || exit 0; "
-            "if command -v sha256sum >/dev/null; then h=sha256sum; else h='shasum -a 256'; fi; "
-            f"find {names} -type f ! -path '*/__pycache__/*' -exec $h {{}} + 2>/dev/null; true")
+    return (
+        f"cd {shell_path(folder)} 2>/dev/null || exit 0; "
+        "if command -v sha256sum >/dev/null; then h=sha256sum; else h='shasum -a 256'; fi; "
+        f"find {names} -type f ! -path '*/__pycache__/*' -exec $h {{}} + 2>/dev/null; true"
+    )
 
 
 def parse_hashes(output: str) -> dict[str, str]:

@@ -112,8 +112,12 @@ class NodeSession:
             raise UnexpectedExit(result)
         return result
 
-    def retrying(self, step: Callable[["NodeSession"], T], on_retry: Callable[[str], None] | None = None,
-                 delays_s: tuple[float, ...] = RETRY_DELAYS_S) -> T:
+    def retrying(
+        self,
+        step: Callable[["NodeSession"], T],
+        on_retry: Callable[[str], None] | None = None,
+        delays_s: tuple[float, ...] = RETRY_DELAYS_S,
+    ) -> T:
         """Run `step(self)`, reconnecting and retrying with backoff when the connection drops."""
         for attempt, delay in enumerate((*delays_s, None)):
             try:
@@ -162,7 +166,7 @@ def open_sessions(cluster: ClusterInfo, probe_command: str = "true") -> tuple[li
     results = on_all_nodes(sessions, probe)
     failures = [
         f"{s.node.name} ({s.node.public_ip}:{s.node.ssh_port}): {describe(r)}"
-        for s, r in zip(sessions, results)
+        for s, r in zip(sessions, results, strict=True)
         if isinstance(r, BaseException)
     ]
     if failures:

@@ -15,8 +15,18 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16", "Long": "int64",
-          "Int": "int32", "Byte": "uint8", "Char": "int8", "Bool": "bool", "Short": "int16"}
+DTYPES = {
+    "Float": "float32",
+    "Double": "float64",
+    "Half": "float16",
+    "BFloat16": "bfloat16",
+    "Long": "int64",
+    "Int": "int32",
+    "Byte": "uint8",
+    "Char": "int8",
+    "Bool": "bool",
+    "Short": "int16",
+}
 
 
 @dataclass(frozen=True)
@@ -162,8 +172,9 @@ def py_spy_main_thread(text: str) -> tuple[Frame, ...]:
         match = PY_SPY_FRAME.match(line) if inside else None
         if match:
             top = match["file"].split("/")[0].removesuffix(".py")
-            frames.append(Frame(match["function"], match["file"].rsplit("/", 1)[-1], int(match["line"]),
-                                top in LIBRARY_TOPS))
+            frames.append(
+                Frame(match["function"], match["file"].rsplit("/", 1)[-1], int(match["line"]), top in LIBRARY_TOPS)
+            )
     return tuple(reversed(frames))
 
 
@@ -174,18 +185,20 @@ def parse_ranks(payload: dict) -> list[RankView]:
     for record in payload.get("ranks", []):
         finished = bool(record.get("finished"))  # its script ended: inside nothing, whatever its process does
         active = () if finished else tuple(_collective(entry) for entry in record.get("active", []))
-        views.append(RankView(
-            rank=int(record["rank"]),
-            node=str(record.get("node", "")),
-            pid=int(record.get("pid", 0)),
-            state="finished" if finished else str(record.get("state", "running")),
-            # Waiting time by the node's own clock: the operator's clock may disagree with it.
-            waiting_s={(c.group, c.seq): now - c.since for c in active if c.since > 0},
-            entered={name: int(g.get("enqueued", -1)) for name, g in record.get("groups", {}).items()},
-            members={name: tuple(g.get("ranks", [])) for name, g in record.get("groups", {}).items()},
-            active=active,
-            stack=tuple(_frame(f) for f in record.get("stack", [])),
-        ))
+        views.append(
+            RankView(
+                rank=int(record["rank"]),
+                node=str(record.get("node", "")),
+                pid=int(record.get("pid", 0)),
+                state="finished" if finished else str(record.get("state", "running")),
+                # Waiting time by the node's own clock: the operator's clock may disagree with it.
+                waiting_s={(c.group, c.seq): now - c.since for c in active if c.since > 0},
+                entered={name: int(g.get("enqueued", -1)) for name, g in record.get("groups", {}).items()},
+                members={name: tuple(g.get("ranks", [])) for name, g in record.get("groups", {}).items()},
+                active=active,
+                stack=tuple(_frame(f) for f in record.get("stack", [])),
+            )
+        )
     return views
 
 
@@ -194,9 +207,14 @@ def _frame(record: dict) -> Frame:
 
 
 def _collective(entry: dict) -> Collective:
-    return Collective(str(entry.get("group", "0")), int(entry.get("seq", -1)), str(entry.get("op", "?")),
-                      tuple(tuple(s) for s in entry.get("sizes", [])), tuple(entry.get("dtypes", [])),
-                      float(entry.get("since", 0)))
+    return Collective(
+        str(entry.get("group", "0")),
+        int(entry.get("seq", -1)),
+        str(entry.get("op", "?")),
+        tuple(tuple(s) for s in entry.get("sizes", [])),
+        tuple(entry.get("dtypes", [])),
+        float(entry.get("since", 0)),
+    )
 
 
 def find_hang(ranks: list[RankView], hang_timeout_s: float, overdue_s: float | None = None) -> Hang | None:
@@ -236,8 +254,11 @@ def _one_view_per_rank(ranks: list[RankView]) -> dict[int, RankView]:
 def _overdue(collective: Collective, seen_by: RankView, by_rank: dict, waited: float) -> Hang:
     """A collective waited in past the grace: the members inside it wait, the ones not reported are silent."""
     members = seen_by.members.get(collective.group) or tuple(sorted(by_rank))
-    waiting = tuple(by_rank[r] for r in members if r in by_rank and any(
-        (c.group, c.seq) == (collective.group, collective.seq) for c in by_rank[r].active))
+    waiting = tuple(
+        by_rank[r]
+        for r in members
+        if r in by_rank and any((c.group, c.seq) == (collective.group, collective.seq) for c in by_rank[r].active)
+    )
     silent = tuple(r for r in members if r not in by_rank)
     return Hang(collective, waiting or (seen_by,), (), (), waited, silent)
 
@@ -282,12 +303,18 @@ def verdict(run_id: str, hang: Hang, evidence: Evidence | None = None) -> str:
         parts.append(f"rank {view.rank} ({_where(view)}){_state(view)} never entered {hang.collective.describe()}")
     for view, call in hang.mismatched:
         view = latest.get(view.rank, view)
-        parts.append(f"rank {view.rank} ({_where(view)}){_state(view)} called {call.describe()} where "
-                     f"{_ranks(hang.waiting)} called {hang.collective.describe()}")
+        parts.append(
+            f"rank {view.rank} ({_where(view)}){_state(view)} called {call.describe()} where "
+            f"{_ranks(hang.waiting)} called {hang.collective.describe()}"
+        )
     if not hang.missing and not hang.mismatched:
         parts.append(_overdue_part(hang))
-    since = min(c.since for v in hang.waiting for c in v.active if (c.group, c.seq) == (hang.collective.group,
-                                                                                            hang.collective.seq))
+    since = min(
+        c.since
+        for v in hang.waiting
+        for c in v.active
+        if (c.group, c.seq) == (hang.collective.group, hang.collective.seq)
+    )
     parts.append(f"{_ranks(hang.waiting)} waiting since {time.strftime('%H:%M:%S', time.gmtime(since))} UTC")
     for view in [*hang.missing, *(v for v, _ in hang.mismatched)] or list(hang.waiting):
         view = latest.get(view.rank, view)
@@ -302,15 +329,21 @@ def _overdue_part(hang: Hang) -> str:
     """Why a hang with no rank to blame was declared: silent nodes, or a collective nobody finishes."""
     what = hang.collective.describe()
     if hang.silent:
-        return (f"{_ranks_numbers(hang.silent)} of {what} not reported (their node did not answer) while "
-                f"{_ranks(hang.waiting)} waited {hang.waiting_s:.0f} s")
+        return (
+            f"{_ranks_numbers(hang.silent)} of {what} not reported (their node did not answer) while "
+            f"{_ranks(hang.waiting)} waited {hang.waiting_s:.0f} s"
+        )
     return f"{_ranks(hang.waiting)} entered {what} and none finished it in {hang.waiting_s:.0f} s (a stalled transport)"
 
 
 def stalled_since(hang: Hang) -> float:
     """When progress stopped: the moment the first waiting rank entered the collective."""
-    return min(c.since for v in hang.waiting for c in v.active
-               if (c.group, c.seq) == (hang.collective.group, hang.collective.seq))
+    return min(
+        c.since
+        for v in hang.waiting
+        for c in v.active
+        if (c.group, c.seq) == (hang.collective.group, hang.collective.seq)
+    )
 
 
 def _where(view: RankView) -> str:
@@ -318,8 +351,11 @@ def _where(view: RankView) -> str:
 
 
 def _state(view: RankView) -> str:
-    return {"stopped": " is stopped (SIGSTOP) and", "gone": " is dead (its process is gone) and",
-            "finished": " finished its script and"}.get(view.state, "")
+    return {
+        "stopped": " is stopped (SIGSTOP) and",
+        "gone": " is dead (its process is gone) and",
+        "finished": " finished its script and",
+    }.get(view.state, "")
 
 
 def _ranks(views) -> str:
@@ -359,8 +395,10 @@ def mismatch_line(node: str, log: str) -> str | None:
     frame = RankView.user_frame_of(tuple(reversed(frames)))
     who = f"rank {rank.group(1)} ({node})" if rank else f"a rank on {node}"
     where = f" in {frame.describe()}" if frame else ""
-    return (f"fab: collective mismatch: {who} aborted{where}: gloo received {sizes.group(1)} bytes where "
-            f"{sizes.group(2)} were expected; the ranks called one collective with different sizes")
+    return (
+        f"fab: collective mismatch: {who} aborted{where}: gloo received {sizes.group(1)} bytes where "
+        f"{sizes.group(2)} were expected; the ranks called one collective with different sizes"
+    )
 
 
 def _aborted_thread_frames(log: str) -> list[Frame]:
@@ -375,8 +413,9 @@ def _aborted_thread_frames(log: str) -> list[Frame]:
         match = FAULT_FRAME.match(text)
         if match and threads:
             path = match["path"]
-            threads[-1].append(Frame(match["function"], path.rsplit("/", 1)[-1], int(match["line"]),
-                                     _library_path(path)))
+            threads[-1].append(
+                Frame(match["function"], path.rsplit("/", 1)[-1], int(match["line"]), _library_path(path))
+            )
         elif text.startswith("Extension modules:"):
             break
     in_collective = [t for t in threads if any(f.file == "distributed_c10d.py" for f in t)]

@@ -92,8 +92,16 @@ class HangReport:
 class HangWatch:
     """Polls the ranks of one run on every node until told to stop, or until it has found a hang."""
 
-    def __init__(self, cluster: ClusterInfo, python: dict[str, str], run_id: str, policy: HangPolicy,
-                 local_dir: Path, stop_job, on_hang=None):
+    def __init__(
+        self,
+        cluster: ClusterInfo,
+        python: dict[str, str],
+        run_id: str,
+        policy: HangPolicy,
+        local_dir: Path,
+        stop_job,
+        on_hang=None,
+    ):
         self.cluster, self.python, self.run_id, self.policy = cluster, python, run_id, policy
         self.local_dir, self.stop_job, self.on_hang = local_dir, stop_job, on_hang
         self.report: HangReport | None = None
@@ -159,8 +167,10 @@ class HangWatch:
         folder = commands.shell_path(contract.in_home(contract.progress_dir(self.run_id)))
         script = commands.shell_path(f"{commands.code_dir(self.cluster)}/node/hang.py")
         wait = f" --wait-s {COLLECT_WAIT_S}" if action == "collect" else ""
-        return f". {commands.ENV_FILE} 2>/dev/null; {shlex.quote(python)} {script} {action} {folder} " \
-               f"{shlex.quote(self.run_id)}{wait}"
+        return (
+            f". {commands.ENV_FILE} 2>/dev/null; {shlex.quote(python)} {script} {action} {folder} "
+            f"{shlex.quote(self.run_id)}{wait}"
+        )
 
     def _payloads(self, sessions: list[NodeSession], action: str) -> list[dict]:
         def ask(session: NodeSession) -> dict:

@@ -136,8 +136,11 @@ class JobLock:
         except CONNECTION_ERRORS as exc:
             raise Exit(f"error: could not take the job lock on {name}: {describe(exc)}", code=1) from None
         if state == "held":
-            raise Exit(f"error: {name} is running job {holder['run_id']} ({holder['task']}, launched by fab "
-                       f"{holder['owner']}): wait for it or run fab stop", code=2)
+            raise Exit(
+                f"error: {name} is running job {holder['run_id']} ({holder['task']}, launched by fab "
+                f"{holder['owner']}): wait for it or run fab stop",
+                code=2,
+            )
         raise Exit(f"error: could not take the job lock on {name} ({why or 'no answer'}): run fab bootstrap", code=2)
 
     def __exit__(self, *exc_info) -> None:
@@ -166,8 +169,9 @@ class JobStream(NodeStream):
             self.exit = marker
 
 
-def first_failure(exit_codes: dict[str, int | None], exited_at: dict[str, float | None],
-                  returned: list[str]) -> str | None:
+def first_failure(
+    exit_codes: dict[str, int | None], exited_at: dict[str, float | None], returned: list[str]
+) -> str | None:
     """The node that failed first: the earliest exit time a failing node saw by its own clock (SSH calls
     return in no useful order when nodes fail together); nodes without one (stopped by fail-fast, their
     connection lost) come after, in the order their calls returned."""
@@ -179,11 +183,14 @@ def first_failure(exit_codes: dict[str, int | None], exited_at: dict[str, float 
 
 def check_ready(sessions: list[NodeSession], statuses: list[str]) -> None:
     """Exit 2 if a node is not bootstrapped or already runs a job, before anything starts."""
-    for session, output in zip(sessions, statuses):
+    for session, output in zip(sessions, statuses, strict=True):
         job, bootstrapped = commands.parse_job_status(output)
         if job:
-            raise Exit(f"error: {session.node.name} is running job {job['run_id']} ({job['task']}): "
-                       "wait for it or run fab stop", code=2)
+            raise Exit(
+                f"error: {session.node.name} is running job {job['run_id']} ({job['task']}): "
+                "wait for it or run fab stop",
+                code=2,
+            )
         if not bootstrapped:
             raise Exit(f"error: {session.node.name} is not bootstrapped: run fab bootstrap", code=2)
 
@@ -197,7 +204,7 @@ def stop_everywhere(cluster: ClusterInfo, nodes: list[str] | None = None) -> dic
         session.close()
     return {
         s.node.name: (f"unreachable: {describe(o)}" if isinstance(o, BaseException) else o.stdout.strip() or "idle")
-        for s, o in zip(sessions, outcomes)
+        for s, o in zip(sessions, outcomes, strict=True)
     }
 
 
@@ -211,8 +218,16 @@ def upload_script(cluster: ClusterInfo, sessions: list[NodeSession], run_id: str
         session.conn.put(str(script), remote=f"{contract.home_relative(run_dir)}/{script.name}")
 
 
-def run_job(cluster: ClusterInfo, sessions: list[NodeSession], spec: JobSpec, setup: NodeSetup,
-            run_id: str, log_dir: Path, echo: bool = True, on_hang=None) -> JobResult:
+def run_job(
+    cluster: ClusterInfo,
+    sessions: list[NodeSession],
+    spec: JobSpec,
+    setup: NodeSetup,
+    run_id: str,
+    log_dir: Path,
+    echo: bool = True,
+    on_hang=None,
+) -> JobResult:
     """Start the job on every node, supervise it, and return how it ended."""
     log_dir.mkdir(parents=True, exist_ok=True)
     script = job_script(cluster, spec, run_id)
@@ -226,10 +241,21 @@ def run_job(cluster: ClusterInfo, sessions: list[NodeSession], spec: JobSpec, se
 
     def start(session: NodeSession) -> int:
         command = commands.launch_command(
-            cluster, session.node, run_id, spec.task, script, spec.args, spec.max_restarts, setup.master_port,
-            spec.nproc_per_node, job_environment(run_id, spec.hang), (rankhook_path(),) if spec.hang.enabled else (),
+            cluster,
+            session.node,
+            run_id,
+            spec.task,
+            script,
+            spec.args,
+            spec.max_restarts,
+            setup.master_port,
+            spec.nproc_per_node,
+            job_environment(run_id, spec.hang),
+            (rankhook_path(),) if spec.hang.enabled else (),
             workdir_key=spec.workdir.key if spec.workdir else None,
-            python=spec.requirements.python if spec.requirements else None, env=spec.env)
+            python=spec.requirements.python if spec.requirements else None,
+            env=spec.env,
+        )
         stream = streams[session.node.name]
         try:
             result = session.run(command, out_stream=stream, err_stream=stream, hide=False, pty=False)
@@ -240,8 +266,9 @@ def run_job(cluster: ClusterInfo, sessions: list[NodeSession], spec: JobSpec, se
 
     pool = ThreadPoolExecutor(max_workers=len(sessions))
     futures: dict[Future, NodeSession] = {pool.submit(start, s): s for s in sessions}
-    watch = HangWatch(cluster, setup.python, run_id, spec.hang, log_dir, lambda: stop_everywhere(cluster),
-                      on_hang).start()
+    watch = HangWatch(
+        cluster, setup.python, run_id, spec.hang, log_dir, lambda: stop_everywhere(cluster), on_hang
+    ).start()
     previous_handlers = _interrupt_on_signals()
     try:
         _supervise(cluster, futures, exit_codes, returned, quiet=watch.stopping.is_set)
@@ -257,9 +284,17 @@ def run_job(cluster: ClusterInfo, sessions: list[NodeSession], spec: JobSpec, se
         for stream in streams.values():
             stream.close()
     exited_at = {name: stream.exit[1] if stream.exit else None for name, stream in streams.items()}
-    return JobResult(run_id, exit_codes, started_at, _now(), time.monotonic() - started,
-                     first_failure(exit_codes, exited_at, returned), interrupted,
-                     {name: stream.tail for name, stream in streams.items()}, watch.report)
+    return JobResult(
+        run_id,
+        exit_codes,
+        started_at,
+        _now(),
+        time.monotonic() - started,
+        first_failure(exit_codes, exited_at, returned),
+        interrupted,
+        {name: stream.tail for name, stream in streams.items()},
+        watch.report,
+    )
 
 
 def job_script(cluster: ClusterInfo, spec: JobSpec, run_id: str) -> str:
@@ -288,8 +323,9 @@ def _restore(handlers: dict) -> None:
         signal.signal(sig, handler)
 
 
-def _supervise(cluster: ClusterInfo, futures: dict[Future, NodeSession], exit_codes: dict, returned: list,
-               quiet=lambda: False) -> None:
+def _supervise(
+    cluster: ClusterInfo, futures: dict[Future, NodeSession], exit_codes: dict, returned: list, quiet=lambda: False
+) -> None:
     """Wait for every node (`returned` says in which order they did); at the first failure stop the
     others, and wherever a connection dropped, reconnect and stop that node's part too. `quiet()` is
     true once the hang watch is stopping the job: the failures that follow are its doing."""
@@ -312,8 +348,10 @@ def _supervise(cluster: ClusterInfo, futures: dict[Future, NodeSession], exit_co
     for thread, nodes in stoppers:
         thread.join(timeout=max(0.0, deadline - time.monotonic()))
         if thread.is_alive():
-            say(f"fab: could not stop the job on {', '.join(nodes)} within {STOP_WAIT_S} s; "
-                "it may still run there: fab stop")
+            say(
+                f"fab: could not stop the job on {', '.join(nodes)} within {STOP_WAIT_S} s; "
+                "it may still run there: fab stop"
+            )
 
 
 def _stop_in_background(cluster: ClusterInfo, nodes: list[str], report=None) -> threading.Thread:
@@ -332,8 +370,10 @@ def _report_lost_node(outcomes: dict[str, str]) -> None:
     without a terminal): say whether reconnecting stopped it."""
     for name, outcome in outcomes.items():
         if outcome.startswith("unreachable"):
-            say(f"fab: {name}'s connection dropped and it cannot be reached again to stop its part "
-                f"({outcome}); it may still run there: fab stop once it answers")
+            say(
+                f"fab: {name}'s connection dropped and it cannot be reached again to stop its part "
+                f"({outcome}); it may still run there: fab stop once it answers"
+            )
         else:
             say(f"fab: {name}'s connection dropped; reconnected and stopped its part ({outcome})")
 
@@ -356,13 +396,19 @@ class Fetched:
     """(name, size, where it is on the node) of the files over the cap, left there."""
 
 
-def fetch_results(cluster: ClusterInfo, session: NodeSession, python: str, run_id: str, local_dir: Path,
-                  max_bytes: int) -> Fetched:
+def fetch_results(
+    cluster: ClusterInfo, session: NodeSession, python: str, run_id: str, local_dir: Path, max_bytes: int
+) -> Fetched:
     """Copy the head node's `$CLUSTER_RESULTS_DIR` (whole) and the run's `metrics.jsonl`, and nothing
     else: checkpoints and whatever else the job left in its folders stay on the nodes."""
-    listing = commands.node_module(cluster, python, "sync", "results",
-                                   contract.home_relative(commands.remote_run_dir(cluster, run_id)),
-                                   contract.home_relative(commands.results_dir(run_id)))
+    listing = commands.node_module(
+        cluster,
+        python,
+        "sync",
+        "results",
+        contract.home_relative(commands.remote_run_dir(cluster, run_id)),
+        contract.home_relative(commands.results_dir(run_id)),
+    )
     entries = commands.parse_last_json(session.run(f"cd && {listing}", warn=False).stdout)["files"]
     names, total, refused = [], 0, []
     for entry in entries:
@@ -389,39 +435,58 @@ def _local_name(name: str) -> str:
 def report_fetched(fetched: Fetched, local_dir: Path, head: str, max_bytes: int) -> None:
     if fetched.names:
         shown = ", ".join(fetched.names[:FETCHED_SHOWN]) + (
-            f" and {len(fetched.names) - FETCHED_SHOWN} more" if len(fetched.names) > FETCHED_SHOWN else "")
-        say(f"fab: fetched {count_files(len(fetched.names))} ({human_bytes(fetched.total_bytes)}) "
-            f"into {local_dir}: {shown}")
+            f" and {len(fetched.names) - FETCHED_SHOWN} more" if len(fetched.names) > FETCHED_SHOWN else ""
+        )
+        say(
+            f"fab: fetched {count_files(len(fetched.names))} ({human_bytes(fetched.total_bytes)}) "
+            f"into {local_dir}: {shown}"
+        )
     elif not fetched.refused:
         say(f"fab: nothing to fetch: {head}'s $CLUSTER_RESULTS_DIR is empty and the run wrote no metrics.jsonl")
     for name, size, remote in fetched.refused:
         where = remote if remote.startswith("/") else f"~/{remote}"
-        say(f"fab: not fetched: {name} ({human_bytes(size)}, over --max-result-mb {max_bytes // 1_000_000}); "
-            f"it stays on {head} in {where}")
+        say(
+            f"fab: not fetched: {name} ({human_bytes(size)}, over --max-result-mb {max_bytes // 1_000_000}); "
+            f"it stays on {head} in {where}"
+        )
 
 
-def prepare(cluster: ClusterInfo, sessions: list[NodeSession], statuses: list[str], spec: JobSpec,
-            setup: NodeSetup, wanted: Manifest | None) -> None:
+def prepare(
+    cluster: ClusterInfo,
+    sessions: list[NodeSession],
+    statuses: list[str],
+    spec: JobSpec,
+    setup: NodeSetup,
+    wanted: Manifest | None,
+) -> None:
     """The workdir and the requirements on every node, from what the launch's first command found."""
     if spec.workdir:
         workdir.sync(cluster, sessions, setup.python, spec.workdir, wanted, _tagged(sessions, statuses, "workdir"))
     if spec.requirements:
-        ensure_requirements(cluster, sessions, setup.python, spec.requirements, _tagged(sessions, statuses, "env"),
-                            spec.workdir.key if spec.workdir else None)
+        ensure_requirements(
+            cluster,
+            sessions,
+            setup.python,
+            spec.requirements,
+            _tagged(sessions, statuses, "env"),
+            spec.workdir.key if spec.workdir else None,
+        )
 
 
 def _tagged(sessions: list[NodeSession], statuses: list[str], tag: str) -> dict[str, str | None]:
-    return {s.node.name: commands.parse_tagged(output, tag) for s, output in zip(sessions, statuses)}
+    return {s.node.name: commands.parse_tagged(output, tag) for s, output in zip(sessions, statuses, strict=True)}
 
 
-def launch(cluster: ClusterInfo, spec: JobSpec, setup: NodeSetup, runs_root: Path, on_start=None,
-           on_hang=None) -> tuple[JobResult, Path]:
+def launch(
+    cluster: ClusterInfo, spec: JobSpec, setup: NodeSetup, runs_root: Path, on_start=None, on_hang=None
+) -> tuple[JobResult, Path]:
     """The whole launch: checks, sync, upload, run, results. Exit 2 before anything starts if not ready."""
     wanted = None
     if spec.workdir:
         wanted = workdir.manifest(spec.workdir, workdir.hash_cache_path(cluster, spec.workdir))
-    status = commands.launch_status_command(spec.workdir.key if spec.workdir else None,
-                                            spec.requirements.digest if spec.requirements else None)
+    status = commands.launch_status_command(
+        spec.workdir.key if spec.workdir else None, spec.requirements.digest if spec.requirements else None
+    )
     sessions, statuses = open_sessions(cluster, status)
     try:
         check_ready(sessions, statuses)
@@ -434,14 +499,22 @@ def launch(cluster: ClusterInfo, spec: JobSpec, setup: NodeSetup, runs_root: Pat
             say(f"fab: run {run_id}: {spec.task} on {len(sessions)} nodes; logs in {local_dir}")
             if on_start:
                 on_start(run_id)
-            result = run_job(cluster, sessions, spec, setup, run_id, local_dir,
-                             on_hang=(lambda report: on_hang(run_id, report)) if on_hang else None)
+            result = run_job(
+                cluster,
+                sessions,
+                spec,
+                setup,
+                run_id,
+                local_dir,
+                on_hang=(lambda report: on_hang(run_id, report)) if on_hang else None,
+            )
             if not result.ok:
                 explain_failure(local_dir)
             head = sessions[0].node.name
             try:
-                fetched = fetch_results(cluster, sessions[0], setup.python[head], run_id, local_dir,
-                                        spec.max_result_bytes)
+                fetched = fetch_results(
+                    cluster, sessions[0], setup.python[head], run_id, local_dir, spec.max_result_bytes
+                )
                 report_fetched(fetched, local_dir, head, spec.max_result_bytes)
             except Exception as exc:  # results are a convenience; the logs are already local
                 say(f"fab: could not fetch results from {head}: {describe(exc)}")

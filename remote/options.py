@@ -24,8 +24,9 @@ def refuse(message: str) -> Exit:
     return Exit(f"error: {message}", code=2)
 
 
-def integer(flag: str, value: str | int | None, default: int, minimum: int | None = None,
-            maximum: int | None = None) -> int:
+def integer(
+    flag: str, value: str | int | None, default: int, minimum: int | None = None, maximum: int | None = None
+) -> int:
     """`value` as an int within [minimum, maximum]; `default` when the flag was not given."""
     if value is None:
         return default
@@ -79,8 +80,10 @@ def compiled_script(value: str | None, workdir: Path | None = None) -> Path:
     if workdir is not None:
         path = Path(os.path.normpath(workdir / path))
         if not _inside(path.resolve(), workdir) or not _inside(path, workdir):
-            raise refuse(f"--script {value} is outside --workdir {workdir}: only the workdir reaches the nodes; "
-                         "give a path inside it")
+            raise refuse(
+                f"--script {value} is outside --workdir {workdir}: only the workdir reaches the nodes; "
+                "give a path inside it"
+            )
     if path.is_dir():
         raise refuse(f"--script {value} is a folder: give the Python file to run")
     if not path.is_file():
@@ -123,8 +126,10 @@ def environment(pairs: list[str]) -> dict[str, str]:
         if not ENV_KEY.fullmatch(key):
             raise refuse(f"--env {key!r} is not a variable name: letters, digits and '_', not starting with a digit")
         if reserved_variable(key):
-            raise refuse(f"--env {key}: the node environment, torchrun or the launch sets {key} itself "
-                         "(CLUSTER_* and TORCHELASTIC_* included); pick another name")
+            raise refuse(
+                f"--env {key}: the node environment, torchrun or the launch sets {key} itself "
+                "(CLUSTER_* and TORCHELASTIC_* included); pick another name"
+            )
         if key in found:
             raise refuse(f"--env {key} is given twice")
         found[key] = value

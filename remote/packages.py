@@ -48,40 +48,61 @@ class Requirements:
         return f"$HOME/{self.env_dir}/bin/python"
 
 
-def ensure(cluster: ClusterInfo, sessions: list[NodeSession], python: dict[str, str], requirements: Requirements,
-           ready_over: dict[str, str | None], workdir_key: str | None) -> None:
+def ensure(
+    cluster: ClusterInfo,
+    sessions: list[NodeSession],
+    python: dict[str, str],
+    requirements: Requirements,
+    ready_over: dict[str, str | None],
+    workdir_key: str | None,
+) -> None:
     """Install `requirements` where a node's environment is not ready (made over its interpreter)."""
     missing = [s for s in sessions if ready_over.get(s.node.name) != python[s.node.name]]
     if not missing:
-        say(f"fab: requirements: {requirements.path.name} already installed on {len(sessions)} nodes, nothing to "
-            f"install (~/{requirements.env_dir})")
+        say(
+            f"fab: requirements: {requirements.path.name} already installed on {len(sessions)} nodes, nothing to "
+            f"install (~/{requirements.env_dir})"
+        )
         return
     names = ", ".join(s.node.name for s in missing)
-    say(f"fab: requirements: installing {requirements.path.name} on {names} (~/{requirements.env_dir}; "
-        f"pip's output in ~/{requirements.env_dir}.log)")
+    say(
+        f"fab: requirements: installing {requirements.path.name} on {names} (~/{requirements.env_dir}; "
+        f"pip's output in ~/{requirements.env_dir}.log)"
+    )
     started = time.monotonic()
     outcomes = on_all_nodes(missing, lambda s: _install(cluster, s, python[s.node.name], requirements, workdir_key))
     failed = {}
-    for session, outcome in zip(missing, outcomes):
+    for session, outcome in zip(missing, outcomes, strict=True):
         if isinstance(outcome, BaseException):
             outcome = {"ok": False, "error": describe(outcome)}
         if not outcome.get("ok"):
             failed.setdefault(commands.with_stale_code_hint(outcome["error"]), []).append(session.node.name)
     if failed:
         why = "; ".join(f"on {', '.join(nodes)}: {error}" for error, nodes in failed.items())
-        raise Exit(f"error: {requirements.path} could not be installed {why} (pip's log on each node: "
-                   f"~/{requirements.env_dir}.log); no rank was started", code=2)
+        raise Exit(
+            f"error: {requirements.path} could not be installed {why} (pip's log on each node: "
+            f"~/{requirements.env_dir}.log); no rank was started",
+            code=2,
+        )
     say(f"fab: requirements: installed on {names} in {time.monotonic() - started:.1f} s")
 
 
-def _install(cluster: ClusterInfo, session: NodeSession, python: str, requirements: Requirements,
-             workdir_key: str | None) -> dict:
+def _install(
+    cluster: ClusterInfo, session: NodeSession, python: str, requirements: Requirements, workdir_key: str | None
+) -> dict:
     """Send the file, then run job_env.py in the synced workdir, so the file's relative paths are the project's."""
     session.run(f"mkdir -p {contract.shell(contract.ENVS)}", warn=False)
     session.conn.put(io.BytesIO(requirements.text), remote=f"{requirements.env_dir}.txt")
     where = [f"{contract.workdir_cache(workdir_key)}/{contract.WORKDIR_FILES}"] if workdir_key else []
-    command = commands.node_module(cluster, python, "job_env", requirements.env_dir, f"{requirements.env_dir}.txt",
-                                   f"{requirements.env_dir}.log", *where)
+    command = commands.node_module(
+        cluster,
+        python,
+        "job_env",
+        requirements.env_dir,
+        f"{requirements.env_dir}.txt",
+        f"{requirements.env_dir}.log",
+        *where,
+    )
     result = session.run(f"cd && {command}", timeout=INSTALL_TIMEOUT_S)
     try:
         return commands.parse_last_json(result.stdout)

@@ -3,8 +3,12 @@
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from infra import state
+
+if TYPE_CHECKING:  # rich loads only where a table is printed
+    from rich.console import Console
 
 COLORS = ("36", "35", "33", "32", "34", "31")  # cyan, magenta, yellow, green, blue, red
 _print_lock = threading.Lock()

@@ -30,9 +30,9 @@ STACK_HELP = "stack to use (default: $CLUSTER_STACK, else the last `python deplo
 ARGS_HELP = 'arguments for the script, quoted as one string, e.g. --args "--steps 200"'
 HANG_HELP = {
     "hang-timeout": "seconds a rank may wait inside a collective that another rank has not entered before the "
-                    "job counts as hung (default 300; 0 turns the flight recorder and hang detection off)",
+    "job counts as hung (default 300; 0 turns the flight recorder and hang detection off)",
     "on-hang": "stop (default): name the culprit, keep the evidence and stop the job; wait: name it and leave "
-               "the job running for you",
+    "the job running for you",
 }
 RESTARTS_HELP = "torchrun --max-restarts: restart a failed worker group this many times, >= 0 (default 0)"
 NPROC_HELP = "processes per node, >= 1 (default: one per GPU, one on CPU nodes); at most the GPU count on GPU nodes"
@@ -64,8 +64,16 @@ class RunBook:
             self.ledger = None
 
     def started(self, run_id: str, task: str) -> None:
-        self._safely(lambda: self.ledger.run_started(run_id, self.cluster.stack, task, len(self.cluster.nodes),
-                                                     self.cluster.hourly_usd, owner_pid=os.getpid()))
+        self._safely(
+            lambda: self.ledger.run_started(
+                run_id,
+                self.cluster.stack,
+                task,
+                len(self.cluster.nodes),
+                self.cluster.hourly_usd,
+                owner_pid=os.getpid(),
+            )
+        )
         if self.ledger is not None:
             self.heartbeat = Heartbeat(self.ledger.path, run_id)
             self.heartbeat.start()
@@ -135,8 +143,14 @@ def start_job(stack: str | None, spec: JobSpec) -> None:
         raise Exit(f"error: {problem}", code=2)
     setup = setup_for(cluster)
     book = RunBook(cluster)
-    result, local_dir = launch(cluster, spec, setup, state.runs_dir(cluster.stack),
-                               on_start=lambda run_id: book.started(run_id, spec.task), on_hang=book.hung)
+    result, local_dir = launch(
+        cluster,
+        spec,
+        setup,
+        state.runs_dir(cluster.stack),
+        on_start=lambda run_id: book.started(run_id, spec.task),
+        on_hang=book.hung,
+    )
     cost_usd = book.ended(result.run_id, result.exit_codes, result.duration_s)
     summary = {
         "task": spec.task,
@@ -155,25 +169,36 @@ def start_job(stack: str | None, spec: JobSpec) -> None:
         "env": sorted(spec.env),  # names only: values may be secrets, and this file outlives the run
     }
     if result.hang:
-        summary["hang"] = {"verdict": result.hang.verdict, "stalled_at": result.hang.stalled_since,
-                           "detected_at": result.hang.detected_at, "evidence": str(result.hang.evidence_dir),
-                           "usd_since_stall": round(billing.cost_usd(cluster.hourly_usd,
-                                                                     time.time() - result.hang.stalled_since), 6)}
+        summary["hang"] = {
+            "verdict": result.hang.verdict,
+            "stalled_at": result.hang.stalled_since,
+            "detected_at": result.hang.detected_at,
+            "evidence": str(result.hang.evidence_dir),
+            "usd_since_stall": round(billing.cost_usd(cluster.hourly_usd, time.time() - result.hang.stalled_since), 6),
+        }
     state.write_atomic(local_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     where = f"logs: {local_dir}"
     if result.interrupted:
         say(f"fab: run {result.run_id} interrupted after {result.duration_s:.1f} s; job stopped on every node; {where}")
         raise Exit(code=130)
     if result.hang and spec.hang.on_hang == "stop":
-        raise Exit(f"error: run {result.run_id} hung and was stopped on every node ({result.hang.verdict.split(': ', 1)[1]}); "
-                   f"evidence: {result.hang.evidence_dir}; {where}", code=1)
+        raise Exit(
+            f"error: run {result.run_id} hung and was stopped on every node ({result.hang.verdict.split(': ', 1)[1]}); "
+            f"evidence: {result.hang.evidence_dir}; {where}",
+            code=1,
+        )
     if not result.ok:
         first = result.failed_node or next(n for n, c in result.exit_codes.items() if c != 0)
         codes = ", ".join(f"{n} exited {c}" for n, c in result.exit_codes.items() if c not in (0, None))
-        raise Exit(f"error: run {result.run_id} failed: {codes} (first: {first}, log: {local_dir / (first + '.log')}); "
-                   "the job was stopped on every node", code=1)
-    say(f"fab: run {result.run_id} ok in {result.duration_s:.1f} s, cost ${cost_usd:.4f} "
-        f"(${cluster.hourly_usd:.3f}/h); {where}")
+        raise Exit(
+            f"error: run {result.run_id} failed: {codes} (first: {first}, log: {local_dir / (first + '.log')}); "
+            "the job was stopped on every node",
+            code=1,
+        )
+    say(
+        f"fab: run {result.run_id} ok in {result.duration_s:.1f} s, cost ${cost_usd:.4f} "
+        f"(${cluster.hourly_usd:.3f}/h); {where}"
+    )
 
 
 @dataclass(frozen=True)
@@ -190,25 +215,50 @@ class ExampleTask:
 
 # Adding an example task is one line here: the table registers the tasks and the collection.
 EXAMPLE_TASKS = (
-    ExampleTask("hello", "examples/distributed_hello.py",
-                "Distributed hello: every rank reports in; all-reduce, broadcast, all-gather checked."),
+    ExampleTask(
+        "hello",
+        "examples/distributed_hello.py",
+        "Distributed hello: every rank reports in; all-reduce, broadcast, all-gather checked.",
+    ),
     ExampleTask("run-ddp", "examples/ddp_training.py", "DDP training across all nodes (examples/ddp_training.py)."),
-    ExampleTask("profile", "examples/profile_communication.py",
-                "All-reduce and friends over message sizes, as nccl-tests tables."),
-    ExampleTask("accumulate", "examples/gradient_accumulation.py",
-                "Gradient accumulation: one all-reduce per optimizer step with no_sync."),
-    ExampleTask("model-parallel", "examples/model_parallelism.py",
-                "Pipeline parallel: one stage per rank, GPipe or 1F1B."),
-    ExampleTask("compress", "examples/gradient_compression.py",
-                "DDP gradient compression (fp16, PowerSGD): bytes per step, loss and time against none."),
-    ExampleTask("fsdp", "examples/fsdp_training.py",
-                "FSDP2 (ZeRO-2/3): per-rank memory from the shards next to DDP's; sharded checkpoints."),
-    ExampleTask("tensor-parallel", "examples/tensor_parallel.py",
-                "Tensor parallel attention and MLP over all ranks; collectives counted per step."),
-    ExampleTask("hybrid", "examples/hybrid_parallel.py",
-                "Hybrid dp x tp: tensor parallel within a node, FSDP across nodes (--nproc-per-node 2 on CPU)."),
-    ExampleTask("compare", "examples/compare_strategies.py",
-                "The strategy table: DDP, PowerSGD, ZeRO-2/3, TP, hybrid: memory, bytes, time (+ PNG)."),
+    ExampleTask(
+        "profile",
+        "examples/profile_communication.py",
+        "All-reduce and friends over message sizes, as nccl-tests tables.",
+    ),
+    ExampleTask(
+        "accumulate",
+        "examples/gradient_accumulation.py",
+        "Gradient accumulation: one all-reduce per optimizer step with no_sync.",
+    ),
+    ExampleTask(
+        "model-parallel", "examples/model_parallelism.py", "Pipeline parallel: one stage per rank, GPipe or 1F1B."
+    ),
+    ExampleTask(
+        "compress",
+        "examples/gradient_compression.py",
+        "DDP gradient compression (fp16, PowerSGD): bytes per step, loss and time against none.",
+    ),
+    ExampleTask(
+        "fsdp",
+        "examples/fsdp_training.py",
+        "FSDP2 (ZeRO-2/3): per-rank memory from the shards next to DDP's; sharded checkpoints.",
+    ),
+    ExampleTask(
+        "tensor-parallel",
+        "examples/tensor_parallel.py",
+        "Tensor parallel attention and MLP over all ranks; collectives counted per step.",
+    ),
+    ExampleTask(
+        "hybrid",
+        "examples/hybrid_parallel.py",
+        "Hybrid dp x tp: tensor parallel within a node, FSDP across nodes (--nproc-per-node 2 on CPU).",
+    ),
+    ExampleTask(
+        "compare",
+        "examples/compare_strategies.py",
+        "The strategy table: DDP, PowerSGD, ZeRO-2/3, TP, hybrid: memory, bytes, time (+ PNG).",
+    ),
 )
 
 
@@ -216,23 +266,40 @@ def example_task(example: ExampleTask):
     """The fab task that launches `example.script`."""
 
     def body(c, args="", max_restarts=None, nproc_per_node=None, hang_timeout=None, on_hang=None, stack=None):
-        start_job(stack, JobSpec(example.name, example.script, options.script_arguments(args), restarts(max_restarts),
-                                 nproc_per_node=processes(nproc_per_node),
-                                 hang=options.hang_policy(hang_timeout, on_hang)))
+        start_job(
+            stack,
+            JobSpec(
+                example.name,
+                example.script,
+                options.script_arguments(args),
+                restarts(max_restarts),
+                nproc_per_node=processes(nproc_per_node),
+                hang=options.hang_policy(hang_timeout, on_hang),
+            ),
+        )
 
     body.__name__ = example.name.replace("-", "_")
     body.__doc__ = example.help
-    return task(body, name=example.name, help={"args": ARGS_HELP, "max-restarts": RESTARTS_HELP,
-                                               "nproc-per-node": NPROC_HELP, **HANG_HELP, "stack": STACK_HELP})
+    return task(
+        body,
+        name=example.name,
+        help={
+            "args": ARGS_HELP,
+            "max-restarts": RESTARTS_HELP,
+            "nproc-per-node": NPROC_HELP,
+            **HANG_HELP,
+            "stack": STACK_HELP,
+        },
+    )
 
 
 RUN_HELP = {
     "script": "the Python script torchrun starts: a file on this machine, or with --workdir a path inside it",
     "workdir": "a project folder to sync to every node (only what changed is sent; .gitignore and "
-               ".gpuclusterignore are honoured); the job runs in its own copy of it on each node",
+    ".gpuclusterignore are honoured); the job runs in its own copy of it on each node",
     "args": ARGS_HELP,
     "requirements": "a pip requirements file: installed once per node into an environment of its own, "
-                    "layered over the node venv (torch is not installed again)",
+    "layered over the node venv (torch is not installed again)",
     "env": "KEY=VALUE for every rank, taken literally; repeat for more",
     "max-sync-mb": f"refuse a workdir bigger than this (default {workdir.DEFAULT_MAX_SYNC_MB}; 1 MB = 1,000,000 bytes)",
     "max-result-mb": f"leave a result file bigger than this on the head node (default {DEFAULT_MAX_RESULT_MB})",
@@ -244,19 +311,39 @@ RUN_HELP = {
 
 
 @task(help=RUN_HELP, iterable=["env"], auto_shortflags=False)  # long flags only: a dozen options share few letters
-def run(c, script=None, workdir=None, args="", requirements=None, env=None, max_sync_mb=None, max_result_mb=None,
-        max_restarts=None, nproc_per_node=None, hang_timeout=None, on_hang=None, stack=None):
+def run(
+    c,
+    script=None,
+    workdir=None,
+    args="",
+    requirements=None,
+    env=None,
+    max_sync_mb=None,
+    max_result_mb=None,
+    max_restarts=None,
+    nproc_per_node=None,
+    hang_timeout=None,
+    on_hang=None,
+    stack=None,
+):
     """Run a torchrun script of yours on every node: one file, or a whole project folder (--workdir)."""
-    launch_options = dict(args=options.script_arguments(args), max_restarts=restarts(max_restarts),
-                          nproc_per_node=processes(nproc_per_node), hang=options.hang_policy(hang_timeout, on_hang))
+    launch_options = dict(
+        args=options.script_arguments(args),
+        max_restarts=restarts(max_restarts),
+        nproc_per_node=processes(nproc_per_node),
+        hang=options.hang_policy(hang_timeout, on_hang),
+    )
     start_job(stack, run_spec(script, workdir, requirements, env or [], max_sync_mb, max_result_mb, launch_options))
 
 
 def run_spec(script, folder, requirements, env, max_sync_mb, max_result_mb, launch_options: dict) -> JobSpec:
     """`fab run`'s options, every one checked before anything is created."""
-    common = dict(launch_options, requirements=options.requirements_file(requirements),
-                  env=options.environment(env),
-                  max_result_bytes=options.megabytes("--max-result-mb", max_result_mb, DEFAULT_MAX_RESULT_MB))
+    common = dict(
+        launch_options,
+        requirements=options.requirements_file(requirements),
+        env=options.environment(env),
+        max_result_bytes=options.megabytes("--max-result-mb", max_result_mb, DEFAULT_MAX_RESULT_MB),
+    )
     if folder is None:
         if max_sync_mb is not None:
             raise options.refuse("--max-sync-mb limits --workdir; give --workdir DIR too")
@@ -278,10 +365,14 @@ def processes(value: str | None) -> int | None:
     return None if value is None else options.integer("--nproc-per-node", value, 1, minimum=1)
 
 
-@task(help={"force": "redo every stage even where it is up to date",
-            "master-port": f"MASTER_PORT for the rendezvous on node-0, {options.PORT_RANGE[0]}..{options.PORT_RANGE[1]}, "
-                           f"free there (default {commands.DEFAULT_MASTER_PORT})",
-            "stack": STACK_HELP})
+@task(
+    help={
+        "force": "redo every stage even where it is up to date",
+        "master-port": f"MASTER_PORT for the rendezvous on node-0, {options.PORT_RANGE[0]}..{options.PORT_RANGE[1]}, "
+        f"free there (default {commands.DEFAULT_MASTER_PORT})",
+        "stack": STACK_HELP,
+    }
+)
 def bootstrap(c, force=False, master_port=None, stack=None):
     """Prepare every node: checks, Python deps, code sync, node environment, health check."""
     port = options.port("--master-port", master_port, commands.DEFAULT_MASTER_PORT)
@@ -296,8 +387,10 @@ def stop(c, stack=None):
         say(f"{node}: {outcome}")
 
 
-@task(name="clean-runs", help={"keep": "how many of the newest runs keep their copies (default 3; 0 for none)",
-                               "stack": STACK_HELP})
+@task(
+    name="clean-runs",
+    help={"keep": "how many of the newest runs keep their copies (default 3; 0 for none)", "stack": STACK_HELP},
+)
 def clean_runs(c, keep=None, stack=None):
     """Free disk on every node: remove old runs' workdir copies and results folders (never checkpoints)."""
     count = options.integer("--keep", keep, 3, minimum=0)
@@ -307,26 +400,43 @@ def clean_runs(c, keep=None, stack=None):
     try:
         check_ready(sessions, statuses)
         with JobLock(sessions[0], commands.new_run_id("clean-runs"), "clean-runs"):  # no job starts meanwhile
-            outcomes = on_all_nodes(sessions, lambda s: commands.parse_last_json(s.run(
-                "cd && " + commands.node_module(cluster, setup.python[s.node.name], "sync", "clean", contract.RUNS,
-                                                str(count)), warn=False).stdout))
+            outcomes = on_all_nodes(
+                sessions,
+                lambda s: commands.parse_last_json(
+                    s.run(
+                        "cd && "
+                        + commands.node_module(
+                            cluster, setup.python[s.node.name], "sync", "clean", contract.RUNS, str(count)
+                        ),
+                        warn=False,
+                    ).stdout
+                ),
+            )
     finally:
         for session in sessions:
             session.close()
     failed = False
-    for session, outcome in zip(sessions, outcomes):
+    for session, outcome in zip(sessions, outcomes, strict=True):
         if isinstance(outcome, BaseException):
             failed = True
             say(f"{session.node.name}: could not clean: {describe(outcome)}")
             continue
-        say(f"{session.node.name}: removed the copies of {outcome['removed']} of {outcome['runs']} runs "
-            f"({workdir.human_bytes(outcome['freed_bytes'])}); the newest {count} kept")
+        say(
+            f"{session.node.name}: removed the copies of {outcome['removed']} of {outcome['runs']} runs "
+            f"({workdir.human_bytes(outcome['freed_bytes'])}); the newest {count} kept"
+        )
     if failed:
         raise Exit(code=1)
 
 
-@task(help={"run": "the run id (default: the latest run)", "node": "only this node's log",
-            "lines": "how many lines from the end of each log (default 50; 0 for all)", "stack": STACK_HELP})
+@task(
+    help={
+        "run": "the run id (default: the latest run)",
+        "node": "only this node's log",
+        "lines": "how many lines from the end of each log (default 50; 0 for all)",
+        "stack": STACK_HELP,
+    }
+)
 def logs(c, run=None, node=None, lines=None, stack=None):
     """Show a run's per-node logs (kept on this machine in .cluster/<stack>/runs/<run-id>/)."""
     count = options.integer("--lines", lines, 50, minimum=0)
@@ -360,8 +470,10 @@ def summary_line(path: Path) -> str:
         data = json.loads(path.read_text())
         return f"exit codes {data['exit_codes']}, {float(data['duration_s']):.1f} s, ${float(data['cost_usd']):.4f}"
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        return (f"{path} is damaged ({type(exc).__name__}: {exc}); the logs above are complete, "
-                "and python deploy.py cost has the run's exit codes and cost")
+        return (
+            f"{path} is damaged ({type(exc).__name__}: {exc}); the logs above are complete, "
+            "and python deploy.py cost has the run's exit codes and cost"
+        )
 
 
 def _latest_run(runs: Path) -> Path | None:
@@ -384,10 +496,12 @@ def gpus(c, stack=None):
     setup = setup_for(cluster)
     sessions, _ = open_sessions(cluster)
     try:
+
         def query(session):
             python = setup.python[session.node.name]
-            command = f"cd {commands.shell_path(commands.code_dir(cluster))} && " + \
-                commands.python_json_command(python, GPU_QUERY)
+            command = f"cd {commands.shell_path(commands.code_dir(cluster))} && " + commands.python_json_command(
+                python, GPU_QUERY
+            )
             return session.run(command)
 
         results = on_all_nodes(sessions, query)
@@ -395,10 +509,13 @@ def gpus(c, stack=None):
         for session in sessions:
             session.close()
     out = console()
-    for session, result in zip(sessions, results):
+    for session, result in zip(sessions, results, strict=True):
         name = session.node.name
         if isinstance(result, BaseException) or result.exited != 0:
-            out.print(f"{name}: could not read GPUs: {result if isinstance(result, BaseException) else result.stderr.strip()[-200:]}")
+            out.print(
+                f"{name}: could not read GPUs: "
+                f"{result if isinstance(result, BaseException) else result.stderr.strip()[-200:]}"
+            )
             continue
         samples = json.loads(result.stdout.strip().splitlines()[-1])
         if not samples:
@@ -410,8 +527,14 @@ def gpus(c, stack=None):
         for s in samples:
             power = "-" if s["power_w"] is None else f"{s['power_w']:.0f}"
             temp = "-" if s["temp_c"] is None else str(s["temp_c"])
-            table.add_row(str(s["index"]), s["name"], str(s["util_pct"]),
-                          f"{s['mem_used_gib']:.1f} / {s['mem_total_gib']:.1f}", temp, power)
+            table.add_row(
+                str(s["index"]),
+                s["name"],
+                str(s["util_pct"]),
+                f"{s['mem_used_gib']:.1f} / {s['mem_total_gib']:.1f}",
+                temp,
+                power,
+            )
         out.print(table)
 
 

@@ -114,7 +114,7 @@ class IgnoreRules:
     def excludes(self, path: str, is_dir: bool) -> bool:
         """Whether `path` (relative to the root) is excluded: the deepest ignore file that has a say decides."""
         for base, spec in reversed(self.layers):
-            result = spec.check_file(path[len(base):] + ("/" if is_dir else ""))
+            result = spec.check_file(path[len(base) :] + ("/" if is_dir else ""))
             if result.include is not None:
                 return result.include
         return False
@@ -129,8 +129,9 @@ def collect(root: Path, never: tuple[Path, ...] = ()) -> Project:
     return Project(root, tuple(sorted(files, key=lambda f: f.path)), tuple(skipped))
 
 
-def _walk(root: Path, folder: Path, relative: str, rules: IgnoreRules, visited: set, never: set,
-          files: list, skipped: list) -> None:
+def _walk(
+    root: Path, folder: Path, relative: str, rules: IgnoreRules, visited: set, never: set, files: list, skipped: list
+) -> None:
     try:
         entries = sorted(os.scandir(folder), key=lambda e: e.name)
     except OSError as exc:
@@ -176,9 +177,11 @@ def size_problem(project: Project, max_bytes: int) -> str | None:
         return None
     biggest = sorted(project.files, key=lambda f: -f.size_bytes)[:BIGGEST_SHOWN]
     listed = ", ".join(f"{f.path} ({human_bytes(f.size_bytes)})" for f in biggest)
-    return (f"the workdir {project.root} is {human_bytes(project.total_bytes)} in {count_files(len(project.files))}, "
-            f"over --max-sync-mb {max_bytes // 1_000_000}; the biggest: {listed}. Leave files out with .gitignore or "
-            ".gpuclusterignore (data belongs on $CLUSTER_SHARED_DIR), or raise --max-sync-mb")
+    return (
+        f"the workdir {project.root} is {human_bytes(project.total_bytes)} in {count_files(len(project.files))}, "
+        f"over --max-sync-mb {max_bytes // 1_000_000}; the biggest: {listed}. Leave files out with .gitignore or "
+        ".gpuclusterignore (data belongs on $CLUSTER_SHARED_DIR), or raise --max-sync-mb"
+    )
 
 
 def count_files(count: int) -> str:
@@ -248,8 +251,14 @@ def hash_cache_path(cluster: ClusterInfo, project: Project) -> Path:
     return state.stack_file(cluster.stack, state.WORKDIRS) / f"{project.key}.json"
 
 
-def sync(cluster: ClusterInfo, sessions: list[NodeSession], python: dict[str, str], project: Project,
-         wanted: Manifest, node_digests: dict[str, str]) -> None:
+def sync(
+    cluster: ClusterInfo,
+    sessions: list[NodeSession],
+    python: dict[str, str],
+    project: Project,
+    wanted: Manifest,
+    node_digests: dict[str, str],
+) -> None:
     """Bring every node's cache of `project` to `wanted`; the nodes whose digest matches get nothing."""
     cache = contract.workdir_cache(project.key)
     behind = [s for s in sessions if node_digests.get(s.node.name) != wanted.digest]
@@ -263,8 +272,9 @@ def sync(cluster: ClusterInfo, sessions: list[NodeSession], python: dict[str, st
 
     def read_manifest(session: NodeSession) -> dict:
         command = commands.node_module(cluster, python[session.node.name], "sync", "manifest", cache)
-        return commands.parse_last_json(session.run(f"mkdir -p {contract.shell(cache)} && cd && {command}",
-                                                    warn=False).stdout)
+        return commands.parse_last_json(
+            session.run(f"mkdir -p {contract.shell(cache)} && cd && {command}", warn=False).stdout
+        )
 
     remote = _node_results(behind, read_manifest, "read the workdir cache")
     plans = {name: changes(wanted.hashes, hashes) for name, hashes in remote.items()}
@@ -290,10 +300,10 @@ def sync(cluster: ClusterInfo, sessions: list[NodeSession], python: dict[str, st
 def _node_results(sessions: list[NodeSession], step, doing: str) -> dict:
     """`step` on every node at once; a node where it fails stops the launch (exit 1), naming it."""
     outcomes = on_all_nodes(sessions, step)
-    for session, outcome in zip(sessions, outcomes):
+    for session, outcome in zip(sessions, outcomes, strict=True):
         if isinstance(outcome, BaseException):
             raise Exit(f"error: could not {doing} on {session.node.name}: {_failure(outcome)}", code=1)
-    return {s.node.name: o for s, o in zip(sessions, outcomes)}
+    return {s.node.name: o for s, o in zip(sessions, outcomes, strict=True)}
 
 
 def _failure(exc: BaseException) -> str:
@@ -329,8 +339,11 @@ def checked_project(root: Path, script: Path, max_bytes: int) -> tuple[Project, 
     project = collect(root, never=(state.state_root(),))
     relative = script.relative_to(root).as_posix()
     if not project.includes(relative):
-        raise Exit(f"error: --script {relative} is left out of the workdir (by .gitignore or .gpuclusterignore, "
-                   "or a link that leads outside it), so it would not reach the nodes", code=2)
+        raise Exit(
+            f"error: --script {relative} is left out of the workdir (by .gitignore or .gpuclusterignore, "
+            "or a link that leads outside it), so it would not reach the nodes",
+            code=2,
+        )
     problem = size_problem(project, max_bytes)
     if problem:
         raise Exit(f"error: {problem}", code=2)

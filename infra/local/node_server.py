@@ -232,9 +232,7 @@ class Node:
         (folder / "bashrc").write_text(
             "unset BASH_ENV\n"
             "[ -f /etc/bash.bashrc ] && . /etc/bash.bashrc\n"
-            '[ -f "$HOME/.bashrc" ] && . "$HOME/.bashrc"\n'
-            + SOURCE_ENV
-            + f"PS1='\\u@{self.config.name}:\\w\\$ '\n"
+            '[ -f "$HOME/.bashrc" ] && . "$HOME/.bashrc"\n' + SOURCE_ENV + f"PS1='\\u@{self.config.name}:\\w\\$ '\n"
         )
 
     async def handle(self, process: asyncssh.SSHServerProcess) -> None:
@@ -265,9 +263,7 @@ class Node:
             env=self.session_env(process),
             start_new_session=True,
         )
-        output = asyncio.gather(
-            _copy_stream(proc.stdout, process.stdout), _copy_stream(proc.stderr, process.stderr)
-        )
+        output = asyncio.gather(_copy_stream(proc.stdout, process.stdout), _copy_stream(proc.stderr, process.stderr))
         await self.supervise(process, proc, output, stdin=_feed_pipe(process, proc))
 
     async def run_with_pty(self, process: asyncssh.SSHServerProcess, argv: list[str]) -> None:
@@ -448,9 +444,7 @@ def main(argv: list[str]) -> int:
     state.keep_private()
     config = NodeConfig.load(argv[1])
     os.chdir(config.home)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr
-    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     logging.getLogger("asyncssh").setLevel(logging.WARNING)
     try:
         asyncio.run(serve(config))

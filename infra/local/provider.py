@@ -122,8 +122,10 @@ def running_cluster(stack: str) -> ClusterInfo | None:
         if len(alive) == len(cluster.nodes):
             return cluster
     if alive and not has_inventory:
-        raise UsageError(f"stack {stack!r} has node servers but no inventory (an interrupted up); "
-                         f"run python deploy.py down --stack {stack} first")
+        raise UsageError(
+            f"stack {stack!r} has node servers but no inventory (an interrupted up); "
+            f"run python deploy.py down --stack {stack} first"
+        )
     why = stop_reason(stack)
     because = f" (it stopped itself: {why})" if why else ""
     raise UsageError(
@@ -134,10 +136,18 @@ def running_cluster(stack: str) -> ClusterInfo | None:
 def check_unchanged(cluster: ClusterInfo, options: LocalOptions) -> None:
     """Exit 2 when `up` asks a running cluster for something else (nodes are not resized in place)."""
     head = cluster.head
-    found = {"nodes": len(cluster.nodes), "instance_type": cluster.instance_type,
-             "first_address": head.public_ip, "ssh_port": head.ssh_port}
-    flags = {"nodes": "--nodes", "instance_type": "--instance-type", "first_address": "--bind",
-             "ssh_port": "--ssh-port"}
+    found = {
+        "nodes": len(cluster.nodes),
+        "instance_type": cluster.instance_type,
+        "first_address": head.public_ip,
+        "ssh_port": head.ssh_port,
+    }
+    flags = {
+        "nodes": "--nodes",
+        "instance_type": "--instance-type",
+        "first_address": "--bind",
+        "ssh_port": "--ssh-port",
+    }
     differ = [k for k in sorted(options.asked) if getattr(options, k) != found[k]]
     if differ:
         asked = "; ".join(f"{flags[k]} {getattr(options, k)} (it has {found[k]})" for k in differ)
@@ -279,7 +289,7 @@ def _spawn(config: NodeConfig) -> subprocess.Popen:
 
 def _wait_for_pid_files(configs: list[NodeConfig], procs: list[subprocess.Popen]) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
-    pending = list(zip(configs, procs))
+    pending = list(zip(configs, procs, strict=True))
     while pending:
         for config, proc in list(pending):
             if Path(config.pid_file).exists():
@@ -439,16 +449,20 @@ def _server_pids(stack: str) -> list[int]:
 def _servers_by_command_line(stack: str) -> list[int]:
     """Live node servers started for this stack's node folders (`python -m ... nodes/node-<i>/node.json`)."""
     nodes = str(state.stack_dir(stack) / "nodes") + "/"
-    return [pid for pid in procfs.pids_with_argument(SERVER_MODULE)
-            if any(arg.startswith(nodes) for arg in procfs.command_line(pid))]
+    return [
+        pid
+        for pid in procfs.pids_with_argument(SERVER_MODULE)
+        if any(arg.startswith(nodes) for arg in procfs.command_line(pid))
+    ]
 
 
 def stacks_without_inventory() -> list[str]:
     """Local stacks with node folders but no inventory: what an `up` killed before it finished leaves."""
     root = state.state_root()
     folders = sorted(p.parent.name for p in root.glob("*/nodes") if p.is_dir()) if root.is_dir() else []
-    return [stack for stack in folders
-            if state.STACK_NAME.fullmatch(stack) and not inventory.inventory_path(stack).exists()]
+    return [
+        stack for stack in folders if state.STACK_NAME.fullmatch(stack) and not inventory.inventory_path(stack).exists()
+    ]
 
 
 def _is_node_server(pid: int) -> bool:

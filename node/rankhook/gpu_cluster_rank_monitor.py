@@ -99,8 +99,9 @@ class RankMonitor:
                 for pg_id, (enqueued, completed) in _recorder().counters().items():
                     name = self.names.get(pg_id)
                     if name is not None:
-                        groups.setdefault(name, {"ranks": ranks.get(name, [])}).update(enqueued=enqueued,
-                                                                                      completed=completed)
+                        groups.setdefault(name, {"ranks": ranks.get(name, [])}).update(
+                            enqueued=enqueued, completed=completed
+                        )
             except Exception:
                 pass
         record.update(time=time.time(), active=[], stack=[], finished=True)
@@ -151,8 +152,17 @@ class RankMonitor:
                 seen_at = self.inside[pg_id][1]
                 known = self.details.get((pg_id, completed + 1))
                 detail = {k: v for k, v in (known or {}).items() if k != "pg"}
-                active.append({"op": "", "sizes": [], "dtypes": [], "since": seen_at, **detail,
-                               "group": name, "seq": completed + 1})
+                active.append(
+                    {
+                        "op": "",
+                        "sizes": [],
+                        "dtypes": [],
+                        "since": seen_at,
+                        **detail,
+                        "group": name,
+                        "seq": completed + 1,
+                    }
+                )
         return {
             "rank": self.rank,
             "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
@@ -179,9 +189,16 @@ class RankMonitor:
             trace = recorder.full()
         except Exception as exc:
             trace = {"error": f"{type(exc).__name__}: {exc}"}
-        _write_json(os.path.join(self.folder, contract.rank_dump(self.rank)),
-                    {"rank": self.rank, "pid": os.getpid(), "time": time.time(), "trace": trace,
-                     "threads": all_thread_stacks()})
+        _write_json(
+            os.path.join(self.folder, contract.rank_dump(self.rank)),
+            {
+                "rank": self.rank,
+                "pid": os.getpid(),
+                "time": time.time(),
+                "trace": trace,
+                "threads": all_thread_stacks(),
+            },
+        )
 
 
 class _Recorder:
@@ -193,8 +210,10 @@ class _Recorder:
     def counters(self) -> dict:
         """{group id: (last enqueued, last completed)}: the cheap part of a dump."""
         status = json.loads(self.c10d._dump_fr_trace_json(includeCollectives=False)).get("pg_status", {})
-        return {str(pg_id): (int(s.get("last_enqueued_collective", -1)), int(s.get("last_completed_collective", -1)))
-                for pg_id, s in status.items()}
+        return {
+            str(pg_id): (int(s.get("last_enqueued_collective", -1)), int(s.get("last_completed_collective", -1)))
+            for pg_id, s in status.items()
+        }
 
     def full(self) -> dict:
         return json.loads(self.c10d._dump_fr_trace_json(includeCollectives=True))
@@ -232,15 +251,17 @@ def active_entries(trace: dict) -> list[dict]:
     for entry in trace.get("entries", []):
         if entry.get("retired") or entry.get("is_p2p"):
             continue
-        active.append({
-            "pg": str(entry.get("pg_id")),
-            "group": str((entry.get("process_group") or [""])[0]),
-            "seq": int(entry.get("collective_seq_id", -1)),
-            "op": str(entry.get("profiling_name", "")).split(":")[-1],
-            "sizes": entry.get("input_sizes", []),
-            "dtypes": entry.get("input_dtypes", []),
-            "since": int(entry.get("time_created_ns", 0)) / 1e9,
-        })
+        active.append(
+            {
+                "pg": str(entry.get("pg_id")),
+                "group": str((entry.get("process_group") or [""])[0]),
+                "seq": int(entry.get("collective_seq_id", -1)),
+                "op": str(entry.get("profiling_name", "")).split(":")[-1],
+                "sizes": entry.get("input_sizes", []),
+                "dtypes": entry.get("input_dtypes", []),
+                "since": int(entry.get("time_created_ns", 0)) / 1e9,
+            }
+        )
     return active
 
 
@@ -252,15 +273,24 @@ def thread_stack(ident: int | None) -> list[dict]:
     frames = []
     while frame is not None and len(frames) < STACK_DEPTH:
         code = frame.f_code
-        frames.append({"function": code.co_name, "file": os.path.basename(code.co_filename),
-                       "line": frame.f_lineno, "library": _is_library(code.co_filename)})
+        frames.append(
+            {
+                "function": code.co_name,
+                "file": os.path.basename(code.co_filename),
+                "line": frame.f_lineno,
+                "library": _is_library(code.co_filename),
+            }
+        )
         frame = frame.f_back
     return frames[::-1]
 
 
 def _is_library(path: str) -> bool:
-    return any(part in ("site-packages", "dist-packages") for part in path.split(os.sep)) or \
-        path.startswith(_STDLIB) or path.startswith("<")
+    return (
+        any(part in ("site-packages", "dist-packages") for part in path.split(os.sep))
+        or path.startswith(_STDLIB)
+        or path.startswith("<")
+    )
 
 
 def all_thread_stacks() -> dict:

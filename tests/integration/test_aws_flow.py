@@ -32,9 +32,19 @@ def instances(make_cluster, state_dir, monkeypatch):
 
 def fake_outputs(local) -> dict:
     return {
-        "nodes": [{"name": n["name"], "instance_id": f"i-{i:017x}", "public_ip": n["public_ip"], "ssh_port": n["ssh_port"],
-                   "private_ip": n["private_ip"]} for i, n in enumerate(local.inventory["nodes"])],
-        "ssh_user": local.inventory["ssh_user"], "shared_dir": "/shared", "region": "us-east-1",
+        "nodes": [
+            {
+                "name": n["name"],
+                "instance_id": f"i-{i:017x}",
+                "public_ip": n["public_ip"],
+                "ssh_port": n["ssh_port"],
+                "private_ip": n["private_ip"],
+            }
+            for i, n in enumerate(local.inventory["nodes"])
+        ],
+        "ssh_user": local.inventory["ssh_user"],
+        "shared_dir": "/shared",
+        "region": "us-east-1",
     }
 
 
@@ -66,7 +76,9 @@ def test_up_refuses_without_confirmation_and_creates_nothing(instances, monkeypa
     with moto_aws(monkeypatch):
         request = aws_provider.UpRequest("dev", {"sshCidr": "203.0.113.7/32"}, yes=False)
         with pytest.raises(UsageError, match="not confirmed"):
-            aws_provider.up(request, clients=clients(), command=fake, confirm=lambda question: False, say=lambda s: None)
+            aws_provider.up(
+                request, clients=clients(), command=fake, confirm=lambda question: False, say=lambda s: None
+            )
     assert not any(c[0] == "up" for c in fake.calls) and fake.calls == []
     assert not (state_dir / "dev" / "inventory.json").exists()
 
@@ -98,8 +110,11 @@ class ConsoleWithWatchdogLine:
     def get_console_output(self, **kwargs):
         stubbed = boto3.client("ec2", region_name="us-east-1")
         stub = Stubber(stubbed)
-        stub.add_response("get_console_output", {"InstanceId": kwargs["InstanceId"], "Output": self.line},
-                          {"InstanceId": kwargs["InstanceId"]})
+        stub.add_response(
+            "get_console_output",
+            {"InstanceId": kwargs["InstanceId"], "Output": self.line},
+            {"InstanceId": kwargs["InstanceId"]},
+        )
         stub.activate()
         return stubbed.get_console_output(**kwargs)
 
@@ -114,14 +129,37 @@ def test_status_shows_instance_states_and_why_the_cluster_stopped_itself(monkeyp
         ec2 = boto3.client("ec2", region_name="us-east-1")
         ids = []
         for index in range(2):
-            ids.append(ec2.run_instances(ImageId="ami-12c6146b", MinCount=1, MaxCount=1, InstanceType="g4dn.2xlarge",
-                                         TagSpecifications=[{"ResourceType": "instance", "Tags": [
-                                             {"Key": "gpu-cluster:stack", "Value": "dev"},
-                                             {"Key": "gpu-cluster:node", "Value": f"node-{index}"}]}])["Instances"][0]["InstanceId"])
+            ids.append(
+                ec2.run_instances(
+                    ImageId="ami-12c6146b",
+                    MinCount=1,
+                    MaxCount=1,
+                    InstanceType="g4dn.2xlarge",
+                    TagSpecifications=[
+                        {
+                            "ResourceType": "instance",
+                            "Tags": [
+                                {"Key": "gpu-cluster:stack", "Value": "dev"},
+                                {"Key": "gpu-cluster:node", "Value": f"node-{index}"},
+                            ],
+                        }
+                    ],
+                )["Instances"][0]["InstanceId"]
+            )
         ec2.stop_instances(InstanceIds=ids)
-        cluster = ClusterInfo("dev", "aws", "us-east-1", "g4dn.2xlarge", 1.504, "ubuntu", "/k", "/kh", "/shared",
-                              "2026-11-21T00:00:00+00:00",
-                              tuple(NodeInfo(f"node-{i}", f"54.0.0.{i}", f"10.42.1.{10 + i}", 22, 1) for i in range(2)))
+        cluster = ClusterInfo(
+            "dev",
+            "aws",
+            "us-east-1",
+            "g4dn.2xlarge",
+            1.504,
+            "ubuntu",
+            "/k",
+            "/kh",
+            "/shared",
+            "2026-11-21T00:00:00+00:00",
+            tuple(NodeInfo(f"node-{i}", f"54.0.0.{i}", f"10.42.1.{10 + i}", 22, 1) for i in range(2)),
+        )
         line = 'gpu-cluster-watchdog: {"reason": "budget: $24.99 spent of maxTotalUsd $25", "at": 1795250000.0}\n'
         rows, stopped = aws_provider.status(cluster, ConsoleWithWatchdogLine(ec2, "boot...\n" + line))
     assert [r["state"] for r in rows] == ["stopped", "stopped"]

@@ -15,9 +15,13 @@ from tests.support.cli import assert_one_line_error, run_cli
 def offline(state_dir, tmp_path, monkeypatch):
     """No AWS credentials or config, no instance metadata, no Pulumi CLI on PATH."""
     env = {
-        "AWS_CONFIG_FILE": str(tmp_path / "none"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
-        "AWS_EC2_METADATA_DISABLED": "true", "HOME": str(tmp_path),
-        "PATH": os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if not os.path.exists(os.path.join(p, "pulumi"))),
+        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "HOME": str(tmp_path),
+        "PATH": os.pathsep.join(
+            p for p in os.environ["PATH"].split(os.pathsep) if not os.path.exists(os.path.join(p, "pulumi"))
+        ),
     }
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(key, raising=False)
@@ -28,19 +32,22 @@ def nothing_created(state_dir) -> bool:
     return not (state_dir / "dev").exists() and not (state_dir / "pulumi").exists()
 
 
-@pytest.mark.parametrize("args,words", [
-    (["--nodes", "0"], ["nodes must be from 1 to 16"]),
-    (["--nodes", "17"], ["nodes must be from 1 to 16"]),
-    (["--instance-type", "t3.large"], ["t3.large", "not supported"]),
-    (["--instance-type", ""], ["instance type ''", "not supported"]),
-    (["--instance-type", "g4dn.xlarge\n"], ["not supported"]),
-    (["--instance-type", "p4d.48xlarge"], ["not supported"]),
-    (["--nodes", ""], ["nodes must be a whole number"]),
-    (["--ssh-cidr", ""], ["sshCidr", "CIDR"]),
-    (["--stack", ""], ["bad stack name ''"]),
-    (["--ssh-cidr", "1.2.3.4/99"], ["sshCidr", "CIDR"]),
-    (["--ssh-cidr", "0.0.0.0/0"], ["whole internet", "allowWorldSsh"]),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--nodes", "0"], ["nodes must be from 1 to 16"]),
+        (["--nodes", "17"], ["nodes must be from 1 to 16"]),
+        (["--instance-type", "t3.large"], ["t3.large", "not supported"]),
+        (["--instance-type", ""], ["instance type ''", "not supported"]),
+        (["--instance-type", "g4dn.xlarge\n"], ["not supported"]),
+        (["--instance-type", "p4d.48xlarge"], ["not supported"]),
+        (["--nodes", ""], ["nodes must be a whole number"]),
+        (["--ssh-cidr", ""], ["sshCidr", "CIDR"]),
+        (["--stack", ""], ["bad stack name ''"]),
+        (["--ssh-cidr", "1.2.3.4/99"], ["sshCidr", "CIDR"]),
+        (["--ssh-cidr", "0.0.0.0/0"], ["whole internet", "allowWorldSsh"]),
+    ],
+)
 def test_bad_input_is_refused_before_anything_is_created(offline, state_dir, args, words):
     result = run_cli("up", "--stack", "dev", "--yes", *args, **offline)
     assert_one_line_error(result, *words)
@@ -49,8 +56,13 @@ def test_bad_input_is_refused_before_anything_is_created(offline, state_dir, arg
 
 def test_missing_cli_and_credentials_are_reported_together(offline, state_dir):
     result = run_cli("up", "--stack", "dev", "--yes", "--ssh-cidr", "203.0.113.7/32", **offline)
-    assert_one_line_error(result, "preflight found 2 problem(s)", "Pulumi CLI is not installed", "get.pulumi.com",
-                          "AWS credentials do not work")
+    assert_one_line_error(
+        result,
+        "preflight found 2 problem(s)",
+        "Pulumi CLI is not installed",
+        "get.pulumi.com",
+        "AWS credentials do not work",
+    )
     assert nothing_created(state_dir)
 
 
@@ -110,21 +122,53 @@ def test_status_of_an_aws_cluster_without_credentials_is_one_line(offline, state
     stack_dir.mkdir(parents=True)
     for name in ("id_ed25519", "known_hosts"):
         (stack_dir / name).touch(mode=0o600)
-    (stack_dir / "inventory.json").write_text(json.dumps({
-        "stack": "dev", "provider": "aws", "region": "us-east-1", "instance_type": "g4dn.2xlarge", "hourly_usd": 1.537,
-        "ssh_user": "ubuntu", "ssh_key": str(stack_dir / "id_ed25519"), "known_hosts": str(stack_dir / "known_hosts"),
-        "shared_dir": "/shared", "created_at": "2026-11-21T00:00:00+00:00",
-        "nodes": [{"name": "node-0", "public_ip": "203.0.113.10", "private_ip": "10.42.1.10", "ssh_port": 22, "gpus": 1}],
-    }))
-    assert_one_line_error(run_cli("status", "--stack", "dev", **offline), "AWS credentials do not work", "aws configure")
+    (stack_dir / "inventory.json").write_text(
+        json.dumps(
+            {
+                "stack": "dev",
+                "provider": "aws",
+                "region": "us-east-1",
+                "instance_type": "g4dn.2xlarge",
+                "hourly_usd": 1.537,
+                "ssh_user": "ubuntu",
+                "ssh_key": str(stack_dir / "id_ed25519"),
+                "known_hosts": str(stack_dir / "known_hosts"),
+                "shared_dir": "/shared",
+                "created_at": "2026-11-21T00:00:00+00:00",
+                "nodes": [
+                    {
+                        "name": "node-0",
+                        "public_ip": "203.0.113.10",
+                        "private_ip": "10.42.1.10",
+                        "ssh_port": 22,
+                        "gpus": 1,
+                    }
+                ],
+            }
+        )
+    )
+    assert_one_line_error(
+        run_cli("status", "--stack", "dev", **offline), "AWS credentials do not work", "aws configure"
+    )
 
 
 def test_ssh_passes_the_remote_command_through_whole():
     from deploy import ssh_argv
     from infra.inventory import ClusterInfo, NodeInfo
 
-    cluster = ClusterInfo("dev", "aws", "us-east-1", "g4dn.2xlarge", 1.5, "ubuntu", "/k", "/kh", "/shared", "t",
-                          (NodeInfo("node-0", "203.0.113.10", "10.42.1.10", 22, 1),))
+    cluster = ClusterInfo(
+        "dev",
+        "aws",
+        "us-east-1",
+        "g4dn.2xlarge",
+        1.5,
+        "ubuntu",
+        "/k",
+        "/kh",
+        "/shared",
+        "t",
+        (NodeInfo("node-0", "203.0.113.10", "10.42.1.10", 22, 1),),
+    )
     argv = ssh_argv(cluster, "node-0", ["grep", "--", "-x", "file"])
     assert argv[-6:] == ["ubuntu@203.0.113.10", "--", "grep", "--", "-x", "file"]
     assert "StrictHostKeyChecking=yes" in argv and "UserKnownHostsFile=/kh" in argv

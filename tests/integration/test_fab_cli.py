@@ -5,29 +5,32 @@ import pytest
 from tests.support.cli import assert_one_line_error, run_fab
 
 
-@pytest.mark.parametrize("argv,words", [
-    (["no-such-task"], ["no-such-task", "fab --list"]),
-    (["hello", "--bogus"], ["--bogus", "fab --help TASK"]),
-    (["logs", "--lines"], ["--lines needs a value"]),
-    (["run"], ["--script PATH"]),
-    (["hello", "--max-restarts", "abc"], ["--max-restarts", "'abc'", ">= 0"]),
-    (["run-ddp", "--max-restarts", "-1"], ["--max-restarts", "-1"]),
-    (["bootstrap", "--master-port", "70000"], ["--master-port", "1024 to 65535"]),
-    (["bootstrap", "--master-port", "abc"], ["--master-port", "'abc'"]),
-    (["logs", "--lines", "-5"], ["--lines", "-5"]),
-    (["logs", "--run", "../.."], ["--run", "'../..'"]),
-    (["hello", "--args", '"unterminated'], ["--args", "No closing quotation"]),
-    (["logs", "--stack", "../x"], ["bad stack name"]),
-    (["run", "--workdir", "/no/such/folder", "--script", "x.py"], ["no such folder", "/no/such/folder"]),
-    (["run", "--script", "x.py", "--env", "RANK=1"], ["--env RANK", "pick another name"]),
-    (["run", "--script", "x.py", "--env", "GREETING"], ["'GREETING' is not KEY=VALUE"]),
-    (["run", "--script", "x.py", "--max-sync-mb", "5"], ["--max-sync-mb", "--workdir"]),
-    (["run", "--script", "x.py", "--max-result-mb", "0"], ["--max-result-mb", ">= 1"]),
-    (["run", "--script", "x.py", "--requirements", "/no/such.txt"], ["no such requirements file"]),
-    (["run-ddp", "--hang-timeout", "soon"], ["--hang-timeout", "seconds >= 0", "'soon'"]),
-    (["hello", "--hang-timeout", "-3"], ["--hang-timeout", "'-3'"]),
-    (["hello", "--on-hang", "panic"], ["--on-hang", "stop or wait", "'panic'"]),
-])
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["no-such-task"], ["no-such-task", "fab --list"]),
+        (["hello", "--bogus"], ["--bogus", "fab --help TASK"]),
+        (["logs", "--lines"], ["--lines needs a value"]),
+        (["run"], ["--script PATH"]),
+        (["hello", "--max-restarts", "abc"], ["--max-restarts", "'abc'", ">= 0"]),
+        (["run-ddp", "--max-restarts", "-1"], ["--max-restarts", "-1"]),
+        (["bootstrap", "--master-port", "70000"], ["--master-port", "1024 to 65535"]),
+        (["bootstrap", "--master-port", "abc"], ["--master-port", "'abc'"]),
+        (["logs", "--lines", "-5"], ["--lines", "-5"]),
+        (["logs", "--run", "../.."], ["--run", "'../..'"]),
+        (["hello", "--args", '"unterminated'], ["--args", "No closing quotation"]),
+        (["logs", "--stack", "../x"], ["bad stack name"]),
+        (["run", "--workdir", "/no/such/folder", "--script", "x.py"], ["no such folder", "/no/such/folder"]),
+        (["run", "--script", "x.py", "--env", "RANK=1"], ["--env RANK", "pick another name"]),
+        (["run", "--script", "x.py", "--env", "GREETING"], ["'GREETING' is not KEY=VALUE"]),
+        (["run", "--script", "x.py", "--max-sync-mb", "5"], ["--max-sync-mb", "--workdir"]),
+        (["run", "--script", "x.py", "--max-result-mb", "0"], ["--max-result-mb", ">= 1"]),
+        (["run", "--script", "x.py", "--requirements", "/no/such.txt"], ["no such requirements file"]),
+        (["run-ddp", "--hang-timeout", "soon"], ["--hang-timeout", "seconds >= 0", "'soon'"]),
+        (["hello", "--hang-timeout", "-3"], ["--hang-timeout", "'-3'"]),
+        (["hello", "--on-hang", "panic"], ["--on-hang", "stop or wait", "'panic'"]),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2_and_creates_nothing(state_dir, argv, words):
     assert_one_line_error(run_fab(*argv), *words)
     assert not state_dir.exists()
@@ -52,11 +55,14 @@ def test_logs_of_a_run_with_a_damaged_summary_are_shown_and_the_damage_named(sta
     assert "summary.json is damaged" in result.stdout and not result.stderr
 
 
-@pytest.mark.parametrize("script,words", [
-    ("train.py", ["does not compile", "train.py, line 2"]),
-    ("../outside.py", ["outside --workdir"]),
-    ("pkg", ["is a folder"]),
-])
+@pytest.mark.parametrize(
+    "script,words",
+    [
+        ("train.py", ["does not compile", "train.py, line 2"]),
+        ("../outside.py", ["outside --workdir"]),
+        ("pkg", ["is a folder"]),
+    ],
+)
 def test_a_workdir_script_is_checked_before_anything_is_created(state_dir, tmp_path, script, words):
     project = tmp_path / "project"
     (project / "pkg").mkdir(parents=True)

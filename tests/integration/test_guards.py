@@ -42,11 +42,14 @@ def test_an_idle_local_cluster_brings_itself_down_and_says_why(state_dir, make_c
     assert len(cluster["intervals"]) == 1 and cluster["intervals"][0]["end_reason"].startswith("stopped itself")
 
 
-@pytest.mark.parametrize("flag,value,words", [
-    ("--max-total-usd", "-5", ["maxTotalUsd", "positive"]),
-    ("--max-total-usd", "lots", ["maxTotalUsd", "positive number"]),
-    ("--idle-minutes", "0", ["idleMinutes", "positive"]),
-])
+@pytest.mark.parametrize(
+    "flag,value,words",
+    [
+        ("--max-total-usd", "-5", ["maxTotalUsd", "positive"]),
+        ("--max-total-usd", "lots", ["maxTotalUsd", "positive number"]),
+        ("--idle-minutes", "0", ["idleMinutes", "positive"]),
+    ],
+)
 def test_bad_budgets_are_refused_before_anything_starts(state_dir, flag, value, words):
     assert_one_line_error(run_cli("up", "--local", flag, value), *words)
     assert not (state_dir / "local").exists() and node_server_processes(state_dir) == []
@@ -85,8 +88,9 @@ def test_a_stalled_job_stops_billing_and_a_slow_healthy_one_does_not(state_dir, 
     step_s = f"{window_s / 4:.2f}"
     slow = run_fab("run", "--script", str(script), "--args", f"healthy {step_s}", "--hang-timeout", "600")
     assert slow.returncode == 0, slow.stdout + slow.stderr  # 5 slow steps: longer than the idle window
-    stalled = run_fab("run", "--script", str(script), "--args", f"stall {step_s}", "--hang-timeout", "600",
-                      timeout=180 + 4 * window_s)
+    stalled = run_fab(
+        "run", "--script", str(script), "--args", f"stall {step_s}", "--hang-timeout", "600", timeout=180 + 4 * window_s
+    )
     assert stalled.returncode != 0  # the nodes powered off under it
     report = json.loads(run_cli("status", "--json").stdout)
     assert report["stopped_reason"].startswith("stalled: job ") and "made no progress" in report["stopped_reason"]

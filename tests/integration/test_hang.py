@@ -46,9 +46,12 @@ for step in range(3 if CASE == "slow" else 6):
 print(f"rank {RANK} done", flush=True)
 dist.destroy_process_group()
 """
-LINE = {name: number for number, text in enumerate(SCRIPT.splitlines(), start=1)
-        for name, needle in (("sleep", "time.sleep(600)"), ("stop", "signal.SIGSTOP)"), ("op", "dist.broadcast("))
-        if needle in text}
+LINE = {
+    name: number
+    for number, text in enumerate(SCRIPT.splitlines(), start=1)
+    for name, needle in (("sleep", "time.sleep(600)"), ("stop", "signal.SIGSTOP)"), ("op", "dist.broadcast("))
+    if needle in text
+}
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +64,17 @@ def cluster(tmp_path_factory):
 
 def launch(cluster, case: str, *extra: str, timeout_s: float = HANG_TIMEOUT_S):
     started = time.monotonic()
-    result = cluster.fab("run", "--script", str(cluster.script), "--args", f"{case} {timeout_s}",
-                         "--hang-timeout", str(timeout_s), *extra, timeout=420)
+    result = cluster.fab(
+        "run",
+        "--script",
+        str(cluster.script),
+        "--args",
+        f"{case} {timeout_s}",
+        "--hang-timeout",
+        str(timeout_s),
+        *extra,
+        timeout=420,
+    )
     run_id = re.search(r"fab: run (\S+):", result.stdout).group(1)
     return result, run_id, time.monotonic() - started
 
@@ -106,9 +118,12 @@ def assert_hung_and_cleaned_up(cluster, result, run_id):
 def test_a_rank_sleeping_before_a_collective_is_named_with_its_frame(cluster):
     result, run_id, _ = launch(cluster, "sleep")
     line = verdict_of(result)
-    assert re.fullmatch(rf"HANG run={run_id}: rank 1 \(node-1, pid \d+\) never entered all_reduce #4 "
-                        rf"\(1024 x float32\); rank 0 waiting since \d\d:\d\d:\d\d UTC; "
-                        rf"rank 1 is in load_batch \(hangcase.py:{LINE['sleep']}\)", line), line
+    assert re.fullmatch(
+        rf"HANG run={run_id}: rank 1 \(node-1, pid \d+\) never entered all_reduce #4 "
+        rf"\(1024 x float32\); rank 0 waiting since \d\d:\d\d:\d\d UTC; "
+        rf"rank 1 is in load_batch \(hangcase.py:{LINE['sleep']}\)",
+        line,
+    ), line
     evidence = assert_hung_and_cleaned_up(cluster, result, run_id)
     assert "load_batch" in (evidence / "rank-1.py-spy.txt").read_text()
     assert json.loads((evidence / "rank-0.flight-recorder.json").read_text())["trace"]["entries"]
@@ -118,8 +133,10 @@ def test_a_rank_calling_a_different_collective_is_named_with_both_on_a_loaded_ma
     with busy_cores():
         result, run_id, _ = launch(cluster, "op")
     line = verdict_of(result)
-    assert "rank 1 (node-1, pid" in line and "called broadcast #4 (1024 x float32) where rank 0 called " \
-                                             "all_reduce #4 (1024 x float32)" in line, line
+    assert (
+        "rank 1 (node-1, pid" in line
+        and "called broadcast #4 (1024 x float32) where rank 0 called all_reduce #4 (1024 x float32)" in line
+    ), line
     assert line.endswith(f"rank 1 is in <module> (hangcase.py:{LINE['op']})"), line
     assert_hung_and_cleaned_up(cluster, result, run_id)
 
@@ -146,9 +163,13 @@ def test_a_shape_mismatch_is_caught_by_gloo_and_named(cluster):
     result, run_id, _ = launch(cluster, "shape", timeout_s=30)
     assert result.returncode == 1 and "HANG" not in result.stdout, result.stdout
     mismatch = [line for line in result.stdout.splitlines() if line.startswith("fab: collective mismatch")]
-    assert len(mismatch) == 1 and re.search(r"gloo received \d+ bytes where \d+ were expected", mismatch[0]), result.stdout
+    assert len(mismatch) == 1 and re.search(r"gloo received \d+ bytes where \d+ were expected", mismatch[0]), (
+        result.stdout
+    )
     # The rank comes from torchrun's report, which fail-fast can cut short; the node and frame are always there.
-    assert re.search(r"(rank \d \(node-\d\)|a rank on node-\d) aborted in <module> \(hangcase\.py:\d+\)", mismatch[0]), mismatch[0]
+    assert re.search(
+        r"(rank \d \(node-\d\)|a rank on node-\d) aborted in <module> \(hangcase\.py:\d+\)", mismatch[0]
+    ), mismatch[0]
 
 
 def test_a_slow_healthy_job_is_never_flagged(cluster):

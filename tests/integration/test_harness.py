@@ -19,9 +19,20 @@ def torchrun(script: str, *args: str, run_dir=None, nproc: int = 2, timeout: flo
     if run_dir is not None:
         env["CLUSTER_RUN_DIR"] = str(run_dir)
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-         f"examples/{script}", *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            f"examples/{script}",
+            *args,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -49,8 +60,9 @@ def test_hello_fails_on_a_wrong_expectation():
 
 def test_ddp_trains_in_bf16_the_loss_falls_parameters_stay_identical_and_steps_are_priced(tmp_path):
     # bf16 autocast on CPU; fp32 is what every fab launch test trains in. $3.60/h is $0.001 per second.
-    result = ok(torchrun("ddp_training.py", "--steps", "60", "--precision", "bf16", run_dir=tmp_path,
-                         CLUSTER_HOURLY_USD="3.6"))
+    result = ok(
+        torchrun("ddp_training.py", "--steps", "60", "--precision", "bf16", run_dir=tmp_path, CLUSTER_HOURLY_USD="3.6")
+    )
     summary = records(tmp_path, "summary")[0]
     assert summary["precision"] == "bf16" and summary["parameters_identical"] is True
     assert summary["last_loss"] < 0.8 * summary["first_loss"]
@@ -65,8 +77,16 @@ def test_ddp_trains_in_bf16_the_loss_falls_parameters_stay_identical_and_steps_a
 
 
 def test_a_crash_without_restarts_fails_the_job(tmp_path):
-    result = torchrun("ddp_training.py", "--steps", "20", "--checkpoint-every", "5", "--simulate-failure-at-step", "7",
-                      run_dir=tmp_path)
+    result = torchrun(
+        "ddp_training.py",
+        "--steps",
+        "20",
+        "--checkpoint-every",
+        "5",
+        "--simulate-failure-at-step",
+        "7",
+        run_dir=tmp_path,
+    )
     assert result.returncode == 1  # torchrun's own code for a failed worker group
     assert "rank 1: failing on purpose at step 7" in result.stdout
     # torchrun's failure report names the crashed rank with the exit code the crash chose (a misspelt
@@ -76,8 +96,19 @@ def test_a_crash_without_restarts_fails_the_job(tmp_path):
 
 
 def test_the_transformer_learns_the_teacher_chain_in_fp16_with_activation_checkpointing(tmp_path):
-    ok(torchrun("ddp_training.py", "--model", "transformer", "--steps", "12", "--activation-checkpointing",
-                "--precision", "fp16", run_dir=tmp_path))
+    ok(
+        torchrun(
+            "ddp_training.py",
+            "--model",
+            "transformer",
+            "--steps",
+            "12",
+            "--activation-checkpointing",
+            "--precision",
+            "fp16",
+            run_dir=tmp_path,
+        )
+    )
     summary = records(tmp_path, "summary")[0]
     assert summary["precision"] == "fp16" and summary["parameters_identical"]
     assert summary["last_loss"] < 0.5 * summary["first_loss"]
@@ -89,7 +120,9 @@ def test_the_transformer_learns_the_teacher_chain_in_fp16_with_activation_checkp
 def test_the_accumulated_gradient_equals_the_full_batch_one_and_no_sync_all_reduces_once_not_k_times(tmp_path):
     checks = {}
     for mode, extra in (("no_sync", []), ("naive", ["--sync-every-micro-step"])):
-        result = ok(torchrun("gradient_accumulation.py", "--check-gradient", "-k", "4", *extra, run_dir=tmp_path / mode))
+        result = ok(
+            torchrun("gradient_accumulation.py", "--check-gradient", "-k", "4", *extra, run_dir=tmp_path / mode)
+        )
         assert "tolerance 1e-05" in result.stdout
         checks[mode] = records(tmp_path / mode, "gradient_check")[0]
         assert checks[mode]["ok"] and checks[mode]["max_abs_diff"] <= 1e-5
@@ -124,7 +157,16 @@ def test_scaling_efficiency_reports_every_size(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_ddp_on_gpus_uses_nccl_and_amp(tmp_path):
     precision = "bf16" if torch.cuda.get_device_capability()[0] >= 8 else "fp16"
-    result = ok(torchrun("ddp_training.py", "--steps", "20", "--precision", precision,
-                         nproc=torch.cuda.device_count(), run_dir=tmp_path))
+    result = ok(
+        torchrun(
+            "ddp_training.py",
+            "--steps",
+            "20",
+            "--precision",
+            precision,
+            nproc=torch.cuda.device_count(),
+            run_dir=tmp_path,
+        )
+    )
     assert "(nccl)" in result.stdout
     assert records(tmp_path, "summary")[0]["parameters_identical"]

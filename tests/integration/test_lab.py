@@ -22,9 +22,22 @@ CHECK_LINE = re.compile(r"^check: .+ max diff \S+ \(tolerance \S+\) ok$")
 
 def torchrun(script: str, *args: str, nproc: int, run_dir=None, timeout: float = 240) -> subprocess.CompletedProcess:
     env = child_env(**({"CLUSTER_RUN_DIR": str(run_dir)} if run_dir else {}))
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                           f"examples/{script}", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            f"examples/{script}",
+            *args,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -55,16 +68,33 @@ def test_each_check_prints_one_ok_line(example, nproc, tmp_path):
 def test_a_check_that_does_not_hold_says_fail_and_exits_1():
     # A rank-16 approximation of 32-wide matrices is no smaller than they are: PowerSGD sends them
     # whole. (One process, started without torchrun, is a world of one: DDP and its hooks still run.)
-    result = subprocess.run([sys.executable, "examples/gradient_compression.py", "--check", *TINY, "--steps", "4",
-                             "--rank", "16"], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "examples/gradient_compression.py", "--check", *TINY, "--steps", "4", "--rank", "16"],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     assert re.match(r"^check: .+ 1\.\dx fewer bytes .+ FAIL$", result.stdout.strip()), result.stdout
 
 
 def test_fsdp_holds_a_quarter_on_4_ranks_and_its_committed_checkpoint_resumes_on_2(tmp_path):
     checkpoints = tmp_path / "ckpt"
-    saved = ok(torchrun("fsdp_training.py", *TINY, "--steps", "3", "--checkpoint-dir", str(checkpoints),
-                        "--async-save", nproc=4, run_dir=tmp_path / "four"))
+    saved = ok(
+        torchrun(
+            "fsdp_training.py",
+            *TINY,
+            "--steps",
+            "3",
+            "--checkpoint-dir",
+            str(checkpoints),
+            "--async-save",
+            nproc=4,
+            run_dir=tmp_path / "four",
+        )
+    )
     four = summary(tmp_path / "four")
     state = ("parameters_bytes", "gradients_bytes", "optimizer_bytes")
     whole = sum(four["ddp_memory"][k] for k in state)
@@ -74,8 +104,18 @@ def test_fsdp_holds_a_quarter_on_4_ranks_and_its_committed_checkpoint_resumes_on
     interrupted = checkpoints / "step-00000009"  # a later save cut short: shards, no commit marker
     interrupted.mkdir()
     (interrupted / "__0_0.distcp").write_bytes(b"half a shard")
-    resumed = ok(torchrun("fsdp_training.py", *TINY, "--steps", "3", "--checkpoint-dir", str(checkpoints),
-                          nproc=2, run_dir=tmp_path / "two"))
+    resumed = ok(
+        torchrun(
+            "fsdp_training.py",
+            *TINY,
+            "--steps",
+            "3",
+            "--checkpoint-dir",
+            str(checkpoints),
+            nproc=2,
+            run_dir=tmp_path / "two",
+        )
+    )
     assert "resumed from step 3" in resumed.stdout and "saved by 4 ranks, loaded onto 2" in resumed.stdout
     assert summary(tmp_path / "two")["parameter_digest"] == four["parameter_digest"]
     assert "parameters sha256" in saved.stdout
@@ -97,13 +137,22 @@ def test_the_strategy_table_measures_every_strategy(tmp_path):
     assert (tmp_path / "strategies.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize("script,args,words", [
-    ("hybrid_parallel.py", ["--dp", "2", "--tp", "2"], ["dp(2) x tp(2) = 4 != WORLD_SIZE(1)"]),
-    ("gradient_compression.py", ["--hook", "bf16"], ["--hook bf16 needs NCCL", "gloo"]),
-])
+@pytest.mark.parametrize(
+    "script,args,words",
+    [
+        ("hybrid_parallel.py", ["--dp", "2", "--tp", "2"], ["dp(2) x tp(2) = 4 != WORLD_SIZE(1)"]),
+        ("gradient_compression.py", ["--hook", "bf16"], ["--hook bf16 needs NCCL", "gloo"]),
+    ],
+)
 def test_a_job_that_cannot_run_here_is_refused_in_one_line(script, args, words):
-    result = subprocess.run([sys.executable, f"examples/{script}", *args], cwd=REPO, env=child_env(),
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, f"examples/{script}", *args],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert_one_line_error(result, *words)
 
 
@@ -116,8 +165,18 @@ def test_a_job_that_cannot_run_here_is_refused_in_one_line(script, args, words):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_bf16_hook_halves_the_bytes_on_nccl(tmp_path):
-    ok(torchrun("gradient_compression.py", *TINY, "--hook", "bf16", "--steps", "4", nproc=torch.cuda.device_count(),
-                run_dir=tmp_path))
+    ok(
+        torchrun(
+            "gradient_compression.py",
+            *TINY,
+            "--hook",
+            "bf16",
+            "--steps",
+            "4",
+            nproc=torch.cuda.device_count(),
+            run_dir=tmp_path,
+        )
+    )
     runs = {r["hook"]: r for r in summary(tmp_path)["runs"]}
     assert runs["bf16"]["size_bytes"] * 2 == runs["none"]["size_bytes"]
 
@@ -125,7 +184,17 @@ def test_the_bf16_hook_halves_the_bytes_on_nccl(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_strategy_table_reports_peak_cuda_memory(tmp_path):
-    ok(torchrun("compare_strategies.py", *TINY, "--steps", "1", "--strategies", "ddp,fsdp-zero3",
-                nproc=torch.cuda.device_count(), run_dir=tmp_path))
+    ok(
+        torchrun(
+            "compare_strategies.py",
+            *TINY,
+            "--steps",
+            "1",
+            "--strategies",
+            "ddp,fsdp-zero3",
+            nproc=torch.cuda.device_count(),
+            run_dir=tmp_path,
+        )
+    )
     rows = json.loads((tmp_path / "strategies.json").read_text())["strategies"]
     assert all(r["peak_cuda_bytes"] >= r["memory"]["parameters_bytes"] for r in rows)

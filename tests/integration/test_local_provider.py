@@ -83,14 +83,17 @@ def test_fabric_runs_commands_moves_files_and_shares_a_folder(local_cluster, tmp
 def test_stock_openssh_client_logs_in_with_strict_host_key_checking(local_cluster):
     inv = local_cluster.inventory
     node1 = inv["nodes"][1]
-    result = subprocess.run(openssh_argv(inv, node1, 'echo "$USER on $CLUSTER_NODE"; exit 3'), capture_output=True, text=True)
+    result = subprocess.run(
+        openssh_argv(inv, node1, 'echo "$USER on $CLUSTER_NODE"; exit 3'), capture_output=True, text=True
+    )
     assert result.returncode == 3 and result.stdout.strip() == f"{inv['ssh_user']} on node-1"
 
     via_cli = run_cli("ssh", "node-1", "--", "echo", "hi-from", "$CLUSTER_NODE")
     assert via_cli.returncode == 0 and via_cli.stdout.strip() == "hi-from node-1"
     # options before -- are deploy.py's (the stack is used, not sent); after it, the node's, untouched
-    options = run_cli("ssh", "node-1", "--stack", local_cluster.stack, "--", "echo", "--stack", "x",
-                      CLUSTER_STACK="other")
+    options = run_cli(
+        "ssh", "node-1", "--stack", local_cluster.stack, "--", "echo", "--stack", "x", CLUSTER_STACK="other"
+    )
     assert options.returncode == 0 and options.stdout.strip() == "--stack x", options.stderr
 
 
@@ -116,8 +119,11 @@ def test_up_on_a_running_cluster_changes_nothing_and_refuses_a_resize(local_clus
     for same in (["--nodes", "2"], []):
         again = run_cli("up", "--local", *same)
         assert again.returncode == 0 and "already up" in again.stdout
-    assert_one_line_error(run_cli("up", "--local", "--nodes", "3"), "--nodes 3 (it has 2)",
-                          "python deploy.py down --stack local, then python deploy.py up --local --nodes 3")
+    assert_one_line_error(
+        run_cli("up", "--local", "--nodes", "3"),
+        "--nodes 3 (it has 2)",
+        "python deploy.py down --stack local, then python deploy.py up --local --nodes 3",
+    )
     assert_one_line_error(run_cli("up", "--local", "--instance-type", "g5.xlarge"), "--instance-type g5.xlarge")
     assert (state_dir / "local" / "inventory.json").read_text() == before
     assert sorted(node_server_processes(state_dir)) == pids
@@ -166,8 +172,9 @@ def test_down_leaves_no_process_no_port_and_keeps_run_logs(state_dir, make_clust
     daemon.run(  # a detached daemon that registers itself, like the watchdog does
         "setsid sleep 4321 >/dev/null 2>&1 < /dev/null & echo $! > .gpu-cluster/pids/sleeper.pid", hide=True
     )
-    daemon.run('head -c 3000 /dev/zero > "$CLUSTER_SHARED_DIR/checkpoint.pt"; echo hi > "$CLUSTER_SHARED_DIR/note"',
-               hide=True)
+    daemon.run(
+        'head -c 3000 /dev/zero > "$CLUSTER_SHARED_DIR/checkpoint.pt"; echo hi > "$CLUSTER_SHARED_DIR/note"', hide=True
+    )
     daemon.close()
     assert _processes_matching("sleep 4321")
 
@@ -254,7 +261,6 @@ def _processes_matching(text: str) -> list[int]:
     return found
 
 
-
 # ------------------------------------------------------------------------- a cluster started with secrets
 
 
@@ -287,7 +293,9 @@ def test_host_private_keys_are_out_of_reach_of_jobs(secret_cluster):
     inv = secret_cluster.inventory
     host_keys = secret_cluster.stack_dir / "host_keys"
     assert stat.S_IMODE(host_keys.stat().st_mode) == 0o700 and sorted(p.name for p in host_keys.iterdir()) == [
-        "node-0", "node-1"]
+        "node-0",
+        "node-1",
+    ]
     # The pattern is written so that sshd.log, which records the command, does not match it.
     search = 'grep -rlE "PRIVATE[ ]KEY" "$HOME" "$CLUSTER_SHARED_DIR" 2>/dev/null; echo "home=$HOME"'
     result = subprocess.run(openssh_argv(inv, inv["nodes"][0], search), capture_output=True, text=True)
@@ -298,9 +306,23 @@ def test_host_private_keys_are_out_of_reach_of_jobs(secret_cluster):
 def test_stock_scp_copies_both_ways_and_exits_with_the_transfers_status(secret_cluster, tmp_path, protocol):
     inv = secret_cluster.inventory
     node = inv["nodes"][0]
-    options = [*protocol, "-i", inv["ssh_key"], "-P", str(node["ssh_port"]), "-o", "IdentitiesOnly=yes",
-               "-o", "BatchMode=yes", "-o", f"UserKnownHostsFile={inv['known_hosts']}",
-               "-o", "GlobalKnownHostsFile=/dev/null", "-o", "StrictHostKeyChecking=yes"]
+    options = [
+        *protocol,
+        "-i",
+        inv["ssh_key"],
+        "-P",
+        str(node["ssh_port"]),
+        "-o",
+        "IdentitiesOnly=yes",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        f"UserKnownHostsFile={inv['known_hosts']}",
+        "-o",
+        "GlobalKnownHostsFile=/dev/null",
+        "-o",
+        "StrictHostKeyChecking=yes",
+    ]
     remote = f"{inv['ssh_user']}@{node['public_ip']}"
     source, back = tmp_path / "data.bin", tmp_path / "back.bin"
     source.write_bytes(os.urandom(100_000))
@@ -337,8 +359,13 @@ def test_a_missing_or_loose_key_is_refused_by_every_command_and_down_still_clean
 
 def test_an_up_killed_after_starting_its_nodes_is_found_and_cleaned_up(state_dir):
     address, port = free_endpoint(2)
-    up = subprocess.Popen([sys.executable, "deploy.py", "up", "--local", "--bind", address, "--ssh-port", str(port)],
-                          cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    up = subprocess.Popen(
+        [sys.executable, "deploy.py", "up", "--local", "--bind", address, "--ssh-port", str(port)],
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     pid_files = [state_dir / "local" / "nodes" / f"node-{i}" / "sshd.pid" for i in range(2)]
     deadline = time.monotonic() + 60
     while not all(p.exists() for p in pid_files) and up.poll() is None and time.monotonic() < deadline:

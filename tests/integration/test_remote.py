@@ -57,7 +57,7 @@ def test_bootstrap_prepares_every_node_and_a_second_run_changes_nothing(cluster)
     second = cluster.fab("bootstrap", "--master-port", str(cluster.master_port))
     assert second.returncode == 0
     for stage in ("probe", "deps", "code", "env", "health"):
-        line = next(l for l in second.stdout.splitlines() if l.startswith(f"bootstrap: {stage}"))
+        line = next(t for t in second.stdout.splitlines() if t.startswith(f"bootstrap: {stage}"))
         assert "done" not in line and "up to date" in line, line
     assert "nodes up to date" in second.stdout
 
@@ -67,8 +67,11 @@ def test_every_node_gets_its_rank_and_the_same_master(cluster):
     envs = {}
     for node in cluster.info["nodes"]:
         env_file = cluster.state_dir / "local" / "nodes" / node["name"] / ".gpu-cluster" / "env"
-        envs[node["name"]] = dict(line[len("export "):].split("=", 1) for line in env_file.read_text().splitlines()
-                                  if line.startswith("export "))
+        envs[node["name"]] = dict(
+            line[len("export ") :].split("=", 1)
+            for line in env_file.read_text().splitlines()
+            if line.startswith("export ")
+        )
     assert [envs[n]["NODE_RANK"] for n in ("node-0", "node-1")] == ["0", "1"]
     assert envs["node-0"]["MASTER_ADDR"] == envs["node-1"]["MASTER_ADDR"] == cluster.info["nodes"][0]["private_ip"]
     assert envs["node-1"]["GLOO_SOCKET_IFNAME"] == "lo"
@@ -77,16 +80,28 @@ def test_every_node_gets_its_rank_and_the_same_master(cluster):
 
 def test_plain_ssh_shells_on_a_local_node_have_the_node_environment(cluster):
     inventory, node = cluster.info, cluster.info["nodes"][1]
-    ssh = ["ssh", "-i", inventory["ssh_key"], "-p", str(node["ssh_port"]), "-o", "IdentitiesOnly=yes",
-           "-o", f"UserKnownHostsFile={inventory['known_hosts']}", "-o", "StrictHostKeyChecking=yes",
-           f"{node['ssh_user']}@{node['public_ip']}"]
+    ssh = [
+        "ssh",
+        "-i",
+        inventory["ssh_key"],
+        "-p",
+        str(node["ssh_port"]),
+        "-o",
+        "IdentitiesOnly=yes",
+        "-o",
+        f"UserKnownHostsFile={inventory['known_hosts']}",
+        "-o",
+        "StrictHostKeyChecking=yes",
+        f"{node['ssh_user']}@{node['public_ip']}",
+    ]
     wanted = ["1", inventory["nodes"][0]["private_ip"]]
     command = subprocess.run(ssh + ["echo $NODE_RANK $MASTER_ADDR $CLUSTER_PYTHON"], capture_output=True, text=True)
     assert command.stdout.split()[:2] == wanted and command.stdout.strip().endswith("/venv/bin/python"), command
     login = subprocess.run(ssh + ["bash -lc 'echo $NODE_RANK $MASTER_ADDR'"], capture_output=True, text=True)
     assert login.stdout.split() == wanted, login
-    interactive = subprocess.run(["ssh", "-tt", *ssh[1:]], input="echo RANK=$NODE_RANK\nexit\n",
-                                 capture_output=True, text=True, timeout=30)
+    interactive = subprocess.run(
+        ["ssh", "-tt", *ssh[1:]], input="echo RANK=$NODE_RANK\nexit\n", capture_output=True, text=True, timeout=30
+    )
     assert "RANK=1" in interactive.stdout, interactive
 
 
@@ -123,7 +138,9 @@ def test_hello_runs_on_both_nodes_keeps_logs_and_a_summary_and_is_priced_in_the_
     assert (run_dir / "node-1.log").exists()
     logs = cluster.fab("logs", "--run", run_dir.name, "--lines", "5")
     shown = [line for line in logs.stdout.splitlines() if line.startswith("[node-0] ")]  # rank 0 prints for all
-    assert logs.returncode == 0 and 0 < len(shown) <= 5 and "exit codes {'node-0': 0, 'node-1': 0}" in logs.stdout, logs.stdout
+    assert logs.returncode == 0 and 0 < len(shown) <= 5 and "exit codes {'node-0': 0, 'node-1': 0}" in logs.stdout, (
+        logs.stdout
+    )
 
     report = json.loads(cluster.cli("cost", "--json").stdout)  # the run is in the ledger, priced
     [run] = [r for r in report["runs"] if r["run_id"] == summary["run_id"]]
@@ -143,7 +160,7 @@ def test_run_ddp_trains_and_fetches_the_metrics_even_over_a_corrupt_ledger(clust
     assert "warning: the ledger" in result.stdout and "corrupt" in result.stdout  # set aside, a new one begun
     assert list(cluster.state_dir.glob("ledger.sqlite.corrupt-*"))
     assert "parameters identical on all 2 ranks" in result.stdout
-    metrics = [json.loads(l) for l in (cluster.runs()[-1] / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(t) for t in (cluster.runs()[-1] / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if m["kind"] == "step"] == [5, 10, 15, 20]
 
 
@@ -180,7 +197,7 @@ def parse_tables(lines: list[str]) -> dict[str, list[tuple]]:
 def test_profile_prints_nccl_tests_tables_that_agree_with_its_json_and_fetches_both_and_a_plot(cluster):
     result = cluster.fab("profile", "--args", "--max-bytes 8K --warmup 1 --iters 2 --plot busbw.png")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr
-    head = [line[len("[node-0] "):] for line in result.stdout.splitlines() if line.startswith("[node-0] ")]
+    head = [line[len("[node-0] ") :] for line in result.stdout.splitlines() if line.startswith("[node-0] ")]
     tables = parse_tables(head)
     assert set(tables) == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
     assert sum(line.startswith("# Avg bus bandwidth") for line in head) == 4
@@ -189,15 +206,19 @@ def test_profile_prints_nccl_tests_tables_that_agree_with_its_json_and_fetches_b
     n = report["world_size"]
     assert n == 2 and len(report["results"]) == 4 * 4  # 1K, 2K, 4K and 8K for each collective
     for row in report["results"]:
-        factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-                  "broadcast": 1.0}[row["op"]]
+        factor = {
+            "all_reduce": 2 * (n - 1) / n,
+            "all_gather": (n - 1) / n,
+            "reduce_scatter": (n - 1) / n,
+            "broadcast": 1.0,
+        }[row["op"]]
         assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * factor)
         assert row["algbw_gbps"] == pytest.approx(row["size_bytes"] / (row["time_us"] * 1e-6) / 1e9)
         assert row["wrong"] == 0
     for op, rows in tables.items():
         json_rows = [r for r in report["results"] if r["op"] == op]
         assert len(rows) == len(json_rows) == 4
-        for printed, data in zip(rows, json_rows):
+        for printed, data in zip(rows, json_rows, strict=True):
             assert int(printed[0]) == data["size_bytes"] and int(printed[1]) == data["count"]
             assert float(printed[4]) == pytest.approx(data["time_us"], abs=0.051)
             assert float(printed[6]) == pytest.approx(data["busbw_gbps"], abs=0.0051)
@@ -250,8 +271,11 @@ def test_a_plain_torchrun_script_sees_distinct_node_ranks_and_one_master(cluster
     script.write_text(PLAIN_SCRIPT)
     result = cluster.fab("run", "--script", str(script))
     assert result.returncode == 0, result.stdout + result.stderr
-    reports = [dict(kv.split("=") for kv in line.split("REPORT ")[1].split()) for line in result.stdout.splitlines()
-               if "REPORT " in line]
+    reports = [
+        dict(kv.split("=") for kv in line.split("REPORT ")[1].split())
+        for line in result.stdout.splitlines()
+        if "REPORT " in line
+    ]
     assert len(reports) == 2
     assert sorted(r["NODE_RANK"] for r in reports) == ["0", "1"]
     assert {r["MASTER_ADDR"] for r in reports} == {cluster.info["nodes"][0]["private_ip"]}
@@ -290,8 +314,6 @@ def start_sleeping_job(cluster, tmp_path) -> tuple[subprocess.Popen, str]:
     return job, run_id_in(wait_for_output(job, "[node-0] sleeping", "[node-1] sleeping"))
 
 
-
-
 def test_ctrl_c_stops_the_job_everywhere(cluster, tmp_path):
     job, run_id = start_sleeping_job(cluster, tmp_path)
     try:
@@ -304,15 +326,19 @@ def test_ctrl_c_stops_the_job_everywhere(cluster, tmp_path):
 
 def test_two_launches_at_the_same_moment_run_one_job(cluster, tmp_path):
     script = tmp_path / "until_released.py"  # runs until the test has seen one launch of the pair end
-    script.write_text("import os, sys, time\n"
-                      "deadline = time.time() + 120\n"
-                      "while not os.path.exists(sys.argv[1]) and time.time() < deadline:\n"
-                      "    time.sleep(0.1)\n")
+    script.write_text(
+        "import os, sys, time\n"
+        "deadline = time.time() + 120\n"
+        "while not os.path.exists(sys.argv[1]) and time.time() < deadline:\n"
+        "    time.sleep(0.1)\n"
+    )
     for attempt in range(3):
         before = cluster.runs()
         release = tmp_path / f"release-{attempt}"
-        pair = [cluster.popen_fab("run", "--script", str(script), "--args", str(release), stderr=subprocess.PIPE)
-                for _ in range(2)]
+        pair = [
+            cluster.popen_fab("run", "--script", str(script), "--args", str(release), stderr=subprocess.PIPE)
+            for _ in range(2)
+        ]
         deadline = time.monotonic() + 120
         while all(job.poll() is None for job in pair) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -372,7 +398,7 @@ def listening_addresses(pids: list[int]) -> list[str]:
 def _raw_address(hex_address: str) -> tuple[int, bytes]:
     raw = bytes.fromhex(hex_address)
     # /proc prints each 32-bit word in host (little-endian) order.
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     return (socket.AF_INET if len(raw) == 4 else socket.AF_INET6), words
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 from tests.support.cli import assert_one_line_error, run_fab
 from tests.support.network import CuttingProxy, free_port
 
-
 # ---------------------------------------------------------------------------------------- faults
 
 
@@ -41,8 +40,10 @@ def test_a_stage_failing_on_one_node_is_reported_and_stops_the_bootstrap(state_d
     result = run_fab("bootstrap", "--master-port", str(free_port()))
     assert result.returncode == 1
     assert "node-1: deps failed" in result.stdout and ".gpu-cluster/venv" in result.stdout, result.stdout
-    states = {node: json.loads((state_dir / "local" / "nodes" / node / ".gpu-cluster" / "state.json").read_text())
-              for node in ("node-0", "node-1")}
+    states = {
+        node: json.loads((state_dir / "local" / "nodes" / node / ".gpu-cluster" / "state.json").read_text())
+        for node in ("node-0", "node-1")
+    }
     assert all("probe" in state for state in states.values())  # the stage before it is complete on every node
     assert "deps" in states["node-0"] and "deps" not in states["node-1"]  # every node finished the failing one
     assert not any((state_dir / "local" / "nodes" / node / ".gpu-cluster" / "env").exists() for node in states)
@@ -57,8 +58,10 @@ def test_a_connection_dropped_during_bootstrap_is_retried(state_dir, make_cluste
     proxy = CuttingProxy(node1["public_ip"], (node1["public_ip"], node1["ssh_port"]), cut_first_after_s=1.0)
     try:
         known_hosts = Path(inventory["known_hosts"])
-        host_key = next(l for l in known_hosts.read_text().splitlines() if l.startswith(f"[{node1['public_ip']}]"))
-        known_hosts.write_text(known_hosts.read_text() + f"[{node1['public_ip']}]:{proxy.port} {' '.join(host_key.split()[1:])}\n")
+        host_key = next(t for t in known_hosts.read_text().splitlines() if t.startswith(f"[{node1['public_ip']}]"))
+        known_hosts.write_text(
+            known_hosts.read_text() + f"[{node1['public_ip']}]:{proxy.port} {' '.join(host_key.split()[1:])}\n"
+        )
         node1["ssh_port"] = proxy.port
         inventory_path.write_text(json.dumps(inventory))
         result = run_fab("bootstrap", "--master-port", str(free_port()))

@@ -49,8 +49,14 @@ class HostsCluster:
         return run_fab(*args, **self.env, **kwargs)
 
     def popen_fab(self, *args: str) -> subprocess.Popen:
-        return subprocess.Popen([str(Path(sys.executable).with_name("fab")), *args], cwd=REPO,
-                                env=child_env(**self.env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(
+            [str(Path(sys.executable).with_name("fab")), *args],
+            cwd=REPO,
+            env=child_env(**self.env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     def last_summary(self) -> dict:
         runs = sorted((self.state_dir / STACK / "runs").glob("*"))
@@ -114,8 +120,9 @@ def start_sleeping_job(cluster, tmp_path) -> subprocess.Popen:
 
 
 def fingerprint(public_key_file: Path) -> str:
-    return subprocess.run(["ssh-keygen", "-lf", str(public_key_file)], capture_output=True, text=True,
-                          check=True).stdout.split()[1]
+    return subprocess.run(
+        ["ssh-keygen", "-lf", str(public_key_file)], capture_output=True, text=True, check=True
+    ).stdout.split()[1]
 
 
 # -------------------------------------------------------------------------------------------- up
@@ -145,26 +152,49 @@ def test_every_bad_host_is_named_in_one_line_and_nothing_is_recorded(cluster, tm
     servers = cluster.hosts.servers
     closed = free_port()
     hosts_file = tmp_path / "bad.yaml"
-    hosts_file.write_text(yaml.safe_dump({
-        "key": str(cluster.hosts.key), "python": str(cluster.hosts.python),
-        "hosts": [{"address": servers[0].address, "port": servers[0].port, "user": servers[1].user},  # not allowed
-                  {"address": "127.0.0.1", "port": closed, "user": servers[0].user}],
-    }))
+    hosts_file.write_text(
+        yaml.safe_dump(
+            {
+                "key": str(cluster.hosts.key),
+                "python": str(cluster.hosts.python),
+                "hosts": [
+                    {"address": servers[0].address, "port": servers[0].port, "user": servers[1].user},  # not allowed
+                    {"address": "127.0.0.1", "port": closed, "user": servers[0].user},
+                ],
+            }
+        )
+    )
     result = cluster.cli("up", "--hosts", str(hosts_file), "--stack", "bad")
-    assert_one_line_error(result, "2 of 2 host(s)", f"{servers[0].address}:{servers[0].port}: the key",
-                          "refused", f"127.0.0.1:{closed}: unreachable")
+    assert_one_line_error(
+        result,
+        "2 of 2 host(s)",
+        f"{servers[0].address}:{servers[0].port}: the key",
+        "refused",
+        f"127.0.0.1:{closed}: unreachable",
+    )
     assert not (cluster.state_dir / "bad").exists()
 
 
 def test_a_malformed_hosts_file_lists_every_problem(state_dir, tmp_path):
     hosts_file = tmp_path / "hosts.yaml"
-    hosts_file.write_text(yaml.safe_dump({
-        "key": str(tmp_path / "no-such-key"), "user": "u", "colour": "blue",
-        "hosts": [{"address": "10.0.0.1"}, {"address": "10.0.0.1", "port": 22}, {"address": "h", "port": 0}],
-    }))
+    hosts_file.write_text(
+        yaml.safe_dump(
+            {
+                "key": str(tmp_path / "no-such-key"),
+                "user": "u",
+                "colour": "blue",
+                "hosts": [{"address": "10.0.0.1"}, {"address": "10.0.0.1", "port": 22}, {"address": "h", "port": 0}],
+            }
+        )
+    )
     result = run_cli("up", "--hosts", str(hosts_file))
-    assert_one_line_error(result, "no-such-key does not exist", "unknown key(s) colour",
-                          "10.0.0.1:22 is listed twice", "port must be 1..65535")
+    assert_one_line_error(
+        result,
+        "no-such-key does not exist",
+        "unknown key(s) colour",
+        "10.0.0.1:22 is listed twice",
+        "port must be 1..65535",
+    )
     hosts_file.write_text("hosts: [unclosed\n")
     assert_one_line_error(run_cli("up", "--hosts", str(hosts_file)), "not valid YAML")
     assert_one_line_error(run_cli("up", "--hosts", str(tmp_path / "missing.yaml")), "no hosts file")
@@ -181,7 +211,7 @@ def test_bootstrap_layers_the_venv_over_the_hosts_python_without_pip(cluster):
     assert "all-reduce ok (2 ranks)" in first.stdout
     setup = json.loads((cluster.state_dir / STACK / "bootstrap.json").read_text())
     base_site = next((cluster.hosts.python.parent.parent / "lib").glob("python3*/site-packages"))
-    for node, user in zip(("node-0", "node-1"), cluster.hosts.users):
+    for node, user in zip(("node-0", "node-1"), cluster.hosts.users, strict=True):
         venv = cluster.home(user) / ".gpu-cluster" / "venv"
         assert setup["python"][node] == str(venv / "bin" / "python")
         assert setup["nodes"][node]["deps"]["installed"] == []  # torch was there: pip never ran
@@ -201,8 +231,11 @@ def test_run_ddp_trains_across_both_hosts(cluster):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "parameters identical on all 2 ranks" in result.stdout
     run_dir = sorted((cluster.state_dir / STACK / "runs").glob("*"))[-1]
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-             if json.loads(line)["kind"] == "step"]
+    steps = [
+        json.loads(line)["step"]
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["kind"] == "step"
+    ]
     assert steps == [5, 10]
 
 

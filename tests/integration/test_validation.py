@@ -16,10 +16,13 @@ from tests.support.ledgers import damage_ledger
 # ----------------------------------------------------------------------------------- config values
 
 
-@pytest.mark.parametrize("content,words", [
-    (b"evil\nmore\n", "bad stack name in"),
-    (b"\xff\xfe\n", "not UTF-8"),
-])
+@pytest.mark.parametrize(
+    "content,words",
+    [
+        (b"evil\nmore\n", "bad stack name in"),
+        (b"\xff\xfe\n", "not UTF-8"),
+    ],
+)
 def test_a_damaged_current_file_is_one_line(state_dir, content, words):
     state_dir.mkdir()
     (state_dir / "current").write_bytes(content)
@@ -54,15 +57,18 @@ def stack_file():
             path.unlink(missing_ok=True)
 
 
-@pytest.mark.parametrize("content,words,command", [
-    (b"config:\n  - gpu-cluster:nodes\n", "`config:` must be a mapping", None),
-    (b"config: 3\n", "`config:` must be a mapping", None),
-    (b"just a string\n", "must be a YAML mapping", None),
-    (b"- a\n- b\n", "must be a YAML mapping", ["plan"]),
-    (b"config:\n  gpu-cluster:nodes: 2\n  gpu-cluster:instanceType: \xe9\n", "not UTF-8", ["up", "--local"]),
-    (b"config: [unclosed\n", "not valid YAML", None),
-    (None, "it is a folder", ["up", "--yes"]),
-])
+@pytest.mark.parametrize(
+    "content,words,command",
+    [
+        (b"config:\n  - gpu-cluster:nodes\n", "`config:` must be a mapping", None),
+        (b"config: 3\n", "`config:` must be a mapping", None),
+        (b"just a string\n", "must be a YAML mapping", None),
+        (b"- a\n- b\n", "must be a YAML mapping", ["plan"]),
+        (b"config:\n  gpu-cluster:nodes: 2\n  gpu-cluster:instanceType: \xe9\n", "not UTF-8", ["up", "--local"]),
+        (b"config: [unclosed\n", "not valid YAML", None),
+        (None, "it is a folder", ["up", "--yes"]),
+    ],
+)
 def test_a_damaged_stack_file_is_one_line_for_plan_and_both_ups(state_dir, stack_file, content, words, command):
     name = stack_file(content, folder=content is None)
     with pytest.raises(UsageError, match=words):
@@ -90,12 +96,15 @@ def test_an_inventory_that_is_a_folder_is_one_line_everywhere(state_dir):
 
 def test_cost_with_a_damaged_ledger_warns_and_reports(state_dir):
     state_dir.mkdir()
-    damage_ledger(state_dir / "ledger.sqlite", "UPDATE intervals SET started_at = 'yesterday'; "
-                  "INSERT INTO clusters (stack, provider, instance_type, nodes, hourly_usd, created_at) "
-                  "VALUES ('dev', 'aws', 'g4dn.2xlarge', 2, 'one dollar', 1.0);")
+    damage_ledger(
+        state_dir / "ledger.sqlite",
+        "UPDATE intervals SET started_at = 'yesterday'; "
+        "INSERT INTO clusters (stack, provider, instance_type, nodes, hourly_usd, created_at) "
+        "VALUES ('dev', 'aws', 'g4dn.2xlarge', 2, 'one dollar', 1.0);",
+    )
     result = run_cli("cost", "--json")
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
-    assert "was corrupt" in result.stdout and json.loads(result.stdout[result.stdout.index("{"):])["total_usd"] == 0
+    assert "was corrupt" in result.stdout and json.loads(result.stdout[result.stdout.index("{") :])["total_usd"] == 0
 
 
 # --------------------------------------------------------------------------- reading creates nothing
@@ -120,20 +129,23 @@ def test_down_of_an_unknown_local_stack_creates_nothing(state_dir):
 # ----------------------------------------------------------------------------------- command lines
 
 
-@pytest.mark.parametrize("args,words", [
-    (["up", "--local", "--nodes", ""], ["nodes must be a whole number", "''"]),
-    (["up", "--local", "--instance-type", ""], ["instance type ''", "not supported"]),
-    (["up", "--local", "--stack", ""], ["bad stack name ''"]),
-    (["up", "--local", "--stack", "evil\n"], ["bad stack name 'evil\\n'"]),
-    (["up", "--local", "--instance-type", "g4dn.xlarge\n"], ["not supported"]),
-    (["up", "--local", "--bind", ""], ["--bind ''"]),
-    (["up", "--local", "--max-total-usd", ""], ["maxTotalUsd"]),
-    (["up", "--local", "--instance-type", "g5.96xlarge"], ["g5.96xlarge", "not supported"]),
-    (["status", "--stack", ""], ["bad stack name ''"]),
-    (["down", "--stack", "evil\n"], ["bad stack name"]),
-    (["cost", "--stack", ""], ["bad stack name ''"]),
-    (["up", "--local", "--", "--nodes", "3"], ["unrecognized arguments after --"]),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["up", "--local", "--nodes", ""], ["nodes must be a whole number", "''"]),
+        (["up", "--local", "--instance-type", ""], ["instance type ''", "not supported"]),
+        (["up", "--local", "--stack", ""], ["bad stack name ''"]),
+        (["up", "--local", "--stack", "evil\n"], ["bad stack name 'evil\\n'"]),
+        (["up", "--local", "--instance-type", "g4dn.xlarge\n"], ["not supported"]),
+        (["up", "--local", "--bind", ""], ["--bind ''"]),
+        (["up", "--local", "--max-total-usd", ""], ["maxTotalUsd"]),
+        (["up", "--local", "--instance-type", "g5.96xlarge"], ["g5.96xlarge", "not supported"]),
+        (["status", "--stack", ""], ["bad stack name ''"]),
+        (["down", "--stack", "evil\n"], ["bad stack name"]),
+        (["cost", "--stack", ""], ["bad stack name ''"]),
+        (["up", "--local", "--", "--nodes", "3"], ["unrecognized arguments after --"]),
+    ],
+)
 def test_bad_command_lines_are_one_line_and_create_nothing(state_dir, args, words):
     assert_one_line_error(run_cli(*args), *words)
     assert not state_dir.exists()

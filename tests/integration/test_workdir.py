@@ -18,7 +18,7 @@ from tests.support.clusters import Cluster, bootstrapped_cluster, run_id_in
 # A two-file project as pytorch/examples' ddp-tutorial-series/multinode.py is one (that code itself is
 # not copied here): the script imports its sibling datautils.py, and local rank 0 of every node saves
 # snapshot.pt in the working directory, which the issue saw the nodes overwrite in a shared folder.
-TRAIN = '''\
+TRAIN = """\
 import json, os, sys
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -51,8 +51,8 @@ if rank == 0:
     open(os.path.join(results, "big.bin"), "wb").write(b"0" * 1_500_000)
 print(describe(rank, node, config["name"]), "GREETING=" + repr(os.environ.get("GREETING")), flush=True)
 dist.destroy_process_group()
-'''
-DATAUTILS = '''\
+"""
+DATAUTILS = """\
 import torch
 from torch.utils.data import Dataset
 
@@ -67,9 +67,9 @@ class MyTrainDataset(Dataset):
 
     def __getitem__(self, index):
         return self.data[index]
-'''
+"""
 QUICK = "import gc_tinypkg, sys\nprint('imported:', gc_tinypkg.MESSAGE, 'by', sys.executable, flush=True)\n"
-GREETING = 'hello world; $HOME "double" \'single\' $(touch /tmp/gpu-cluster-never)'
+GREETING = "hello world; $HOME \"double\" 'single' $(touch /tmp/gpu-cluster-never)"
 
 
 def make_project(root: Path) -> Path:
@@ -93,8 +93,14 @@ def make_project(root: Path) -> Path:
 def fab_in(cluster: Cluster, folder: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """`fab -r REPO ARGS` from `folder`, as a user standing in their own project runs it."""
     fab = Path(sys.executable).with_name("fab")
-    return subprocess.run([str(fab), "-r", str(REPO), *args], cwd=folder, env=child_env(**cluster.env),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [str(fab), "-r", str(REPO), *args],
+        cwd=folder,
+        env=child_env(**cluster.env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def node_home(cluster: Cluster, node: str) -> Path:
@@ -107,8 +113,10 @@ def every_node_file(cluster: Cluster) -> list[Path]:
 
 def exec_count(cluster: Cluster) -> dict[str, int]:
     """Commands each node's SSH server has run so far (its log has one `exec:` line per command)."""
-    return {node: (cluster.state_dir / cluster.stack / "nodes" / node / "sshd.log").read_text().count(" exec: ")
-            for node in ("node-0", "node-1")}
+    return {
+        node: (cluster.state_dir / cluster.stack / "nodes" / node / "sshd.log").read_text().count(" exec: ")
+        for node in ("node-0", "node-1")
+    }
 
 
 def tiny_wheel(folder: Path) -> Path:
@@ -116,11 +124,18 @@ def tiny_wheel(folder: Path) -> Path:
     files = {
         "gc_tinypkg/__init__.py": "MESSAGE = 'tiny package 0.1'\n",
         "gc_tinypkg-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: gc-tinypkg\nVersion: 0.1\n",
-        "gc_tinypkg-0.1.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        "gc_tinypkg-0.1.dist-info/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
     }
-    record = "".join(
-        f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
-        f"{len(text)}\n" for path, text in files.items()) + "gc_tinypkg-0.1.dist-info/RECORD,,\n"
+    record = (
+        "".join(
+            f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
+            f"{len(text)}\n"
+            for path, text in files.items()
+        )
+        + "gc_tinypkg-0.1.dist-info/RECORD,,\n"
+    )
     folder.mkdir(parents=True, exist_ok=True)
     wheel = folder / "gc_tinypkg-0.1-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
@@ -143,8 +158,21 @@ def project(tmp_path_factory):
 
 
 def test_a_project_launched_from_its_own_folder_runs_in_a_copy_of_its_own_on_each_node(cluster, project):
-    result = fab_in(cluster, project, "run", "--workdir", ".", "--script", "train.py", "--args", "2",
-                    "--env", f"GREETING={GREETING}", "--max-result-mb", "1")
+    result = fab_in(
+        cluster,
+        project,
+        "run",
+        "--workdir",
+        ".",
+        "--script",
+        "train.py",
+        "--args",
+        "2",
+        "--env",
+        f"GREETING={GREETING}",
+        "--max-result-mb",
+        "1",
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr
     for rank, node in ((0, "node-0"), (1, "node-1")):  # sibling module, package, config and data all found
         assert f"[{node}] rank {rank} on {node} trained tiny-linear GREETING={GREETING!r}" in result.stdout
@@ -163,7 +191,8 @@ def test_a_project_launched_from_its_own_folder_runs_in_a_copy_of_its_own_on_eac
     assert "not fetched: results/big.bin (1.5 MB, over --max-result-mb 1)" in result.stdout
     assert (Path(cluster.info["shared_dir"]) / "runs" / run_id / "checkpoint.pt").exists()  # kept where it was saved
     assert sorted(p.name for p in project.iterdir()) == sorted(  # nothing of fab's in the user's folder
-        [".gitignore", "config.json", "data", "datautils.py", "helpers", "train.py", "weights.ckpt"])
+        [".gitignore", "config.json", "data", "datautils.py", "helpers", "train.py", "weights.ckpt"]
+    )
     summary = json.loads((local / "summary.json").read_text())
     assert summary["workdir"] == str(project.resolve()) and summary["env"] == ["GREETING"]
 
@@ -215,8 +244,9 @@ def test_requirements_are_installed_once_and_a_failed_install_starts_nothing(clu
     tiny_wheel(project / "wheels")
     (project / "requirements.txt").write_text("--no-index\n--find-links wheels\ngc-tinypkg==0.1\n")
     (project / "needs_tiny.py").write_text(QUICK)
-    first = fab_in(cluster, project, "run", "--workdir", ".", "--script", "needs_tiny.py",
-                   "--requirements", "requirements.txt")
+    first = fab_in(
+        cluster, project, "run", "--workdir", ".", "--script", "needs_tiny.py", "--requirements", "requirements.txt"
+    )
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr
     assert "fab: requirements: installing requirements.txt on node-0, node-1" in first.stdout
     for node in ("node-0", "node-1"):  # in the job's own environment, torch still there from the node venv
@@ -224,18 +254,25 @@ def test_requirements_are_installed_once_and_a_failed_install_starts_nothing(clu
     markers = {p: p.stat().st_mtime_ns for p in node_home(cluster, "node-1").glob("envs/*/.installed")}
     assert len(markers) == 1
 
-    second = fab_in(cluster, project, "run", "--workdir", ".", "--script", "needs_tiny.py",
-                    "--requirements", "requirements.txt")
+    second = fab_in(
+        cluster, project, "run", "--workdir", ".", "--script", "needs_tiny.py", "--requirements", "requirements.txt"
+    )
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr
     assert "already installed on 2 nodes, nothing to install" in second.stdout and "installing" not in second.stdout
     assert {p: p.stat().st_mtime_ns for p in node_home(cluster, "node-1").glob("envs/*/.installed")} == markers
 
     (project / "impossible.txt").write_text("--no-index\n--find-links wheels\ngc-tinypkg==9.9\n")
     runs = cluster.runs()
-    failed = fab_in(cluster, project, "run", "--workdir", ".", "--script", "needs_tiny.py",
-                    "--requirements", "impossible.txt")
-    assert_one_line_error(failed, "could not be installed on node-0, node-1",
-                          "No matching distribution found for gc-tinypkg==9.9", "pip's log", "no rank was started")
+    failed = fab_in(
+        cluster, project, "run", "--workdir", ".", "--script", "needs_tiny.py", "--requirements", "impossible.txt"
+    )
+    assert_one_line_error(
+        failed,
+        "could not be installed on node-0, node-1",
+        "No matching distribution found for gc-tinypkg==9.9",
+        "pip's log",
+        "no rank was started",
+    )
     assert cluster.runs() == runs and "imported" not in failed.stdout
 
 

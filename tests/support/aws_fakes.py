@@ -12,36 +12,73 @@ from infra.cluster import DLAMI_PARAMETER
 from infra.preflight import AwsClients
 
 FAKE_CREDENTIALS = {
-    "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1", "MOTO_EC2_ENABLE_INSTANCE_TYPE_VALIDATION": "true",
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "MOTO_EC2_ENABLE_INSTANCE_TYPE_VALIDATION": "true",
 }
 
 
 def recorded_price_list(instance_type: str, region: str, usd: str, published: str = "2026-11-01T00:00:00Z") -> str:
     """One product of a get_products answer, as the Price List API returns it (trimmed to what matters)."""
     sku = "JRTCKXETXF" if instance_type == "g4dn.2xlarge" else "SKU0000001"
-    return json.dumps({
-        "product": {"productFamily": "Compute Instance", "sku": sku, "attributes": {
-            "instanceType": instance_type, "regionCode": region, "operatingSystem": "Linux", "tenancy": "Shared",
-            "preInstalledSw": "NA", "capacitystatus": "Used", "vcpu": "8", "gpu": "1"}},
-        "serviceCode": "AmazonEC2",
-        "terms": {
-            "OnDemand": {f"{sku}.JRTCKXETXF": {"offerTermCode": "JRTCKXETXF", "sku": sku, "effectiveDate": published,
-                "priceDimensions": {f"{sku}.JRTCKXETXF.6YS6EN2CT7": {
-                    "unit": "Hrs", "pricePerUnit": {"USD": usd}, "appliesTo": [],
-                    "description": f"${usd} per On Demand Linux {instance_type} Instance Hour"}}}},
-            "Reserved": {f"{sku}.4NA7Y494T4": {"priceDimensions": {"x": {"unit": "Hrs", "pricePerUnit": {"USD": "0.4750000000"}}}}},
-        },
-        "version": "20261101000000", "publicationDate": published,
-    })
+    return json.dumps(
+        {
+            "product": {
+                "productFamily": "Compute Instance",
+                "sku": sku,
+                "attributes": {
+                    "instanceType": instance_type,
+                    "regionCode": region,
+                    "operatingSystem": "Linux",
+                    "tenancy": "Shared",
+                    "preInstalledSw": "NA",
+                    "capacitystatus": "Used",
+                    "vcpu": "8",
+                    "gpu": "1",
+                },
+            },
+            "serviceCode": "AmazonEC2",
+            "terms": {
+                "OnDemand": {
+                    f"{sku}.JRTCKXETXF": {
+                        "offerTermCode": "JRTCKXETXF",
+                        "sku": sku,
+                        "effectiveDate": published,
+                        "priceDimensions": {
+                            f"{sku}.JRTCKXETXF.6YS6EN2CT7": {
+                                "unit": "Hrs",
+                                "pricePerUnit": {"USD": usd},
+                                "appliesTo": [],
+                                "description": f"${usd} per On Demand Linux {instance_type} Instance Hour",
+                            }
+                        },
+                    }
+                },
+                "Reserved": {
+                    f"{sku}.4NA7Y494T4": {
+                        "priceDimensions": {"x": {"unit": "Hrs", "pricePerUnit": {"USD": "0.4750000000"}}}
+                    }
+                },
+            },
+            "version": "20261101000000",
+            "publicationDate": published,
+        }
+    )
 
 
 def recorded_storage(unit_price: str, service: str) -> str:
-    return json.dumps({
-        "product": {"productFamily": "Storage", "attributes": {"regionCode": "us-east-1"}}, "serviceCode": service,
-        "terms": {"OnDemand": {"T": {"priceDimensions": {"D": {"unit": "GB-Mo", "pricePerUnit": {"USD": unit_price}}}}}},
-        "publicationDate": "2026-11-01T00:00:00Z",
-    })
+    return json.dumps(
+        {
+            "product": {"productFamily": "Storage", "attributes": {"regionCode": "us-east-1"}},
+            "serviceCode": service,
+            "terms": {
+                "OnDemand": {"T": {"priceDimensions": {"D": {"unit": "GB-Mo", "pricePerUnit": {"USD": unit_price}}}}}
+            },
+            "publicationDate": "2026-11-01T00:00:00Z",
+        }
+    )
 
 
 def stubbed(service: str, region: str = "us-east-1"):
@@ -51,8 +88,11 @@ def stubbed(service: str, region: str = "us-east-1"):
 
 def quota_client(vcpus: float, code: str = "L-DB2E81BA"):
     client, stub = stubbed("service-quotas")
-    stub.add_response("get_service_quota", {"Quota": {"ServiceCode": "ec2", "QuotaCode": code, "Value": vcpus}},
-                      {"ServiceCode": "ec2", "QuotaCode": code})
+    stub.add_response(
+        "get_service_quota",
+        {"Quota": {"ServiceCode": "ec2", "QuotaCode": code, "Value": vcpus}},
+        {"ServiceCode": "ec2", "QuotaCode": code},
+    )
     stub.activate()
     return client
 
@@ -60,9 +100,11 @@ def quota_client(vcpus: float, code: str = "L-DB2E81BA"):
 def ssm_client(found: bool = True):
     client, stub = stubbed("ssm")
     if found:
-        stub.add_response("get_parameter", {"Parameter": {"Name": DLAMI_PARAMETER, "Type": "String",
-                                                          "Value": "ami-0123456789abcdef0", "Version": 42}},
-                          {"Name": DLAMI_PARAMETER})
+        stub.add_response(
+            "get_parameter",
+            {"Parameter": {"Name": DLAMI_PARAMETER, "Type": "String", "Value": "ami-0123456789abcdef0", "Version": 42}},
+            {"Name": DLAMI_PARAMETER},
+        )
     else:
         stub.add_client_error("get_parameter", "ParameterNotFound", "Parameter not found.", 400)
     stub.activate()
@@ -71,13 +113,21 @@ def ssm_client(found: bool = True):
 
 def pricing_client(instance_usd: str = "0.7520000000", instance_type: str = "g4dn.2xlarge"):
     client, stub = stubbed("pricing")
-    stub.add_response("get_products", {"FormatVersion": "aws_v1", "PriceList": [
-        recorded_price_list(instance_type, "us-east-1", instance_usd)]}, {"ServiceCode": "AmazonEC2", "Filters": ANY,
-                                                                          "FormatVersion": "aws_v1", "MaxResults": 10})
-    stub.add_response("get_products", {"FormatVersion": "aws_v1", "PriceList": [recorded_storage("0.0800000000", "AmazonEC2")]},
-                      {"ServiceCode": "AmazonEC2", "Filters": ANY, "FormatVersion": "aws_v1", "MaxResults": 10})
-    stub.add_response("get_products", {"FormatVersion": "aws_v1", "PriceList": [recorded_storage("0.3000000000", "AmazonEFS")]},
-                      {"ServiceCode": "AmazonEFS", "Filters": ANY, "FormatVersion": "aws_v1", "MaxResults": 10})
+    stub.add_response(
+        "get_products",
+        {"FormatVersion": "aws_v1", "PriceList": [recorded_price_list(instance_type, "us-east-1", instance_usd)]},
+        {"ServiceCode": "AmazonEC2", "Filters": ANY, "FormatVersion": "aws_v1", "MaxResults": 10},
+    )
+    stub.add_response(
+        "get_products",
+        {"FormatVersion": "aws_v1", "PriceList": [recorded_storage("0.0800000000", "AmazonEC2")]},
+        {"ServiceCode": "AmazonEC2", "Filters": ANY, "FormatVersion": "aws_v1", "MaxResults": 10},
+    )
+    stub.add_response(
+        "get_products",
+        {"FormatVersion": "aws_v1", "PriceList": [recorded_storage("0.3000000000", "AmazonEFS")]},
+        {"ServiceCode": "AmazonEFS", "Filters": ANY, "FormatVersion": "aws_v1", "MaxResults": 10},
+    )
     stub.activate()
     return client
 
@@ -93,7 +143,10 @@ def moto_aws(monkeypatch):
 def clients(region: str = "us-east-1", quota_vcpus: float = 64, ami_found: bool = True, pricing=None) -> AwsClients:
     """moto for STS, EC2 and EFS; Stubber for the rest."""
     return AwsClients(
-        sts=boto3.client("sts", region_name=region), ec2=boto3.client("ec2", region_name=region),
-        quotas=quota_client(quota_vcpus), ssm=ssm_client(ami_found), pricing=pricing or pricing_client(),
+        sts=boto3.client("sts", region_name=region),
+        ec2=boto3.client("ec2", region_name=region),
+        quotas=quota_client(quota_vcpus),
+        ssm=ssm_client(ami_found),
+        pricing=pricing or pricing_client(),
         efs=boto3.client("efs", region_name=region),
     )

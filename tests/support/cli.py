@@ -25,7 +25,9 @@ def run_cli(*args: str, timeout: float = 120, check: bool = False, **env: str) -
         timeout=timeout,
     )
     if check and result.returncode != 0:
-        raise AssertionError(f"deploy.py {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
+        raise AssertionError(
+            f"deploy.py {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
+        )
     return result
 
 

@@ -29,7 +29,20 @@ class LocalCluster:
 
 def start_local_cluster(stack: str, state_dir: Path, nodes: int = 2, *extra: str) -> LocalCluster:
     address, port = free_endpoint(nodes)
-    run_cli("up", "--local", "--stack", stack, "--nodes", str(nodes), "--bind", address, "--ssh-port", str(port), *extra, check=True)
+    run_cli(
+        "up",
+        "--local",
+        "--stack",
+        stack,
+        "--nodes",
+        str(nodes),
+        "--bind",
+        address,
+        "--ssh-port",
+        str(port),
+        *extra,
+        check=True,
+    )
     inventory = json.loads((state_dir / stack / "inventory.json").read_text())
     return LocalCluster(stack, state_dir, inventory)
 
@@ -50,8 +63,14 @@ class Cluster:
         return run_cli(*args, **self.env)
 
     def popen_fab(self, *args: str, stderr=subprocess.STDOUT) -> subprocess.Popen:
-        return subprocess.Popen([str(Path(sys.executable).with_name("fab")), *args], cwd=REPO,
-                                env=child_env(**self.env), stdout=subprocess.PIPE, stderr=stderr, text=True)
+        return subprocess.Popen(
+            [str(Path(sys.executable).with_name("fab")), *args],
+            cwd=REPO,
+            env=child_env(**self.env),
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
 
     def runs(self) -> list[Path]:
         return sorted((self.state_dir / self.stack / "runs").glob("*"))

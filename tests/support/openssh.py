@@ -77,8 +77,10 @@ def unavailable() -> str:
         return "needs root (to add one Unix user per node and run sshd)"
     if not SSHD.exists():
         return f"no {SSHD}: install openssh-server (.ci/run does)"
-    if not SYSTEM_PYTHON.exists() or subprocess.run([str(SYSTEM_PYTHON), "-c", "import venv, ensurepip"],
-                                                    capture_output=True).returncode != 0:
+    if (
+        not SYSTEM_PYTHON.exists()
+        or subprocess.run([str(SYSTEM_PYTHON), "-c", "import venv, ensurepip"], capture_output=True).returncode != 0
+    ):
         return f"no {SYSTEM_PYTHON} with venv: install python3-venv (.ci/run does)"
     if shutil.which("useradd") is None:
         return "no useradd to make the node users"
@@ -150,33 +152,43 @@ class Sshd:
     process: subprocess.Popen | None = None
 
     def config_text(self) -> str:
-        return "\n".join([
-            f"ListenAddress {self.address}:{self.port}",
-            f"HostKey {self.folder / 'ssh_host_ed25519_key'}",
-            f"PidFile {self.folder / 'sshd.pid'}",
-            "UsePAM no",
-            "PasswordAuthentication no",
-            "KbdInteractiveAuthentication no",
-            "PubkeyAuthentication yes",
-            "AuthorizedKeysFile .ssh/authorized_keys",
-            "StrictModes yes",
-            f"AllowUsers {self.user}",
-            "PermitRootLogin no",
-            "UseDNS no",
-            "PrintMotd no",
-            "Subsystem sftp internal-sftp",
-            "LogLevel VERBOSE",
-        ]) + "\n"
+        return (
+            "\n".join(
+                [
+                    f"ListenAddress {self.address}:{self.port}",
+                    f"HostKey {self.folder / 'ssh_host_ed25519_key'}",
+                    f"PidFile {self.folder / 'sshd.pid'}",
+                    "UsePAM no",
+                    "PasswordAuthentication no",
+                    "KbdInteractiveAuthentication no",
+                    "PubkeyAuthentication yes",
+                    "AuthorizedKeysFile .ssh/authorized_keys",
+                    "StrictModes yes",
+                    f"AllowUsers {self.user}",
+                    "PermitRootLogin no",
+                    "UseDNS no",
+                    "PrintMotd no",
+                    "Subsystem sftp internal-sftp",
+                    "LogLevel VERBOSE",
+                ]
+            )
+            + "\n"
+        )
 
     def start(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.folder / "ssh_host_ed25519_key")],
-                       check=True)
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.folder / "ssh_host_ed25519_key")], check=True
+        )
         (self.folder / "sshd_config").write_text(self.config_text())
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation folder
         log = open(self.folder / "sshd.log", "ab")
-        self.process = subprocess.Popen([str(SSHD), "-D", "-e", "-f", str(self.folder / "sshd_config")],
-                                        stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        self.process = subprocess.Popen(
+            [str(SSHD), "-D", "-e", "-f", str(self.folder / "sshd_config")],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+        )
         log.close()
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not _accepts(self.address, self.port):
@@ -226,8 +238,12 @@ class Hosts:
     def hosts_file(self, path: Path, **extra) -> Path:
         import yaml
 
-        data = {"key": str(self.key), "python": str(self.python),
-                "hosts": [{"address": s.address, "port": s.port, "user": s.user} for s in self.servers], **extra}
+        data = {
+            "key": str(self.key),
+            "python": str(self.python),
+            "hosts": [{"address": s.address, "port": s.port, "user": s.user} for s in self.servers],
+            **extra,
+        }
         path.write_text(yaml.safe_dump(data, sort_keys=False))
         return path
 
@@ -243,7 +259,9 @@ def start_hosts(folder: Path, first_address: str, port: int, count: int = 2) -> 
     """`count` sshd servers on first_address, +1, ... (same port), users gcnode0.., one client key."""
     folder.mkdir(parents=True, exist_ok=True)
     key = folder / "id_ed25519"
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "gpu-cluster-test", "-f", str(key)], check=True)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "gpu-cluster-test", "-f", str(key)], check=True
+    )
     prefix, last = first_address.rsplit(".", 1)
     servers = []
     try:

@@ -7,9 +7,24 @@ from pulumi.automation._cmd import CommandResult, PulumiCommand
 from pulumi.automation.errors import create_command_error
 from semver import VersionInfo
 
-HISTORY = json.dumps([{"kind": "update", "startTime": "2026-11-21T00:00:00.000Z", "endTime": "2026-11-21T00:01:00.000Z",
-                       "message": "", "environment": {}, "config": {}, "result": "succeeded", "resourceChanges": {}}])
-OUTPUTS = {"nodes": [{"name": "node-0", "public_ip": "203.0.113.10", "private_ip": "10.42.1.10"}], "region": "us-east-1"}
+HISTORY = json.dumps(
+    [
+        {
+            "kind": "update",
+            "startTime": "2026-11-21T00:00:00.000Z",
+            "endTime": "2026-11-21T00:01:00.000Z",
+            "message": "",
+            "environment": {},
+            "config": {},
+            "result": "succeeded",
+            "resourceChanges": {},
+        }
+    ]
+)
+OUTPUTS = {
+    "nodes": [{"name": "node-0", "public_ip": "203.0.113.10", "private_ip": "10.42.1.10"}],
+    "region": "us-east-1",
+}
 
 
 class FakePulumi(PulumiCommand):
@@ -27,7 +42,7 @@ class FakePulumi(PulumiCommand):
         self.env = dict(additional_env)
         stdout, stderr, code = "", "", 0
         if args[:2] == ["config", "set-all"]:
-            for pair in args[args.index("--plaintext"):]:
+            for pair in args[args.index("--plaintext") :]:
                 if "=" in pair:
                     key, value = pair.split("=", 1)
                     self.config[key] = value
@@ -35,7 +50,10 @@ class FakePulumi(PulumiCommand):
             self.config[args[2]] = args[3]
         elif args[0] == "up":
             if self.config.get("gpu-cluster:availabilityZone") in self.no_capacity:
-                stderr = "error: creating EC2 Instance: InsufficientInstanceCapacity: We currently do not have sufficient g4dn.2xlarge capacity"
+                stderr = (
+                    "error: creating EC2 Instance: InsufficientInstanceCapacity: "
+                    "We currently do not have sufficient g4dn.2xlarge capacity"
+                )
                 code = 255
             elif on_output:
                 on_output("Updating (dev)\n")

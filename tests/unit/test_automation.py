@@ -5,7 +5,8 @@ import stat
 
 import pytest
 
-from infra import automation, aws_provider, config as stack_config
+from infra import automation, aws_provider
+from infra import config as stack_config
 from infra.errors import OperationError, UsageError
 from tests.support.pulumi_fakes import OUTPUTS, FakePulumi
 

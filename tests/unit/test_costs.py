@@ -1,8 +1,8 @@
 """Prices, the ledger and the watchdog's decisions, with recorded AWS answers and fake clocks."""
 
 import json
-import os
 import multiprocessing
+import os
 import signal
 import subprocess
 import sys
@@ -43,8 +43,14 @@ def test_on_demand_price_is_parsed_from_a_recorded_price_list_answer(state_dir):
 
 def test_the_price_list_is_asked_for_plain_linux_on_demand_capacity():
     fields = {f["Field"]: f["Value"] for f in pricing.on_demand_filters("g6.2xlarge", "us-west-2")}
-    assert fields == {"instanceType": "g6.2xlarge", "regionCode": "us-west-2", "operatingSystem": "Linux",
-                      "tenancy": "Shared", "preInstalledSw": "NA", "capacitystatus": "Used"}
+    assert fields == {
+        "instanceType": "g6.2xlarge",
+        "regionCode": "us-west-2",
+        "operatingSystem": "Linux",
+        "tenancy": "Shared",
+        "preInstalledSw": "NA",
+        "capacitystatus": "Used",
+    }
 
 
 def test_reserved_terms_are_not_taken_for_on_demand():
@@ -56,13 +62,34 @@ def test_spot_price_comes_from_the_zones_latest_history(state_dir):
     ec2 = boto3.client("ec2", region_name="us-east-1")
     stub = Stubber(ec2)
     older, newer = datetime(2026, 11, 20, tzinfo=timezone.utc), datetime(2026, 11, 21, tzinfo=timezone.utc)
-    stub.add_response("describe_spot_price_history", {"SpotPriceHistory": [
-        {"AvailabilityZone": "us-east-1b", "InstanceType": "g4dn.2xlarge", "ProductDescription": "Linux/UNIX",
-         "SpotPrice": "0.3001", "Timestamp": older},
-        {"AvailabilityZone": "us-east-1b", "InstanceType": "g4dn.2xlarge", "ProductDescription": "Linux/UNIX",
-         "SpotPrice": "0.2256", "Timestamp": newer}]},
-        {"InstanceTypes": ["g4dn.2xlarge"], "ProductDescriptions": ["Linux/UNIX"], "AvailabilityZone": "us-east-1b",
-         "StartTime": ANY, "MaxResults": 1})
+    stub.add_response(
+        "describe_spot_price_history",
+        {
+            "SpotPriceHistory": [
+                {
+                    "AvailabilityZone": "us-east-1b",
+                    "InstanceType": "g4dn.2xlarge",
+                    "ProductDescription": "Linux/UNIX",
+                    "SpotPrice": "0.3001",
+                    "Timestamp": older,
+                },
+                {
+                    "AvailabilityZone": "us-east-1b",
+                    "InstanceType": "g4dn.2xlarge",
+                    "ProductDescription": "Linux/UNIX",
+                    "SpotPrice": "0.2256",
+                    "Timestamp": newer,
+                },
+            ]
+        },
+        {
+            "InstanceTypes": ["g4dn.2xlarge"],
+            "ProductDescriptions": ["Linux/UNIX"],
+            "AvailabilityZone": "us-east-1b",
+            "StartTime": ANY,
+            "MaxResults": 1,
+        },
+    )
     stub.activate()
     price = pricing.PriceSource(None, ec2).spot("g4dn.2xlarge", "us-east-1b")
     assert price.usd == 0.2256 and price.source == "EC2 spot price history (us-east-1b)"
@@ -107,7 +134,9 @@ def test_api_answers_are_cached_with_a_time_stamp_for_a_day(state_dir):
     Stubber(spent).activate()  # a stub with no answers: any call would fail the test
     assert pricing.PriceSource(spent, None, clock=clock).on_demand("g4dn.2xlarge", "us-east-1").usd == 0.752
     clock.now += pricing.CACHE_TTL_S + 1
-    refreshed = pricing.PriceSource(pricing_client("0.8000000000"), None, clock=clock).on_demand("g4dn.2xlarge", "us-east-1")
+    refreshed = pricing.PriceSource(pricing_client("0.8000000000"), None, clock=clock).on_demand(
+        "g4dn.2xlarge", "us-east-1"
+    )
     assert refreshed.usd == 0.8
 
 
@@ -191,8 +220,14 @@ def test_a_corrupt_ledger_is_kept_aside_and_a_new_one_started(tmp_path):
 
 def watch(tmp_path, clock, **guards):
     values = {"hourly_usd": 3.6, "started_at": clock.now, "interval_s": 30.0, **guards}
-    return watchdog.Watchdog(watchdog.Guards(**values), tmp_path / "shared", tmp_path / "job", clock=clock,
-                             gpus_are_busy=lambda: False, progress_dir=tmp_path / "progress")
+    return watchdog.Watchdog(
+        watchdog.Guards(**values),
+        tmp_path / "shared",
+        tmp_path / "job",
+        clock=clock,
+        gpus_are_busy=lambda: False,
+        progress_dir=tmp_path / "progress",
+    )
 
 
 def test_the_budget_guard_stops_before_the_next_check_would_cross_it(tmp_path):
@@ -224,8 +259,12 @@ def test_the_idle_guard_counts_time_without_jobs_or_gpu_work(tmp_path):
     finally:
         job.kill()
         job.wait()
-    lock = subprocess.Popen([sys.executable, str(REPO / "node/job_lock.py"), str(tmp_path / "job.lock"),
-                             "run-2", "run", "me"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    lock = subprocess.Popen(
+        [sys.executable, str(REPO / "node/job_lock.py"), str(tmp_path / "job.lock"), "run-2", "run", "me"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert lock.stdout.readline().strip() == "locked"
         clock.now += 599
@@ -247,10 +286,15 @@ def test_a_job_whose_ranks_stop_progressing_is_stalled_and_one_that_progresses_s
     ranks = tmp_path / "progress" / "run-1"
     ranks.mkdir(parents=True)
 
-    def progress(completed: int, step=None, pid=os.getpid()):
+    def progress(completed: int, step=None, pid=None):
+        pid = os.getpid() if pid is None else pid
         for rank in (0, 1):
-            record = {"rank": rank, "pid": pid, "step": step,
-                      "groups": {"0": {"ranks": [0, 1], "enqueued": completed + 1, "completed": completed}}}
+            record = {
+                "rank": rank,
+                "pid": pid,
+                "step": step,
+                "groups": {"0": {"ranks": [0, 1], "enqueued": completed + 1, "completed": completed}},
+            }
             (ranks / f"rank-{rank}.json").write_text(json.dumps(record))
 
     job = subprocess.Popen(["sleep", "300"])
@@ -275,7 +319,11 @@ def test_a_job_whose_ranks_stop_progressing_is_stalled_and_one_that_progresses_s
     finally:
         job.kill()
         job.wait()
-    assert decision.stop and decision.reason.startswith("stalled: job run-1 made no progress") and "idleMinutes 10" in decision.reason
+    assert (
+        decision.stop
+        and decision.reason.startswith("stalled: job run-1 made no progress")
+        and "idleMinutes 10" in decision.reason
+    )
 
 
 def test_powering_off_stops_the_job_and_writes_the_marker_every_node_obeys(tmp_path):

@@ -9,10 +9,17 @@ def record(rank, entered, active=(), node="node-0", pid=None, state="running", s
     """One rank's progress record as `node/hang.py status` reports it."""
     groups = groups or {"0": {"ranks": [0, 1], "enqueued": entered, "completed": entered - len(active)}}
     return {
-        "rank": rank, "node": node, "pid": pid or 4700 + rank, "state": state, "time": NOW - 0.5,
-        "groups": groups, "stack": [dict(zip(("function", "file", "line", "library"), f)) for f in stack],
-        "active": [{"group": g, "seq": s, "op": op, "sizes": sizes, "dtypes": ["Float"], "since": NOW - waited}
-                   for g, s, op, sizes, waited in active],
+        "rank": rank,
+        "node": node,
+        "pid": pid or 4700 + rank,
+        "state": state,
+        "time": NOW - 0.5,
+        "groups": groups,
+        "stack": [dict(zip(("function", "file", "line", "library"), f, strict=True)) for f in stack],
+        "active": [
+            {"group": g, "seq": s, "op": op, "sizes": sizes, "dtypes": ["Float"], "since": NOW - waited}
+            for g, s, op, sizes, waited in active
+        ],
     }
 
 
@@ -21,8 +28,11 @@ def views(*records):
 
 
 WAITING_IN_4 = ("0", 4, "all_reduce", [[1024]], 30.0)
-TRAIN_STACK = (("<module>", "train.py", 20, False), ("load_batch", "train.py", 14, False),
-               ("sleep", "time.py", 1, True))
+TRAIN_STACK = (
+    ("<module>", "train.py", 20, False),
+    ("load_batch", "train.py", 14, False),
+    ("sleep", "time.py", 1, True),
+)
 
 
 def test_a_rank_that_never_entered_the_collective_is_named_with_where_it_is():
@@ -61,18 +71,25 @@ def test_a_different_collective_under_the_same_number_names_both():
 def test_the_same_collective_with_another_shape_is_a_mismatch_and_the_majority_is_the_reference():
     waiting = [("0", 7, "all_reduce", [[1024]], 20.0)]
     groups = {"0": {"ranks": [0, 1, 2], "enqueued": 7, "completed": 6}}
-    ranks = views(record(0, 7, waiting, groups=groups), record(1, 7, [("0", 7, "all_reduce", [[512]], 20.0)],
-                  groups=groups), record(2, 7, waiting, groups=groups))
+    ranks = views(
+        record(0, 7, waiting, groups=groups),
+        record(1, 7, [("0", 7, "all_reduce", [[512]], 20.0)], groups=groups),
+        record(2, 7, waiting, groups=groups),
+    )
     line = hang.verdict("r1", hang.find_hang(ranks, hang_timeout_s=5))
-    assert "rank 1 (node-0, pid 4701) called all_reduce #7 (512 x float32) where ranks 0, 2 called all_reduce #7 " \
-           "(1024 x float32)" in line
+    assert (
+        "rank 1 (node-0, pid 4701) called all_reduce #7 (512 x float32) where ranks 0, 2 called all_reduce #7 "
+        "(1024 x float32)" in line
+    )
 
 
 def test_a_stopped_rank_is_said_to_be_stopped_and_its_stack_comes_from_py_spy():
     ranks = views(record(0, 4, [WAITING_IN_4]), record(1, 3, state="stopped", stack=TRAIN_STACK[:1]))
-    spied = ('Process 4701: python train.py\n\nThread 4701 (idle): "MainThread"\n'
-             "    sleep (time.py:1)\n    load_batch (train.py:14)\n    <module> (train.py:20)\n"
-             'Thread 4702 (idle): "gpu-cluster-rank-monitor"\n    run (gpu_cluster_rank_monitor.py:57)\n')
+    spied = (
+        'Process 4701: python train.py\n\nThread 4701 (idle): "MainThread"\n'
+        "    sleep (time.py:1)\n    load_batch (train.py:14)\n    <module> (train.py:20)\n"
+        'Thread 4702 (idle): "gpu-cluster-rank-monitor"\n    run (gpu_cluster_rank_monitor.py:57)\n'
+    )
     evidence = hang.Evidence(ranks=ranks, py_spy={"1": spied})
     line = hang.verdict("r1", hang.find_hang(ranks, hang_timeout_s=10), evidence)
     assert "rank 1 (node-0, pid 4701) is stopped (SIGSTOP) and never entered all_reduce #4" in line
@@ -86,24 +103,35 @@ def test_a_rank_that_never_reported_still_counts_as_not_entered():
 
 
 def test_ranks_outside_a_subgroup_are_not_blamed_for_it():
-    sub = {"0": {"ranks": [0, 1, 2, 3], "enqueued": 2, "completed": 2},
-           "1": {"ranks": [0, 1], "enqueued": 5, "completed": 4}}
-    other = {"0": {"ranks": [0, 1, 2, 3], "enqueued": 2, "completed": 2},
-             "2": {"ranks": [2, 3], "enqueued": 9, "completed": 9}}
-    ranks = views(record(0, 5, [("1", 5, "all_reduce", [[8]], 40.0)], groups=sub),
-                  record(1, 5, [("1", 5, "all_reduce", [[8]], 40.0)], groups=sub),
-                  record(2, 9, groups=other), record(3, 9, groups=other))
+    sub = {
+        "0": {"ranks": [0, 1, 2, 3], "enqueued": 2, "completed": 2},
+        "1": {"ranks": [0, 1], "enqueued": 5, "completed": 4},
+    }
+    other = {
+        "0": {"ranks": [0, 1, 2, 3], "enqueued": 2, "completed": 2},
+        "2": {"ranks": [2, 3], "enqueued": 9, "completed": 9},
+    }
+    ranks = views(
+        record(0, 5, [("1", 5, "all_reduce", [[8]], 40.0)], groups=sub),
+        record(1, 5, [("1", 5, "all_reduce", [[8]], 40.0)], groups=sub),
+        record(2, 9, groups=other),
+        record(3, 9, groups=other),
+    )
     assert hang.find_hang(ranks, hang_timeout_s=10) is None
     sub_behind = {**sub, "1": {"ranks": [0, 1], "enqueued": 4, "completed": 4}}
     ranks[1] = views(record(1, 4, groups=sub_behind))[0]
     found = hang.find_hang(ranks, hang_timeout_s=10)
-    assert [v.rank for v in found.missing] == [1] and "all_reduce #5 in group 1 (8 x float32)" in hang.verdict("r", found)
+    assert [v.rank for v in found.missing] == [1] and "all_reduce #5 in group 1 (8 x float32)" in hang.verdict(
+        "r", found
+    )
 
 
 def test_py_spy_frames_of_installed_packages_and_the_standard_library_are_not_the_users():
-    text = ('Thread 1 (idle): "MainThread"\n    all_reduce (torch/distributed/distributed_c10d.py:3252)\n'
-            "    wrapper (torch/distributed/c10d_logger.py:83)\n    step (/home/me/proj/train.py:31)\n"
-            "    <module> (/home/me/proj/train.py:40)\n")
+    text = (
+        'Thread 1 (idle): "MainThread"\n    all_reduce (torch/distributed/distributed_c10d.py:3252)\n'
+        "    wrapper (torch/distributed/c10d_logger.py:83)\n    step (/home/me/proj/train.py:31)\n"
+        "    <module> (/home/me/proj/train.py:40)\n"
+    )
     frames = hang.py_spy_main_thread(text)
     assert hang.RankView.user_frame_of(frames).describe() == "step (train.py:31)"
 
@@ -133,8 +161,10 @@ Root Cause (first observed failure):
 
 def test_a_gloo_size_abort_is_explained_with_the_rank_and_its_frame():
     line = hang.mismatch_line("node-0", GLOO_ABORT_LOG)
-    assert line == ("fab: collective mismatch: rank 0 (node-0) aborted in <module> (train.py:15): gloo received "
-                    "4096 bytes where 1024 were expected; the ranks called one collective with different sizes")
+    assert line == (
+        "fab: collective mismatch: rank 0 (node-0) aborted in <module> (train.py:15): gloo received "
+        "4096 bytes where 1024 were expected; the ranks called one collective with different sizes"
+    )
     assert hang.mismatch_line("node-1", "RuntimeError: Connection reset by peer\n") is None
 
 
@@ -150,8 +180,10 @@ def test_past_the_grace_a_silent_node_or_a_collective_nobody_finishes_is_still_a
     assert hang.find_hang(alone, hang_timeout_s=10, overdue_s=40) is None  # waited 30 s: within the grace
     found = hang.find_hang(alone, hang_timeout_s=10, overdue_s=25)
     assert found.silent == (1,) and [v.rank for v in found.waiting] == [0]
-    assert "rank 1 of all_reduce #4 (1024 x float32) not reported (their node did not answer) while rank 0 " \
-           "waited 30 s" in hang.verdict("r1", found)
+    assert (
+        "rank 1 of all_reduce #4 (1024 x float32) not reported (their node did not answer) while rank 0 "
+        "waited 30 s" in hang.verdict("r1", found)
+    )
     both = views(record(0, 4, [WAITING_IN_4]), record(1, 4, [WAITING_IN_4], stack=TRAIN_STACK))
     assert hang.find_hang(both, hang_timeout_s=10) is None  # every rank joined: slow, not hung
     line = hang.verdict("r1", hang.find_hang(both, hang_timeout_s=10, overdue_s=25))

@@ -55,8 +55,16 @@ def test_stages_split_the_model_evenly_and_refuse_uneven_splits():
         pipeline.stage_slice(model, 0, 3)
 
 
-@pytest.mark.parametrize("op,n,factor", [("all_reduce", 2, 1.0), ("all_reduce", 8, 1.75), ("all_gather", 4, 0.75),
-                                          ("reduce_scatter", 2, 0.5), ("broadcast", 8, 1.0)])
+@pytest.mark.parametrize(
+    "op,n,factor",
+    [
+        ("all_reduce", 2, 1.0),
+        ("all_reduce", 8, 1.75),
+        ("all_gather", 4, 0.75),
+        ("reduce_scatter", 2, 0.5),
+        ("broadcast", 8, 1.0),
+    ],
+)
 def test_bus_factors_follow_nccl_tests(op, n, factor):
     assert comm_bench.bus_factor(op, n) == pytest.approx(factor)
 
@@ -74,11 +82,18 @@ def test_step_lines_are_fixed_width_under_their_header():
     assert line.split() == ["12", "2.3456", "123.4", "4567.8", "0.50", "1.504", "0.0123"]
 
 
-@pytest.mark.parametrize("name,precision,peak", [
-    ("Tesla T4", "fp16", 65.0), ("Tesla T4", "bf16", None), ("NVIDIA L4", "bf16", 121.0),
-    ("NVIDIA L40S", "bf16", 362.0), ("NVIDIA H100 80GB HBM3", "bf16", 989.0), ("NVIDIA A100-SXM4-80GB", "fp32", 19.5),
-    ("Some Future GPU", "bf16", None),
-])
+@pytest.mark.parametrize(
+    "name,precision,peak",
+    [
+        ("Tesla T4", "fp16", 65.0),
+        ("Tesla T4", "bf16", None),
+        ("NVIDIA L4", "bf16", 121.0),
+        ("NVIDIA L40S", "bf16", 362.0),
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.0),
+        ("NVIDIA A100-SXM4-80GB", "fp32", 19.5),
+        ("Some Future GPU", "bf16", None),
+    ],
+)
 def test_datasheet_peaks_are_found_by_the_name_cuda_reports(name, precision, peak):
     assert peak_tflops(name, precision) == peak
 
@@ -93,8 +108,17 @@ def test_cost_meter_prices_elapsed_time_and_samples():
 
 
 def test_dist_env_reads_the_node_environment():
-    env = DistEnv.from_environ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "NODE_RANK": "1",
-                                "NNODES": "2", "CLUSTER_HOURLY_USD": "1.504", "CLUSTER_RUN_DIR": "/r"})
+    env = DistEnv.from_environ(
+        {
+            "RANK": "3",
+            "LOCAL_RANK": "1",
+            "WORLD_SIZE": "4",
+            "NODE_RANK": "1",
+            "NNODES": "2",
+            "CLUSTER_HOURLY_USD": "1.504",
+            "CLUSTER_RUN_DIR": "/r",
+        }
+    )
     assert (env.rank, env.local_rank, env.world_size, env.node_rank, env.nnodes) == (3, 1, 4, 1, 2)
     assert env.hourly_usd == 1.504 and str(env.run_dir) == "/r" and env.shared_dir is None
 

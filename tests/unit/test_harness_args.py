@@ -37,8 +37,14 @@ def test_every_example_has_a_bad_argument_case():
 
 def test_log_every_0_is_one_line_and_exit_2_from_the_command_line(tmp_path):
     """The reported case, through the whole command line (the `run()` wrapper every example shares)."""
-    result = subprocess.run([sys.executable, "examples/ddp_training.py", "--log-every", "0"], cwd=REPO,
-                            capture_output=True, text=True, env=child_env(CLUSTER_RUN_DIR=str(tmp_path)), timeout=120)
+    result = subprocess.run(
+        [sys.executable, "examples/ddp_training.py", "--log-every", "0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=child_env(CLUSTER_RUN_DIR=str(tmp_path)),
+        timeout=120,
+    )
     assert_one_line_error(result, "--log-every", "at least 1", "'0'")
     assert result.stdout == "" and list(tmp_path.iterdir()) == []  # nothing ran
 
@@ -54,11 +60,14 @@ def test_each_example_refuses_its_bad_argument_in_one_line(example, capsys):
     assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], lines
 
 
-@pytest.mark.parametrize("check,good,bad", [
-    (positive_int, {"1": 1, "40": 40}, ["0", "-1", "2.5", "ten", ""]),
-    (non_negative_int, {"0": 0, "7": 7}, ["-1", "1e3", "x"]),
-    (positive_float, {"0.5": 0.5, "300": 300.0, "1e-3": 1e-3}, ["0", "-2", "nan", "inf", "fast"]),
-])
+@pytest.mark.parametrize(
+    "check,good,bad",
+    [
+        (positive_int, {"1": 1, "40": 40}, ["0", "-1", "2.5", "ten", ""]),
+        (non_negative_int, {"0": 0, "7": 7}, ["-1", "1e3", "x"]),
+        (positive_float, {"0.5": 0.5, "300": 300.0, "1e-3": 1e-3}, ["0", "-2", "nan", "inf", "fast"]),
+    ],
+)
 def test_argument_types_accept_what_they_mean_and_say_why_not(check, good, bad):
     for text, value in good.items():
         assert check(text) == value

@@ -10,10 +10,19 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness.checks import check_line
 from harness.comm_bytes import (
-    CommTally, bf16_problem, bucket_cap_mb, collective_size, register_counted_hook,
+    CommTally,
+    bf16_problem,
+    bucket_cap_mb,
+    collective_size,
+    register_counted_hook,
 )
 from harness.memory import (
-    SavedForBackward, Sharing, activation_estimate_bytes, breakdown, course_estimate_bytes, format_bytes,
+    SavedForBackward,
+    Sharing,
+    activation_estimate_bytes,
+    breakdown,
+    course_estimate_bytes,
+    format_bytes,
     whole_breakdown,
 )
 from harness.models import loss_fn
@@ -39,19 +48,29 @@ def _nodes(*gpus: int):
     return tuple(NodeInfo(f"node-{i}", f"54.0.0.{i + 1}", f"10.0.1.{10 + i}", 22, g) for i, g in enumerate(gpus))
 
 
-@pytest.mark.parametrize("gpus,requested,problem", [
-    ((0, 0), None, None), ((0, 0), 2, None), ((0, 0), 5, None), ((4, 4), 4, None), ((4, 4), 2, None),
-    ((4, 4), 8, "more than node-0's 4 GPU(s)"), ((4, 2), 4, "more than node-1's 2 GPU(s)"),
-    ((0, 0), 0, "at least 1"), ((1, 1), -1, "at least 1"),
-])
+@pytest.mark.parametrize(
+    "gpus,requested,problem",
+    [
+        ((0, 0), None, None),
+        ((0, 0), 2, None),
+        ((0, 0), 5, None),
+        ((4, 4), 4, None),
+        ((4, 4), 2, None),
+        ((4, 4), 8, "more than node-0's 4 GPU(s)"),
+        ((4, 2), 4, "more than node-1's 2 GPU(s)"),
+        ((0, 0), 0, "at least 1"),
+        ((1, 1), -1, "at least 1"),
+    ],
+)
 def test_nproc_per_node_is_refused_above_the_gpu_count_and_below_one(gpus, requested, problem):
     found = commands.nproc_problem(_nodes(*gpus), requested)
     assert (found is None) if problem is None else (problem in found), found
 
 
 def test_nproc_per_node_reaches_torchrun_and_the_job_environment():
-    cluster = ClusterInfo("dev", "local", "local", "cpu", 0.0, "u", "/k", "/kh", "/shared",
-                          "2026-11-21T00:00:00+00:00", _nodes(0, 0))
+    cluster = ClusterInfo(
+        "dev", "local", "local", "cpu", 0.0, "u", "/k", "/kh", "/shared", "2026-11-21T00:00:00+00:00", _nodes(0, 0)
+    )
     default = commands.launch_command(cluster, cluster.nodes[1], "r1", "hybrid", "x.py", [], 0, 29500)
     # By default the node environment (sourced first) says NPROC_PER_NODE; the launch does not repeat it.
     assert "--nproc-per-node=1" in default and "NPROC_PER_NODE=" not in default
@@ -84,10 +103,15 @@ def test_the_default_mesh_puts_tp_within_a_node_and_dp_across_nodes():
 # ------------------------------------------------------------------------------------- the check line
 
 
-@pytest.mark.parametrize("diff,tolerance,holds,verdict", [
-    (1e-7, 1e-5, True, "ok"), (2e-5, 1e-5, True, "FAIL"), (float("nan"), 1e-5, True, "FAIL"),
-    (0.0, 1e-5, False, "FAIL"),
-])
+@pytest.mark.parametrize(
+    "diff,tolerance,holds,verdict",
+    [
+        (1e-7, 1e-5, True, "ok"),
+        (2e-5, 1e-5, True, "FAIL"),
+        (float("nan"), 1e-5, True, "FAIL"),
+        (0.0, 1e-5, False, "FAIL"),
+    ],
+)
 def test_the_check_line_says_what_how_far_and_ok_or_fail(diff, tolerance, holds, verdict):
     line, passed = check_line("fp16 loss vs none over 4 steps,", diff, tolerance, holds)
     assert line.startswith("check: fp16 loss vs none over 4 steps, max diff ")

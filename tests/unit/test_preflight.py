@@ -5,7 +5,8 @@ from dataclasses import replace
 import boto3
 import pytest
 
-from infra import catalog, config as stack_config, preflight
+from infra import catalog, preflight
+from infra import config as stack_config
 from tests.support.aws_fakes import clients, moto_aws
 
 

@@ -53,7 +53,9 @@ def test_the_nodes_talk_to_each_other_freely_and_efs_hears_only_nodes():
     assert (nfs["securityGroupId"], nfs["referencedSecurityGroupId"]) == ("dev-shared-nfs-id", "dev-nodes-id")
     assert (nfs["ipProtocol"], nfs["fromPort"], nfs["toPort"]) == ("tcp", 2049, 2049)
     assert named(run, "dev-shared-efs-mount").inputs["securityGroups"] == ["dev-shared-nfs-id"]
-    ingress_to_efs = [r for r in of_type(run, "SecurityGroupIngressRule") if r.inputs["securityGroupId"] == "dev-shared-nfs-id"]
+    ingress_to_efs = [
+        r for r in of_type(run, "SecurityGroupIngressRule") if r.inputs["securityGroupId"] == "dev-shared-nfs-id"
+    ]
     assert len(ingress_to_efs) == 1
 
 
@@ -149,7 +151,9 @@ def test_the_job_ports_are_open_to_the_node_group_only():
     run = program()
     groups = of_type(run, "SecurityGroup")
     assert all(not g.inputs.get("ingress") for g in groups)  # no inline rules beside the separate ones
-    rules = [r.inputs for r in of_type(run, "SecurityGroupIngressRule") if r.inputs["securityGroupId"] == "dev-nodes-id"]
+    rules = [
+        r.inputs for r in of_type(run, "SecurityGroupIngressRule") if r.inputs["securityGroupId"] == "dev-nodes-id"
+    ]
 
     def admits(rule: dict, port: int) -> bool:
         return rule["ipProtocol"] == "-1" or rule["fromPort"] <= port <= rule["toPort"]

@@ -40,8 +40,12 @@ def test_env_file_is_sourceable_and_quotes_what_needs_quoting(tmp_path):
     env = {"A": "plain", "B": "with space", "C": "$(rm -rf /)", "D": "$HOME/code"}
     path = tmp_path / "env"
     path.write_text(commands.env_file_text(env))
-    out = subprocess.run(["bash", "-c", f". {path} && printf '%s|' \"$A\" \"$B\" \"$C\" \"$D\""],
-                         capture_output=True, text=True, env={"HOME": "/home/u", "PATH": os.environ["PATH"]})
+    out = subprocess.run(
+        ["bash", "-c", f'. {path} && printf \'%s|\' "$A" "$B" "$C" "$D"'],
+        capture_output=True,
+        text=True,
+        env={"HOME": "/home/u", "PATH": os.environ["PATH"]},
+    )
     assert out.stdout == "plain|with space|$(rm -rf /)|/home/u/code|"
 
 
@@ -51,7 +55,9 @@ def test_torchrun_uses_c10d_on_the_head_with_a_fresh_id_and_node_addresses():
     # torchrun, with the job's stores bound to one address, started by its path: a project's own
     # remote/ package in the job's working directory cannot hide it
     assert argv[0] == "$CLUSTER_CODE_DIR/node/torchrun.py" and "-m" not in argv
-    assert "--rdzv-conf=is_host=0" in argv and "--rdzv-conf=is_host=1" in commands.torchrun_argv(c, c.nodes[0], "r", 0, 1)
+    assert "--rdzv-conf=is_host=0" in argv and "--rdzv-conf=is_host=1" in commands.torchrun_argv(
+        c, c.nodes[0], "r", 0, 1
+    )
     assert "--nnodes=2" in argv and "--nproc-per-node=4" in argv
     assert "--rdzv-backend=c10d" in argv and "--rdzv-endpoint=10.0.1.10:29500" in argv
     assert "--rdzv-id=run-1" in argv and "--local-addr=10.0.1.11" in argv and "--max-restarts=2" in argv
@@ -59,8 +65,9 @@ def test_torchrun_uses_c10d_on_the_head_with_a_fresh_id_and_node_addresses():
 
 def test_launch_command_quotes_arguments_and_records_the_job():
     c = cluster()
-    command = commands.launch_command(c, c.nodes[0], "r1", "run", "$CLUSTER_CODE_DIR/examples/x.py",
-                                      ["--msg", "a b; rm -rf /"], 0, 29500)
+    command = commands.launch_command(
+        c, c.nodes[0], "r1", "run", "$CLUSTER_CODE_DIR/examples/x.py", ["--msg", "a b; rm -rf /"], 0, 29500
+    )
     assert f'"$CLUSTER_CODE_DIR"/examples/x.py --msg {shlex.quote("a b; rm -rf /")} 2>&1;' in command
     assert 'cd "$HOME"/.gpu-cluster/runs/r1/workdir' in command  # each node's own folder, not the shared one
     assert command.startswith(f". {commands.ENV_FILE} && ")
@@ -72,14 +79,19 @@ def test_launch_command_passes_the_exit_code_and_reports_when_the_node_saw_it(tm
     home, shared = tmp_path / "home", tmp_path / "shared"
     (home / ".gpu-cluster").mkdir(parents=True)
     fake_python = tmp_path / "python"  # stands in for torchrun: shows its arguments, fails with 3
-    fake_python.write_text("#!/bin/bash\necho \"args: $*\"\nexit 3\n")
+    fake_python.write_text('#!/bin/bash\necho "args: $*"\nexit 3\n')
     fake_python.chmod(0o755)
     (home / ".gpu-cluster" / "env").write_text(f"export CLUSTER_PYTHON={fake_python}\nexport CLUSTER_CODE_DIR=/code\n")
     c = cluster(shared=str(shared))
     command = commands.launch_command(c, c.nodes[1], "r1", "run", "x.py", ["--a", "b c"], 0, 29500)
     before = time.time()
-    result = subprocess.run(["bash", "-c", command], env={"HOME": str(home), "PATH": os.environ["PATH"]},
-                            capture_output=True, text=True, cwd=tmp_path)
+    result = subprocess.run(
+        ["bash", "-c", command],
+        env={"HOME": str(home), "PATH": os.environ["PATH"]},
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     lines = result.stdout.splitlines()
     assert result.returncode == 3, result.stdout + result.stderr
     assert lines[0].startswith("args: /code/node/torchrun.py ") and lines[0].endswith("x.py --a b c")
@@ -95,17 +107,34 @@ def test_a_workdir_job_runs_in_its_own_copy_with_its_variables_taken_literally(t
     (cache / "pkg").mkdir(parents=True)
     (cache / "pkg" / "config.json").write_text("cached")
     fake_python = tmp_path / "python"
-    fake_python.write_text("#!/bin/bash\n"
-                           "echo \"cwd=$PWD\"; echo \"path=$PYTHONPATH\"; echo \"results=$CLUSTER_RESULTS_DIR\"\n"
-                           "printf 'value=%s|\\n' \"$GREETING\"; echo changed > pkg/config.json\n")
+    fake_python.write_text(
+        "#!/bin/bash\n"
+        'echo "cwd=$PWD"; echo "path=$PYTHONPATH"; echo "results=$CLUSTER_RESULTS_DIR"\n'
+        "printf 'value=%s|\\n' \"$GREETING\"; echo changed > pkg/config.json\n"
+    )
     fake_python.chmod(0o755)
     (home / ".gpu-cluster" / "env").write_text(f"export CLUSTER_PYTHON={fake_python}\nexport CLUSTER_CODE_DIR=/code\n")
     c = cluster(shared=str(tmp_path / "shared"))
-    value = 'a b; $HOME "q" \'s\' $(touch /tmp/never) `x`\nline two'
-    command = commands.launch_command(c, c.nodes[0], "r1", "run", "$HOME/.gpu-cluster/runs/r1/workdir/t.py", [], 0,
-                                      29500, workdir_key="proj-1", env={"GREETING": value})
-    result = subprocess.run(["bash", "-c", command], env={"HOME": str(home), "PATH": os.environ["PATH"]},
-                            capture_output=True, text=True, cwd=tmp_path)
+    value = "a b; $HOME \"q\" 's' $(touch /tmp/never) `x`\nline two"
+    command = commands.launch_command(
+        c,
+        c.nodes[0],
+        "r1",
+        "run",
+        "$HOME/.gpu-cluster/runs/r1/workdir/t.py",
+        [],
+        0,
+        29500,
+        workdir_key="proj-1",
+        env={"GREETING": value},
+    )
+    result = subprocess.run(
+        ["bash", "-c", command],
+        env={"HOME": str(home), "PATH": os.environ["PATH"]},
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     job_dir = home / ".gpu-cluster" / "runs" / "r1"
     assert f"cwd={job_dir / 'workdir'}" in result.stdout
@@ -116,13 +145,16 @@ def test_a_workdir_job_runs_in_its_own_copy_with_its_variables_taken_literally(t
     assert (cache / "pkg" / "config.json").read_text() == "cached"  # a copy, not links into the cache
 
 
-@pytest.mark.parametrize("line,parsed", [
-    (f"{commands.EXIT_MARKER} 1 1700000000.250000", (1, 1700000000.25)),
-    (f"{commands.EXIT_MARKER} 0 1700000000,5", (0, 1700000000.5)),  # a locale with a decimal comma
-    (f"{commands.EXIT_MARKER} 1 1700000000.N", (1, None)),  # date(1) without %N
-    ("step 10 loss 2.3", None),
-    (f"say {commands.EXIT_MARKER} 1 2", None),
-])
+@pytest.mark.parametrize(
+    "line,parsed",
+    [
+        (f"{commands.EXIT_MARKER} 1 1700000000.250000", (1, 1700000000.25)),
+        (f"{commands.EXIT_MARKER} 0 1700000000,5", (0, 1700000000.5)),  # a locale with a decimal comma
+        (f"{commands.EXIT_MARKER} 1 1700000000.N", (1, None)),  # date(1) without %N
+        ("step 10 loss 2.3", None),
+        (f"say {commands.EXIT_MARKER} 1 2", None),
+    ],
+)
 def test_exit_marker_parsing(line, parsed):
     assert commands.parse_exit_marker(line) == parsed
 
@@ -130,21 +162,26 @@ def test_exit_marker_parsing(line, parsed):
 def test_folders_fall_back_to_each_home_without_shared_storage():
     assert commands.code_dir(cluster(shared="")) == "$HOME/.gpu-cluster/code"
     assert commands.remote_run_dir(cluster(shared="/shared/"), "r") == "/shared/runs/r"
-    assert commands.shell_path("$HOME/a b") == '"$HOME"/\'a b\''
+    assert commands.shell_path("$HOME/a b") == "\"$HOME\"/'a b'"
 
 
-@pytest.mark.parametrize("output,interface", [
-    ("10.0.1.10 dev ens5 src 10.0.1.11 uid 1000\n    cache", "ens5"),
-    ("local 127.0.0.10 dev lo src 127.0.0.1 uid 0", "lo"),
-    ("RTNETLINK answers: Network is unreachable", None),
-])
+@pytest.mark.parametrize(
+    "output,interface",
+    [
+        ("10.0.1.10 dev ens5 src 10.0.1.11 uid 1000\n    cache", "ens5"),
+        ("local 127.0.0.10 dev lo src 127.0.0.1 uid 0", "lo"),
+        ("RTNETLINK answers: Network is unreachable", None),
+    ],
+)
 def test_route_interface_is_read_from_ip_route_get(output, interface):
     assert probe.parse_route_interface(output) == interface
 
 
 def test_job_status_parsing():
     assert commands.parse_job_status("running 123 r-1 run-ddp\nbootstrapped\n") == (
-        {"pid": 123, "run_id": "r-1", "task": "run-ddp"}, True)
+        {"pid": 123, "run_id": "r-1", "task": "run-ddp"},
+        True,
+    )
     assert commands.parse_job_status("idle\n") == (None, False)
 
 
@@ -161,21 +198,27 @@ def test_stop_command_ends_every_job_of_the_node_and_nothing_else(tmp_path):
     # A job as launch_command makes one: a group leader recording itself, a child in its group, and a
     # "worker" in a session of its own that only the run id in its environment ties to the job.
     job = subprocess.Popen(
-        ["bash", "-c", f"echo \"$$ run-x task\" > {commands.JOB_FILE}; "
-                       "CLUSTER_RUN_ID=run-x setsid sleep 301 & sleep 302 & wait"],
-        env=env, start_new_session=True,
+        [
+            "bash",
+            "-c",
+            f'echo "$$ run-x task" > {commands.JOB_FILE}; CLUSTER_RUN_ID=run-x setsid sleep 301 & sleep 302 & wait',
+        ],
+        env=env,
+        start_new_session=True,
     )
     # A second job started beside it, which JOB_FILE does not record, and another node's job (same
     # machine, another HOME), which this node's stop must leave alone.
     beside = subprocess.Popen(["sleep", "303"], env={**env, "CLUSTER_RUN_ID": "run-y"}, start_new_session=True)
-    elsewhere = subprocess.Popen(["sleep", "304"], env={**env, "HOME": str(other_home), "CLUSTER_RUN_ID": "run-z"},
-                                 start_new_session=True)
+    elsewhere = subprocess.Popen(
+        ["sleep", "304"], env={**env, "HOME": str(other_home), "CLUSTER_RUN_ID": "run-z"}, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 10
         while not (home / ".gpu-cluster" / "job").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        result = subprocess.run(["bash", "-c", commands.stop_command(grace_s=2)], env=env, capture_output=True,
-                                text=True)
+        result = subprocess.run(
+            ["bash", "-c", commands.stop_command(grace_s=2)], env=env, capture_output=True, text=True
+        )
         assert result.stdout.split()[0] == "stopped", result.stdout + result.stderr
         assert sorted(result.stdout.split()[1:]) == ["run-x", "run-y"]
         job.wait(timeout=5)
@@ -203,8 +246,12 @@ def test_node_stream_prefixes_whole_lines_and_keeps_the_log(tmp_path, capsys):
 def test_the_code_manifest_is_what_git_has_in_the_synced_folders_with_their_hashes():
     """The manifest against an independent account: git's list of files in the synced folders (tracked
     or new, never ignored ones such as __pycache__), and each file's sha256 read here."""
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "--", *SYNCED],
-                            cwd=REPO, capture_output=True, text=True)
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "--", *SYNCED],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     if listed.returncode != 0:
         pytest.skip(f"not a git checkout: {listed.stderr.strip()}")
     expected = {path for path in listed.stdout.splitlines() if (REPO / path).is_file()}
@@ -249,12 +296,16 @@ def test_code_hashes_come_from_coreutils_and_name_paths_under_the_synced_folders
     (tmp_path / "harness" / "dist.py").write_text("x = 1\n")
     (tmp_path / "harness" / "__pycache__" / "dist.pyc").write_bytes(b"cache")
     (tmp_path / "mine.txt").write_text("the user's own file\n")
-    out = subprocess.run(["bash", "-c", commands.hash_files_command(str(tmp_path), ("harness", "node"))],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        ["bash", "-c", commands.hash_files_command(str(tmp_path), ("harness", "node"))], capture_output=True, text=True
+    )
     assert out.returncode == 0
     assert commands.parse_hashes(out.stdout) == {"harness/dist.py": hashlib.sha256(b"x = 1\n").hexdigest()}
-    missing = subprocess.run(["bash", "-c", commands.hash_files_command(str(tmp_path / "none"), ("harness",))],
-                             capture_output=True, text=True)
+    missing = subprocess.run(
+        ["bash", "-c", commands.hash_files_command(str(tmp_path / "none"), ("harness",))],
+        capture_output=True,
+        text=True,
+    )
     assert missing.returncode == 0 and commands.parse_hashes(missing.stdout) == {}
 
 
@@ -286,7 +337,9 @@ def test_fail_fast_names_the_node_that_saw_its_failure_first_not_the_first_call_
     exited_at = {"node-0": 100.1, "node-1": 100.5, "node-2": None}
     assert first_failure(codes, exited_at, ["node-1", "node-2", "node-0"]) == "node-0"
     # Nodes that never reported a time (stopped, connection lost) come after those that did.
-    assert first_failure({"node-0": 255, "node-1": 1}, {"node-0": None, "node-1": 100.5}, ["node-0", "node-1"]) == "node-1"
+    assert (
+        first_failure({"node-0": 255, "node-1": 1}, {"node-0": None, "node-1": 100.5}, ["node-0", "node-1"]) == "node-1"
+    )
     assert first_failure({"node-0": 255, "node-1": 143}, {}, ["node-1", "node-0"]) == "node-1"
     assert first_failure({"node-0": 0, "node-1": 0}, {"node-0": 1.0, "node-1": 2.0}, ["node-0", "node-1"]) is None
 
@@ -300,13 +353,26 @@ def test_the_exit_marker_is_kept_out_of_the_stream_and_the_log(tmp_path, capsys)
     assert (tmp_path / "node-0.log").read_text() == "last words\n"
 
 
-@pytest.mark.parametrize("reply,parsed", [
-    ("locked", ("locked", None)),
-    ("held 20260101-000000-hello-ab12 hello laptop:4242 1700000000",
-     ("held", {"run_id": "20260101-000000-hello-ab12", "task": "hello", "owner": "laptop:4242", "since": "1700000000"})),
-    ("", ("failed", None)),
-    ("python3: can't open file 'job_lock.py'", ("failed", None)),
-])
+@pytest.mark.parametrize(
+    "reply,parsed",
+    [
+        ("locked", ("locked", None)),
+        (
+            "held 20260101-000000-hello-ab12 hello laptop:4242 1700000000",
+            (
+                "held",
+                {
+                    "run_id": "20260101-000000-hello-ab12",
+                    "task": "hello",
+                    "owner": "laptop:4242",
+                    "since": "1700000000",
+                },
+            ),
+        ),
+        ("", ("failed", None)),
+        ("python3: can't open file 'job_lock.py'", ("failed", None)),
+    ],
+)
 def test_lock_replies(reply, parsed):
     assert commands.parse_lock_reply(reply) == parsed
 
@@ -316,8 +382,9 @@ def test_the_job_lock_is_taken_once_and_released_when_its_holder_ends(tmp_path):
     once the first's input closes (fab ended the job) the lock is free again."""
     lock = tmp_path / "job.lock"
     holder = [sys.executable, str(commands.NODE_CODE / "job_lock.py"), str(lock)]
-    first = subprocess.Popen([*holder, "run-a", "hello", "laptop:1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)
+    first = subprocess.Popen(
+        [*holder, "run-a", "hello", "laptop:1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert first.stdout.readline().strip() == "locked"
         second = subprocess.run([*holder, "run-b", "hello", "laptop:2"], capture_output=True, text=True, timeout=30)
@@ -326,13 +393,15 @@ def test_the_job_lock_is_taken_once_and_released_when_its_holder_ends(tmp_path):
         assert state == "held" and (held["run_id"], held["owner"]) == ("run-a", "laptop:1")
         first.stdin.close()
         assert first.wait(timeout=30) == 0
-        third = subprocess.Popen([*holder, "run-c", "hello", "laptop:3"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 text=True)
+        third = subprocess.Popen(
+            [*holder, "run-c", "hello", "laptop:3"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         assert third.stdout.readline().strip() == "locked"
         third.kill()  # a holder that dies without a word releases the lock too
         third.wait(timeout=30)
-        fourth = subprocess.run([*holder, "run-d", "hello", "laptop:4"], input="", capture_output=True, text=True,
-                                timeout=30)
+        fourth = subprocess.run(
+            [*holder, "run-d", "hello", "laptop:4"], input="", capture_output=True, text=True, timeout=30
+        )
         assert fourth.stdout.strip() == "locked" and fourth.returncode == 0
     finally:
         first.kill()
@@ -342,8 +411,14 @@ def test_node_files_sent_as_source_carry_their_siblings(tmp_path):
     """cleanup.py (stdin) and stop_jobs.py (`-c`) run where no `node` package can be imported."""
     for name in ("cleanup", "stop_jobs"):
         assert "\nfrom node import" not in standalone.source(name)
-    result = subprocess.run([sys.executable, "-", str(tmp_path / "state")], input=standalone.source("cleanup"),
-                            cwd=tmp_path, capture_output=True, text=True, env={"PATH": os.environ["PATH"]})
+    result = subprocess.run(
+        [sys.executable, "-", str(tmp_path / "state")],
+        input=standalone.source("cleanup"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ["PATH"]},
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"job": "idle", "daemons": [], "removed": []}
 

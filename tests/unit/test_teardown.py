@@ -22,14 +22,22 @@ def tags(stack: str, resource: str) -> list[dict]:
 def build_leftovers(ec2, efs, stack: str) -> dict:
     vpc = ec2.create_vpc(CidrBlock="10.42.0.0/16", TagSpecifications=tags(stack, "vpc"))["Vpc"]["VpcId"]
     subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.42.1.0/24", AvailabilityZone="us-east-1a")["Subnet"]["SubnetId"]
-    group = ec2.create_security_group(GroupName=f"{stack}-nodes", Description="nodes", VpcId=vpc,
-                                      TagSpecifications=tags(stack, "security-group"))["GroupId"]
+    group = ec2.create_security_group(
+        GroupName=f"{stack}-nodes", Description="nodes", VpcId=vpc, TagSpecifications=tags(stack, "security-group")
+    )["GroupId"]
     ec2.create_key_pair(KeyName=f"{stack}-key", TagSpecifications=tags(stack, "key-pair"))
-    instance = ec2.run_instances(ImageId="ami-12c6146b", MinCount=1, MaxCount=1, InstanceType="g4dn.2xlarge",
-                                 SubnetId=subnet, SecurityGroupIds=[group],
-                                 TagSpecifications=tags(stack, "instance") + tags(stack, "volume"))["Instances"][0]["InstanceId"]
-    fs = efs.create_file_system(CreationToken=f"{stack}-efs", Encrypted=True,
-                                Tags=[{"Key": STACK_TAG, "Value": stack}])["FileSystemId"]
+    instance = ec2.run_instances(
+        ImageId="ami-12c6146b",
+        MinCount=1,
+        MaxCount=1,
+        InstanceType="g4dn.2xlarge",
+        SubnetId=subnet,
+        SecurityGroupIds=[group],
+        TagSpecifications=tags(stack, "instance") + tags(stack, "volume"),
+    )["Instances"][0]["InstanceId"]
+    fs = efs.create_file_system(
+        CreationToken=f"{stack}-efs", Encrypted=True, Tags=[{"Key": STACK_TAG, "Value": stack}]
+    )["FileSystemId"]
     target = efs.create_mount_target(FileSystemId=fs, SubnetId=subnet, SecurityGroups=[group])["MountTargetId"]
     return {"vpc": vpc, "group": group, "instance": instance, "fs": fs, "target": target, "subnet": subnet}
 
@@ -37,10 +45,16 @@ def build_leftovers(ec2, efs, stack: str) -> dict:
 def placement_groups(stack: str, names: list[str]):
     client = boto3.client("ec2", region_name="us-east-1")
     stub = Stubber(client)
-    stub.add_response("describe_placement_groups",
-                      {"PlacementGroups": [{"GroupName": n, "GroupId": f"pg-{i:017x}", "Strategy": "cluster",
-                                            "State": "available"} for i, n in enumerate(names)]},
-                      {"Filters": teardown.tag_filter(stack)})
+    stub.add_response(
+        "describe_placement_groups",
+        {
+            "PlacementGroups": [
+                {"GroupName": n, "GroupId": f"pg-{i:017x}", "Strategy": "cluster", "State": "available"}
+                for i, n in enumerate(names)
+            ]
+        },
+        {"Filters": teardown.tag_filter(stack)},
+    )
     stub.activate()
     return client
 
@@ -71,7 +85,9 @@ def test_after_a_clean_destroy_nothing_is_left(aws):
             ec2.delete_volume(VolumeId=volume["VolumeId"])
     efs.delete_mount_target(MountTargetId=left["target"])
     efs.delete_file_system(FileSystemId=left["fs"])
-    for interface in ec2.describe_network_interfaces(Filters=[{"Name": "vpc-id", "Values": [left["vpc"]]}])["NetworkInterfaces"]:
+    for interface in ec2.describe_network_interfaces(Filters=[{"Name": "vpc-id", "Values": [left["vpc"]]}])[
+        "NetworkInterfaces"
+    ]:
         ec2.delete_network_interface(NetworkInterfaceId=interface["NetworkInterfaceId"])
     ec2.delete_key_pair(KeyName="dev-key")
     ec2.delete_security_group(GroupId=left["group"])

@@ -17,40 +17,53 @@ from tests.support.ledgers import damage_ledger
 # ----------------------------------------------------------------------------------- config values
 
 
-@pytest.mark.parametrize("key,value,words", [
-    ("nodes", "", "nodes must be a whole number"),
-    ("nodes", "2\n", "nodes must be a whole number"),
-    ("nodes", " 2", "nodes must be a whole number"),
-    ("nodes", True, "nodes must be a whole number"),
-    ("nodes", 2.5, "nodes must be a whole number"),
-    ("instanceType", "", "is not supported"),
-    ("instanceType", "g4dn.xlarge\n", "is not supported"),
-    ("instanceType", "g5.96xlarge", "is not supported"),  # an unlisted multi-GPU type, not one process per node
-    ("region", "us-east-1\n", "not a region name"),
-    ("region", "", "not a region name"),
-    ("availabilityZone", "", "not a zone name"),
-    ("availabilityZone", "us-east-1a\n", "not a zone name"),
-    ("availabilityZone", "us-west-2a", "is not in aws:region us-east-1"),
-    ("amiId", "ami-0123456789abcdef0\n", "not an AMI id"),
-    ("sshCidr", "", "not a CIDR block"),
-    ("sshCidr", "203.0.113.7/32\n", "not a CIDR block"),
-    ("sshPublicKey", "ssh-ed25519 AAAAC3Nz\nssh-rsa AAAAB3Nz", "not one OpenSSH public key line"),
-    ("rootVolumeGb", "100\n", "rootVolumeGb has a bad value"),
-    ("maxTotalUsd", "", "maxTotalUsd must be a positive number"),
-    ("maxTotalUsd", "5\n", "maxTotalUsd must be a positive number"),
-    ("idleMinutes", "nan", "idleMinutes must be a positive number"),
-    ("spot", "true\n", "spot has a bad value"),
-])
+@pytest.mark.parametrize(
+    "key,value,words",
+    [
+        ("nodes", "", "nodes must be a whole number"),
+        ("nodes", "2\n", "nodes must be a whole number"),
+        ("nodes", " 2", "nodes must be a whole number"),
+        ("nodes", True, "nodes must be a whole number"),
+        ("nodes", 2.5, "nodes must be a whole number"),
+        ("instanceType", "", "is not supported"),
+        ("instanceType", "g4dn.xlarge\n", "is not supported"),
+        ("instanceType", "g5.96xlarge", "is not supported"),  # an unlisted multi-GPU type, not one process per node
+        ("region", "us-east-1\n", "not a region name"),
+        ("region", "", "not a region name"),
+        ("availabilityZone", "", "not a zone name"),
+        ("availabilityZone", "us-east-1a\n", "not a zone name"),
+        ("availabilityZone", "us-west-2a", "is not in aws:region us-east-1"),
+        ("amiId", "ami-0123456789abcdef0\n", "not an AMI id"),
+        ("sshCidr", "", "not a CIDR block"),
+        ("sshCidr", "203.0.113.7/32\n", "not a CIDR block"),
+        ("sshPublicKey", "ssh-ed25519 AAAAC3Nz\nssh-rsa AAAAB3Nz", "not one OpenSSH public key line"),
+        ("rootVolumeGb", "100\n", "rootVolumeGb has a bad value"),
+        ("maxTotalUsd", "", "maxTotalUsd must be a positive number"),
+        ("maxTotalUsd", "5\n", "maxTotalUsd must be a positive number"),
+        ("idleMinutes", "nan", "idleMinutes must be a positive number"),
+        ("spot", "true\n", "spot has a bad value"),
+    ],
+)
 def test_every_config_value_is_checked_whole(key, value, words):
     with pytest.raises(UsageError, match=words.replace(".", r"\.")):
         config.validate("dev", {key: value})
 
 
 def test_good_values_still_pass_as_text_or_yaml_types():
-    parsed = config.validate("dev", {"nodes": "3", "instanceType": "g6.2xlarge", "maxTotalUsd": "2.5",
-                                     "idleMinutes": 30, "rootVolumeGb": 200, "spot": "true",
-                                     "availabilityZone": "us-east-1b", "sshCidr": "203.0.113.7/32",
-                                     "sshPublicKey": "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAA user@host"})
+    parsed = config.validate(
+        "dev",
+        {
+            "nodes": "3",
+            "instanceType": "g6.2xlarge",
+            "maxTotalUsd": "2.5",
+            "idleMinutes": 30,
+            "rootVolumeGb": 200,
+            "spot": "true",
+            "availabilityZone": "us-east-1b",
+            "sshCidr": "203.0.113.7/32",
+            "sshPublicKey": "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAA user@host",
+        },
+    )
     assert (parsed.nodes, parsed.max_total_usd, parsed.idle_minutes, parsed.spot) == (3, 2.5, 30.0, True)
     assert config.validate("dev", {"nodes": None}).nodes == 2  # None is "not given"
 
@@ -76,21 +89,34 @@ def write_inventory(state_dir, stack: str, data) -> None:
 
 
 GOOD_INVENTORY = {
-    "stack": "dev", "provider": "aws", "region": "us-east-1", "instance_type": "g4dn.2xlarge", "hourly_usd": 1.5,
-    "ssh_user": "ubuntu", "ssh_key": "/k", "known_hosts": "/kh", "shared_dir": "/shared", "created_at": "t",
+    "stack": "dev",
+    "provider": "aws",
+    "region": "us-east-1",
+    "instance_type": "g4dn.2xlarge",
+    "hourly_usd": 1.5,
+    "ssh_user": "ubuntu",
+    "ssh_key": "/k",
+    "known_hosts": "/kh",
+    "shared_dir": "/shared",
+    "created_at": "t",
     "nodes": [{"name": "node-0", "public_ip": "203.0.113.10", "private_ip": "10.42.1.10", "ssh_port": 22, "gpus": 1}],
 }
 
 
-@pytest.mark.parametrize("data,words", [
-    ([1, 2], "not a JSON object"),
-    ({**GOOD_INVENTORY, "nodes": {}}, "nodes must be a non-empty list"),
-    ({**GOOD_INVENTORY, "nodes": ["node-0"]}, "must be a JSON object"),
-    ({**GOOD_INVENTORY, "hourly_usd": "1.5"}, "hourly_usd must be a number"),
-    ({**GOOD_INVENTORY, "ssh_key": None}, "ssh_key must be a string"),
-    ({**GOOD_INVENTORY, "nodes": [{**GOOD_INVENTORY["nodes"][0], "ssh_port": "22"}]},
-     "ssh_port must be a whole number"),
-])
+@pytest.mark.parametrize(
+    "data,words",
+    [
+        ([1, 2], "not a JSON object"),
+        ({**GOOD_INVENTORY, "nodes": {}}, "nodes must be a non-empty list"),
+        ({**GOOD_INVENTORY, "nodes": ["node-0"]}, "must be a JSON object"),
+        ({**GOOD_INVENTORY, "hourly_usd": "1.5"}, "hourly_usd must be a number"),
+        ({**GOOD_INVENTORY, "ssh_key": None}, "ssh_key must be a string"),
+        (
+            {**GOOD_INVENTORY, "nodes": [{**GOOD_INVENTORY["nodes"][0], "ssh_port": "22"}]},
+            "ssh_port must be a whole number",
+        ),
+    ],
+)
 def test_an_inventory_of_the_wrong_shape_is_corrupt(state_dir, data, words):
     write_inventory(state_dir, "dev", data)
     with pytest.raises(UsageError, match=f"corrupt.*{words}"):
@@ -100,15 +126,18 @@ def test_an_inventory_of_the_wrong_shape_is_corrupt(state_dir, data, words):
 # ------------------------------------------------------------------------------------------ ledger
 
 
-@pytest.mark.parametrize("statement", [
-    "DROP TABLE runs; CREATE TABLE runs (id INTEGER PRIMARY KEY, note TEXT);",
-    "INSERT INTO runs (run_id, stack, task, nodes, hourly_usd, started_at, exit_codes) "
-    "VALUES ('r1', 'dev', 'hello', 2, 1.0, 1.0, '{not json');",
-    "INSERT INTO runs (run_id, stack, task, nodes, hourly_usd, started_at, exit_codes) "
-    "VALUES ('r1', 'dev', 'hello', 2, 1.0, 1.0, '[0, 1]');",
-    "INSERT INTO clusters (stack, provider, instance_type, nodes, hourly_usd, created_at) "
-    "VALUES ('dev', 'aws', 'g4dn.2xlarge', 2, 'one dollar', 1.0);",
-])
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "DROP TABLE runs; CREATE TABLE runs (id INTEGER PRIMARY KEY, note TEXT);",
+        "INSERT INTO runs (run_id, stack, task, nodes, hourly_usd, started_at, exit_codes) "
+        "VALUES ('r1', 'dev', 'hello', 2, 1.0, 1.0, '{not json');",
+        "INSERT INTO runs (run_id, stack, task, nodes, hourly_usd, started_at, exit_codes) "
+        "VALUES ('r1', 'dev', 'hello', 2, 1.0, 1.0, '[0, 1]');",
+        "INSERT INTO clusters (stack, provider, instance_type, nodes, hourly_usd, created_at) "
+        "VALUES ('dev', 'aws', 'g4dn.2xlarge', 2, 'one dollar', 1.0);",
+    ],
+)
 def test_a_ledger_that_does_not_read_back_is_kept_aside_like_a_corrupt_file(tmp_path, statement):
     path = tmp_path / "ledger.sqlite"
     damage_ledger(path, statement)
@@ -163,8 +192,13 @@ def test_validation_preflight_pricing_and_the_harness_read_the_one_catalog(monke
     from infra import preflight, pricing
 
     document = json.loads(catalog.CATALOG_PATH.read_text())
-    document["instance_types"]["g9.xlarge"] = {"gpu": "Z1", "gpus": 2, "vcpus": 6, "quota_family": "P",
-                                               "bundled_price": False}
+    document["instance_types"]["g9.xlarge"] = {
+        "gpu": "Z1",
+        "gpus": 2,
+        "vcpus": 6,
+        "quota_family": "P",
+        "bundled_price": False,
+    }
     document["gpu_peak_tflops"]["Z1"] = {"bf16": 123.0}
     monkeypatch.setattr(catalog, "_document", lambda: document)
     assert config.validate("dev", {"instanceType": "g9.xlarge"}).gpus_per_node == 2

@@ -32,14 +32,26 @@ def sent(project: workdir.Project) -> set[str]:
 
 IGNORE_CASES = {
     ".gitignore": "*.log\n!keep.log\n/build/\ndata\n*.tmp\n",
-    "train.py": "", "keep.log": "", "debug.log": "", "notes.tmp": "",
-    "build/out.bin": "", "src/build/gen.py": "",            # only the top-level build/ is excluded
-    "data/big.bin": "", "src/data": "",                     # `data` matches files and folders, anywhere
+    "train.py": "",
+    "keep.log": "",
+    "debug.log": "",
+    "notes.tmp": "",
+    "build/out.bin": "",
+    "src/build/gen.py": "",  # only the top-level build/ is excluded
+    "data/big.bin": "",
+    "src/data": "",  # `data` matches files and folders, anywhere
     "src/.gitignore": "*.py\n!main.py\n/local/\n",
-    "src/main.py": "", "src/util.py": "", "src/local/x.txt": "", "src/deep/local/y.txt": "",
-    "src/deep/.gitignore": "!util2.py\n", "src/deep/util2.py": "", "src/deep/other.py": "",
-    "logs/.gitignore": "*\n!.gitignore\n", "logs/a.txt": "",
-    "excluded/.gitignore": "", "excluded.log/x.txt": "",    # a folder excluded by a file pattern
+    "src/main.py": "",
+    "src/util.py": "",
+    "src/local/x.txt": "",
+    "src/deep/local/y.txt": "",
+    "src/deep/.gitignore": "!util2.py\n",
+    "src/deep/util2.py": "",
+    "src/deep/other.py": "",
+    "logs/.gitignore": "*\n!.gitignore\n",
+    "logs/a.txt": "",
+    "excluded/.gitignore": "",
+    "excluded.log/x.txt": "",  # a folder excluded by a file pattern
     "lib/skip/keep.log": "",
 }
 
@@ -54,8 +66,14 @@ def test_the_files_sent_are_the_ones_git_does_not_ignore(tmp_path):
     env = {"HOME": str(home), "XDG_CONFIG_HOME": str(home), "GIT_CONFIG_NOSYSTEM": "1", "PATH": os.environ["PATH"]}
     try:
         subprocess.run(["git", "init", "-q", str(root)], check=True, env=env)
-        listed = subprocess.run(["git", "ls-files", "--others", "--exclude-standard"], cwd=root, env=env,
-                                capture_output=True, text=True, check=True).stdout.split()
+        listed = subprocess.run(
+            ["git", "ls-files", "--others", "--exclude-standard"],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
     except (OSError, subprocess.CalledProcessError) as exc:
         pytest.skip(f"git is needed as the reference: {exc}")
     assert sent(workdir.collect(root)) == set(listed)
@@ -63,8 +81,18 @@ def test_the_files_sent_are_the_ones_git_does_not_ignore(tmp_path):
 
 
 def test_gpuclusterignore_excludes_more_and_can_send_what_git_ignores(tmp_path):
-    root = tree(tmp_path, {".gitignore": "weights/\n*.pt\n", ".gpuclusterignore": "!small.pt\nscratch/\n",
-                           "small.pt": "", "big.pt": "", "weights/w.bin": "", "scratch/s.txt": "", "train.py": ""})
+    root = tree(
+        tmp_path,
+        {
+            ".gitignore": "weights/\n*.pt\n",
+            ".gpuclusterignore": "!small.pt\nscratch/\n",
+            "small.pt": "",
+            "big.pt": "",
+            "weights/w.bin": "",
+            "scratch/s.txt": "",
+            "train.py": "",
+        },
+    )
     assert sent(workdir.collect(root)) == {".gitignore", ".gpuclusterignore", "small.pt", "train.py"}
 
 
@@ -193,16 +221,19 @@ def test_clean_removes_the_copies_of_all_but_the_newest_runs_and_keeps_the_rest(
     assert (tmp_path / "20260103-000000-run-c" / "workdir" / "train.py").exists()
 
 
-@pytest.mark.parametrize("pair,words", [
-    ("NOEQUALS", ["'NOEQUALS'", "KEY=VALUE"]),
-    ("1X=y", ["'1X'", "variable name"]),
-    ("A-B=y", ["'A-B'"]),
-    ("X =y", ["'X '"]),
-    ("RANK=3", ["RANK", "sets"]),
-    ("MASTER_ADDR=1.2.3.4", ["MASTER_ADDR"]),
-    ("CLUSTER_RESULTS_DIR=/tmp", ["CLUSTER_RESULTS_DIR"]),
-    ("PYTHONPATH=/x", ["PYTHONPATH"]),
-])
+@pytest.mark.parametrize(
+    "pair,words",
+    [
+        ("NOEQUALS", ["'NOEQUALS'", "KEY=VALUE"]),
+        ("1X=y", ["'1X'", "variable name"]),
+        ("A-B=y", ["'A-B'"]),
+        ("X =y", ["'X '"]),
+        ("RANK=3", ["RANK", "sets"]),
+        ("MASTER_ADDR=1.2.3.4", ["MASTER_ADDR"]),
+        ("CLUSTER_RESULTS_DIR=/tmp", ["CLUSTER_RESULTS_DIR"]),
+        ("PYTHONPATH=/x", ["PYTHONPATH"]),
+    ],
+)
 def test_bad_env_keys_are_refused_by_name(pair, words):
     with pytest.raises(Exit) as refused:
         options.environment([pair])
@@ -215,17 +246,23 @@ def test_env_values_are_kept_whole_and_every_launch_variable_is_reserved():
     with pytest.raises(Exit, match="twice"):
         options.environment(["A=1", "A=2"])
     c = aws_cluster()
-    launch_set = {**commands.node_environment(c, 0, "lo", "py"), **commands.job_variables(c, c.nodes[0], "r", python="py")}
+    launch_set = {
+        **commands.node_environment(c, 0, "lo", "py"),
+        **commands.job_variables(c, c.nodes[0], "r", python="py"),
+    }
     assert all(commands.reserved_variable(key) for key in launch_set)
 
 
-@pytest.mark.parametrize("script,words", [
-    ("missing.py", ["no such script: missing.py"]),
-    ("pkg", ["pkg is a folder"]),
-    ("../outside.py", ["outside --workdir"]),
-    ("link.py", ["outside --workdir"]),
-    ("broken.py", ["does not compile", "broken.py, line 2"]),
-])
+@pytest.mark.parametrize(
+    "script,words",
+    [
+        ("missing.py", ["no such script: missing.py"]),
+        ("pkg", ["pkg is a folder"]),
+        ("../outside.py", ["outside --workdir"]),
+        ("link.py", ["outside --workdir"]),
+        ("broken.py", ["does not compile", "broken.py, line 2"]),
+    ],
+)
 def test_the_script_must_be_a_compiling_file_inside_the_workdir(tmp_path, script, words):
     root = tree(tmp_path / "proj", {"pkg/__init__.py": "", "broken.py": "x = 1\ndef f(:\n"})
     tree(tmp_path, {"outside.py": "print(1)\n"})
