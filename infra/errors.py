@@ -17,3 +17,11 @@ class OperationError(ClusterError):
     """A step that was allowed to start and then failed."""
 
     exit_code = 1
+
+
+class ReportedFailure(ClusterError):
+    """A failure whose lines were already printed (a stage's per-node report): only the exit code is left."""
+
+    def __init__(self, exit_code: int = 1):
+        super().__init__("")
+        self.exit_code = exit_code

@@ -28,10 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from invoke.exceptions import Exit
 from rich.table import Table
 
 from infra import state
+from infra.errors import OperationError, ReportedFailure, UsageError
 from infra.inventory import ClusterInfo
 from node import contract
 from remote import commands
@@ -143,7 +143,7 @@ class Bootstrap:
                 say(f"bootstrap: {name:7s} {', '.join(statuses)} ({time.monotonic() - stage_started:.1f} s)")
                 if "failed" in statuses:
                     self._report(failed_stage=name)
-                    raise Exit(code=1)
+                    raise ReportedFailure(1)
             self._save_setup()
             self._report()
             fresh = all(
@@ -162,10 +162,9 @@ class Bootstrap:
         """MASTER_PORT may not be a node's SSH port; checked before anything connects."""
         for node in self.cluster.nodes:
             if node.ssh_port == self.master_port:
-                raise Exit(
-                    f"error: --master-port {self.master_port} is the SSH port of {node.name}: "
-                    "pick another, e.g. --master-port 29500",
-                    code=2,
+                raise UsageError(
+                    f"--master-port {self.master_port} is the SSH port of {node.name}: "
+                    "pick another, e.g. --master-port 29500"
                 )
 
     def _refuse_busy_port(self, head: NodeSession) -> None:
@@ -178,10 +177,8 @@ class Bootstrap:
         if verdict == "free":
             return
         if not verdict.startswith("in use"):
-            raise Exit(
-                f"error: could not check MASTER_PORT {port} on {head.node.name}: "
-                f"{(result.stderr.strip() or verdict)[-200:]}",
-                code=1,
+            raise OperationError(
+                f"could not check MASTER_PORT {port} on {head.node.name}: {(result.stderr.strip() or verdict)[-200:]}"
             )
         job, _ = commands.parse_job_status(head.run(commands.job_status_command()).stdout)
         why = (
@@ -189,9 +186,10 @@ class Bootstrap:
             if job
             else f"{verdict}: pick another with --master-port"
         )
-        raise Exit(f"error: MASTER_PORT {port} is not free on {head.node.name} ({address}): {why}", code=2)
+        raise UsageError(f"MASTER_PORT {port} is not free on {head.node.name} ({address}): {why}")
 
-    def stages(self) -> list[tuple[str, Callable[[NodeRecord], Outcome]]]:
+    def stages(self) -> list[tuple[str, Callable[[NodeRecord], Outcome] | None]]:
+        """Each stage by name; health (None) is the cluster-wide all-reduce, run by `_run_stage` itself."""
         return [
             ("code", self.code),
             ("probe", self.probe),

@@ -20,9 +20,10 @@ FLAG_WITHOUT_VALUE = re.compile(r"Flag <Argument: (\w+)\b.*needed value")  # inv
 
 def adopt(program: Program) -> None:
     """Make `program` (the running `fab`) report parse errors and ClusterErrors as one line."""
-    program.parse_tasks = _refusing_bad_input(program.parse_tasks)
-    program.parse_cleanup = _refusing_bad_input(program.parse_cleanup)
-    program.execute = _one_line_errors(program.execute)
+    # Wrapping the running program's own bound methods is the point: Fabric calls them by these names.
+    program.parse_tasks = _refusing_bad_input(program.parse_tasks)  # type: ignore[method-assign]
+    program.parse_cleanup = _refusing_bad_input(program.parse_cleanup)  # type: ignore[method-assign]
+    program.execute = _one_line_errors(program.execute)  # type: ignore[method-assign]
 
 
 def parse_error_line(error: ParseError) -> str:
@@ -54,6 +55,8 @@ def _one_line_errors(execute):
         try:
             return execute(*args, **kwargs)
         except ClusterError as exc:
+            if not str(exc):  # already reported line by line (ReportedFailure)
+                raise Exit(code=exc.exit_code) from None
             raise Exit(f"error: {exc}", code=exc.exit_code) from None
 
     return wrapped

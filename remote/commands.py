@@ -281,7 +281,7 @@ def parse_lock_reply(line: str) -> tuple[str, dict | None]:
     if parts == ["locked"]:
         return "locked", None
     if len(parts) == 5 and parts[0] == "held":
-        return "held", dict(zip(("run_id", "task", "owner", "since"), parts[1:], strict=False))
+        return "held", dict(zip(("run_id", "task", "owner", "since"), parts[1:], strict=True))
     return "failed", None
 
 

@@ -13,8 +13,9 @@ from typing import TypeVar
 
 import paramiko
 from fabric import Config, Connection
-from invoke.exceptions import Exit, UnexpectedExit
+from invoke.exceptions import UnexpectedExit
 
+from infra.errors import UsageError
 from infra.inventory import ClusterInfo, NodeInfo
 from remote.stream import say
 
@@ -56,7 +57,7 @@ def _install_exit_signal_handling() -> None:
         if not _handle_exit_signal(channel, message):
             original(channel, message)
 
-    handle_request.handles_exit_signal = True
+    handle_request.handles_exit_signal = True  # type: ignore[attr-defined]  # a marker on our own function
     table[paramiko.common.MSG_CHANNEL_REQUEST] = handle_request
 
 
@@ -172,5 +173,5 @@ def open_sessions(cluster: ClusterInfo, probe_command: str = "true") -> tuple[li
     if failures:
         for session in sessions:
             session.close()
-        raise Exit(f"error: unreachable: {'; '.join(failures)}. Check python deploy.py status", code=2)
-    return sessions, [r.stdout for r in results]
+        raise UsageError(f"unreachable: {'; '.join(failures)}. Check python deploy.py status")
+    return sessions, [r.stdout for r in results if not isinstance(r, BaseException)]

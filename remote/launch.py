@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from invoke.exceptions import Exit
+import paramiko
 
 from infra import state
+from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
 from node import contract
 from remote import commands, hang, workdir
@@ -109,7 +110,7 @@ class NodeSetup:
             data = json.loads(path.read_text())
             return cls(int(data["master_port"]), dict(data["python"]))
         except (OSError, ValueError, KeyError):
-            raise Exit("error: the cluster is not bootstrapped: run fab bootstrap", code=2) from None
+            raise UsageError("the cluster is not bootstrapped: run fab bootstrap") from None
 
 
 class JobLock:
@@ -118,7 +119,7 @@ class JobLock:
 
     def __init__(self, head: NodeSession, run_id: str, task: str):
         self.head, self.run_id, self.task = head, run_id, task
-        self.channel = None
+        self.channel: paramiko.Channel | None = None
 
     def __enter__(self) -> "JobLock":
         name, owner = self.head.node.name, f"{socket.gethostname()}:{os.getpid()}"
@@ -134,17 +135,18 @@ class JobLock:
             why = reply or channel.makefile_stderr("r").read().decode(errors="replace").strip()[-200:]
             channel.close()
         except CONNECTION_ERRORS as exc:
-            raise Exit(f"error: could not take the job lock on {name}: {describe(exc)}", code=1) from None
-        if state == "held":
-            raise Exit(
-                f"error: {name} is running job {holder['run_id']} ({holder['task']}, launched by fab "
-                f"{holder['owner']}): wait for it or run fab stop",
-                code=2,
+            raise OperationError(f"could not take the job lock on {name}: {describe(exc)}") from None
+        if state == "held" and holder is not None:
+            raise UsageError(
+                f"{name} is running job {holder['run_id']} ({holder['task']}, launched by fab "
+                f"{holder['owner']}): wait for it or run fab stop"
             )
-        raise Exit(f"error: could not take the job lock on {name} ({why or 'no answer'}): run fab bootstrap", code=2)
+        raise UsageError(f"could not take the job lock on {name} ({why or 'no answer'}): run fab bootstrap")
 
     def __exit__(self, *exc_info) -> None:
         """Release: end the holder's input and wait until it has exited, so the next launch finds it free."""
+        if self.channel is None:
+            return
         try:
             self.channel.shutdown_write()
             self.channel.status_event.wait(LOCK_WAIT_S)
@@ -186,13 +188,11 @@ def check_ready(sessions: list[NodeSession], statuses: list[str]) -> None:
     for session, output in zip(sessions, statuses, strict=True):
         job, bootstrapped = commands.parse_job_status(output)
         if job:
-            raise Exit(
-                f"error: {session.node.name} is running job {job['run_id']} ({job['task']}): "
-                "wait for it or run fab stop",
-                code=2,
+            raise UsageError(
+                f"{session.node.name} is running job {job['run_id']} ({job['task']}): wait for it or run fab stop"
             )
         if not bootstrapped:
-            raise Exit(f"error: {session.node.name} is not bootstrapped: run fab bootstrap", code=2)
+            raise UsageError(f"{session.node.name} is not bootstrapped: run fab bootstrap")
 
 
 def stop_everywhere(cluster: ClusterInfo, nodes: list[str] | None = None) -> dict[str, str]:
@@ -460,7 +460,7 @@ def prepare(
     wanted: Manifest | None,
 ) -> None:
     """The workdir and the requirements on every node, from what the launch's first command found."""
-    if spec.workdir:
+    if spec.workdir and wanted is not None:
         workdir.sync(cluster, sessions, setup.python, spec.workdir, wanted, _tagged(sessions, statuses, "workdir"))
     if spec.requirements:
         ensure_requirements(

@@ -9,8 +9,7 @@ import re
 import shlex
 from pathlib import Path
 
-from invoke.exceptions import Exit
-
+from infra.errors import UsageError
 from remote.commands import reserved_variable
 from remote.packages import Requirements
 
@@ -19,9 +18,9 @@ RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # a folder name: no '/
 ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def refuse(message: str) -> Exit:
+def refuse(message: str) -> UsageError:
     """The exception for bad input: `raise refuse("...")`."""
-    return Exit(f"error: {message}", code=2)
+    return UsageError(message)
 
 
 def integer(

@@ -13,8 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from invoke.exceptions import Exit
-
+from infra.errors import UsageError
 from infra.inventory import ClusterInfo
 from node import contract
 from remote import commands
@@ -71,7 +70,7 @@ def ensure(
     )
     started = time.monotonic()
     outcomes = on_all_nodes(missing, lambda s: _install(cluster, s, python[s.node.name], requirements, workdir_key))
-    failed = {}
+    failed: dict[str, list[str]] = {}
     for session, outcome in zip(missing, outcomes, strict=True):
         if isinstance(outcome, BaseException):
             outcome = {"ok": False, "error": describe(outcome)}
@@ -79,10 +78,9 @@ def ensure(
             failed.setdefault(commands.with_stale_code_hint(outcome["error"]), []).append(session.node.name)
     if failed:
         why = "; ".join(f"on {', '.join(nodes)}: {error}" for error, nodes in failed.items())
-        raise Exit(
-            f"error: {requirements.path} could not be installed {why} (pip's log on each node: "
-            f"~/{requirements.env_dir}.log); no rank was started",
-            code=2,
+        raise UsageError(
+            f"{requirements.path} could not be installed {why} (pip's log on each node: "
+            f"~/{requirements.env_dir}.log); no rank was started"
         )
     say(f"fab: requirements: installed on {names} in {time.monotonic() - started:.1f} s")
 

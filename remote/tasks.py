@@ -8,8 +8,10 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from invoke import Collection, task
 from invoke.exceptions import Exit
@@ -55,6 +57,7 @@ class RunBook:
     def __init__(self, cluster: ClusterInfo):
         self.cluster = cluster
         self.heartbeat: Heartbeat | None = None
+        self.ledger: Ledger | None
         try:
             self.ledger = Ledger()
             for warning in self.ledger.warnings:
@@ -65,7 +68,7 @@ class RunBook:
 
     def started(self, run_id: str, task: str) -> None:
         self._safely(
-            lambda: self.ledger.run_started(
+            lambda ledger: ledger.run_started(
                 run_id,
                 self.cluster.stack,
                 task,
@@ -94,14 +97,14 @@ class RunBook:
     def ended(self, run_id: str, exit_codes: dict, duration_s: float) -> float:
         if self.heartbeat is not None:
             self.heartbeat.stop()
-        cost = self._safely(lambda: self.ledger.run_ended(run_id, exit_codes))
+        cost = self._safely(lambda ledger: ledger.run_ended(run_id, exit_codes))
         return cost if cost is not None else billing.cost_usd(self.cluster.hourly_usd, duration_s)
 
-    def _safely(self, write):
+    def _safely(self, write: Callable[[Ledger], Any]) -> Any:
         if self.ledger is None:
             return None
         try:
-            return write()
+            return write(self.ledger)
         except (sqlite3.Error, OSError) as exc:
             say(f"fab: warning: could not write the ledger ({exc})")
             return None

@@ -26,10 +26,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from invoke.exceptions import Exit
 from pathspec import GitIgnoreSpec
 
 from infra import state
+from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
 from node import contract
 from node.sync import PLAN, file_sha256  # the node hashes its cache the same way
@@ -204,7 +204,7 @@ def manifest(project: Project, cache_path: Path) -> Manifest:
         if entry and entry[:2] == [f.size_bytes, f.mtime_ns]:
             hashes[f.path] = entry[2]
         else:
-            hashes[f.path] = file_sha256(f.source)
+            hashes[f.path] = file_sha256(str(f.source))
         if now_ns - f.mtime_ns > RACY_S * 1e9:
             kept[f.path] = [f.size_bytes, f.mtime_ns, hashes[f.path]]
     if kept != cached:
@@ -257,7 +257,7 @@ def sync(
     python: dict[str, str],
     project: Project,
     wanted: Manifest,
-    node_digests: dict[str, str],
+    node_digests: dict[str, str | None],
 ) -> None:
     """Bring every node's cache of `project` to `wanted`; the nodes whose digest matches get nothing."""
     cache = contract.workdir_cache(project.key)
@@ -302,7 +302,7 @@ def _node_results(sessions: list[NodeSession], step, doing: str) -> dict:
     outcomes = on_all_nodes(sessions, step)
     for session, outcome in zip(sessions, outcomes, strict=True):
         if isinstance(outcome, BaseException):
-            raise Exit(f"error: could not {doing} on {session.node.name}: {_failure(outcome)}", code=1)
+            raise OperationError(f"could not {doing} on {session.node.name}: {_failure(outcome)}")
     return {s.node.name: o for s, o in zip(sessions, outcomes, strict=True)}
 
 
@@ -339,12 +339,11 @@ def checked_project(root: Path, script: Path, max_bytes: int) -> tuple[Project, 
     project = collect(root, never=(state.state_root(),))
     relative = script.relative_to(root).as_posix()
     if not project.includes(relative):
-        raise Exit(
-            f"error: --script {relative} is left out of the workdir (by .gitignore or .gpuclusterignore, "
-            "or a link that leads outside it), so it would not reach the nodes",
-            code=2,
+        raise UsageError(
+            f"--script {relative} is left out of the workdir (by .gitignore or .gpuclusterignore, "
+            "or a link that leads outside it), so it would not reach the nodes"
         )
     problem = size_problem(project, max_bytes)
     if problem:
-        raise Exit(f"error: {problem}", code=2)
+        raise UsageError(f"{problem}")
     return project, relative

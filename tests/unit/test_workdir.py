@@ -9,8 +9,8 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from invoke.exceptions import Exit
 
+from infra.errors import UsageError
 from remote import commands, options, workdir
 from tests.support import REPO
 from tests.support.inventories import cluster as aws_cluster
@@ -235,15 +235,15 @@ def test_clean_removes_the_copies_of_all_but_the_newest_runs_and_keeps_the_rest(
     ],
 )
 def test_bad_env_keys_are_refused_by_name(pair, words):
-    with pytest.raises(Exit) as refused:
+    with pytest.raises(UsageError) as refused:
         options.environment([pair])
-    assert refused.value.code == 2 and all(word in refused.value.message for word in words)
+    assert refused.value.exit_code == 2 and all(word in str(refused.value) for word in words)
 
 
 def test_env_values_are_kept_whole_and_every_launch_variable_is_reserved():
     value = 'x=1; $HOME "q"'
     assert options.environment([f"GREETING={value}", "EMPTY="]) == {"GREETING": value, "EMPTY": ""}
-    with pytest.raises(Exit, match="twice"):
+    with pytest.raises(UsageError, match="twice"):
         options.environment(["A=1", "A=2"])
     c = aws_cluster()
     launch_set = {
@@ -267,12 +267,12 @@ def test_the_script_must_be_a_compiling_file_inside_the_workdir(tmp_path, script
     root = tree(tmp_path / "proj", {"pkg/__init__.py": "", "broken.py": "x = 1\ndef f(:\n"})
     tree(tmp_path, {"outside.py": "print(1)\n"})
     (root / "link.py").symlink_to(tmp_path / "outside.py")
-    with pytest.raises(Exit) as refused:
+    with pytest.raises(UsageError) as refused:
         options.compiled_script(script, root.resolve())
-    assert refused.value.code == 2 and all(word in refused.value.message for word in words)
+    assert refused.value.exit_code == 2 and all(word in str(refused.value) for word in words)
 
 
 def test_a_script_the_ignore_files_leave_out_is_refused(tmp_path):
     root = tree(tmp_path, {".gitignore": "scratch_*.py\n", "scratch_try.py": "print(1)\n"}).resolve()
-    with pytest.raises(Exit, match="left out of the workdir"):
+    with pytest.raises(UsageError, match="left out of the workdir"):
         workdir.checked_project(root, options.compiled_script("scratch_try.py", root), 10**6)
