@@ -212,8 +212,7 @@ class Bootstrap:
 
         results = on_all_nodes([r.session for r in self.records], lambda s: apply(self._record_of(s)))
         self.outcomes[name] = {
-            r.name: (o if isinstance(o, Outcome) else Outcome("failed", describe(o)))
-            for r, o in zip(self.records, results, strict=True)
+            r.name: r.value if r.value is not None else Outcome("failed", describe(r.error)) for r in results
         }
 
     def _record_of(self, session: NodeSession) -> NodeRecord:
@@ -346,9 +345,10 @@ class Bootstrap:
         )
         listener.join()
         outcomes = {}
-        for record, result in zip(self.records, results, strict=True):
-            if isinstance(result, BaseException):
-                outcomes[record.name] = Outcome("failed", describe(result))
+        for record, answer in zip(self.records, results, strict=True):
+            result = answer.value
+            if result is None:
+                outcomes[record.name] = Outcome("failed", describe(answer.error))
             elif result.exited != 0:
                 why = result.stdout.strip() or result.stderr.strip()[-200:]
                 outcomes[record.name] = Outcome("failed", f"cannot reach MASTER_ADDR {address}:{port}: {why}")

@@ -9,7 +9,8 @@ import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import paramiko
 from fabric import Config, Connection
@@ -79,7 +80,7 @@ def connect(cluster: ClusterInfo, node: NodeInfo) -> Connection:
     return conn
 
 
-def describe(exc: BaseException) -> str:
+def describe(exc: BaseException | None) -> str:
     if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError) and exc.errors:
         exc = next(iter(exc.errors.values()))  # the per-address reason, e.g. ConnectionRefusedError
     if isinstance(exc, paramiko.BadHostKeyException) or "not found in known_hosts" in str(exc):
@@ -143,17 +144,49 @@ class NodeSession:
             pass
 
 
-def on_all_nodes(sessions: list[NodeSession], step: Callable[[NodeSession], T]) -> list[T | BaseException]:
-    """`step` on every node at once, one thread each; each result or the exception it raised."""
+@dataclass(frozen=True)
+class NodeResult(Generic[T]):
+    """One node's outcome of a step run on every node: its value, or the exception the step raised."""
 
-    def guarded(session: NodeSession):
+    session: "NodeSession"
+    """The node's session."""
+    value: T | None = None
+    """What the step returned (None where it raised)."""
+    error: Exception | None = None
+    """What the step raised, if it did."""
+
+    @property
+    def name(self) -> str:
+        return self.session.node.name
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class NodeResults(list[NodeResult[T]]):
+    """Every node's NodeResult, in the sessions' order (as Fabric's GroupResult is for a Group)."""
+
+    @property
+    def succeeded(self) -> list[NodeResult[T]]:
+        return [r for r in self if r.ok]
+
+    @property
+    def failed(self) -> list[NodeResult[T]]:
+        return [r for r in self if not r.ok]
+
+
+def on_all_nodes(sessions: list[NodeSession], step: Callable[[NodeSession], T]) -> NodeResults[T]:
+    """`step` on every node at once, one thread each; what each returned or raised."""
+
+    def guarded(session: NodeSession) -> NodeResult[T]:
         try:
-            return step(session)
+            return NodeResult(session, value=step(session))
         except Exception as exc:  # reported per node by the caller
-            return exc
+            return NodeResult(session, error=exc)
 
-    with ThreadPoolExecutor(max_workers=len(sessions)) as pool:
-        return list(pool.map(guarded, sessions))
+    with ThreadPoolExecutor(max_workers=max(1, len(sessions))) as pool:
+        return NodeResults(pool.map(guarded, sessions))
 
 
 def open_sessions(cluster: ClusterInfo, probe_command: str = "true") -> tuple[list[NodeSession], list[str]]:
@@ -166,12 +199,12 @@ def open_sessions(cluster: ClusterInfo, probe_command: str = "true") -> tuple[li
 
     results = on_all_nodes(sessions, probe)
     failures = [
-        f"{s.node.name} ({s.node.public_ip}:{s.node.ssh_port}): {describe(r)}"
-        for s, r in zip(sessions, results, strict=True)
-        if isinstance(r, BaseException)
+        f"{r.name} ({r.session.node.public_ip}:{r.session.node.ssh_port}): {describe(r.error)}"
+        for r in results.failed
+        if r.error is not None
     ]
     if failures:
         for session in sessions:
             session.close()
         raise UsageError(f"unreachable: {'; '.join(failures)}. Check python deploy.py status")
-    return sessions, [r.stdout for r in results if not isinstance(r, BaseException)]
+    return sessions, [r.value.stdout for r in results if r.value is not None]

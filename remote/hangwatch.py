@@ -181,7 +181,7 @@ class HangWatch:
                 raise
             return commands.parse_last_json(result.stdout) if result.exited == 0 else {}
 
-        return [p for p in on_all_nodes(sessions, ask) if isinstance(p, dict)]
+        return [r.value for r in on_all_nodes(sessions, ask) if isinstance(r.value, dict)]
 
     def _ask(self, sessions: list[NodeSession], action: str) -> list[hang.RankView]:
         return [view for payload in self._payloads(sessions, action) for view in hang.parse_ranks(payload)]

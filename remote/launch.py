@@ -203,8 +203,8 @@ def stop_everywhere(cluster: ClusterInfo, nodes: list[str] | None = None) -> dic
     for session in sessions:
         session.close()
     return {
-        s.node.name: (f"unreachable: {describe(o)}" if isinstance(o, BaseException) else o.stdout.strip() or "idle")
-        for s, o in zip(sessions, outcomes, strict=True)
+        r.name: (f"unreachable: {describe(r.error)}" if r.value is None else r.value.stdout.strip() or "idle")
+        for r in outcomes
     }
 
 

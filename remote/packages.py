@@ -71,11 +71,10 @@ def ensure(
     started = time.monotonic()
     outcomes = on_all_nodes(missing, lambda s: _install(cluster, s, python[s.node.name], requirements, workdir_key))
     failed: dict[str, list[str]] = {}
-    for session, outcome in zip(missing, outcomes, strict=True):
-        if isinstance(outcome, BaseException):
-            outcome = {"ok": False, "error": describe(outcome)}
+    for result in outcomes:
+        outcome: dict = result.value if result.value is not None else {"ok": False, "error": describe(result.error)}
         if not outcome.get("ok"):
-            failed.setdefault(commands.with_stale_code_hint(outcome["error"]), []).append(session.node.name)
+            failed.setdefault(commands.with_stale_code_hint(str(outcome["error"])), []).append(result.name)
     if failed:
         why = "; ".join(f"on {', '.join(nodes)}: {error}" for error, nodes in failed.items())
         raise UsageError(

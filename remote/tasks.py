@@ -419,13 +419,14 @@ def clean_runs(c, keep=None, stack=None):
         for session in sessions:
             session.close()
     failed = False
-    for session, outcome in zip(sessions, outcomes, strict=True):
-        if isinstance(outcome, BaseException):
+    for result in outcomes:
+        outcome = result.value
+        if outcome is None:
             failed = True
-            say(f"{session.node.name}: could not clean: {describe(outcome)}")
+            say(f"{result.name}: could not clean: {describe(result.error)}")
             continue
         say(
-            f"{session.node.name}: removed the copies of {outcome['removed']} of {outcome['runs']} runs "
+            f"{result.name}: removed the copies of {outcome['removed']} of {outcome['runs']} runs "
             f"({workdir.human_bytes(outcome['freed_bytes'])}); the newest {count} kept"
         )
     if failed:
@@ -512,12 +513,11 @@ def gpus(c, stack=None):
         for session in sessions:
             session.close()
     out = console()
-    for session, result in zip(sessions, results, strict=True):
-        name = session.node.name
-        if isinstance(result, BaseException) or result.exited != 0:
+    for answer in results:
+        name, result = answer.name, answer.value
+        if result is None or result.exited != 0:
             out.print(
-                f"{name}: could not read GPUs: "
-                f"{result if isinstance(result, BaseException) else result.stderr.strip()[-200:]}"
+                f"{name}: could not read GPUs: {answer.error if result is None else result.stderr.strip()[-200:]}"
             )
             continue
         samples = json.loads(result.stdout.strip().splitlines()[-1])

@@ -300,13 +300,12 @@ def sync(
 def _node_results(sessions: list[NodeSession], step, doing: str) -> dict:
     """`step` on every node at once; a node where it fails stops the launch (exit 1), naming it."""
     outcomes = on_all_nodes(sessions, step)
-    for session, outcome in zip(sessions, outcomes, strict=True):
-        if isinstance(outcome, BaseException):
-            raise OperationError(f"could not {doing} on {session.node.name}: {_failure(outcome)}")
-    return {s.node.name: o for s, o in zip(sessions, outcomes, strict=True)}
+    for result in outcomes.failed:
+        raise OperationError(f"could not {doing} on {result.name}: {_failure(result.error)}")
+    return {r.name: r.value for r in outcomes}
 
 
-def _failure(exc: BaseException) -> str:
+def _failure(exc: BaseException | None) -> str:
     result = getattr(exc, "result", None)
     if result is None:
         return describe(exc)

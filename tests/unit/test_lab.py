@@ -1,6 +1,7 @@
 """The parallelism lab's pure pieces, directly: the fab task table, mesh validation, byte accounting,
 the check line, memory accounting and the sharded checkpoints' commit marker."""
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,7 @@ def world_of_one():
     try:
         yield
     finally:
+        gc.collect()
         dist.destroy_process_group()
 
 
@@ -156,6 +158,11 @@ def _hook_bytes(hook: str, steps: int) -> int:
     for _ in range(steps):
         tally.reset()
         loss_fn(ddp(tokens), tokens).backward()
+    # Free DDP and its hook state here, in the main thread: the last reference to a gloo group dropped in
+    # one of gloo's own threads (a hook's future callback) makes its destructor join that very thread,
+    # which aborts the process ("Resource deadlock avoided").
+    del ddp
+    gc.collect()
     return tally.size_bytes
 
 
