@@ -1,14 +1,19 @@
-"""SSH from the operator's machine to the nodes, for provisioning: readiness waits and status probes.
+"""SSH from the operator's machine to the nodes: the one connection policy, and provisioning's probes.
 
-Only the inventory's key and pinned `known_hosts` are used; the user's agent and ~/.ssh/config are not.
-(`fab` tasks use Fabric instead; this module serves `deploy.py`.)
+The policy, for every client the project uses: only the cluster's key is offered, only the pinned
+`known_hosts` is trusted (an unknown or changed host key is refused), the user's agent and
+~/.ssh/config are not read, and a connection attempt gives up after `CONNECT_TIMEOUT_S`.
+`asyncssh_options` (provisioning, status, the hosts file's checks), `paramiko_options` (Fabric's
+`connect_kwargs`, for `fab`: remote/connect.py) and `openssh_options` (`deploy.py ssh`) spell it for
+each, and `describe` is the one sentence for a connection's failure, whichever client raised it.
+asyncssh loads only where it is used: `fab` (Fabric) imports this module for the policy alone.
 """
 
 import asyncio
+import socket
+import sys
 import time
 from dataclasses import dataclass
-
-import asyncssh
 
 from infra.inventory import ClusterInfo, NodeInfo
 
@@ -27,16 +32,48 @@ class NodeProbe:
     """Why it was not reachable; empty when it was."""
 
 
-def connect(cluster: ClusterInfo, node: NodeInfo, timeout_s: float = 10.0):
+CONNECT_TIMEOUT_S = 10.0
+
+
+def asyncssh_options(key: str, known_hosts: str | None, user: str, timeout_s: float = CONNECT_TIMEOUT_S) -> dict:
+    """asyncssh.connect's keywords. `known_hosts=None` is for `up --hosts` before any key is pinned: the
+    key offered is recorded and shown, and pinned from then on."""
+    return {
+        "username": user,
+        "client_keys": [key],
+        "known_hosts": known_hosts,
+        "agent_path": None,
+        "config": None,
+        "connect_timeout": timeout_s,
+    }
+
+
+def paramiko_options(key: str) -> dict:
+    """paramiko's (Fabric's `connect_kwargs`); the caller loads the pinned known_hosts and sets
+    paramiko's RejectPolicy, which paramiko takes as calls rather than keywords."""
+    return {"key_filename": key, "look_for_keys": False, "allow_agent": False}
+
+
+def openssh_options(key: str, known_hosts: str) -> list[str]:
+    """Stock OpenSSH's (`ssh`, `scp`): the key alone, the pinned hosts alone, no prompt for a new key."""
+    return [
+        "-i", key,
+        "-o", "IdentitiesOnly=yes",
+        "-o", f"UserKnownHostsFile={known_hosts}",
+        "-o", "GlobalKnownHostsFile=/dev/null",
+        "-o", "StrictHostKeyChecking=yes",
+        "-o", f"ConnectTimeout={CONNECT_TIMEOUT_S:g}",
+        "-o", "LogLevel=ERROR",
+    ]  # fmt: skip
+
+
+def connect(cluster: ClusterInfo, node: NodeInfo, timeout_s: float = CONNECT_TIMEOUT_S):
+    import asyncssh
+
     return asyncssh.connect(
         node.public_ip,
         node.ssh_port,
-        username=node.ssh_user,
-        client_keys=[cluster.ssh_key],
-        known_hosts=cluster.known_hosts,
-        agent_path=None,
-        config=None,
-        connect_timeout=timeout_s,
+        **asyncssh_options(cluster.ssh_key, cluster.known_hosts, node.ssh_user, timeout_s),
     )
 
 
@@ -51,7 +88,7 @@ async def _probe(cluster: ClusterInfo, node: NodeInfo, timeout_s: float) -> Node
     try:
         result = await run(cluster, node, "true", timeout_s)
         error = "" if result.exit_status == 0 else f"'true' exited {result.exit_status}"
-    except (OSError, asyncssh.Error, asyncio.TimeoutError) as exc:
+    except (OSError, sys.modules["asyncssh"].Error, asyncio.TimeoutError) as exc:  # connect() loaded it
         error = describe(exc)
     elapsed_ms = (time.perf_counter() - start) * 1000
     return NodeProbe(node, not error, elapsed_ms, error)
@@ -88,19 +125,32 @@ def wait_for_ssh(cluster: ClusterInfo, timeout_s: float, poll_s: float = 0.05) -
 
 async def fetch_host_key(address: str, port: int, timeout_s: float = 10.0) -> str:
     """The host key a server offers, as `ssh-ed25519 AAAA...` (trust on first use; AWS only)."""
+    import asyncssh
+
     key = await asyncio.wait_for(asyncssh.get_server_host_key(address, port), timeout_s)
     if key is None:
         raise OSError(f"{address}:{port} offered no host key")
     return key.export_public_key().decode().strip()
 
 
-def describe(exc: BaseException) -> str:
-    if isinstance(exc, asyncio.TimeoutError):
+def describe(exc: BaseException | None) -> str:
+    """Why a connection failed, in the words a user reads, from asyncssh's or paramiko's exception."""
+    # An exception of a client that was never loaded cannot be at hand: look only at the loaded ones.
+    asyncssh, paramiko = sys.modules.get("asyncssh"), sys.modules.get("paramiko")
+    if paramiko and isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError) and exc.errors:
+        exc = next(iter(exc.errors.values()))  # the per-address reason, e.g. ConnectionRefusedError
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError, socket.timeout)):
         return "timed out"
     if isinstance(exc, ConnectionRefusedError):
         return "connection refused"
-    if isinstance(exc, asyncssh.HostKeyNotVerifiable):
+    if (
+        (asyncssh and isinstance(exc, asyncssh.HostKeyNotVerifiable))
+        or (paramiko and isinstance(exc, paramiko.BadHostKeyException))
+        or "not found in known_hosts" in str(exc)
+    ):
         return "host key does not match the pinned known_hosts"
-    if isinstance(exc, asyncssh.PermissionDenied):
+    if (asyncssh and isinstance(exc, asyncssh.PermissionDenied)) or (
+        paramiko and isinstance(exc, paramiko.AuthenticationException)
+    ):
         return "the cluster key was refused"
     return str(exc) or type(exc).__name__

@@ -16,13 +16,15 @@ import paramiko
 from fabric import Config, Connection
 from invoke.exceptions import UnexpectedExit
 
+from infra import ssh
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo, NodeInfo
+from infra.ssh import describe
 from remote.stream import say
 
 T = TypeVar("T")
 NO_EXIT_STATUS = -1  # what paramiko reports for a channel that closed without an exit status
-CONNECT_TIMEOUT_S = 10
+CONNECT_TIMEOUT_S = ssh.CONNECT_TIMEOUT_S
 RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0)
 # What a dropped or refused connection raises (socket errors are OSErrors); a command's own failure is
 # not among these, nor is a file that is missing or unreadable, which no retry will mend.
@@ -66,32 +68,18 @@ _install_exit_signal_handling()
 
 
 def connect(cluster: ClusterInfo, node: NodeInfo) -> Connection:
-    """An unopened connection that trusts only the pinned host key and offers only the cluster key."""
+    """An unopened connection under the one SSH policy (infra/ssh.py): the cluster key, the pinned host keys."""
     conn = Connection(
         node.public_ip,
         port=node.ssh_port,
         user=node.ssh_user,
         connect_timeout=CONNECT_TIMEOUT_S,
-        connect_kwargs={"key_filename": cluster.ssh_key, "look_for_keys": False, "allow_agent": False},
+        connect_kwargs=ssh.paramiko_options(cluster.ssh_key),
         config=Config(overrides={"run": {"in_stream": False}, "load_ssh_configs": False}),
     )
     conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
     conn.client.load_host_keys(cluster.known_hosts)
     return conn
-
-
-def describe(exc: BaseException | None) -> str:
-    if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError) and exc.errors:
-        exc = next(iter(exc.errors.values()))  # the per-address reason, e.g. ConnectionRefusedError
-    if isinstance(exc, paramiko.BadHostKeyException) or "not found in known_hosts" in str(exc):
-        return "host key does not match the pinned known_hosts"
-    if isinstance(exc, paramiko.AuthenticationException):
-        return "the cluster key was refused"
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(exc, (socket.timeout, TimeoutError)):
-        return "timed out"
-    return str(exc) or type(exc).__name__
 
 
 class NodeSession:

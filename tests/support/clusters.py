@@ -150,17 +150,9 @@ def node_server_processes(state_dir: Path) -> list[int]:
 
 
 def fabric_connection(inventory: dict, node: dict):
-    """A Fabric connection built only from the inventory: its key, its pinned host keys."""
-    import paramiko
-    from fabric import Config, Connection
+    """A Fabric connection built only from the inventory (its key, its pinned host keys), as `fab` makes it."""
+    from infra.inventory import ClusterInfo
+    from remote.connect import connect
 
-    conn = Connection(
-        node["public_ip"],
-        port=node["ssh_port"],
-        user=node.get("ssh_user") or inventory["ssh_user"],
-        connect_kwargs={"key_filename": inventory["ssh_key"], "look_for_keys": False, "allow_agent": False},
-        config=Config(overrides={"run": {"in_stream": False}, "load_ssh_configs": False}),
-    )
-    conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
-    conn.client.load_host_keys(inventory["known_hosts"])
-    return conn
+    cluster = ClusterInfo.from_dict(inventory)
+    return connect(cluster, cluster.node(node["name"]))
