@@ -130,9 +130,11 @@ class Deployment:
         """An interrupted `up` leaves pending operations that block destroy; drop them (the
         refresh that follows finds what really exists). Returns how many there were."""
         deployment = self.stack.export_stack()
-        pending = deployment.deployment.get("pending_operations") or []
+        state: dict = dict(deployment.deployment or {})
+        pending = state.get("pending_operations") or []
         if pending:
-            deployment.deployment["pending_operations"] = []
+            state["pending_operations"] = []
+            deployment.deployment = state
             self.stack.import_stack(deployment)
         return len(pending)
 

@@ -58,6 +58,8 @@ def up(
         say(f"note: {note}")
     if found.problems:
         raise UsageError(f"preflight found {len(found.problems)} problem(s): " + "; ".join(found.problems))
+    # Without a problem, preflight has found the caller's address and priced the cluster.
+    assert found.ssh_cidr is not None and found.estimate is not None
     _confirm_cost(config, found, request.yes, confirm, say)
     key_path = keys.ensure_client_key(state.stack_dir(request.stack))
     config = stack_config.with_ssh(config, found.ssh_cidr, keys.public_key_text(key_path))
@@ -83,6 +85,7 @@ def _confirm_cost(config, found: preflight.PreflightResult, yes: bool, confirm, 
         f"preflight ok: account {found.account}, {config.region}, zones offering {config.instance_type}: "
         f"{', '.join(found.zones)}; SSH from {found.ssh_cidr}"
     )
+    assert found.estimate is not None  # checked by up() before asking
     for line in found.estimate.lines():
         say(f"  {line}")
     if yes:
@@ -173,7 +176,8 @@ def _pin_and_wait(cluster: ClusterInfo, outputs: dict, ec2, say) -> None:
 
 async def _host_keys(cluster: ClusterInfo, instance_ids: dict, ec2, deadline: float, say) -> list[str]:
     async def one(node: NodeInfo) -> str:
-        key = _console_host_key(ec2, instance_ids.get(node.name)) if instance_ids.get(node.name) else None
+        instance_id = instance_ids.get(node.name)
+        key = _console_host_key(ec2, instance_id) if instance_id else None
         how = "from the console output"
         while key is None:
             try:
@@ -264,7 +268,8 @@ def _status(cluster: ClusterInfo, ec2) -> tuple[list[dict], dict]:
     running = [n for n in cluster.nodes if instances.get(n.name, {}).get("State", {}).get("Name") == "running"]
     probes = {p.node.name: p for p in ssh.probe_nodes(_only(cluster, running))} if running else {}
     now = datetime.now(timezone.utc)
-    rows, stopped = [], {}
+    rows: list[dict] = []
+    stopped: dict = {}
     for node in cluster.nodes:
         instance = instances.get(node.name, {})
         ec2_state = instance.get("State", {}).get("Name", "missing")

@@ -201,6 +201,8 @@ class GpuCluster(pulumi.ComponentResource):
             opts=child,
         )
         cidr = self.config.ssh_cidr
+        if cidr is None:  # `up` and `plan` resolve it (the caller's /32) before the program runs
+            raise ValueError("sshCidr is not set")
         address = {"cidr_ipv6": cidr} if ":" in cidr else {"cidr_ipv4": cidr}
         aws.vpc.SecurityGroupIngressRule(
             f"{name}-ssh",

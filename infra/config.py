@@ -10,6 +10,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -125,7 +126,7 @@ def check_instance_type(value) -> str:
 def validate(stack: str, raw: Mapping[str, object]) -> StackConfig:
     """A StackConfig from raw key/values (config keys, unprefixed); every problem in one UsageError."""
     problems: list[str] = []
-    values: dict[str, object] = {"stack": state.check_stack_name(stack)}
+    values: dict[str, Any] = {"stack": state.check_stack_name(stack)}  # each value checked by its take()
 
     def take(key: str, field: str, parse):
         if raw.get(key) is None:  # not given; an empty string is given, and bad
@@ -161,7 +162,7 @@ def validate(stack: str, raw: Mapping[str, object]) -> StackConfig:
         problems.append(f"availabilityZone {config.availability_zone} is not in aws:region {config.region}")
     if config and config.spot and config.shutdown_behavior == "stop":
         problems.append("spot instances can only terminate when shut down: set shutdownBehavior terminate or drop spot")
-    if problems:
+    if problems or config is None:
         raise UsageError("; ".join(problems))
     return config
 

@@ -42,6 +42,7 @@ def reference_hourly_usd(instance_type: str, region: str, nodes: int) -> float |
 
 def record_up(cluster: ClusterInfo, reference_usd: float | None, say=print) -> None:
     ledger = open_ledger(say)
+    assert ledger is not None  # create=True always opens one
     try:
         created = datetime.fromisoformat(cluster.created_at).timestamp()
         ledger.cluster_up(

@@ -17,7 +17,7 @@ DAEMONS = ("systemd", "detached")
 DEFAULT_PYTHON = "python3"
 DEFAULT_DAEMON = "detached"
 # What an inventory written before `python`, `daemon` and `env` existed meant, by provider.
-EARLIER_FACTS = {
+EARLIER_FACTS: dict[str, dict] = {
     "local": {"python": sys.executable, "env": {"OMP_NUM_THREADS": "1"}},
     "aws": {"daemon": "systemd"},
 }
@@ -103,7 +103,8 @@ class ClusterInfo:
             raise ValueError("nodes must be a non-empty list")
         typed_nodes = tuple(NodeInfo(**_typed(NodeInfo, node)) for node in nodes)
         # Facts added since an inventory was written mean what that provider did before them.
-        values = {**EARLIER_FACTS.get(data.get("provider"), {}), **_typed(cls, data, skip=("nodes",))}
+        earlier = EARLIER_FACTS.get(str(data.get("provider")), {})
+        values = {**earlier, **_typed(cls, data, skip=("nodes",))}
         if values.get("daemon", DEFAULT_DAEMON) not in DAEMONS:
             raise ValueError(f"daemon must be one of {', '.join(DAEMONS)}")
         if not isinstance(values.get("env", {}), dict):

@@ -237,7 +237,7 @@ class Ledger:
                 " VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (stack, provider, instance_type, nodes, hourly_usd, reference_hourly_usd, at),
             )
-            cluster_id = cursor.lastrowid
+            cluster_id = int(cursor.lastrowid or 0)  # set after every INSERT
             self.db.execute("INSERT INTO intervals (cluster_id, started_at) VALUES (?, ?)", (cluster_id, at))
         return cluster_id
 
@@ -374,7 +374,10 @@ class Ledger:
             " stalled_at FROM runs" + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY started_at",
             args,
         ).fetchall()
-        return [RunRecord(*row[:7], json.loads(row[7]) if row[7] else None, *row[8:]) for row in rows]
+        return [
+            RunRecord(*row[:7], json.loads(row[7]) if row[7] else None, *row[8:])  # type: ignore[call-arg]
+            for row in rows  # the SELECT lists RunRecord's fields in order; mypy cannot count a row's columns
+        ]
 
 
 def _expected_columns() -> dict[str, dict[str, str]]:

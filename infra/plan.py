@@ -164,7 +164,7 @@ def describe(resource: PlannedResource) -> dict[str, object]:
         source = i.get("cidrIpv4") or i.get("cidrIpv6") or f"members of {group}"
         if source == PLACEHOLDER_CIDR:
             source = "your public IP /32 (looked up at up)"
-        ports = "all" if i.get("ipProtocol") == "-1" else f"{i.get('ipProtocol')} {int(i.get('fromPort'))}"
+        ports = "all" if i.get("ipProtocol") == "-1" else f"{i.get('ipProtocol')} {int(i.get('fromPort') or 0)}"
         return {"in": ports, "from": source}
     if short == "FileSystem":
         return {"encrypted": i.get("encrypted"), "throughput": i.get("throughputMode")}

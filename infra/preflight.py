@@ -10,6 +10,7 @@ import urllib.request
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import boto3
 import botocore.exceptions
@@ -36,12 +37,13 @@ AWS_ERRORS = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError
 class AwsClients:
     """The boto3 clients preflight, pricing and teardown use (tests pass moto- or Stubber-backed ones)."""
 
-    sts: object
-    ec2: object
-    quotas: object
-    ssm: object
-    pricing: object
-    efs: object
+    # boto3's clients are built at run time from service models: no static type to name.
+    sts: Any
+    ec2: Any
+    quotas: Any
+    ssm: Any
+    pricing: Any
+    efs: Any
 
     @classmethod
     def for_region(cls, region: str) -> "AwsClients":

@@ -104,7 +104,7 @@ def bundled_on_demand(instance_type: str, region: str) -> Price:
             "List API): run with AWS credentials so the API can be asked"
         )
     prices = _region_table(BUNDLED["on_demand_usd_per_hour"], region)
-    if prices is None:
+    if not isinstance(prices, dict):
         known = ", ".join(k for k in BUNDLED["on_demand_usd_per_hour"])
         raise UsageError(
             f"no bundled price for region {region} (it has {known}): run with AWS credentials "
@@ -120,7 +120,7 @@ def bundled_on_demand(instance_type: str, region: str) -> Price:
 
 def bundled_storage(region: str, key: str) -> Price:
     value = _region_table(BUNDLED[key], region)
-    if value is None:
+    if not isinstance(value, (int, float)):
         value = BUNDLED[key]["us-east-1"]
         return Price(value, "GB-month", BUNDLED["source"] + " (us-east-1's, none for " + region + ")", BUNDLED["as_of"])
     return Price(value, "GB-month", BUNDLED["source"], BUNDLED["as_of"])

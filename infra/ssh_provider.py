@@ -15,7 +15,7 @@ import json
 import shlex
 import stat
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -81,8 +81,8 @@ class HostCheck:
     """Its public host key, `ssh-ed25519 AAAA...`."""
     fingerprint: str = ""
     """`SHA256:...` of that key."""
-    facts: dict | None = None
-    """What the probe printed (node/probe.py)."""
+    facts: dict = field(default_factory=dict)
+    """What the probe printed (node/probe.py); empty where the host could not be probed."""
 
 
 # ---------------------------------------------------------------------------------- hosts file
@@ -103,7 +103,7 @@ def read_hosts_file(path: str) -> HostsFile:
         raise UsageError(f"{where} is not valid YAML{at}: {getattr(exc, 'problem', None) or exc}") from None
     problems: list[str] = []
     parsed = _parse(data, problems)
-    if problems:
+    if problems or parsed is None:
         raise UsageError(f"{where}: " + "; ".join(problems))
     return parsed
 
@@ -241,6 +241,8 @@ async def check_host(hosts_file: HostsFile, host: Host, head_address: str) -> Ho
             result = await asyncio.wait_for(conn.run(command, input=probe, check=False), CHECK_TIMEOUT_S)
     except (OSError, asyncssh.Error, asyncio.TimeoutError) as exc:
         return HostCheck(host, _connect_problem(exc, hosts_file))
+    if server_key is None:  # asyncssh has one once the handshake is done; a server that offered none is refused
+        return HostCheck(host, "it offered no host key")
     host_key = server_key.export_public_key().decode().strip()
     fingerprint = server_key.get_fingerprint("sha256")
     problem, facts = _probe_problem(result, hosts_file.python)

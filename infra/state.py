@@ -9,6 +9,7 @@ costs). `keep_private` makes that the default for everything a command creates.
 import os
 import re
 from pathlib import Path
+from typing import overload
 
 from infra.errors import UsageError
 
@@ -137,6 +138,10 @@ def clear_current_stack(stack: str) -> None:
     remove_stale_tmp_files(state_root())
 
 
+@overload
+def resolve_stack(flag: str | None, default: str) -> str: ...
+@overload
+def resolve_stack(flag: str | None, default: None = None) -> str | None: ...
 def resolve_stack(flag: str | None, default: str | None = None) -> str | None:
     """`--stack`, else `$CLUSTER_STACK`, else `.cluster/current`, else `default`.
 
@@ -168,7 +173,7 @@ def write_atomic(path: Path, text: str, mode: int = PRIVATE_FILE_MODE) -> None:
 
 def remove_stale_tmp_files(folder: Path) -> list[Path]:
     """Remove write_atomic's temporary files whose writer is gone (a command killed mid-write)."""
-    removed = []
+    removed: list[Path] = []
     try:
         candidates = list(folder.glob(".*.tmp"))
     except OSError:

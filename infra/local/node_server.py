@@ -151,13 +151,13 @@ class NodeSFTPServer(asyncssh.SFTPServer):
             pass
 
     def setstat(self, path: bytes, attrs: asyncssh.SFTPAttrs) -> None:
-        return super().setstat(path, _owner_only(attrs))
+        super().setstat(path, _owner_only(attrs))
 
     def lsetstat(self, path: bytes, attrs: asyncssh.SFTPAttrs) -> None:
-        return super().lsetstat(path, _owner_only(attrs))
+        super().lsetstat(path, _owner_only(attrs))
 
     def fsetstat(self, file_obj: object, attrs: asyncssh.SFTPAttrs) -> None:
-        return super().fsetstat(file_obj, _owner_only(attrs))
+        super().fsetstat(file_obj, _owner_only(attrs))
 
 
 def _owner_only(attrs: asyncssh.SFTPAttrs) -> asyncssh.SFTPAttrs:
@@ -317,8 +317,8 @@ class Node:
                 pass
 
 
-async def _copy_stream(reader: asyncio.StreamReader, writer) -> None:
-    while data := await reader.read(65536):
+async def _copy_stream(reader: asyncio.StreamReader | None, writer) -> None:
+    while reader is not None and (data := await reader.read(65536)):
         writer.write(data)
         await writer.drain()
 

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -268,8 +269,8 @@ def _prepare_node(stack: str, index: int, address: str, port: int, client_key: P
 
 def node_server_environment(home: str, environ: dict[str, str] | None = None) -> dict[str, str]:
     """The allow-listed environment a node server starts with (see NODE_ENVIRONMENT)."""
-    environ = os.environ if environ is None else environ
-    kept = {k: v for k, v in environ.items() if k in NODE_ENVIRONMENT or k.startswith("LC_")}
+    source: Mapping[str, str] = os.environ if environ is None else environ
+    kept = {k: v for k, v in source.items() if k in NODE_ENVIRONMENT or k.startswith("LC_")}
     return {**kept, "HOME": home}
 
 
