@@ -22,16 +22,17 @@ $(STAMP): requirements.txt
 demo: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/demo.sh
 
-# The project's Python, checked by ruff (format and lint) and mypy as configured in pyproject.toml: every
-# folder that holds some (scripts/ holds only shell; a folder that does not exist is skipped).
-LINT_PATHS ?= $(foreach d,infra remote node harness examples bench scripts tests,$(if $(wildcard $(d)/*.py),$(d))) \
+# ruff (format and lint) checks the code and the tests; mypy the code (the tests assert on what they get,
+# unannotated). A folder with no Python file (scripts/ holds only shell) or none at all is skipped.
+CODE_PATHS ?= $(foreach d,infra remote node harness examples bench scripts,$(if $(wildcard $(d)/*.py),$(d))) \
 	deploy.py fabfile.py
+LINT_PATHS ?= $(CODE_PATHS) tests
 # All three run, so one pass shows every finding; any of them failing fails the target.
 lint: setup
 	@status=0; \
 	$(BIN)/ruff format --check $(LINT_PATHS) || status=1; \
 	$(BIN)/ruff check $(LINT_PATHS) || status=1; \
-	$(BIN)/mypy $(LINT_PATHS) || status=1; \
+	$(BIN)/mypy $(CODE_PATHS) || status=1; \
 	exit $$status
 
 # Rewrites the files: the formatter, then ruff's safe fixes (import order, pyupgrade).

@@ -100,12 +100,13 @@ def main(argv: list) -> None:
     if not argv:
         sys.exit("usage: cleanup.py HOME_DIR [SYNCED_CODE_DIR TOP...]")
     home_dir = os.path.expanduser(argv[0])
-    report = {"job": stop_job(home_dir), "daemons": stop_daemons(home_dir), "removed": []}
+    removed = []  # type: list
+    report = {"job": stop_job(home_dir), "daemons": stop_daemons(home_dir), "removed": removed}
     if len(argv) > 2:
-        report["removed"] += remove_code(argv[1], argv[2:])
+        removed += remove_code(argv[1], argv[2:])
     if os.path.isdir(home_dir):
         shutil.rmtree(home_dir, ignore_errors=True)
-        report["removed"].append(home_dir)
+        removed.append(home_dir)
     print(json.dumps(report))
 
 

@@ -84,8 +84,9 @@ def route_interface(address: str) -> str | None:
     interface = parse_route_interface(route(address))
     if interface:
         return interface
-    if tool("route"):  # macOS / BSD
-        match = re.search(r"interface:\s*(\S+)", run(tool("route"), "-n", "get", address))
+    route_tool = tool("route")
+    if route_tool:  # macOS / BSD
+        match = re.search(r"interface:\s*(\S+)", run(route_tool, "-n", "get", address))
         if match:
             return match.group(1)
     return None

@@ -95,7 +95,10 @@ def write_member(bundle: tarfile.TarFile, member: tarfile.TarInfo, files: str, u
         shutil.rmtree(path)  # a folder of the last sync is a file now
     os.makedirs(os.path.dirname(path), exist_ok=True)
     partial = f"{path}.gpu-cluster-partial"
-    with bundle.extractfile(member) as source, open(partial, "wb") as target:
+    source = bundle.extractfile(member)
+    if source is None:  # not a regular file: _check_member lets only files through
+        raise ValueError(f"refusing the member {member.name!r} in a bundle")
+    with source, open(partial, "wb") as target:
         shutil.copyfileobj(source, target, 1 << 20)
     os.chmod(partial, (0o777 if member.mode & 0o111 else 0o666) & ~umask)
     os.replace(partial, path)
@@ -119,7 +122,10 @@ def apply(cache: str, bundle_path: str) -> dict:
     os.umask(umask)
     sent = 0
     with tarfile.open(bundle_path) as bundle:
-        plan = json.load(bundle.extractfile(PLAN))
+        plan_file = bundle.extractfile(PLAN)
+        if plan_file is None:
+            raise ValueError(f"the bundle's {PLAN} is not a file")
+        plan = json.load(plan_file)
         for relative in plan["remove"]:
             remove(files, relative)
         for member in bundle:

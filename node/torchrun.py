@@ -75,8 +75,9 @@ def serve_worker_stores_from_the_agent() -> bool:
         self._bootstrap_store_info = None
         return joined(self)
 
-    handler.next_rendezvous = next_rendezvous
-    handler._create_tcp_store_server = lambda self, address, port: bound_store(address, port)
+    # Patching torch's handler class is the point: its store binds to every address otherwise.
+    handler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
+    handler._create_tcp_store_server = lambda self, address, port: bound_store(address, port)  # type: ignore[method-assign, assignment]
     return True
 
 

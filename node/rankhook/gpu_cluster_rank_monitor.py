@@ -33,6 +33,8 @@ import time
 def _load_contract():
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "contract.py")
     spec = importlib.util.spec_from_file_location("gpu_cluster_node_contract", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load the node contract from {path}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -69,9 +71,9 @@ class RankMonitor:
         self.answered_request = 0.0
         self.names = {"0": "0"}
         """Recorder group id -> the group's name (ids are per process, names agree across ranks)."""
-        self.inside = {}
+        self.inside: dict[str, tuple] = {}
         """Group id -> (last completed collective, when this rank was first seen past it)."""
-        self.details = {}
+        self.details: dict[tuple, dict] = {}
         """(group id, sequence number) -> that collective as the recorder's buffer showed it."""
 
     def run(self) -> None:
@@ -269,8 +271,8 @@ def thread_stack(ident: int | None) -> list[dict]:
     """A thread's Python frames, innermost last: function, file name, line, and whether the file
     belongs to a library (the standard library or an installed package) rather than the user.
     Read from the frame objects alone: no source file is opened."""
-    frame = sys._current_frames().get(ident)
-    frames = []
+    frame = sys._current_frames().get(ident) if ident is not None else None
+    frames: list[dict] = []
     while frame is not None and len(frames) < STACK_DEPTH:
         code = frame.f_code
         frames.append(
