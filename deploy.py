@@ -184,8 +184,9 @@ def cmd_plan(args) -> int:
     from infra import plan
 
     stack = state.resolve_stack(args.stack, default=DEFAULT_AWS_STACK)
-    if stack == state.LOCAL_STACK:
-        raise UsageError("plan is for AWS stacks (e.g. --stack dev); the local provider creates no cloud resources")
+    kind = provider.for_stack(stack)
+    if not kind.cloud_plan:
+        raise UsageError(f"plan is for AWS stacks (e.g. --stack dev); {kind.what} creates no cloud resources")
     stack_config = config.load_stack(stack)
     run = plan.run_program(plan.plan_config(stack_config))
     estimate, price_note = plan.estimate(stack_config)

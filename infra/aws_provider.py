@@ -37,6 +37,9 @@ class UpRequest:
     """Skip the cost confirmation."""
 
 
+PROVIDER = "aws"  # the inventory's `provider` of the stacks this module makes
+
+
 def up(
     request: UpRequest,
     clients: preflight.AwsClients | None = None,
@@ -77,7 +80,7 @@ def _existing(stack: str) -> ClusterInfo | None:
         cluster = inventory.load(stack)
     except UsageError:
         return None
-    return cluster if cluster.provider == "aws" else None
+    return cluster if cluster.provider == PROVIDER else None
 
 
 def _confirm_cost(config, found: preflight.PreflightResult, yes: bool, confirm, say) -> None:

@@ -116,7 +116,7 @@ def _iso(epoch: float | None) -> str | None:
 
 
 def _cluster_row(c, now: float) -> dict:
-    reference = c.reference_cost_usd(now) if c.provider == "local" else None
+    reference = c.reference_cost_usd(now)  # None but for clusters that recorded what AWS would charge (local)
     return {
         "stack": c.stack,
         "provider": c.provider,

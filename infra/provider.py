@@ -40,6 +40,10 @@ class Provider:
     """up / down / status for one kind of cluster."""
 
     name = ""
+    cloud_plan = False
+    """Whether `deploy.py plan` applies: the stack is a cloud program whose resources can be listed offline."""
+    what = ""
+    """What the provider's clusters are, for messages: "the local provider", "your own machines"."""
 
     def up(self, request: UpRequest, say) -> tuple[ClusterInfo, bool]:
         """Bring the cluster up (or find it up) and write the inventory; returns (cluster, created)."""
@@ -66,6 +70,7 @@ class LocalProvider(Provider):
     """N SSH-server nodes on this machine's loopback (infra/local/provider.py)."""
 
     name = "local"
+    what = "the local provider"
 
     def up(self, request: UpRequest, say) -> tuple[ClusterInfo, bool]:
         stack_config = config.load_stack(request.stack, {**request.overrides, "sshCidr": None, "spot": None})
@@ -154,6 +159,8 @@ class AwsProvider(Provider):
     """EC2 instances, EFS and a VPC of their own, through Pulumi (infra/aws_provider.py)."""
 
     name = "aws"
+    cloud_plan = True
+    what = "AWS"
 
     def up(self, request: UpRequest, say) -> tuple[ClusterInfo, bool]:
         config.load_stack(request.stack, request.overrides)  # bad input: one line now, before boto3 and Pulumi load
@@ -196,6 +203,7 @@ class SshProvider(Provider):
     """The user's own machines from a hosts file (infra/ssh_provider.py); creates nothing on them."""
 
     name = "ssh"
+    what = "a hosts-file cluster (your own machines)"
 
     def up(self, request: UpRequest, say) -> tuple[ClusterInfo, bool]:
         from infra import ssh_provider

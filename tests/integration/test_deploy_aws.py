@@ -79,8 +79,10 @@ def test_plan_works_offline_and_prices_the_cluster(offline, state_dir):
     assert nothing_created(state_dir)
 
 
-def test_plan_refuses_a_bad_stack_name(offline, state_dir):
+def test_plan_refuses_a_bad_stack_name_and_stacks_that_are_no_cloud_program(offline, state_dir):
     assert_one_line_error(run_cli("plan", "--stack", "Bad Name", **offline), "bad stack name")
+    assert_one_line_error(run_cli("plan", "--stack", "local", **offline), "the local provider creates no cloud")
+    assert_one_line_error(run_cli("plan", "--stack", "hosts", **offline), "your own machines) creates no cloud")
 
 
 def test_down_of_an_aws_stack_needs_the_cli(offline, state_dir):
