@@ -50,7 +50,7 @@ test-unit: setup
 # built once (cached). The suite runs on TEST_WORKERS processes (pytest-xdist): most of its time is spent
 # waiting on real SSH servers, rendezvous and timeouts, not computing. A module that shares one cluster
 # runs whole on one worker (tests/conftest.py). `make test TEST_WORKERS=0` runs it in one process.
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 3
 test: setup lint
 	-$(BIN)/python -m tests.support.openssh build-python
 	$(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
