@@ -168,12 +168,12 @@ def cmd_status(args) -> int:
                 "provider": cluster.provider,
                 "stopped_reason": reason,
                 "cost_so_far_usd": spent,
-                "nodes": rows,
+                "nodes": [row.as_dict() for row in rows],
             }
         )
     else:
         report.status_table(cluster, rows, reason, spent)
-    return 0 if all(r["reachable"] for r in rows) else 1
+    return 0 if all(r.reachable for r in rows) else 1
 
 
 # ------------------------------------------------------------------------------------ plan, cost

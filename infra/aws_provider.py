@@ -18,7 +18,7 @@ from infra import config as stack_config
 from infra.cloud_init import READY_MARKER, SHARED_DIR
 from infra.cluster import SSH_USER
 from infra.errors import OperationError, UsageError
-from infra.inventory import ClusterInfo, NodeInfo
+from infra.inventory import ClusterInfo, NodeInfo, NodeStatus
 
 READY_TIMEOUT_S = 900
 HOST_KEY_BLOCK = re.compile(r"-----BEGIN SSH HOST KEY KEYS-----(.*?)-----END SSH HOST KEY KEYS-----", re.S)
@@ -256,13 +256,13 @@ def _region_of(stack: str) -> str:
 # --------------------------------------------------------------------------------------- status
 
 
-def status(cluster: ClusterInfo, ec2) -> tuple[list[dict], dict]:
+def status(cluster: ClusterInfo, ec2) -> tuple[list[NodeStatus], dict]:
     """Per node: EC2 state, uptime, addresses, SSH round trip; and why the cluster stopped itself, if it did."""
     with preflight.aws_answers(f"status of stack '{cluster.stack}'"):
         return _status(cluster, ec2)
 
 
-def _status(cluster: ClusterInfo, ec2) -> tuple[list[dict], dict]:
+def _status(cluster: ClusterInfo, ec2) -> tuple[list[NodeStatus], dict]:
     instances = {}
     for reservation in ec2.describe_instances(Filters=teardown.tag_filter(cluster.stack))["Reservations"]:
         for instance in reservation["Instances"]:
@@ -271,7 +271,7 @@ def _status(cluster: ClusterInfo, ec2) -> tuple[list[dict], dict]:
     running = [n for n in cluster.nodes if instances.get(n.name, {}).get("State", {}).get("Name") == "running"]
     probes = {p.node.name: p for p in ssh.probe_nodes(_only(cluster, running))} if running else {}
     now = datetime.now(timezone.utc)
-    rows: list[dict] = []
+    rows: list[NodeStatus] = []
     stopped: dict = {}
     for node in cluster.nodes:
         instance = instances.get(node.name, {})
@@ -279,16 +279,16 @@ def _status(cluster: ClusterInfo, ec2) -> tuple[list[dict], dict]:
         probe = probes.get(node.name)
         launched = instance.get("LaunchTime")
         rows.append(
-            {
-                "name": node.name,
-                "address": f"{node.public_ip}:{node.ssh_port}",
-                "state": ec2_state,
-                "instance_id": instance.get("InstanceId", ""),
-                "reachable": bool(probe and probe.reachable),
-                "round_trip_ms": round(probe.round_trip_ms, 1) if probe else None,
-                "uptime_s": (now - launched).total_seconds() if launched and ec2_state == "running" else None,
-                "error": (probe.error if probe else instance.get("StateReason", {}).get("Message", "")),
-            }
+            NodeStatus(
+                name=node.name,
+                address=f"{node.public_ip}:{node.ssh_port}",
+                state=ec2_state,
+                reachable=bool(probe and probe.reachable),
+                round_trip_ms=round(probe.round_trip_ms, 1) if probe else None,
+                uptime_s=(now - launched).total_seconds() if launched and ec2_state == "running" else None,
+                error=(probe.error if probe else instance.get("StateReason", {}).get("Message", "")),
+                instance_id=instance.get("InstanceId", ""),
+            )
         )
         if ec2_state in ("stopped", "terminated", "shutting-down") and not stopped:
             stopped = _stop_record(ec2, instance)

@@ -24,6 +24,34 @@ EARLIER_FACTS: dict[str, dict] = {
 
 
 @dataclass(frozen=True)
+class NodeStatus:
+    """What `status` found on one node, whichever provider asked (`deploy.py status --json`'s rows)."""
+
+    name: str
+    """node-<i>."""
+    address: str
+    """`public_ip:ssh_port`, as the operator connects."""
+    state: str
+    """up or down (local, own machines); the EC2 state on AWS (running, stopped, ...)."""
+    reachable: bool
+    """A real SSH round trip ran a command there."""
+    round_trip_ms: float | None
+    """That round trip, where one was tried."""
+    uptime_s: float | None
+    """How long the machine (or local node) has been up, where known."""
+    error: str = ""
+    """Why it is not reachable; empty when it is."""
+    instance_id: str | None = None
+    """AWS only: the EC2 instance."""
+
+    def as_dict(self) -> dict:
+        row = asdict(self)
+        if self.instance_id is None:
+            del row["instance_id"]
+        return row
+
+
+@dataclass(frozen=True)
 class NodeInfo:
     """One machine of the cluster as SSH and torchrun see it."""
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from infra import config, costs, inventory, report, state
 from infra.errors import UsageError
-from infra.inventory import ClusterInfo
+from infra.inventory import ClusterInfo, NodeStatus
 from infra.local import provider as local
 
 DEFAULT_AWS_STACK = "dev"
@@ -53,9 +53,8 @@ class Provider:
         """Remove what the stack made and say what; returns the exit code."""
         raise NotImplementedError
 
-    def status(self, cluster: ClusterInfo) -> tuple[list[dict], dict]:
-        """One row per node (name, address, state, reachable, round_trip_ms, uptime_s, error), and
-        the watchdog's stop record when the cluster stopped itself ({} otherwise)."""
+    def status(self, cluster: ClusterInfo) -> tuple[list[NodeStatus], dict]:
+        """One NodeStatus per node, and the watchdog's stop record when the cluster stopped itself ({} otherwise)."""
         raise NotImplementedError
 
     def note_self_stops(self, say) -> None:
@@ -131,17 +130,17 @@ class LocalProvider(Provider):
         _say_runs_kept(stack, say)
         return 0
 
-    def status(self, cluster: ClusterInfo) -> tuple[list[dict], dict]:
+    def status(self, cluster: ClusterInfo) -> tuple[list[NodeStatus], dict]:
         rows = [
-            {
-                "name": s.node.name,
-                "address": f"{s.node.public_ip}:{s.node.ssh_port}",
-                "state": "up" if s.reachable else "down",
-                "reachable": s.reachable,
-                "round_trip_ms": round(s.round_trip_ms, 1),
-                "uptime_s": None if s.uptime_s is None else round(s.uptime_s),
-                "error": s.error,
-            }
+            NodeStatus(
+                name=s.node.name,
+                address=f"{s.node.public_ip}:{s.node.ssh_port}",
+                state="up" if s.reachable else "down",
+                reachable=s.reachable,
+                round_trip_ms=round(s.round_trip_ms, 1),
+                uptime_s=None if s.uptime_s is None else round(s.uptime_s),
+                error=s.error,
+            )
             for s in local.status(cluster)
         ]
         return rows, local.stop_record(cluster.stack)
@@ -193,7 +192,7 @@ class AwsProvider(Provider):
         _say_runs_kept(stack, say)
         return 0
 
-    def status(self, cluster: ClusterInfo) -> tuple[list[dict], dict]:
+    def status(self, cluster: ClusterInfo) -> tuple[list[NodeStatus], dict]:
         from infra import aws_provider, preflight
 
         return aws_provider.status(cluster, preflight.AwsClients.for_region(cluster.region).ec2)
@@ -246,7 +245,7 @@ class SshProvider(Provider):
         _say_runs_kept(stack, say)
         return 0
 
-    def status(self, cluster: ClusterInfo) -> tuple[list[dict], dict]:
+    def status(self, cluster: ClusterInfo) -> tuple[list[NodeStatus], dict]:
         from infra import ssh_provider
 
         return ssh_provider.status(cluster), {}

@@ -7,7 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from infra.inventory import ClusterInfo
+from infra.inventory import ClusterInfo, NodeStatus
 
 # The terminal's width, or a wide page when piped (logs, CI), so tables are not wrapped into columns.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -60,7 +60,7 @@ def up_summary(cluster: ClusterInfo, created: bool, elapsed_s: float, inventory_
     console.print("next: fab bootstrap")
 
 
-def status_table(cluster: ClusterInfo, rows: list[dict], stopped_reason: str, spent_usd: float | None) -> None:
+def status_table(cluster: ClusterInfo, rows: list[NodeStatus], stopped_reason: str, spent_usd: float | None) -> None:
     spent = f", ${spent_usd:.4f} so far" if spent_usd is not None else ""
     console.print(
         f"stack '{cluster.stack}' ({cluster.provider}, {cluster.region}, {cluster.instance_type}), "
@@ -72,15 +72,8 @@ def status_table(cluster: ClusterInfo, rows: list[dict], stopped_reason: str, sp
     for column in ("node", "address", "state", "ssh", "uptime", "detail"):
         table.add_column(column)
     for row in rows:
-        ssh_cell = f"{row['round_trip_ms']:.0f} ms" if row["reachable"] else "unreachable"
-        table.add_row(
-            row["name"],
-            row["address"],
-            row["state"],
-            ssh_cell,
-            format_duration(row["uptime_s"]),
-            row["error"],
-        )
+        ssh_cell = f"{row.round_trip_ms:.0f} ms" if row.reachable and row.round_trip_ms is not None else "unreachable"
+        table.add_row(row.name, row.address, row.state, ssh_cell, format_duration(row.uptime_s), row.error)
     console.print(table)
 
 

@@ -24,7 +24,7 @@ import yaml
 
 from infra import inventory, keys, ssh, state
 from infra.errors import UsageError
-from infra.inventory import ClusterInfo, NodeInfo
+from infra.inventory import ClusterInfo, NodeInfo, NodeStatus
 from node import contract, standalone
 
 DEFAULT_STACK = "hosts"
@@ -403,7 +403,7 @@ def down(stack: str, say=print) -> bool:
 # --------------------------------------------------------------------------------------- status
 
 
-def status(cluster: ClusterInfo) -> list[dict]:
+def status(cluster: ClusterInfo) -> list[NodeStatus]:
     """Per host: a real SSH round trip, and the machine's uptime."""
 
     async def all_nodes():
@@ -412,7 +412,7 @@ def status(cluster: ClusterInfo) -> list[dict]:
     return asyncio.run(all_nodes())
 
 
-async def _status_row(cluster: ClusterInfo, node: NodeInfo) -> dict:
+async def _status_row(cluster: ClusterInfo, node: NodeInfo) -> NodeStatus:
     started = time.perf_counter()
     uptime_s, error = None, ""
     try:
@@ -425,12 +425,12 @@ async def _status_row(cluster: ClusterInfo, node: NodeInfo) -> dict:
         error = ssh.describe(exc)
     except (ValueError, IndexError):
         uptime_s = None
-    return {
-        "name": node.name,
-        "address": f"{node.public_ip}:{node.ssh_port}",
-        "state": "down" if error else "up",
-        "reachable": not error,
-        "round_trip_ms": round((time.perf_counter() - started) * 1000, 1),
-        "uptime_s": None if uptime_s is None else round(uptime_s),
-        "error": error,
-    }
+    return NodeStatus(
+        name=node.name,
+        address=f"{node.public_ip}:{node.ssh_port}",
+        state="down" if error else "up",
+        reachable=not error,
+        round_trip_ms=round((time.perf_counter() - started) * 1000, 1),
+        uptime_s=None if uptime_s is None else round(uptime_s),
+        error=error,
+    )

@@ -162,6 +162,6 @@ def test_status_shows_instance_states_and_why_the_cluster_stopped_itself(monkeyp
         )
         line = 'gpu-cluster-watchdog: {"reason": "budget: $24.99 spent of maxTotalUsd $25", "at": 1795250000.0}\n'
         rows, stopped = aws_provider.status(cluster, ConsoleWithWatchdogLine(ec2, "boot...\n" + line))
-    assert [r["state"] for r in rows] == ["stopped", "stopped"]
-    assert [r["instance_id"] for r in rows] == ids and not any(r["reachable"] for r in rows)
+    assert [r.state for r in rows] == ["stopped", "stopped"]
+    assert [r.instance_id for r in rows] == ids and not any(r.reachable for r in rows)
     assert stopped == {"reason": "budget: $24.99 spent of maxTotalUsd $25", "at": 1795250000.0}
