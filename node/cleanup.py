@@ -100,7 +100,7 @@ def main(argv: list) -> None:
     if not argv:
         sys.exit("usage: cleanup.py HOME_DIR [SYNCED_CODE_DIR TOP...]")
     home_dir = os.path.expanduser(argv[0])
-    removed = []  # type: list
+    removed = []  # type: list[str]
     report = {"job": stop_job(home_dir), "daemons": stop_daemons(home_dir), "removed": removed}
     if len(argv) > 2:
         removed += remove_code(argv[1], argv[2:])

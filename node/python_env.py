@@ -104,7 +104,7 @@ def facts() -> dict:
     NVIDIA driver (no nvidia-smi) CUDA cannot be available, and torch's version is read from its
     metadata: importing torch costs seconds of CPU, and the health stage imports it anyway."""
     missing = missing_requirements()
-    found: dict = {"torch": None, "cuda_available": False, "nccl": None, "missing": missing}
+    found: dict[str, object] = {"torch": None, "cuda_available": False, "nccl": None, "missing": missing}
     if "torch" in missing:
         return found
     if shutil.which("nvidia-smi") is None and (version := _distribution_version("torch")):
