@@ -100,7 +100,7 @@ def cmd_up(args) -> int:
     chosen, stack = provider.for_up(args.local, args.hosts, args.stack)
     request = provider.UpRequest(stack, _overrides(args), args.yes, args.bind, args.ssh_port, args.hosts)
     started = time.perf_counter()
-    cluster, created = chosen.up(request, say=report.console.print)
+    cluster, created = provider.bring_up(chosen, request, say=report.console.print)
     report.up_summary(cluster, created, time.perf_counter() - started, inventory.inventory_path(stack))
     return 0
 

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 from infra import config, costs, inventory, report, state
+from infra.config import StackConfig
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo, NodeStatus
 from infra.local import provider as local
@@ -57,6 +58,11 @@ class Provider:
         """One NodeStatus per node, and the watchdog's stop record when the cluster stopped itself ({} otherwise)."""
         raise NotImplementedError
 
+    def bookkeeping(self, request: UpRequest) -> tuple[StackConfig | None, float | None]:
+        """For a cluster `up` created: the stack config whose guards the watchdog enforces (None: no
+        guards apply), and what the same hours would cost on AWS (None: the cluster is priced itself)."""
+        return None, None
+
     def note_self_stops(self, say) -> None:
         """Close the ledger intervals of this provider's clusters that powered themselves off."""
 
@@ -92,12 +98,12 @@ class LocalProvider(Provider):
             ssh_port,
             asked=frozenset(asked),
         )
-        cluster, created = local.up(options)
-        if created:
-            costs.save_guards(request.stack, stack_config)
-            reference = costs.reference_hourly_usd(stack_config.instance_type, stack_config.region, stack_config.nodes)
-            costs.record_up(cluster, reference, say=say)
-        return cluster, created
+        return local.up(options)
+
+    def bookkeeping(self, request: UpRequest) -> tuple[StackConfig | None, float | None]:
+        stack_config = config.load_stack(request.stack, {**request.overrides, "sshCidr": None, "spot": None})
+        reference = costs.reference_hourly_usd(stack_config.instance_type, stack_config.region, stack_config.nodes)
+        return stack_config, reference
 
     def down(self, stack: str, say) -> int:
         stopped_itself = local.stop_record(stack)
@@ -170,13 +176,10 @@ class AwsProvider(Provider):
                 f"note: no Pulumi.{request.stack}.yaml: using the defaults (2 x {config.DEFAULT_INSTANCE_TYPE} "
                 f"in {config.DEFAULT_REGION}) and your flags"
             )
-        cluster, created = aws_provider.up(
-            aws_provider.UpRequest(request.stack, request.overrides, request.yes), say=say
-        )
-        if created:
-            costs.save_guards(request.stack, config.load_stack(request.stack, request.overrides))
-            costs.record_up(cluster, None, say=say)
-        return cluster, created
+        return aws_provider.up(aws_provider.UpRequest(request.stack, request.overrides, request.yes), say=say)
+
+    def bookkeeping(self, request: UpRequest) -> tuple[StackConfig | None, float | None]:
+        return config.load_stack(request.stack, request.overrides), None
 
     def down(self, stack: str, say) -> int:
         from infra import aws_provider, teardown
@@ -225,10 +228,7 @@ class SshProvider(Provider):
             )
         if not request.hosts_file:
             raise UsageError(f"stack {request.stack!r} is not up: pass --hosts FILE to bring your machines up")
-        cluster, created = ssh_provider.up(request.hosts_file, request.stack, say=say)
-        if created:
-            costs.record_up(cluster, None, say=say)
-        return cluster, created
+        return ssh_provider.up(request.hosts_file, request.stack, say=say)
 
     def down(self, stack: str, say) -> int:
         from infra import ssh_provider
@@ -264,6 +264,18 @@ CONFIG_FLAGS = {
 
 def config_flag(key: str) -> str:
     return CONFIG_FLAGS.get(key, key)
+
+
+def bring_up(chosen: Provider, request: UpRequest, say) -> tuple[ClusterInfo, bool]:
+    """`up` through the chosen provider, then the bookkeeping every provider shares, once: a cluster
+    it created goes into the ledger, and its guards (where they apply) where bootstrap finds them."""
+    cluster, created = chosen.up(request, say)
+    if created:
+        guarded, reference_usd = chosen.bookkeeping(request)
+        if guarded is not None:
+            costs.save_guards(request.stack, guarded)
+        costs.record_up(cluster, reference_usd, say=say)
+    return cluster, created
 
 
 def for_up(local_flag: bool, hosts_file: str | None, stack_flag: str | None) -> tuple[Provider, str]:

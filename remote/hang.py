@@ -120,6 +120,9 @@ class Hang:
     """How long the longest-waiting rank has been inside it."""
     silent: tuple = ()
     """Ranks of the group that no node reported (their node did not answer) when the wait ran past the grace."""
+    elsewhere: tuple = ()
+    """RankViews of the group's other members when the wait ran past the grace: past the collective by
+    their own count, yet not inside it (a rank that finished, or whose collectives no longer match)."""
 
 
 @dataclass
@@ -260,7 +263,9 @@ def _overdue(collective: Collective, seen_by: RankView, by_rank: dict, waited: f
         if r in by_rank and any((c.group, c.seq) == (collective.group, collective.seq) for c in by_rank[r].active)
     )
     silent = tuple(r for r in members if r not in by_rank)
-    return Hang(collective, waiting or (seen_by,), (), (), waited, silent)
+    inside = {v.rank for v in waiting}
+    elsewhere = tuple(by_rank[r] for r in members if r in by_rank and r not in inside)
+    return Hang(collective, waiting or (seen_by,), (), (), waited, silent, elsewhere)
 
 
 def _judge(collective: Collective, seen_by: RankView, by_rank: dict, waited: float) -> Hang | None:
@@ -316,7 +321,7 @@ def verdict(run_id: str, hang: Hang, evidence: Evidence | None = None) -> str:
         if (c.group, c.seq) == (hang.collective.group, hang.collective.seq)
     )
     parts.append(f"{_ranks(hang.waiting)} waiting since {time.strftime('%H:%M:%S', time.gmtime(since))} UTC")
-    for view in [*hang.missing, *(v for v, _ in hang.mismatched)] or list(hang.waiting):
+    for view in [*hang.missing, *(v for v, _ in hang.mismatched)] or [*hang.elsewhere, *hang.waiting]:
         view = latest.get(view.rank, view)
         stack, fresh = evidence.stack_of(view.rank, view.stack) if evidence else (view.stack, False)
         frame = RankView.user_frame_of(stack)
@@ -333,7 +338,18 @@ def _overdue_part(hang: Hang) -> str:
             f"{_ranks_numbers(hang.silent)} of {what} not reported (their node did not answer) while "
             f"{_ranks(hang.waiting)} waited {hang.waiting_s:.0f} s"
         )
+    if hang.elsewhere:
+        others = "; ".join(
+            f"rank {v.rank} ({_where(v)}){_state(v)} is past it by its own count "
+            f"(entered #{v.entered.get(hang.collective.group, -1)}) and inside {_inside(v)}"
+            for v in hang.elsewhere
+        )
+        return f"{_ranks(hang.waiting)} waited {hang.waiting_s:.0f} s in {what}, which the others left: {others}"
     return f"{_ranks(hang.waiting)} entered {what} and none finished it in {hang.waiting_s:.0f} s (a stalled transport)"
+
+
+def _inside(view: RankView) -> str:
+    return ", ".join(c.describe() for c in view.active) or "no collective"
 
 
 def stalled_since(hang: Hang) -> float:

@@ -189,3 +189,16 @@ def test_past_the_grace_a_silent_node_or_a_collective_nobody_finishes_is_still_a
     line = hang.verdict("r1", hang.find_hang(both, hang_timeout_s=10, overdue_s=25))
     assert "ranks 0-1 entered all_reduce #4 (1024 x float32) and none finished it in 30 s" in line
     assert line.endswith("rank 1 was last seen in load_batch (train.py:14)")
+
+
+def test_past_the_grace_a_member_that_left_the_collective_by_its_own_count_is_named_with_where_it_is():
+    # rank 1's count says it went past #4 (gloo matched its calls some other way) while rank 0 still waits.
+    gone_on = dict(record(1, 6, node="node-1", stack=TRAIN_STACK), finished=True)
+    ranks = views(record(0, 4, [WAITING_IN_4]), gone_on)
+    assert hang.find_hang(ranks, hang_timeout_s=10) is None  # within the grace the rule blames no one
+    line = hang.verdict("r1", hang.find_hang(ranks, hang_timeout_s=10, overdue_s=25))
+    assert (
+        "rank 0 waited 30 s in all_reduce #4 (1024 x float32), which the others left: rank 1 (node-1, pid 4701) "
+        "finished its script and is past it by its own count (entered #6) and inside no collective" in line
+    ), line
+    assert line.endswith("rank 1 was last seen in load_batch (train.py:14)"), line
