@@ -5,35 +5,11 @@ nodes, are proven through fab in test_remote.py)."""
 import json
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.support import REPO
-from tests.support.cli import child_env
-
-
-def torchrun(script: str, *args: str, run_dir=None, nproc: int = 2, timeout: float = 240, **env_vars: str):
-    env = child_env(**env_vars)
-    if run_dir is not None:
-        env["CLUSTER_RUN_DIR"] = str(run_dir)
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            f"examples/{script}",
-            *args,
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+from tests.support.examples import torchrun
 
 
 def records(run_dir, kind: str) -> list[dict]:

@@ -15,29 +15,9 @@ import torch
 
 from tests.support import REPO
 from tests.support.cli import assert_one_line_error, child_env
-from tests.support.examples import TINY
+from tests.support.examples import TINY, torchrun
 
 CHECK_LINE = re.compile(r"^check: .+ max diff \S+ \(tolerance \S+\) ok$")
-
-
-def torchrun(script: str, *args: str, nproc: int, run_dir=None, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = child_env(**({"CLUSTER_RUN_DIR": str(run_dir)} if run_dir else {}))
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            f"examples/{script}",
-            *args,
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
