@@ -19,6 +19,7 @@ from infra import config, costs, inventory, provider, report, state
 from infra.errors import ClusterError, UsageError
 from infra.local import provider as local
 from infra.provider import DEFAULT_AWS_STACK
+from infra.ssh import openssh_options
 
 
 class Parser(argparse.ArgumentParser):
@@ -219,17 +220,12 @@ def cmd_cost(args) -> int:
 
 
 def ssh_argv(cluster: inventory.ClusterInfo, node_name: str, remote_command: list[str]) -> list[str]:
-    """The stock OpenSSH command line for a node: cluster key only, pinned host keys only."""
+    """The stock OpenSSH command line for a node, under the one SSH policy (infra/ssh.py)."""
     node = cluster.node(node_name)
     argv = [
         "ssh",
-        "-i", cluster.ssh_key,
         "-p", str(node.ssh_port),
-        "-o", "IdentitiesOnly=yes",
-        "-o", f"UserKnownHostsFile={cluster.known_hosts}",
-        "-o", "GlobalKnownHostsFile=/dev/null",
-        "-o", "StrictHostKeyChecking=yes",
-        "-o", "LogLevel=ERROR",
+        *openssh_options(cluster.ssh_key, cluster.known_hosts),
         f"{node.ssh_user}@{node.public_ip}",
     ]  # fmt: skip
     if remote_command:

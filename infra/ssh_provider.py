@@ -226,12 +226,7 @@ async def check_host(hosts_file: HostsFile, host: Host, head_address: str) -> Ho
         async with asyncssh.connect(
             host.address,
             host.port,
-            username=host.user,
-            client_keys=[str(hosts_file.key)],
-            known_hosts=known_hosts,
-            agent_path=None,
-            config=None,
-            connect_timeout=CHECK_TIMEOUT_S / 2,
+            **ssh.asyncssh_options(str(hosts_file.key), known_hosts, host.user, CHECK_TIMEOUT_S / 2),
         ) as conn:
             server_key = conn.get_server_host_key()
             probe = (NODE_SCRIPTS / "probe.py").read_text()

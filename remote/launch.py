@@ -184,7 +184,7 @@ def first_failure(
 
 
 def check_ready(sessions: list[NodeSession], statuses: list[str]) -> None:
-    """Exit 2 if a node is not bootstrapped or already runs a job, before anything starts."""
+    """UsageError (exit 2) if a node is not bootstrapped or already runs a job, before anything starts."""
     for session, output in zip(sessions, statuses, strict=True):
         job, bootstrapped = commands.parse_job_status(output)
         if job:
@@ -480,7 +480,7 @@ def _tagged(sessions: list[NodeSession], statuses: list[str], tag: str) -> dict[
 def launch(
     cluster: ClusterInfo, spec: JobSpec, setup: NodeSetup, runs_root: Path, on_start=None, on_hang=None
 ) -> tuple[JobResult, Path]:
-    """The whole launch: checks, sync, upload, run, results. Exit 2 before anything starts if not ready."""
+    """The whole launch: checks, sync, upload, run, results. UsageError before anything starts if not ready."""
     wanted = None
     if spec.workdir:
         wanted = workdir.manifest(spec.workdir, workdir.hash_cache_path(cluster, spec.workdir))

@@ -135,7 +135,7 @@ def running_cluster(stack: str) -> ClusterInfo | None:
 
 
 def check_unchanged(cluster: ClusterInfo, options: LocalOptions) -> None:
-    """Exit 2 when `up` asks a running cluster for something else (nodes are not resized in place)."""
+    """UsageError when `up` asks a running cluster for something else (nodes are not resized in place)."""
     head = cluster.head
     found = {
         "nodes": len(cluster.nodes),
