@@ -15,10 +15,9 @@ import shutil
 import sys
 import time
 
-from infra import config, costs, inventory, provider, report, state
+from infra import config, costs, inventory, providers, report, state
 from infra.errors import ClusterError, UsageError
-from infra.local import provider as local
-from infra.provider import DEFAULT_AWS_STACK
+from infra.providers.local import provider as local
 from infra.ssh import openssh_options
 
 
@@ -98,11 +97,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def cmd_up(args) -> int:
-    chosen, stack = provider.for_up(args.local, args.hosts, args.stack)
-    request = provider.UpRequest(stack, _overrides(args), args.yes, args.bind, args.ssh_port, args.hosts)
+    chosen, stack = providers.for_up(args.local, args.hosts, args.stack)
+    request = providers.UpRequest(stack, _overrides(args), args.yes, args.bind, args.ssh_port, args.hosts)
     started = time.perf_counter()
-    cluster, created = provider.bring_up(chosen, request, say=report.console.print)
-    report.up_summary(cluster, created, time.perf_counter() - started, inventory.inventory_path(stack))
+    result = providers.bring_up(chosen, request, say=report.console.print)
+    report.up_summary(result.cluster, result.created, time.perf_counter() - started, inventory.inventory_path(stack))
     return 0
 
 
@@ -127,12 +126,12 @@ def cmd_down(args) -> int:
     if stack is None:
         report.console.print("nothing to do: no stack is current (pass --stack NAME)")
         return 0
-    return provider.for_stack(stack).down(stack, say=report.console.print)
+    return providers.bring_down(providers.for_stack(stack), stack, say=report.console.print)
 
 
 def _interrupted_local_stack() -> str | None:
     """With no stack current, the one stack an interrupted `up` left behind (several: exit 2)."""
-    leftovers = provider.interrupted_stacks()
+    leftovers = providers.interrupted_stacks()
     if len(leftovers) > 1:
         raise UsageError(
             f"no stack is current, and stacks {', '.join(leftovers)} were left by interrupted "
@@ -150,14 +149,14 @@ def cmd_status(args) -> int:
     try:
         cluster = inventory.load_current(args.stack)
     except UsageError:
-        leftovers = [] if state.resolve_stack(args.stack) else provider.interrupted_stacks()
+        leftovers = [] if state.resolve_stack(args.stack) else providers.interrupted_stacks()
         if leftovers:
             raise UsageError(
                 f"no cluster, but stack '{leftovers[0]}' has node folders left by an interrupted "
                 f"up: run python deploy.py down --stack {leftovers[0]}"
             ) from None
         raise
-    rows, stopped = provider.for_cluster(cluster).status(cluster)
+    rows, stopped = providers.for_cluster(cluster).status(cluster)
     if stopped:
         costs.record_self_stop(cluster.stack, stopped.get("reason", "stopped"), stopped.get("at"), report.console.print)
     spent = costs.cost_so_far(cluster.stack, say=report.console.print)
@@ -184,8 +183,8 @@ def cmd_plan(args) -> int:
     """The real Pulumi program under Pulumi's mocks: no credentials, no CLI, nothing created."""
     from infra import plan
 
-    stack = state.resolve_stack(args.stack, default=DEFAULT_AWS_STACK)
-    kind = provider.for_stack(stack)
+    stack = state.resolve_stack(args.stack, default=providers.AWS.default_stack)
+    kind = providers.for_stack(stack)
     if not kind.cloud_plan:
         raise UsageError(f"plan is for AWS stacks (e.g. --stack dev); {kind.what} creates no cloud resources")
     stack_config = config.load_stack(stack)
@@ -207,7 +206,7 @@ def cmd_plan(args) -> int:
 def cmd_cost(args) -> int:
     """Per cluster and per run, from the ledger; local clusters also show what AWS would have charged."""
     stack = None if args.stack is None else state.check_stack_name(args.stack)
-    provider.note_self_stops(report.console.print)
+    providers.note_self_stops(report.console.print)
     data = costs.report(stack, say=report.console.print)
     if args.json:
         report.print_json(data)

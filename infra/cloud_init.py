@@ -9,6 +9,7 @@ idle stop reaches every node without SSH between nodes. What power-off means for
 from node import contract
 
 SHARED_DIR = "/shared"
+SSH_USER = "ubuntu"  # the login of the AMI (the Deep Learning Base AMI on Ubuntu)
 READY_MARKER = "/var/lib/gpu-cluster/ready"
 STOP_MARKER = f"{SHARED_DIR}/{contract.STOP_MARKER}"
 MOUNT_OPTIONS = "nfsvers=4.1,rsize=1048576,wsize=1048576,hard,timeo=600,retrans=2,noresvport"

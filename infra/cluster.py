@@ -15,6 +15,7 @@ import pulumi
 import pulumi_aws as aws
 
 from infra import cloud_init
+from infra.cloud_init import SSH_USER
 from infra.config import StackConfig
 
 STACK_TAG = "gpu-cluster:stack"
@@ -22,7 +23,6 @@ VPC_CIDR = "10.42.0.0/16"
 SUBNET_CIDR = "10.42.1.0/24"
 FIRST_NODE_HOST = 10  # node i is 10.42.1.(10+i): ascending addresses put global rank 0 on node-0
 DLAMI_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
-SSH_USER = "ubuntu"
 
 
 def node_private_ip(index: int) -> str:

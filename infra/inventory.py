@@ -76,7 +76,7 @@ class ClusterInfo:
     stack: str
     """The stack name, also the folder under `.cluster/`."""
     provider: str
-    """`local`, `aws` or `ssh` (infra/provider.py picks the implementation from it)."""
+    """`local`, `aws` or `ssh` (infra/providers picks the implementation from it)."""
     region: str
     """AWS region, or `local`."""
     instance_type: str

@@ -9,8 +9,10 @@ import boto3
 import pytest
 from botocore.stub import Stubber
 
-from infra import aws_provider, inventory, state, teardown
+from infra import inventory, state, teardown
 from infra.errors import UsageError
+from infra.providers import UpRequest
+from infra.providers import aws as aws_provider
 from tests.support import pulumi_fakes
 from tests.support.aws_fakes import clients, moto_aws
 from tests.support.pulumi_fakes import FakePulumi
@@ -53,9 +55,9 @@ def test_up_falls_back_a_zone_pins_host_keys_and_writes_the_inventory(instances,
     fake = FakePulumi(no_capacity={"us-east-1a"})
     said: list[str] = []
     with moto_aws(monkeypatch):
-        request = aws_provider.UpRequest("dev", {"nodes": 2, "sshCidr": "203.0.113.7/32"}, yes=True)
-        cluster, created = aws_provider.up(request, clients=clients(), command=fake, say=said.append)
-    assert created
+        request = UpRequest("dev", {"nodes": 2, "sshCidr": "203.0.113.7/32"}, yes=True)
+        result = aws_provider.up(request, clients=clients(), command=fake, say=said.append)
+    assert result.created
     assert fake.config["gpu-cluster:availabilityZone"] == "us-east-1b"
     assert fake.config["gpu-cluster:sshCidr"] == "203.0.113.7/32"
     assert fake.config["gpu-cluster:sshPublicKey"] == (state_dir / "dev" / "id_ed25519.pub").read_text().strip()
@@ -74,7 +76,7 @@ def test_up_falls_back_a_zone_pins_host_keys_and_writes_the_inventory(instances,
 def test_up_refuses_without_confirmation_and_creates_nothing(instances, monkeypatch, state_dir):
     fake = FakePulumi()
     with moto_aws(monkeypatch):
-        request = aws_provider.UpRequest("dev", {"sshCidr": "203.0.113.7/32"}, yes=False)
+        request = UpRequest("dev", {"sshCidr": "203.0.113.7/32"}, yes=False)
         with pytest.raises(UsageError, match="not confirmed"):
             aws_provider.up(
                 request, clients=clients(), command=fake, confirm=lambda question: False, say=lambda s: None

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from infra.aws_provider import host_keys_from_console
 from infra.cloud_init import STOP_MARKER, user_data
+from infra.providers.aws import host_keys_from_console
 from tests.support.cli import assert_one_line_error, run_cli
 
 

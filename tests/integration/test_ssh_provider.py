@@ -312,7 +312,7 @@ def test_down_cleans_both_hosts_forgets_the_stack_and_leaves_the_machines_runnin
 
 
 def test_nodes_are_numbered_as_torchrun_ranks_them():
-    from infra.ssh_provider import Host, HostCheck, _rank_order
+    from infra.providers.hosts import Host, HostCheck, _rank_order
 
     checks = [HostCheck(Host(f"h{i}", 22, "u", ip), "") for i, ip in enumerate(["10.0.0.9", "10.0.0.10", "10.0.0.11"])]
     # torchrun's c10d rendezvous sorts the nodes by address as text: node-0 must be the first of them

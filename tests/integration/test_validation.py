@@ -144,6 +144,10 @@ def test_down_of_an_unknown_local_stack_creates_nothing(state_dir):
         (["down", "--stack", "evil\n"], ["bad stack name"]),
         (["cost", "--stack", ""], ["bad stack name ''"]),
         (["up", "--local", "--", "--nodes", "3"], ["unrecognized arguments after --"]),
+        (["up", "--local", "--spot", "--yes"], ["--spot, --yes", "do(es) not apply to the local provider"]),
+        (["up", "--local", "--ssh-cidr", "203.0.113.7/32"], ["--ssh-cidr", "not apply to the local provider"]),
+        (["up", "--hosts", "hosts.yaml", "--nodes", "2"], ["--nodes", "not apply to a hosts-file cluster"]),
+        (["up", "--stack", "dev", "--bind", "127.0.0.20"], ["--bind", "not apply to AWS"]),
     ],
 )
 def test_bad_command_lines_are_one_line_and_create_nothing(state_dir, args, words):

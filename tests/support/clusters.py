@@ -146,7 +146,7 @@ def processes_of(module: str, state_dir: Path) -> list[int]:
 
 
 def node_server_processes(state_dir: Path) -> list[int]:
-    return processes_of("infra.local.node_server", state_dir)
+    return processes_of("infra.providers.local.node_server", state_dir)
 
 
 def fabric_connection(inventory: dict, node: dict):

@@ -5,9 +5,10 @@ import stat
 
 import pytest
 
-from infra import automation, aws_provider
+from infra import automation
 from infra import config as stack_config
 from infra.errors import OperationError, UsageError
+from infra.providers import aws as aws_provider
 from tests.support.pulumi_fakes import OUTPUTS, FakePulumi
 
 

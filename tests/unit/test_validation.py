@@ -245,7 +245,7 @@ def test_a_damaged_stop_marker_cannot_damage_the_ledger(state_dir):
 
 
 def test_a_node_server_never_signals_its_own_init_or_every_group_from_a_pid_file(tmp_path):
-    from infra.local.node_server import PID_REGISTRY, ProcessTable
+    from infra.providers.local.node_server import PID_REGISTRY, ProcessTable
 
     registry = tmp_path / PID_REGISTRY
     registry.mkdir(parents=True)

@@ -25,11 +25,11 @@ import yaml
 from infra import inventory, keys, ssh, state
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo, NodeInfo, NodeStatus
+from infra.providers.base import DownReport, Provider, UpRequest, UpResult
 from node import contract, standalone
 
 DEFAULT_STACK = "hosts"
-PROVIDER = "ssh"
-NODE_SCRIPTS = Path(__file__).resolve().parent.parent / "node"
+NODE_SCRIPTS = Path(contract.__file__).resolve().parent  # node/: the scripts that run on a node
 CHECK_TIMEOUT_S = 30.0
 DOWN_TIMEOUT_S = 60.0
 MAX_HOSTS = 16
@@ -285,9 +285,8 @@ def check_hosts(hosts_file: HostsFile) -> list[HostCheck]:
 
 def up(hosts_path: str, stack: str, say=print) -> tuple[ClusterInfo, bool]:
     """Check the hosts and write the inventory; returns (cluster, created). Records nothing on refusal."""
-    existing = _existing(stack)
-    if existing is not None:
-        return existing, False
+    if inventory.inventory_path(stack).exists():
+        return inventory.load(stack), False
     hosts_file = read_hosts_file(hosts_path)
     checks = check_hosts(hosts_file)
     problems = [f"{c.host.address}:{c.host.port}: {' '.join(c.problem.split())}" for c in checks if c.problem]
@@ -310,15 +309,6 @@ def up(hosts_path: str, stack: str, say=print) -> tuple[ClusterInfo, bool]:
     return cluster, True
 
 
-def _existing(stack: str) -> ClusterInfo | None:
-    if not inventory.inventory_path(stack).exists():
-        return None
-    cluster = inventory.load(stack)
-    if cluster.provider != PROVIDER:
-        raise UsageError(f"stack {stack!r} is a {cluster.provider} cluster: pick another with --stack NAME")
-    return cluster
-
-
 def _private_ip(check: HostCheck) -> str:
     return check.host.private_ip or check.facts["private_ip"]
 
@@ -337,8 +327,8 @@ def _cluster(stack: str, hosts_file: HostsFile, checks: list[HostCheck], known_h
     daemons = {c.facts.get("daemon") for c in checks}
     return ClusterInfo(
         stack=stack,
-        provider=PROVIDER,
-        region=PROVIDER,
+        provider=SshProvider.name,
+        region=SshProvider.name,
         instance_type="own machines",
         hourly_usd=hosts_file.hourly_usd,
         ssh_user=checks[0].host.user,
@@ -429,3 +419,36 @@ async def _status_row(cluster: ClusterInfo, node: NodeInfo) -> NodeStatus:
         uptime_s=None if uptime_s is None else round(uptime_s),
         error=error,
     )
+
+
+# ------------------------------------------------------------------------------------- provider
+
+
+class SshProvider(Provider):
+    """The user's own machines from a hosts file; creates nothing on them and powers nothing off."""
+
+    name = "ssh"
+    accepts = frozenset({"hosts_file"})
+    what = "a hosts-file cluster (your own machines)"
+    why_not = "the hosts file says what the machines are, and nothing powers them off"
+    default_stack = DEFAULT_STACK
+
+    def up(self, request: UpRequest, say) -> UpResult:
+        if not request.hosts_file:
+            raise UsageError(f"stack {request.stack!r} is not up: pass --hosts FILE to bring your machines up")
+        cluster, created = up(request.hosts_file, request.stack, say=say)
+        return UpResult(cluster, created)
+
+    def down(self, stack: str, say) -> DownReport:
+        if not inventory.inventory_path(stack).exists():
+            say(f"nothing to do: stack '{stack}' is not up")
+            return DownReport(0)
+        say(f"cleaning stack '{stack}' on its hosts (job, watchdog, ~/.gpu-cluster); the machines keep running ...")
+        if not down(stack, say=say):
+            say(f"the stack is kept: run python deploy.py down --stack {stack} again once every host answers")
+            return DownReport(1, ended=False)
+        say(f"stack '{stack}' is down: nothing of it is left on its hosts; they were not powered off")
+        return DownReport(0)
+
+    def status(self, cluster: ClusterInfo) -> tuple[list[NodeStatus], dict]:
+        return status(cluster), {}

@@ -26,11 +26,14 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from infra import inventory, keys, ssh, state
+from infra import config as stack_config
+from infra import costs, inventory, keys, report, ssh, state
+from infra.config import StackConfig
 from infra.errors import OperationError, UsageError
-from infra.inventory import ClusterInfo, NodeInfo
-from infra.local import procs
-from infra.local.node_server import PID_REGISTRY, SERVER_MODULE, NodeConfig, token_entry
+from infra.inventory import ClusterInfo, NodeInfo, NodeStatus
+from infra.providers.base import DownReport, Provider, UpRequest, UpResult
+from infra.providers.local import procs
+from infra.providers.local.node_server import PID_REGISTRY, SERVER_MODULE, NodeConfig, token_entry
 from node import contract, procfs
 
 DEFAULT_FIRST_ADDRESS = "127.0.0.10"
@@ -59,22 +62,6 @@ class LocalOptions:
     """SSH port of node-0 (and of every node when each has its own address)."""
     asked: frozenset[str] = frozenset()
     """The fields above the user gave explicitly; a cluster that is already up must match them."""
-
-
-@dataclass(frozen=True)
-class NodeStatus:
-    """One row of `deploy.py status` for a local node."""
-
-    node: NodeInfo
-    """The node."""
-    reachable: bool
-    """A real SSH round trip succeeded."""
-    round_trip_ms: float
-    """How long that round trip took."""
-    uptime_s: float | None
-    """Seconds since the node's server started; None when it is not running."""
-    error: str
-    """Why it is unreachable; empty when it is fine."""
 
 
 def node_dir(stack: str, index: int) -> Path:
@@ -314,8 +301,8 @@ def _last_log_line(config: NodeConfig) -> str:
 
 
 @dataclass(frozen=True)
-class DownReport:
-    """What `down` did on the local provider."""
+class Teardown:
+    """What stopping the nodes did."""
 
     stopped: int
     """Node servers that were running and were stopped."""
@@ -325,17 +312,17 @@ class DownReport:
     """False when there was no cluster state to remove."""
 
 
-def down(stack: str) -> DownReport:
+def down(stack: str) -> Teardown:
     """Stop every node, prove no port listens, remove the state; keeps runs/ and the ledger."""
     if not (state.stack_dir(stack) / "nodes").exists() and not inventory.inventory_path(stack).exists():
         state.clear_current_stack(stack)
-        return DownReport(0, [], was_up=False)
+        return Teardown(0, [], was_up=False)
     endpoints = _node_endpoints(stack)
     stopped = stop_nodes(stack)
     listening = [f"{a}:{p}" for a, p in endpoints if _accepts_connections(a, p)]
     if not listening:
         remove_state(stack)
-    return DownReport(stopped, listening)
+    return Teardown(stopped, listening)
 
 
 def stop_nodes(stack: str) -> int:
@@ -499,7 +486,17 @@ def status(cluster: ClusterInfo) -> list[NodeStatus]:
     for probe in probes:
         started_at = started.get(probe.node.name)
         uptime = now - started_at if started_at and probe.reachable else None
-        rows.append(NodeStatus(probe.node, probe.reachable, probe.round_trip_ms, uptime, probe.error))
+        rows.append(
+            NodeStatus(
+                name=probe.node.name,
+                address=f"{probe.node.public_ip}:{probe.node.ssh_port}",
+                state="up" if probe.reachable else "down",
+                reachable=probe.reachable,
+                round_trip_ms=round(probe.round_trip_ms, 1),
+                uptime_s=None if uptime is None else round(uptime),
+                error=probe.error,
+            )
+        )
     return rows
 
 
@@ -533,3 +530,82 @@ def stop_reason(stack: str) -> str:
     """Why the watchdog powered this cluster off, or '' if it did not."""
     record = stop_record(stack)
     return str(record.get("reason") or "stopped") if record else ""
+
+
+# ----------------------------------------------------------------------------------------- provider
+
+
+class LocalProvider(Provider):
+    """N SSH-server nodes on this machine's loopback."""
+
+    name = "local"
+    accepts = frozenset({"nodes", "instanceType", "maxTotalUsd", "idleMinutes", "bind", "ssh_port"})
+    what = "the local provider"
+    why_not = "the nodes run on this machine, cost nothing and need no confirmation"
+    default_stack = state.LOCAL_STACK
+
+    def _stack_config(self, request: UpRequest) -> StackConfig:
+        return stack_config.load_stack(request.stack, request.overrides)
+
+    def up(self, request: UpRequest, say) -> UpResult:
+        wanted = self._stack_config(request)
+        asked = {
+            name
+            for name, value in (
+                ("nodes", request.overrides.get("nodes")),
+                ("instance_type", request.overrides.get("instanceType")),
+                ("first_address", request.bind),
+                ("ssh_port", request.ssh_port),
+            )
+            if value is not None
+        }
+        options = LocalOptions(
+            request.stack,
+            wanted.nodes,
+            wanted.instance_type,
+            request.bind,
+            DEFAULT_SSH_PORT if request.ssh_port is None else request.ssh_port,
+            asked=frozenset(asked),
+        )
+        cluster, created = up(options)
+        return UpResult(cluster, created)
+
+    def bookkeeping(self, request: UpRequest) -> tuple[StackConfig | None, float | None]:
+        wanted = self._stack_config(request)
+        return wanted, costs.reference_hourly_usd(wanted.instance_type, wanted.region, wanted.nodes)
+
+    def down(self, stack: str, say) -> DownReport:
+        stopped_itself = stop_record(stack)
+        shared = shared_contents(stack)
+        if shared.files:
+            say(
+                f"removing {report.relative(shared.path)}: {report.plural(shared.files, 'file')}, "
+                f"{shared.describe_size()} (datasets, checkpoints, anything jobs wrote there)"
+            )
+        started = time.perf_counter()
+        result = down(stack)
+        elapsed = time.perf_counter() - started
+        if result.listening:
+            say(f"still listening after down: {', '.join(result.listening)}")
+            return DownReport(1, stopped_itself=stopped_itself)
+        if not result.was_up:
+            say(f"nothing to do: stack '{stack}' is not up")
+        elif stopped_itself:
+            say(f"stack '{stack}' had stopped itself ({stopped_itself.get('reason', 'stopped')}); state removed")
+        elif result.stopped == 0:
+            say(f"stack '{stack}': no node was running; state removed, run logs kept")
+        else:
+            say(
+                f"stack '{stack}' is down: {report.plural(result.stopped, 'node')} stopped in {elapsed:.1f} s, "
+                "no port left listening"
+            )
+        return DownReport(0, stopped_itself=stopped_itself)
+
+    def status(self, cluster: ClusterInfo) -> tuple[list[NodeStatus], dict]:
+        return status(cluster), stop_record(cluster.stack)
+
+    def self_stops(self) -> dict[str, dict]:
+        return {stack: stop_record(stack) for stack in stacks_that_stopped_themselves()}
+
+    def interrupted_stacks(self) -> list[str]:
+        return stacks_without_inventory()

@@ -1,61 +1,56 @@
 """The AWS provider: preflight, `pulumi up` through the Automation API, pinned host keys, the inventory;
 `pulumi destroy` and a sweep that proves nothing billable is left; status from EC2 itself."""
 
+from __future__ import annotations
+
 import asyncio
 import json
 import re
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import asyncssh
 
-from infra import automation, inventory, keys, preflight, ssh, state, teardown
 from infra import config as stack_config
-from infra.cloud_init import READY_MARKER, SHARED_DIR
-from infra.cluster import SSH_USER
+from infra import inventory, keys, ssh, state
+from infra.cloud_init import READY_MARKER, SHARED_DIR, SSH_USER
+from infra.config import StackConfig
 from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo, NodeInfo, NodeStatus
+from infra.providers.base import DownReport, Provider, UpRequest, UpResult
+
+if TYPE_CHECKING:  # boto3 and Pulumi load only when AWS is used (about 2 s)
+    from infra import automation, preflight, teardown
 
 READY_TIMEOUT_S = 900
 HOST_KEY_BLOCK = re.compile(r"-----BEGIN SSH HOST KEY KEYS-----(.*?)-----END SSH HOST KEY KEYS-----", re.S)
 WATCHDOG_LINE = re.compile(r"gpu-cluster-watchdog: (.*)")
 
 
-@dataclass(frozen=True)
-class UpRequest:
-    """What `deploy.py up` asked for on AWS."""
-
-    stack: str
-    """The stack (its Pulumi.<stack>.yaml supplies the rest)."""
-    overrides: dict
-    """Command-line values that win over the stack file (nodes, instanceType, spot, sshCidr)."""
-    yes: bool
-    """Skip the cost confirmation."""
-
-
-PROVIDER = "aws"  # the inventory's `provider` of the stacks this module makes
-
-
 def up(
     request: UpRequest,
     clients: preflight.AwsClients | None = None,
     command=None,
-    lookup_ip: Callable[[], str] = preflight.lookup_public_ip,
+    lookup_ip: Callable[[], str] | None = None,
     confirm: Callable[[str], bool] | None = None,
     say: Callable[[str], None] = print,
-) -> tuple[ClusterInfo, bool]:
-    """Create the cluster (or say it is up); returns (cluster, created)."""
-    existing = _existing(request.stack)
-    if existing:
-        return existing, False
+) -> UpResult:
+    """Create the cluster (or say it is up)."""
+    from infra import automation, preflight
+
+    if inventory.inventory_path(request.stack).exists():
+        return UpResult(inventory.load(request.stack), False)
     config = stack_config.load_stack(request.stack, request.overrides)
     clients = clients or preflight.AwsClients.for_region(config.region)
     found = preflight.run(
-        config, clients, cli_present=command is not None or automation.find_cli() is not None, lookup_ip=lookup_ip
+        config,
+        clients,
+        cli_present=command is not None or automation.find_cli() is not None,
+        lookup_ip=lookup_ip or preflight.lookup_public_ip,
     )
     for note in found.notes:
         say(f"note: {note}")
@@ -72,15 +67,7 @@ def up(
     _pin_and_wait(cluster, outputs, clients.ec2, say)
     inventory.save(cluster)
     state.set_current_stack(request.stack)
-    return cluster, True
-
-
-def _existing(stack: str) -> ClusterInfo | None:
-    try:
-        cluster = inventory.load(stack)
-    except UsageError:
-        return None
-    return cluster if cluster.provider == PROVIDER else None
+    return UpResult(cluster, True)
 
 
 def _confirm_cost(config, found: preflight.PreflightResult, yes: bool, confirm, say) -> None:
@@ -103,6 +90,8 @@ def _confirm_cost(config, found: preflight.PreflightResult, yes: bool, confirm, 
 
 
 def _up_with_zone_fallback(deployment: automation.Deployment, config, zones: list[str], say) -> dict:
+    from infra import automation
+
     """`pulumi up`, moving to the next zone that offers the type when AWS has no capacity."""
     candidates = [config.availability_zone] if config.availability_zone else zones
     tried = []
@@ -229,6 +218,8 @@ def down(
     say: Callable[[str], None] = print,
 ) -> list[teardown.Leftover]:
     """Destroy the stack, then sweep by tag; returns what is left (empty: nothing)."""
+    from infra import automation, preflight, teardown
+
     region = _region_of(stack)
     clients = clients or preflight.AwsClients.for_region(region)
     deployment = automation.Deployment(stack, command, on_output=lambda line: say(line.rstrip()))
@@ -257,12 +248,16 @@ def _region_of(stack: str) -> str:
 
 
 def status(cluster: ClusterInfo, ec2) -> tuple[list[NodeStatus], dict]:
+    from infra import preflight
+
     """Per node: EC2 state, uptime, addresses, SSH round trip; and why the cluster stopped itself, if it did."""
     with preflight.aws_answers(f"status of stack '{cluster.stack}'"):
         return _status(cluster, ec2)
 
 
 def _status(cluster: ClusterInfo, ec2) -> tuple[list[NodeStatus], dict]:
+    from infra import teardown
+
     instances = {}
     for reservation in ec2.describe_instances(Filters=teardown.tag_filter(cluster.stack))["Reservations"]:
         for instance in reservation["Instances"]:
@@ -311,3 +306,46 @@ def _stop_record(ec2, instance: dict) -> dict:
         pass
     message = instance.get("StateReason", {}).get("Message", "")
     return {"reason": message} if "InstanceInitiatedShutdown" in message else {}
+
+
+# ------------------------------------------------------------------------------------- provider
+
+
+class AwsProvider(Provider):
+    """EC2 instances, EFS and a VPC of their own, through Pulumi (the program: infra/cluster.py)."""
+
+    name = "aws"
+    accepts = frozenset({"nodes", "instanceType", "spot", "sshCidr", "maxTotalUsd", "idleMinutes", "yes"})
+    cloud_plan = True
+    what = "AWS"
+    why_not = "they are for --local (the nodes' loopback addresses and ports)"
+    default_stack = "dev"
+
+    def up(self, request: UpRequest, say) -> UpResult:
+        stack_config.load_stack(request.stack, request.overrides)  # bad input: one line now, before boto3 and Pulumi
+        if not stack_config.stack_file(request.stack).exists():
+            say(
+                f"note: no Pulumi.{request.stack}.yaml: using the defaults (2 x {stack_config.DEFAULT_INSTANCE_TYPE} "
+                f"in {stack_config.DEFAULT_REGION}) and your flags"
+            )
+        return up(request, say=say)
+
+    def bookkeeping(self, request: UpRequest) -> tuple[StackConfig | None, float | None]:
+        return stack_config.load_stack(request.stack, request.overrides), None
+
+    def down(self, stack: str, say) -> DownReport:
+        from infra import teardown
+
+        say(f"destroying stack '{stack}' (instances, EFS and the data on it, network) ...")
+        leftovers = down(stack, say=say)
+        for line in teardown.report_lines(leftovers):
+            say(line)
+        if leftovers:
+            say(f"run python deploy.py down --stack {stack} again, or delete these by hand")
+            return DownReport(1)
+        return DownReport(0)
+
+    def status(self, cluster: ClusterInfo) -> tuple[list[NodeStatus], dict]:
+        from infra import preflight
+
+        return status(cluster, preflight.AwsClients.for_region(cluster.region).ec2)

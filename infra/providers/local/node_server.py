@@ -1,6 +1,6 @@
 """One local node: an SSH server on a loopback address that runs commands with bash in the node's home.
 
-    python -m infra.local.node_server .cluster/local/nodes/node-0/node.json
+    python -m infra.providers.local.node_server .cluster/local/nodes/node-0/node.json
 
 Started in the background by `deploy.py up --local`, one process per node, with an allow-listed
 environment (no credentials of the caller's). It accepts only the cluster's key, serves exec, shell
@@ -30,7 +30,7 @@ import asyncssh
 from infra import state
 from node import contract, procfs
 
-SERVER_MODULE = "infra.local.node_server"
+SERVER_MODULE = "infra.providers.local.node_server"
 # Daemons started on the node (the watchdog, a detached job) register `<name>.pid` here, so that
 # powering the node off ends them too, as it would on a real machine.
 PID_REGISTRY = contract.PIDS

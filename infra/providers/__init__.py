@@ -1,0 +1,117 @@
+"""The providers' registry, and what every provider shares, done once.
+
+`deploy.py` picks a provider with `for_up`, `for_stack` or `for_cluster` and never asks which one it
+has; `bring_up` and `bring_down` wrap a provider's own `up` and `down` with the bookkeeping they all
+share: the flags it does not accept refused in one line, a stack of another kind refused, the ledger's
+cluster interval opened and closed, the guards saved, the run logs named.
+"""
+
+import json
+
+from infra import costs, inventory, report, state
+from infra.errors import UsageError
+from infra.inventory import ClusterInfo
+from infra.providers.aws import AwsProvider
+from infra.providers.base import CONFIG_FLAGS, DownReport, Provider, UpRequest, UpResult
+from infra.providers.hosts import SshProvider
+from infra.providers.local.provider import LocalProvider
+
+__all__ = ["CONFIG_FLAGS", "DownReport", "Provider", "UpRequest", "UpResult", "PROVIDERS"]
+
+PROVIDERS: dict[str, Provider] = {p.name: p for p in (LocalProvider(), AwsProvider(), SshProvider())}
+LOCAL, AWS, HOSTS = (PROVIDERS[name] for name in ("local", "aws", "ssh"))
+
+
+def bring_up(chosen: Provider, request: UpRequest, say) -> UpResult:
+    """`up` through the chosen provider, with what every provider shares: the request checked against
+    what it accepts and against a stack of another kind, then, for a cluster it created, the ledger
+    row and the guards (where they apply) where bootstrap finds them."""
+    refused = [flag for key, flag in request.given().items() if key not in chosen.accepts]
+    if refused:
+        raise UsageError(f"{', '.join(refused)} do(es) not apply to {chosen.what}: {chosen.why_not}")
+    other = _inventory_provider(request.stack)
+    if other is not None and other != chosen.name:
+        raise UsageError(
+            f"stack {request.stack!r} is {PROVIDERS[other].what}, not {chosen.what}: pick another with --stack NAME"
+        )
+    result = chosen.up(request, say)
+    if result.created:
+        guarded, reference_usd = chosen.bookkeeping(request)
+        if guarded is not None:
+            costs.save_guards(request.stack, guarded)
+        costs.record_up(result.cluster, reference_usd, say=say)
+    return result
+
+
+def bring_down(chosen: Provider, stack: str, say) -> int:
+    """`down` through the stack's provider, then the ledger's interval closed once (at the time the
+    cluster stopped itself, where it did), and where the run logs are kept; returns the exit code."""
+    done: DownReport = chosen.down(stack, say)
+    if done.ended:
+        if done.stopped_itself:
+            costs.record_self_stop(
+                stack, done.stopped_itself.get("reason", "stopped"), done.stopped_itself.get("at"), say
+            )
+        costs.record_down(stack, say=say)
+    if done.code == 0:
+        runs = state.runs_dir(stack)
+        if runs.exists():
+            say(f"run logs kept in {report.relative(runs)}")
+    return done.code
+
+
+def config_flag(key: str) -> str:
+    return CONFIG_FLAGS.get(key, key)
+
+
+def for_up(local_flag: bool, hosts_file: str | None, stack_flag: str | None) -> tuple[Provider, str]:
+    """The provider and stack `up` means: `--local`, `--hosts FILE`, else the stack's own (AWS for a new one)."""
+    if local_flag and hosts_file:
+        raise UsageError("--local and --hosts exclude each other: the nodes are either here or your machines")
+    if hosts_file is not None and not hosts_file.strip():
+        raise UsageError("--hosts needs a file: the YAML list of your machines (see README, 'Your own machines')")
+    if local_flag:
+        return LOCAL, state.check_stack_name(LOCAL.default_stack if stack_flag is None else stack_flag)
+    if hosts_file is not None:
+        return HOSTS, state.check_stack_name(HOSTS.default_stack if stack_flag is None else stack_flag)
+    stack = state.resolve_stack(stack_flag, default=AWS.default_stack)
+    return for_stack(stack), stack
+
+
+def for_stack(stack: str) -> Provider:
+    """The stack's provider: its inventory says (even a damaged one, where its `provider` can be read);
+    else a local stack's node folders, or the default stack names of `--local` and `--hosts`; else AWS,
+    whose state is Pulumi's."""
+    name = _inventory_provider(stack)
+    if name is None and (stack == LOCAL.default_stack or (state.stack_dir(stack) / "nodes").exists()):
+        name = LOCAL.name
+    if name is None and stack == HOSTS.default_stack:
+        name = HOSTS.name
+    return PROVIDERS.get(name or AWS.name, AWS)
+
+
+def _inventory_provider(stack: str) -> str | None:
+    try:
+        data = json.loads(inventory.inventory_path(stack).read_text())
+    except (OSError, ValueError):
+        return None
+    name = data.get("provider") if isinstance(data, dict) else None
+    return name if name in PROVIDERS else None
+
+
+def for_cluster(cluster: ClusterInfo) -> Provider:
+    if cluster.provider not in PROVIDERS:
+        raise UsageError(f"stack {cluster.stack!r} names an unknown provider {cluster.provider!r} in its inventory")
+    return PROVIDERS[cluster.provider]
+
+
+def note_self_stops(say) -> None:
+    """Close the ledger intervals of clusters that powered themselves off, at the time they did."""
+    for provider in PROVIDERS.values():
+        for stack, record in provider.self_stops().items():
+            costs.record_self_stop(stack, record.get("reason", "stopped"), record.get("at"), say)
+
+
+def interrupted_stacks() -> list[str]:
+    """Every stack an interrupted `up` left behind, whatever its provider."""
+    return sorted(stack for provider in PROVIDERS.values() for stack in provider.interrupted_stacks())
