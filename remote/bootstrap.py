@@ -34,7 +34,7 @@ from infra import state
 from infra.errors import OperationError, ReportedFailure, UsageError
 from infra.inventory import ClusterInfo
 from node import contract
-from remote import commands
+from remote import job_command, node_paths, protocol
 from remote.connect import NodeSession, describe, on_all_nodes, open_sessions
 from remote.launch import JobSpec, NodeSetup, run_job
 from remote.stream import console, say
@@ -116,6 +116,42 @@ def local_manifest() -> dict[str, str]:
     return manifest
 
 
+@dataclass(frozen=True)
+class NodeStage:
+    """A stage done on every node at once; a node where it fails is retried on a dropped connection
+    and otherwise reported, while the others finish it."""
+
+    name: str
+    apply: Callable[[NodeRecord], Outcome]
+
+    def run(self, records: list[NodeRecord]) -> dict[str, Outcome]:
+        by_session = {id(r.session): r for r in records}
+
+        def on_node(session: NodeSession) -> Outcome:
+            record = by_session[id(session)]
+            try:
+                return session.retrying(lambda _: self.apply(record), on_retry=say)
+            except StageFailed as exc:
+                return Outcome("failed", str(exc), exc.output)
+
+        results = on_all_nodes([r.session for r in records], on_node)
+        return {r.name: r.value if r.value is not None else Outcome("failed", describe(r.error)) for r in results}
+
+
+@dataclass(frozen=True)
+class ClusterStage:
+    """A stage done once across the cluster (the health check): it gives every node's outcome itself."""
+
+    name: str
+    apply: Callable[[], dict[str, Outcome]]
+
+    def run(self, records: list[NodeRecord]) -> dict[str, Outcome]:
+        return self.apply()
+
+
+Stage = NodeStage | ClusterStage
+
+
 class Bootstrap:
     """One `fab bootstrap` run over a cluster."""
 
@@ -132,13 +168,14 @@ class Bootstrap:
     def run(self) -> None:
         started = time.monotonic()
         self._refuse_ssh_port()
-        sessions, recorded = open_sessions(self.cluster, f"cat {commands.STATE_FILE} 2>/dev/null || echo '{{}}'")
+        sessions, recorded = open_sessions(self.cluster, f"cat {node_paths.STATE_FILE} 2>/dev/null || echo '{{}}'")
         try:
             self._refuse_busy_port(sessions[0])
             self.records = [NodeRecord(s, _parse_state(text)) for s, text in zip(sessions, recorded, strict=True)]
-            for name, stage in self.stages():
+            for stage in self.stages():
+                name = stage.name
                 stage_started = time.monotonic()
-                self._run_stage(name, stage)
+                self.outcomes[name] = stage.run(self.records)
                 statuses = sorted({o.status for o in self.outcomes[name].values()})
                 say(f"bootstrap: {name:7s} {', '.join(statuses)} ({time.monotonic() - stage_started:.1f} s)")
                 if "failed" in statuses:
@@ -172,7 +209,7 @@ class Bootstrap:
         address, port = self.cluster.head.private_ip, self.master_port
         python = self.cluster.python
         source = (REPO / "node" / "port_free.py").read_text()
-        result = head.run(commands.python_json_command(python, source, address, str(port)))
+        result = head.run(protocol.python_json_command(python, source, address, str(port)))
         verdict = result.stdout.strip()
         if verdict == "free":
             return
@@ -180,7 +217,7 @@ class Bootstrap:
             raise OperationError(
                 f"could not check MASTER_PORT {port} on {head.node.name}: {(result.stderr.strip() or verdict)[-200:]}"
             )
-        job, _ = commands.parse_job_status(head.run(commands.job_status_command()).stdout)
+        job, _ = protocol.parse_job_status(head.run(protocol.job_status_command()).stdout)
         why = (
             f"job {job['run_id']} ({job['task']}) runs there: wait for it or run fab stop"
             if job
@@ -188,32 +225,16 @@ class Bootstrap:
         )
         raise UsageError(f"MASTER_PORT {port} is not free on {head.node.name} ({address}): {why}")
 
-    def stages(self) -> list[tuple[str, Callable[[NodeRecord], Outcome] | None]]:
-        """Each stage by name; health (None) is the cluster-wide all-reduce, run by `_run_stage` itself."""
+    def stages(self) -> list[Stage]:
+        """The stages in order: each runs on every node at once, or (health) once across the cluster."""
         return [
-            ("code", self.code),
-            ("probe", self.probe),
-            ("deps", self.deps),
-            ("env", self.env),
-            ("health", None),
-            ("watchdog", self.watchdog),
+            NodeStage("code", self.code),
+            NodeStage("probe", self.probe),
+            NodeStage("deps", self.deps),
+            NodeStage("env", self.env),
+            ClusterStage("health", self.health),
+            NodeStage("watchdog", self.watchdog),
         ]
-
-    def _run_stage(self, name: str, stage) -> None:
-        if name == "health":
-            self.outcomes[name] = self.health()
-            return
-
-        def apply(record: NodeRecord) -> Outcome:
-            try:
-                return record.session.retrying(lambda _: stage(record), on_retry=say)
-            except StageFailed as exc:
-                return Outcome("failed", str(exc), exc.output)
-
-        results = on_all_nodes([r.session for r in self.records], lambda s: apply(self._record_of(s)))
-        self.outcomes[name] = {
-            r.name: r.value if r.value is not None else Outcome("failed", describe(r.error)) for r in results
-        }
 
     def _record_of(self, session: NodeSession) -> NodeRecord:
         return next(r for r in self.records if r.session is session)
@@ -227,7 +248,7 @@ class Bootstrap:
         tmp = f"{contract.STATE}.tmp"  # SFTP paths start in the login directory
         record.session.run(f"mkdir -p {contract.shell(contract.PIDS)}", warn=False)
         record.session.conn.put(io.StringIO(text), remote=tmp)
-        record.session.run(f"mv {contract.shell(tmp)} {commands.STATE_FILE}", warn=False)
+        record.session.run(f"mv {contract.shell(tmp)} {node_paths.STATE_FILE}", warn=False)
 
     def python_for(self, record: NodeRecord) -> str:
         """The interpreter that runs jobs: the node venv (before the deps stage, the inventory's)."""
@@ -239,11 +260,11 @@ class Bootstrap:
         """Sync the code by hash: once on shared storage, else on every node. Needs no Python."""
         if self.cluster.shared_dir and record is not self.records[0]:
             return Outcome("shared", f"via {self.records[0].name}")
-        destination = commands.code_dir(self.cluster)
-        remote = record.session.run(commands.hash_files_command(destination, SYNCED))
+        destination = node_paths.code_dir(self.cluster)
+        remote = record.session.run(protocol.hash_files_command(destination, SYNCED))
         if remote.exited != 0:
             raise StageFailed("could not hash the code on the node", remote.stdout + remote.stderr)
-        remote_manifest = commands.parse_hashes(remote.stdout)
+        remote_manifest = protocol.parse_hashes(remote.stdout)
         changed = [path for path, sha in self.manifest.items() if remote_manifest.get(path) != sha]
         stale = [path for path in remote_manifest if path not in self.manifest]
         if not changed and not stale:
@@ -251,13 +272,13 @@ class Bootstrap:
         folders = sorted({str(Path(p).parent) for p in changed})
         if folders:
             record.session.run(
-                "mkdir -p " + " ".join(commands.shell_path(f"{destination}/{f}") for f in folders), warn=False
+                "mkdir -p " + " ".join(node_paths.shell_path(f"{destination}/{f}") for f in folders), warn=False
             )
         for path in changed:
             record.session.conn.put(str(REPO / path), remote=_sftp(destination, path))
         if stale:
             record.session.run(
-                "rm -f " + " ".join(commands.shell_path(f"{destination}/{p}") for p in stale), warn=False
+                "rm -f " + " ".join(node_paths.shell_path(f"{destination}/{p}") for p in stale), warn=False
             )
         self._record(record, "code", digest(self.manifest), {"files": len(self.manifest)})
         return Outcome("done", f"{len(changed)} sent, {len(stale)} removed")
@@ -267,10 +288,10 @@ class Bootstrap:
         wanted = digest(self.manifest.get("node/probe.py"), self.cluster.head.private_ip, python)
         if self._up_to_date(record, "probe", wanted):
             return Outcome("up to date", _hardware(record.facts("probe")))
-        result = record.session.run(commands.node_module(self.cluster, python, "probe", self.cluster.head.private_ip))
+        result = record.session.run(node_paths.node_module(self.cluster, python, "probe", self.cluster.head.private_ip))
         if result.exited != 0:
             raise StageFailed(f"the probe failed (is {python} there?)", result.stdout + result.stderr)
-        facts = commands.parse_last_json(result.stdout)
+        facts = protocol.parse_last_json(result.stdout)
         if not facts.get("interface"):
             raise StageFailed(f"no route from this node to MASTER_ADDR {self.cluster.head.private_ip}")
         self._record(record, "probe", wanted, facts)
@@ -284,7 +305,7 @@ class Bootstrap:
             return Outcome("up to date", _torch(record.facts("deps")))
         record.session.run(f"mkdir -p {contract.shell(contract.HOME_DIR)}", warn=False)
         record.session.conn.put(io.StringIO(requirements), remote=contract.REQUIREMENTS)
-        command = commands.node_module(
+        command = node_paths.node_module(
             self.cluster, self.cluster.python, "python_env", contract.VENV, contract.REQUIREMENTS
         )
         result = record.session.run(f"cd && {command}", timeout=1800)
@@ -292,23 +313,23 @@ class Bootstrap:
             raise StageFailed(
                 f"the node venv over {self.cluster.python} could not be made", result.stdout + result.stderr
             )
-        facts = commands.parse_last_json(result.stdout)
+        facts = protocol.parse_last_json(result.stdout)
         self._record(record, "deps", wanted, facts)
         return Outcome("done", _torch(facts))
 
     def env(self, record: NodeRecord) -> Outcome:
         index = self.records.index(record)
         interface = record.facts("probe")["interface"]
-        environment = commands.node_environment(
+        environment = job_command.node_environment(
             self.cluster, index, interface, self.python_for(record), self.master_port
         )
-        text = commands.env_file_text(environment)
+        text = job_command.env_file_text(environment)
         wanted = digest(text)
         if self._up_to_date(record, "env", wanted):
             return Outcome("up to date", f"iface {interface}")
         record.session.run(f"mkdir -p {contract.shell(contract.PIDS)}", warn=False)
         record.session.conn.put(io.StringIO(text), remote=f"{contract.ENV}.tmp")
-        record.session.run(f"mv {contract.shell(contract.ENV)}.tmp {commands.ENV_FILE}", warn=False)
+        record.session.run(f"mv {contract.shell(contract.ENV)}.tmp {node_paths.ENV_FILE}", warn=False)
         self._record(record, "env", wanted, {"interface": interface})
         return Outcome("done", f"iface {interface}")
 
@@ -329,7 +350,7 @@ class Bootstrap:
     def _check_master_reachable(self) -> dict[str, Outcome]:
         head = self.records[0]
         address, port = self.cluster.head.private_ip, str(self.master_port)
-        listen_command = commands.node_module(
+        listen_command = node_paths.node_module(
             self.cluster, self.python_for(head), "reach", "listen", address, port, str(len(self.records))
         )
         listened = []
@@ -338,7 +359,7 @@ class Bootstrap:
         results = on_all_nodes(
             [r.session for r in self.records],
             lambda s: s.run(
-                commands.node_module(
+                node_paths.node_module(
                     self.cluster, self.python_for(self._record_of(s)), "reach", "connect", address, port
                 )
             ),
@@ -360,12 +381,12 @@ class Bootstrap:
         return outcomes
 
     def _check_all_reduce(self) -> dict[str, Outcome]:
-        world = sum(commands.nproc_per_node(n.gpus) for n in self.cluster.nodes)
+        world = sum(job_command.nproc_per_node(n.gpus) for n in self.cluster.nodes)
         spec = JobSpec(
             "health", "examples/distributed_hello.py", ["--expect-world-size", str(world), "--timeout", "60"]
         )
         setup = NodeSetup(self.master_port, {r.name: self.python_for(r) for r in self.records})
-        run_id = commands.new_run_id("health")
+        run_id = job_command.new_run_id("health")
         result = run_job(
             self.cluster,
             [r.session for r in self.records],
@@ -375,7 +396,7 @@ class Bootstrap:
             self.stack_dir / "bootstrap",
             echo=False,
         )
-        self.records[0].session.run(f"rm -rf {commands.shell_path(commands.remote_run_dir(self.cluster, run_id))}")
+        self.records[0].session.run(f"rm -rf {node_paths.shell_path(node_paths.remote_run_dir(self.cluster, run_id))}")
         outcomes = {}
         for record in self.records:
             code = result.exit_codes.get(record.name)
@@ -441,7 +462,7 @@ class Bootstrap:
         return argv
 
     def _watchdog_start_command(self, record: NodeRecord, guards: dict) -> str:
-        code = commands.code_dir(self.cluster)
+        code = node_paths.code_dir(self.cluster)
         argv = " ".join(shlex.quote(a) for a in self._watchdog_argv(record, guards))
         if self.cluster.daemon == "detached":
             # Its own session, output to a file, registered in the node's pid registry: the SSH session
@@ -450,7 +471,7 @@ class Bootstrap:
             # session's output open (the command would not return until the watchdog exits) and whose
             # pid, not the watchdog's, `$!` would record.
             return (
-                f"cd {commands.shell_path(code)} && {{ PYTHONPATH={commands.shell_path(code)} setsid {argv} "
+                f"cd {node_paths.shell_path(code)} && {{ PYTHONPATH={node_paths.shell_path(code)} setsid {argv} "
                 f">> {contract.shell(contract.WATCHDOG_LOG)} 2>&1 < /dev/null & "
                 f"echo $! > {contract.shell(contract.WATCHDOG_PID)}; }}"
             )
@@ -480,7 +501,7 @@ class Bootstrap:
         setup = {
             "master_port": self.master_port,
             "python": {r.name: self.python_for(r) for r in self.records},
-            "code_dir": commands.code_dir(self.cluster),
+            "code_dir": node_paths.code_dir(self.cluster),
             "nodes": {r.name: {"probe": r.facts("probe"), "deps": r.facts("deps")} for r in self.records},
             "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }

@@ -18,7 +18,7 @@ from pathlib import Path
 from infra import state
 from infra.inventory import ClusterInfo
 from node import contract
-from remote import commands, hang
+from remote import hang, node_paths, protocol
 from remote.connect import NodeSession, describe, on_all_nodes
 from remote.stream import say
 
@@ -164,11 +164,11 @@ class HangWatch:
 
     def _command(self, session: NodeSession, action: str) -> str:
         python = self.python.get(session.node.name, "python3")
-        folder = commands.shell_path(contract.in_home(contract.progress_dir(self.run_id)))
-        script = commands.shell_path(f"{commands.code_dir(self.cluster)}/node/hang.py")
+        folder = node_paths.shell_path(contract.in_home(contract.progress_dir(self.run_id)))
+        script = node_paths.shell_path(f"{node_paths.code_dir(self.cluster)}/node/hang.py")
         wait = f" --wait-s {COLLECT_WAIT_S}" if action == "collect" else ""
         return (
-            f". {commands.ENV_FILE} 2>/dev/null; {shlex.quote(python)} {script} {action} {folder} "
+            f". {node_paths.ENV_FILE} 2>/dev/null; {shlex.quote(python)} {script} {action} {folder} "
             f"{shlex.quote(self.run_id)}{wait}"
         )
 
@@ -179,7 +179,7 @@ class HangWatch:
             except Exception:  # the node did not answer: a fresh connection for the next poll
                 session.reopen()
                 raise
-            return commands.parse_last_json(result.stdout) if result.exited == 0 else {}
+            return protocol.parse_last_json(result.stdout) if result.exited == 0 else {}
 
         return [r.value for r in on_all_nodes(sessions, ask) if isinstance(r.value, dict)]
 

@@ -2,7 +2,7 @@
 
 Each node runs `torchrun` in its own SSH session (one thread per node). When a node's torchrun exits
 non-zero, or its connection is lost, or the user presses Ctrl-C, the job is stopped on every other node
-(`commands.stop_command`), so nothing waits forever in a collective and nothing is left behind.
+(`protocol.stop_command`), so nothing waits forever in a collective and nothing is left behind.
 One job at a time: a launch holds the head node's job lock (`JobLock`) from before it creates anything
 until its job has ended everywhere.
 """
@@ -24,7 +24,7 @@ from infra import state
 from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
 from node import contract
-from remote import commands, hang, workdir
+from remote import hang, job_command, node_paths, protocol, workdir
 from remote.connect import CONNECTION_ERRORS, NodeSession, describe, on_all_nodes, open_sessions
 from remote.hangwatch import HangPolicy, HangReport, HangWatch, job_environment, rankhook_path
 from remote.packages import Requirements
@@ -126,9 +126,9 @@ class JobLock:
         try:
             channel = self.head.conn.client.get_transport().open_session(timeout=LOCK_WAIT_S)
             channel.settimeout(LOCK_WAIT_S)
-            channel.exec_command(commands.lock_command(self.run_id, self.task, owner))
+            channel.exec_command(protocol.lock_command(self.run_id, self.task, owner))
             reply = channel.makefile("r").readline().strip()
-            state, holder = commands.parse_lock_reply(reply)
+            state, holder = protocol.parse_lock_reply(reply)
             if state == "locked":
                 self.channel = channel
                 return self
@@ -164,7 +164,7 @@ class JobStream(NodeStream):
         self.exit: tuple[int, float | None] | None = None
 
     def _emit(self, line: str) -> None:
-        marker = commands.parse_exit_marker(line.rstrip("\r"))
+        marker = job_command.parse_exit_marker(line.rstrip("\r"))
         if marker is None:
             super()._emit(line)
         else:
@@ -186,7 +186,7 @@ def first_failure(
 def check_ready(sessions: list[NodeSession], statuses: list[str]) -> None:
     """UsageError (exit 2) if a node is not bootstrapped or already runs a job, before anything starts."""
     for session, output in zip(sessions, statuses, strict=True):
-        job, bootstrapped = commands.parse_job_status(output)
+        job, bootstrapped = protocol.parse_job_status(output)
         if job:
             raise UsageError(
                 f"{session.node.name} is running job {job['run_id']} ({job['task']}): wait for it or run fab stop"
@@ -199,7 +199,7 @@ def stop_everywhere(cluster: ClusterInfo, nodes: list[str] | None = None) -> dic
     """Run the stop command on the named nodes (default all) over fresh connections."""
     targets = [n for n in cluster.nodes if nodes is None or n.name in nodes]
     sessions = [NodeSession(cluster, node) for node in targets]
-    outcomes = on_all_nodes(sessions, lambda s: s.retrying(lambda x: x.run(commands.stop_command()), delays_s=(0.5,)))
+    outcomes = on_all_nodes(sessions, lambda s: s.retrying(lambda x: x.run(protocol.stop_command()), delays_s=(0.5,)))
     for session in sessions:
         session.close()
     return {
@@ -210,10 +210,10 @@ def stop_everywhere(cluster: ClusterInfo, nodes: list[str] | None = None) -> dic
 
 def upload_script(cluster: ClusterInfo, sessions: list[NodeSession], run_id: str, script: Path) -> None:
     """Copy the user's script into the run folder: once on shared storage, else on every node."""
-    run_dir = commands.remote_run_dir(cluster, run_id)
+    run_dir = node_paths.remote_run_dir(cluster, run_id)
     targets = sessions[:1] if cluster.shared_dir else sessions
     for session in targets:
-        session.run(f"mkdir -p {commands.shell_path(run_dir)}", warn=False)
+        session.run(f"mkdir -p {node_paths.shell_path(run_dir)}", warn=False)
         # SFTP does not expand $HOME; relative paths start in the login directory.
         session.conn.put(str(script), remote=f"{contract.home_relative(run_dir)}/{script.name}")
 
@@ -240,7 +240,7 @@ def run_job(
     interrupted = False
 
     def start(session: NodeSession) -> int:
-        command = commands.launch_command(
+        command = job_command.launch_command(
             cluster,
             session.node,
             run_id,
@@ -300,9 +300,9 @@ def run_job(
 def job_script(cluster: ClusterInfo, spec: JobSpec, run_id: str) -> str:
     """The script as the nodes see it: in the job's copy of the workdir, the run folder, or the code."""
     if spec.workdir:
-        return f"{commands.job_workdir(run_id)}/{spec.script}"
+        return f"{node_paths.job_workdir(run_id)}/{spec.script}"
     if spec.upload:
-        return f"{commands.remote_run_dir(cluster, run_id)}/{spec.upload.name}"
+        return f"{node_paths.remote_run_dir(cluster, run_id)}/{spec.upload.name}"
     return f"$CLUSTER_CODE_DIR/{spec.script}"
 
 
@@ -401,15 +401,15 @@ def fetch_results(
 ) -> Fetched:
     """Copy the head node's `$CLUSTER_RESULTS_DIR` (whole) and the run's `metrics.jsonl`, and nothing
     else: checkpoints and whatever else the job left in its folders stay on the nodes."""
-    listing = commands.node_module(
+    listing = node_paths.node_module(
         cluster,
         python,
         "sync",
         "results",
-        contract.home_relative(commands.remote_run_dir(cluster, run_id)),
-        contract.home_relative(commands.results_dir(run_id)),
+        contract.home_relative(node_paths.remote_run_dir(cluster, run_id)),
+        contract.home_relative(node_paths.results_dir(run_id)),
     )
-    entries = commands.parse_last_json(session.run(f"cd && {listing}", warn=False).stdout)["files"]
+    entries = protocol.parse_last_json(session.run(f"cd && {listing}", warn=False).stdout)["files"]
     names, total, refused = [], 0, []
     for entry in entries:
         name, size = _local_name(entry["name"]), int(entry["size"])
@@ -474,7 +474,7 @@ def prepare(
 
 
 def _tagged(sessions: list[NodeSession], statuses: list[str], tag: str) -> dict[str, str | None]:
-    return {s.node.name: commands.parse_tagged(output, tag) for s, output in zip(sessions, statuses, strict=True)}
+    return {s.node.name: protocol.parse_tagged(output, tag) for s, output in zip(sessions, statuses, strict=True)}
 
 
 def launch(
@@ -484,13 +484,13 @@ def launch(
     wanted = None
     if spec.workdir:
         wanted = workdir.manifest(spec.workdir, workdir.hash_cache_path(cluster, spec.workdir))
-    status = commands.launch_status_command(
+    status = protocol.launch_status_command(
         spec.workdir.key if spec.workdir else None, spec.requirements.digest if spec.requirements else None
     )
     sessions, statuses = open_sessions(cluster, status)
     try:
         check_ready(sessions, statuses)
-        run_id = commands.new_run_id(spec.task)
+        run_id = job_command.new_run_id(spec.task)
         local_dir = runs_root / run_id
         with JobLock(sessions[0], run_id, spec.task):
             prepare(cluster, sessions, statuses, spec, setup, wanted)

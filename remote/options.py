@@ -10,7 +10,7 @@ import shlex
 from pathlib import Path
 
 from infra.errors import UsageError
-from remote.commands import reserved_variable
+from remote.job_command import reserved_variable
 from remote.packages import Requirements
 
 PORT_RANGE = (1024, 65535)  # below 1024 needs root on the nodes

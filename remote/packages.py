@@ -16,7 +16,7 @@ from pathlib import Path
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo
 from node import contract
-from remote import commands
+from remote import node_paths, protocol
 from remote.connect import NodeSession, describe, on_all_nodes
 from remote.stream import say
 
@@ -74,7 +74,7 @@ def ensure(
     for result in outcomes:
         outcome: dict = result.value if result.value is not None else {"ok": False, "error": describe(result.error)}
         if not outcome.get("ok"):
-            failed.setdefault(commands.with_stale_code_hint(str(outcome["error"])), []).append(result.name)
+            failed.setdefault(protocol.with_stale_code_hint(str(outcome["error"])), []).append(result.name)
     if failed:
         why = "; ".join(f"on {', '.join(nodes)}: {error}" for error, nodes in failed.items())
         raise UsageError(
@@ -91,7 +91,7 @@ def _install(
     session.run(f"mkdir -p {contract.shell(contract.ENVS)}", warn=False)
     session.conn.put(io.BytesIO(requirements.text), remote=f"{requirements.env_dir}.txt")
     where = [f"{contract.workdir_cache(workdir_key)}/{contract.WORKDIR_FILES}"] if workdir_key else []
-    command = commands.node_module(
+    command = node_paths.node_module(
         cluster,
         python,
         "job_env",
@@ -102,7 +102,7 @@ def _install(
     )
     result = session.run(f"cd && {command}", timeout=INSTALL_TIMEOUT_S)
     try:
-        return commands.parse_last_json(result.stdout)
+        return protocol.parse_last_json(result.stdout)
     except ValueError:
         lines = (result.stderr.strip() or result.stdout.strip() or f"exit {result.exited}").splitlines()
         return {"ok": False, "error": lines[-1]}

@@ -4,14 +4,7 @@ The cluster is the current stack's inventory (`--stack`, else $CLUSTER_STACK, el
 """
 
 import json
-import os
-import sqlite3
-import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 from invoke import Collection, task
 from invoke.exceptions import Exit
@@ -20,9 +13,8 @@ from rich.table import Table
 from infra import inventory, state
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo
-from infra.ledger import HEARTBEAT_S, Ledger
-from node import billing, contract
-from remote import commands, options, workdir
+from node import contract
+from remote import job_command, node_paths, options, protocol, runs, workdir
 from remote.bootstrap import Bootstrap
 from remote.connect import describe, on_all_nodes, open_sessions
 from remote.launch import DEFAULT_MAX_RESULT_MB, JobLock, JobSpec, NodeSetup, check_ready, launch, stop_everywhere
@@ -51,101 +43,14 @@ def setup_for(cluster: ClusterInfo) -> NodeSetup:
     return NodeSetup.load(state.stack_file(cluster.stack, state.BOOTSTRAP))
 
 
-class RunBook:
-    """Runs into the ledger; a ledger that cannot be written costs a warning, never the launch."""
-
-    def __init__(self, cluster: ClusterInfo):
-        self.cluster = cluster
-        self.heartbeat: Heartbeat | None = None
-        self.ledger: Ledger | None
-        try:
-            self.ledger = Ledger()
-            for warning in self.ledger.warnings:
-                say(f"fab: warning: {warning}")
-        except (sqlite3.Error, OSError) as exc:
-            say(f"fab: warning: the ledger cannot be opened ({exc}); this run is not recorded in it")
-            self.ledger = None
-
-    def started(self, run_id: str, task: str) -> None:
-        self._safely(
-            lambda ledger: ledger.run_started(
-                run_id,
-                self.cluster.stack,
-                task,
-                len(self.cluster.nodes),
-                self.cluster.hourly_usd,
-                owner_pid=os.getpid(),
-            )
-        )
-        if self.ledger is not None:
-            self.heartbeat = Heartbeat(self.ledger.path, run_id)
-            self.heartbeat.start()
-
-    def hung(self, run_id: str, report) -> None:
-        """Record the hang watch's finding, from its own thread (a connection of its own)."""
-        if self.ledger is None:
-            return
-        try:
-            ledger = Ledger(self.ledger.path)
-            try:
-                ledger.run_hung(run_id, report.verdict, report.stalled_since, report.detected_at)
-            finally:
-                ledger.close()
-        except (sqlite3.Error, OSError) as exc:
-            say(f"fab: warning: could not record the hang in the ledger ({exc})")
-
-    def ended(self, run_id: str, exit_codes: dict, duration_s: float) -> float:
-        if self.heartbeat is not None:
-            self.heartbeat.stop()
-        cost = self._safely(lambda ledger: ledger.run_ended(run_id, exit_codes))
-        return cost if cost is not None else billing.cost_usd(self.cluster.hourly_usd, duration_s)
-
-    def _safely(self, write: Callable[[Ledger], Any]) -> Any:
-        if self.ledger is None:
-            return None
-        try:
-            return write(self.ledger)
-        except (sqlite3.Error, OSError) as exc:
-            say(f"fab: warning: could not write the ledger ({exc})")
-            return None
-
-
-class Heartbeat(threading.Thread):
-    """Records every HEARTBEAT_S that this fab still supervises its run, so that if it is killed, the
-    next command reading the ledger closes the run at the last beat (infra/ledger.py)."""
-
-    def __init__(self, ledger_path: Path, run_id: str):
-        super().__init__(name=f"heartbeat-{run_id}", daemon=True)
-        self.ledger_path, self.run_id = ledger_path, run_id
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        try:
-            ledger = Ledger(self.ledger_path)  # a connection of this thread's own
-        except (sqlite3.Error, OSError):
-            return  # RunBook has warned already; the run's end is still recorded
-        try:
-            while not self.stopped.wait(HEARTBEAT_S):
-                try:
-                    ledger.heartbeat(self.run_id)
-                except (sqlite3.Error, OSError):
-                    pass  # a busy or damaged ledger; the next beat may get through
-        finally:
-            ledger.close()
-
-    def stop(self) -> None:
-        self.stopped.set()
-        self.join(timeout=5)
-
-
 def start_job(stack: str | None, spec: JobSpec) -> None:
     """Launch `spec` on every node; exit 1 naming the node that failed, 130 on Ctrl-C."""
     cluster = cluster_for(stack)
-    problem = commands.nproc_problem(cluster.nodes, spec.nproc_per_node)
+    problem = job_command.nproc_problem(cluster.nodes, spec.nproc_per_node)
     if problem:
         raise Exit(f"error: {problem}", code=2)
     setup = setup_for(cluster)
-    book = RunBook(cluster)
+    book = runs.RunBook(cluster)
     result, local_dir = launch(
         cluster,
         spec,
@@ -155,31 +60,7 @@ def start_job(stack: str | None, spec: JobSpec) -> None:
         on_hang=book.hung,
     )
     cost_usd = book.ended(result.run_id, result.exit_codes, result.duration_s)
-    summary = {
-        "task": spec.task,
-        "run_id": result.run_id,
-        "nodes": [n.name for n in cluster.nodes],
-        "started_at": result.started_at,
-        "ended_at": result.ended_at,
-        "duration_s": round(result.duration_s, 3),
-        "exit_codes": result.exit_codes,
-        "cost_usd": round(cost_usd, 6),
-        "hourly_usd": cluster.hourly_usd,
-        "script": spec.script if not spec.upload else str(spec.upload),
-        "args": spec.args,
-        "workdir": str(spec.workdir.root) if spec.workdir else None,
-        "requirements": str(spec.requirements.path) if spec.requirements else None,
-        "env": sorted(spec.env),  # names only: values may be secrets, and this file outlives the run
-    }
-    if result.hang:
-        summary["hang"] = {
-            "verdict": result.hang.verdict,
-            "stalled_at": result.hang.stalled_since,
-            "detected_at": result.hang.detected_at,
-            "evidence": str(result.hang.evidence_dir),
-            "usd_since_stall": round(billing.cost_usd(cluster.hourly_usd, time.time() - result.hang.stalled_since), 6),
-        }
-    state.write_atomic(local_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    runs.write_summary(local_dir, runs.summary(cluster, spec, result, cost_usd))
     where = f"logs: {local_dir}"
     if result.interrupted:
         say(f"fab: run {result.run_id} interrupted after {result.duration_s:.1f} s; job stopped on every node; {where}")
@@ -372,13 +253,13 @@ def processes(value: str | None) -> int | None:
     help={
         "force": "redo every stage even where it is up to date",
         "master-port": f"MASTER_PORT for the rendezvous on node-0, {options.PORT_RANGE[0]}..{options.PORT_RANGE[1]}, "
-        f"free there (default {commands.DEFAULT_MASTER_PORT})",
+        f"free there (default {job_command.DEFAULT_MASTER_PORT})",
         "stack": STACK_HELP,
     }
 )
 def bootstrap(c, force=False, master_port=None, stack=None):
     """Prepare every node: checks, Python deps, code sync, node environment, health check."""
-    port = options.port("--master-port", master_port, commands.DEFAULT_MASTER_PORT)
+    port = options.port("--master-port", master_port, job_command.DEFAULT_MASTER_PORT)
     Bootstrap(cluster_for(stack), bool(force), port).run()
 
 
@@ -399,16 +280,16 @@ def clean_runs(c, keep=None, stack=None):
     count = options.integer("--keep", keep, 3, minimum=0)
     cluster = cluster_for(stack)
     setup = setup_for(cluster)
-    sessions, statuses = open_sessions(cluster, commands.job_status_command())
+    sessions, statuses = open_sessions(cluster, protocol.job_status_command())
     try:
         check_ready(sessions, statuses)
-        with JobLock(sessions[0], commands.new_run_id("clean-runs"), "clean-runs"):  # no job starts meanwhile
+        with JobLock(sessions[0], job_command.new_run_id("clean-runs"), "clean-runs"):  # no job starts meanwhile
             outcomes = on_all_nodes(
                 sessions,
-                lambda s: commands.parse_last_json(
+                lambda s: protocol.parse_last_json(
                     s.run(
                         "cd && "
-                        + commands.node_module(
+                        + node_paths.node_module(
                             cluster, setup.python[s.node.name], "sync", "clean", contract.RUNS, str(count)
                         ),
                         warn=False,
@@ -448,10 +329,10 @@ def logs(c, run=None, node=None, lines=None, stack=None):
     stack_name = state.resolve_stack(stack)
     if stack_name is None:
         raise Exit("error: no cluster: run python deploy.py up", code=2)
-    runs = state.runs_dir(stack_name)
-    run_dir = runs / run if run else _latest_run(runs)
+    runs_root = state.runs_dir(stack_name)
+    run_dir = runs_root / run if run else runs.latest_run(runs_root)
     if run_dir is None or not run_dir.is_dir():
-        raise Exit(f"error: no run {run!r} in {runs}" if run else f"error: no runs yet in {runs}", code=2)
+        raise Exit(f"error: no run {run!r} in {runs_root}" if run else f"error: no runs yet in {runs_root}", code=2)
     logs_found = sorted(run_dir.glob("node-*.log"))
     if node:
         logs_found = [p for p in logs_found if p.stem == node]
@@ -463,26 +344,9 @@ def logs(c, run=None, node=None, lines=None, stack=None):
         shown = text[-count:] if count > 0 else text
         for line in shown:
             say(f"[{path.stem}] {line}")
-    summary = run_dir / "summary.json"
+    summary = run_dir / runs.SUMMARY
     if summary.exists():
-        say(summary_line(summary))
-
-
-def summary_line(path: Path) -> str:
-    """A run's outcome from its summary.json; a damaged one is said so, after its logs were shown."""
-    try:
-        data = json.loads(path.read_text())
-        return f"exit codes {data['exit_codes']}, {float(data['duration_s']):.1f} s, ${float(data['cost_usd']):.4f}"
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return (
-            f"{path} is damaged ({type(exc).__name__}: {exc}); the logs above are complete, "
-            "and python deploy.py cost has the run's exit codes and cost"
-        )
-
-
-def _latest_run(runs: Path) -> Path | None:
-    candidates = [p for p in runs.glob("*") if p.is_dir()] if runs.exists() else []
-    return max(candidates, key=lambda p: p.name, default=None)
+        say(runs.summary_line(summary))
 
 
 GPU_QUERY = (
@@ -503,7 +367,7 @@ def gpus(c, stack=None):
 
         def query(session):
             python = setup.python[session.node.name]
-            command = f"cd {commands.shell_path(commands.code_dir(cluster))} && " + commands.python_json_command(
+            command = f"cd {node_paths.shell_path(node_paths.code_dir(cluster))} && " + protocol.python_json_command(
                 python, GPU_QUERY
             )
             return session.run(command)

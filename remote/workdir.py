@@ -33,7 +33,7 @@ from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
 from node import contract
 from node.sync import PLAN, file_sha256  # the node hashes its cache the same way
-from remote import commands
+from remote import node_paths, protocol
 from remote.connect import NodeSession, describe, on_all_nodes
 from remote.stream import say
 
@@ -271,8 +271,8 @@ def sync(
         return
 
     def read_manifest(session: NodeSession) -> dict:
-        command = commands.node_module(cluster, python[session.node.name], "sync", "manifest", cache)
-        return commands.parse_last_json(
+        command = node_paths.node_module(cluster, python[session.node.name], "sync", "manifest", cache)
+        return protocol.parse_last_json(
             session.run(f"mkdir -p {contract.shell(cache)} && cd && {command}", warn=False).stdout
         )
 
@@ -290,8 +290,8 @@ def sync(
             send, remove = plans[session.node.name]
             remote_bundle = f"{contract.WORKDIRS}/.bundle-{wanted.digest[:12]}.tar.gz"
             session.conn.put(str(bundles[(tuple(send), tuple(remove))]), remote=remote_bundle)
-            command = commands.node_module(cluster, python[session.node.name], "sync", "apply", cache, remote_bundle)
-            return commands.parse_last_json(session.run(f"cd && {command}", warn=False).stdout)
+            command = node_paths.node_module(cluster, python[session.node.name], "sync", "apply", cache, remote_bundle)
+            return protocol.parse_last_json(session.run(f"cd && {command}", warn=False).stdout)
 
         _node_results(behind, send_bundle, "update the workdir cache")
     say("fab: workdir: " + _sent_line(project, plans, [s.node.name for s in sessions]))
@@ -311,7 +311,7 @@ def _failure(exc: BaseException | None) -> str:
         return describe(exc)
     text = (result.stderr.strip() or result.stdout.strip()).splitlines()
     last = text[-1] if text else f"exit {result.exited}"
-    return commands.with_stale_code_hint(last)
+    return protocol.with_stale_code_hint(last)
 
 
 def _sent_line(project: Project, plans: dict[str, tuple[list, list]], names: list[str]) -> str:

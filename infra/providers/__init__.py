@@ -28,7 +28,7 @@ def bring_up(chosen: Provider, request: UpRequest, say) -> UpResult:
     row and the guards (where they apply) where bootstrap finds them."""
     refused = [flag for key, flag in request.given().items() if key not in chosen.accepts]
     if refused:
-        raise UsageError(f"{', '.join(refused)} do(es) not apply to {chosen.what}: {chosen.why_not}")
+        raise UsageError(f"{', '.join(refused)} do(es) not apply to {chosen.flag or chosen.what}: {chosen.why_not}")
     other = _inventory_provider(request.stack)
     if other is not None and other != chosen.name:
         raise UsageError(

@@ -84,6 +84,8 @@ class Provider:
     """What the provider's clusters are, for messages: "the local provider", "your own machines"."""
     why_not = "they do not apply here"
     """Why the flags it does not accept do not apply, for the refusal's line."""
+    flag = ""
+    """The `up` flag that picks this provider ("--local"), for messages; empty for the default (AWS)."""
     default_stack = ""
     """The stack `up` with this provider's flag uses when no --stack is given."""
 

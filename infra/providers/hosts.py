@@ -431,6 +431,7 @@ class SshProvider(Provider):
     accepts = frozenset({"hosts_file"})
     what = "a hosts-file cluster (your own machines)"
     why_not = "the hosts file says what the machines are, and nothing powers them off"
+    flag = "--hosts"
     default_stack = DEFAULT_STACK
 
     def up(self, request: UpRequest, say) -> UpResult:

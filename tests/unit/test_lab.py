@@ -30,7 +30,7 @@ from harness.models import loss_fn
 from harness.parallel import MeshShape, ModelConfig, layout_problem, mesh_shape, train_step
 from harness.sharded_checkpoint import checkpoint_root, committed_steps, latest_committed, step_dir, write_marker
 from infra.inventory import ClusterInfo, NodeInfo
-from remote import commands, tasks
+from remote import job_command, tasks
 from tests.support import REPO
 
 
@@ -64,7 +64,7 @@ def _nodes(*gpus: int):
     ],
 )
 def test_nproc_per_node_is_refused_above_the_gpu_count_and_below_one(gpus, requested, problem):
-    found = commands.nproc_problem(_nodes(*gpus), requested)
+    found = job_command.nproc_problem(_nodes(*gpus), requested)
     assert (found is None) if problem is None else (problem in found), found
 
 
@@ -72,14 +72,14 @@ def test_nproc_per_node_reaches_torchrun_and_the_job_environment():
     cluster = ClusterInfo(
         "dev", "local", "local", "cpu", 0.0, "u", "/k", "/kh", "/shared", "2026-11-21T00:00:00+00:00", _nodes(0, 0)
     )
-    default = commands.launch_command(cluster, cluster.nodes[1], "r1", "hybrid", "x.py", [], 0, 29500)
+    default = job_command.launch_command(cluster, cluster.nodes[1], "r1", "hybrid", "x.py", [], 0, 29500)
     # By default the node environment (sourced first) says NPROC_PER_NODE; the launch does not repeat it.
     assert "--nproc-per-node=1" in default and "NPROC_PER_NODE=" not in default
-    assert commands.node_environment(cluster, 1, "lo", "python3")["NPROC_PER_NODE"] == "1"
-    two = commands.launch_command(cluster, cluster.nodes[1], "r1", "hybrid", "x.py", [], 0, 29500, nproc=2)
+    assert job_command.node_environment(cluster, 1, "lo", "python3")["NPROC_PER_NODE"] == "1"
+    two = job_command.launch_command(cluster, cluster.nodes[1], "r1", "hybrid", "x.py", [], 0, 29500, nproc=2)
     assert "--nproc-per-node=2" in two and "NPROC_PER_NODE=2 " in two
     gpu_nodes = _nodes(4, 4)
-    assert commands.nproc_per_node(gpu_nodes[0].gpus) == 4 and commands.nproc_per_node(0) == 1
+    assert job_command.nproc_per_node(gpu_nodes[0].gpus) == 4 and job_command.nproc_per_node(0) == 1
 
 
 # ------------------------------------------------------------------------------------------ the mesh

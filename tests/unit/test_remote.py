@@ -15,7 +15,7 @@ import pytest
 
 from infra.inventory import ClusterInfo
 from node import probe, standalone
-from remote import commands
+from remote import job_command, node_paths, protocol
 from remote.bootstrap import REPO, SYNCED, digest, local_manifest
 from remote.launch import JobStream, first_failure
 from remote.stream import NodeStream
@@ -24,8 +24,8 @@ from tests.support.inventories import cluster
 
 def test_node_environment_names_the_head_and_the_routed_interface():
     c = cluster()
-    env0 = commands.node_environment(c, 0, "ens5", "/venv/bin/python")
-    env1 = commands.node_environment(c, 1, "ens5", "/venv/bin/python", master_port=29555)
+    env0 = job_command.node_environment(c, 0, "ens5", "/venv/bin/python")
+    env1 = job_command.node_environment(c, 1, "ens5", "/venv/bin/python", master_port=29555)
     assert (env0["NODE_RANK"], env1["NODE_RANK"]) == ("0", "1")
     assert env0["MASTER_ADDR"] == env1["MASTER_ADDR"] == "10.0.1.10"
     assert env1["MASTER_PORT"] == "29555" and env1["NNODES"] == "2" and env1["NPROC_PER_NODE"] == "1"
@@ -33,13 +33,13 @@ def test_node_environment_names_the_head_and_the_routed_interface():
     assert env1["CLUSTER_HOURLY_USD"] == "1.504" and env1["CLUSTER_SHARED_DIR"] == "/shared"
     assert "OMP_NUM_THREADS" not in env1
     threads = ClusterInfo(**{**cluster().__dict__, "env": {"OMP_NUM_THREADS": "1"}})
-    assert commands.node_environment(threads, 0, "lo", "py")["OMP_NUM_THREADS"] == "1"
+    assert job_command.node_environment(threads, 0, "lo", "py")["OMP_NUM_THREADS"] == "1"
 
 
 def test_env_file_is_sourceable_and_quotes_what_needs_quoting(tmp_path):
     env = {"A": "plain", "B": "with space", "C": "$(rm -rf /)", "D": "$HOME/code"}
     path = tmp_path / "env"
-    path.write_text(commands.env_file_text(env))
+    path.write_text(job_command.env_file_text(env))
     out = subprocess.run(
         ["bash", "-c", f'. {path} && printf \'%s|\' "$A" "$B" "$C" "$D"'],
         capture_output=True,
@@ -51,11 +51,11 @@ def test_env_file_is_sourceable_and_quotes_what_needs_quoting(tmp_path):
 
 def test_torchrun_uses_c10d_on_the_head_with_a_fresh_id_and_node_addresses():
     c = cluster(gpus=(4, 4))
-    argv = commands.torchrun_argv(c, c.nodes[1], "run-1", 2, 29500)
+    argv = job_command.torchrun_argv(c, c.nodes[1], "run-1", 2, 29500)
     # torchrun, with the job's stores bound to one address, started by its path: a project's own
     # remote/ package in the job's working directory cannot hide it
     assert argv[0] == "$CLUSTER_CODE_DIR/node/torchrun.py" and "-m" not in argv
-    assert "--rdzv-conf=is_host=0" in argv and "--rdzv-conf=is_host=1" in commands.torchrun_argv(
+    assert "--rdzv-conf=is_host=0" in argv and "--rdzv-conf=is_host=1" in job_command.torchrun_argv(
         c, c.nodes[0], "r", 0, 1
     )
     assert "--nnodes=2" in argv and "--nproc-per-node=4" in argv
@@ -65,14 +65,14 @@ def test_torchrun_uses_c10d_on_the_head_with_a_fresh_id_and_node_addresses():
 
 def test_launch_command_quotes_arguments_and_records_the_job():
     c = cluster()
-    command = commands.launch_command(
+    command = job_command.launch_command(
         c, c.nodes[0], "r1", "run", "$CLUSTER_CODE_DIR/examples/x.py", ["--msg", "a b; rm -rf /"], 0, 29500
     )
     assert f'"$CLUSTER_CODE_DIR"/examples/x.py --msg {shlex.quote("a b; rm -rf /")} 2>&1;' in command
     assert 'cd "$HOME"/.gpu-cluster/runs/r1/workdir' in command  # each node's own folder, not the shared one
-    assert command.startswith(f". {commands.ENV_FILE} && ")
+    assert command.startswith(f". {node_paths.ENV_FILE} && ")
     assert "env CLUSTER_RUN_ID=r1 CLUSTER_RUN_DIR=/shared/runs/r1" in command
-    assert f"> {commands.JOB_FILE}" in command
+    assert f"> {node_paths.JOB_FILE}" in command
 
 
 def test_launch_command_passes_the_exit_code_and_reports_when_the_node_saw_it(tmp_path):
@@ -83,7 +83,7 @@ def test_launch_command_passes_the_exit_code_and_reports_when_the_node_saw_it(tm
     fake_python.chmod(0o755)
     (home / ".gpu-cluster" / "env").write_text(f"export CLUSTER_PYTHON={fake_python}\nexport CLUSTER_CODE_DIR=/code\n")
     c = cluster(shared=str(shared))
-    command = commands.launch_command(c, c.nodes[1], "r1", "run", "x.py", ["--a", "b c"], 0, 29500)
+    command = job_command.launch_command(c, c.nodes[1], "r1", "run", "x.py", ["--a", "b c"], 0, 29500)
     before = time.time()
     result = subprocess.run(
         ["bash", "-c", command],
@@ -95,7 +95,7 @@ def test_launch_command_passes_the_exit_code_and_reports_when_the_node_saw_it(tm
     lines = result.stdout.splitlines()
     assert result.returncode == 3, result.stdout + result.stderr
     assert lines[0].startswith("args: /code/node/torchrun.py ") and lines[0].endswith("x.py --a b c")
-    code, seen_at = commands.parse_exit_marker(lines[-1])
+    code, seen_at = job_command.parse_exit_marker(lines[-1])
     assert code == 3 and before <= seen_at <= time.time()
     assert (shared / "runs" / "r1").is_dir()
 
@@ -116,7 +116,7 @@ def test_a_workdir_job_runs_in_its_own_copy_with_its_variables_taken_literally(t
     (home / ".gpu-cluster" / "env").write_text(f"export CLUSTER_PYTHON={fake_python}\nexport CLUSTER_CODE_DIR=/code\n")
     c = cluster(shared=str(tmp_path / "shared"))
     value = "a b; $HOME \"q\" 's' $(touch /tmp/never) `x`\nline two"
-    command = commands.launch_command(
+    command = job_command.launch_command(
         c,
         c.nodes[0],
         "r1",
@@ -148,21 +148,21 @@ def test_a_workdir_job_runs_in_its_own_copy_with_its_variables_taken_literally(t
 @pytest.mark.parametrize(
     "line,parsed",
     [
-        (f"{commands.EXIT_MARKER} 1 1700000000.250000", (1, 1700000000.25)),
-        (f"{commands.EXIT_MARKER} 0 1700000000,5", (0, 1700000000.5)),  # a locale with a decimal comma
-        (f"{commands.EXIT_MARKER} 1 1700000000.N", (1, None)),  # date(1) without %N
+        (f"{job_command.EXIT_MARKER} 1 1700000000.250000", (1, 1700000000.25)),
+        (f"{job_command.EXIT_MARKER} 0 1700000000,5", (0, 1700000000.5)),  # a locale with a decimal comma
+        (f"{job_command.EXIT_MARKER} 1 1700000000.N", (1, None)),  # date(1) without %N
         ("step 10 loss 2.3", None),
-        (f"say {commands.EXIT_MARKER} 1 2", None),
+        (f"say {job_command.EXIT_MARKER} 1 2", None),
     ],
 )
 def test_exit_marker_parsing(line, parsed):
-    assert commands.parse_exit_marker(line) == parsed
+    assert job_command.parse_exit_marker(line) == parsed
 
 
 def test_folders_fall_back_to_each_home_without_shared_storage():
-    assert commands.code_dir(cluster(shared="")) == "$HOME/.gpu-cluster/code"
-    assert commands.remote_run_dir(cluster(shared="/shared/"), "r") == "/shared/runs/r"
-    assert commands.shell_path("$HOME/a b") == "\"$HOME\"/'a b'"
+    assert node_paths.code_dir(cluster(shared="")) == "$HOME/.gpu-cluster/code"
+    assert node_paths.remote_run_dir(cluster(shared="/shared/"), "r") == "/shared/runs/r"
+    assert node_paths.shell_path("$HOME/a b") == "\"$HOME\"/'a b'"
 
 
 @pytest.mark.parametrize(
@@ -178,16 +178,16 @@ def test_route_interface_is_read_from_ip_route_get(output, interface):
 
 
 def test_job_status_parsing():
-    assert commands.parse_job_status("running 123 r-1 run-ddp\nbootstrapped\n") == (
+    assert protocol.parse_job_status("running 123 r-1 run-ddp\nbootstrapped\n") == (
         {"pid": 123, "run_id": "r-1", "task": "run-ddp"},
         True,
     )
-    assert commands.parse_job_status("idle\n") == (None, False)
+    assert protocol.parse_job_status("idle\n") == (None, False)
 
 
 def test_run_ids_sort_by_time_and_name_the_task():
-    early = commands.new_run_id("hello", datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc))
-    late = commands.new_run_id("hello", datetime(2026, 1, 2, 3, 4, 6, tzinfo=timezone.utc))
+    early = job_command.new_run_id("hello", datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc))
+    late = job_command.new_run_id("hello", datetime(2026, 1, 2, 3, 4, 6, tzinfo=timezone.utc))
     assert early.startswith("20260102-030405-hello-") and early < late
 
 
@@ -201,7 +201,7 @@ def test_stop_command_ends_every_job_of_the_node_and_nothing_else(tmp_path):
         [
             "bash",
             "-c",
-            f'echo "$$ run-x task" > {commands.JOB_FILE}; CLUSTER_RUN_ID=run-x setsid sleep 301 & sleep 302 & wait',
+            f'echo "$$ run-x task" > {node_paths.JOB_FILE}; CLUSTER_RUN_ID=run-x setsid sleep 301 & sleep 302 & wait',
         ],
         env=env,
         start_new_session=True,
@@ -217,7 +217,7 @@ def test_stop_command_ends_every_job_of_the_node_and_nothing_else(tmp_path):
         while not (home / ".gpu-cluster" / "job").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         result = subprocess.run(
-            ["bash", "-c", commands.stop_command(grace_s=2)], env=env, capture_output=True, text=True
+            ["bash", "-c", protocol.stop_command(grace_s=2)], env=env, capture_output=True, text=True
         )
         assert result.stdout.split()[0] == "stopped", result.stdout + result.stderr
         assert sorted(result.stdout.split()[1:]) == ["run-x", "run-y"]
@@ -226,7 +226,7 @@ def test_stop_command_ends_every_job_of_the_node_and_nothing_else(tmp_path):
         leftovers = subprocess.run(["pgrep", "-f", "sleep 30[123]"], capture_output=True, text=True).stdout.split()
         assert leftovers == []
         assert elsewhere.poll() is None
-        again = subprocess.run(["bash", "-c", commands.stop_command()], env=env, capture_output=True, text=True)
+        again = subprocess.run(["bash", "-c", protocol.stop_command()], env=env, capture_output=True, text=True)
         assert again.stdout.strip() == "idle"
     finally:
         for proc in (job, beside, elsewhere):
@@ -297,16 +297,16 @@ def test_code_hashes_come_from_coreutils_and_name_paths_under_the_synced_folders
     (tmp_path / "harness" / "__pycache__" / "dist.pyc").write_bytes(b"cache")
     (tmp_path / "mine.txt").write_text("the user's own file\n")
     out = subprocess.run(
-        ["bash", "-c", commands.hash_files_command(str(tmp_path), ("harness", "node"))], capture_output=True, text=True
+        ["bash", "-c", protocol.hash_files_command(str(tmp_path), ("harness", "node"))], capture_output=True, text=True
     )
     assert out.returncode == 0
-    assert commands.parse_hashes(out.stdout) == {"harness/dist.py": hashlib.sha256(b"x = 1\n").hexdigest()}
+    assert protocol.parse_hashes(out.stdout) == {"harness/dist.py": hashlib.sha256(b"x = 1\n").hexdigest()}
     missing = subprocess.run(
-        ["bash", "-c", commands.hash_files_command(str(tmp_path / "none"), ("harness",))],
+        ["bash", "-c", protocol.hash_files_command(str(tmp_path / "none"), ("harness",))],
         capture_output=True,
         text=True,
     )
-    assert missing.returncode == 0 and commands.parse_hashes(missing.stdout) == {}
+    assert missing.returncode == 0 and protocol.parse_hashes(missing.stdout) == {}
 
 
 def test_a_command_killed_by_a_signal_is_an_exit_status_not_a_lost_connection():
@@ -346,7 +346,7 @@ def test_fail_fast_names_the_node_that_saw_its_failure_first_not_the_first_call_
 
 def test_the_exit_marker_is_kept_out_of_the_stream_and_the_log(tmp_path, capsys):
     stream = JobStream("node-0", 0, tmp_path / "node-0.log")
-    stream.write(f"last words\n{commands.EXIT_MARKER} 1 1700000000.5\n")
+    stream.write(f"last words\n{job_command.EXIT_MARKER} 1 1700000000.5\n")
     stream.close()
     assert stream.exit == (1, 1700000000.5)
     assert capsys.readouterr().out == "[node-0] last words\n"
@@ -374,14 +374,14 @@ def test_the_exit_marker_is_kept_out_of_the_stream_and_the_log(tmp_path, capsys)
     ],
 )
 def test_lock_replies(reply, parsed):
-    assert commands.parse_lock_reply(reply) == parsed
+    assert protocol.parse_lock_reply(reply) == parsed
 
 
 def test_the_job_lock_is_taken_once_and_released_when_its_holder_ends(tmp_path):
     """Two holders of node/job_lock.py for real: the second is refused naming the first, and
     once the first's input closes (fab ended the job) the lock is free again."""
     lock = tmp_path / "job.lock"
-    holder = [sys.executable, str(commands.NODE_CODE / "job_lock.py"), str(lock)]
+    holder = [sys.executable, str(node_paths.NODE_CODE / "job_lock.py"), str(lock)]
     first = subprocess.Popen(
         [*holder, "run-a", "hello", "laptop:1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
@@ -389,7 +389,7 @@ def test_the_job_lock_is_taken_once_and_released_when_its_holder_ends(tmp_path):
         assert first.stdout.readline().strip() == "locked"
         second = subprocess.run([*holder, "run-b", "hello", "laptop:2"], capture_output=True, text=True, timeout=30)
         assert second.returncode == 3
-        state, held = commands.parse_lock_reply(second.stdout.strip())
+        state, held = protocol.parse_lock_reply(second.stdout.strip())
         assert state == "held" and (held["run_id"], held["owner"]) == ("run-a", "laptop:1")
         first.stdin.close()
         assert first.wait(timeout=30) == 0

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from infra.errors import UsageError
-from remote import commands, options, workdir
+from remote import job_command, options, workdir
 from tests.support import REPO
 from tests.support.inventories import cluster as aws_cluster
 
@@ -247,10 +247,10 @@ def test_env_values_are_kept_whole_and_every_launch_variable_is_reserved():
         options.environment(["A=1", "A=2"])
     c = aws_cluster()
     launch_set = {
-        **commands.node_environment(c, 0, "lo", "py"),
-        **commands.job_variables(c, c.nodes[0], "r", python="py"),
+        **job_command.node_environment(c, 0, "lo", "py"),
+        **job_command.job_variables(c, c.nodes[0], "r", python="py"),
     }
-    assert all(commands.reserved_variable(key) for key in launch_set)
+    assert all(job_command.reserved_variable(key) for key in launch_set)
 
 
 @pytest.mark.parametrize(

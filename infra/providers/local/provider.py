@@ -542,6 +542,7 @@ class LocalProvider(Provider):
     accepts = frozenset({"nodes", "instanceType", "maxTotalUsd", "idleMinutes", "bind", "ssh_port"})
     what = "the local provider"
     why_not = "the nodes run on this machine, cost nothing and need no confirmation"
+    flag = "--local"
     default_stack = state.LOCAL_STACK
 
     def _stack_config(self, request: UpRequest) -> StackConfig:
