@@ -70,6 +70,14 @@ def forget(stack: str) -> None:
     clear_current_stack(stack)
 
 
+def stacks_up() -> list[str]:
+    """The stacks that have an inventory (are up, as far as this machine knows), by name."""
+    root = state_root()
+    if not root.is_dir():
+        return []
+    return sorted(p.parent.name for p in root.glob(f"*/{INVENTORY}") if STACK_NAME.fullmatch(p.parent.name))
+
+
 def ledger_path() -> Path:
     return state_root() / "ledger.sqlite"
 

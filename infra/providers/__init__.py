@@ -46,6 +46,7 @@ def bring_up(chosen: Provider, request: UpRequest, say) -> UpResult:
 def bring_down(chosen: Provider, stack: str, say) -> int:
     """`down` through the stack's provider, then the ledger's interval closed once (at the time the
     cluster stopped itself, where it did), and where the run logs are kept; returns the exit code."""
+    was_current = _is_current(stack)
     done: DownReport = chosen.down(stack, say)
     if done.ended:
         if done.stopped_itself:
@@ -57,7 +58,26 @@ def bring_down(chosen: Provider, stack: str, say) -> int:
         runs = state.runs_dir(stack)
         if runs.exists():
             say(f"run logs kept in {report.relative(runs)}")
+        if was_current and state.current_stack() is None:
+            _pass_current_on(say)
     return done.code
+
+
+def _is_current(stack: str) -> bool:
+    try:
+        return state.current_stack() == stack
+    except UsageError:
+        return False
+
+
+def _pass_current_on(say) -> None:
+    """The current stack went down: the one stack still up becomes current (several: name them)."""
+    left = state.stacks_up()
+    if len(left) == 1:
+        state.set_current_stack(left[0])
+        say(f"stack '{left[0]}' is still up and is now the current stack")
+    elif left:
+        say(f"stacks {', '.join(left)} are still up: pass --stack NAME (or set CLUSTER_STACK) to pick one")
 
 
 def config_flag(key: str) -> str:

@@ -177,6 +177,9 @@ def test_down_leaves_no_process_no_port_and_keeps_run_logs(state_dir, make_clust
     )
     daemon.close()
     assert _processes_matching("sleep 4321")
+    other = state_dir / "hosts"  # a second stack still up (its inventory is all `down` looks at)
+    other.mkdir(mode=0o700)
+    (other / "inventory.json").write_text(json.dumps({**cluster.inventory, "stack": "hosts", "provider": "ssh"}))
 
     down = run_cli("down", "--stack", "local")
     assert down.returncode == 0, down.stderr
@@ -190,7 +193,8 @@ def test_down_leaves_no_process_no_port_and_keeps_run_logs(state_dir, make_clust
             assert sock.connect_ex((node["public_ip"], node["ssh_port"])) != 0
     assert (run_dir / "node-0.log").read_text() == "kept\n" and not killed_writer.exists()
     assert sorted(p.name for p in (state_dir / "local").iterdir()) == ["runs"]
-    assert not (state_dir / "current").exists()
+    assert (state_dir / "current").read_text().strip() == "hosts"  # the one stack left is current now
+    assert "stack 'hosts' is still up and is now the current stack" in down.stdout
 
     again = run_cli("down", "--stack", "local")
     assert again.returncode == 0 and "nothing to do" in again.stdout
