@@ -4,7 +4,7 @@
     python deploy.py up --local --nodes 2      # on this machine, no cloud account needed
     python deploy.py up --hosts hosts.yaml     # on your own machines, over SSH (stack: hosts)
     python deploy.py up                        # on AWS, from Pulumi.<stack>.yaml (default stack: dev)
-    python deploy.py status | plan | cost | ssh [NODE] | down
+    python deploy.py status | plan | cost | ssh [NODE] | ssh-config | down
 
 Exit codes: 0 success; 1 a step failed; 2 bad input or a missing prerequisite (nothing was created).
 """
@@ -18,7 +18,7 @@ import time
 from infra import config, costs, inventory, providers, report, state
 from infra.errors import ClusterError, UsageError
 from infra.providers.local import provider as local
-from infra.ssh import openssh_options
+from infra.ssh import openssh_config, openssh_options
 
 
 class Parser(argparse.ArgumentParser):
@@ -77,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="COMMAND",
         help="after --: run this instead of a shell (everything after the first -- goes to the node untouched)",
     )
+    ssh_config = commands.add_parser(
+        "ssh-config",
+        help="print an OpenSSH config block per node: ssh -F FILE node-1, scp, rsync -e, editors' remote modes",
+    )
+    ssh_config.add_argument("--stack", help=stack_help)
     return parser
 
 
@@ -241,7 +246,26 @@ def cmd_ssh(args) -> int:
     os.execvp(argv[0], argv)
 
 
-COMMANDS = {"up": cmd_up, "down": cmd_down, "status": cmd_status, "plan": cmd_plan, "cost": cmd_cost, "ssh": cmd_ssh}
+def cmd_ssh_config(args) -> int:
+    """The nodes as ssh_config blocks on stdout, under the one SSH policy (infra/ssh.py)."""
+    cluster = inventory.load_current(args.stack)
+    try:
+        text = openssh_config(cluster)
+    except ValueError as exc:
+        raise UsageError(f"{exc}: move the stack's files to a path without quotes or newlines") from None
+    sys.stdout.write(text)
+    return 0
+
+
+COMMANDS = {
+    "up": cmd_up,
+    "down": cmd_down,
+    "status": cmd_status,
+    "plan": cmd_plan,
+    "cost": cmd_cost,
+    "ssh": cmd_ssh,
+    "ssh-config": cmd_ssh_config,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@ The policy, for every client the project uses: only the cluster's key is offered
 `known_hosts` is trusted (an unknown or changed host key is refused), the user's agent and
 ~/.ssh/config are not read, and a connection attempt gives up after `CONNECT_TIMEOUT_S`.
 `asyncssh_options` (provisioning, status, the hosts file's checks), `paramiko_options` (Fabric's
-`connect_kwargs`, for `fab`: remote/connect.py) and `openssh_options` (`deploy.py ssh`) spell it for
+`connect_kwargs`, for `fab`: remote/connect.py) and `openssh_settings` (`deploy.py ssh` and `ssh-config`) spell it for
 each, and `describe` is the one sentence for a connection's failure, whichever client raised it.
 asyncssh loads only where it is used: `fab` (Fabric) imports this module for the policy alone.
 """
@@ -54,17 +54,52 @@ def paramiko_options(key: str) -> dict:
     return {"key_filename": key, "look_for_keys": False, "allow_agent": False}
 
 
-def openssh_options(key: str, known_hosts: str) -> list[str]:
-    """Stock OpenSSH's (`ssh`, `scp`): the key alone, the pinned hosts alone, no prompt for a new key."""
+def openssh_settings(key: str, known_hosts: str) -> list[tuple[str, str]]:
+    """Stock OpenSSH's (`ssh`, `scp`, `rsync -e ssh`), as ssh_config keywords: the key alone, the pinned
+    hosts alone, no prompt for a new key, no agent forwarded."""
     return [
-        "-i", key,
-        "-o", "IdentitiesOnly=yes",
-        "-o", f"UserKnownHostsFile={known_hosts}",
-        "-o", "GlobalKnownHostsFile=/dev/null",
-        "-o", "StrictHostKeyChecking=yes",
-        "-o", f"ConnectTimeout={CONNECT_TIMEOUT_S:g}",
-        "-o", "LogLevel=ERROR",
-    ]  # fmt: skip
+        ("IdentityFile", key),
+        ("IdentitiesOnly", "yes"),
+        ("UserKnownHostsFile", known_hosts),
+        ("GlobalKnownHostsFile", "/dev/null"),
+        ("StrictHostKeyChecking", "yes"),
+        ("ForwardAgent", "no"),
+        ("ConnectTimeout", f"{CONNECT_TIMEOUT_S:g}"),
+        ("LogLevel", "ERROR"),
+    ]
+
+
+def openssh_options(key: str, known_hosts: str) -> list[str]:
+    """The policy as `ssh` command-line options (`deploy.py ssh`)."""
+    settings = openssh_settings(key, known_hosts)
+    return [word for name, value in settings for word in ("-o", f"{name}={_config_word(value)}")]
+
+
+def openssh_config(cluster: ClusterInfo) -> str:
+    """An ssh_config block per node (`deploy.py ssh-config`): `ssh -F FILE node-1`, `scp -F FILE`,
+    `rsync -e "ssh -F FILE"` and editors' remote modes reach the nodes under the same policy. Each node
+    answers to `node-i` and `<stack>-node-i` (the second stays unique where several stacks' blocks are
+    included in one config)."""
+    lines = [f"# gpu-cluster stack '{cluster.stack}' ({cluster.provider}), from: python deploy.py ssh-config"]
+    for node in cluster.nodes:
+        lines += [
+            "",
+            f"Host {node.name} {cluster.stack}-{node.name}",
+            f"  HostName {node.public_ip}",
+            f"  Port {node.ssh_port}",
+            f"  User {_config_word(node.ssh_user)}",
+        ]
+        lines += [
+            f"  {name} {_config_word(value)}" for name, value in openssh_settings(cluster.ssh_key, cluster.known_hosts)
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _config_word(value: str) -> str:
+    """A value as ssh_config reads it: in double quotes where it holds a space (a path under "My Files")."""
+    if '"' in value or "\n" in value:
+        raise ValueError(f"{value!r} cannot be written in an ssh_config file")
+    return f'"{value}"' if any(c.isspace() for c in value) else value
 
 
 def connect(cluster: ClusterInfo, node: NodeInfo, timeout_s: float = CONNECT_TIMEOUT_S):

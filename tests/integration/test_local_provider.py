@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -47,6 +48,33 @@ def test_up_writes_the_inventory_head_first_and_pins_host_keys(local_cluster, st
             assert sock.connect_ex((node["public_ip"], node["ssh_port"])) == 0
         with socket.socket() as sock:
             assert sock.connect_ex((elsewhere, node["ssh_port"])) != 0
+
+
+def test_ssh_config_lets_stock_ssh_scp_and_rsync_reach_every_node(local_cluster, tmp_path):
+    made = run_cli("ssh-config")
+    assert made.returncode == 0, made.stderr
+    config = tmp_path / "cluster.ssh"
+    config.write_text(made.stdout)
+    for node in local_cluster.inventory["nodes"]:  # by name, and by the stack-qualified alias
+        for alias in (node["name"], f"local-{node['name']}"):
+            answer = subprocess.run(["ssh", "-F", str(config), alias, "echo", "$PWD"], capture_output=True, text=True)
+            assert answer.returncode == 0, answer.stderr
+            assert answer.stdout.strip().endswith(node["name"])  # the node's own home
+    sent = tmp_path / "weights with spaces.bin"
+    sent.write_bytes(os.urandom(2048))
+    copied = subprocess.run(["scp", "-F", str(config), str(sent), "node-1:weights.bin"], capture_output=True, text=True)
+    assert copied.returncode == 0, copied.stderr
+    back = tmp_path / "back.bin"
+    assert subprocess.run(["scp", "-F", str(config), "node-1:weights.bin", str(back)]).returncode == 0
+    assert back.read_bytes() == sent.read_bytes()
+    if shutil.which("rsync"):
+        synced = tmp_path / "synced.bin"
+        rsync = ["rsync", "-e", f"ssh -F {config}", "node-1:weights.bin", str(synced)]
+        assert subprocess.run(rsync, capture_output=True).returncode == 0
+        assert synced.read_bytes() == sent.read_bytes()
+    text = config.read_text()  # the policy: the cluster's key only, the pinned hosts only
+    assert "IdentitiesOnly yes" in text and "StrictHostKeyChecking yes" in text
+    assert f"UserKnownHostsFile {local_cluster.inventory['known_hosts']}" in text
 
 
 def listening_addresses(port: int) -> list[str]:
