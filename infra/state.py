@@ -6,8 +6,12 @@ The folder is the user's alone: 0700, and every file in it 0600 (keys, logs with
 costs). `keep_private` makes that the default for everything a command creates.
 """
 
+import fcntl
 import os
 import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import overload
 
@@ -163,6 +167,34 @@ def resolve_stack(flag: str | None, default: str | None = None) -> str | None:
         return check_stack_name(from_env, origin="$CLUSTER_STACK")
     name = current_stack() or default
     return check_stack_name(name) if name else None
+
+
+LOCKS = ".locks"
+"""`.cluster/.locks/<name>.lock`: held (flock) by the command that changes a stack, with who holds it."""
+
+
+@contextmanager
+def stack_lock(name: str, what: str, say=None, wait: bool = True) -> Iterator[None]:
+    """Hold the lock `name` (e.g. a stack's name) while `what` runs. Another command holding it is waited
+    for, saying so once through `say` (so two `up`s of one stack run one after the other), or with
+    `wait=False` refused in one line naming it. The kernel releases the lock when its holder dies."""
+    path = make_private_dir(state_root() / LOCKS) / f"{name}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE_MODE)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another command"
+            if not wait:
+                raise UsageError(f"{holder} is under way: wait for it to end, then run this again") from None
+            if say:
+                say(f"waiting for {holder} to end ...")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{what} (pid {os.getpid()}, since {time.strftime('%H:%M:%S')})".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def write_atomic(path: Path, text: str, mode: int = PRIVATE_FILE_MODE) -> None:

@@ -29,6 +29,12 @@ def bring_up(chosen: Provider, request: UpRequest, say) -> UpResult:
     refused = [flag for key, flag in request.given().items() if key not in chosen.accepts]
     if refused:
         raise UsageError(f"{', '.join(refused)} do(es) not apply to {chosen.flag or chosen.what}: {chosen.why_not}")
+    chosen.check(request)
+    with state.stack_lock(request.stack, f"up of stack '{request.stack}'", say):  # two ups at once: one by one
+        return _bring_up(chosen, request, say)
+
+
+def _bring_up(chosen: Provider, request: UpRequest, say) -> UpResult:
     other = _inventory_provider(request.stack)
     if other is not None and other != chosen.name:
         raise UsageError(
@@ -47,7 +53,11 @@ def bring_down(chosen: Provider, stack: str, say) -> int:
     """`down` through the stack's provider, then the ledger's interval closed once (at the time the
     cluster stopped itself, where it did), and where the run logs are kept; returns the exit code."""
     was_current = _is_current(stack)
-    done: DownReport = chosen.down(stack, say)
+    if state.state_root().exists():  # with no state at all there is nothing to race over (and nothing is made)
+        with state.stack_lock(stack, f"down of stack '{stack}'", say):
+            done: DownReport = chosen.down(stack, say)
+    else:
+        done = chosen.down(stack, say)
     if done.ended:
         if done.stopped_itself:
             costs.record_self_stop(

@@ -321,8 +321,10 @@ class AwsProvider(Provider):
     why_not = "they are for --local (the nodes' loopback addresses and ports)"
     default_stack = "dev"
 
-    def up(self, request: UpRequest, say) -> UpResult:
+    def check(self, request: UpRequest) -> None:
         stack_config.load_stack(request.stack, request.overrides)  # bad input: one line now, before boto3 and Pulumi
+
+    def up(self, request: UpRequest, say) -> UpResult:
         if not stack_config.stack_file(request.stack).exists():
             say(
                 f"note: no Pulumi.{request.stack}.yaml: using the defaults (2 x {stack_config.DEFAULT_INSTANCE_TYPE} "

@@ -89,6 +89,9 @@ class Provider:
     default_stack = ""
     """The stack `up` with this provider's flag uses when no --stack is given."""
 
+    def check(self, request: UpRequest) -> None:
+        """Refuse bad input (UsageError, one line) before anything is made, the state folder included."""
+
     def up(self, request: UpRequest, say) -> UpResult:
         """Bring the cluster up (or find it up, matching the request) and write the inventory."""
         raise NotImplementedError

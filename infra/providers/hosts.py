@@ -284,10 +284,14 @@ def check_hosts(hosts_file: HostsFile) -> list[HostCheck]:
 
 
 def up(hosts_path: str, stack: str, say=print) -> tuple[ClusterInfo, bool]:
-    """Check the hosts and write the inventory; returns (cluster, created). Records nothing on refusal."""
-    if inventory.inventory_path(stack).exists():
-        return inventory.load(stack), False
+    """Check the hosts and write the inventory; returns (cluster, created). Records nothing on refusal.
+    On a stack that is up, the file is read and must list the same hosts (nothing is changed in place)."""
     hosts_file = read_hosts_file(hosts_path)
+    if inventory.inventory_path(stack).exists():
+        cluster = inventory.load(stack)
+        _refuse_other_hosts(cluster, hosts_file, hosts_path)
+        return cluster, False
+    _refuse_hosts_of_other_stacks(stack, hosts_file)
     checks = check_hosts(hosts_file)
     problems = [f"{c.host.address}:{c.host.port}: {' '.join(c.problem.split())}" for c in checks if c.problem]
     if problems:
@@ -307,6 +311,42 @@ def up(hosts_path: str, stack: str, say=print) -> tuple[ClusterInfo, bool]:
     inventory.save(cluster)
     state.set_current_stack(stack)
     return cluster, True
+
+
+def _login(user: str, address: str, port: int) -> str:
+    return f"{user}@{address}:{port}"
+
+
+def _refuse_other_hosts(cluster: ClusterInfo, hosts_file: HostsFile, hosts_path: str) -> None:
+    """A stack that is up takes the same hosts again or none: hosts are not added or swapped in place."""
+    have = sorted(_login(n.ssh_user, n.public_ip, n.ssh_port) for n in cluster.nodes)
+    want = sorted(_login(h.user, h.address, h.port) for h in hosts_file.hosts)
+    if have != want:
+        raise UsageError(
+            f"stack {cluster.stack!r} is up on {', '.join(have)}, and {hosts_path} lists {', '.join(want)}: "
+            f"hosts are not changed in place: python deploy.py down --stack {cluster.stack}, "
+            f"then python deploy.py up --hosts {hosts_path}"
+        )
+
+
+def _refuse_hosts_of_other_stacks(stack: str, hosts_file: HostsFile) -> None:
+    """A login another stack uses is refused: the two stacks would share its ~/.gpu-cluster, and the
+    `down` of either would remove the other's files."""
+    wanted = {_login(h.user, h.address, h.port) for h in hosts_file.hosts}
+    for other in state.stacks_up():
+        if other == stack:
+            continue
+        try:
+            nodes = inventory.load(other).nodes
+        except UsageError:
+            continue  # a damaged inventory says so where it is used
+        shared = sorted(wanted & {_login(n.ssh_user, n.public_ip, n.ssh_port) for n in nodes})
+        if shared:
+            raise UsageError(
+                f"{', '.join(shared)} is in use by stack {other!r} (the two would share ~/.gpu-cluster there, "
+                f"and down of either would remove the other's): use another user on that host, "
+                f"or python deploy.py down --stack {other} first"
+            )
 
 
 def _private_ip(check: HostCheck) -> str:
@@ -433,6 +473,10 @@ class SshProvider(Provider):
     why_not = "the hosts file says what the machines are, and nothing powers them off"
     flag = "--hosts"
     default_stack = DEFAULT_STACK
+
+    def check(self, request: UpRequest) -> None:
+        if request.hosts_file:
+            read_hosts_file(request.hosts_file)
 
     def up(self, request: UpRequest, say) -> UpResult:
         if not request.hosts_file:

@@ -157,6 +157,23 @@ def test_up_on_a_running_cluster_changes_nothing_and_refuses_a_resize(local_clus
     assert sorted(node_server_processes(state_dir)) == pids
 
 
+def test_two_ups_of_one_stack_at_once_make_one_cluster_and_one_ledger_row(state_dir):
+    address, port = free_endpoint(1)
+    argv = [sys.executable, "deploy.py", "up", "--local", "--stack", "race", "--nodes", "1"]
+    argv += ["--bind", address, "--ssh-port", str(port)]
+    try:
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+        ups = [subprocess.Popen(argv, cwd=REPO, env=child_env(), **pipes) for _ in range(2)]
+        outputs = [(up.wait(timeout=120), *up.communicate()) for up in ups]
+        assert [code for code, _, _ in outputs] == [0, 0], outputs
+        assert sum("already up" in out for _, out, _ in outputs) == 1, outputs  # the second waited, then found it
+        clusters = json.loads(run_cli("cost", "--json").stdout)["clusters"]
+        assert [c["stack"] for c in clusters] == ["race"]  # priced once
+        assert len(node_server_processes(state_dir)) == 1
+    finally:
+        run_cli("down", "--stack", "race")
+
+
 def test_a_dropped_session_takes_its_processes_with_it(local_cluster):
     inv = local_cluster.inventory
     marker = f"sleep {int(time.time()) % 1000 + 4000}"

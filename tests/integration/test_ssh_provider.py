@@ -175,6 +175,22 @@ def test_every_bad_host_is_named_in_one_line_and_nothing_is_recorded(cluster, tm
     assert not (cluster.state_dir / "bad").exists()
 
 
+def test_up_again_reads_the_file_and_a_second_stack_may_not_share_a_login(cluster, tmp_path):
+    again = cluster.cli("up", "--hosts", str(cluster.hosts_file))
+    assert again.returncode == 0 and "already up" in again.stdout, again.stdout + again.stderr
+    assert_one_line_error(cluster.cli("up", "--hosts", str(tmp_path / "missing.yaml")), "no hosts file")
+    fewer = tmp_path / "fewer.yaml"
+    data = yaml.safe_load(cluster.hosts_file.read_text())
+    fewer.write_text(yaml.safe_dump({**data, "hosts": data["hosts"][:1]}))
+    assert_one_line_error(cluster.cli("up", "--hosts", str(fewer)), "is up on", "not changed in place", "down --stack")
+    server = cluster.hosts.servers[0]
+    assert_one_line_error(
+        cluster.cli("up", "--hosts", str(fewer), "--stack", "second"),
+        f"{server.user}@{server.address}:{server.port} is in use by stack '{STACK}'",
+    )
+    assert not (cluster.state_dir / "second").exists()
+
+
 def test_a_malformed_hosts_file_lists_every_problem(state_dir, tmp_path):
     hosts_file = tmp_path / "hosts.yaml"
     hosts_file.write_text(

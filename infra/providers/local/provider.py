@@ -545,6 +545,9 @@ class LocalProvider(Provider):
     flag = "--local"
     default_stack = state.LOCAL_STACK
 
+    def check(self, request: UpRequest) -> None:
+        self._stack_config(request)
+
     def _stack_config(self, request: UpRequest) -> StackConfig:
         return stack_config.load_stack(request.stack, request.overrides)
 
