@@ -166,8 +166,14 @@ class Bootstrap:
     # -------------------------------------------------------------------------------- driver
 
     def run(self) -> None:
-        started = time.monotonic()
+        """The whole bootstrap; a second one of the same stack at once is refused, naming the first."""
         self._refuse_ssh_port()
+        stack = self.cluster.stack
+        with state.stack_lock(f"{stack}.bootstrap", f"fab bootstrap of stack '{stack}'", wait=False):
+            self._run()
+
+    def _run(self) -> None:
+        started = time.monotonic()
         sessions, recorded = open_sessions(self.cluster, f"cat {node_paths.STATE_FILE} 2>/dev/null || echo '{{}}'")
         try:
             self._refuse_busy_port(sessions[0])

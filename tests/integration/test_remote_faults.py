@@ -1,12 +1,14 @@
 """`fab` against clusters in trouble, each test with a cluster of its own: no cluster, an unreachable
-node, no bootstrap yet, a stage failing on one node, a connection dropped during bootstrap."""
+node, no bootstrap yet, a stage failing on one node, a connection dropped during bootstrap (and a
+second bootstrap meanwhile)."""
 
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
-from tests.support.cli import assert_one_line_error, run_fab
+from tests.support.cli import assert_one_line_error, lock_held, popen_fab, run_fab
 from tests.support.network import CuttingProxy, free_port
 
 # ---------------------------------------------------------------------------------------- faults
@@ -64,10 +66,17 @@ def test_a_connection_dropped_during_bootstrap_is_retried(state_dir, make_cluste
         )
         node1["ssh_port"] = proxy.port
         inventory_path.write_text(json.dumps(inventory))
-        result = run_fab("bootstrap", "--master-port", str(free_port()))
+        first = popen_fab("bootstrap", "--master-port", str(free_port()))
+        lock = state_dir / ".locks" / "local.bootstrap.lock"
+        deadline = time.monotonic() + 60
+        while not lock_held(lock) and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # A second bootstrap meanwhile is refused in one line naming the first (they would fight over ports).
+        assert_one_line_error(run_fab("bootstrap", "--force"), "fab bootstrap of stack 'local' (pid", "under way")
+        output, _ = first.communicate(timeout=300)
     finally:
         proxy.close()
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert first.returncode == 0, output
     # A cut in the middle of a command is retried with a word ("node-1: connection lost ... retry 1");
     # a cut between commands is mended silently, as Fabric reopens a closed connection. Either way the
     # bootstrap went on over a new connection.

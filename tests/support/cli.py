@@ -1,5 +1,6 @@
 """The command lines as a user runs them, from the repository, with the test's environment."""
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -40,6 +41,33 @@ def run_fab(*args: str, timeout: float = 300, check: bool = False, **env: str) -
     if check and result.returncode != 0:
         raise AssertionError(f"fab {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
     return result
+
+
+def popen_fab(*args: str, **env: str) -> subprocess.Popen:
+    """`fab ARGS` started in the background (stdout and stderr together, as text)."""
+    return subprocess.Popen(
+        [str(Path(sys.executable).with_name("fab")), *args],
+        cwd=REPO,
+        env=child_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def lock_held(path: Path) -> bool:
+    """Whether some process holds the flock on `path` (tried without waiting, released at once)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *words: str) -> None:
