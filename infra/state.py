@@ -202,13 +202,17 @@ def write_atomic(path: Path, text: str, mode: int = PRIVATE_FILE_MODE) -> None:
     make_private_dir(path.parent)
     remove_stale_tmp_files(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: the old file (or none) stays, and no temporary file is left
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def remove_stale_tmp_files(folder: Path) -> list[Path]:

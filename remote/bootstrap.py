@@ -174,7 +174,10 @@ class Bootstrap:
 
     def _run(self) -> None:
         started = time.monotonic()
-        sessions, recorded = open_sessions(self.cluster, f"cat {node_paths.STATE_FILE} 2>/dev/null || echo '{{}}'")
+        private = f"mkdir -p {node_paths.STATE_DIR} && chmod 700 {node_paths.STATE_DIR}"  # the job's env and code
+        sessions, recorded = open_sessions(
+            self.cluster, f"{private}; cat {node_paths.STATE_FILE} 2>/dev/null || echo '{{}}'"
+        )
         try:
             self._refuse_busy_port(sessions[0])
             self.records = [NodeRecord(s, _parse_state(text)) for s, text in zip(sessions, recorded, strict=True)]
@@ -254,7 +257,9 @@ class Bootstrap:
         tmp = f"{contract.STATE}.tmp"  # SFTP paths start in the login directory
         record.session.run(f"mkdir -p {contract.shell(contract.PIDS)}", warn=False)
         record.session.conn.put(io.StringIO(text), remote=tmp)
-        record.session.run(f"mv {contract.shell(tmp)} {node_paths.STATE_FILE}", warn=False)
+        record.session.run(
+            f"chmod 600 {contract.shell(tmp)} && mv {contract.shell(tmp)} {node_paths.STATE_FILE}", warn=False
+        )
 
     def python_for(self, record: NodeRecord) -> str:
         """The interpreter that runs jobs: the node venv (before the deps stage, the inventory's)."""
@@ -335,7 +340,8 @@ class Bootstrap:
             return Outcome("up to date", f"iface {interface}")
         record.session.run(f"mkdir -p {contract.shell(contract.PIDS)}", warn=False)
         record.session.conn.put(io.StringIO(text), remote=f"{contract.ENV}.tmp")
-        record.session.run(f"mv {contract.shell(contract.ENV)}.tmp {node_paths.ENV_FILE}", warn=False)
+        tmp_env = f"{contract.shell(contract.ENV)}.tmp"
+        record.session.run(f"chmod 600 {tmp_env} && mv {tmp_env} {node_paths.ENV_FILE}", warn=False)
         self._record(record, "env", wanted, {"interface": interface})
         return Outcome("done", f"iface {interface}")
 

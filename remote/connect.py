@@ -90,12 +90,16 @@ class NodeSession:
         self.conn = connect(cluster, node)
 
     def run(self, command: str, **kwargs):
-        """Run a command; a connection that closes before the command reports its exit status
+        """Run a command (under umask 077); a connection that closes before the command reports its exit status
         raises ConnectionResetError (so `retrying` retries it) instead of passing for a failure."""
         kwargs.setdefault("hide", True)
         kwargs.setdefault("in_stream", False)
         warn = kwargs.pop("warn", True)
-        result = self.conn.run(command, warn=True, **kwargs)  # a lost connection must not pass for a failure
+        # umask 077: what fab's commands and jobs create on a node is the node user's alone (hosts with
+        # other users on them included), as everything under .cluster is here.
+        result = self.conn.run(
+            f"umask 077; {command}", warn=True, **kwargs
+        )  # a lost connection must not pass for a failure
         if result.exited == NO_EXIT_STATUS:
             raise ConnectionResetError("the connection closed before the command finished")
         if not warn and result.exited != 0:

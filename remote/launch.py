@@ -394,6 +394,8 @@ class Fetched:
     """Their size."""
     refused: list[tuple[str, int, str]]
     """(name, size, where it is on the node) of the files over the cap, left there."""
+    failed: tuple[str, str] | None = None
+    """(name, why) of the file whose copy failed (a full disk); the ones after it were not tried."""
 
 
 def fetch_results(
@@ -410,18 +412,35 @@ def fetch_results(
         contract.home_relative(node_paths.results_dir(run_id)),
     )
     entries = protocol.parse_last_json(session.run(f"cd && {listing}", warn=False).stdout)["files"]
-    names, total, refused = [], 0, []
+    names: list[str] = []
+    total, refused = 0, []
     for entry in entries:
         name, size = _local_name(entry["name"]), int(entry["size"])
         if size > max_bytes:
             refused.append((name, size, entry["remote"]))
             continue
         target = local_dir / name
-        state.make_private_dir(target.parent)
-        session.conn.get(entry["remote"], str(target))
+        try:
+            state.make_private_dir(target.parent)
+            _get_whole(session, entry["remote"], target)
+        except OSError as exc:
+            return Fetched(names, total, refused, (name, exc.strerror or describe(exc)))
         names.append(name)
         total += size
     return Fetched(names, total, refused)
+
+
+def _get_whole(session: NodeSession, remote: str, target: Path) -> None:
+    """Copy one file under a temporary name, made private (0600, as everything in .cluster), then
+    renamed: a copy cut short (a full disk) never stands under the result's name."""
+    partial = target.with_name(f".{target.name}.{os.getpid()}.part")
+    try:
+        session.conn.get(remote, str(partial), preserve_mode=False)
+        os.chmod(partial, state.PRIVATE_FILE_MODE)
+        os.replace(partial, target)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def _local_name(name: str) -> str:
@@ -443,6 +462,12 @@ def report_fetched(fetched: Fetched, local_dir: Path, head: str, max_bytes: int)
         )
     elif not fetched.refused:
         say(f"fab: nothing to fetch: {head}'s $CLUSTER_RESULTS_DIR is empty and the run wrote no metrics.jsonl")
+    if fetched.failed:
+        name, why = fetched.failed
+        say(
+            f"fab: could not fetch {name} from {head}: {why}; it and the results after it stay there "
+            "(free space here, then copy them with scp -F, see python deploy.py ssh-config)"
+        )
     for name, size, remote in fetched.refused:
         where = remote if remote.startswith("/") else f"~/{remote}"
         say(

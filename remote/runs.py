@@ -138,7 +138,14 @@ def summary(cluster: ClusterInfo, spec: JobSpec, result: JobResult, cost_usd: fl
 
 
 def write_summary(run_dir: Path, data: dict) -> None:
-    state.write_atomic(run_dir / SUMMARY, json.dumps(data, indent=2) + "\n")
+    """Write the summary; one that cannot be written (a full disk) costs a warning, never the run's outcome."""
+    try:
+        state.write_atomic(run_dir / SUMMARY, json.dumps(data, indent=2) + "\n")
+    except OSError as exc:
+        say(
+            f"fab: warning: could not write {run_dir / SUMMARY} ({exc.strerror or exc}); "
+            "the run's exit codes and cost are in the ledger (python deploy.py cost)"
+        )
 
 
 def summary_line(path: Path) -> str:

@@ -8,6 +8,7 @@ handling, not through the local provider's server.
 import json
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -233,6 +234,10 @@ def test_bootstrap_layers_the_venv_over_the_hosts_python_without_pip(cluster):
         assert setup["nodes"][node]["deps"]["installed"] == []  # torch was there: pip never ran
         layer = next(venv.glob("lib/python3*/site-packages/_gpu_cluster_layer.pth")).read_text().split()
         assert str(base_site) in layer
+        home = cluster.home(user) / ".gpu-cluster"  # another user of the host reads none of it
+        assert stat.S_IMODE(home.stat().st_mode) == 0o700
+        for private in (home / "env", home / "state.json"):
+            assert stat.S_IMODE(private.stat().st_mode) == 0o600, private
     second = cluster.fab("bootstrap", "--master-port", str(cluster.master_port))
     assert second.returncode == 0 and "nodes up to date" in second.stdout
     sourced = cluster.cli("ssh", "node-1", "--", ". ~/.gpu-cluster/env && echo $NODE_RANK $MASTER_ADDR")
@@ -253,6 +258,8 @@ def test_run_ddp_trains_across_both_hosts(cluster):
         if json.loads(line)["kind"] == "step"
     ]
     assert steps == [5, 10]
+    fetched = [p for p in run_dir.rglob("*") if p.is_file()]  # private here, as everything under .cluster
+    assert fetched and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in fetched), fetched
 
 
 def test_a_failing_rank_stops_the_job_on_both_hosts(cluster, tmp_path):

@@ -3,6 +3,8 @@
 import base64
 import hashlib
 import json
+import resource
+import stat
 import subprocess
 import sys
 import zipfile
@@ -284,3 +286,34 @@ def test_clean_runs_frees_the_old_copies_on_every_node(cluster):
     assert f"node-1: removed the copies of {len(runs) - 1} of {len(runs)} runs" in result.stdout
     for node in ("node-0", "node-1"):
         assert [p.name for p in (node_home(cluster, node) / "runs").iterdir()] == [runs[-1]]
+
+
+def test_a_full_disk_while_fetching_leaves_no_partial_result_and_the_run_still_succeeds(cluster, tmp_path):
+    """fab may write at most 4 MB per file (RLIMIT_FSIZE, as a nearly full disk would): a 5 MB result
+    fails midway, a small one before it arrives whole, the summary is written, and the run is ok."""
+    script = tmp_path / "results.py"
+    script.write_text(
+        "import os\n"
+        "out = os.environ['CLUSTER_RESULTS_DIR']\n"
+        "open(os.path.join(out, 'a-small.txt'), 'w').write('small')\n"
+        "open(os.path.join(out, 'b-big.bin'), 'wb').write(os.urandom(5_000_000))\n"
+    )
+    limit = 4_000_000
+    result = subprocess.run(
+        [str(Path(sys.executable).with_name("fab")), "run", "--script", str(script), "--max-result-mb", "10"],
+        cwd=REPO,
+        env=child_env(**cluster.env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "could not fetch results/b-big.bin from node-0: File too large" in result.stdout
+    local = cluster.state_dir / cluster.stack / "runs" / run_id_in(result.stdout)
+    assert (local / "results" / "a-small.txt").read_text() == "small"
+    assert not (local / "results" / "b-big.bin").exists()
+    assert [p.name for p in local.rglob(".*")] == []  # no partial copy, no temporary summary
+    assert json.loads((local / "summary.json").read_text())["exit_codes"] == {"node-0": 0, "node-1": 0}
+    assert stat.S_IMODE((local / "results" / "a-small.txt").stat().st_mode) == 0o600
