@@ -22,9 +22,11 @@ import socket
 import sqlite3
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
-from infra import state
+from infra import inventory, state
+from infra.errors import UsageError
 from node import procfs
 from node.billing import cost_usd
 
@@ -206,10 +208,33 @@ class Ledger:
         os.chmod(backup, 0o600)  # kept in the state folder, private like the rest of it
         for suffix in ("-wal", "-shm"):
             Path(str(self.path) + suffix).unlink(missing_ok=True)
-        self.warnings.append(
-            f"the ledger {self.path} was corrupt ({exc}); kept it as {backup.name} and started a new one"
-        )
         self._open()
+        recovered = self._recover_clusters_up()
+        again = (
+            f"; the clusters still up ({', '.join(recovered)}) are priced again from their inventories"
+            if recovered
+            else ""
+        )
+        self.warnings.append(
+            f"the ledger {self.path} was corrupt ({exc}); kept it as {backup.name} and started a new one{again}"
+        )
+
+    def _recover_clusters_up(self) -> list[str]:
+        """In a new ledger, the clusters whose inventory says they are up, from the time each was created:
+        their hours go on being priced (the runs of the old ledger are in its backup)."""
+        recovered = []
+        for stack in state.stacks_up():
+            try:
+                cluster = inventory.load(stack)
+                created = datetime.fromisoformat(cluster.created_at).timestamp()
+            except (UsageError, ValueError, TypeError):
+                continue
+            if self.open_cluster(stack) is None:
+                self.cluster_up(
+                    stack, cluster.provider, cluster.instance_type, len(cluster.nodes), cluster.hourly_usd, at=created
+                )
+                recovered.append(stack)
+        return recovered
 
     def _transaction(self):
         return _Transaction(self.db)

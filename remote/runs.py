@@ -64,10 +64,28 @@ class RunBook:
         except (sqlite3.Error, OSError) as exc:
             say(f"fab: warning: could not record the hang in the ledger ({exc})")
 
-    def ended(self, run_id: str, exit_codes: dict, duration_s: float) -> float:
+    def ended(self, run_id: str, exit_codes: dict, duration_s: float, task: str) -> float:
+        """Record the end over a connection opened now: a ledger damaged during the run is started over
+        here (with the clusters the inventories know), and a run whose row went with it is written again."""
         if self.heartbeat is not None:
             self.heartbeat.stop()
-        cost = self._safely(lambda ledger: ledger.run_ended(run_id, exit_codes))
+        if self.ledger is not None:
+            try:
+                self.ledger.close()
+                self.ledger = Ledger(self.ledger.path)
+                for warning in self.ledger.warnings:
+                    say(f"fab: warning: {warning}")
+            except (sqlite3.Error, OSError) as exc:
+                say(f"fab: warning: the ledger cannot be opened ({exc}); this run's end is not recorded in it")
+                self.ledger = None
+
+        def record(ledger: Ledger) -> float:
+            if ledger.run(run_id) is None:
+                stack, nodes, hourly = self.cluster.stack, len(self.cluster.nodes), self.cluster.hourly_usd
+                ledger.run_started(run_id, stack, task, nodes, hourly, at=time.time() - duration_s)
+            return ledger.run_ended(run_id, exit_codes)
+
+        cost = self._safely(record)
         return cost if cost is not None else billing.cost_usd(self.cluster.hourly_usd, duration_s)
 
     def _safely(self, write: Callable[[Ledger], Any]) -> Any:

@@ -59,7 +59,7 @@ def start_job(stack: str | None, spec: JobSpec) -> None:
         on_start=lambda run_id: book.started(run_id, spec.task),
         on_hang=book.hung,
     )
-    cost_usd = book.ended(result.run_id, result.exit_codes, result.duration_s)
+    cost_usd = book.ended(result.run_id, result.exit_codes, result.duration_s, spec.task)
     runs.write_summary(local_dir, runs.summary(cluster, spec, result, cost_usd))
     where = f"logs: {local_dir}"
     if result.interrupted:

@@ -3,8 +3,15 @@
 import os
 import sqlite3
 import subprocess
+from datetime import datetime
+from pathlib import Path
 
+import pytest
+
+from infra import inventory, state
 from infra.ledger import ABANDONED_AFTER_S, Ledger
+from remote.runs import RunBook
+from tests.support import inventories
 
 
 class Clock:
@@ -72,3 +79,26 @@ def test_a_ledger_from_before_heartbeats_opens_and_its_open_runs_are_closed(tmp_
     ledger = Ledger(path, clock=Clock(1000.0 + ABANDONED_AFTER_S + 1))
     assert ledger.run("old").ended_at == 1000.0 and ledger.run("old").end_reason
     assert ledger.run("done").ended_at == 1010.0 and ledger.run("done").end_reason is None
+
+
+def test_a_ledger_damaged_during_a_run_keeps_the_run_and_the_clusters_still_up(state_dir):
+    up = inventories.cluster(provider="aws")
+    inventory.save(up)  # the stack is up: its inventory says so
+    created = datetime.fromisoformat(up.created_at).timestamp()
+    Ledger().cluster_up(up.stack, up.provider, up.instance_type, 2, up.hourly_usd, at=created)
+    book = RunBook(up)
+    book.started("r1", "hello")
+    path = state.ledger_path()  # damaged mid-run: a full disk, a bad copy
+    for suffix in ("-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+    path.write_bytes(b"not a database any more" * 200)
+
+    cost = book.ended("r1", {"node-0": 0, "node-1": 0}, 36.0, "hello")
+
+    ledger = Ledger()
+    run = ledger.run("r1")
+    assert run is not None and run.exit_codes == {"node-0": 0, "node-1": 0} and run.task == "hello"
+    assert cost == pytest.approx(up.hourly_usd * 36 / 3600, rel=0.05)
+    cluster = ledger.open_cluster(up.stack)  # still priced, from when it was made, not from the damage
+    assert cluster is not None and cluster.created_at == created
+    assert len(list(path.parent.glob("ledger.sqlite.corrupt-*"))) == 1
