@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Generic, TypeVar
 
 import paramiko
@@ -184,6 +185,11 @@ def on_all_nodes(sessions: list[NodeSession], step: Callable[[NodeSession], T]) 
 def open_sessions(cluster: ClusterInfo, probe_command: str = "true") -> tuple[list[NodeSession], list[str]]:
     """Sessions to every node, each proven by running `probe_command` (its output is returned);
     exit 2 naming the nodes that do not answer."""
+    if not Path(cluster.known_hosts).exists():  # removed by a `down` of this stack at the same moment
+        raise UsageError(
+            f"stack {cluster.stack!r} is being taken down or is down (its pinned host keys are gone): "
+            "nothing was started; python deploy.py status says what is up"
+        )
     sessions = [NodeSession(cluster, node) for node in cluster.nodes]
 
     def probe(session: NodeSession):

@@ -133,6 +133,7 @@ class JobLock:
                 self.channel = channel
                 return self
             why = reply or channel.makefile_stderr("r").read().decode(errors="replace").strip()[-200:]
+            code = channel.recv_exit_status() if channel.exit_status_ready() or not why else -1
             channel.close()
         except CONNECTION_ERRORS as exc:
             raise OperationError(f"could not take the job lock on {name}: {describe(exc)}") from None
@@ -141,7 +142,12 @@ class JobLock:
                 f"{name} is running job {holder['run_id']} ({holder['task']}, launched by fab "
                 f"{holder['owner']}): wait for it or run fab stop"
             )
-        raise UsageError(f"could not take the job lock on {name} ({why or 'no answer'}): run fab bootstrap")
+        if not why or code >= 128 or code < 0:  # the holder was ended before it answered: a stop at that moment
+            raise OperationError(
+                f"the job lock on {name} was ended before it was taken (a fab stop or down at the same moment?): "
+                "nothing was started; run the launch again"
+            )
+        raise UsageError(f"could not take the job lock on {name} ({why}): run fab bootstrap")
 
     def __exit__(self, *exc_info) -> None:
         """Release: end the holder's input and wait until it has exited, so the next launch finds it free."""

@@ -32,6 +32,9 @@ RESTARTS_HELP = "torchrun --max-restarts: restart a failed worker group this man
 NPROC_HELP = "processes per node, >= 1 (default: one per GPU, one on CPU nodes); at most the GPU count on GPU nodes"
 
 
+STOPPED_CODES = (128 + 15, 128 + 9)  # SIGTERM, SIGKILL: what stop (node/stop_jobs.py) ends a job with
+
+
 def cluster_for(stack: str | None) -> ClusterInfo:
     try:
         return inventory.load_current(stack)
@@ -69,6 +72,14 @@ def start_job(stack: str | None, spec: JobSpec) -> None:
         raise Exit(
             f"error: run {result.run_id} hung and was stopped on every node ({result.hang.verdict.split(': ', 1)[1]}); "
             f"evidence: {result.hang.evidence_dir}; {where}",
+            code=1,
+        )
+    failed = [c for c in result.exit_codes.values() if c not in (0, None)]
+    if not result.ok and failed and all(c in STOPPED_CODES for c in failed):
+        raise Exit(
+            f"error: run {result.run_id} was stopped from outside: every node's job ended on a signal "
+            f"({', '.join(f'{n} exited {c}' for n, c in result.exit_codes.items() if c)}: a fab stop, the "
+            f"watchdog or a down at the same time); {where}",
             code=1,
         )
     if not result.ok:

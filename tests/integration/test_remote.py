@@ -422,6 +422,8 @@ def test_a_running_job_listens_on_loopback_only_refuses_a_second_and_stop_ends_i
         stopped = cluster.fab("stop")
         assert stopped.returncode == 0 and stopped.stdout.count("stopped") == 2
         assert job.wait(timeout=30) == 1
+        said = job.stdout.read()
+        assert f"run {run_id} was stopped from outside" in said, said  # not "failed: node-0 exited 143"
     finally:
         job.kill()
     assert run_processes(run_id) == []
