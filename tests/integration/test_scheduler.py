@@ -4,13 +4,16 @@ munge (.ci/run installs them)."""
 
 import ipaddress
 import json
+import shlex
+import sys
 import time
 
 import pytest
 
 from node import procfs
-from tests.support import slurm
+from tests.support import REPO, network, slurm
 
+SLURM_RUN = REPO / "node" / "slurm_run.py"
 pytestmark = pytest.mark.skipif(bool(slurm.unavailable()), reason=f"Slurm: {slurm.unavailable()}")
 
 
@@ -153,3 +156,83 @@ def _name(pid: int) -> str:
 
 def _names(pids: list) -> set:
     return {_name(pid) for pid in pids}
+
+
+def run_spec(cluster, folder, commands: list) -> dict:
+    """A run of node/slurm_run.py: one command per node, the log in `folder`."""
+    return {
+        "run_id": f"run-{folder.name}",
+        "log": str(folder / "output.log"),
+        "python": sys.executable,
+        "nodes": [
+            {"name": f"node-{i}", "home": str(home), "command": command}
+            for i, (home, command) in enumerate(zip(cluster.homes, commands, strict=True))
+        ],
+    }
+
+
+def submit(cluster, spec: dict, folder) -> str:
+    (folder / "spec.json").write_text(json.dumps(spec))
+    result = cluster.scheduler(0, "submit", str(folder / "spec.json"), program=SLURM_RUN)
+    assert result.returncode == 0, (result.stdout, result.stderr)
+    return result.stdout.strip()
+
+
+def hello_command(cluster, index: int, run_id: str, port: int) -> str:
+    """torchrun through node/torchrun.py on node `index`, as a launch starts it, then a progress bar."""
+    addresses = [node["address"] for node in cluster.description["nodes"]]
+    variables = {
+        "NODE_RANK": str(index),
+        "MASTER_ADDR": addresses[0],
+        "MASTER_PORT": str(port),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+        "PYTHONUNBUFFERED": "1",
+    }
+    torchrun = [
+        sys.executable,
+        str(REPO / "node" / "torchrun.py"),
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={addresses[0]}:{port}",
+        f"--rdzv-conf=is_host={int(index == 0)}",
+        f"--rdzv-id={run_id}",
+        f"--local-addr={addresses[index]}",
+        "--max-restarts=0",
+        str(REPO / "examples" / "distributed_hello.py"),
+        "--expect-world-size=2",
+    ]
+    environment = " ".join(f"{key}={shlex.quote(value)}" for key, value in variables.items())
+    return f"env {environment} {shlex.join(torchrun)} && printf 'bar 1\\rbar 2\\rbar 3\\n'"
+
+
+def test_a_run_trains_on_every_node_with_its_output_prefixed_in_the_log(scheduler, tmp_path):
+    port = network.free_port()
+    spec = run_spec(scheduler, tmp_path, [hello_command(scheduler, i, f"run-{tmp_path.name}", port) for i in range(2)])
+
+    job = submit(scheduler, spec, tmp_path)
+    final = wait_state(scheduler, job, "COMPLETED", "FAILED", "CANCELLED")
+
+    log = (tmp_path / "output.log").read_bytes().decode()  # read_text would turn each \r into \n
+    assert final["JobState"] == "COMPLETED", log
+    assert "all-reduce, broadcast and all-gather checked, all correct" in log
+    for name in ("node-0", "node-1"):
+        assert f"[{name}] bar 1\r[{name}] bar 2\r[{name}] bar 3\n" in log
+    assert all(line.startswith(("[node-0] ", "[node-1] ")) for line in log.splitlines() if line), log
+
+
+def test_a_failing_node_ends_the_others(scheduler, tmp_path):
+    marker = tmp_path / "still-running"
+    spec = run_spec(
+        scheduler, tmp_path, [f"touch {marker}; exec sleep 300", f"until [ -e {marker} ]; do sleep 0.1; done; exit 1"]
+    )
+
+    job = submit(scheduler, spec, tmp_path)
+    final = wait_state(scheduler, job, "FAILED", "COMPLETED", "CANCELLED")
+
+    log = (tmp_path / "output.log").read_text()
+    assert final["JobState"] == "FAILED", final
+    assert "node-1: task 1: Exited with exit code 1" in log, log
+    slurm.wait_for(lambda: "sleep" not in _names(scheduler.processes()), "node-0's command ended")

@@ -86,11 +86,11 @@ class SlurmCluster:
         for home in self.homes:
             home.mkdir(parents=True, exist_ok=True)
 
-    def scheduler(self, index: int, *args: str, stdin: str | None = None, timeout: float = 120):
-        """`python node/scheduler.py ARGS` on node `index` (its HOME and CLUSTER_NODE)."""
+    def scheduler(self, index: int, *args: str, stdin: str | None = None, timeout: float = 120, program=SCHEDULER):
+        """`python node/scheduler.py ARGS` (or another `program`) on node `index` (its HOME and CLUSTER_NODE)."""
         env = {**os.environ, "HOME": str(self.homes[index]), contract.NODE_VARIABLE: f"node-{index}"}
         return subprocess.run(
-            [sys.executable, str(SCHEDULER), *args],
+            [sys.executable, str(program), *args],
             input=stdin,
             env=env,
             capture_output=True,
