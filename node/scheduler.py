@@ -573,6 +573,14 @@ def start(cluster: Cluster, node_name: str, home: str) -> dict:
     return {"node": node.name, "action": action, "daemons": running, "started": sorted(started)}
 
 
+def _is_step(pid: int) -> bool:
+    return os.path.basename((procfs.command_line(pid) or [""])[0]).startswith("slurmstepd")
+
+
+def _is_srun(pid: int) -> bool:
+    return os.path.basename((procfs.command_line(pid) or [""])[0]) == "srun"
+
+
 def scheduler_processes(paths: Paths) -> list:
     """Every live process of this node's scheduler: what carries its folder in its environment (the
     daemons), the job steps' slurmstepd (started by slurmd with an empty environment, in sessions of
@@ -581,9 +589,7 @@ def scheduler_processes(paths: Paths) -> list:
     steps = [
         pid
         for pid in procfs.pids()
-        if procfs.working_directory(pid) == paths.folder
-        and os.path.basename((procfs.command_line(pid) or [""])[0]).startswith("slurmstepd")
-        and procfs.alive(pid)
+        if procfs.working_directory(pid) == paths.folder and _is_step(pid) and procfs.alive(pid)
     ]
     roots = list(dict.fromkeys(marked + steps))
     return list(dict.fromkeys(roots + procfs.descendants(roots)))
@@ -603,9 +609,12 @@ def stop(paths: Paths, grace_s: float = STOP_GRACE_S) -> list:
     groups = [pid for pid in registered.values() if pid]
     others = [pid for pid in scheduler_processes(paths) if pid not in groups]
     signal_groups(groups, others, signal.SIGTERM)
+    # slurmstepd ignores SIGTERM and srun waits for a controller that may be gone: wait for the rest
+    # (the daemons, the jobs' own processes), then kill those two too.
+    waited = [pid for pid in others if not _is_step(pid) and not _is_srun(pid)]
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and (
-        any(procfs.group_alive(g) for g in groups) or any(procfs.alive(p) for p in others)
+        any(procfs.group_alive(g) for g in groups) or any(procfs.alive(p) for p in waited)
     ):
         time.sleep(0.05)
     signal_groups(groups, others + scheduler_processes(paths), signal.SIGKILL)
