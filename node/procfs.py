@@ -133,6 +133,17 @@ def working_directory(pid: int) -> str | None:
         return None
 
 
+def pids_working_in(folder: str) -> list:
+    """Live processes whose current folder is `folder` or below it (this one aside); empty without /proc."""
+    inside = folder.rstrip("/") + "/"
+    found = []
+    for pid in pids():
+        cwd = working_directory(pid)
+        if pid != os.getpid() and cwd and (cwd + "/").startswith(inside) and alive(pid):
+            found.append(pid)
+    return found
+
+
 def descendants(roots) -> list:
     """Every live process below `roots` (children, theirs, ...), from /proc's parent links."""
     children: dict = {}

@@ -2,6 +2,7 @@
 node in a home of its own as the local provider's nodes are. Skipped, saying why, without slurm-wlm and
 munge (.ci/run installs them)."""
 
+import asyncio
 import ipaddress
 import json
 import shlex
@@ -147,6 +148,25 @@ def test_stop_leaves_no_process_and_a_changed_description_restarts(own_scheduler
     left = cluster.processes()
     assert left == [], [(pid, _name(pid)) for pid in left]
     assert [cluster.state(i)["daemons"] for i in range(2)] == [{"munged": None, "slurmd": None}] * 2
+
+
+def test_powering_off_a_local_node_ends_its_daemons_steps_and_tasks(own_scheduler):
+    """The local provider's node server ends what its node started (`ProcessTable.end_all`): the
+    registered daemons, and the steps slurmd forks into sessions of their own with an empty environment."""
+    from infra.local.node_server import ProcessTable
+
+    cluster = own_scheduler
+    cluster.start()
+    cluster.wait_idle()
+    job = cluster.sbatch("--nodes=2", "--wrap", "srun --nodes=2 --ntasks-per-node=1 sleep 300")
+    wait_state(cluster, job, "RUNNING")
+    slurm.wait_for(lambda: "sleep" in _names(slurm.node_processes(cluster, 1)), "node-1's task running")
+
+    asyncio.run(ProcessTable(cluster.homes[1], token="unused").end_all())
+
+    left = slurm.node_processes(cluster, 1)
+    assert left == [], [(pid, _name(pid)) for pid in left]
+    assert "slurmctld" in _names(slurm.node_processes(cluster, 0))
 
 
 def _name(pid: int) -> str:

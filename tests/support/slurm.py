@@ -171,6 +171,14 @@ class SlurmCluster:
         return found
 
 
+def node_processes(cluster: "SlurmCluster", index: int) -> list:
+    """Live processes of node `index` alone: its daemons, its steps and their tasks."""
+    folder = str(cluster.homes[index] / contract.SCHEDULER)
+    steps = [pid for pid in procfs.pids_working_in(folder) if procfs.alive(pid)]
+    marked = procfs.pids_with_environment(f"{contract.SCHEDULER_VARIABLE}={folder}")
+    return sorted(set(marked + steps + procfs.descendants(steps)))
+
+
 def wait_for(condition, what: str, details=None, deadline_s: float = DEADLINE_S) -> None:
     deadline = time.monotonic() + deadline_s
     while not condition():
