@@ -552,10 +552,10 @@ def start(cluster: Cluster, node_name: str, home: str) -> dict:
     running = {name: running_daemon(paths, name) for name in names}
     if read_text(paths.digest) == digest and all(running.values()):
         return {"node": node.name, "action": "unchanged", "daemons": running}
-    make_folders(paths)
-    restarted = []
-    if read_text(paths.digest) != digest:
-        restarted = [name for name in stop(paths) if name in names]
+    changed = read_text(paths.digest) != digest
+    restarted = [name for name in stop(paths) if name in names] if changed else []
+    make_folders(paths)  # after stop, which removes a short socket folder
+    if changed:
         for path, (data, mode) in files.items():
             write_private(path, data, mode)
         if paths.gres not in files and os.path.exists(paths.gres):
@@ -626,6 +626,8 @@ def stop(paths: Paths, grace_s: float = STOP_GRACE_S) -> list:
             os.unlink(paths.pid(name))
         except OSError:
             pass
+    if paths.sockets != paths.folder:  # the short folder outside the home holds only sockets and spool
+        shutil.rmtree(paths.sockets, ignore_errors=True)
     return [name for name, pid in registered.items() if pid]
 
 

@@ -8,10 +8,12 @@ import json
 import shlex
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from node import procfs
+from node.scheduler import Paths
 from tests.support import REPO, network, slurm
 
 SLURM_RUN = REPO / "node" / "slurm_run.py"
@@ -147,6 +149,8 @@ def test_stop_leaves_no_process_and_a_changed_description_restarts(own_scheduler
 
     left = cluster.processes()
     assert left == [], [(pid, _name(pid)) for pid in left]
+    sockets = [Paths(str(home)).sockets for home in cluster.homes]
+    assert not [s for s, home in zip(sockets, cluster.homes, strict=True) if str(home) not in s and Path(s).exists()]
     assert [cluster.state(i)["daemons"] for i in range(2)] == [{"munged": None, "slurmd": None}] * 2
 
 
