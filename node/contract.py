@@ -43,6 +43,34 @@ WATCHDOG_UNIT = "gpu-cluster-watchdog"
 """The systemd unit of the watchdog, where the node runs systemd."""
 WATCHDOG_UNIT_FILE = f"{HOME_DIR}/{WATCHDOG_UNIT}.service"
 """The unit file as sent, before it is installed into /etc/systemd/system."""
+SCHEDULER = f"{HOME_DIR}/slurm"
+"""The scheduler's folder on every node (node/scheduler.py): the Slurm and munge configuration, state,
+logs and sockets of this node's daemons."""
+SLURM_CONF = f"{SCHEDULER}/slurm.conf"
+"""This node's slurm.conf; clients (`sbatch`, `squeue`, `scancel`) find it through `SLURM_CONF`."""
+GRES_CONF = f"{SCHEDULER}/gres.conf"
+"""The GPUs of the nodes that have any, beside slurm.conf (Slurm reads it from the same folder)."""
+SCHEDULER_DIGEST = f"{SCHEDULER}/digest"
+"""The digest of the configuration (and munge key) the running daemons were started with."""
+MUNGE = f"{SCHEDULER}/munge"
+"""munged's key (0400), socket, pid, seed and log: this node's own, never /etc/munge or /run/munge."""
+JOB_COMPLETIONS = f"{SCHEDULER}/jobcomp.log"
+"""On the head node: Slurm's job-completion log (jobcomp/filetxt), one line per ended job."""
+SCHEDULER_SHORT_FOLDER = "/tmp/gpu-cluster-{uid}-{key}"
+"""Where this node's Unix sockets (munge's, slurmd's spool with the steps' sockets) go when the home is too
+deep for them: a socket's path is at most 108 bytes. `key` is a digest of the scheduler folder's path."""
+SCHEDULER_DAEMONS = ("munged", "slurmctld", "slurmd")
+"""The scheduler's daemons, in start order (slurmctld runs on the head node only)."""
+SCHEDULER_VARIABLE = "CLUSTER_SCHEDULER_DIR"
+"""Carried by the scheduler's daemons (and what they fork): this node's scheduler folder, so `stop`
+finds them all where several nodes share one machine."""
+
+
+def daemon_pid(name: str) -> str:
+    """The registered process group of a detached daemon (`PIDS`), which power-off and `down` end."""
+    return f"{PIDS}/{name}.pid"
+
+
 SYNCED = ("harness", "examples", "node")
 """The code folders bootstrap syncs (relative to the repository and to the code folder)."""
 

@@ -123,3 +123,38 @@ def command_line(pid: int) -> list:
 def pids_with_argument(argument: str) -> list:
     """Live processes with `argument` as one whole element of their argv (this one aside); empty without /proc."""
     return [pid for pid in pids() if pid != os.getpid() and argument in command_line(pid) and alive(pid)]
+
+
+def working_directory(pid: int) -> str | None:
+    """The process's current folder, or None when it is gone or not this user's."""
+    try:
+        return os.readlink(os.path.join(PROC, str(pid), "cwd"))
+    except OSError:
+        return None
+
+
+def pids_working_in(folder: str) -> list:
+    """Live processes whose current folder is `folder` or below it (this one aside); empty without /proc."""
+    inside = folder.rstrip("/") + "/"
+    found = []
+    for pid in pids():
+        cwd = working_directory(pid)
+        if pid != os.getpid() and cwd and (cwd + "/").startswith(inside) and alive(pid):
+            found.append(pid)
+    return found
+
+
+def descendants(roots) -> list:
+    """Every live process below `roots` (children, theirs, ...), from /proc's parent links."""
+    children: dict = {}
+    for pid in pids():
+        fields = stat_fields(pid)
+        if fields and fields[0] not in ("Z", "X"):
+            children.setdefault(int(fields[1]), []).append(pid)
+    found, todo = [], list(roots)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.append(child)
+                todo.append(child)
+    return found

@@ -80,6 +80,7 @@ class ProcessTable:
 
     def __init__(self, home: Path, token: str):
         self.session_groups: set[int] = set()
+        self.home = home
         self.registry = home / PID_REGISTRY
         self.token = token
 
@@ -97,10 +98,14 @@ class ProcessTable:
     async def end_all(self) -> None:
         """Everything started on the node: session groups and daemons get SIGTERM and a grace
         period; whatever still carries the node's token after that (processes that started their
-        own sessions, such as torchrun's workers) is killed, as a power-off would."""
+        own sessions, such as torchrun's workers) is killed, as a power-off would, and so is what
+        works in the node's `~/.gpu-cluster`, with everything below it: processes a daemon started in
+        sessions of their own with an emptied environment (Slurm's slurmstepd, and the job steps under
+        it)."""
         groups = set(self.session_groups) | set(self.registered_daemons())
         await asyncio.gather(*(terminate_group(pgid) for pgid in groups))
-        for pid in procfs.pids_with_environment(token_entry(self.token)):
+        rooted = procfs.pids_working_in(str(self.home / contract.HOME_DIR))
+        for pid in procfs.pids_with_environment(token_entry(self.token)) + rooted + procfs.descendants(rooted):
             _signal_pid(pid, signal.SIGKILL)
 
 

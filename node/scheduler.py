@@ -1,0 +1,728 @@
+"""On a node: the cluster's Slurm scheduler (munged, slurmctld on the head node, slurmd on every node).
+
+    python node/scheduler.py start --node NAME [--conf-json FILE]   # the description on stdin without FILE
+    python node/scheduler.py stop                                   # this node's daemons, nothing left
+    python node/scheduler.py state [--json]                         # daemons alive, Slurm's node state
+    python node/scheduler.py env                                    # `export SLURM_CONF=...` for clients
+
+`start` takes the cluster's description (the same JSON on every node; head node first):
+
+    {"cluster": "gc", "munge_key": BASE64,
+     "ports": {"slurmctld": 6817, "slurmd": 6818, "srun": [6900, 6999]},
+     "nodes": [{"name": "node-0", "address": "10.0.0.5", "cpus": 8, "memory_mb": 30000, "gpus": 1}, ...]}
+
+writes slurm.conf (and gres.conf where a node has GPUs) under `~/.gpu-cluster/slurm/` and starts what this
+node runs, each daemon in a session of its own, registered in `~/.gpu-cluster/pids/` as the watchdog is,
+so that power-off (local) and `down` end them. Daemons running with an unchanged configuration are left
+alone; a changed one restarts them. Node i's slurmd listens on the `slurmd` port + i, so nodes that share
+one machine do not meet.
+
+Every socket listens on one address, never the wildcard: `CommunicationParameters=NoCtldInAddrAny,
+NoInAddrAny` makes each daemon (and srun, and the steps) bind the address the host's name resolves to.
+So that address must be the node's own (checked here), and on a cluster whose nodes are all on loopback
+(one machine) it is that loopback address the nodes are reached at. Jobs run as the submitting user, on
+every node: this node's user runs the daemons (SlurmUser, SlurmdUser), root or not.
+
+Standard library only; run as a file, it imports its siblings from the code folder.
+"""
+
+import argparse
+import base64
+import binascii
+import hashlib
+import ipaddress
+import json
+import os
+import pwd
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
+
+from node import contract, procfs  # noqa: E402
+
+READY_TIMEOUT_S = 30.0
+STOP_GRACE_S = 5.0
+CLIENT_TIMEOUT_S = 15.0
+CREDENTIAL_LIFETIME_S = 10
+"""Slurm holds a requeued job `cred_expire + 1` s before it may start again (121 s by default)."""
+NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")
+NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,19}$")
+PROGRAMS = {"munged": "munge", "slurmctld": "slurm-wlm", "slurmd": "slurm-wlm", "sinfo": "slurm-wlm"}
+SBIN = ("/usr/sbin", "/usr/local/sbin", "/sbin")
+SOCKET_PATH_MAX = 107
+"""sun_path holds 108 bytes with the terminating NUL."""
+SOCKET_NAME_ROOM = 50
+"""What the deepest socket adds to the folder: `/spool/<node name, up to 20>_<job>.<step>` at most."""
+
+
+class UsageError(Exception):
+    """Bad input or a missing prerequisite: one line, exit 2, nothing started."""
+
+
+class DaemonError(Exception):
+    """A daemon did not come up: exit 1, with the end of its log."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node of the description."""
+
+    name: str
+    """`node-<i>`: Slurm's NodeName, and `slurmd -N`."""
+    address: str
+    """The node's private address (what the other nodes reach it at)."""
+    cpus: int
+    """CPUs Slurm may give jobs on this node."""
+    memory_mb: int
+    """Memory Slurm may give jobs on this node (RealMemory)."""
+    gpus: int
+    """GPUs, as the GRES `gpu`."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The description `start` takes, checked."""
+
+    name: str
+    """Slurm's ClusterName."""
+    nodes: tuple
+    """Every Node, the head node (slurmctld's) first."""
+    slurmctld_port: int
+    """slurmctld's port."""
+    slurmd_port: int
+    """Node i's slurmd listens on this + i."""
+    srun_ports: tuple
+    """(first, last): the ports srun and the steps listen on."""
+    munge_key: bytes
+    """The cluster's munge key (the same on every node)."""
+
+    @property
+    def head(self) -> Node:
+        return self.nodes[0]
+
+    def node(self, name: str) -> Node:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise UsageError(f"--node {name!r} is not in the description (its nodes: {', '.join(self.names)})")
+
+    @property
+    def names(self) -> list:
+        return [node.name for node in self.nodes]
+
+    @property
+    def one_machine(self) -> bool:
+        """Every node on loopback: they share this machine (nothing else reaches a loopback address)."""
+        return all(ipaddress.ip_address(node.address).is_loopback for node in self.nodes)
+
+
+def _integer(value, what: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise UsageError(f"{what} must be an integer from {low} to {high}, not {value!r}")
+    return value
+
+
+def parse_node(entry, index: int) -> Node:
+    if not isinstance(entry, dict):
+        raise UsageError(f"nodes[{index}] must be an object with name, address, cpus, memory_mb, gpus")
+    missing = [key for key in ("name", "address", "cpus", "memory_mb") if key not in entry]
+    if missing:
+        raise UsageError(f"nodes[{index}] lacks {', '.join(missing)}")
+    name, address = entry["name"], entry["address"]
+    if not isinstance(name, str) or not NODE_NAME.match(name):
+        raise UsageError(f"nodes[{index}].name {name!r} is not a node name (up to 20 letters, digits, '-', '_', '.')")
+    try:
+        if not isinstance(address, str) or ipaddress.ip_address(address).version != 4:
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"nodes[{index}].address {address!r} is not an IPv4 address") from None
+    return Node(
+        name=name,
+        address=address,
+        cpus=_integer(entry["cpus"], f"nodes[{index}].cpus", 1, 100000),
+        memory_mb=_integer(entry["memory_mb"], f"nodes[{index}].memory_mb", 1, 1 << 40),
+        gpus=_integer(entry.get("gpus", 0), f"nodes[{index}].gpus", 0, 1024),
+    )
+
+
+def parse_cluster(data) -> Cluster:
+    """The description, checked whole; UsageError names the first thing wrong."""
+    if not isinstance(data, dict):
+        raise UsageError("the description must be a JSON object with cluster, nodes, ports and munge_key")
+    missing = [key for key in ("cluster", "nodes", "ports", "munge_key") if key not in data]
+    if missing:
+        raise UsageError(f"the description lacks {', '.join(missing)}")
+    name = data["cluster"]
+    if not isinstance(name, str) or not NAME.match(name):
+        raise UsageError(f"cluster {name!r} is not a Slurm cluster name: lowercase letters, digits, '-' and '_'")
+    if not isinstance(data["nodes"], list) or not data["nodes"]:
+        raise UsageError("nodes must be a non-empty list, head node first")
+    nodes = tuple(parse_node(entry, i) for i, entry in enumerate(data["nodes"]))
+    for attribute in ("name", "address"):
+        values = [getattr(node, attribute) for node in nodes]
+        if len(set(values)) != len(values):
+            raise UsageError(f"two nodes share one {attribute}: {', '.join(values)}")
+    loopback = [ipaddress.ip_address(node.address).is_loopback for node in nodes]
+    if any(loopback) and not all(loopback):
+        raise UsageError("some nodes are on loopback and some are not: a cluster is on one machine or on several")
+    ports = data["ports"]
+    if not isinstance(ports, dict) or not all(key in ports for key in ("slurmctld", "slurmd", "srun")):
+        raise UsageError('ports must be {"slurmctld": PORT, "slurmd": PORT, "srun": [FIRST, LAST]}')
+    ctld = _integer(ports["slurmctld"], "ports.slurmctld", 1024, 65535)
+    slurmd = _integer(ports["slurmd"], "ports.slurmd", 1024, 65535 - len(nodes) + 1)
+    srun = ports["srun"]
+    if not isinstance(srun, list) or len(srun) != 2:
+        raise UsageError(f"ports.srun must be [FIRST, LAST], not {srun!r}")
+    first, last = (_integer(p, "ports.srun", 1024, 65535) for p in srun)
+    if last - first < 1:
+        raise UsageError(f"ports.srun [{first}, {last}] must hold at least two ports")
+    taken = [("slurmctld", ctld, ctld)] + [("slurmd", slurmd, slurmd + len(nodes) - 1)] + [("srun", first, last)]
+    for i, (what, low, high) in enumerate(taken):
+        for other, other_low, other_high in taken[i + 1 :]:
+            if low <= other_high and other_low <= high:
+                raise UsageError(f"ports.{what} and ports.{other} overlap: give each its own ports")
+    try:
+        key = base64.b64decode(data["munge_key"], validate=True)
+    except (binascii.Error, TypeError, ValueError):
+        raise UsageError("munge_key must be base64") from None
+    if len(key) < 32:
+        raise UsageError(f"munge_key is {len(key)} bytes: munge needs at least 32 (1024 random bytes is usual)")
+    return Cluster(name, nodes, ctld, slurmd, (first, last), key)
+
+
+def daemon_address() -> str:
+    """The IPv4 address Slurm's daemons bind under NoInAddrAny: the one the host's name resolves to."""
+    host = socket.gethostname()
+    try:
+        return str(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
+    except (OSError, IndexError):
+        raise UsageError(
+            f"this host's name {host!r} resolves to no IPv4 address: Slurm's daemons bind the address of the "
+            "host's name; add it to /etc/hosts"
+        ) from None
+
+
+def node_address(cluster: Cluster, node: Node, bound: str) -> str:
+    """Where the others reach `node`'s daemons (NodeAddr): its own address, or, on one machine, the
+    loopback address every daemon there binds (`bound`)."""
+    return bound if cluster.one_machine else node.address
+
+
+def check_binding(cluster: Cluster, node: Node, bound: str) -> None:
+    """UsageError unless the daemons will listen where the other nodes reach this one, and only there."""
+    host = socket.gethostname()
+    if cluster.one_machine and not ipaddress.ip_address(bound).is_loopback:
+        raise UsageError(
+            f"this host's name {host!r} resolves to {bound}, not a loopback address: Slurm's daemons bind the "
+            "address of the host's name, and this cluster's nodes are on loopback; make the name resolve to "
+            "127.0.0.1 (/etc/hosts)"
+        )
+    if not cluster.one_machine and bound != node.address:
+        raise UsageError(
+            f"this host's name {host!r} resolves to {bound}, not {node.name}'s address {node.address}: Slurm's "
+            f"daemons bind the address of the host's name; make it resolve to {node.address} (/etc/hosts)"
+        )
+
+
+@dataclass(frozen=True)
+class Paths:
+    """This node's scheduler files, absolute."""
+
+    home: str
+
+    def at(self, relative: str) -> str:
+        return os.path.join(self.home, relative)
+
+    @property
+    def folder(self) -> str:
+        return self.at(contract.SCHEDULER)
+
+    @property
+    def conf(self) -> str:
+        return self.at(contract.SLURM_CONF)
+
+    @property
+    def gres(self) -> str:
+        return self.at(contract.GRES_CONF)
+
+    @property
+    def digest(self) -> str:
+        return self.at(contract.SCHEDULER_DIGEST)
+
+    @property
+    def munge(self) -> str:
+        return self.at(contract.MUNGE)
+
+    @property
+    def sockets(self) -> str:
+        """The folder of this node's Unix sockets: the scheduler's own, or a short one where that is too
+        deep for the longest socket (a step's, `spool/<node>_<job>.<step>`) to fit in 108 bytes."""
+        if len(self.folder) + SOCKET_NAME_ROOM <= SOCKET_PATH_MAX:
+            return self.folder
+        key = hashlib.sha256(self.folder.encode()).hexdigest()[:12]
+        return contract.SCHEDULER_SHORT_FOLDER.format(uid=os.getuid(), key=key)
+
+    @property
+    def munge_socket(self) -> str:
+        return os.path.join(self.sockets, "munge.socket")
+
+    @property
+    def spool(self) -> str:
+        return os.path.join(self.sockets, "spool")
+
+    @property
+    def munge_key(self) -> str:
+        return os.path.join(self.munge, "munge.key")
+
+    def log(self, daemon: str) -> str:
+        return os.path.join(self.folder, f"{daemon}.log")
+
+    def pid(self, daemon: str) -> str:
+        return self.at(contract.daemon_pid(f"slurm-{daemon}"))
+
+
+def controller_name(cluster: Cluster, node: Node) -> str:
+    """SlurmctldHost's name: slurmctld starts only where it is the host's own name; elsewhere Slurm shows
+    it and nothing more (every client and slurmd reaches the controller at its address)."""
+    return socket.gethostname() if node == cluster.head else cluster.head.name
+
+
+def slurm_conf(cluster: Cluster, node: Node, paths: Paths, bound: str, user: str) -> str:
+    """slurm.conf: one job at a time across the cluster, in submission order, every socket on one address."""
+    head = cluster.head
+    gpus = any(node.gpus for node in cluster.nodes)
+    lines = [
+        "# Written by gpu-cluster (node/scheduler.py); `start` rewrites it and restarts the daemons on a change.",
+        f"ClusterName={cluster.name}",
+        f"SlurmctldHost={controller_name(cluster, node)}({node_address(cluster, head, bound)})",
+        f"SlurmctldPort={cluster.slurmctld_port}",
+        f"SlurmdPort={cluster.slurmd_port}",
+        f"SrunPortRange={cluster.srun_ports[0]}-{cluster.srun_ports[1]}",
+        "CommunicationParameters=NoCtldInAddrAny,NoInAddrAny",
+        f"SlurmUser={user}",
+        f"SlurmdUser={user}",
+        "AuthType=auth/munge",
+        "CredType=cred/munge",
+        f"AuthInfo=socket={paths.munge_socket},cred_expire={CREDENTIAL_LIFETIME_S}",
+        f"StateSaveLocation={os.path.join(paths.folder, 'ctld')}",
+        f"SlurmdSpoolDir={paths.spool}",
+        f"SlurmctldPidFile={os.path.join(paths.folder, 'slurmctld.pid')}",
+        f"SlurmdPidFile={os.path.join(paths.folder, 'slurmd.pid')}",
+        f"SlurmctldLogFile={paths.log('slurmctld')}",
+        f"SlurmdLogFile={paths.log('slurmd')}",
+        "SlurmctldDebug=info",
+        "SlurmdDebug=info",
+        # Node-local paths (the munge socket, spool, logs) differ where the nodes' homes do (one machine).
+        "DebugFlags=NO_CONF_HASH",
+        "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none",
+        "MpiDefault=none",
+        "SwitchType=switch/none",
+        "JobAcctGatherType=jobacct_gather/none",
+        "AccountingStorageType=accounting_storage/none",
+        "JobCompType=jobcomp/filetxt",
+        f"JobCompLoc={paths.at(contract.JOB_COMPLETIONS)}",
+        # Strict submission order: a job waiting at the head of the queue holds back every later one.
+        "SchedulerType=sched/builtin",
+        # A requeued job may start `cred_expire + 1` s later, but only the main loop (every 60 s by
+        # default) looks again: ask every second.
+        "SchedulerParameters=sched_interval=1",
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_Core",
+        # The description is what the caller measured; a node never drains over a count it sees otherwise.
+        "SlurmdParameters=config_overrides",
+        "ReturnToService=2",
+        "JobRequeue=1",
+        "JobFileAppend=1",
+        "KillOnBadExit=1",
+        "KillWait=10",
+        "InactiveLimit=0",
+        "MailProg=/bin/true",
+    ]
+    if gpus:
+        lines.append("GresTypes=gpu")
+    for index, each in enumerate(cluster.nodes):
+        lines.append(
+            f"NodeName={each.name} NodeHostname={each.name} NodeAddr={node_address(cluster, each, bound)} "
+            f"Port={cluster.slurmd_port + index} CPUs={each.cpus} RealMemory={each.memory_mb}"
+            + (f" Gres=gpu:{each.gpus}" if each.gpus else "")
+            + " State=UNKNOWN"
+        )
+    lines.append(
+        f"PartitionName=main Nodes={','.join(cluster.names)} Default=YES OverSubscribe=EXCLUSIVE "
+        "MaxTime=INFINITE State=UP"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def gres_conf(cluster: Cluster) -> str | None:
+    """gres.conf for the nodes with GPUs (counts only: no device files are bound), or None where none has any."""
+    lines = [f"NodeName={node.name} Name=gpu Count={node.gpus}" for node in cluster.nodes if node.gpus]
+    return "\n".join(["# Written by gpu-cluster (node/scheduler.py).", *lines]) + "\n" if lines else None
+
+
+def daemons_of(cluster: Cluster, node: Node) -> list:
+    """What this node runs, in start order."""
+    return [name for name in contract.SCHEDULER_DAEMONS if name != "slurmctld" or node == cluster.head]
+
+
+def program(name: str) -> str:
+    """The absolute path of one of Slurm's or munge's programs; UsageError naming the package where missing."""
+    found = shutil.which(name) or next(
+        (os.path.join(d, name) for d in SBIN if os.access(os.path.join(d, name), os.X_OK)), None
+    )
+    if not found:
+        raise UsageError(
+            f"{name} is not installed on this node: install {PROGRAMS.get(name, name)} "
+            "(Debian/Ubuntu: apt-get install slurm-wlm munge)"
+        )
+    return found
+
+
+def daemon_argv(name: str, cluster: Cluster, node: Node, paths: Paths) -> list:
+    if name == "munged":
+        munge = paths.munge
+        # -F: stay in the foreground (this session is its process group); -f: the folder is private (0700)
+        # where munged would want it world-searchable.
+        return [
+            program("munged"),
+            "-F",
+            "-f",
+            f"--socket={paths.munge_socket}",
+            f"--key-file={paths.munge_key}",
+            f"--log-file={paths.log('munged')}",
+            f"--pid-file={os.path.join(munge, 'munged.pid')}",
+            f"--seed-file={os.path.join(munge, 'munged.seed')}",
+        ]
+    if name == "slurmctld":
+        return [program("slurmctld"), "-D", "-i", "-f", paths.conf]
+    return [program("slurmd"), "-D", "-f", paths.conf, "-N", node.name]
+
+
+def listen_address(name: str, cluster: Cluster, node: Node, bound: str):
+    """(address, port) the daemon accepts on once it is ready; None for munged (a Unix socket)."""
+    if name == "slurmctld":
+        return bound, cluster.slurmctld_port
+    if name == "slurmd":
+        return bound, cluster.slurmd_port + cluster.nodes.index(node)
+    return None
+
+
+def running_daemon(paths: Paths, name: str) -> int | None:
+    """The registered daemon's pid while it runs (and really is that daemon: pids are reused)."""
+    try:
+        with open(paths.pid(name)) as f:
+            pid = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    argv = procfs.command_line(pid)
+    if pid > 1 and procfs.alive(pid) and argv and os.path.basename(argv[0]).startswith(name):
+        return pid
+    return None
+
+
+def write_private(path: str, data: bytes, mode: int) -> None:
+    """Replace `path` with `data` at `mode` (a 0400 key cannot be opened for writing again)."""
+    temporary = f"{path}.new"
+    if os.path.exists(temporary):
+        os.unlink(temporary)
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(descriptor, "wb") as f:
+        f.write(data)
+    os.replace(temporary, path)
+
+
+def configuration(cluster: Cluster, node: Node, paths: Paths, bound: str, user: str) -> dict:
+    """{path: (bytes, mode)} of every file the daemons read."""
+    files = {
+        paths.conf: (slurm_conf(cluster, node, paths, bound, user).encode(), 0o644),
+        paths.munge_key: (cluster.munge_key, 0o400),
+    }
+    gres = gres_conf(cluster)
+    if gres:
+        files[paths.gres] = (gres.encode(), 0o644)
+    return files
+
+
+def digest_of(files: dict) -> str:
+    hashed = hashlib.sha256()
+    for path in sorted(files):
+        hashed.update(path.encode() + b"\0" + files[path][0] + b"\0")
+    return hashed.hexdigest()
+
+
+def read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def spawn(name: str, argv: list, paths: Paths) -> int:
+    """Start a daemon in a session of its own (its pid is its process group) and register it."""
+    environment = {**os.environ, contract.SCHEDULER_VARIABLE: paths.folder, "SLURM_CONF": paths.conf}
+    with open(paths.log(name), "ab") as log:
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=environment,
+            cwd=paths.folder,
+            start_new_session=True,
+        )
+    write_private(paths.pid(name), f"{process.pid}\n".encode(), 0o600)
+    return process.pid
+
+
+def accepting(where) -> bool:
+    try:
+        with socket.create_connection(where, timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def munge_answers(paths: Paths) -> bool:
+    if not os.path.exists(paths.munge_socket):
+        return False
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(paths.munge_socket)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.close()
+
+
+def log_tail(path: str, lines: int = 5) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return " | ".join(line.strip() for line in f.read().splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def wait_ready(name: str, pid: int, paths: Paths, where) -> None:
+    """Until the daemon accepts connections; DaemonError if it exits or the deadline passes."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        if not procfs.alive(pid):
+            raise DaemonError(f"{name} exited at start; its log ({paths.log(name)}) ends: {log_tail(paths.log(name))}")
+        if munge_answers(paths) if where is None else accepting(where):
+            return
+        if time.monotonic() > deadline:
+            raise DaemonError(
+                f"{name} did not accept connections within {READY_TIMEOUT_S:.0f} s; see {paths.log(name)}"
+            )
+        time.sleep(0.05)
+
+
+def make_folders(paths: Paths) -> None:
+    for folder in (paths.folder, paths.munge, paths.sockets, paths.at(contract.PIDS)):
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        if os.stat(folder).st_uid != os.getuid():
+            raise UsageError(f"{folder} belongs to another user: remove it, or start from a shallower home")
+        os.chmod(folder, 0o700)
+
+
+def start(cluster: Cluster, node_name: str, home: str) -> dict:
+    """This node's daemons running with this description; what was done."""
+    node = cluster.node(node_name)
+    paths = Paths(home)
+    names = daemons_of(cluster, node)
+    argvs = {name: daemon_argv(name, cluster, node, paths) for name in names}  # every program there
+    program("sinfo")
+    bound = daemon_address()
+    check_binding(cluster, node, bound)
+    user = pwd.getpwuid(os.getuid()).pw_name
+    files = configuration(cluster, node, paths, bound, user)
+    digest = digest_of(files)
+    running = {name: running_daemon(paths, name) for name in names}
+    if read_text(paths.digest) == digest and all(running.values()):
+        return {"node": node.name, "action": "unchanged", "daemons": running}
+    changed = read_text(paths.digest) != digest
+    restarted = [name for name in stop(paths) if name in names] if changed else []
+    make_folders(paths)  # after stop, which removes a short socket folder
+    if changed:
+        for path, (data, mode) in files.items():
+            write_private(path, data, mode)
+        if paths.gres not in files and os.path.exists(paths.gres):
+            os.unlink(paths.gres)
+        write_private(paths.digest, f"{digest}\n".encode(), 0o600)
+    started = {}
+    for name in names:
+        pid = running_daemon(paths, name)
+        if pid is None:
+            pid = spawn(name, argvs[name], paths)
+            wait_ready(name, pid, paths, listen_address(name, cluster, node, bound))
+            started[name] = pid
+        running[name] = pid
+    action = "restarted" if restarted else ("started" if started else "unchanged")
+    return {"node": node.name, "action": action, "daemons": running, "started": sorted(started)}
+
+
+def _is_step(pid: int) -> bool:
+    return os.path.basename((procfs.command_line(pid) or [""])[0]).startswith("slurmstepd")
+
+
+def _is_srun(pid: int) -> bool:
+    return os.path.basename((procfs.command_line(pid) or [""])[0]) == "srun"
+
+
+def scheduler_processes(paths: Paths) -> list:
+    """Every live process of this node's scheduler: what carries its folder in its environment (the
+    daemons), the job steps' slurmstepd (started by slurmd with an empty environment, in sessions of
+    their own, but working in slurmd's folder) and everything below them (the jobs' tasks)."""
+    marked = procfs.pids_with_environment(f"{contract.SCHEDULER_VARIABLE}={paths.folder}")
+    steps = [
+        pid
+        for pid in procfs.pids()
+        if procfs.working_directory(pid) == paths.folder and _is_step(pid) and procfs.alive(pid)
+    ]
+    roots = list(dict.fromkeys(marked + steps))
+    return list(dict.fromkeys(roots + procfs.descendants(roots)))
+
+
+def signal_groups(groups: list, pids: list, sig: int) -> None:
+    for target, kill in [(g, os.killpg) for g in groups] + [(p, os.kill) for p in pids]:
+        try:
+            kill(target, sig)
+        except OSError:
+            pass
+
+
+def stop(paths: Paths, grace_s: float = STOP_GRACE_S) -> list:
+    """End this node's daemons (SIGTERM, SIGKILL after `grace_s`) and anything they left; the names that ran."""
+    registered = {name: running_daemon(paths, name) for name in contract.SCHEDULER_DAEMONS}
+    groups = [pid for pid in registered.values() if pid]
+    others = [pid for pid in scheduler_processes(paths) if pid not in groups]
+    signal_groups(groups, others, signal.SIGTERM)
+    # slurmstepd ignores SIGTERM and srun waits for a controller that may be gone: wait for the rest
+    # (the daemons, the jobs' own processes), then kill those two too.
+    waited = [pid for pid in others if not _is_step(pid) and not _is_srun(pid)]
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and (
+        any(procfs.group_alive(g) for g in groups) or any(procfs.alive(p) for p in waited)
+    ):
+        time.sleep(0.05)
+    signal_groups(groups, others + scheduler_processes(paths), signal.SIGKILL)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and scheduler_processes(paths):
+        time.sleep(0.05)
+    for name in contract.SCHEDULER_DAEMONS:
+        try:
+            os.unlink(paths.pid(name))
+        except OSError:
+            pass
+    if paths.sockets != paths.folder:  # the short folder outside the home holds only sockets and spool
+        shutil.rmtree(paths.sockets, ignore_errors=True)
+    return [name for name, pid in registered.items() if pid]
+
+
+def client_environment(paths: Paths) -> dict:
+    return {"SLURM_CONF": paths.conf}
+
+
+def node_states(paths: Paths) -> dict | None:
+    """{node: Slurm's state} as sinfo reports it, or None where the controller does not answer."""
+    try:
+        result = subprocess.run(
+            [program("sinfo"), "--noheader", "--Node", "--format=%N %T"],
+            env={**os.environ, **client_environment(paths)},
+            capture_output=True,
+            text=True,
+            timeout=CLIENT_TIMEOUT_S,
+        )
+    except (subprocess.TimeoutExpired, OSError, UsageError):
+        return None
+    if result.returncode != 0:
+        return None
+    return dict(line.split(None, 1) for line in result.stdout.splitlines() if len(line.split()) == 2)
+
+
+def state(home: str, node_name: str | None) -> dict:
+    """This node's scheduler: configured or not, each daemon's pid while it runs, Slurm's node states."""
+    paths = Paths(home)
+    configured = os.path.exists(paths.conf)
+    daemons = {name: running_daemon(paths, name) for name in contract.SCHEDULER_DAEMONS}
+    nodes = node_states(paths) if configured and daemons["munged"] else None
+    return {
+        "node": node_name,
+        "configured": configured,
+        "daemons": {name: pid for name, pid in daemons.items() if pid or name != "slurmctld"},
+        "node_state": (nodes or {}).get(node_name) if node_name else None,
+        "nodes": nodes,
+    }
+
+
+def read_description(path: str | None) -> Cluster:
+    try:
+        if path is None:
+            text = sys.stdin.read()
+        else:
+            with open(path) as f:
+                text = f.read()
+    except OSError as exc:
+        raise UsageError(f"cannot read --conf-json {path}: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"the description is not JSON ({exc}); pass it with --conf-json FILE or on stdin") from None
+    return parse_cluster(data)
+
+
+def main(argv: list | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    start_parser = commands.add_parser("start", help="write the configuration and start this node's daemons")
+    start_parser.add_argument("--conf-json", help="the cluster's description (default: stdin)")
+    start_parser.add_argument("--node", default=os.environ.get(contract.NODE_VARIABLE), help="this node's name")
+    commands.add_parser("stop", help="stop this node's daemons")
+    state_parser = commands.add_parser("state", help="this node's scheduler state")
+    state_parser.add_argument("--json", action="store_true", help="one JSON object")
+    state_parser.add_argument("--node", default=os.environ.get(contract.NODE_VARIABLE), help="this node's name")
+    commands.add_parser("env", help="the environment Slurm's clients need (shell `export` lines)")
+    args = parser.parse_args(argv)
+    home = os.path.expanduser("~")
+    try:
+        if args.command == "start":
+            if not args.node:
+                raise UsageError(f"start needs --node NAME (or {contract.NODE_VARIABLE} in the environment)")
+            result = start(read_description(args.conf_json), args.node, home)
+            print(json.dumps(result))
+        elif args.command == "stop":
+            stopped = stop(Paths(home))
+            print("stopped " + " ".join(stopped) if stopped else "not running")
+        elif args.command == "state":
+            result = state(home, args.node)
+            if args.json:
+                print(json.dumps(result))
+            else:
+                alive = " ".join(f"{name}={'up' if pid else 'down'}" for name, pid in result["daemons"].items())
+                print(f"{result['node'] or '?'}: {alive} slurm={result['node_state'] or 'unknown'}")
+        else:
+            for key, value in client_environment(Paths(home)).items():
+                print(f"export {key}={shlex.quote(value)}")
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except DaemonError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

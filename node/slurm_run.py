@@ -1,0 +1,189 @@
+"""On the head node: a run as one Slurm batch job, one task per node, every node's output in the run's log.
+
+    python node/slurm_run.py submit SPEC_FILE      # prints the job id
+    python node/slurm_run.py step SPEC_BASE64      # what srun starts on every node (not for people)
+
+SPEC_FILE is JSON: {"run_id", "log": the run's log file (on the head node), "python": this interpreter
+on every node, "nodes": [{"name": "node-<i>", "home": the node user's home there, "command": a shell
+command}, head node first]}. `submit` writes nothing on the other nodes: the batch script (kept beside
+the log) carries the spec, and srun hands it to every node's `step` on its command line.
+
+The batch job takes every node, exclusively, so runs start one at a time in submission order, and
+appends to its log across requeues. Its one step is `srun --ntasks-per-node=1 --kill-on-bad-exit=1`:
+a node whose command fails ends the others at once. `step` runs this node's command (found by
+SLURMD_NODENAME) with the node's own HOME (jobs run with the submitter's environment otherwise, whose
+HOME is the head node's where nodes share a machine) and writes its output, as it comes, with a
+`[node-i] ` prefix after every newline and carriage return, so progress bars stay live; srun gathers
+every node's into the log, one writer. On SIGTERM or SIGHUP it passes the signal to the command's
+session and ends it after a grace period; it exits with the command's status (128 + signal if killed).
+
+Standard library only; run as a file, it imports its siblings from the code folder.
+"""
+
+import argparse
+import base64
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+
+if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
+
+from node import scheduler  # noqa: E402
+
+TERMINATE_GRACE_S = 5.0
+DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
+SEPARATOR = re.compile(rb"([\r\n])")
+
+
+class Prefixer:
+    """Puts `prefix` at the start of every line, a line ending at a newline or a carriage return."""
+
+    def __init__(self, prefix: bytes):
+        self.prefix = prefix
+        self.at_start = True
+
+    def __call__(self, chunk: bytes) -> bytes:
+        out = []
+        for piece in SEPARATOR.split(chunk):
+            if piece in (b"\r", b"\n"):
+                out.append(piece)
+                self.at_start = True
+            elif piece:
+                if self.at_start:
+                    out.append(self.prefix)
+                out.append(piece)
+                self.at_start = False
+        return b"".join(out)
+
+
+def batch_script(spec: dict, srun: str, here: str) -> str:
+    """The job's script: one step, one task per node, this file's `step` in each."""
+    encoded = base64.b64encode(json.dumps(spec).encode()).decode()
+    count = len(spec["nodes"])
+    step = [
+        srun,
+        f"--nodes={count}",
+        f"--ntasks={count}",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        "--unbuffered",
+        spec["python"],
+        "-u",
+        here,
+        "step",
+        encoded,
+    ]
+    return "#!/bin/bash\n" + "exec " + " ".join(shlex.quote(word) for word in step) + "\n"
+
+
+def sbatch_argv(spec: dict, sbatch: str, script: str) -> list:
+    names = ",".join(node["name"] for node in spec["nodes"])
+    return [
+        sbatch,
+        "--parsable",
+        f"--job-name={spec['run_id']}",
+        f"--nodes={len(spec['nodes'])}",
+        f"--nodelist={names}",
+        "--exclusive",
+        "--requeue",
+        "--open-mode=append",
+        "--export=NONE",
+        f"--output={spec['log']}",
+        f"--chdir={os.path.dirname(spec['log'])}",
+        script,
+    ]
+
+
+def submit(spec: dict) -> str:
+    """sbatch the run; its job id."""
+    folder = os.path.dirname(spec["log"])
+    os.makedirs(folder, exist_ok=True)
+    script = os.path.join(folder, f"{spec['run_id']}.sbatch")
+    with open(script, "w") as f:
+        f.write(batch_script(spec, scheduler.program("srun"), os.path.abspath(__file__)))
+    os.chmod(script, 0o700)
+    environment = {**os.environ, **scheduler.client_environment(scheduler.Paths(os.path.expanduser("~")))}
+    result = subprocess.run(
+        sbatch_argv(spec, scheduler.program("sbatch"), script), env=environment, capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        raise scheduler.DaemonError(f"sbatch failed: {result.stderr.strip()}")
+    return result.stdout.strip().split(";")[0]
+
+
+def step(spec: dict) -> int:
+    """This node's part of the run: its command, its output prefixed; the command's exit status."""
+    name = os.environ.get("SLURMD_NODENAME", "")
+    node = next((n for n in spec["nodes"] if n["name"] == name), None)
+    if node is None:
+        print(f"error: no command for node {name!r} in this run", file=sys.stderr, flush=True)
+        return 2
+    environment = {**os.environ, "HOME": node["home"], "PATH": os.environ.get("PATH") or DEFAULT_PATH}
+    child = subprocess.Popen(
+        ["bash", "-c", node["command"]],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=environment,
+        cwd=node["home"],
+        start_new_session=True,
+    )
+
+    def forward(signum, _frame):
+        try:
+            os.killpg(child.pid, signum)
+        except OSError:
+            return
+        timer = threading.Timer(TERMINATE_GRACE_S, lambda: _kill_group(child.pid))
+        timer.daemon = True
+        timer.start()
+
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(signum, forward)
+    prefix = Prefixer(f"[{name}] ".encode())
+    out = sys.stdout.buffer
+    assert child.stdout is not None
+    while True:
+        chunk = os.read(child.stdout.fileno(), 65536)
+        if not chunk:
+            break
+        out.write(prefix(chunk))
+        out.flush()
+    code = child.wait()
+    return 128 - code if code < 0 else code
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def main(argv: list | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("action", choices=("submit", "step"))
+    parser.add_argument("spec", help="submit: the run's JSON file; step: the spec as srun passes it")
+    args = parser.parse_args(argv)
+    try:
+        if args.action == "step":
+            return step(json.loads(base64.b64decode(args.spec)))
+        with open(args.spec) as f:
+            print(submit(json.load(f)))
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"error: {args.action}: {exc}", file=sys.stderr)
+        return 2
+    except (scheduler.UsageError, scheduler.DaemonError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

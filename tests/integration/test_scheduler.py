@@ -1,0 +1,262 @@
+"""node/scheduler.py with real daemons: munged, slurmctld and two slurmd on this machine's loopback, each
+node in a home of its own as the local provider's nodes are. Skipped, saying why, without slurm-wlm and
+munge (.ci/run installs them)."""
+
+import asyncio
+import ipaddress
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from node import procfs
+from node.scheduler import Paths
+from tests.support import REPO, network, slurm
+
+SLURM_RUN = REPO / "node" / "slurm_run.py"
+pytestmark = pytest.mark.skipif(bool(slurm.unavailable()), reason=f"Slurm: {slurm.unavailable()}")
+
+
+@pytest.fixture(scope="module")
+def scheduler(tmp_path_factory):
+    """A 2-node scheduler, up and idle, for the module's tests; stopped afterwards, pass or fail."""
+    cluster = slurm.SlurmCluster(tmp_path_factory.mktemp("slurm"), slurm.description(2, slurm.free_ports()))
+    try:
+        cluster.start()
+        cluster.wait_idle()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def own_scheduler(tmp_path):
+    cluster = slurm.SlurmCluster(tmp_path / "slurm", slurm.description(2, slurm.free_ports()))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def wait_state(cluster, job_id: str, *states: str) -> dict:
+    found = {}
+
+    def reached() -> bool:
+        found.update(cluster.job(job_id))
+        return found.get("JobState") in states
+
+    slurm.wait_for(reached, f"job {job_id} {' or '.join(states)}", lambda: json.dumps(found))
+    return found
+
+
+def test_comes_up_idle_and_a_second_start_restarts_nothing(scheduler):
+    states = [scheduler.state(i) for i in range(2)]
+    assert [s["node_state"] for s in states] == ["idle", "idle"], states
+    assert set(states[0]["daemons"]) == {"munged", "slurmctld", "slurmd"}
+    assert set(states[1]["daemons"]) == {"munged", "slurmd"}
+    assert all(pid for s in states for pid in s["daemons"].values()), states
+
+    again = scheduler.start()
+
+    assert [a["action"] for a in again] == ["unchanged", "unchanged"], again
+    assert [a["daemons"] for a in again] == [s["daemons"] for s in states]
+
+
+def test_srun_runs_one_task_per_node(scheduler):
+    result = scheduler.client("srun", "--nodes=2", "--ntasks-per-node=1", "bash", "-c", 'echo "on $SLURMD_NODENAME"')
+
+    assert sorted(result.stdout.split("\n")[:-1]) == ["on node-0", "on node-1"], result
+
+
+def test_every_listening_socket_is_on_loopback(scheduler):
+    """With a step running, so srun's and the steps' own sockets are there too."""
+    job = scheduler.sbatch("--nodes=2", "--wrap", "srun --nodes=2 --ntasks-per-node=1 sleep 60")
+    try:
+        wait_state(scheduler, job, "RUNNING")
+        slurm.wait_for(lambda: "sleep" in _names(scheduler.processes()), "the step's tasks running")
+        ours = set(scheduler.processes())
+        sockets = [s for s in slurm.listening_sockets() if s[2] in ours]
+
+        assert {_name(pid) for _, _, pid in sockets} >= {"slurmctld", "slurmd", "srun"}, sockets
+        for address, port, pid in sockets:
+            assert ipaddress.ip_address(address).is_loopback, (address, port, _name(pid))
+    finally:
+        scheduler.client("scancel", job)
+
+
+def test_two_jobs_run_one_after_the_other(scheduler, tmp_path):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    log = marks / "log"
+    script = f'echo "$SLURM_JOB_ID start" >> {log}; sleep 2; echo "$SLURM_JOB_ID end" >> {log}'
+    first = scheduler.sbatch("--nodes=2", "--wrap", script)
+    second = scheduler.sbatch("--nodes=2", "--wrap", script)
+
+    for job in (first, second):
+        wait_state(scheduler, job, "COMPLETED")
+
+    events = [tuple(line.split()) for line in log.read_text().splitlines()]
+    assert events == [
+        (first, "start"),
+        (first, "end"),
+        (second, "start"),
+        (second, "end"),
+    ]
+
+
+def test_a_requeued_job_runs_again_within_seconds(scheduler, tmp_path):
+    """Slurm holds a requeued job `cred_expire + 1` s (121 s by default) and looks at it again in its main
+    loop (every 60 s by default); the scheduler's 10 s credentials and a loop every second start it again
+    in about 12 s."""
+    job = scheduler.sbatch("--nodes=2", "--requeue", "--wrap", "sleep 120")
+    try:
+        wait_state(scheduler, job, "RUNNING")
+        scheduler.client("scontrol", "requeue", job)
+        requeued_at = time.monotonic()
+        slurm.wait_for(
+            lambda: scheduler.job(job).get("Restarts") == "1" and scheduler.job(job).get("JobState") == "RUNNING",
+            f"job {job} running again after its requeue",
+            lambda: json.dumps(scheduler.job(job)),
+            deadline_s=45,  # generous for a loaded machine, and far under the default hold
+        )
+        print(f"requeued job running again after {time.monotonic() - requeued_at:.1f} s")
+    finally:
+        scheduler.client("scancel", job)
+
+
+def test_stop_leaves_no_process_and_a_changed_description_restarts(own_scheduler):
+    cluster = own_scheduler
+    first = cluster.start()
+    cluster.wait_idle()
+    changed = json.loads(json.dumps(cluster.description))
+    changed["nodes"][1]["cpus"] = 1
+
+    restarted = cluster.start(changed)
+
+    assert [a["action"] for a in restarted] == ["restarted", "restarted"], restarted
+    assert all(
+        set(a["daemons"].values()).isdisjoint(b["daemons"].values()) for a, b in zip(first, restarted, strict=True)
+    )
+    cluster.wait_idle()
+    job = cluster.sbatch("--nodes=2", "--wrap", "srun --nodes=2 --ntasks-per-node=1 sleep 300")
+    wait_state(cluster, job, "RUNNING")
+    slurm.wait_for(lambda: "sleep" in _names(cluster.processes()), "the step's tasks running")
+
+    cluster.stop()
+
+    left = cluster.processes()
+    assert left == [], [(pid, _name(pid)) for pid in left]
+    sockets = [Paths(str(home)).sockets for home in cluster.homes]
+    assert not [s for s, home in zip(sockets, cluster.homes, strict=True) if str(home) not in s and Path(s).exists()]
+    assert [cluster.state(i)["daemons"] for i in range(2)] == [{"munged": None, "slurmd": None}] * 2
+
+
+def test_powering_off_a_local_node_ends_its_daemons_steps_and_tasks(own_scheduler):
+    """The local provider's node server ends what its node started (`ProcessTable.end_all`): the
+    registered daemons, and the steps slurmd forks into sessions of their own with an empty environment."""
+    from infra.local.node_server import ProcessTable
+
+    cluster = own_scheduler
+    cluster.start()
+    cluster.wait_idle()
+    job = cluster.sbatch("--nodes=2", "--wrap", "srun --nodes=2 --ntasks-per-node=1 sleep 300")
+    wait_state(cluster, job, "RUNNING")
+    slurm.wait_for(lambda: "sleep" in _names(slurm.node_processes(cluster, 1)), "node-1's task running")
+
+    asyncio.run(ProcessTable(cluster.homes[1], token="unused").end_all())
+
+    left = slurm.node_processes(cluster, 1)
+    assert left == [], [(pid, _name(pid)) for pid in left]
+    assert "slurmctld" in _names(slurm.node_processes(cluster, 0))
+
+
+def _name(pid: int) -> str:
+    argv = procfs.command_line(pid)
+    return argv[0].split("/")[-1].split(":")[0] if argv else "?"
+
+
+def _names(pids: list) -> set:
+    return {_name(pid) for pid in pids}
+
+
+def run_spec(cluster, folder, commands: list) -> dict:
+    """A run of node/slurm_run.py: one command per node, the log in `folder`."""
+    return {
+        "run_id": f"run-{folder.name}",
+        "log": str(folder / "output.log"),
+        "python": sys.executable,
+        "nodes": [
+            {"name": f"node-{i}", "home": str(home), "command": command}
+            for i, (home, command) in enumerate(zip(cluster.homes, commands, strict=True))
+        ],
+    }
+
+
+def submit(cluster, spec: dict, folder) -> str:
+    (folder / "spec.json").write_text(json.dumps(spec))
+    result = cluster.scheduler(0, "submit", str(folder / "spec.json"), program=SLURM_RUN)
+    assert result.returncode == 0, (result.stdout, result.stderr)
+    return result.stdout.strip()
+
+
+def hello_command(cluster, index: int, run_id: str, port: int) -> str:
+    """torchrun through node/torchrun.py on node `index`, as a launch starts it, then a progress bar."""
+    addresses = [node["address"] for node in cluster.description["nodes"]]
+    variables = {
+        "NODE_RANK": str(index),
+        "MASTER_ADDR": addresses[0],
+        "MASTER_PORT": str(port),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+        "PYTHONUNBUFFERED": "1",
+    }
+    torchrun = [
+        sys.executable,
+        str(REPO / "node" / "torchrun.py"),
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={addresses[0]}:{port}",
+        f"--rdzv-conf=is_host={int(index == 0)}",
+        f"--rdzv-id={run_id}",
+        f"--local-addr={addresses[index]}",
+        "--max-restarts=0",
+        str(REPO / "examples" / "distributed_hello.py"),
+        "--expect-world-size=2",
+    ]
+    environment = " ".join(f"{key}={shlex.quote(value)}" for key, value in variables.items())
+    return f"env {environment} {shlex.join(torchrun)} && printf 'bar 1\\rbar 2\\rbar 3\\n'"
+
+
+def test_a_run_trains_on_every_node_with_its_output_prefixed_in_the_log(scheduler, tmp_path):
+    port = network.free_port()
+    spec = run_spec(scheduler, tmp_path, [hello_command(scheduler, i, f"run-{tmp_path.name}", port) for i in range(2)])
+
+    job = submit(scheduler, spec, tmp_path)
+    final = wait_state(scheduler, job, "COMPLETED", "FAILED", "CANCELLED")
+
+    log = (tmp_path / "output.log").read_bytes().decode()  # read_text would turn each \r into \n
+    assert final["JobState"] == "COMPLETED", log
+    assert "all-reduce, broadcast and all-gather checked, all correct" in log
+    for name in ("node-0", "node-1"):
+        assert f"[{name}] bar 1\r[{name}] bar 2\r[{name}] bar 3\n" in log
+    assert all(line.startswith(("[node-0] ", "[node-1] ")) for line in log.splitlines() if line), log
+
+
+def test_a_failing_node_ends_the_others(scheduler, tmp_path):
+    marker = tmp_path / "still-running"
+    spec = run_spec(
+        scheduler, tmp_path, [f"touch {marker}; exec sleep 300", f"until [ -e {marker} ]; do sleep 0.1; done; exit 1"]
+    )
+
+    job = submit(scheduler, spec, tmp_path)
+    final = wait_state(scheduler, job, "FAILED", "COMPLETED", "CANCELLED")
+
+    log = (tmp_path / "output.log").read_text()
+    assert final["JobState"] == "FAILED", final
+    assert "node-1: task 1: Exited with exit code 1" in log, log
+    slurm.wait_for(lambda: "sleep" not in _names(scheduler.processes()), "node-0's command ended")

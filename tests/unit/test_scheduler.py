@@ -1,0 +1,94 @@
+"""node/scheduler.py's pure parts: the description's checks, slurm.conf and gres.conf, the socket folder."""
+
+import base64
+
+import pytest
+
+from node import scheduler
+
+KEY = base64.b64encode(b"k" * 1024).decode()
+
+
+def description(*addresses: str, gpus=(0, 0), **changes) -> dict:
+    data = {
+        "cluster": "gc",
+        "munge_key": KEY,
+        "ports": {"slurmctld": 7000, "slurmd": 7001, "srun": [7100, 7199]},
+        "nodes": [
+            {"name": f"node-{i}", "address": a, "cpus": 4, "memory_mb": 8000, "gpus": g}
+            for i, (a, g) in enumerate(zip(addresses, gpus, strict=True))
+        ],
+    }
+    data.update(changes)
+    return data
+
+
+def conf_lines(cluster, node_index=0, home="/home/u", bound="127.0.0.1") -> list:
+    text = scheduler.slurm_conf(cluster, cluster.nodes[node_index], scheduler.Paths(home), bound, "u")
+    return text.splitlines()
+
+
+def test_one_machine_nodes_are_reached_where_the_daemons_bind_each_on_its_own_port():
+    cluster = scheduler.parse_cluster(description("127.0.0.10", "127.0.0.11"))
+
+    lines = conf_lines(cluster)
+
+    assert "CommunicationParameters=NoCtldInAddrAny,NoInAddrAny" in lines
+    nodes = [line for line in lines if line.startswith("NodeName=")]
+    assert [line.split()[2:4] for line in nodes] == [
+        ["NodeAddr=127.0.0.1", "Port=7001"],
+        ["NodeAddr=127.0.0.1", "Port=7002"],
+    ]
+    assert any(line.startswith("SlurmctldHost=") and line.endswith("(127.0.0.1)") for line in lines)
+
+
+def test_nodes_on_several_machines_are_reached_at_their_own_addresses():
+    cluster = scheduler.parse_cluster(description("10.0.0.5", "10.0.0.6", gpus=(4, 0)))
+
+    lines = conf_lines(cluster, node_index=1, bound="10.0.0.6")
+
+    assert "SlurmctldHost=node-0(10.0.0.5)" in lines  # the controller's name matters on the head only
+    assert [line.split()[2] for line in lines if line.startswith("NodeName=")] == [
+        "NodeAddr=10.0.0.5",
+        "NodeAddr=10.0.0.6",
+    ]
+    assert "GresTypes=gpu" in lines
+    assert "Gres=gpu:4" in next(line for line in lines if line.startswith("NodeName=node-0"))
+    assert scheduler.gres_conf(cluster).splitlines()[1:] == ["NodeName=node-0 Name=gpu Count=4"]
+
+
+def test_requeue_and_order_settings():
+    lines = conf_lines(scheduler.parse_cluster(description("127.0.0.10", "127.0.0.11")))
+
+    assert f"AuthInfo=socket=/home/u/.gpu-cluster/slurm/munge.socket,cred_expire={10}" in lines
+    for setting in ("SchedulerType=sched/builtin", "ReturnToService=2", "JobCompType=jobcomp/filetxt"):
+        assert setting in lines
+    assert "OverSubscribe=EXCLUSIVE" in lines[-1] and "Nodes=node-0,node-1" in lines[-1]
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"cluster": "Bad Name"}, "cluster"),
+        ({"nodes": []}, "nodes"),
+        ({"munge_key": "!!"}, "base64"),
+        ({"munge_key": base64.b64encode(b"short").decode()}, "32"),
+        ({"ports": {"slurmctld": 7000, "slurmd": 7000, "srun": [7100, 7199]}}, "overlap"),
+        ({"ports": {"slurmctld": 7000, "slurmd": 7001}}, "ports"),
+    ],
+)
+def test_a_bad_description_names_what_is_wrong(changes, words):
+    with pytest.raises(scheduler.UsageError, match=words):
+        scheduler.parse_cluster(description("127.0.0.10", "127.0.0.11", **changes))
+
+
+def test_loopback_and_other_nodes_do_not_mix():
+    with pytest.raises(scheduler.UsageError, match="loopback"):
+        scheduler.parse_cluster(description("127.0.0.10", "10.0.0.6"))
+
+
+def test_sockets_move_to_a_short_folder_where_the_home_is_deep():
+    assert scheduler.Paths("/home/u").sockets == "/home/u/.gpu-cluster/slurm"
+    deep = scheduler.Paths("/x" * 40).sockets
+
+    assert deep.startswith("/tmp/gpu-cluster-") and len(deep) + scheduler.SOCKET_NAME_ROOM <= 107
