@@ -40,7 +40,9 @@ WORKDIRS = "workdirs"
 """`fab run --workdir`: per project, the manifest last synced to the nodes (remote/workdir.py)."""
 RUNS = "runs"
 """Each run's logs and results, kept when the stack is taken down."""
-FACTS = (INVENTORY, KNOWN_HOSTS, BOOTSTRAP, GUARDS)
+MUNGE_KEY = "munge.key"
+"""The cluster's munge key (base64), which bootstrap's scheduler stage gives every node."""
+FACTS = (INVENTORY, KNOWN_HOSTS, BOOTSTRAP, GUARDS, MUNGE_KEY)
 """What `forget` removes: what was true of the nodes while they were up."""
 
 

@@ -59,6 +59,10 @@ JOB_COMPLETIONS = f"{SCHEDULER}/jobcomp.log"
 SCHEDULER_SHORT_FOLDER = "/tmp/gpu-cluster-{uid}-{key}"
 """Where this node's Unix sockets (munge's, slurmd's spool with the steps' sockets) go when the home is too
 deep for them: a socket's path is at most 108 bytes. `key` is a digest of the scheduler folder's path."""
+RUN_END_MARKER = "__GPU_CLUSTER_RUN_END__"
+"""The line `slurm_run.py follow` ends with: `RUN_END_MARKER STATE EXIT_CODE` (Slurm's job state)."""
+RUN_LOG = "output.log"
+"""A scheduled run's log in its run folder on the head node: every node's output, `[node-i] `-prefixed."""
 SCHEDULER_DAEMONS = ("munged", "slurmctld", "slurmd")
 """The scheduler's daemons, in start order (slurmctld runs on the head node only)."""
 SCHEDULER_VARIABLE = "CLUSTER_SCHEDULER_DIR"

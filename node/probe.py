@@ -118,9 +118,23 @@ def distro() -> str:
         return ""
 
 
+def memory_mb() -> int:
+    """MemTotal in MiB (/proc/meminfo), 1024 where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 1024
+
+
 def node_facts(master_addr: str) -> dict:
     return {
         "os": f"{platform.system()} {platform.release()}",
+        "cpus": os.cpu_count() or 1,
+        "memory_mb": memory_mb(),
         "distro": distro(),
         "python": platform.python_version(),
         "interface": route_interface(master_addr),

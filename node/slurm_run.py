@@ -2,6 +2,9 @@
 
     python node/slurm_run.py submit SPEC_FILE      # prints the job id
     python node/slurm_run.py step SPEC_BASE64      # what srun starts on every node (not for people)
+    python node/slurm_run.py follow LOG JOB [OFFSET]  # the log from OFFSET as it grows, until the job ends
+    python node/slurm_run.py states JOB...         # each job's state and times, as JSON
+    python node/slurm_run.py cancel JOB            # scancel, saying the state it had
 
 SPEC_FILE is JSON: {"run_id", "log": the run's log file (on the head node), "python": this interpreter
 on every node, "nodes": [{"name": "node-<i>", "home": the node user's home there, "command": a shell
@@ -30,13 +33,21 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
 
-from node import scheduler  # noqa: E402
+from node import contract, scheduler  # noqa: E402
 
 TERMINATE_GRACE_S = 5.0
+FOLLOW_POLL_S = 0.2
+STATE_POLL_S = 1.0
+FINAL_STATES = frozenset(
+    {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+)
+"""Slurm's job states after which a job runs no more (a requeued job goes back to PENDING first)."""
+FIELD = re.compile(r"(\w+)=(\S*)")
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 SEPARATOR = re.compile(rb"([\r\n])")
 
@@ -159,6 +170,102 @@ def step(spec: dict) -> int:
     return 128 - code if code < 0 else code
 
 
+# ----------------------------------------------------------------------------- the job, from the head
+
+
+def _client(argv: list) -> subprocess.CompletedProcess:
+    environment = {**os.environ, **scheduler.client_environment(scheduler.Paths(os.path.expanduser("~")))}
+    return subprocess.run(
+        [scheduler.program(argv[0]), *argv[1:]],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=scheduler.CLIENT_TIMEOUT_S,
+    )
+
+
+def _epoch(value: str):
+    """Slurm's local `2026-11-24T10:05:01` as epoch seconds (this node's time zone); None where unknown."""
+    try:
+        return time.mktime(time.strptime(value, "%Y-%m-%dT%H:%M:%S"))
+    except (ValueError, OverflowError):
+        return None
+
+
+def _job_fields(text: str) -> dict:
+    fields = dict(FIELD.findall(text))
+    code = fields.get("ExitCode", "")
+    status, _, signal_number = code.partition(":")
+    return {
+        "state": fields.get("JobState", "").split()[0] if fields.get("JobState") else None,
+        "submitted_at": _epoch(fields.get("SubmitTime", "")),
+        "started_at": _epoch(fields.get("StartTime", "")),
+        "ended_at": _epoch(fields.get("EndTime", "")),
+        "exit_code": int(status) if status.isdigit() else None,
+        "signal": int(signal_number) if signal_number.isdigit() else None,
+        "requeues": int(fields["Restarts"]) if fields.get("Restarts", "").isdigit() else 0,
+    }
+
+
+def job_state(job_id: str) -> dict | None:
+    """What Slurm knows of the job: the controller while it remembers it, else the completion log."""
+    result = _client(["scontrol", "show", "job", "--oneliner", job_id])
+    if result.returncode == 0 and "JobState=" in result.stdout:
+        found = _job_fields(result.stdout)
+        if found["state"] not in FINAL_STATES:
+            found["ended_at"] = None
+        return found
+    completions = os.path.join(os.path.expanduser("~"), contract.JOB_COMPLETIONS)
+    try:
+        with open(completions, errors="replace") as f:
+            lines = [line for line in f if line.startswith(f"JobId={job_id} ")]
+    except OSError:
+        return None
+    return _job_fields(lines[-1]) if lines else None
+
+
+def follow(log: str, job_id: str, offset: int = 0) -> int:
+    """Copy the log from `offset` as it grows, until the job has ended and all of it is copied; then
+    the end marker: `END_MARKER STATE EXIT_CODE`. Stopping it (a closed connection) stops only it."""
+    out = sys.stdout.buffer
+    position, checked, final = offset, 0.0, None
+    while True:
+        try:
+            with open(log, "rb") as f:
+                f.seek(position)
+                chunk = f.read(1 << 20)
+        except FileNotFoundError:
+            chunk = b""  # not started yet (pending)
+        if chunk:
+            out.write(chunk)
+            out.flush()
+            position += len(chunk)
+            continue
+        if final is not None:
+            break
+        if time.monotonic() - checked >= STATE_POLL_S:
+            checked = time.monotonic()
+            found = job_state(job_id)
+            if found is None or found["state"] in FINAL_STATES:
+                final = found or {"state": "UNKNOWN", "exit_code": None}
+                continue  # one more read: what was written before the end
+        time.sleep(FOLLOW_POLL_S)
+    code = final.get("exit_code")
+    out.write(f"{contract.RUN_END_MARKER} {final['state']} {'-' if code is None else code}\n".encode())
+    out.flush()
+    return 0
+
+
+def cancel(job_id: str) -> dict:
+    """scancel the job; what it was before (None: Slurm does not know it)."""
+    before = job_state(job_id)
+    if before is not None and before["state"] not in FINAL_STATES:
+        result = _client(["scancel", job_id])
+        if result.returncode != 0:
+            raise scheduler.DaemonError(f"scancel failed: {result.stderr.strip()}")
+    return {"before": before}
+
+
 def _kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -168,12 +275,21 @@ def _kill_group(pgid: int) -> None:
 
 def main(argv: list | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=("submit", "step"))
-    parser.add_argument("spec", help="submit: the run's JSON file; step: the spec as srun passes it")
+    parser.add_argument("action", choices=("submit", "step", "follow", "states", "cancel"))
+    parser.add_argument("spec", help="submit: the run's JSON file; step: the spec as srun passes it; follow: the log")
+    parser.add_argument("more", nargs="*", help="follow: JOB [OFFSET]; states: more jobs")
     args = parser.parse_args(argv)
     try:
         if args.action == "step":
             return step(json.loads(base64.b64decode(args.spec)))
+        if args.action == "follow":
+            return follow(args.spec, args.more[0], int(args.more[1]) if len(args.more) > 1 else 0)
+        if args.action == "states":
+            print(json.dumps({job: job_state(job) for job in [args.spec, *args.more]}))
+            return 0
+        if args.action == "cancel":
+            print(json.dumps(cancel(args.spec)))
+            return 0
         with open(args.spec) as f:
             print(submit(json.load(f)))
     except (OSError, ValueError, KeyError) as exc:

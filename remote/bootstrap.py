@@ -18,9 +18,11 @@ once; when one fails on some node, every node finishes that stage (none is left 
 bootstrap stops there, showing the failing node's output.
 """
 
+import base64
 import hashlib
 import io
 import json
+import secrets
 import shlex
 import threading
 import time
@@ -40,6 +42,8 @@ from remote.launch import JobSpec, NodeSetup, run_job
 from remote.stream import console, say
 
 REPO = Path(__file__).resolve().parent.parent
+SCHEDULER_PORTS = 60
+"""Slurm's ports, just above MASTER_PORT: slurmctld, one slurmd per node, srun's range."""
 SYNCED = contract.SYNCED
 # The watchdog's code: a change to any of it restarts the watchdog.
 WATCHDOG_CODE = ("harness/watchdog.py", "node/contract.py", "node/procfs.py", "node/billing.py")
@@ -155,8 +159,13 @@ Stage = NodeStage | ClusterStage
 class Bootstrap:
     """One `fab bootstrap` run over a cluster."""
 
-    def __init__(self, cluster: ClusterInfo, force: bool, master_port: int):
+    def __init__(self, cluster: ClusterInfo, force: bool, master_port: int, scheduler: str | None = None):
         self.cluster, self.force, self.master_port = cluster, force, master_port
+        self.scheduler = (
+            scheduler
+            if scheduler is not None
+            else _read_json(state.stack_file(cluster.stack, state.BOOTSTRAP)).get("scheduler") or "none"
+        )
         self.stack_dir = state.stack_dir(cluster.stack)
         self.manifest = local_manifest()
         self.records: list[NodeRecord] = []
@@ -242,6 +251,7 @@ class Bootstrap:
             NodeStage("deps", self.deps),
             NodeStage("env", self.env),
             ClusterStage("health", self.health),
+            ClusterStage("scheduler", self.scheduler_stage),
             NodeStage("watchdog", self.watchdog),
         ]
 
@@ -253,6 +263,13 @@ class Bootstrap:
 
     def _record(self, record: NodeRecord, stage: str, wanted: str, facts: dict) -> None:
         record.stages[stage] = {"digest": wanted, "facts": facts}
+        self._write_state(record)
+
+    def _forget(self, record: NodeRecord, stage: str) -> None:
+        if record.stages.pop(stage, None) is not None:
+            self._write_state(record)
+
+    def _write_state(self, record: NodeRecord) -> None:
         text = json.dumps(record.stages, indent=1)
         tmp = f"{contract.STATE}.tmp"  # SFTP paths start in the login directory
         record.session.run(f"mkdir -p {contract.shell(contract.PIDS)}", warn=False)
@@ -358,6 +375,89 @@ class Bootstrap:
                 [r.session for r in self.records], lambda s: self._record(self._record_of(s), "health", wanted, {})
             )
         return outcomes
+
+    def scheduler_stage(self) -> dict[str, Outcome]:
+        """Slurm on every node (node/scheduler.py): slurmctld on the head node, slurmd everywhere, one munge
+        key per cluster; with `--scheduler none`, whatever an earlier bootstrap started is stopped."""
+        stop = node_paths.node_module(self.cluster, self.cluster.python, "scheduler", "stop")
+        if self.scheduler != "slurm":
+            if any("scheduler" in r.stages for r in self.records):
+                on_all_nodes([r.session for r in self.records], lambda s: s.run(stop))
+                for record in self.records:
+                    self._forget(record, "scheduler")
+            return {r.name: Outcome("n/a", "runs held by fab (--scheduler slurm: by Slurm)") for r in self.records}
+        # Always asked: `start` leaves running daemons of an unchanged configuration alone (about 0.4 s), and
+        # starts what is not running (a node restarted since), which no recorded digest can know.
+        description = self._scheduler_description()
+        wanted = digest(description, self.manifest.get("node/scheduler.py"))
+        text = json.dumps(description)
+
+        def start(record: NodeRecord) -> Outcome:
+            # The description (it holds the munge key) goes as a file in the private ~/.gpu-cluster, removed
+            # after use: Fabric's stdin would keep the command waiting for an end of input.
+            sent = f"{contract.HOME_DIR}/scheduler-description.json"
+            record.session.conn.put(io.StringIO(text), remote=sent)
+            command = node_paths.node_module(
+                self.cluster, self.cluster.python, "scheduler", "start", "--node", record.name, "--conf-json", sent
+            )
+            result = record.session.run(
+                f"cd && chmod 600 {sent} && {command}; code=$?; rm -f {sent}; exit $code", timeout=120
+            )
+            if result.exited != 0:
+                why = (result.stderr.strip() or result.stdout.strip()).splitlines()
+                return Outcome(
+                    "failed", (why[-1] if why else f"exit {result.exited}")[-300:], result.stdout + result.stderr
+                )
+            fresh = protocol.parse_last_json(result.stdout).get("action") == "unchanged"
+            if not fresh:
+                self._record(record, "scheduler", wanted, {"scheduler": "slurm"})
+            daemons = "slurmctld, slurmd" if record is self.records[0] else "slurmd"
+            return Outcome("up to date" if fresh else "done", daemons)
+
+        outcomes = {
+            self.records[0].name: start(self.records[0])
+        }  # the controller first: every slurmd registers with it
+        if outcomes[self.records[0].name].status == "failed":
+            return {
+                r.name: outcomes.get(r.name, Outcome("failed", "not started: the head node's failed"))
+                for r in self.records
+            }
+        rest = on_all_nodes([r.session for r in self.records[1:]], lambda s: start(self._record_of(s)))
+        for answer in rest:
+            outcomes[answer.name] = (
+                answer.value if answer.value is not None else Outcome("failed", describe(answer.error))
+            )
+        return outcomes
+
+    def _scheduler_description(self) -> dict:
+        """node/scheduler.py's cluster description: the nodes, the ports (next to MASTER_PORT), the key."""
+        first = self.master_port + 1
+        if first + SCHEDULER_PORTS > 65535:
+            raise UsageError(
+                f"--master-port {self.master_port} leaves no room for Slurm's ports above it: "
+                f"use at most {65535 - SCHEDULER_PORTS}"
+            )
+        key_path = state.stack_file(self.cluster.stack, state.MUNGE_KEY)
+        if not key_path.exists():
+            state.write_atomic(key_path, base64.b64encode(secrets.token_bytes(1024)).decode() + "\n")
+        nodes = []
+        for record, node in zip(self.records, self.cluster.nodes, strict=True):
+            probe = record.facts("probe")
+            nodes.append(
+                {
+                    "name": node.name,
+                    "address": node.private_ip,
+                    "cpus": int(probe.get("cpus") or 1),
+                    "memory_mb": max(256, int(int(probe.get("memory_mb") or 1024) * 0.9)),
+                    "gpus": node.gpus,
+                }
+            )
+        return {
+            "cluster": self.cluster.stack,
+            "munge_key": key_path.read_text().strip(),
+            "ports": {"slurmctld": first, "slurmd": first + 1, "srun": [first + 20, first + SCHEDULER_PORTS]},
+            "nodes": nodes,
+        }
 
     def _check_master_reachable(self) -> dict[str, Outcome]:
         head = self.records[0]
@@ -514,6 +614,7 @@ class Bootstrap:
             "master_port": self.master_port,
             "python": {r.name: self.python_for(r) for r in self.records},
             "code_dir": node_paths.code_dir(self.cluster),
+            "scheduler": "slurm" if self.scheduler == "slurm" else "",
             "nodes": {r.name: {"probe": r.facts("probe"), "deps": r.facts("deps")} for r in self.records},
             "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }

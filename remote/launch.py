@@ -103,13 +103,18 @@ class NodeSetup:
     """MASTER_PORT of the rendezvous on node-0."""
     python: dict[str, str]
     """The interpreter with torch on each node."""
+    scheduler: str = ""
+    """`slurm` where Slurm holds the runs (bootstrap's scheduler stage), else '' (runs held by fab)."""
+    homes: dict[str, str] = field(default_factory=dict)
+    """Each node user's home (the probe's), for absolute paths on the nodes."""
 
     @classmethod
     def load(cls, path: Path) -> "NodeSetup":
         try:
             data = json.loads(path.read_text())
-            return cls(int(data["master_port"]), dict(data["python"]))
-        except (OSError, ValueError, KeyError):
+            homes = {name: facts["probe"]["home"] for name, facts in data.get("nodes", {}).items()}
+            return cls(int(data["master_port"]), dict(data["python"]), str(data.get("scheduler") or ""), homes)
+        except (OSError, ValueError, KeyError, TypeError):
             raise UsageError("the cluster is not bootstrapped: run fab bootstrap") from None
 
 

@@ -174,3 +174,10 @@ def _seconds(flag: str, value: str) -> float:
     if not seconds >= 0 or seconds == float("inf"):
         raise refuse(f"{flag} must be a number of seconds >= 0 (0 turns hang detection off), not {value!r}")
     return seconds
+
+
+def choice(flag: str, value: str, allowed: tuple[str, ...]) -> str:
+    """`value` when it is one of `allowed`, whole (no stripping: `'slurm\\n'` is refused)."""
+    if value not in allowed:
+        raise refuse(f"{flag} must be {' or '.join(allowed)}, not {value!r}")
+    return value

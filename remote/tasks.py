@@ -265,13 +265,16 @@ def processes(value: str | None) -> int | None:
         "force": "redo every stage even where it is up to date",
         "master-port": f"MASTER_PORT for the rendezvous on node-0, {options.PORT_RANGE[0]}..{options.PORT_RANGE[1]}, "
         f"free there (default {job_command.DEFAULT_MASTER_PORT})",
+        "scheduler": "slurm: Slurm on the nodes holds every run (detach, queue, follow, cancel); none: runs are "
+        "held by fab's SSH sessions (default: what the last bootstrap chose, else none)",
         "stack": STACK_HELP,
     }
 )
-def bootstrap(c, force=False, master_port=None, stack=None):
-    """Prepare every node: checks, Python deps, code sync, node environment, health check."""
+def bootstrap(c, force=False, master_port=None, scheduler=None, stack=None):
+    """Prepare every node: checks, Python deps, code sync, node environment, health check, scheduler."""
     port = options.port("--master-port", master_port, job_command.DEFAULT_MASTER_PORT)
-    Bootstrap(cluster_for(stack), bool(force), port).run()
+    chosen = options.choice("--scheduler", scheduler, ("slurm", "none")) if scheduler is not None else None
+    Bootstrap(cluster_for(stack), bool(force), port, chosen).run()
 
 
 @task(help={"stack": STACK_HELP})
