@@ -156,6 +156,10 @@ class RunRecord:
         return cost_usd(self.hourly_usd, max(0.0, (self.ended_at or now) - self.stalled_at))
 
 
+SCHEDULED_OWNER = "slurm"
+"""`owner_host` of a run held by the cluster's scheduler: never closed as abandoned."""
+
+
 class Ledger:
     """The ledger file; every public method is one transaction."""
 
@@ -309,8 +313,11 @@ class Ledger:
         hourly_usd: float,
         at: float | None = None,
         owner_pid: int | None = None,
+        scheduled: bool = False,
     ) -> None:
-        """Record a run; `owner_pid` (on this host) is the fab that supervises it and heartbeats."""
+        """Record a run; `owner_pid` (on this host) is the fab that supervises it and heartbeats. A
+        `scheduled` run is held by Slurm on the cluster: no fab owns it, and its times come from Slurm
+        (`run_times`) whenever a command sees it end."""
         at = self.clock() if at is None else at
         cluster = self.open_cluster(stack)
         with self._transaction():
@@ -325,7 +332,7 @@ class Ledger:
                     nodes,
                     hourly_usd,
                     at,
-                    socket.gethostname() if owner_pid else None,
+                    SCHEDULED_OWNER if scheduled else socket.gethostname() if owner_pid else None,
                     owner_pid,
                     at,
                 ),
@@ -352,7 +359,9 @@ class Ledger:
         host = socket.gethostname()
         rows = self.db.execute(
             "SELECT run_id, owner_host, owner_pid, seen FROM (SELECT *, COALESCE(last_seen_at, started_at) AS seen"
-            " FROM runs WHERE ended_at IS NULL) WHERE typeof(seen) IN ('real', 'integer')"
+            " FROM runs WHERE ended_at IS NULL AND COALESCE(owner_host, '') != ?)"
+            " WHERE typeof(seen) IN ('real', 'integer')",
+            (SCHEDULED_OWNER,),
         ).fetchall()
         closed = []
         for run_id, owner_host, owner_pid, last_seen in rows:
@@ -381,6 +390,15 @@ class Ledger:
             )
         run = self.run(run_id)
         return run.cost_usd(at) if run else 0.0
+
+    def run_times(self, run_id: str, started_at: float, ended_at: float | None, exit_codes: dict | None) -> None:
+        """A scheduled run's times as Slurm has them (it may have queued, or ended while nothing was
+        connected); `ended_at` None while it runs."""
+        with self._transaction():
+            self.db.execute(
+                "UPDATE runs SET started_at = ?, last_seen_at = ?, ended_at = ?, exit_codes = ? WHERE run_id = ?",
+                (started_at, started_at, ended_at, json.dumps(exit_codes) if exit_codes is not None else None, run_id),
+            )
 
     def run(self, run_id: str) -> RunRecord | None:
         runs = self.runs(run_id=run_id)

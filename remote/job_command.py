@@ -189,7 +189,7 @@ def launch_command(
             [
                 f". {ENV_FILE}",
                 f"mkdir -p {shell_path(remote_run_dir(cluster, run_id))} {shell_path(results_dir(run_id))}",
-                _workdir_step(run_id, workdir_key),
+                workdir_step(run_id, workdir_key),
                 f"cd {shell_path(job_workdir(run_id))}",
                 f"rm -rf {progress} && mkdir -p {progress}/{shlex.quote(run_id)}",
                 f'echo "$$ {shlex.quote(run_id)} {shlex.quote(task)}" > {JOB_FILE}',
@@ -200,7 +200,7 @@ def launch_command(
     )
 
 
-def _workdir_step(run_id: str, workdir_key: str | None) -> str:
+def workdir_step(run_id: str, workdir_key: str | None) -> str:
     """The job's folder: a copy (never links: a job writing a file would change the cache) or empty."""
     if workdir_key is None:
         return f"mkdir -p {shell_path(job_workdir(run_id))}"

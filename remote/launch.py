@@ -194,11 +194,12 @@ def first_failure(
     return ordered[0] if ordered else None
 
 
-def check_ready(sessions: list[NodeSession], statuses: list[str]) -> None:
-    """UsageError (exit 2) if a node is not bootstrapped or already runs a job, before anything starts."""
+def check_ready(sessions: list[NodeSession], statuses: list[str], queued: bool = False) -> None:
+    """UsageError (exit 2) if a node is not bootstrapped or (unless the run is `queued` behind it by the
+    scheduler) already runs a job, before anything starts."""
     for session, output in zip(sessions, statuses, strict=True):
         job, bootstrapped = protocol.parse_job_status(output)
-        if job:
+        if job and not queued:
             raise UsageError(
                 f"{session.node.name} is running job {job['run_id']} ({job['task']}): wait for it or run fab stop"
             )

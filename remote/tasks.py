@@ -3,8 +3,11 @@
 The cluster is the current stack's inventory (`--stack`, else $CLUSTER_STACK, else the last `up`).
 """
 
+import contextlib
 import json
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from invoke import Collection, task
 from invoke.exceptions import Exit
@@ -14,7 +17,7 @@ from infra import inventory, state
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo
 from node import contract
-from remote import job_command, node_paths, options, protocol, runs, workdir
+from remote import job_command, node_paths, options, protocol, runs, scheduled, workdir
 from remote.bootstrap import Bootstrap
 from remote.connect import describe, on_all_nodes, open_sessions
 from remote.launch import DEFAULT_MAX_RESULT_MB, JobLock, JobSpec, NodeSetup, check_ready, launch, stop_everywhere
@@ -29,10 +32,32 @@ HANG_HELP = {
     "the job running for you",
 }
 RESTARTS_HELP = "torchrun --max-restarts: restart a failed worker group this many times, >= 0 (default 0)"
+DETACH_HELP = (
+    "submit and return (the run id is the last line): the run is held by Slurm on the cluster; "
+    "needs fab bootstrap --scheduler slurm"
+)
 NPROC_HELP = "processes per node, >= 1 (default: one per GPU, one on CPU nodes); at most the GPU count on GPU nodes"
 
 
 STOPPED_CODES = (128 + 15, 128 + 9)  # SIGTERM, SIGKILL: what stop (node/stop_jobs.py) ends a job with
+
+
+def after_follow(cluster: ClusterInfo, setup: NodeSetup, folder: Path, run: scheduled.Run, followed) -> None:
+    """The end of following a scheduled run: detached (it goes on), or finished and reported."""
+    if followed.detached:
+        say(
+            f"fab: stopped following ({followed.detached}); run {run.run_id} goes on on the cluster: "
+            f"fab logs -f --run {run.run_id}"
+        )
+        return
+    scheduled.finish(cluster, setup, folder, run, followed)
+    code, line = scheduled.outcome_line(cluster, run, folder)
+    if followed.interrupted:
+        say(f"fab: run {run.run_id} cancelled (Ctrl-C); logs: {folder}")
+        raise Exit(code=130)
+    if code:
+        raise Exit(line, code=code)
+    say(line)
 
 
 def cluster_for(stack: str | None) -> ClusterInfo:
@@ -46,13 +71,28 @@ def setup_for(cluster: ClusterInfo) -> NodeSetup:
     return NodeSetup.load(state.stack_file(cluster.stack, state.BOOTSTRAP))
 
 
-def start_job(stack: str | None, spec: JobSpec) -> None:
-    """Launch `spec` on every node; exit 1 naming the node that failed, 130 on Ctrl-C."""
+def start_job(stack: str | None, spec: JobSpec, detach: bool = False) -> None:
+    """Launch `spec` on every node; exit 1 naming the node that failed, 130 on Ctrl-C. Where Slurm holds
+    the runs, the run is submitted and followed (`detach`: submitted only, its id printed last)."""
     cluster = cluster_for(stack)
     problem = job_command.nproc_problem(cluster.nodes, spec.nproc_per_node)
     if problem:
         raise Exit(f"error: {problem}", code=2)
     setup = setup_for(cluster)
+    if setup.scheduler == "slurm":
+        folder, run, followed = scheduled.launch(cluster, spec, setup, state.runs_dir(cluster.stack), detach)
+        if followed is None:
+            say(f"fab: follow it with fab logs -f --run {run.run_id}; cancel it with fab stop --run {run.run_id}")
+            print(run.run_id, flush=True)  # alone on the last line, for scripts
+            return
+        after_follow(cluster, setup, folder, run, followed)
+        return
+    if detach:
+        raise Exit(
+            "error: --detach needs runs held by the cluster's scheduler: fab bootstrap --scheduler slurm "
+            "(without it a run lives in this fab's connections)",
+            code=2,
+        )
     book = runs.RunBook(cluster)
     result, local_dir = launch(
         cluster,
@@ -160,7 +200,9 @@ EXAMPLE_TASKS = (
 def example_task(example: ExampleTask):
     """The fab task that launches `example.script`."""
 
-    def body(c, args="", max_restarts=None, nproc_per_node=None, hang_timeout=None, on_hang=None, stack=None):
+    def body(
+        c, args="", max_restarts=None, nproc_per_node=None, hang_timeout=None, on_hang=None, detach=False, stack=None
+    ):
         start_job(
             stack,
             JobSpec(
@@ -171,6 +213,7 @@ def example_task(example: ExampleTask):
                 nproc_per_node=processes(nproc_per_node),
                 hang=options.hang_policy(hang_timeout, on_hang),
             ),
+            detach=bool(detach),
         )
 
     body.__name__ = example.name.replace("-", "_")
@@ -183,6 +226,7 @@ def example_task(example: ExampleTask):
             "max-restarts": RESTARTS_HELP,
             "nproc-per-node": NPROC_HELP,
             **HANG_HELP,
+            "detach": DETACH_HELP,
             "stack": STACK_HELP,
         },
     )
@@ -201,6 +245,7 @@ RUN_HELP = {
     "max-restarts": RESTARTS_HELP,
     "nproc-per-node": NPROC_HELP,
     **HANG_HELP,
+    "detach": DETACH_HELP,
     "stack": STACK_HELP,
 }
 
@@ -219,6 +264,7 @@ def run(
     nproc_per_node=None,
     hang_timeout=None,
     on_hang=None,
+    detach=False,
     stack=None,
 ):
     """Run a torchrun script of yours on every node: one file, or a whole project folder (--workdir)."""
@@ -228,7 +274,8 @@ def run(
         nproc_per_node=processes(nproc_per_node),
         hang=options.hang_policy(hang_timeout, on_hang),
     )
-    start_job(stack, run_spec(script, workdir, requirements, env or [], max_sync_mb, max_result_mb, launch_options))
+    spec = run_spec(script, workdir, requirements, env or [], max_sync_mb, max_result_mb, launch_options)
+    start_job(stack, spec, detach=bool(detach))
 
 
 def run_spec(script, folder, requirements, env, max_sync_mb, max_result_mb, launch_options: dict) -> JobSpec:
@@ -277,12 +324,98 @@ def bootstrap(c, force=False, master_port=None, scheduler=None, stack=None):
     Bootstrap(cluster_for(stack), bool(force), port, chosen).run()
 
 
-@task(help={"stack": STACK_HELP})
-def stop(c, stack=None):
-    """Stop whatever job runs on the cluster, on every node."""
+@task(help={"run": "cancel this run only (queued or running; runs held by Slurm)", "stack": STACK_HELP})
+def stop(c, run=None, stack=None):
+    """Stop whatever job runs on the cluster, on every node (with Slurm, queued runs too); --run ID: that run."""
     cluster = cluster_for(stack)
+    setup = NodeSetup.load(state.stack_file(cluster.stack, state.BOOTSTRAP)) if run is not None else None
+    if run is not None:
+        run_id = options.run_id(run)
+        if setup is None or setup.scheduler != "slurm":
+            raise Exit(
+                "error: --run needs runs held by Slurm (fab bootstrap --scheduler slurm); fab stop stops the job",
+                code=2,
+            )
+        folder, record = scheduled.find(state.runs_dir(cluster.stack), run_id)
+        scheduled.refresh(cluster, [record])
+        if record.ended:
+            record.save(folder)
+            say(f"fab: run {run_id} had already ended ({record.state}); nothing to cancel")
+            return
+        before = scheduled.cancel(cluster, record)
+        say(f"fab: run {run_id} cancelled (it was {(before or {}).get('state') or record.state})")
+        return
+    if _scheduler_of(cluster) == "slurm":
+        pending = [(f, r) for f, r in scheduled.runs_of(state.runs_dir(cluster.stack)) if not r.ended]
+        scheduled.refresh(cluster, [r for _, r in pending])
+        for _, record in pending:
+            if not record.ended:
+                scheduled.cancel(cluster, record)
+                say(f"fab: run {record.run_id} cancelled (it was {record.state})")
     for node, outcome in stop_everywhere(cluster).items():
         say(f"{node}: {outcome}")
+
+
+def _scheduler_of(cluster: ClusterInfo) -> str:
+    try:
+        return setup_for(cluster).scheduler
+    except UsageError:
+        return ""
+
+
+@task(help={"json": "machine-readable: a list of runs", "stack": STACK_HELP})
+def jobs(c, json_=False, stack=None):
+    """Queued, running and recent runs held by Slurm: state, times, exit code, requeues, cost."""
+    cluster = cluster_for(stack)
+    setup = setup_for(cluster)
+    if setup.scheduler != "slurm":
+        raise Exit("error: fab jobs lists runs held by Slurm: fab bootstrap --scheduler slurm", code=2)
+    found = scheduled.runs_of(state.runs_dir(cluster.stack))
+    scheduled.refresh(cluster, [r for _, r in found])
+    for folder, record in found:
+        record.save(folder)
+        if record.ended and not record.finished:
+            with contextlib.redirect_stdout(sys.stderr if json_ else sys.stdout):
+                scheduled.finish(cluster, setup, folder, record)
+    rows = [record.as_row(cluster.hourly_usd) for _, record in found]
+    if json_:
+        print(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        say("no runs yet: fab run ... --detach (or any launch task)")
+        return
+    table = Table(title=f"runs of '{cluster.stack}'")
+    for column in ("run", "task", "state", "submitted", "started", "ended", "exit", "requeues", "cost"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(
+            row["run_id"],
+            row["task"],
+            row["state"],
+            *(str(row[k] or "-").replace("+00:00", "Z") for k in ("submitted_at", "started_at", "ended_at")),
+            "-" if row["exit_code"] is None else str(row["exit_code"]),
+            str(row["requeues"]),
+            f"${row['cost_usd']:.4f}",
+        )
+    console().print(table)
+
+
+@task(help={"run": "the run (default: the newest)", "stack": STACK_HELP})
+def results(c, run=None, stack=None):
+    """Fetch a finished run's results and metrics into its run folder (as an attached run does)."""
+    cluster = cluster_for(stack)
+    setup = setup_for(cluster)
+    folder, record = scheduled.find(state.runs_dir(cluster.stack), options.run_id(run) if run else None)
+    scheduled.refresh(cluster, [record])
+    record.save(folder)
+    if not record.ended:
+        raise Exit(
+            f"error: run {record.run_id} is {record.state}: its results come when it ends "
+            f"(fab logs -f --run {record.run_id})",
+            code=2,
+        )
+    record.finished = False  # fetch again, whatever an earlier look brought
+    scheduled.finish(cluster, setup, folder, record)
 
 
 @task(
@@ -333,13 +466,33 @@ def clean_runs(c, keep=None, stack=None):
         "run": "the run id (default: the latest run)",
         "node": "only this node's log",
         "lines": "how many lines from the end of each log (default 50; 0 for all)",
+        "follow": "follow a run held by Slurm until it ends (exit 0 if it completed, else 1)",
         "stack": STACK_HELP,
     }
 )
-def logs(c, run=None, node=None, lines=None, stack=None):
-    """Show a run's per-node logs (kept on this machine in .cluster/<stack>/runs/<run-id>/)."""
+def logs(c, run=None, node=None, lines=None, follow=False, stack=None):
+    """Show a run's per-node logs (kept on this machine in .cluster/<stack>/runs/<run-id>/); -f follows a
+    run held by Slurm until it ends (exit 0 if it completed, else 1)."""
     count = options.integer("--lines", lines, 50, minimum=0)
     run = options.run_id(run) if run is not None else None
+    if follow:
+        cluster = cluster_for(stack)
+        setup = setup_for(cluster)
+        if setup.scheduler != "slurm":
+            raise Exit("error: --follow follows runs held by Slurm (fab bootstrap --scheduler slurm)", code=2)
+        folder, record = scheduled.find(state.runs_dir(cluster.stack), run)
+        if not record.finished:
+            followed = scheduled.follow_with_watch(cluster, setup, record, folder)
+            after_follow(cluster, setup, folder, record, followed)
+            return
+        code, line = scheduled.outcome_line(cluster, record, folder)
+        for path in sorted(folder.glob("node-*.log")):
+            for text in path.read_text(errors="replace").splitlines()[-count if count else None :]:
+                say(f"[{path.stem}] {text}")
+        if code:
+            raise Exit(line, code=code)
+        say(line)
+        return
     stack_name = state.resolve_stack(stack)
     if stack_name is None:
         raise Exit("error: no cluster: run python deploy.py up", code=2)
@@ -419,4 +572,6 @@ def gpus(c, stack=None):
         out.print(table)
 
 
-ns = Collection(bootstrap, *(example_task(example) for example in EXAMPLE_TASKS), run, gpus, logs, stop, clean_runs)
+ns = Collection(
+    bootstrap, *(example_task(example) for example in EXAMPLE_TASKS), run, gpus, logs, stop, clean_runs, jobs, results
+)

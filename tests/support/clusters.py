@@ -96,11 +96,11 @@ def start_local_cluster_in(state_dir: Path, stack: str) -> dict:
 
 
 @contextmanager
-def bootstrapped_cluster(tmp_path_factory, name: str):
+def bootstrapped_cluster(tmp_path_factory, name: str, *bootstrap_args: str, master_port: int | None = None):
     """A 2-node local cluster, bootstrapped, that a module's tests share; `down` afterwards, pass or fail."""
-    handle = Cluster(tmp_path_factory.mktemp(name) / "state")
+    handle = Cluster(tmp_path_factory.mktemp(name) / "state", master_port=master_port)
     try:
-        handle.first_bootstrap = handle.fab("bootstrap", "--master-port", str(handle.master_port))
+        handle.first_bootstrap = handle.fab("bootstrap", "--master-port", str(handle.master_port), *bootstrap_args)
         assert handle.first_bootstrap.returncode == 0, handle.first_bootstrap.stdout + handle.first_bootstrap.stderr
         yield handle
     finally:

@@ -1,0 +1,153 @@
+"""Runs held by Slurm on the cluster (`fab bootstrap --scheduler slurm`), end to end on a local cluster with
+real slurmctld and slurmd: a run outlives its fab, runs queue one at a time in order, a cancel leaves
+nothing, and a run that ended while nothing was connected is priced."""
+
+import ipaddress
+import json
+import os
+import signal
+
+import pytest
+
+from tests.support import slurm
+from tests.support.cli import assert_one_line_error
+from tests.support.clusters import bootstrapped_cluster, run_processes
+
+pytestmark = pytest.mark.skipif(slurm.unavailable() is not None, reason=f"Slurm: {slurm.unavailable()}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with bootstrapped_cluster(
+        tmp_path_factory, "scheduled", "--scheduler", "slurm", master_port=slurm.free_ports()
+    ) as handle:
+        yield handle
+
+
+def detached(cluster, *args: str) -> str:
+    """Submit with --detach; the run id, the last line of stdout."""
+    result = cluster.fab(*args, "--detach")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout.strip().splitlines()[-1]
+
+
+def jobs(cluster) -> dict:
+    result = cluster.fab("jobs", "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return {row["run_id"]: row for row in json.loads(result.stdout)}
+
+
+def wait_for_state(cluster, run_id: str, *states: str) -> dict:
+    seen: dict = {}
+
+    def reached() -> bool:
+        seen.update(jobs(cluster)[run_id])
+        return seen["state"] in states
+
+    slurm.wait_for(reached, f"run {run_id} {' or '.join(states)}", lambda: json.dumps(seen))
+    return seen
+
+
+def script(tmp_path, name: str, body: str):
+    path = tmp_path / name
+    path.write_text("import os, sys, time\nrank = int(os.environ['RANK'])\n" + body)
+    return path
+
+
+def test_bootstrap_starts_slurm_on_every_node_on_loopback_only(cluster):
+    assert "scheduler" in cluster.first_bootstrap.stdout and "slurmctld" in cluster.first_bootstrap.stdout
+    again = cluster.fab("bootstrap", "--master-port", str(cluster.master_port))  # the choice is remembered
+    assert again.returncode == 0 and "scheduler up to date" in again.stdout, again.stdout
+    ours = {pid for pid in _slurm_pids(cluster)}
+    sockets = [s for s in slurm.listening_sockets() if s[2] in ours]
+    assert sockets, "no Slurm daemon listens"
+    assert all(ipaddress.ip_address(address).is_loopback for address, _, _ in sockets), sockets
+
+
+def _slurm_pids(cluster) -> list[int]:
+    home = str(cluster.state_dir / cluster.stack / "nodes")
+    found = []
+    for proc in os.listdir("/proc"):
+        if proc.isdigit():
+            try:
+                if os.readlink(f"/proc/{proc}/cwd").startswith(home) and "slurm" in open(f"/proc/{proc}/comm").read():
+                    found.append(int(proc))
+            except OSError:
+                continue
+    return found
+
+
+def test_a_detached_run_returns_at_once_and_is_followed_to_its_end_with_results(cluster, tmp_path):
+    work = script(
+        tmp_path,
+        "work.py",
+        "for step in range(3):\n"
+        "    print(f'rank {rank} step {step}', flush=True); time.sleep(0.5)\n"
+        "if rank == 0:\n"
+        "    open(os.path.join(os.environ['CLUSTER_RESULTS_DIR'], 'done.txt'), 'w').write('done')\n",
+    )
+    run_id = detached(cluster, "run", "--script", str(work))
+    followed = cluster.fab("logs", "-f", "--run", run_id)
+    assert followed.returncode == 0, followed.stdout + followed.stderr
+    assert "[node-1] rank 1 step 2" in followed.stdout and f"run {run_id} ok" in followed.stdout
+    folder = cluster.state_dir / cluster.stack / "runs" / run_id
+    assert (folder / "results" / "done.txt").read_text() == "done"
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["state"] == "COMPLETED" and summary["exit_codes"] == {"node-0": 0, "node-1": 0}
+    assert "rank 0 step 0" in (folder / "node-0.log").read_text()
+    again = cluster.fab("logs", "-f", "--run", run_id)  # following again: the same end, the same code
+    assert again.returncode == 0 and f"run {run_id} ok" in again.stdout
+
+
+def test_an_attached_run_whose_fab_is_killed_completes_and_is_priced(cluster, tmp_path):
+    work = script(tmp_path, "long.py", "print('started', flush=True)\ntime.sleep(4)\nprint('finished', flush=True)\n")
+    fab = cluster.popen_fab("run", "--script", str(work))
+    seen = ""
+    while "[node-0] started" not in seen:
+        line = fab.stdout.readline()
+        assert line, seen
+        seen += line
+    run_id = next(line.split()[2].rstrip(":") for line in seen.splitlines() if line.startswith("fab: run "))
+    os.kill(fab.pid, signal.SIGKILL)  # a closed lid
+    fab.wait(timeout=30)
+    row = wait_for_state(cluster, run_id, "COMPLETED", "FAILED", "CANCELLED")
+    assert row["state"] == "COMPLETED" and row["ended_at"], row
+    runs = {r["run_id"]: r for r in json.loads(cluster.cli("cost", "--json").stdout)["runs"]}
+    priced = runs[run_id]  # ended while no fab was connected: its times come from Slurm
+    assert priced["ended_at"] is not None and "gone" not in (priced.get("end_reason") or ""), priced
+    assert "finished" in (cluster.state_dir / cluster.stack / "runs" / run_id / "node-0.log").read_text()
+
+
+def test_three_runs_queue_in_order_without_overlap(cluster, tmp_path):
+    order = tmp_path / "order.log"
+    work = script(
+        tmp_path,
+        "order.py",
+        f"if rank == 0:\n"
+        f"    with open({str(order)!r}, 'a') as f: f.write('start ' + sys.argv[1] + '\\n')\n"
+        f"time.sleep(1)\n"
+        f"if rank == 0:\n"
+        f"    with open({str(order)!r}, 'a') as f: f.write('end ' + sys.argv[1] + '\\n')\n",
+    )
+    ids = [detached(cluster, "run", "--script", str(work), "--args", str(n)) for n in range(3)]
+    for run_id in ids:
+        assert cluster.fab("logs", "-f", "--run", run_id).returncode == 0
+    assert order.read_text().split("\n")[:-1] == [f"{what} {n}" for n in range(3) for what in ("start", "end")]
+    rows = jobs(cluster)
+    assert [rows[i]["state"] for i in ids] == ["COMPLETED"] * 3
+
+
+def test_a_cancel_leaves_nothing_and_bad_run_ids_are_one_line(cluster, tmp_path):
+    work = script(tmp_path, "sleep.py", "print('sleeping', flush=True)\ntime.sleep(600)\n")
+    run_id = detached(cluster, "run", "--script", str(work))
+    wait_for_state(cluster, run_id, "RUNNING")
+    slurm.wait_for(lambda: run_processes(run_id), "the run's processes")
+    stopped = cluster.fab("stop", "--run", run_id)
+    assert stopped.returncode == 0 and f"run {run_id} cancelled" in stopped.stdout, stopped.stdout + stopped.stderr
+    wait_for_state(cluster, run_id, "CANCELLED")
+    slurm.wait_for(lambda: not run_processes(run_id), "no process of the run left", lambda: str(run_processes(run_id)))
+    again = cluster.fab("stop", "--run", run_id)
+    assert again.returncode == 0 and "already ended (CANCELLED)" in again.stdout
+    assert cluster.fab("logs", "-f", "--run", run_id).returncode == 1
+    assert_one_line_error(cluster.fab("stop", "--run", "no-such-run"), "no run 'no-such-run'", "fab jobs")
+    assert_one_line_error(cluster.fab("logs", "-f", "--run", "no-such-run"), "no run 'no-such-run'")
