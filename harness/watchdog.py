@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -98,6 +99,25 @@ def job_running(job_file: Path) -> bool:
     return procfs.alive(pid)
 
 
+def runs_queued(conf: Path | None = None) -> bool:
+    """Whether a run waits in the cluster's Slurm queue (`fab bootstrap --scheduler slurm`): a queued run
+    is activity, as a running one is. False where this node has no scheduler or Slurm does not answer."""
+    conf = conf or Path(os.path.expanduser(f"~/{contract.SLURM_CONF}"))
+    if not conf.exists():
+        return False
+    try:
+        found = subprocess.run(
+            ["squeue", "--noheader", "--states=PENDING,CONFIGURING,REQUEUED,REQUEUE_HOLD", "--format=%i"],
+            env={**os.environ, "SLURM_CONF": str(conf)},
+            capture_output=True,
+            text=True,
+            timeout=15,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return found.returncode == 0 and bool(found.stdout.strip())
+
+
 def lock_held(lock_file: Path, locks_table: Path = Path("/proc/locks")) -> bool:
     """Someone holds the flock on `lock_file`: a launch owns the cluster (syncing a project, installing
     its requirements, starting its ranks) before its job is recorded. Read from the kernel's lock
@@ -126,10 +146,12 @@ class Watchdog:
         gpus_are_busy=gpus_busy,
         progress_dir: Path | None = None,
         job_lock: Path | None = None,
+        runs_are_queued=None,
     ):
         self.guards, self.shared_dir, self.job_file = guards, shared_dir, job_file
         self.job_lock = job_lock or job_file.with_name(Path(contract.JOB_LOCK).name)
         self.clock, self.gpus_are_busy = clock, gpus_are_busy
+        self.runs_are_queued = runs_are_queued or runs_queued
         self.progress_dir = progress_dir or Path(os.path.expanduser(PROGRESS_DIR))
         self.last_active = clock()
         self.last_progress: tuple | None = None
@@ -179,7 +201,13 @@ class Watchdog:
             self.stalled_run = run_id
             return
         self.stalled_run = None
-        if run_id or job_running(self.job_file) or lock_held(self.job_lock) or self.gpus_are_busy():
+        if (
+            run_id
+            or job_running(self.job_file)
+            or lock_held(self.job_lock)
+            or self.gpus_are_busy()
+            or self.runs_are_queued()
+        ):
             self.last_active = now
 
     def heartbeat(self, decision: Decision) -> None:

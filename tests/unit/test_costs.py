@@ -227,6 +227,7 @@ def watch(tmp_path, clock, **guards):
         clock=clock,
         gpus_are_busy=lambda: False,
         progress_dir=tmp_path / "progress",
+        runs_are_queued=lambda: False,
     )
 
 
@@ -272,11 +273,31 @@ def test_the_idle_guard_counts_time_without_jobs_or_gpu_work(tmp_path):
     finally:
         lock.stdin.close()
         lock.wait()
+    dog.runs_are_queued = lambda: True
+    clock.now += 599
+    assert not dog.check().stop  # a run waits in Slurm's queue: the cluster is not idle
+    dog.runs_are_queued = lambda: False
     clock.now += 599
     assert not dog.check().stop
     clock.now += 1
     decision = dog.check()
     assert decision.stop and "idle" in decision.reason and decision.idle_s == 600
+
+
+def test_a_queued_run_is_read_from_squeue_where_the_node_has_a_scheduler(tmp_path, monkeypatch):
+    conf = tmp_path / "slurm.conf"
+    assert not watchdog.runs_queued(conf)  # no scheduler on this node
+    conf.write_text("ClusterName=x\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    squeue = bin_dir / "squeue"
+    squeue.write_text(f'#!/bin/sh\n[ "$SLURM_CONF" = "{conf}" ] && echo "$QUEUED"\n')
+    squeue.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("QUEUED", "")
+    assert not watchdog.runs_queued(conf)  # Slurm answers: nothing waits
+    monkeypatch.setenv("QUEUED", "12")
+    assert watchdog.runs_queued(conf)
 
 
 def test_a_job_whose_ranks_stop_progressing_is_stalled_and_one_that_progresses_slowly_is_not(tmp_path):
