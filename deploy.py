@@ -162,6 +162,7 @@ def cmd_status(args) -> int:
             ) from None
         raise
     rows, stopped = providers.for_cluster(cluster).status(cluster)
+    rows = _with_scheduler_states(cluster, rows)
     if stopped:
         costs.record_self_stop(cluster.stack, stopped.get("reason", "stopped"), stopped.get("at"), report.console.print)
     spent = costs.cost_so_far(cluster.stack, say=report.console.print)
@@ -179,6 +180,40 @@ def cmd_status(args) -> int:
     else:
         report.status_table(cluster, rows, reason, spent)
     return 0 if all(r.reachable for r in rows) else 1
+
+
+def _with_scheduler_states(cluster: inventory.ClusterInfo, rows: list) -> list:
+    """Each reachable node's Slurm state where bootstrap started Slurm (`node/scheduler.py state`)."""
+    import asyncio
+    import dataclasses
+    import json
+    import shlex
+
+    from infra import ssh
+
+    try:
+        setup = json.loads(state.stack_file(cluster.stack, state.BOOTSTRAP).read_text())
+    except (OSError, ValueError):
+        return rows
+    if not isinstance(setup, dict) or setup.get("scheduler") != "slurm":
+        return rows
+    script = f"{setup.get('code_dir', '')}/node/scheduler.py".replace("$HOME/", "")
+
+    async def ask(node):
+        command = f"{shlex.quote(cluster.python)} {shlex.quote(script)} state --json"
+        try:
+            result = await ssh.run(cluster, node, command, timeout_s=15)
+            found = json.loads(result.stdout.strip().splitlines()[-1])
+            return found.get("node_state") or "daemons down"
+        except Exception:  # an answer that did not come is shown as such
+            return "no answer"
+
+    async def every():
+        up = [n for n, row in zip(cluster.nodes, rows, strict=True) if row.reachable]
+        return dict(zip([n.name for n in up], await asyncio.gather(*(ask(n) for n in up)), strict=True))
+
+    states = asyncio.run(every())
+    return [dataclasses.replace(row, scheduler=states.get(row.name, "-")) for row in rows]
 
 
 # ------------------------------------------------------------------------------------ plan, cost

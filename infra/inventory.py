@@ -43,11 +43,15 @@ class NodeStatus:
     """Why it is not reachable; empty when it is."""
     instance_id: str | None = None
     """AWS only: the EC2 instance."""
+    scheduler: str | None = None
+    """Where Slurm holds the runs (`fab bootstrap --scheduler slurm`): Slurm's state of the node (idle,
+    allocated, down, ...), or what is wrong with its daemons; None where there is no scheduler."""
 
     def as_dict(self) -> dict:
         row = asdict(self)
-        if self.instance_id is None:
-            del row["instance_id"]
+        for optional in ("instance_id", "scheduler"):
+            if row[optional] is None:
+                del row[optional]
         return row
 
 

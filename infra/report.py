@@ -69,11 +69,13 @@ def status_table(cluster: ClusterInfo, rows: list[NodeStatus], stopped_reason: s
     if stopped_reason:
         console.print(f"the cluster stopped itself: {stopped_reason}")
     table = Table(show_edge=False, pad_edge=False)
-    for column in ("node", "address", "state", "ssh", "uptime", "detail"):
+    scheduled = any(row.scheduler is not None for row in rows)
+    for column in ("node", "address", "state", "ssh", "uptime", *(("slurm",) if scheduled else ()), "detail"):
         table.add_column(column)
     for row in rows:
         ssh_cell = f"{row.round_trip_ms:.0f} ms" if row.reachable and row.round_trip_ms is not None else "unreachable"
-        table.add_row(row.name, row.address, row.state, ssh_cell, format_duration(row.uptime_s), row.error)
+        slurm = (row.scheduler or "-",) if scheduled else ()
+        table.add_row(row.name, row.address, row.state, ssh_cell, format_duration(row.uptime_s), *slurm, row.error)
     console.print(table)
 
 

@@ -62,6 +62,8 @@ def test_bootstrap_starts_slurm_on_every_node_on_loopback_only(cluster):
     sockets = [s for s in slurm.listening_sockets() if s[2] in ours]
     assert sockets, "no Slurm daemon listens"
     assert all(ipaddress.ip_address(address).is_loopback for address, _, _ in sockets), sockets
+    status = json.loads(cluster.cli("status", "--json").stdout)  # each node's Slurm state
+    assert [n["scheduler"] for n in status["nodes"]] == ["idle", "idle"], status
 
 
 def _slurm_pids(cluster) -> list[int]:
