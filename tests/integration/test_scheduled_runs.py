@@ -153,3 +153,22 @@ def test_a_cancel_leaves_nothing_and_bad_run_ids_are_one_line(cluster, tmp_path)
     assert cluster.fab("logs", "-f", "--run", run_id).returncode == 1
     assert_one_line_error(cluster.fab("stop", "--run", "no-such-run"), "no run 'no-such-run'", "fab jobs")
     assert_one_line_error(cluster.fab("logs", "-f", "--run", "no-such-run"), "no run 'no-such-run'")
+
+
+def test_ctrl_c_of_a_followed_run_cancels_it_and_a_hangup_only_detaches(cluster, tmp_path):
+    work = script(tmp_path, "sleep2.py", "print('sleeping', flush=True)\ntime.sleep(600)\n")
+    for sent, code, state in ((signal.SIGHUP, 0, "RUNNING"), (signal.SIGINT, 130, "CANCELLED")):
+        fab = cluster.popen_fab("run", "--script", str(work))
+        seen = ""
+        while "[node-1] sleeping" not in seen:
+            line = fab.stdout.readline()
+            assert line, seen
+            seen += line
+        run_id = next(line.split()[2].rstrip(":") for line in seen.splitlines() if line.startswith("fab: run "))
+        fab.send_signal(sent)
+        assert fab.wait(timeout=60) == code, fab.stdout.read()
+        assert wait_for_state(cluster, run_id, state)["state"] == state
+        if state == "RUNNING":  # the hangup left it running: cancel it here
+            assert cluster.fab("stop", "--run", run_id).returncode == 0
+            wait_for_state(cluster, run_id, "CANCELLED")
+        slurm.wait_for(lambda run_id=run_id: not run_processes(run_id), "no process of the run left")
