@@ -105,6 +105,10 @@ class HangWatch:
         self.cluster, self.python, self.run_id, self.policy = cluster, python, run_id, policy
         self.local_dir, self.stop_job, self.on_hang = local_dir, stop_job, on_hang
         self.report: HangReport | None = None
+        self.polls = 0
+        """Polls answered: every rank's progress read, no hang found."""
+        self.ranks_seen = 0
+        """The most ranks one poll found reporting (the job's ranks, once all have started)."""
         self.finished = threading.Event()
         self.stopping = threading.Event()
         """Set once the watch is stopping the job (fail-fast then has nothing to add)."""
@@ -114,6 +118,12 @@ class HangWatch:
         if self.policy.enabled:
             self.thread.start()
         return self
+
+    def stats(self) -> dict | None:
+        """What the watch did (summary.json's `hang_watch`); None where it was off."""
+        if not self.policy.enabled:
+            return None
+        return {"timeout_s": self.policy.timeout_s, "polls": self.polls, "ranks_seen": self.ranks_seen}
 
     def close(self) -> None:
         self.finished.set()
@@ -145,10 +155,13 @@ class HangWatch:
         overdue_s = self.policy.timeout_s + OVERDUE_GRACE_S
         while not self.finished.wait(self.policy.poll_s):
             try:
-                found = hang.find_hang(self._ask(sessions, "status"), self.policy.timeout_s, overdue_s)
+                views = self._ask(sessions, "status")
+                found = hang.find_hang(views, self.policy.timeout_s, overdue_s)
             except Exception as exc:  # noqa: BLE001 - the next poll tries again
                 say(f"fab: hang watch: a poll failed ({describe(exc)}); trying again")
                 continue
+            self.polls += 1
+            self.ranks_seen = max(self.ranks_seen, len(views))
             if found is not None and not self.finished.is_set():
                 return found
         return None

@@ -89,6 +89,8 @@ class JobResult:
     """The last lines of each node's output."""
     hang: HangReport | None = None
     """What the hang watch found, if the job hung."""
+    watch: dict | None = None
+    """What the hang watch did (polls, ranks seen); None where it was off."""
 
     @property
     def ok(self) -> bool:
@@ -306,6 +308,7 @@ def run_job(
         interrupted,
         {name: stream.tail for name, stream in streams.items()},
         watch.report,
+        watch.stats(),
     )
 
 

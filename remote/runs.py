@@ -144,6 +144,8 @@ def summary(cluster: ClusterInfo, spec: JobSpec, result: JobResult, cost_usd: fl
         "requirements": str(spec.requirements.path) if spec.requirements else None,
         "env": sorted(spec.env),  # names only: values may be secrets, and this file outlives the run
     }
+    if result.watch:
+        summary["hang_watch"] = result.watch
     if result.hang:
         summary["hang"] = {
             "verdict": result.hang.verdict,

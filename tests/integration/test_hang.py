@@ -179,3 +179,5 @@ def test_a_slow_healthy_job_is_never_flagged(cluster):
     result, run_id, _ = launch(cluster, "slow", timeout_s=4)
     assert result.returncode == 0 and "HANG" not in result.stdout, result.stdout + result.stderr
     assert result.stdout.count("done") == 2
+    watched = json.loads((cluster.state_dir / cluster.stack / "runs" / run_id / "summary.json").read_text())
+    assert watched["hang_watch"]["polls"] >= 3 and watched["hang_watch"]["ranks_seen"] == 2, watched  # it looked
