@@ -385,8 +385,12 @@ def launch(cluster: ClusterInfo, spec, setup, runs_root: Path, detach: bool) -> 
             if spec.upload:
                 upload_script(cluster, sessions, run_id, spec.upload)
             if spec.workdir:  # each node's copy now: a later sync must not change a run that waits in the queue
-                copy = job_command.workdir_step(run_id, spec.workdir.key)
-                on_all_nodes(sessions, lambda s: s.run(copy, warn=False))
+                folder = node_paths.shell_path(node_paths.node_run_dir(run_id))
+                copy = f"mkdir -p {folder} && {job_command.workdir_step(run_id, spec.workdir.key)}"
+                copied = on_all_nodes(sessions, lambda s: s.run(copy, warn=False))
+                if copied.failed:
+                    why = "; ".join(f"{r.name}: {describe(r.error)}" for r in copied.failed)
+                    raise OperationError(f"could not copy the workdir for run {run_id}: {why}")
         script = job_script(cluster, spec, run_id)
         commands = {
             node.name: job_command.launch_command(

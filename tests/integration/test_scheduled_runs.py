@@ -80,15 +80,19 @@ def _slurm_pids(cluster) -> list[int]:
 
 
 def test_a_detached_run_returns_at_once_and_is_followed_to_its_end_with_results(cluster, tmp_path):
-    work = script(
-        tmp_path,
+    project = tmp_path / "project"  # a project folder: each node's copy of it is made at submit time
+    project.mkdir()
+    (project / "steps.py").write_text("COUNT = 3\n")
+    script(
+        project,
         "work.py",
-        "for step in range(3):\n"
+        "from steps import COUNT\n"
+        "for step in range(COUNT):\n"
         "    print(f'rank {rank} step {step}', flush=True); time.sleep(0.5)\n"
         "if rank == 0:\n"
         "    open(os.path.join(os.environ['CLUSTER_RESULTS_DIR'], 'done.txt'), 'w').write('done')\n",
     )
-    run_id = detached(cluster, "run", "--script", str(work))
+    run_id = detached(cluster, "run", "--workdir", str(project), "--script", "work.py")
     followed = cluster.fab("logs", "-f", "--run", run_id)
     assert followed.returncode == 0, followed.stdout + followed.stderr
     assert "[node-1] rank 1 step 2" in followed.stdout and f"run {run_id} ok" in followed.stdout
