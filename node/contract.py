@@ -61,6 +61,8 @@ SCHEDULER_SHORT_FOLDER = "/tmp/gpu-cluster-{uid}-{key}"
 deep for them: a socket's path is at most 108 bytes. `key` is a digest of the scheduler folder's path."""
 RUN_END_MARKER = "__GPU_CLUSTER_RUN_END__"
 """The line `slurm_run.py follow` ends with: `RUN_END_MARKER STATE EXIT_CODE` (Slurm's job state)."""
+HANG_RECORD = "hang.json"
+"""In a scheduled run's folder on the head node: the cluster-side hang watch's verdict, where it found one."""
 RUN_LOG = "output.log"
 """A scheduled run's log in its run folder on the head node: every node's output, `[node-i] `-prefixed."""
 SCHEDULER_DAEMONS = ("munged", "slurmctld", "slurmd")

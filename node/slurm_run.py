@@ -38,7 +38,7 @@ import time
 if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
 
-from node import contract, scheduler  # noqa: E402
+from node import contract, hang_rule, scheduler  # noqa: E402
 
 TERMINATE_GRACE_S = 5.0
 FOLLOW_POLL_S = 0.2
@@ -73,24 +73,99 @@ class Prefixer:
         return b"".join(out)
 
 
-def batch_script(spec: dict, srun: str, here: str) -> str:
-    """The job's script: one step, one task per node, this file's `step` in each."""
-    encoded = base64.b64encode(json.dumps(spec).encode()).decode()
+def _encoded(spec: dict) -> str:
+    return base64.b64encode(json.dumps(spec).encode()).decode()
+
+
+def step_argv(spec: dict, srun: str, here: str, *options: str) -> list:
+    """srun of this file's `step` on every node, one task each (`options`: srun's, e.g. --overlap)."""
     count = len(spec["nodes"])
-    step = [
+    return [
         srun,
+        *options,
         f"--nodes={count}",
         f"--ntasks={count}",
         "--ntasks-per-node=1",
-        "--kill-on-bad-exit=1",
         "--unbuffered",
         spec["python"],
         "-u",
         here,
         "step",
-        encoded,
+        _encoded(spec),
     ]
-    return "#!/bin/bash\n" + "exec " + " ".join(shlex.quote(word) for word in step) + "\n"
+
+
+def batch_script(spec: dict, srun: str, here: str) -> str:
+    """The job's script: one step, one task per node, this file's `step` in each; with a hang watch
+    (`spec["watch"]`), this file's `supervise` runs that step and watches it, on the head node."""
+    if spec.get("watch"):
+        words = [spec["python"], "-u", here, "supervise", _encoded(spec)]
+    else:
+        words = step_argv(spec, srun, here, "--kill-on-bad-exit=1")
+    return "#!/bin/bash\n" + "exec " + " ".join(shlex.quote(word) for word in words) + "\n"
+
+
+def supervise(spec: dict) -> int:
+    """In the batch job, on the head node: the run's step, and the hang watch beside it, so a hung run is
+    found and stopped while no fab is connected. A verdict goes into the run's log and `hang.json`."""
+    here, srun = os.path.abspath(__file__), scheduler.program("srun")
+    watch = spec["watch"]
+    main = subprocess.Popen(step_argv(spec, srun, here, "--kill-on-bad-exit=1"))
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(signum, lambda number, frame: main.send_signal(number))
+    probe = {**spec, "nodes": [{**node, "command": watch["status"][node["name"]]} for node in spec["nodes"]]}
+    probe.pop("watch", None)
+    overdue = watch["timeout_s"] + watch.get("overdue_grace_s", 30)
+    while True:
+        try:
+            main.wait(timeout=watch["poll_s"])
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        views = [v for payload in _ask(probe, srun, here) for v in hang_rule.parse_ranks(payload)]
+        found = hang_rule.find_hang(views, watch["timeout_s"], overdue) if views else None
+        if found is None:
+            continue
+        collect = {**probe, "nodes": [{**n, "command": watch["collect"][n["name"]]} for n in probe["nodes"]]}
+        evidence = hang_rule.Evidence.from_collected(_ask(collect, srun, here)) if watch.get("collect") else None
+        line = hang_rule.verdict(spec["run_id"], found, evidence)
+        record = {"verdict": line, "stalled_at": hang_rule.stalled_since(found), "detected_at": time.time()}
+        scheduler.write_private(
+            os.path.join(os.path.dirname(spec["log"]), contract.HANG_RECORD), json.dumps(record).encode(), 0o600
+        )
+        print(f"[watch] {line}", flush=True)
+        if watch.get("on_hang", "stop") != "stop":
+            print("[watch] --on-hang wait: the job keeps running; fab stop --run ends it", flush=True)
+            return _status(main.wait())
+        print("[watch] stopping the hung run on every node", flush=True)
+        main.send_signal(signal.SIGTERM)
+        break
+    return _status(main.wait())
+
+
+def _status(code: int) -> int:
+    return 128 - code if code < 0 else code
+
+
+def _ask(probe: dict, srun: str, here: str) -> list:
+    """Every node's answer (node/hang.py status or collect, one JSON line each), through a step that
+    shares the run's allocation."""
+    argv = step_argv(probe, srun, here, "--overlap", f"--jobid={os.environ.get('SLURM_JOB_ID', '')}")
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    payloads = []
+    for line in result.stdout.splitlines():
+        text = re.sub(r"^\[[^\]]*\] ", "", line).strip()
+        if text.startswith("{"):
+            try:
+                payload = json.loads(text)
+            except ValueError:
+                continue
+            if isinstance(payload, dict):
+                payloads.append(payload)
+    return payloads
 
 
 def sbatch_argv(spec: dict, sbatch: str, script: str) -> list:
@@ -275,13 +350,15 @@ def _kill_group(pgid: int) -> None:
 
 def main(argv: list | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=("submit", "step", "follow", "states", "cancel"))
+    parser.add_argument("action", choices=("submit", "step", "supervise", "follow", "states", "cancel"))
     parser.add_argument("spec", help="submit: the run's JSON file; step: the spec as srun passes it; follow: the log")
     parser.add_argument("more", nargs="*", help="follow: JOB [OFFSET]; states: more jobs")
     args = parser.parse_args(argv)
     try:
         if args.action == "step":
             return step(json.loads(base64.b64decode(args.spec)))
+        if args.action == "supervise":
+            return supervise(json.loads(base64.b64decode(args.spec)))
         if args.action == "follow":
             return follow(args.spec, args.more[0], int(args.more[1]) if len(args.more) > 1 else 0)
         if args.action == "states":

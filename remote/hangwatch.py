@@ -18,7 +18,8 @@ from pathlib import Path
 from infra import state
 from infra.inventory import ClusterInfo
 from node import contract
-from remote import hang, node_paths, protocol
+from node import hang_rule as hang
+from remote import node_paths, protocol
 from remote.connect import NodeSession, describe, on_all_nodes
 from remote.stream import say
 
@@ -176,14 +177,7 @@ class HangWatch:
         say("fab: could not end the hung job on every node; run fab stop once the nodes answer")
 
     def _command(self, session: NodeSession, action: str) -> str:
-        python = self.python.get(session.node.name, "python3")
-        folder = node_paths.shell_path(contract.in_home(contract.progress_dir(self.run_id)))
-        script = node_paths.shell_path(f"{node_paths.code_dir(self.cluster)}/node/hang.py")
-        wait = f" --wait-s {COLLECT_WAIT_S}" if action == "collect" else ""
-        return (
-            f". {node_paths.ENV_FILE} 2>/dev/null; {shlex.quote(python)} {script} {action} {folder} "
-            f"{shlex.quote(self.run_id)}{wait}"
-        )
+        return ask_command(self.cluster, self.python.get(session.node.name, "python3"), self.run_id, action)
 
     def _payloads(self, sessions: list[NodeSession], action: str) -> list[dict]:
         def ask(session: NodeSession) -> dict:
@@ -208,6 +202,17 @@ class HangWatch:
         say(line)
         say(f"fab: flight-recorder dumps and stacks of every rank in {folder}")
         return HangReport(line, hang.stalled_since(found), detected_at, folder)
+
+
+def ask_command(cluster: ClusterInfo, python: str, run_id: str, action: str) -> str:
+    """node/hang.py's `status` or `collect` of the run's ranks on one node, as a shell command."""
+    folder = node_paths.shell_path(contract.in_home(contract.progress_dir(run_id)))
+    script = node_paths.shell_path(f"{node_paths.code_dir(cluster)}/node/hang.py")
+    wait = f" --wait-s {COLLECT_WAIT_S}" if action == "collect" else ""
+    return (
+        f". {node_paths.ENV_FILE} 2>/dev/null; {shlex.quote(python)} {script} {action} {folder} "
+        f"{shlex.quote(run_id)}{wait}"
+    )
 
 
 def keep_evidence(folder: Path, payloads: list[dict], line: str) -> Path:

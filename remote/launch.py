@@ -24,7 +24,8 @@ from infra import state
 from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
 from node import contract
-from remote import hang, job_command, node_paths, protocol, workdir
+from node import hang_rule as hang
+from remote import job_command, node_paths, protocol, workdir
 from remote.connect import CONNECTION_ERRORS, NodeSession, describe, on_all_nodes, open_sessions
 from remote.hangwatch import HangPolicy, HangReport, HangWatch, job_environment, rankhook_path
 from remote.packages import Requirements

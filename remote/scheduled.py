@@ -117,10 +117,19 @@ def head_path(setup, cluster: ClusterInfo, path: str) -> str:
     return path
 
 
-def submit(cluster: ClusterInfo, head: NodeSession, setup, run_id: str, task: str, commands: dict[str, str]) -> str:
-    """sbatch the run (one task per node, each running its command); the Slurm job id."""
+def submit(
+    cluster: ClusterInfo,
+    head: NodeSession,
+    setup,
+    run_id: str,
+    task: str,
+    commands: dict[str, str],
+    watch: dict | None = None,
+) -> str:
+    """sbatch the run (one task per node, each running its command; `watch`: the hang watch that runs
+    beside it on the head node); the Slurm job id."""
     run_dir = head_path(setup, cluster, node_paths.remote_run_dir(cluster, run_id))
-    spec = {
+    spec: dict = {
         "run_id": run_id,
         "log": f"{run_dir}/{contract.RUN_LOG}",
         "python": cluster.python,
@@ -129,6 +138,8 @@ def submit(cluster: ClusterInfo, head: NodeSession, setup, run_id: str, task: st
             for node in cluster.nodes
         ],
     }
+    if watch:
+        spec["watch"] = watch
     spec_path = f"{run_dir}/slurm-spec.json"
     head.run(f"mkdir -p {node_paths.shell_path(run_dir)}", warn=False)
     head.conn.put(_text_file(json.dumps(spec)), remote=spec_path)
@@ -366,7 +377,7 @@ def launch(cluster: ClusterInfo, spec, setup, runs_root: Path, detach: bool) -> 
     from infra.ledger import Ledger
     from remote import workdir as workdirs
     from remote.connect import on_all_nodes, open_sessions
-    from remote.hangwatch import job_environment, rankhook_path
+    from remote.hangwatch import OVERDUE_GRACE_S, ask_command, job_environment, rankhook_path
     from remote.launch import JobLock, check_ready, job_script, prepare, upload_script
 
     wanted = None
@@ -410,7 +421,19 @@ def launch(cluster: ClusterInfo, spec, setup, runs_root: Path, detach: bool) -> 
             )
             for node in cluster.nodes
         }
-        job_id = submit(cluster, sessions[0], setup, run_id, spec.task, commands)
+        watch = None
+        if spec.hang.enabled:  # on the cluster: it holds while no fab follows the run
+            watch = {
+                "timeout_s": spec.hang.timeout_s,
+                "poll_s": spec.hang.poll_s,
+                "on_hang": spec.hang.on_hang,
+                "overdue_grace_s": OVERDUE_GRACE_S,
+                **{
+                    action: {n.name: ask_command(cluster, setup.python[n.name], run_id, action) for n in cluster.nodes}
+                    for action in ("status", "collect")
+                },
+            }
+        job_id = submit(cluster, sessions[0], setup, run_id, spec.task, commands, watch)
     finally:
         for session in sessions:
             session.close()
@@ -495,7 +518,9 @@ def finish(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: Follow
         run.exit_codes = _bring_log(cluster, run, folder) or run.exit_codes
     for node in run.nodes:  # a node that left no marker was ended from outside
         run.exit_codes.setdefault(node, 0 if run.state == "COMPLETED" else 128 + 15)
-    if run.hang and run.state == "CANCELLED":
+    if run.hang is None:
+        run.hang = _cluster_hang(cluster, run)
+    if run.hang and run.state in ("CANCELLED", "FAILED"):
         run.state = "HUNG"
     if run.state not in ("COMPLETED",):
         explain_failure(folder)
@@ -552,6 +577,22 @@ def finish(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: Follow
     run.save(folder)
 
 
+def _cluster_hang(cluster: ClusterInfo, run: Run) -> dict | None:
+    """The cluster-side hang watch's verdict (`hang.json` beside the run's log), where it found one."""
+    import io
+
+    head = NodeSession(cluster, cluster.head)
+    found = io.BytesIO()
+    try:
+        head.conn.get(f"{run.log.rsplit('/', 1)[0]}/{contract.HANG_RECORD}", local=found)
+        record = json.loads(found.getvalue())
+        return record if isinstance(record, dict) and "verdict" in record else None
+    except Exception:  # none: the run did not hang (or the head does not answer; the logs say the rest)
+        return None
+    finally:
+        head.close()
+
+
 def _bring_log(cluster: ClusterInfo, run: Run, folder: Path) -> dict[str, int]:
     """The run's whole log from the head node into the local per-node logs; each node's exit code."""
     splitter = LogSplitter(folder, echo=False)
@@ -594,7 +635,7 @@ def outcome_line(cluster: ClusterInfo, run: Run, folder: Path) -> tuple[int, str
         return (
             1,
             f"error: run {run.run_id} hung and was stopped ({run.hang['verdict']}); "
-            f"evidence: {run.hang['evidence']}; logs: {folder}",
+            f"evidence: {run.hang.get('evidence') or folder}; logs: {folder}",
         )
     if run.state == "CANCELLED":
         return 1, f"error: run {run.run_id} was cancelled ({codes or 'before it started'}); logs: {folder}"

@@ -176,3 +176,23 @@ def test_ctrl_c_of_a_followed_run_cancels_it_and_a_hangup_only_detaches(cluster,
             assert cluster.fab("stop", "--run", run_id).returncode == 0
             wait_for_state(cluster, run_id, "CANCELLED")
         slurm.wait_for(lambda run_id=run_id: not run_processes(run_id), "no process of the run left")
+
+
+def test_a_hung_run_is_found_and_stopped_on_the_cluster_while_no_fab_follows_it(cluster, tmp_path):
+    work = script(
+        tmp_path,
+        "hang.py",
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "dist.all_reduce(torch.ones(1))  # a step that goes well\n"
+        "if rank == 1:\n"
+        "    time.sleep(600)  # never enters the all-reduce rank 0 waits in\n"
+        "dist.all_reduce(torch.ones(1))\n",
+    )
+    run_id = detached(cluster, "run", "--script", str(work), "--hang-timeout", "4")
+    row = wait_for_state(cluster, run_id, "HUNG", "COMPLETED", "FAILED", "CANCELLED")
+    assert row["state"] == "HUNG", row
+    summary = json.loads((cluster.state_dir / cluster.stack / "runs" / run_id / "summary.json").read_text())
+    verdict = summary["hang"]["verdict"]
+    assert "rank 1" in verdict and "never entered" in verdict and "all_reduce" in verdict, verdict
+    slurm.wait_for(lambda: not run_processes(run_id), "no process of the run left")

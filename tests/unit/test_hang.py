@@ -1,6 +1,6 @@
 """The hang rule and the verdict line, on progress records shaped as the rank monitor writes them."""
 
-from remote import hang
+from node import hang_rule as hang
 
 NOW = 1_800_000_000.0
 
