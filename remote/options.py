@@ -14,8 +14,13 @@ from remote.job_command import reserved_variable
 from remote.packages import Requirements
 
 PORT_RANGE = (1024, 65535)  # below 1024 needs root on the nodes
+# Each process is a whole Python with torch (hundreds of MB), and one per GPU on GPU nodes (8 at most on
+# the catalog's types): past this, a number is a typo that would leave torchrun starting processes for minutes.
+MAX_NPROC_PER_NODE = 256
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # a folder name: no '/', never '.' or '..'
 ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+WHOLE_NUMBER = re.compile(r"-?[0-9]+")  # what int() takes, less its leniency: ' 2', '2\n', '1_0', '٢'
+SECONDS = re.compile(r"[0-9]+(\.[0-9]+)?")  # float() would also take ' 30', '30\n', 'nan', 'inf', '1e3'
 
 
 def refuse(message: str) -> UsageError:
@@ -30,10 +35,9 @@ def integer(
     if value is None:
         return default
     bounds = _bounds(minimum, maximum)
-    try:
-        number = int(str(value).strip())
-    except ValueError:
-        raise refuse(f"{flag} must be a whole number{bounds}, not {value!r}") from None
+    if not WHOLE_NUMBER.fullmatch(str(value)):
+        raise refuse(f"{flag} must be a whole number{bounds}, not {value!r}")
+    number = int(str(value))
     if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
         raise refuse(f"{flag} must be a whole number{bounds}, not {number}")
     return number
@@ -106,7 +110,9 @@ def _inside(path: Path, folder: Path) -> bool:
 
 
 def workdir(value: str) -> Path:
-    """`--workdir`: an existing folder, resolved."""
+    """`--workdir`: an existing folder, resolved ('' is refused: it would mean the current folder)."""
+    if not value:
+        raise refuse("--workdir '' is empty: give your project's folder (use --workdir . for the current one)")
     path = Path(value).expanduser()
     if not path.exists():
         raise refuse(f"no such folder: --workdir {value}")
@@ -160,20 +166,14 @@ def hang_policy(timeout: str | None, on_hang: str | None):
     from remote.hangwatch import DEFAULT_HANG_TIMEOUT_S, ON_HANG, HangPolicy
 
     seconds = DEFAULT_HANG_TIMEOUT_S if timeout is None else _seconds("--hang-timeout", timeout)
-    action = "stop" if on_hang is None else str(on_hang).strip()
-    if action not in ON_HANG:
-        raise refuse(f"--on-hang must be {' or '.join(ON_HANG)}, not {on_hang!r}")
+    action = "stop" if on_hang is None else choice("--on-hang", str(on_hang), ON_HANG)
     return HangPolicy(seconds, action)
 
 
 def _seconds(flag: str, value: str) -> float:
-    try:
-        seconds = float(str(value).strip())
-    except ValueError:
-        seconds = float("nan")
-    if not seconds >= 0 or seconds == float("inf"):
+    if not SECONDS.fullmatch(str(value)):
         raise refuse(f"{flag} must be a number of seconds >= 0 (0 turns hang detection off), not {value!r}")
-    return seconds
+    return float(value)
 
 
 def choice(flag: str, value: str, allowed: tuple[str, ...]) -> str:

@@ -36,7 +36,10 @@ DETACH_HELP = (
     "submit and return (the run id is the last line): the run is held by Slurm on the cluster; "
     "needs fab bootstrap --scheduler slurm"
 )
-NPROC_HELP = "processes per node, >= 1 (default: one per GPU, one on CPU nodes); at most the GPU count on GPU nodes"
+NPROC_HELP = (
+    f"processes per node, 1..{options.MAX_NPROC_PER_NODE} (default: one per GPU, one on CPU nodes); "
+    "at most the GPU count on GPU nodes"
+)
 
 
 STOPPED_CODES = (128 + 15, 128 + 9)  # SIGTERM, SIGKILL: what stop (node/stop_jobs.py) ends a job with
@@ -304,7 +307,9 @@ def restarts(value: str | None) -> int:
 
 def processes(value: str | None) -> int | None:
     """`--nproc-per-node` as given (None: one per GPU); the GPU-count limit is checked at launch."""
-    return None if value is None else options.integer("--nproc-per-node", value, 1, minimum=1)
+    if value is None:
+        return None
+    return options.integer("--nproc-per-node", value, 1, minimum=1, maximum=options.MAX_NPROC_PER_NODE)
 
 
 @task(
