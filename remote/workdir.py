@@ -5,7 +5,8 @@ file's patterns apply below its own folder, a deeper file overrides a shallower 
 pattern wins, and nothing inside an excluded folder comes back. A `.gpuclusterignore` file (same syntax)
 is read after the `.gitignore` of its folder, so it can exclude more, or send what git ignores
 (`!weights/small.pt`). Symbolic links are followed where they point inside DIR (the file is sent under
-the link's name); links pointing outside DIR, or nowhere, are skipped and the launch names them.
+the link's name); links pointing outside DIR, nowhere, or into a loop of links are skipped and the
+launch names them.
 
 Each node keeps a cache of the project (`~/.gpu-cluster/workdirs/<key>`, node/sync.py) with the
 digest of its manifest. The launch's first command reads that digest on every node; where it matches,
@@ -14,6 +15,7 @@ whose content differs, and which to remove. Hashes are cached here by (size, mti
 `.cluster/<stack>/workdirs/`, so an unchanged tree is not read again at every launch.
 """
 
+import errno
 import hashlib
 import io
 import json
@@ -139,7 +141,7 @@ def _walk(
         return
     for entry in entries:
         path = relative + entry.name
-        if entry.name in NEVER_SENT or rules.excludes(path, entry.is_dir()):  # is_dir() follows links
+        if entry.name in NEVER_SENT or rules.excludes(path, _is_dir(entry)):
             continue
         target = _target(root, entry, path, skipped)
         if target is None or target[0] in never:
@@ -156,6 +158,14 @@ def _walk(
             skipped.append((path, "not a regular file"))
 
 
+def _is_dir(entry: os.DirEntry) -> bool:
+    """Whether `entry` is a folder or a link to one; a link that cannot be followed (a loop) is not."""
+    try:
+        return entry.is_dir()  # follows links
+    except OSError:
+        return False
+
+
 def _target(root: Path, entry: os.DirEntry, path: str, skipped: list) -> tuple[Path, os.stat_result] | None:
     """(what `entry` is, its stat), following a link only where it stays inside `root`."""
     if not entry.is_symlink():
@@ -166,8 +176,11 @@ def _target(root: Path, entry: os.DirEntry, path: str, skipped: list) -> tuple[P
         return None
     try:
         return real, real.stat()
-    except OSError:
-        skipped.append((path, f"a link to {os.readlink(entry.path)}, which does not exist"))
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            skipped.append((path, f"a link to {os.readlink(entry.path)}, which leads back to itself (a loop of links)"))
+        else:
+            skipped.append((path, f"a link to {os.readlink(entry.path)}, which does not exist"))
         return None
 
 

@@ -105,14 +105,18 @@ def test_links_inside_are_followed_and_the_others_skipped_and_named(tmp_path):
     (root / "loop").symlink_to(".")
     (root / "secret.txt").symlink_to(tmp_path / "outside" / "secret.txt")
     (root / "dangling").symlink_to("nowhere")
+    (root / "a").symlink_to("b")  # a loop of two links: following either never ends
+    (root / "b").symlink_to("a")
+    (root / "into_loop").symlink_to("a")
     state_dir = root / ".cluster"
     tree(state_dir, {"local/id_ed25519": "key"})
     project = workdir.collect(root, never=(state_dir,))
     assert sent(project) == {".gitignore", "train.py", "conf/base.yaml", "current.yaml", "conf_link/base.yaml"}
     assert {f.path: f.source for f in project.files}["current.yaml"] == root / "conf" / "base.yaml"
     why = dict(project.skipped)
-    assert set(why) == {"loop", "secret.txt", "dangling"}
+    assert set(why) == {"loop", "secret.txt", "dangling", "a", "b", "into_loop"}
     assert "outside the workdir" in why["secret.txt"] and "does not exist" in why["dangling"]
+    assert all("a loop of links" in why[name] for name in ("a", "b", "into_loop"))
 
 
 def test_hashes_are_read_once_and_again_only_where_size_or_mtime_changed(tmp_path, monkeypatch):
