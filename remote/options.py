@@ -11,7 +11,7 @@ from pathlib import Path
 
 from infra.errors import UsageError
 from remote.job_command import reserved_variable
-from remote.packages import Requirements
+from remote.packages import Requirements, include_problem
 
 PORT_RANGE = (1024, 65535)  # below 1024 needs root on the nodes
 # Each process is a whole Python with torch (hundreds of MB), and one per GPU on GPU nodes (8 at most on
@@ -154,11 +154,15 @@ def requirements_file(value: str | None) -> Requirements | None:
     if path.is_dir():
         raise refuse(f"--requirements {value} is a folder: give a pip requirements file")
     try:
-        return Requirements(path.resolve(), path.read_bytes())
+        text = path.read_bytes()
     except FileNotFoundError:
         raise refuse(f"no such requirements file: {value}") from None
     except OSError as exc:
         raise refuse(f"cannot read the requirements file {value}: {exc.strerror or exc}") from None
+    problem = include_problem(text, value)
+    if problem:
+        raise refuse(problem)
+    return Requirements(path.resolve(), text)
 
 
 def hang_policy(timeout: str | None, on_hang: str | None):

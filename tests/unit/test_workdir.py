@@ -280,3 +280,33 @@ def test_a_script_the_ignore_files_leave_out_is_refused(tmp_path):
     root = tree(tmp_path, {".gitignore": "scratch_*.py\n", "scratch_try.py": "print(1)\n"}).resolve()
     with pytest.raises(UsageError, match="left out of the workdir"):
         workdir.checked_project(root, options.compiled_script("scratch_try.py", root), 10**6)
+
+
+@pytest.mark.parametrize(
+    "text,line,words",
+    [
+        ("numpy\n-r /etc/shadow\n", 2, ["'-r'"]),
+        ("-r/etc/shadow\n", 1, ["'-r/etc/shadow'"]),
+        ("# base\n--requirement=/etc/shadow\n", 2, ["--requirement=/etc/shadow"]),
+        ("--requ /etc/shadow\n", 1, ["'--requ'"]),  # pip takes any unique prefix of a long option
+        ("numpy\n-c constraints.txt\n", 2, ["'-c'"]),
+        ("--constraint /etc/passwd\n", 1, ["'--constraint'"]),
+        ("numpy \\\n-r /etc/shadow\n", 1, ["'-r'"]),  # one logical line, joined by pip
+    ],
+)
+def test_requirements_that_include_another_file_are_refused_naming_the_line(tmp_path, text, line, words):
+    path = tmp_path / "requirements.txt"
+    path.write_text(text)
+    with pytest.raises(UsageError) as refused:
+        options.requirements_file(str(path))
+    assert f"line {line}:" in str(refused.value) and "list those packages in this file" in str(refused.value)
+    assert all(word in str(refused.value) for word in words)
+
+
+def test_requirements_without_includes_are_read_as_they_are(tmp_path):
+    text = (
+        "numpy==2.0  # -r in a comment is fine\n-e .\n--config-settings=x=1 pkg\ncffi\n--index-url https://x/simple\n"
+    )
+    path = tmp_path / "requirements.txt"
+    path.write_text(text)
+    assert options.requirements_file(str(path)).text == text.encode()
