@@ -17,6 +17,10 @@ PORT_RANGE = (1024, 65535)  # below 1024 needs root on the nodes
 # Each process is a whole Python with torch (hundreds of MB), and one per GPU on GPU nodes (8 at most on
 # the catalog's types): past this, a number is a typo that would leave torchrun starting processes for minutes.
 MAX_NPROC_PER_NODE = 256
+# `--env` and `--args` travel on the job's command line, which reaches the node as the one argument of
+# `sh -c`: Linux refuses an argument over 128 kB (MAX_ARG_STRLEN, execve(2)) and the node exits 255 with
+# no log. Half of it for the user's text, as quoted, leaves the launch's own words room to spare.
+MAX_JOB_TEXT_BYTES = 65_536
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # a folder name: no '/', never '.' or '..'
 ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 WHOLE_NUMBER = re.compile(r"-?[0-9]+")  # what int() takes, less its leniency: ' 2', '2\n', '1_0', '٢'
@@ -185,3 +189,15 @@ def choice(flag: str, value: str, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise refuse(f"{flag} must be {' or '.join(allowed)}, not {value!r}")
     return value
+
+
+def job_text(args: list[str], env: dict[str, str]) -> None:
+    """Refuse `--args` and `--env` that would not fit on the job's command line over SSH."""
+    words = [shlex.quote(a) for a in args] + [f"{key}={shlex.quote(value)}" for key, value in env.items()]
+    size = sum(len(word.encode()) + 1 for word in words)
+    if size > MAX_JOB_TEXT_BYTES:
+        given = " and ".join(flag for flag, used in (("--env", env), ("--args", args)) if used)
+        raise refuse(
+            f"{given} come(s) to {size:,} bytes on the job's command line (quoted), over the limit of "
+            f"{MAX_JOB_TEXT_BYTES:,}: put long values in a file of the --workdir and pass its path"
+        )

@@ -77,6 +77,7 @@ def setup_for(cluster: ClusterInfo) -> NodeSetup:
 def start_job(stack: str | None, spec: JobSpec, detach: bool = False) -> None:
     """Launch `spec` on every node; exit 1 naming the node that failed, 130 on Ctrl-C. Where Slurm holds
     the runs, the run is submitted and followed (`detach`: submitted only, its id printed last)."""
+    options.job_text(spec.args, spec.env)
     cluster = cluster_for(stack)
     problem = job_command.nproc_problem(cluster.nodes, spec.nproc_per_node)
     if problem:

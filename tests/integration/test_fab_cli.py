@@ -38,6 +38,8 @@ from tests.support.inventories import files_under, unreachable_stack
         (["hello", "--max-restarts", "1_0"], ["--max-restarts", "'1_0'"]),
         (["hello", "--on-hang", "stop\n"], ["--on-hang", "'stop\\n'"]),
         (["hello", "--hang-timeout", "30\n"], ["--hang-timeout", "'30\\n'"]),
+        (["hello", "--args", "x" * 130_000], ["--args", "130,00", "limit of 65,536"]),
+        (["run", "--script", "fabfile.py", "--env", "BIG=" + "x" * 130_000], ["--env", "limit of 65,536"]),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2_and_creates_nothing(state_dir, argv, words):

@@ -21,7 +21,7 @@ from tests.support.clusters import Cluster, bootstrapped_cluster, run_id_in
 # not copied here): the script imports its sibling datautils.py, and local rank 0 of every node saves
 # snapshot.pt in the working directory, which the issue saw the nodes overwrite in a shared folder.
 TRAIN = """\
-import json, os, sys
+import hashlib, json, os, sys
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
@@ -52,6 +52,8 @@ if rank == 0:
     json.dump({"loss": loss.item(), "words": words}, open(os.path.join(results, "loss.json"), "w"))
     open(os.path.join(results, "big.bin"), "wb").write(b"0" * 1_500_000)
 print(describe(rank, node, config["name"]), "GREETING=" + repr(os.environ.get("GREETING")), flush=True)
+big = os.environ["BIG"].encode()
+print("BIG", len(big), hashlib.sha256(big).hexdigest(), flush=True)
 dist.destroy_process_group()
 """
 DATAUTILS = """\
@@ -72,6 +74,8 @@ class MyTrainDataset(Dataset):
 """
 QUICK = "import gc_tinypkg, sys\nprint('imported:', gc_tinypkg.MESSAGE, 'by', sys.executable, flush=True)\n"
 GREETING = "hello world; $HOME \"double\" 'single' $(touch /tmp/gpu-cluster-never)"
+# Near the limit on --env and --args (65,536 bytes as quoted): a value this long reaches every rank whole.
+BIG = ("x" * 999 + "$ '\"\n") * 12 + "y" * 48_000
 
 
 def make_project(root: Path) -> Path:
@@ -172,12 +176,15 @@ def test_a_project_launched_from_its_own_folder_runs_in_a_copy_of_its_own_on_eac
         "2",
         "--env",
         f"GREETING={GREETING}",
+        "--env",
+        f"BIG={BIG}",
         "--max-result-mb",
         "1",
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr
     for rank, node in ((0, "node-0"), (1, "node-1")):  # sibling module, package, config and data all found
         assert f"[{node}] rank {rank} on {node} trained tiny-linear GREETING={GREETING!r}" in result.stdout
+        assert f"[{node}] BIG {len(BIG)} {hashlib.sha256(BIG.encode()).hexdigest()}" in result.stdout
     run_id = run_id_in(result.stdout)
     for node in ("node-0", "node-1"):  # the same file name written on both nodes, each in its own folder
         job_dir = node_home(cluster, node) / "runs" / run_id / "workdir"
@@ -196,7 +203,7 @@ def test_a_project_launched_from_its_own_folder_runs_in_a_copy_of_its_own_on_eac
         [".gitignore", "config.json", "data", "datautils.py", "helpers", "train.py", "weights.ckpt"]
     )
     summary = json.loads((local / "summary.json").read_text())
-    assert summary["workdir"] == str(project.resolve()) and summary["env"] == ["GREETING"]
+    assert summary["workdir"] == str(project.resolve()) and summary["env"] == ["BIG", "GREETING"]
 
 
 def test_an_unchanged_project_sends_nothing_and_costs_no_ssh_command_more_than_one_script(cluster, project, tmp_path):
