@@ -10,6 +10,7 @@ import shlex
 from pathlib import Path
 
 from infra.errors import UsageError
+from remote import dotenv
 from remote.job_command import reserved_variable
 from remote.packages import Requirements, include_problem
 
@@ -125,24 +126,51 @@ def workdir(value: str) -> Path:
     return path.resolve()
 
 
-def environment(pairs: list[str]) -> dict[str, str]:
-    """`--env KEY=VALUE`, repeatable: a variable for every rank, its value taken literally."""
+def environment(pairs: list[str], env_file: str | None = None) -> dict[str, str]:
+    """`--env KEY=VALUE`, repeatable, and `--env-file FILE` (dotenv): a variable for every rank, its value
+    taken literally. A name given twice, in the file or the flags, is refused; no value is ever shown."""
     found: dict[str, str] = {}
+    for variable in _env_file(env_file) if env_file is not None else []:
+        _add(found, variable.key, variable.value, f"--env-file {env_file} line {variable.line}:")
     for pair in pairs:
         key, equals, value = pair.partition("=")
         if not equals:
             raise refuse(f"--env {pair!r} is not KEY=VALUE")
-        if not ENV_KEY.fullmatch(key):
-            raise refuse(f"--env {key!r} is not a variable name: letters, digits and '_', not starting with a digit")
-        if reserved_variable(key):
-            raise refuse(
-                f"--env {key}: the node environment, torchrun or the launch sets {key} itself "
-                "(CLUSTER_* and TORCHELASTIC_* included); pick another name"
-            )
-        if key in found:
-            raise refuse(f"--env {key} is given twice")
-        found[key] = value
+        _add(found, key, value, "--env")
     return found
+
+
+def _add(found: dict[str, str], key: str, value: str, where: str) -> None:
+    if not ENV_KEY.fullmatch(key):
+        raise refuse(f"{where} {key!r} is not a variable name: letters, digits and '_', not starting with a digit")
+    if reserved_variable(key):
+        raise refuse(
+            f"{where} {key}: the node environment, torchrun or the launch sets {key} itself "
+            "(CLUSTER_* and TORCHELASTIC_* included); pick another name"
+        )
+    if key in found:
+        raise refuse(f"{where} {key} is given twice (--env and --env-file together count once each)")
+    found[key] = value
+
+
+def _env_file(value: str) -> list[dotenv.Variable]:
+    if not value:
+        raise refuse("--env-file '' is empty: give a file of KEY=VALUE lines")
+    path = Path(value).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise refuse(f"no such env file: --env-file {value}") from None
+    except IsADirectoryError:
+        raise refuse(f"--env-file {value} is a folder: give a file of KEY=VALUE lines") from None
+    except UnicodeDecodeError:
+        raise refuse(f"--env-file {value} is not UTF-8 text") from None
+    except OSError as exc:
+        raise refuse(f"cannot read --env-file {value}: {exc.strerror or exc}") from None
+    try:
+        return dotenv.parse(text)
+    except dotenv.DotenvError as exc:
+        raise refuse(f"--env-file {value} {exc}") from None
 
 
 def megabytes(flag: str, value: str | None, default: int) -> int:

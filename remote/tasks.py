@@ -244,6 +244,7 @@ RUN_HELP = {
     "requirements": "a pip requirements file: installed once per node into an environment of its own, "
     "layered over the node venv (torch is not installed again)",
     "env": "KEY=VALUE for every rank, taken literally; repeat for more",
+    "env-file": "a file of KEY=VALUE lines for every rank (dotenv: # comments, quotes, export); no value is printed",
     "max-sync-mb": f"refuse a workdir bigger than this (default {workdir.DEFAULT_MAX_SYNC_MB}; 1 MB = 1,000,000 bytes)",
     "max-result-mb": f"leave a result file bigger than this on the head node (default {DEFAULT_MAX_RESULT_MB})",
     "max-restarts": RESTARTS_HELP,
@@ -262,6 +263,7 @@ def run(
     args="",
     requirements=None,
     env=None,
+    env_file=None,
     max_sync_mb=None,
     max_result_mb=None,
     max_restarts=None,
@@ -278,16 +280,16 @@ def run(
         nproc_per_node=processes(nproc_per_node),
         hang=options.hang_policy(hang_timeout, on_hang),
     )
-    spec = run_spec(script, workdir, requirements, env or [], max_sync_mb, max_result_mb, launch_options)
+    launch_options["env"] = options.environment(env or [], env_file)
+    spec = run_spec(script, workdir, requirements, max_sync_mb, max_result_mb, launch_options)
     start_job(stack, spec, detach=bool(detach))
 
 
-def run_spec(script, folder, requirements, env, max_sync_mb, max_result_mb, launch_options: dict) -> JobSpec:
+def run_spec(script, folder, requirements, max_sync_mb, max_result_mb, launch_options: dict) -> JobSpec:
     """`fab run`'s options, every one checked before anything is created."""
     common = dict(
         launch_options,
         requirements=options.requirements_file(requirements),
-        env=options.environment(env),
         max_result_bytes=options.megabytes("--max-result-mb", max_result_mb, DEFAULT_MAX_RESULT_MB),
     )
     if folder is None:

@@ -38,6 +38,11 @@ from tests.support.inventories import files_under, unreachable_stack
         (["hello", "--max-restarts", "1_0"], ["--max-restarts", "'1_0'"]),
         (["hello", "--on-hang", "stop\n"], ["--on-hang", "'stop\\n'"]),
         (["hello", "--hang-timeout", "30\n"], ["--hang-timeout", "'30\\n'"]),
+        (["run", "--script", "fabfile.py", "--env-file", "/no/such.env"], ["no such env file", "/no/such.env"]),
+        (
+            ["run", "--script", "fabfile.py", "--env-file", "fabfile.py"],
+            ["--env-file fabfile.py line 1 is not KEY=VALUE"],
+        ),
         (["hello", "--args", "x" * 130_000], ["--args", "130,00", "limit of 65,536"]),
         (["run", "--script", "fabfile.py", "--env", "BIG=" + "x" * 130_000], ["--env", "limit of 65,536"]),
     ],

@@ -310,3 +310,58 @@ def test_requirements_without_includes_are_read_as_they_are(tmp_path):
     path = tmp_path / "requirements.txt"
     path.write_text(text)
     assert options.requirements_file(str(path)).text == text.encode()
+
+
+DOTENV = """\
+# a comment, then a blank line
+
+export TOKEN='s3cr3t $HOME "x" \\n'
+PLAIN = hello world   # a comment after a space
+HASH=a#b
+DQ="line1\\nline2 \\"q\\" \\\\"
+MULTI="first
+second"
+EMPTY=
+"""
+
+
+def test_an_env_file_reads_dotenv_syntax_and_takes_values_literally(tmp_path):
+    path = tmp_path / "job.env"
+    path.write_text(DOTENV)
+    assert options.environment(["EXTRA=1"], str(path)) == {
+        "TOKEN": 's3cr3t $HOME "x" \\n',
+        "PLAIN": "hello world",
+        "HASH": "a#b",
+        "DQ": 'line1\nline2 "q" \\',
+        "MULTI": "first\nsecond",
+        "EMPTY": "",
+        "EXTRA": "1",
+    }
+
+
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        ("A=1\nthe-secret-itself\n", ["line 2 is not KEY=VALUE"]),
+        ("A=1\nB='never closed secret\n", ["line 2", "never closed"]),
+        ('A="secret" tail\n', ["line 1", "after the closing"]),
+        ("export RANK=3\n", ["line 1:", "RANK", "pick another name"]),
+        ("1X=secret\n", ["line 1:", "'1X'"]),
+        ("A=1\nA=secret\n", ["line 2:", "A is given twice"]),
+    ],
+)
+def test_a_bad_env_file_names_the_line_and_never_a_value(tmp_path, text, words):
+    path = tmp_path / "job.env"
+    path.write_text(text)
+    with pytest.raises(UsageError) as refused:
+        options.environment([], str(path))
+    message = str(refused.value)
+    assert refused.value.exit_code == 2 and all(word in message for word in words), message
+    assert "secret" not in message
+
+
+def test_a_name_in_the_env_file_and_in_env_is_given_twice(tmp_path):
+    path = tmp_path / "job.env"
+    path.write_text("TOKEN=from-file\n")
+    with pytest.raises(UsageError, match="--env TOKEN is given twice"):
+        options.environment(["TOKEN=from-flag"], str(path))
