@@ -199,6 +199,10 @@ def test_a_project_launched_from_its_own_folder_runs_in_a_copy_of_its_own_on_eac
         snapshot = torch.load(job_dir / "snapshot.pt")
         assert snapshot["node"] == node
     assert not [p for p in every_node_file(cluster) if p.name == "weights.ckpt"]  # ignored: never sent
+    assert (
+        "workdir: not sent, left out by the ignore files: 1 file (3.0 MB): weights.ckpt (3.0 MB, .gitignore:1: *.ckpt)"
+        in (result.stdout)
+    )
     local = cluster.state_dir / cluster.stack / "runs" / run_id
     fetched = sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file())
     assert fetched == ["node-0.log", "node-1.log", "results/loss.json", "summary.json"]  # no checkpoints

@@ -278,8 +278,38 @@ def test_the_script_must_be_a_compiling_file_inside_the_workdir(tmp_path, script
 
 def test_a_script_the_ignore_files_leave_out_is_refused(tmp_path):
     root = tree(tmp_path, {".gitignore": "scratch_*.py\n", "scratch_try.py": "print(1)\n"}).resolve()
-    with pytest.raises(UsageError, match="left out of the workdir"):
+    with pytest.raises(UsageError, match=r"left out of the workdir \(by \.gitignore:1: scratch_\*\.py\)"):
         workdir.checked_project(root, options.compiled_script("scratch_try.py", root), 10**6)
+
+
+def test_what_the_ignore_files_leave_out_is_named_with_its_size_and_rule(tmp_path):
+    """nanoGPT's own .gitignore leaves out its prepared data (`*.bin`, `*.pkl`): the launch says so."""
+    root = tree(
+        tmp_path,
+        {
+            ".gitignore": "# data\n\n*.bin\n*.pkl\n__pycache__/\n",
+            "train.py": "",
+            "data/shakespeare_char/meta.pkl": "m" * 10,
+            "data/.gpuclusterignore": "big.txt\n",
+            "data/big.txt": "b" * 20,
+            "__pycache__/train.cpython-311.pyc": "",
+        },
+    )
+    (root / "data" / "shakespeare_char" / "train.bin").write_bytes(b"0" * 2_000_000)
+    (root / ".git").mkdir()  # never sent, never named
+    project = workdir.collect(root)
+    assert {x.path: (x.size_bytes, x.rule) for x in project.left_out} == {
+        "__pycache__/": (0, ".gitignore:5: __pycache__/"),
+        "data/big.txt": (20, "data/.gpuclusterignore:1: big.txt"),
+        "data/shakespeare_char/meta.pkl": (10, ".gitignore:4: *.pkl"),
+        "data/shakespeare_char/train.bin": (2_000_000, ".gitignore:3: *.bin"),
+    }
+    line = workdir.left_out_line(project)
+    assert line.startswith("not sent, left out by the ignore files: 3 files (2.0 MB) and 1 folder: ")
+    assert "data/shakespeare_char/train.bin (2.0 MB, .gitignore:3: *.bin), data/big.txt (20 B, " in line
+    assert "!PATTERN to .gpuclusterignore" in line
+    (root / ".gpuclusterignore").write_text("!*.bin\n")
+    assert "data/shakespeare_char/train.bin" in sent(workdir.collect(root))
 
 
 @pytest.mark.parametrize(
