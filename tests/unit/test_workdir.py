@@ -136,11 +136,20 @@ def test_hashes_are_read_once_and_again_only_where_size_or_mtime_changed(tmp_pat
     assert reads == ["b.py", "b.py"]  # changed this instant: hashed again until its mtime is safely past
 
 
-def test_changes_send_what_differs_and_remove_what_is_gone():
-    local = {"a.py": "1", "b.py": "2", "new.py": "3"}
-    remote = {"a.py": "1", "b.py": "old", "gone.py": "4"}
-    assert workdir.changes(local, remote) == (["b.py", "new.py"], ["gone.py"])
-    assert workdir.changes(local, local) == ([], [])
+def test_changes_send_what_differs_and_remove_what_is_gone(tmp_path):
+    """Against a node cache that the real sync (node/sync.py) filled, not a hand-made manifest."""
+    root = tree(tmp_path / "proj", {"a.py": "1", "b.py": "2", "gone.py": "4"})
+    cache, scratch = tmp_path / "cache", tmp_path / "scratch"
+    scratch.mkdir()
+    apply(workdir.collect(root), cache, scratch)
+    (root / "b.py").write_text("changed")
+    (root / "gone.py").unlink()
+    (root / "new.py").write_text("3")
+    wanted = workdir.manifest(workdir.collect(root), scratch / "hashes.json")
+    assert workdir.changes(wanted.hashes, sync.manifest(str(cache))) == (["b.py", "new.py"], ["gone.py"])
+    apply(workdir.collect(root), cache, scratch)
+    assert workdir.changes(wanted.hashes, sync.manifest(str(cache))) == ([], [])
+    assert (cache / "files" / "b.py").read_text() == "changed" and not (cache / "files" / "gone.py").exists()
 
 
 def test_an_oversized_project_names_its_biggest_files_and_how_to_leave_them_out(tmp_path):
