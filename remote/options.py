@@ -207,9 +207,10 @@ def hang_policy(timeout: str | None, on_hang: str | None):
 
 
 def _seconds(flag: str, value: str) -> float:
-    if not SECONDS.fullmatch(str(value)):
+    seconds = float(value) if SECONDS.fullmatch(str(value)) else float("nan")
+    if not 0 <= seconds < float("inf"):  # 400 nines are a float too: inf
         raise refuse(f"{flag} must be a number of seconds >= 0 (0 turns hang detection off), not {value!r}")
-    return float(value)
+    return seconds
 
 
 def choice(flag: str, value: str, allowed: tuple[str, ...]) -> str:

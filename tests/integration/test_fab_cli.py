@@ -38,6 +38,7 @@ from tests.support.inventories import files_under, unreachable_stack
         (["hello", "--max-restarts", "1_0"], ["--max-restarts", "'1_0'"]),
         (["hello", "--on-hang", "stop\n"], ["--on-hang", "'stop\\n'"]),
         (["hello", "--hang-timeout", "30\n"], ["--hang-timeout", "'30\\n'"]),
+        (["hello", "--hang-timeout", "9" * 400], ["--hang-timeout", "seconds >= 0"]),
         (["run", "--script", "fabfile.py", "--env-file", "/no/such.env"], ["no such env file", "/no/such.env"]),
         (
             ["run", "--script", "fabfile.py", "--env-file", "fabfile.py"],
