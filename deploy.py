@@ -46,8 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--ssh-cidr", help="AWS: who may SSH in (default: your public IP /32)")
     up.add_argument("--max-total-usd", help="guard: power the cluster off before it has cost this much")
     up.add_argument("--idle-minutes", help="guard: power the cluster off after this long with no job and idle GPUs")
-    up.add_argument("--ssh-port", type=int, default=None, help=f"local: SSH port (default {local.DEFAULT_SSH_PORT})")
-    up.add_argument("--bind", help="local: node-0's loopback address (default 127.0.0.10; node i gets +i)")
+    low, high = local.SSH_PORT_RANGE
+    up.add_argument(
+        "--ssh-port",
+        type=_whole_number,
+        default=None,
+        help=f"local: SSH port, {low}..{high} (default {local.DEFAULT_SSH_PORT})",
+    )
+    up.add_argument(
+        "--bind", help="local: node-0's loopback address (default 127.0.0.10; node i gets +i, all in its /24)"
+    )
 
     down = commands.add_parser("down", help="remove everything the stack created, and prove it")
     down.add_argument("--stack", help=stack_help)
@@ -83,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ssh_config.add_argument("--stack", help=stack_help)
     return parser
+
+
+def _whole_number(text: str) -> int:
+    """int() as typed: ' 80' or '8_0' are refused, not trimmed."""
+    if not text.isascii() or not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}")
+    return int(text)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -21,7 +21,7 @@ FLAG_WITHOUT_VALUE = re.compile(r"Flag <Argument: (\w+)\b.*needed value")  # inv
 def adopt(program: Program) -> None:
     """Make `program` (the running `fab`) report parse errors and ClusterErrors as one line."""
     # Wrapping the running program's own bound methods is the point: Fabric calls them by these names.
-    program.parse_tasks = _refusing_bad_input(program.parse_tasks)  # type: ignore[method-assign]
+    program.parse_tasks = _refusing_bad_input(_no_list_flag_without_value(program, program.parse_tasks))  # type: ignore[method-assign]
     program.parse_cleanup = _refusing_bad_input(program.parse_cleanup)  # type: ignore[method-assign]
     program.execute = _one_line_errors(program.execute)  # type: ignore[method-assign]
 
@@ -33,6 +33,35 @@ def parse_error_line(error: ParseError) -> str:
     if flag:
         text = f"--{flag.group(1).replace('_', '-')} needs a value"
     return f"error: {text[:1].lower()}{text[1:]} ({HINT})"
+
+
+def _no_list_flag_without_value(program: Program, parse_tasks):
+    """invoke drops a repeatable flag (`--env`) given last with no value, and the job would run without
+    it; every such flag on the command line must have brought a value."""
+
+    @functools.wraps(parse_tasks)
+    def wrapped(*args, **kwargs):
+        parse_tasks(*args, **kwargs)
+        argv = list(program.core.unparsed)
+        argv = argv[: argv.index("--")] if "--" in argv else argv
+        for name, values in _list_values(program.tasks).items():
+            flag = f"--{name}"
+            given = sum(1 for token in argv if token == flag or token.startswith(flag + "="))
+            if given > values:
+                raise ParseError(f"Flag <Argument: {name}> needed value and was not given one")
+
+    return wrapped
+
+
+def _list_values(contexts) -> dict[str, int]:
+    """How many values each repeatable flag (dashed name) received, over the tasks on the line."""
+    counts: dict[str, int] = {}
+    for context in contexts:
+        for argument in {id(a): a for a in context.args.values()}.values():  # aliases name one argument twice
+            if argument.kind is list:
+                name = argument.name.replace("_", "-")
+                counts[name] = counts.get(name, 0) + len(argument.value or [])
+    return counts
 
 
 def _refusing_bad_input(step):

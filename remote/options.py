@@ -10,12 +10,22 @@ import shlex
 from pathlib import Path
 
 from infra.errors import UsageError
+from remote import dotenv
 from remote.job_command import reserved_variable
-from remote.packages import Requirements
+from remote.packages import Requirements, include_problem
 
 PORT_RANGE = (1024, 65535)  # below 1024 needs root on the nodes
+# Each process is a whole Python with torch (hundreds of MB), and one per GPU on GPU nodes (8 at most on
+# the catalog's types): past this, a number is a typo that would leave torchrun starting processes for minutes.
+MAX_NPROC_PER_NODE = 256
+# `--env` and `--args` travel on the job's command line, which reaches the node as the one argument of
+# `sh -c`: Linux refuses an argument over 128 kB (MAX_ARG_STRLEN, execve(2)) and the node exits 255 with
+# no log. Half of it for the user's text, as quoted, leaves the launch's own words room to spare.
+MAX_JOB_TEXT_BYTES = 65_536
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # a folder name: no '/', never '.' or '..'
 ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+WHOLE_NUMBER = re.compile(r"-?[0-9]+")  # what int() takes, less its leniency: ' 2', '2\n', '1_0', '٢'
+SECONDS = re.compile(r"[0-9]+(\.[0-9]+)?")  # float() would also take ' 30', '30\n', 'nan', 'inf', '1e3'
 
 
 def refuse(message: str) -> UsageError:
@@ -30,10 +40,9 @@ def integer(
     if value is None:
         return default
     bounds = _bounds(minimum, maximum)
-    try:
-        number = int(str(value).strip())
-    except ValueError:
-        raise refuse(f"{flag} must be a whole number{bounds}, not {value!r}") from None
+    if not WHOLE_NUMBER.fullmatch(str(value)):
+        raise refuse(f"{flag} must be a whole number{bounds}, not {value!r}")
+    number = int(str(value))
     if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
         raise refuse(f"{flag} must be a whole number{bounds}, not {number}")
     return number
@@ -106,7 +115,9 @@ def _inside(path: Path, folder: Path) -> bool:
 
 
 def workdir(value: str) -> Path:
-    """`--workdir`: an existing folder, resolved."""
+    """`--workdir`: an existing folder, resolved ('' is refused: it would mean the current folder)."""
+    if not value:
+        raise refuse("--workdir '' is empty: give your project's folder (use --workdir . for the current one)")
     path = Path(value).expanduser()
     if not path.exists():
         raise refuse(f"no such folder: --workdir {value}")
@@ -115,24 +126,51 @@ def workdir(value: str) -> Path:
     return path.resolve()
 
 
-def environment(pairs: list[str]) -> dict[str, str]:
-    """`--env KEY=VALUE`, repeatable: a variable for every rank, its value taken literally."""
+def environment(pairs: list[str], env_file: str | None = None) -> dict[str, str]:
+    """`--env KEY=VALUE`, repeatable, and `--env-file FILE` (dotenv): a variable for every rank, its value
+    taken literally. A name given twice, in the file or the flags, is refused; no value is ever shown."""
     found: dict[str, str] = {}
+    for variable in _env_file(env_file) if env_file is not None else []:
+        _add(found, variable.key, variable.value, f"--env-file {env_file} line {variable.line}:")
     for pair in pairs:
         key, equals, value = pair.partition("=")
         if not equals:
             raise refuse(f"--env {pair!r} is not KEY=VALUE")
-        if not ENV_KEY.fullmatch(key):
-            raise refuse(f"--env {key!r} is not a variable name: letters, digits and '_', not starting with a digit")
-        if reserved_variable(key):
-            raise refuse(
-                f"--env {key}: the node environment, torchrun or the launch sets {key} itself "
-                "(CLUSTER_* and TORCHELASTIC_* included); pick another name"
-            )
-        if key in found:
-            raise refuse(f"--env {key} is given twice")
-        found[key] = value
+        _add(found, key, value, "--env")
     return found
+
+
+def _add(found: dict[str, str], key: str, value: str, where: str) -> None:
+    if not ENV_KEY.fullmatch(key):
+        raise refuse(f"{where} {key!r} is not a variable name: letters, digits and '_', not starting with a digit")
+    if reserved_variable(key):
+        raise refuse(
+            f"{where} {key}: the node environment, torchrun or the launch sets {key} itself "
+            "(CLUSTER_* and TORCHELASTIC_* included); pick another name"
+        )
+    if key in found:
+        raise refuse(f"{where} {key} is given twice (--env and --env-file together count once each)")
+    found[key] = value
+
+
+def _env_file(value: str) -> list[dotenv.Variable]:
+    if not value:
+        raise refuse("--env-file '' is empty: give a file of KEY=VALUE lines")
+    path = Path(value).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise refuse(f"no such env file: --env-file {value}") from None
+    except IsADirectoryError:
+        raise refuse(f"--env-file {value} is a folder: give a file of KEY=VALUE lines") from None
+    except UnicodeDecodeError:
+        raise refuse(f"--env-file {value} is not UTF-8 text") from None
+    except OSError as exc:
+        raise refuse(f"cannot read --env-file {value}: {exc.strerror or exc}") from None
+    try:
+        return dotenv.parse(text)
+    except dotenv.DotenvError as exc:
+        raise refuse(f"--env-file {value} {exc}") from None
 
 
 def megabytes(flag: str, value: str | None, default: int) -> int:
@@ -148,11 +186,15 @@ def requirements_file(value: str | None) -> Requirements | None:
     if path.is_dir():
         raise refuse(f"--requirements {value} is a folder: give a pip requirements file")
     try:
-        return Requirements(path.resolve(), path.read_bytes())
+        text = path.read_bytes()
     except FileNotFoundError:
         raise refuse(f"no such requirements file: {value}") from None
     except OSError as exc:
         raise refuse(f"cannot read the requirements file {value}: {exc.strerror or exc}") from None
+    problem = include_problem(text, value)
+    if problem:
+        raise refuse(problem)
+    return Requirements(path.resolve(), text)
 
 
 def hang_policy(timeout: str | None, on_hang: str | None):
@@ -160,18 +202,13 @@ def hang_policy(timeout: str | None, on_hang: str | None):
     from remote.hangwatch import DEFAULT_HANG_TIMEOUT_S, ON_HANG, HangPolicy
 
     seconds = DEFAULT_HANG_TIMEOUT_S if timeout is None else _seconds("--hang-timeout", timeout)
-    action = "stop" if on_hang is None else str(on_hang).strip()
-    if action not in ON_HANG:
-        raise refuse(f"--on-hang must be {' or '.join(ON_HANG)}, not {on_hang!r}")
+    action = "stop" if on_hang is None else choice("--on-hang", str(on_hang), ON_HANG)
     return HangPolicy(seconds, action)
 
 
 def _seconds(flag: str, value: str) -> float:
-    try:
-        seconds = float(str(value).strip())
-    except ValueError:
-        seconds = float("nan")
-    if not seconds >= 0 or seconds == float("inf"):
+    seconds = float(value) if SECONDS.fullmatch(str(value)) else float("nan")
+    if not 0 <= seconds < float("inf"):  # 400 nines are a float too: inf
         raise refuse(f"{flag} must be a number of seconds >= 0 (0 turns hang detection off), not {value!r}")
     return seconds
 
@@ -181,3 +218,15 @@ def choice(flag: str, value: str, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise refuse(f"{flag} must be {' or '.join(allowed)}, not {value!r}")
     return value
+
+
+def job_text(args: list[str], env: dict[str, str]) -> None:
+    """Refuse `--args` and `--env` that would not fit on the job's command line over SSH."""
+    words = [shlex.quote(a) for a in args] + [f"{key}={shlex.quote(value)}" for key, value in env.items()]
+    size = sum(len(word.encode()) + 1 for word in words)
+    if size > MAX_JOB_TEXT_BYTES:
+        given = " and ".join(flag for flag, used in (("--env", env), ("--args", args)) if used)
+        raise refuse(
+            f"{given} come(s) to {size:,} bytes on the job's command line (quoted), over the limit of "
+            f"{MAX_JOB_TEXT_BYTES:,}: put long values in a file of the --workdir and pass its path"
+        )

@@ -21,6 +21,12 @@ from remote.connect import NodeSession, describe, on_all_nodes
 from remote.stream import say
 
 INSTALL_TIMEOUT_S = 3600
+# Options that make pip read another file. The file is sent alone (an include would be looked for beside
+# it on the node, under ~/.gpu-cluster/envs/), and pip quotes a file it cannot parse in its error, which
+# fab prints: `-r /etc/shadow` would show that file's first line. pip's option parser takes any unique
+# prefix of a long option (`--requ`), and a short one joined to its value (`-r/etc/shadow`).
+INCLUDE_OPTIONS = ("--requirement", "--constraint")
+INCLUDE_SHORT = ("-r", "-c")
 
 
 @dataclass(frozen=True)
@@ -106,3 +112,35 @@ def _install(
     except ValueError:
         lines = (result.stderr.strip() or result.stdout.strip() or f"exit {result.exited}").splitlines()
         return {"ok": False, "error": lines[-1]}
+
+
+def include_problem(text: bytes, path: str) -> str | None:
+    """Why a requirements file cannot be sent as it is (a line that includes another file), or None."""
+    lines = text.decode("utf-8", errors="replace").splitlines()
+    number, joined = 0, ""
+    for index, line in enumerate(lines, start=1):
+        if not joined:
+            number = index
+        if line.endswith("\\"):  # pip joins a line ending in a backslash with the next one
+            joined += line[:-1]
+            continue
+        logical, joined = joined + line, ""
+        option = _include_option(logical)
+        if option:
+            return (
+                f"--requirements {path}, line {number}: {option!r} makes pip read another file, which is "
+                "refused (-r, -c, --requirement, --constraint): list those packages in this file itself"
+            )
+    return None
+
+
+def _include_option(line: str) -> str | None:
+    for word in line.split():
+        if word.startswith("#"):  # a comment runs to the end of the line
+            return None
+        name = word.split("=", 1)[0]
+        if name.startswith("--") and len(name) > 2 and any(o.startswith(name) for o in INCLUDE_OPTIONS):
+            return word
+        if not name.startswith("--") and word.startswith(INCLUDE_SHORT):
+            return word
+    return None

@@ -36,7 +36,10 @@ DETACH_HELP = (
     "submit and return (the run id is the last line): the run is held by Slurm on the cluster; "
     "needs fab bootstrap --scheduler slurm"
 )
-NPROC_HELP = "processes per node, >= 1 (default: one per GPU, one on CPU nodes); at most the GPU count on GPU nodes"
+NPROC_HELP = (
+    f"processes per node, 1..{options.MAX_NPROC_PER_NODE} (default: one per GPU, one on CPU nodes); "
+    "at most the GPU count on GPU nodes"
+)
 
 
 STOPPED_CODES = (128 + 15, 128 + 9)  # SIGTERM, SIGKILL: what stop (node/stop_jobs.py) ends a job with
@@ -74,6 +77,7 @@ def setup_for(cluster: ClusterInfo) -> NodeSetup:
 def start_job(stack: str | None, spec: JobSpec, detach: bool = False) -> None:
     """Launch `spec` on every node; exit 1 naming the node that failed, 130 on Ctrl-C. Where Slurm holds
     the runs, the run is submitted and followed (`detach`: submitted only, its id printed last)."""
+    options.job_text(spec.args, spec.env)
     cluster = cluster_for(stack)
     problem = job_command.nproc_problem(cluster.nodes, spec.nproc_per_node)
     if problem:
@@ -240,6 +244,7 @@ RUN_HELP = {
     "requirements": "a pip requirements file: installed once per node into an environment of its own, "
     "layered over the node venv (torch is not installed again)",
     "env": "KEY=VALUE for every rank, taken literally; repeat for more",
+    "env-file": "a file of KEY=VALUE lines for every rank (dotenv: # comments, quotes, export); no value is printed",
     "max-sync-mb": f"refuse a workdir bigger than this (default {workdir.DEFAULT_MAX_SYNC_MB}; 1 MB = 1,000,000 bytes)",
     "max-result-mb": f"leave a result file bigger than this on the head node (default {DEFAULT_MAX_RESULT_MB})",
     "max-restarts": RESTARTS_HELP,
@@ -258,6 +263,7 @@ def run(
     args="",
     requirements=None,
     env=None,
+    env_file=None,
     max_sync_mb=None,
     max_result_mb=None,
     max_restarts=None,
@@ -274,16 +280,16 @@ def run(
         nproc_per_node=processes(nproc_per_node),
         hang=options.hang_policy(hang_timeout, on_hang),
     )
-    spec = run_spec(script, workdir, requirements, env or [], max_sync_mb, max_result_mb, launch_options)
+    launch_options["env"] = options.environment(env or [], env_file)
+    spec = run_spec(script, workdir, requirements, max_sync_mb, max_result_mb, launch_options)
     start_job(stack, spec, detach=bool(detach))
 
 
-def run_spec(script, folder, requirements, env, max_sync_mb, max_result_mb, launch_options: dict) -> JobSpec:
+def run_spec(script, folder, requirements, max_sync_mb, max_result_mb, launch_options: dict) -> JobSpec:
     """`fab run`'s options, every one checked before anything is created."""
     common = dict(
         launch_options,
         requirements=options.requirements_file(requirements),
-        env=options.environment(env),
         max_result_bytes=options.megabytes("--max-result-mb", max_result_mb, DEFAULT_MAX_RESULT_MB),
     )
     if folder is None:
@@ -304,7 +310,9 @@ def restarts(value: str | None) -> int:
 
 def processes(value: str | None) -> int | None:
     """`--nproc-per-node` as given (None: one per GPU); the GPU-count limit is checked at launch."""
-    return None if value is None else options.integer("--nproc-per-node", value, 1, minimum=1)
+    if value is None:
+        return None
+    return options.integer("--nproc-per-node", value, 1, minimum=1, maximum=options.MAX_NPROC_PER_NODE)
 
 
 @task(

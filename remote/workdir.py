@@ -5,7 +5,8 @@ file's patterns apply below its own folder, a deeper file overrides a shallower 
 pattern wins, and nothing inside an excluded folder comes back. A `.gpuclusterignore` file (same syntax)
 is read after the `.gitignore` of its folder, so it can exclude more, or send what git ignores
 (`!weights/small.pt`). Symbolic links are followed where they point inside DIR (the file is sent under
-the link's name); links pointing outside DIR, or nowhere, are skipped and the launch names them.
+the link's name); links pointing outside DIR, nowhere, or into a loop of links are skipped and the
+launch names them.
 
 Each node keeps a cache of the project (`~/.gpu-cluster/workdirs/<key>`, node/sync.py) with the
 digest of its manifest. The launch's first command reads that digest on every node; where it matches,
@@ -14,6 +15,7 @@ whose content differs, and which to remove. Hashes are cached here by (size, mti
 `.cluster/<stack>/workdirs/`, so an unchanged tree is not read again at every launch.
 """
 
+import errno
 import hashlib
 import io
 import json
@@ -59,6 +61,18 @@ class ProjectFile:
 
 
 @dataclass(frozen=True)
+class LeftOut:
+    """A file or folder of the project that the ignore files leave out."""
+
+    path: str
+    """Relative to the project folder, with '/'; a folder's ends in '/' (what is inside is not listed)."""
+    size_bytes: int
+    """A file's size; 0 for a folder (it is not walked)."""
+    rule: str
+    """The line that left it out: `data/.gitignore:3: *.bin`."""
+
+
+@dataclass(frozen=True)
 class Project:
     """A project folder as it would be sent."""
 
@@ -68,6 +82,8 @@ class Project:
     """What is sent, by path."""
     skipped: tuple[tuple[str, str], ...]
     """(path, why) of the links and special files that are not sent."""
+    left_out: tuple[LeftOut, ...] = ()
+    """What the ignore files leave out (`.git/` and the state folder are not counted)."""
 
     @property
     def total_bytes(self) -> int:
@@ -94,30 +110,41 @@ class Manifest:
 
 
 class IgnoreRules:
-    """The ignore files in force in one folder: (folder, spec) pairs from the project root down."""
+    """The ignore files in force in one folder: (folder, spec, each pattern's file and line) from the root down."""
 
-    def __init__(self, layers: tuple[tuple[str, GitIgnoreSpec], ...] = ()):
+    def __init__(self, layers: tuple[tuple[str, GitIgnoreSpec, tuple[str, ...]], ...] = ()):
         self.layers = layers
 
     def entering(self, folder: Path, relative: str) -> "IgnoreRules":
         """The rules inside `folder` (`relative` to the root, '' or ending in '/')."""
-        lines = []
+        lines: list[str] = []
+        origins: list[str] = []
         for name in IGNORE_FILES:
             try:
-                lines += (folder / name).read_text(encoding="utf-8", errors="replace").splitlines()
+                text = (folder / name).read_text(encoding="utf-8", errors="replace").splitlines()
             except OSError:
                 continue
+            lines += text
+            origins += [f"{relative}{name}:{number}" for number in range(1, len(text) + 1)]
         if not lines:
             return self
-        return IgnoreRules(self.layers + ((relative, GitIgnoreSpec.from_lines(lines)),))
+        spec = GitIgnoreSpec.from_lines([line or "#" for line in lines])  # '#' keeps one pattern per line
+        return IgnoreRules(self.layers + ((relative, spec, tuple(origins)),))
 
     def excludes(self, path: str, is_dir: bool) -> bool:
         """Whether `path` (relative to the root) is excluded: the deepest ignore file that has a say decides."""
-        for base, spec in reversed(self.layers):
+        return self.excluding_rule(path, is_dir) is not None
+
+    def excluding_rule(self, path: str, is_dir: bool) -> str | None:
+        """The line that excludes `path` (`.gitignore:3: *.bin`), or None where it is sent."""
+        for base, spec, origins in reversed(self.layers):
             result = spec.check_file(path[len(base) :] + ("/" if is_dir else ""))
             if result.include is not None:
-                return result.include
-        return False
+                if not result.include or result.index is None:
+                    return None
+                pattern = spec.patterns[result.index]
+                return f"{origins[result.index]}: {getattr(pattern, 'pattern', '?')}"
+        return None
 
 
 def collect(root: Path, never: tuple[Path, ...] = ()) -> Project:
@@ -125,13 +152,14 @@ def collect(root: Path, never: tuple[Path, ...] = ()) -> Project:
     root = root.resolve()
     files: list[ProjectFile] = []
     skipped: list[tuple[str, str]] = []
-    _walk(root, root, "", IgnoreRules().entering(root, ""), {root}, {p.resolve() for p in never}, files, skipped)
-    return Project(root, tuple(sorted(files, key=lambda f: f.path)), tuple(skipped))
+    left_out: list[LeftOut] = []
+    found = (files, skipped, left_out)
+    _walk(root, root, "", IgnoreRules().entering(root, ""), {root}, {p.resolve() for p in never}, found)
+    return Project(root, tuple(sorted(files, key=lambda f: f.path)), tuple(skipped), tuple(left_out))
 
 
-def _walk(
-    root: Path, folder: Path, relative: str, rules: IgnoreRules, visited: set, never: set, files: list, skipped: list
-) -> None:
+def _walk(root: Path, folder: Path, relative: str, rules: IgnoreRules, visited: set, never: set, found) -> None:
+    files, skipped, left_out = found
     try:
         entries = sorted(os.scandir(folder), key=lambda e: e.name)
     except OSError as exc:
@@ -139,7 +167,13 @@ def _walk(
         return
     for entry in entries:
         path = relative + entry.name
-        if entry.name in NEVER_SENT or rules.excludes(path, entry.is_dir()):  # is_dir() follows links
+        if entry.name in NEVER_SENT:
+            continue
+        is_dir = _is_dir(entry)
+        rule = rules.excluding_rule(path, is_dir)
+        if rule is not None:
+            if Path(entry.path).resolve() not in never:
+                left_out.append(LeftOut(path + "/" if is_dir else path, 0 if is_dir else _size(entry), rule))
             continue
         target = _target(root, entry, path, skipped)
         if target is None or target[0] in never:
@@ -149,11 +183,26 @@ def _walk(
             if real in visited:  # a link to a folder that contains it
                 skipped.append((path, "a link that loops back to a folder above it"))
                 continue
-            _walk(root, real, path + "/", rules.entering(real, path + "/"), visited | {real}, never, files, skipped)
+            _walk(root, real, path + "/", rules.entering(real, path + "/"), visited | {real}, never, found)
         elif stat.S_ISREG(info.st_mode):
             files.append(ProjectFile(path, real, info.st_size, info.st_mtime_ns))
         else:
             skipped.append((path, "not a regular file"))
+
+
+def _size(entry: os.DirEntry) -> int:
+    try:
+        return entry.stat().st_size
+    except OSError:  # a link that leads nowhere
+        return 0
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    """Whether `entry` is a folder or a link to one; a link that cannot be followed (a loop) is not."""
+    try:
+        return entry.is_dir()  # follows links
+    except OSError:
+        return False
 
 
 def _target(root: Path, entry: os.DirEntry, path: str, skipped: list) -> tuple[Path, os.stat_result] | None:
@@ -166,8 +215,11 @@ def _target(root: Path, entry: os.DirEntry, path: str, skipped: list) -> tuple[P
         return None
     try:
         return real, real.stat()
-    except OSError:
-        skipped.append((path, f"a link to {os.readlink(entry.path)}, which does not exist"))
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            skipped.append((path, f"a link to {os.readlink(entry.path)}, which leads back to itself (a loop of links)"))
+        else:
+            skipped.append((path, f"a link to {os.readlink(entry.path)}, which does not exist"))
         return None
 
 
@@ -181,6 +233,23 @@ def size_problem(project: Project, max_bytes: int) -> str | None:
         f"the workdir {project.root} is {human_bytes(project.total_bytes)} in {count_files(len(project.files))}, "
         f"over --max-sync-mb {max_bytes // 1_000_000}; the biggest: {listed}. Leave files out with .gitignore or "
         ".gpuclusterignore (data belongs on $CLUSTER_SHARED_DIR), or raise --max-sync-mb"
+    )
+
+
+def left_out_line(project: Project) -> str:
+    """What the ignore files leave out, in one line: counts, size, the biggest first, and the rule of each."""
+    files = sorted((x for x in project.left_out if not x.path.endswith("/")), key=lambda x: (-x.size_bytes, x.path))
+    folders = [x for x in project.left_out if x.path.endswith("/")]
+    counted = [f"{count_files(len(files))} ({human_bytes(sum(x.size_bytes for x in files))})"] if files else []
+    counted += [f"{len(folders)} folder{'s' if len(folders) != 1 else ''}"] if folders else []
+    shown = [*files, *folders][:BIGGEST_SHOWN]
+    listed = ", ".join(
+        f"{x.path} ({'' if x.path.endswith('/') else human_bytes(x.size_bytes) + ', '}{x.rule})" for x in shown
+    )
+    more = f", {len(project.left_out) - len(shown)} more" if len(project.left_out) > len(shown) else ""
+    return (
+        f"not sent, left out by the ignore files: {' and '.join(counted)}: {listed}{more}; to send one, add "
+        "!PATTERN to .gpuclusterignore (e.g. !*.bin)"
     )
 
 
@@ -247,6 +316,13 @@ def write_bundle(project: Project, wanted: Manifest, send: list[str], remove: li
                 bundle.addfile(info, source)
 
 
+def _rule_leaving_out(project: Project, path: str) -> str | None:
+    """The ignore line that leaves out `path`, itself or a folder above it."""
+    return next(
+        (x.rule for x in project.left_out if path == x.path or (x.path.endswith("/") and path.startswith(x.path))), None
+    )
+
+
 def hash_cache_path(cluster: ClusterInfo, project: Project) -> Path:
     return state.stack_file(cluster.stack, state.WORKDIRS) / f"{project.key}.json"
 
@@ -266,6 +342,8 @@ def sync(
         say(f"fab: workdir: skipped {path}: {why}")
     if len(project.skipped) > BIGGEST_SHOWN:
         say(f"fab: workdir: skipped {len(project.skipped) - BIGGEST_SHOWN} more links or special files")
+    if project.left_out:
+        say(f"fab: workdir: {left_out_line(project)}")
     if not behind:
         say("fab: workdir: 0 files sent (unchanged)")
         return
@@ -338,9 +416,11 @@ def checked_project(root: Path, script: Path, max_bytes: int) -> tuple[Project, 
     project = collect(root, never=(state.state_root(),))
     relative = script.relative_to(root).as_posix()
     if not project.includes(relative):
+        rule = _rule_leaving_out(project, relative)
         raise UsageError(
-            f"--script {relative} is left out of the workdir (by .gitignore or .gpuclusterignore, "
-            "or a link that leads outside it), so it would not reach the nodes"
+            f"--script {relative} is left out of the workdir ("
+            + (f"by {rule}" if rule else "by .gitignore or .gpuclusterignore, or a link that leads outside it")
+            + "), so it would not reach the nodes"
         )
     problem = size_problem(project, max_bytes)
     if problem:

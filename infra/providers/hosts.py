@@ -116,7 +116,7 @@ def _parse(data, problems: list[str]) -> HostsFile | None:
     if unknown:
         problems.append(f"unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(FILE_KEYS))})")
     key = _key_path(data.get("key"), problems)
-    default_user = _text(data.get("user"), "user", problems, required=False)
+    default_user = _given_text(data, "user", "user", problems)
     python = _text(data.get("python", "python3"), "python", problems) or "python3"
     shared_dir = _text(data.get("shared_dir", ""), "shared_dir", problems, required=False)
     if shared_dir and not shared_dir.startswith("/"):
@@ -138,6 +138,17 @@ def _text(value, name: str, problems: list[str], required: bool = True) -> str:
         problems.append(f"{name}: must be one line of text, not {value!r}")
         return ""
     return value.strip()
+
+
+def _given_text(mapping: dict, key: str, name: str, problems: list[str]) -> str:
+    """An optional key's text: left out is "", but written and empty (`user: ""`, `user:`) is a problem,
+    not a silent fall-back to the default."""
+    if key not in mapping:
+        return ""
+    if mapping[key] in (None, ""):
+        problems.append(f"{name}: is empty: give it a value or leave the key out")
+        return ""
+    return _text(mapping[key], name, problems)
 
 
 def _key_path(value, problems: list[str]) -> Path:
@@ -204,8 +215,8 @@ def _host(index: int, entry, default_user: str, problems: list[str]) -> Host | N
     port = entry.get("port", 22)
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
         problems.append(f"{where}: port must be 1..65535, not {port!r}")
-    user = _text(entry.get("user"), f"{where} user", problems, required=False) or default_user
-    if not user and address:
+    user = _given_text(entry, "user", f"{where} user", problems) or default_user
+    if not user and address and "user" not in entry:  # an empty one is named above
         problems.append(f"{where}: no user (set user: for the file or the host)")
     private_ip = entry.get("private_ip")
     if private_ip is not None:

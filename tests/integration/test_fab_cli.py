@@ -3,6 +3,7 @@
 import pytest
 
 from tests.support.cli import assert_one_line_error, run_fab
+from tests.support.inventories import files_under, unreachable_stack
 
 
 @pytest.mark.parametrize(
@@ -29,11 +30,31 @@ from tests.support.cli import assert_one_line_error, run_fab
         (["run-ddp", "--hang-timeout", "soon"], ["--hang-timeout", "seconds >= 0", "'soon'"]),
         (["hello", "--hang-timeout", "-3"], ["--hang-timeout", "'-3'"]),
         (["hello", "--on-hang", "panic"], ["--on-hang", "stop or wait", "'panic'"]),
+        (["run", "--script", "x.py", "--env"], ["--env needs a value"]),
+        (["run", "--script", "x.py", "--env", "A=1", "--env"], ["--env needs a value"]),
+        (["run", "--script", "x.py", "--workdir", ""], ["--workdir ''", "--workdir ."]),
+        (["hello", "--nproc-per-node", "1000000000"], ["--nproc-per-node", "from 1 to 256", "1000000000"]),
+        (["hello", "--nproc-per-node", " 2"], ["--nproc-per-node", "' 2'"]),
+        (["hello", "--max-restarts", "1_0"], ["--max-restarts", "'1_0'"]),
+        (["hello", "--on-hang", "stop\n"], ["--on-hang", "'stop\\n'"]),
+        (["hello", "--hang-timeout", "30\n"], ["--hang-timeout", "'30\\n'"]),
+        (["hello", "--hang-timeout", "9" * 400], ["--hang-timeout", "seconds >= 0"]),
+        (["run", "--script", "fabfile.py", "--env-file", "/no/such.env"], ["no such env file", "/no/such.env"]),
+        (
+            ["run", "--script", "fabfile.py", "--env-file", "fabfile.py"],
+            ["--env-file fabfile.py line 1 is not KEY=VALUE"],
+        ),
+        (["hello", "--args", "x" * 130_000], ["--args", "130,00", "limit of 65,536"]),
+        (["run", "--script", "fabfile.py", "--env", "BIG=" + "x" * 130_000], ["--env", "limit of 65,536"]),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2_and_creates_nothing(state_dir, argv, words):
+    """With a current stack that looks bootstrapped: input that got past its check would go on to
+    connect, make a run folder or write the ledger."""
+    unreachable_stack(state_dir)
+    before = files_under(state_dir)
     assert_one_line_error(run_fab(*argv), *words)
-    assert not state_dir.exists()
+    assert files_under(state_dir) == before
 
 
 def test_a_script_that_does_not_compile_is_refused_naming_the_file_and_line(state_dir, tmp_path):

@@ -216,6 +216,12 @@ def test_a_malformed_hosts_file_lists_every_problem(state_dir, tmp_path):
     assert_one_line_error(run_cli("up", "--hosts", str(hosts_file)), "not valid YAML")
     assert_one_line_error(run_cli("up", "--hosts", str(tmp_path / "missing.yaml")), "no hosts file")
     assert_one_line_error(run_cli("up", "--hosts", str(hosts_file), "--nodes", "3"), "--nodes", "--hosts")
+    hosts_file.write_text(
+        yaml.safe_dump({"key": str(tmp_path / "k"), "user": "u", "hosts": [{"address": "h", "user": ""}]})
+    )
+    assert_one_line_error(run_cli("up", "--hosts", str(hosts_file)), "hosts[0] user: is empty")
+    hosts_file.write_text(yaml.safe_dump({"key": str(tmp_path / "k"), "user": "", "hosts": [{"address": "h"}]}))
+    assert_one_line_error(run_cli("up", "--hosts", str(hosts_file)), "user: is empty", "hosts[0]: no user")
     assert not state_dir.exists() or not any(state_dir.iterdir())
 
 

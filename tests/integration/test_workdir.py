@@ -21,7 +21,7 @@ from tests.support.clusters import Cluster, bootstrapped_cluster, run_id_in
 # not copied here): the script imports its sibling datautils.py, and local rank 0 of every node saves
 # snapshot.pt in the working directory, which the issue saw the nodes overwrite in a shared folder.
 TRAIN = """\
-import json, os, sys
+import hashlib, json, os, sys
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
@@ -52,6 +52,9 @@ if rank == 0:
     json.dump({"loss": loss.item(), "words": words}, open(os.path.join(results, "loss.json"), "w"))
     open(os.path.join(results, "big.bin"), "wb").write(b"0" * 1_500_000)
 print(describe(rank, node, config["name"]), "GREETING=" + repr(os.environ.get("GREETING")), flush=True)
+big = os.environ["BIG"].encode()
+print("BIG", len(big), hashlib.sha256(big).hexdigest(), flush=True)
+print("FROM_FILE=" + repr(os.environ.get("FROM_FILE")), flush=True)
 dist.destroy_process_group()
 """
 DATAUTILS = """\
@@ -72,6 +75,9 @@ class MyTrainDataset(Dataset):
 """
 QUICK = "import gc_tinypkg, sys\nprint('imported:', gc_tinypkg.MESSAGE, 'by', sys.executable, flush=True)\n"
 GREETING = "hello world; $HOME \"double\" 'single' $(touch /tmp/gpu-cluster-never)"
+FROM_FILE = "two\nlines, 'quoted' $HOME"  # from an --env-file's double-quoted value, its \\n an escape
+# Near the limit on --env and --args (65,536 bytes as quoted): a value this long reaches every rank whole.
+BIG = ("x" * 999 + "$ '\"\n") * 12 + "y" * 48_000
 
 
 def make_project(root: Path) -> Path:
@@ -159,7 +165,9 @@ def project(tmp_path_factory):
     return make_project(tmp_path_factory.mktemp("my-project"))
 
 
-def test_a_project_launched_from_its_own_folder_runs_in_a_copy_of_its_own_on_each_node(cluster, project):
+def test_a_project_launched_from_its_own_folder_runs_in_a_copy_of_its_own_on_each_node(cluster, project, tmp_path):
+    env_file = tmp_path / "job.env"
+    env_file.write_text("# for the job\nexport FROM_FILE=\"two\\nlines, 'quoted' $HOME\"  # a comment\n")
     result = fab_in(
         cluster,
         project,
@@ -172,12 +180,18 @@ def test_a_project_launched_from_its_own_folder_runs_in_a_copy_of_its_own_on_eac
         "2",
         "--env",
         f"GREETING={GREETING}",
+        "--env",
+        f"BIG={BIG}",
+        "--env-file",
+        str(env_file),
         "--max-result-mb",
         "1",
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr
     for rank, node in ((0, "node-0"), (1, "node-1")):  # sibling module, package, config and data all found
         assert f"[{node}] rank {rank} on {node} trained tiny-linear GREETING={GREETING!r}" in result.stdout
+        assert f"[{node}] BIG {len(BIG)} {hashlib.sha256(BIG.encode()).hexdigest()}" in result.stdout
+        assert f"[{node}] FROM_FILE={FROM_FILE!r}" in result.stdout
     run_id = run_id_in(result.stdout)
     for node in ("node-0", "node-1"):  # the same file name written on both nodes, each in its own folder
         job_dir = node_home(cluster, node) / "runs" / run_id / "workdir"
@@ -185,6 +199,10 @@ def test_a_project_launched_from_its_own_folder_runs_in_a_copy_of_its_own_on_eac
         snapshot = torch.load(job_dir / "snapshot.pt")
         assert snapshot["node"] == node
     assert not [p for p in every_node_file(cluster) if p.name == "weights.ckpt"]  # ignored: never sent
+    assert (
+        "workdir: not sent, left out by the ignore files: 1 file (3.0 MB): weights.ckpt (3.0 MB, .gitignore:1: *.ckpt)"
+        in (result.stdout)
+    )
     local = cluster.state_dir / cluster.stack / "runs" / run_id
     fetched = sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file())
     assert fetched == ["node-0.log", "node-1.log", "results/loss.json", "summary.json"]  # no checkpoints
@@ -196,7 +214,7 @@ def test_a_project_launched_from_its_own_folder_runs_in_a_copy_of_its_own_on_eac
         [".gitignore", "config.json", "data", "datautils.py", "helpers", "train.py", "weights.ckpt"]
     )
     summary = json.loads((local / "summary.json").read_text())
-    assert summary["workdir"] == str(project.resolve()) and summary["env"] == ["GREETING"]
+    assert summary["workdir"] == str(project.resolve()) and summary["env"] == ["BIG", "FROM_FILE", "GREETING"]
 
 
 def test_an_unchanged_project_sends_nothing_and_costs_no_ssh_command_more_than_one_script(cluster, project, tmp_path):

@@ -105,14 +105,18 @@ def test_links_inside_are_followed_and_the_others_skipped_and_named(tmp_path):
     (root / "loop").symlink_to(".")
     (root / "secret.txt").symlink_to(tmp_path / "outside" / "secret.txt")
     (root / "dangling").symlink_to("nowhere")
+    (root / "a").symlink_to("b")  # a loop of two links: following either never ends
+    (root / "b").symlink_to("a")
+    (root / "into_loop").symlink_to("a")
     state_dir = root / ".cluster"
     tree(state_dir, {"local/id_ed25519": "key"})
     project = workdir.collect(root, never=(state_dir,))
     assert sent(project) == {".gitignore", "train.py", "conf/base.yaml", "current.yaml", "conf_link/base.yaml"}
     assert {f.path: f.source for f in project.files}["current.yaml"] == root / "conf" / "base.yaml"
     why = dict(project.skipped)
-    assert set(why) == {"loop", "secret.txt", "dangling"}
+    assert set(why) == {"loop", "secret.txt", "dangling", "a", "b", "into_loop"}
     assert "outside the workdir" in why["secret.txt"] and "does not exist" in why["dangling"]
+    assert all("a loop of links" in why[name] for name in ("a", "b", "into_loop"))
 
 
 def test_hashes_are_read_once_and_again_only_where_size_or_mtime_changed(tmp_path, monkeypatch):
@@ -132,11 +136,20 @@ def test_hashes_are_read_once_and_again_only_where_size_or_mtime_changed(tmp_pat
     assert reads == ["b.py", "b.py"]  # changed this instant: hashed again until its mtime is safely past
 
 
-def test_changes_send_what_differs_and_remove_what_is_gone():
-    local = {"a.py": "1", "b.py": "2", "new.py": "3"}
-    remote = {"a.py": "1", "b.py": "old", "gone.py": "4"}
-    assert workdir.changes(local, remote) == (["b.py", "new.py"], ["gone.py"])
-    assert workdir.changes(local, local) == ([], [])
+def test_changes_send_what_differs_and_remove_what_is_gone(tmp_path):
+    """Against a node cache that the real sync (node/sync.py) filled, not a hand-made manifest."""
+    root = tree(tmp_path / "proj", {"a.py": "1", "b.py": "2", "gone.py": "4"})
+    cache, scratch = tmp_path / "cache", tmp_path / "scratch"
+    scratch.mkdir()
+    apply(workdir.collect(root), cache, scratch)
+    (root / "b.py").write_text("changed")
+    (root / "gone.py").unlink()
+    (root / "new.py").write_text("3")
+    wanted = workdir.manifest(workdir.collect(root), scratch / "hashes.json")
+    assert workdir.changes(wanted.hashes, sync.manifest(str(cache))) == (["b.py", "new.py"], ["gone.py"])
+    apply(workdir.collect(root), cache, scratch)
+    assert workdir.changes(wanted.hashes, sync.manifest(str(cache))) == ([], [])
+    assert (cache / "files" / "b.py").read_text() == "changed" and not (cache / "files" / "gone.py").exists()
 
 
 def test_an_oversized_project_names_its_biggest_files_and_how_to_leave_them_out(tmp_path):
@@ -274,5 +287,120 @@ def test_the_script_must_be_a_compiling_file_inside_the_workdir(tmp_path, script
 
 def test_a_script_the_ignore_files_leave_out_is_refused(tmp_path):
     root = tree(tmp_path, {".gitignore": "scratch_*.py\n", "scratch_try.py": "print(1)\n"}).resolve()
-    with pytest.raises(UsageError, match="left out of the workdir"):
+    with pytest.raises(UsageError, match=r"left out of the workdir \(by \.gitignore:1: scratch_\*\.py\)"):
         workdir.checked_project(root, options.compiled_script("scratch_try.py", root), 10**6)
+
+
+def test_what_the_ignore_files_leave_out_is_named_with_its_size_and_rule(tmp_path):
+    """nanoGPT's own .gitignore leaves out its prepared data (`*.bin`, `*.pkl`): the launch says so."""
+    root = tree(
+        tmp_path,
+        {
+            ".gitignore": "# data\n\n*.bin\n*.pkl\n__pycache__/\n",
+            "train.py": "",
+            "data/shakespeare_char/meta.pkl": "m" * 10,
+            "data/.gpuclusterignore": "big.txt\n",
+            "data/big.txt": "b" * 20,
+            "__pycache__/train.cpython-311.pyc": "",
+        },
+    )
+    (root / "data" / "shakespeare_char" / "train.bin").write_bytes(b"0" * 2_000_000)
+    (root / ".git").mkdir()  # never sent, never named
+    project = workdir.collect(root)
+    assert {x.path: (x.size_bytes, x.rule) for x in project.left_out} == {
+        "__pycache__/": (0, ".gitignore:5: __pycache__/"),
+        "data/big.txt": (20, "data/.gpuclusterignore:1: big.txt"),
+        "data/shakespeare_char/meta.pkl": (10, ".gitignore:4: *.pkl"),
+        "data/shakespeare_char/train.bin": (2_000_000, ".gitignore:3: *.bin"),
+    }
+    line = workdir.left_out_line(project)
+    assert line.startswith("not sent, left out by the ignore files: 3 files (2.0 MB) and 1 folder: ")
+    assert "data/shakespeare_char/train.bin (2.0 MB, .gitignore:3: *.bin), data/big.txt (20 B, " in line
+    assert "!PATTERN to .gpuclusterignore" in line
+    (root / ".gpuclusterignore").write_text("!*.bin\n")
+    assert "data/shakespeare_char/train.bin" in sent(workdir.collect(root))
+
+
+@pytest.mark.parametrize(
+    "text,line,words",
+    [
+        ("numpy\n-r /etc/shadow\n", 2, ["'-r'"]),
+        ("-r/etc/shadow\n", 1, ["'-r/etc/shadow'"]),
+        ("# base\n--requirement=/etc/shadow\n", 2, ["--requirement=/etc/shadow"]),
+        ("--requ /etc/shadow\n", 1, ["'--requ'"]),  # pip takes any unique prefix of a long option
+        ("numpy\n-c constraints.txt\n", 2, ["'-c'"]),
+        ("--constraint /etc/passwd\n", 1, ["'--constraint'"]),
+        ("numpy \\\n-r /etc/shadow\n", 1, ["'-r'"]),  # one logical line, joined by pip
+    ],
+)
+def test_requirements_that_include_another_file_are_refused_naming_the_line(tmp_path, text, line, words):
+    path = tmp_path / "requirements.txt"
+    path.write_text(text)
+    with pytest.raises(UsageError) as refused:
+        options.requirements_file(str(path))
+    assert f"line {line}:" in str(refused.value) and "list those packages in this file" in str(refused.value)
+    assert all(word in str(refused.value) for word in words)
+
+
+def test_requirements_without_includes_are_read_as_they_are(tmp_path):
+    text = (
+        "numpy==2.0  # -r in a comment is fine\n-e .\n--config-settings=x=1 pkg\ncffi\n--index-url https://x/simple\n"
+    )
+    path = tmp_path / "requirements.txt"
+    path.write_text(text)
+    assert options.requirements_file(str(path)).text == text.encode()
+
+
+DOTENV = """\
+# a comment, then a blank line
+
+export TOKEN='s3cr3t $HOME "x" \\n'
+PLAIN = hello world   # a comment after a space
+HASH=a#b
+DQ="line1\\nline2 \\"q\\" \\\\"
+MULTI="first
+second"
+EMPTY=
+"""
+
+
+def test_an_env_file_reads_dotenv_syntax_and_takes_values_literally(tmp_path):
+    path = tmp_path / "job.env"
+    path.write_text(DOTENV)
+    assert options.environment(["EXTRA=1"], str(path)) == {
+        "TOKEN": 's3cr3t $HOME "x" \\n',
+        "PLAIN": "hello world",
+        "HASH": "a#b",
+        "DQ": 'line1\nline2 "q" \\',
+        "MULTI": "first\nsecond",
+        "EMPTY": "",
+        "EXTRA": "1",
+    }
+
+
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        ("A=1\nthe-secret-itself\n", ["line 2 is not KEY=VALUE"]),
+        ("A=1\nB='never closed secret\n", ["line 2", "never closed"]),
+        ('A="secret" tail\n', ["line 1", "after the closing"]),
+        ("export RANK=3\n", ["line 1:", "RANK", "pick another name"]),
+        ("1X=secret\n", ["line 1:", "'1X'"]),
+        ("A=1\nA=secret\n", ["line 2:", "A is given twice"]),
+    ],
+)
+def test_a_bad_env_file_names_the_line_and_never_a_value(tmp_path, text, words):
+    path = tmp_path / "job.env"
+    path.write_text(text)
+    with pytest.raises(UsageError) as refused:
+        options.environment([], str(path))
+    message = str(refused.value)
+    assert refused.value.exit_code == 2 and all(word in message for word in words), message
+    assert "secret" not in message
+
+
+def test_a_name_in_the_env_file_and_in_env_is_given_twice(tmp_path):
+    path = tmp_path / "job.env"
+    path.write_text("TOKEN=from-file\n")
+    with pytest.raises(UsageError, match="--env TOKEN is given twice"):
+        options.environment(["TOKEN=from-flag"], str(path))

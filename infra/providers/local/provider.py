@@ -38,6 +38,7 @@ from node import contract, procfs
 
 DEFAULT_FIRST_ADDRESS = "127.0.0.10"
 DEFAULT_SSH_PORT = 2222
+SSH_PORT_RANGE = (1024, 65535)  # `--ssh-port`: below 1024 needs root
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 3.0
 # What a node server, and so every command on a local node, keeps of the caller's environment: enough
@@ -147,25 +148,47 @@ def check_unchanged(cluster: ClusterInfo, options: LocalOptions) -> None:
         )
 
 
-def plan_addresses(options: LocalOptions) -> list[tuple[str, int]]:
-    """(address, port) per node, checked free and bindable; UsageError before anything is created."""
-    if not 1 <= options.ssh_port <= 65535 - options.nodes:
-        raise UsageError(f"--ssh-port {options.ssh_port} is not a usable port: pick one in 1024..65000")
-    first = DEFAULT_FIRST_ADDRESS if options.first_address is None else options.first_address
+def check_addresses(first_address: str | None, ssh_port: int, nodes: int) -> ipaddress.IPv4Address:
+    """Node-0's address, once `--bind` and `--ssh-port` are known to fit `nodes` nodes; UsageError otherwise.
+
+    Ports below 1024 need root (and 22, 80, 443 belong to real services); node i gets node-0's address
+    + i, all within node-0's /24 and never its .0 or .255, so a cluster is one block a user can read.
+    """
+    low, high = SSH_PORT_RANGE
+    if not low <= ssh_port <= high:
+        raise UsageError(
+            f"--ssh-port {ssh_port} is outside {low}..{high} (ports below {low} need root): pick one in it"
+        )
+    if ssh_port + nodes - 1 > high:  # where only 127.0.0.1 binds, node i listens on ssh_port + i
+        raise UsageError(
+            f"--ssh-port {ssh_port} leaves no port for node-{nodes - 1}: pick one in {low}..{high - nodes + 1}"
+        )
+    first = DEFAULT_FIRST_ADDRESS if first_address is None else first_address
     try:
         base = ipaddress.IPv4Address(first)
     except ValueError:
         raise UsageError(f"--bind {first!r} is not an IPv4 address: use one in 127.0.0.0/8") from None
     if not base.is_loopback:
         raise UsageError(f"--bind {first}: local nodes bind to loopback only; use an address in 127.0.0.0/8")
-    if int(base) + options.nodes - 1 > int(ipaddress.IPv4Address("127.255.255.254")):
-        raise UsageError(f"--bind {first}: not enough loopback addresses after it for {options.nodes} nodes")
+    last_octet = int(base) & 0xFF
+    if not 1 <= last_octet <= 255 - nodes:
+        block = ipaddress.IPv4Network(f"{base}/24", strict=False)
+        raise UsageError(
+            f"--bind {first} with {nodes} node(s): node i gets {first} + i, and all must lie in "
+            f"{block[1]}..{block[254]}; pick a last number from 1 to {255 - nodes}"
+        )
+    return base
+
+
+def plan_addresses(options: LocalOptions) -> list[tuple[str, int]]:
+    """(address, port) per node, checked free and bindable; UsageError before anything is created."""
+    base = check_addresses(options.first_address, options.ssh_port, options.nodes)
     if _can_bind_address(str(base)):
         planned = [(str(base + i), options.ssh_port) for i in range(options.nodes)]
     elif options.first_address is None:
         planned = [("127.0.0.1", options.ssh_port + i) for i in range(options.nodes)]
     else:
-        raise UsageError(f"cannot bind {first} on this machine: omit --bind to use 127.0.0.1 with one port per node")
+        raise UsageError(f"cannot bind {base} on this machine: omit --bind to use 127.0.0.1 with one port per node")
     for address, port in planned:
         _check_port_free(address, port)
     return planned
@@ -546,7 +569,8 @@ class LocalProvider(Provider):
     default_stack = state.LOCAL_STACK
 
     def check(self, request: UpRequest) -> None:
-        self._stack_config(request)
+        wanted = self._stack_config(request)
+        check_addresses(request.bind, DEFAULT_SSH_PORT if request.ssh_port is None else request.ssh_port, wanted.nodes)
 
     def _stack_config(self, request: UpRequest) -> StackConfig:
         return stack_config.load_stack(request.stack, request.overrides)
