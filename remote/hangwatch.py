@@ -4,8 +4,9 @@ Every launch turns on torch's flight recorder and a monitor thread in each rank 
 nothing in the user's script changes). `HangWatch` asks each node every `poll_s` what its ranks are
 doing (node/hang.py status, over SSH connections of its own) and applies the rule in
 node/hang_rule.py (which a Slurm-held run also applies on the cluster). On a hang it collects from
-every node the recorder dumps and the `py-spy dump` stacks of every rank, keeps them in the run
-folder (`hang/`), prints one verdict line, and then stops the job everywhere (`--on-hang stop`, the default) or leaves it running for a person (`--on-hang wait`).
+every node the recorder dumps and the `py-spy dump` stacks of every rank, keeps them in the run folder
+(`hang/`), prints one verdict line, and then stops the job everywhere (`--on-hang stop`, the default) or
+leaves it running for a person (`--on-hang wait`).
 """
 
 import json
