@@ -25,7 +25,16 @@ from node import billing, contract
 from remote import commands, options, workdir
 from remote.bootstrap import Bootstrap
 from remote.connect import describe, on_all_nodes, open_sessions
-from remote.launch import DEFAULT_MAX_RESULT_MB, JobLock, JobSpec, NodeSetup, check_ready, launch, stop_everywhere
+from remote.launch import (
+    DEFAULT_MAX_RESULT_MB,
+    JobLock,
+    JobResult,
+    JobSpec,
+    NodeSetup,
+    check_ready,
+    launch,
+    stop_everywhere,
+)
 from remote.stream import console, say
 
 STACK_HELP = "stack to use (default: $CLUSTER_STACK, else the last `python deploy.py up`)"
@@ -163,6 +172,7 @@ def start_job(stack: str | None, spec: JobSpec) -> None:
         "ended_at": result.ended_at,
         "duration_s": round(result.duration_s, 3),
         "exit_codes": result.exit_codes,
+        "rank_exit_codes": result.rank_exit_codes,  # the failed ranks' own codes, by node and global rank
         "cost_usd": round(cost_usd, 6),
         "hourly_usd": cluster.hourly_usd,
         "script": spec.script if not spec.upload else str(spec.upload),
@@ -192,7 +202,7 @@ def start_job(stack: str | None, spec: JobSpec) -> None:
         )
     if not result.ok:
         first = result.failed_node or next(n for n, c in result.exit_codes.items() if c != 0)
-        codes = ", ".join(f"{n} exited {c}" for n, c in result.exit_codes.items() if c not in (0, None))
+        codes = ", ".join(result.exited(n) for n, c in result.exit_codes.items() if c not in (0, None))
         raise Exit(
             f"error: run {result.run_id} failed: {codes} (first: {first}, log: {local_dir / (first + '.log')}); "
             "the job was stopped on every node",
@@ -200,8 +210,19 @@ def start_job(stack: str | None, spec: JobSpec) -> None:
         )
     say(
         f"fab: run {result.run_id} ok in {result.duration_s:.1f} s, cost ${cost_usd:.4f} "
-        f"(${cluster.hourly_usd:.3f}/h); {where}"
+        f"(${cluster.hourly_usd:.3f}/h){alone(result)}; {where}"
     )
+
+
+def alone(result: JobResult) -> str:
+    """Beside "ok": the nodes whose ranks never formed a process group (a script that found no GPU and
+    returned 0 did nothing distributed)."""
+    nodes = result.without_process_group
+    if not nodes:
+        return ""
+    if len(nodes) == len(result.exit_codes):
+        return ", but no rank joined a process group"
+    return f", but no rank on {', '.join(nodes)} joined a process group"
 
 
 @dataclass(frozen=True)
@@ -461,8 +482,8 @@ def logs(c, run=None, node=None, lines=None, stack=None):
     for path in logs_found:
         text = path.read_text().splitlines()
         shown = text[-count:] if count > 0 else text
-        for line in shown:
-            say(f"[{path.stem}] {line}")
+        for line in shown:  # the nodes prefix their own lines; a line fab wrote before them gets one here
+            say(line if line.startswith(f"[{path.stem}") else f"[{path.stem}] {line}")
     summary = run_dir / "summary.json"
     if summary.exists():
         say(summary_line(summary))

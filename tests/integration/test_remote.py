@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from node import contract
 from tests.support import REPO
 from tests.support.cli import assert_one_line_error
 from tests.support.clusters import bootstrapped_cluster, metrics_of, processes_of, run_id_in, run_processes
@@ -289,7 +290,7 @@ def test_a_failing_rank_ends_the_whole_job_quickly_and_leaves_nothing(cluster, t
     script.write_text(  # the last rank fails before joining; the others would wait for it forever
         "import os, sys, time\n"
         "if int(os.environ['RANK']) == int(os.environ['WORLD_SIZE']) - 1:\n"
-        "    time.sleep(1); sys.exit(1)\n"
+        "    time.sleep(1); sys.exit(3)\n"
         "import torch.distributed as dist\n"
         "dist.init_process_group('gloo'); dist.barrier(); print('never', flush=True)\n"
     )
@@ -298,12 +299,61 @@ def test_a_failing_rank_ends_the_whole_job_quickly_and_leaves_nothing(cluster, t
     elapsed = time.monotonic() - started
     assert result.returncode == 1
     assert "never" not in result.stdout
-    assert "node-1 exited 1" in result.stderr and "node-1.log" in result.stderr
+    # torchrun exits 1 for any failed worker; the script's own code comes from torchrun's failure record
+    assert "node-1 exited 1 (rank 1 exited 3)" in result.stderr and "node-1.log" in result.stderr
+    assert "fab: node-1 exited 1 (rank 1 exited 3): stopping the job on node-0" in result.stdout
+    assert "[node-1] Traceback" not in result.stdout  # its torchrun's failure record, not a Python traceback
     assert elapsed < 60, elapsed  # without fail-fast node-0 waits out the 10-minute rendezvous timeout
     run_dir = cluster.runs()[-1]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["exit_codes"]["node-1"] == 1
+    assert summary["exit_codes"]["node-1"] == 1 and summary["rank_exit_codes"] == {"node-1": {"1": 3}}
     assert run_processes(summary["run_id"]) == []
+
+
+PROGRESS_SCRIPT = """
+import os, sys, time
+rank, go = os.environ["RANK"], sys.argv[1]
+sys.stdout.write(f"\\rLIVE {rank} 10%"); sys.stdout.flush()  # a progress bar, redrawn with \\r
+deadline = time.monotonic() + 120
+while not os.path.exists(go) and time.monotonic() < deadline:  # the test has seen every bar
+    time.sleep(0.1)
+print(f"\\rLIVE {rank} 100%", flush=True)
+"""
+
+
+def read_until(proc: subprocess.Popen, *texts: bytes, timeout_s: float = 120) -> bytes:
+    """A running fab's raw output until every one of `texts` has appeared, unfinished lines included."""
+    seen, deadline = b"", time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not all(text in seen for text in texts):
+        chunk = os.read(proc.stdout.fileno(), 65536)
+        if not chunk:
+            break
+        seen += chunk
+    if not all(text in seen for text in texts):
+        raise AssertionError(f"{texts!r} not all seen in:\n{seen!r}")
+    return seen
+
+
+def test_each_rank_is_named_its_progress_shows_live_and_a_job_without_a_process_group_is_said(cluster, tmp_path):
+    """2 ranks per node: each line says node and rank; a bar redrawn with \\r arrives before its line
+    ends (the script waits for the test to see it); no rank formed a process group, and fab says so."""
+    script, go = tmp_path / "progress.py", tmp_path / "go"
+    script.write_text(PROGRESS_SCRIPT)
+    job = cluster.popen_fab("run", "--script", str(script), "--nproc-per-node", "2", "--args", str(go), text=False)
+    try:
+        bars = [f"[node-{rank // 2} rank {rank}] LIVE {rank} 10%".encode() for rank in range(4)]
+        seen = read_until(job, *bars)
+        go.write_text("")
+        out, _ = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    text = (seen + out).decode()
+    assert job.returncode == 0, text
+    for rank in range(4):
+        assert f"[node-{rank // 2} rank {rank}] LIVE {rank} 100%" in text, text
+    assert "ok in" in text and "but no rank joined a process group" in text, text
+    summary = json.loads((cluster.run_dir(text) / "summary.json").read_text())
+    assert summary["rank_exit_codes"] == {}
 
 
 def start_sleeping_job(cluster, tmp_path) -> tuple[subprocess.Popen, str]:
@@ -322,6 +372,35 @@ def test_ctrl_c_stops_the_job_everywhere(cluster, tmp_path):
     finally:
         job.kill()
     assert run_processes(run_id) == []
+
+
+FLOOD_SCRIPT = """
+import sys
+line = "x" * 99 + "\\n"
+while True:
+    sys.stdout.write(line * 1000)
+"""
+
+
+def test_ctrl_c_during_a_flood_of_output_stops_cleanly(cluster, tmp_path):
+    """A job writing as fast as it can: Ctrl-C stops it everywhere and fab ends in its own words, with no
+    traceback from output still arriving while fab closes its streams."""
+    script = tmp_path / "flood.py"
+    script.write_text(FLOOD_SCRIPT)
+    job = cluster.popen_fab("run", "--script", str(script), text=False)
+    flood = b"x" * 99
+    try:
+        seen = read_until(job, b"[node-0] " + flood, b"[node-1] " + flood).replace(flood, b"")
+        job.send_signal(signal.SIGINT)
+        while chunk := os.read(job.stdout.fileno(), 1 << 20):
+            seen += chunk.replace(flood, b"")  # what is left besides the flood: fab's own lines
+        assert job.wait(timeout=60) == 130
+    finally:
+        job.kill()
+    text = seen.decode(errors="replace")
+    assert "interrupted: stopping the job on every node" in text and "Traceback" not in text, text[-3000:]
+    assert "Error" not in text, text[-3000:]
+    assert run_processes(run_id_in(text)) == []
 
 
 def test_two_launches_at_the_same_moment_run_one_job(cluster, tmp_path):
@@ -359,10 +438,13 @@ def test_two_launches_at_the_same_moment_run_one_job(cluster, tmp_path):
 
 def test_fail_fast_names_the_node_that_failed_first_by_its_own_clock(cluster, tmp_path):
     script = tmp_path / "both_fail.py"
-    script.write_text(  # node-0 fails first, but a child keeps its output open, so its SSH call returns last
+    # node-0 fails first, but a child holds its SSH output open (the launch shell's, whose pid the job
+    # file records: a rank's own output goes through node/torchrun.py), so its SSH call returns last.
+    script.write_text(
         "import os, subprocess, sys, time\n"
         "if os.environ['CLUSTER_NODE'] == 'node-0':\n"
-        "    subprocess.Popen(['sleep', '30'])\n"
+        f"    shell = open(os.path.expanduser('~/{contract.JOB}')).read().split()[0]\n"
+        "    subprocess.Popen(['sleep', '30'], stdout=open(f'/proc/{shell}/fd/1', 'w'))\n"
         "    sys.exit(3)\n"
         "time.sleep(2)\n"
         "sys.exit(4)\n"
