@@ -181,6 +181,63 @@ def test_max_restarts_restarts_both_nodes_and_training_resumes(cluster):
     assert resumed["parameter_digest"] == straight_summary["parameter_digest"]
 
 
+MULTINODE_SCRIPT = """
+# In the style of pytorch/examples' distributed/ddp-tutorial-series/multinode.py: global rank 0 saves a
+# snapshot every epoch; at start every rank loads it where it exists. Here the ranks also check, each
+# epoch, that they are at the same one, and the last rank crashes once at epoch 2.
+import os, sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+where, total_epochs = sys.argv[1], 4
+snapshot_path = "snapshot.pt" if where == "cwd" else os.path.join(os.environ["CLUSTER_RUN_DIR"], "snapshot.pt")
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+model, epochs_run = torch.nn.Linear(4, 1), 0
+if os.path.exists(snapshot_path):
+    snapshot = torch.load(snapshot_path)
+    model.load_state_dict(snapshot["MODEL_STATE"])
+    epochs_run = snapshot["EPOCHS_RUN"]
+    print(f"rank {rank}: resuming training from snapshot at epoch {epochs_run}", flush=True)
+model = DDP(model)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+crashed = os.path.join(os.environ["CLUSTER_RUN_DIR"], "crashed")
+for epoch in range(epochs_run, total_epochs):
+    seen = torch.tensor([epoch, -epoch], dtype=torch.float)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    if seen[0] != -seen[1]:
+        print(f"rank {rank}: epochs out of step: {int(-seen[1])} to {int(seen[0])}", flush=True)
+        sys.exit(5)
+    optimizer.zero_grad()
+    model(torch.ones(8, 4)).sum().backward()
+    optimizer.step()
+    if rank == 0:  # atomically, so a restart never reads half a file
+        torch.save({"MODEL_STATE": model.module.state_dict(), "EPOCHS_RUN": epoch + 1}, snapshot_path + ".tmp")
+        os.replace(snapshot_path + ".tmp", snapshot_path)
+    dist.barrier()
+    if epoch == 2 and rank == world - 1 and not os.path.exists(crashed):
+        open(crashed, "w").close()
+        sys.exit(1)
+print(f"rank {rank}: trained to epoch {total_epochs}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_max_restarts_resumes_a_multinode_style_snapshot_only_from_the_shared_run_dir(cluster, tmp_path):
+    """The README's claim about pytorch/examples' multinode.py: a snapshot in the working directory is
+    on node-0 only (rank 0 saves it), so after a restart node-0 resumes and node-1 starts over, and the
+    ranks fall out of step; the same snapshot in $CLUSTER_RUN_DIR (shared storage) resumes every node."""
+    script = tmp_path / "multinode.py"
+    script.write_text(MULTINODE_SCRIPT)
+    in_cwd = cluster.fab("run", "--script", str(script), "--max-restarts", "1", "--args", "cwd", timeout=300)
+    assert in_cwd.returncode == 1, in_cwd.stdout[-3000:]
+    assert "[node-0] rank 0: resuming training from snapshot at epoch 3" in in_cwd.stdout, in_cwd.stdout[-3000:]
+    assert "[node-1] rank 1: resuming" not in in_cwd.stdout and "epochs out of step: 0 to 3" in in_cwd.stdout
+    shared = cluster.fab("run", "--script", str(script), "--max-restarts", "1", "--args", "run", timeout=300)
+    assert shared.returncode == 0, shared.stdout[-3000:] + shared.stderr
+    for node in (0, 1):
+        assert f"[node-{node}] rank {node}: resuming training from snapshot at epoch 3" in shared.stdout
+        assert f"[node-{node}] rank {node}: trained to epoch 4" in shared.stdout
+
+
 ROW = re.compile(r"^\s+(\d+)\s+(\d+)\s+float\s+(\w+)\s+(-?\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)$")
 
 
@@ -240,8 +297,9 @@ def test_model_parallel_runs_one_pipeline_stage_per_node(cluster):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr
     assert "[node-0] 2 stages x 2 layers" in result.stdout
     assert "theory (p-1)/(m+p-1) = 33.3%" in result.stdout  # p = 2 nodes, m = 2 micro-batches
+    assert "[node-0] stages: 0 on node-0, 1 on node-1" in result.stdout
     summary = metrics_of(cluster.run_dir(result.stdout), "summary")[-1]
-    assert summary["stages"] == 2
+    assert summary["stages"] == 2 and summary["stage_nodes"] == ["node-0", "node-1"]  # one stage per node
     assert summary["bubble_theory"] == pytest.approx(1 / 3) and 0 <= summary["bubble_measured"] < 1
 
 
@@ -351,6 +409,7 @@ def test_each_rank_is_named_its_progress_shows_live_and_a_job_without_a_process_
     assert job.returncode == 0, text
     for rank in range(4):
         assert f"[node-{rank // 2} rank {rank}] LIVE {rank} 100%" in text, text
+    assert len(re.findall(r"LIVE \d+ 100%", text)) == 4, text  # 2 processes per node, no more
     assert "ok in" in text and "but no rank joined a process group" in text, text
     summary = json.loads((cluster.run_dir(text) / "summary.json").read_text())
     assert summary["rank_exit_codes"] == {}
