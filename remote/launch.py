@@ -29,7 +29,7 @@ from remote.connect import CONNECTION_ERRORS, NodeSession, describe, on_all_node
 from remote.hangwatch import HangPolicy, HangReport, HangWatch, job_environment, rankhook_path
 from remote.packages import Requirements
 from remote.packages import ensure as ensure_requirements
-from remote.stream import NodeStream, say
+from remote.stream import NodeStream, RankOutcome, node_exited, say
 from remote.workdir import Manifest, Project, count_files, human_bytes
 
 STOP_WAIT_S = 15
@@ -65,45 +65,6 @@ class JobSpec:
     """Variables for every rank, taken literally (`fab run --env`)."""
     max_result_bytes: int = DEFAULT_MAX_RESULT_MB * 1_000_000
     """A fetched file bigger than this stays on the head node (`--max-result-mb`)."""
-
-
-@dataclass(frozen=True)
-class RankOutcome:
-    """What node/torchrun.py said of a node's ranks when its torchrun returned (`contract.RANKS_MARKER`)."""
-
-    exit_codes: dict[str, int] = field(default_factory=dict)
-    """The failed ranks' own exit codes by global rank, from torchrun's failure record (-N: signal N)."""
-    process_group: bool | None = None
-    """Whether any rank of the node formed a process group; None where unknown (no monitor, a failure)."""
-
-    @classmethod
-    def parse(cls, text: str | None) -> "RankOutcome":
-        try:
-            data = json.loads(text or "")
-            codes = {str(rank): int(code) for rank, code in dict(data.get("exit_codes") or {}).items()}
-            group = data.get("process_group")
-            return cls(codes, group if isinstance(group, bool) else None)
-        except (ValueError, TypeError, AttributeError):
-            return cls()
-
-    def describe(self) -> str:
-        """`rank 1 exited 3, rank 2 was killed by SIGKILL`, or empty."""
-        return ", ".join(f"rank {rank} {_ended(code)}" for rank, code in self.exit_codes.items())
-
-
-def node_exited(node: str, code: int | None, outcome: RankOutcome) -> str:
-    """`node-1 exited 1 (rank 1 exited 3)`: the node's code, and its failed ranks' own."""
-    ranks = outcome.describe()
-    return f"{node} exited {code}" + (f" ({ranks})" if ranks else "")
-
-
-def _ended(code: int) -> str:
-    if code >= 0:
-        return f"exited {code}"
-    try:
-        return f"was killed by {signal.Signals(-code).name}"
-    except ValueError:
-        return f"was killed by signal {-code}"
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Remote output, copied as it arrives to the terminal and to each node's log file.
+"""Remote output, copied as it arrives to the terminal and to each node's log file; what the nodes said of
+their ranks (`RankOutcome`).
 
 The nodes prefix their own lines (`[node-1]`, `[node-1 rank 3]`: `node/output.py`, run by
 `node/torchrun.py`), so this side copies bytes in large reads and never splits the output into lines:
@@ -8,8 +9,11 @@ What is done per read is one search for the launch's markers (lines starting wit
 that another node's output or fab's own line would otherwise continue.
 """
 
+import json
+import signal
 import sys
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
@@ -175,6 +179,45 @@ class NodeStream:
             if self.log:
                 self.log.close()
                 self.log = None
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """What node/torchrun.py said of a node's ranks when its torchrun returned (`contract.RANKS_MARKER`)."""
+
+    exit_codes: dict[str, int] = field(default_factory=dict)
+    """The failed ranks' own exit codes by global rank, from torchrun's failure record (-N: signal N)."""
+    process_group: bool | None = None
+    """Whether any rank of the node formed a process group; None where unknown (no monitor, a failure)."""
+
+    @classmethod
+    def parse(cls, text: str | None) -> "RankOutcome":
+        try:
+            data = json.loads(text or "")
+            codes = {str(rank): int(code) for rank, code in dict(data.get("exit_codes") or {}).items()}
+            group = data.get("process_group")
+            return cls(codes, group if isinstance(group, bool) else None)
+        except (ValueError, TypeError, AttributeError):
+            return cls()
+
+    def describe(self) -> str:
+        """`rank 1 exited 3, rank 2 was killed by SIGKILL`, or empty."""
+        return ", ".join(f"rank {rank} {_ended(code)}" for rank, code in self.exit_codes.items())
+
+
+def node_exited(node: str, code: int | None, outcome: RankOutcome) -> str:
+    """`node-1 exited 1 (rank 1 exited 3)`: the node's code, and its failed ranks' own."""
+    ranks = outcome.describe()
+    return f"{node} exited {code}" + (f" ({ranks})" if ranks else "")
+
+
+def _ended(code: int) -> str:
+    if code >= 0:
+        return f"exited {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
 
 
 def copy_channel(channel, stream: NodeStream) -> int:

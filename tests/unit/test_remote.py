@@ -17,8 +17,8 @@ from infra.inventory import ClusterInfo
 from node import contract, probe, standalone
 from remote import commands
 from remote.bootstrap import REPO, SYNCED, digest, local_manifest
-from remote.launch import JobStream, RankOutcome, first_failure
-from remote.stream import NodeStream, say
+from remote.launch import JobStream, first_failure
+from remote.stream import NodeStream, RankOutcome, say
 from tests.support.inventories import cluster
 
 
