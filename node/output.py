@@ -3,23 +3,38 @@ runs several ranks, written as it arrives (a progress bar redrawn with `\\r` sho
 
 `node/torchrun.py` gives every rank a pipe of its own (stdout and stderr together, in the order the
 rank wrote them) and sends its own output (torchrun's agent, torch's C++ warnings) through one more;
-a thread per pipe copies what it reads to the node's real output, a prefix after every line end and
-every carriage return. The work per read is two `bytes.replace` calls, so a rank writing as fast as it
-can is slowed no more than by writing to a file; whoever reads the node's output (fab over SSH, or a
-log file) copies bytes and never splits lines. Where two ranks' lines would meet in one line (one
-wrote part of a line, then another wrote), the unfinished line is ended first, and its rest gets its
-prefix again. Standard library only.
+a thread per pipe copies what it reads, a prefix after every line end and every carriage return, into
+a spool file on the node's disk, from which one more thread sends it to the node's real output. The work
+per read is two `bytes.replace` calls and a write to that file, so a rank writing as fast as it can is
+slowed no more than by writing to a file, however slowly its output is read; whoever reads the node's
+output (fab over SSH, or a log file) copies bytes and never splits lines. Where two ranks' lines would
+meet in one line (one wrote part of a line, then another wrote), the unfinished line is ended first,
+and its rest gets its prefix again. Standard library only.
 """
 
+import fcntl
 import os
 import re
 import select
+import tempfile
 import threading
 import time
 
-READ_BYTES = 1 << 16
+READ_BYTES = 1 << 20
+PIPE_BYTES = 1 << 20  # a rank's pipe holds this much before the rank waits (Linux's default: 64 kB)
 DRAIN_WAIT_S = 2.0  # for the pipes to be read to their end, all of them together
 IDLE_S = 0.1  # how often an idle pipe's thread looks whether the job has ended
+
+
+def rank_pipe() -> tuple[int, int]:
+    """A pipe for a rank's output, as large as this Linux lets a user make it (fewer wake-ups when a rank
+    writes a lot)."""
+    read_fd, write_fd = os.pipe()
+    try:
+        fcntl.fcntl(write_fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_BYTES)
+    except OSError:  # above /proc/sys/fs/pipe-max-size, or not Linux: the default size works too
+        pass
+    return read_fd, write_fd
 
 
 def node_prefix(node: str, rank: int | None = None) -> bytes:
@@ -59,16 +74,77 @@ class Source:
         self.at_line_start = True
 
 
-class Mux:
-    """Everything a node's job writes, prefixed, onto one file descriptor (the node's real output)."""
+class Spool:
+    """What the node sends, kept in a file on the node's disk as it is written, and copied from there to
+    the node's real output by a thread of its own. A rank writes at the speed of that disk, never at
+    the speed of whoever reads the output (fab over SSH, in the thousands of miles or on a loaded
+    machine): a burst of output waits here, and the copy catches up. The file is unlinked from the
+    start, so it goes when the process does."""
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, folder: str | None = None):
         self.fd = fd
+        self.file = tempfile.TemporaryFile(dir=folder if folder and os.path.isdir(folder) else None)
+        self.size = 0
+        self.sent = 0
+        self.more = threading.Condition()
+        self.finished = False
+        self.broken = False
+        self.thread = threading.Thread(target=self._copy, name="gpu-cluster-spool", daemon=True)
+        self.thread.start()
+
+    def append(self, data: bytes) -> None:
+        """Add to the end (callers hold one lock, so appends never interleave)."""
+        if not data:
+            return
+        os.write(self.file.fileno(), data)
+        with self.more:
+            self.size += len(data)
+            self.more.notify()
+
+    def _copy(self) -> None:
+        while True:
+            with self.more:
+                while self.sent == self.size and not self.finished:
+                    self.more.wait()
+                if self.sent == self.size:
+                    return
+                wanted = min(READ_BYTES * 4, self.size - self.sent)
+            data = os.pread(self.file.fileno(), wanted, self.sent)
+            self._send(data)
+            self.sent += len(data)
+            if self.broken:
+                return
+
+    def _send(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(self.fd, view) :]
+            except InterruptedError:
+                continue
+            except OSError:  # the reader went away (a dropped connection): the job goes on regardless
+                self.broken = True
+                return
+
+    def finish(self) -> None:
+        """Wait until everything appended has been sent (or the output is gone)."""
+        with self.more:
+            self.finished = True
+            self.more.notify()
+        self.thread.join()
+        self.file.close()
+
+
+class Mux:
+    """Everything a node's job writes, prefixed, through one `Spool` onto one file descriptor (the
+    node's real output)."""
+
+    def __init__(self, fd: int, spool_folder: str | None = None):
+        self.spool = Spool(fd, spool_folder)
         self.lock = threading.Lock()
         self.unfinished: Source | None = None
         """The source whose last write ended mid-line."""
         self.threads: list[threading.Thread] = []
-        self.broken = False
         self.ended = threading.Event()
         """Set when torchrun has returned: its ranks have exited, what they wrote is in the pipes already."""
 
@@ -81,17 +157,7 @@ class Mux:
             out, source.at_line_start = prefixed(data, source.prefix, source.at_line_start)
             if out:  # a line redrawn with `\r` is unfinished too: another rank's line would draw over it
                 self.unfinished = None if out.endswith(b"\n") else source
-            self._write_all(head + out)
-
-    def _write_all(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view and not self.broken:
-            try:
-                view = view[os.write(self.fd, view) :]
-            except InterruptedError:
-                continue
-            except OSError:  # the reader went away (a dropped connection): keep draining the pipes
-                self.broken = True
+            self.spool.append(head + out)
 
     def follow(self, read_fd: int, prefix: bytes, name: str = "gpu-cluster-output") -> threading.Thread:
         """Copy a pipe's output from a thread of its own until every writer has closed it."""
@@ -120,15 +186,16 @@ class Mux:
 
     def drain(self, timeout_s: float = DRAIN_WAIT_S) -> None:
         """Once the job has ended: read what the pipes hold (within `timeout_s` in all), end a line left
-        unfinished."""
+        unfinished, and send all that the spool holds."""
         self.ended.set()
         deadline = time.monotonic() + timeout_s
         for thread in list(self.threads):
             thread.join(max(0.0, deadline - time.monotonic()))
         with self.lock:
             if self.unfinished is not None:
-                self._write_all(b"\n")
+                self.spool.append(b"\n")
                 self.unfinished = None
+        self.spool.finish()
 
 
 class OwnOutput:
@@ -144,13 +211,13 @@ class OwnOutput:
         self.thread = mux.follow(read_fd, prefix, name="gpu-cluster-own-output")
 
     @classmethod
-    def start(cls, node: str) -> "OwnOutput":
+    def start(cls, node: str, spool_folder: str | None = None) -> "OwnOutput":
         import sys
 
         sys.stdout.flush()
         sys.stderr.flush()
         saved = (os.dup(1), os.dup(2))
-        return cls(Mux(saved[0]), node_prefix(node), saved)
+        return cls(Mux(saved[0], spool_folder), node_prefix(node), saved)
 
     def restore(self) -> None:
         import sys

@@ -40,7 +40,7 @@ if not __package__:  # run as a file (`python node/torchrun.py`): import its sib
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
 
 from node import contract  # noqa: E402
-from node.output import Mux, OwnOutput, node_prefix  # noqa: E402
+from node.output import Mux, OwnOutput, node_prefix, rank_pipe  # noqa: E402
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 """Those torchrun's agent turns into SignalException (fab stop, fail-fast and Ctrl-C send SIGTERM)."""
@@ -119,7 +119,7 @@ def prefix_rank_output(mux: Mux, node: str) -> None:
         if self._stdout is not None or self._stderr is not None:
             return popen(self, args, env)
         several = int(env.get("LOCAL_WORLD_SIZE", "1")) > 1
-        read_fd, write_fd = os.pipe()
+        read_fd, write_fd = rank_pipe()
         try:
             # As torch starts them: a session of their own, so that stopping one ends its children too.
             proc = Popen(args=args, env=env, stdout=write_fd, stderr=write_fd, start_new_session=True)
@@ -166,7 +166,8 @@ def ranks_line(exit_codes: dict[str, int], process_group: bool | None) -> str:
 
 def main(argv: list[str]) -> None:
     node = os.environ.get(contract.NODE_VARIABLE) or f"node-{os.environ.get('NODE_RANK', '0')}"
-    own = OwnOutput.start(node)
+    run_id = os.environ.get(contract.RUN_ID_VARIABLE)
+    own = OwnOutput.start(node, os.path.expanduser(f"~/{contract.node_run(run_id)}") if run_id else None)
     prefix_rank_output(own.mux, node)
     code, exit_codes = 0, {}
     try:
@@ -176,8 +177,6 @@ def main(argv: list[str]) -> None:
         if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
     except Exception as exc:
-        for stop in STOP_SIGNALS:  # torch's handlers raise wherever a repeated stop lands: end at once instead
-            signal.signal(stop, signal.SIG_DFL)
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -189,7 +188,9 @@ def main(argv: list[str]) -> None:
         else:
             raise
     finally:
-        own.restore()
+        for stop in STOP_SIGNALS:  # torch's handlers raise wherever a later stop lands: end at once instead
+            signal.signal(stop, signal.SIG_DFL)
+        own.restore()  # sends what the spool still holds
     print(ranks_line(exit_codes, formed_process_group(node) if code == 0 else None), flush=True)
     sys.exit(code)
 

@@ -1,9 +1,10 @@
 """node/output.py: the prefixes a node puts on its job's output, and the pipes it copies them from."""
 
 import os
+import threading
 import time
 
-from node.output import Mux, node_prefix, prefixed, unprefixed
+from node.output import Mux, Source, node_prefix, prefixed, unprefixed
 
 P = node_prefix("node-1", 3)
 
@@ -44,3 +45,28 @@ def test_the_mux_ends_a_line_another_rank_would_continue_and_reads_every_pipe_to
 def test_reading_the_output_back_drops_the_prefixes_and_redrawn_parts():
     text = "[node-1 rank 3] a\n[node-1] b\r[node-1] c\n  File x\n"
     assert unprefixed(text) == "a\nc\n  File x\n"
+
+
+def test_a_rank_writing_a_lot_never_waits_for_a_slow_reader():
+    """What the node sends is spooled on its disk: a rank's writes return though nobody reads yet (a pipe
+    alone would hold 64 kB), and all of it arrives, in order, once the reader comes."""
+    read_out, write_out = os.pipe()
+    mux = Mux(write_out)
+    source = Source(node_prefix("node-0"))
+    lines = b"".join(b"line %d\n" % i for i in range(500_000))  # about 6 MB
+    writer = threading.Thread(
+        target=lambda: [mux.write(source, lines[i : i + 65536]) for i in range(0, len(lines), 65536)],
+        daemon=True,
+    )
+    writer.start()
+    writer.join(30)
+    assert not writer.is_alive()  # every write returned while nothing was read
+    received = bytearray()
+    reader = threading.Thread(
+        target=lambda: [received.extend(c) for c in iter(lambda: os.read(read_out, 1 << 20), b"")]
+    )
+    reader.start()
+    mux.drain()
+    os.close(write_out)
+    reader.join(60)
+    assert bytes(received) == b"".join(b"[node-0] line %d\n" % i for i in range(500_000))
