@@ -341,6 +341,7 @@ def test_a_plain_torchrun_script_sees_distinct_node_ranks_and_one_master(cluster
     assert all(r["SUM"] == "3" for r in reports)
     by_node = {r["CLUSTER_NODE"]: r for r in reports}
     assert by_node["node-0"]["RANK"] == "0" and by_node["node-0"]["GROUP_RANK"] == "0"
+    assert "ok in" in result.stdout and "process group" not in result.stdout  # its group lived a few ms
 
 
 def test_a_failing_rank_ends_the_whole_job_quickly_and_leaves_nothing(cluster, tmp_path):
