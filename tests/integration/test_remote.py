@@ -308,9 +308,9 @@ def test_fab_hybrid_runs_2_nodes_x_2_processes_and_resumes_on_2_ranks(cluster):
     args = " ".join(TINY) + " --steps 2 --checkpoint-dir ckpt/hybrid"
     four = cluster.fab("hybrid", "--nproc-per-node", "2", "--args", args)
     assert four.returncode == 0, four.stdout[-3000:] + four.stderr
-    assert "[node-0] mesh dp(2) x tp(2):" in four.stdout
-    assert "[node-0]   replica 0: ranks 0, 1 on node-0" in four.stdout  # global rank 0 is on node-0
-    assert "[node-0]   replica 1: ranks 2, 3 on node-1" in four.stdout
+    assert "[node-0 rank 0] mesh dp(2) x tp(2):" in four.stdout  # 2 ranks a node: each line names its rank
+    assert "[node-0 rank 0]   replica 0: ranks 0, 1 on node-0" in four.stdout  # global rank 0 is on node-0
+    assert "[node-0 rank 0]   replica 1: ranks 2, 3 on node-1" in four.stdout
     two = cluster.fab("hybrid", "--args", args)  # one process per CPU node: dp(2) x tp(1)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr
     assert "saved by 4 ranks, loaded onto 2" in two.stdout
