@@ -11,6 +11,7 @@ two GPUs of one node (skipped where a node has fewer than two).
 """
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -145,8 +146,17 @@ def train(args, ctx, dataset) -> int:
     return report(args, ctx, bubbles, step_times, metrics, meter)
 
 
+def stage_nodes(ctx) -> list[str]:
+    """The node each stage (rank) ran on, in stage order."""
+    nodes: list = [None] * ctx.world_size
+    dist.all_gather_object(nodes, os.environ.get("CLUSTER_NODE", f"node-{ctx.env.node_rank}"))
+    return nodes
+
+
 def report(args, ctx, bubbles, step_times, metrics, meter) -> int:
     theory = bubble_theory(ctx.world_size, args.micro_batches)
+    nodes = stage_nodes(ctx)
+    print0("stages: " + ", ".join(f"{stage} on {node}" for stage, node in enumerate(nodes)))
     measured = sum(bubbles) / len(bubbles) if bubbles else float("nan")
     samples_per_s = args.batch_size / (sum(step_times) / len(step_times)) if step_times else float("nan")
     print0(f"bubble: measured {measured:.1%} (mean over steps 2..{args.steps}), theory (p-1)/(m+p-1) = {theory:.1%}")
@@ -156,6 +166,7 @@ def report(args, ctx, bubbles, step_times, metrics, meter) -> int:
         example="model_parallelism",
         schedule=args.schedule,
         stages=ctx.world_size,
+        stage_nodes=nodes,
         micro_batches=args.micro_batches,
         bubble_measured=measured,
         bubble_theory=theory,

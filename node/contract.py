@@ -129,8 +129,13 @@ RUN_RESULTS = "results"
 RUN_COPIES = (RUN_WORKDIR, RUN_RESULTS)
 """What `fab clean-runs` removes from a run's node-local folder."""
 
-EXIT_MARKER = "__gpu_cluster_exit__"
+MARKER_START = "__gpu_cluster_"
+"""How every line a launch prints for fab (never shown) starts, at the start of a line."""
+EXIT_MARKER = f"{MARKER_START}exit__"
 """The line a launch command prints after torchrun returns: its exit code and the node's own clock."""
+RANKS_MARKER = f"{MARKER_START}ranks__"
+"""The line node/torchrun.py prints when torchrun returns: how the ranks that failed exited (torchrun's
+failure record), and whether any rank formed a process group; JSON after the marker."""
 
 RUN_ID_VARIABLE = "CLUSTER_RUN_ID"
 """Carried by every process of a launch (ranks, torchrun, the job lock's holder): how they are found."""

@@ -15,6 +15,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from node.output import unprefixed
+
 DTYPES = {
     "Float": "float32",
     "Double": "float64",
@@ -403,6 +405,7 @@ def mismatch_line(node: str, log: str) -> str | None:
     """For a node whose log shows gloo aborting a rank over a collective's size, the line that says
     which rank, where (from the Python stack PYTHONFAULTHANDLER printed) and what gloo saw; else None.
     gloo checks sizes and aborts, so on CPU a shape mismatch ends the job instead of hanging it."""
+    log = unprefixed(log)  # the nodes prefix their lines (`[node-1 rank 3] `)
     sizes = GLOO_MISMATCH.search(log)
     if sizes is None:
         return None

@@ -53,21 +53,31 @@ SEPARATOR = re.compile(rb"([\r\n])")
 
 
 class Prefixer:
-    """Puts `prefix` at the start of every line, a line ending at a newline or a carriage return."""
+    """Puts `prefix` at the start of every line (a line ends at a newline or a carriage return), except
+    on lines that already start with `own` (node/torchrun.py prefixes its ranks' lines itself, as
+    `[node-1]` or `[node-1 rank 3]`; only the launch shell's own lines and markers arrive bare)."""
 
-    def __init__(self, prefix: bytes):
-        self.prefix = prefix
+    def __init__(self, prefix: bytes, own: bytes = b""):
+        self.prefix, self.own = prefix, own
         self.at_start = True
+        self.pending = b""  # the start of a line too short yet to tell whether it is prefixed
 
     def __call__(self, chunk: bytes) -> bytes:
         out = []
-        for piece in SEPARATOR.split(chunk):
+        pieces = SEPARATOR.split(self.pending + chunk)
+        self.pending = b""
+        for index, piece in enumerate(pieces):
             if piece in (b"\r", b"\n"):
                 out.append(piece)
                 self.at_start = True
             elif piece:
                 if self.at_start:
-                    out.append(self.prefix)
+                    last = index == len(pieces) - 1
+                    if last and self.own and len(piece) < len(self.own) and self.own.startswith(piece):
+                        self.pending = piece
+                        break
+                    if not (self.own and piece.startswith(self.own)):
+                        out.append(self.prefix)
                 out.append(piece)
                 self.at_start = False
         return b"".join(out)
@@ -232,7 +242,7 @@ def step(spec: dict) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR1):
         signal.signal(signum, forward)
-    prefix = Prefixer(f"[{name}] ".encode())
+    prefix = Prefixer(f"[{name}] ".encode(), own=f"[{name}".encode())
     out = sys.stdout.buffer
     assert child.stdout is not None
     while True:

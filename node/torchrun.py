@@ -16,13 +16,37 @@ as `master_listen_fd`, binds it to one address, and torchrun passes none. A job 
 
 Where torch lacks these hooks (another version on the node), this is plain torchrun with the workers'
 store unshared, and the stores it cannot bind listen on every interface: it says so on stderr. gloo and
-NCCL bind the interface of GLOO/NCCL_SOCKET_IFNAME themselves. Nothing here runs on the operator side.
+NCCL bind the interface of GLOO/NCCL_SOCKET_IFNAME themselves.
+
+The job's output is prefixed here, on the node (`node/output.py`): each rank writes into a pipe of its
+own (`[node-1]`, or `[node-1 rank 3]` where the node runs several ranks), torchrun's own output into
+another (`[node-1]`). When torchrun is done, one bare line (`contract.RANKS_MARKER` and JSON) says how
+each rank that failed exited, by torchrun's failure record (a script's `sys.exit(3)` is 3 there, while
+torchrun itself exits 1), and whether any rank of this node formed a process group, as the rank
+monitors' progress records show (`null` where the launch started no monitor). Nothing here runs on the
+operator side.
 """
 
+import glob
+import json
 import os
+import signal
 import socket
 import sys
+import time
+from datetime import timedelta
 
+if not __package__:  # run as a file (`python node/torchrun.py`): import its siblings from the code folder,
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
+
+from node import contract  # noqa: E402
+from node.output import Mux, OwnOutput, node_prefix, rank_pipe  # noqa: E402
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+"""Those torchrun's agent turns into SignalException (fab stop, fail-fast and Ctrl-C send SIGTERM)."""
+AGENTS_ENDED_KEY = "gpu_cluster/agents_ended"
+"""In the rendezvous store: how many agents other than the head's have ended (`wait_for_the_other_agents`)."""
+ENDED_WAIT = timedelta(seconds=15)
 FALLBACK = (
     "gpu-cluster: this torch cannot bind the {what} to one address; it listens on every interface "
     "for this job (see the README, 'What a job exposes')"
@@ -81,7 +105,97 @@ def serve_worker_stores_from_the_agent() -> bool:
     return True
 
 
+def prefix_rank_output(mux: Mux, node: str) -> None:
+    """Start every worker whose output torchrun does not redirect (no --redirects or --tee) with a pipe
+    of its own, copied with its prefix by `mux`."""
+    from subprocess import Popen
+
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler as module
+
+    handler = module.SubprocessHandler
+    popen = handler._popen
+
+    def piped(self, args, env):
+        if self._stdout is not None or self._stderr is not None:
+            return popen(self, args, env)
+        several = int(env.get("LOCAL_WORLD_SIZE", "1")) > 1
+        read_fd, write_fd = rank_pipe()
+        try:
+            # As torch starts them: a session of their own, so that stopping one ends its children too.
+            proc = Popen(args=args, env=env, stdout=write_fd, stderr=write_fd, start_new_session=True)
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        mux.follow(read_fd, node_prefix(node, int(env["RANK"]) if several else None), name=f"rank-{env['RANK']}")
+        return proc
+
+    handler._popen = piped  # type: ignore[method-assign]
+
+
+def rank_exit_codes(failure: BaseException) -> dict[str, int]:
+    """{global rank: its exit code} from torchrun's failure record (a signal is its negative number)."""
+    failures = getattr(failure, "failures", None) or {}
+    return {str(rank): int(f.exitcode) for rank, f in sorted(failures.items())}
+
+
+def formed_process_group(node: str) -> bool | None:
+    """Whether any rank of this node formed a process group, by its monitor's progress record; None
+    where no monitor ran (the launch's hang watch off)."""
+    folder = os.environ.get(contract.PROGRESS_VARIABLE)
+    if not folder or not os.path.isdir(folder):
+        return None
+    for path in glob.glob(os.path.join(folder, contract.RANK_PROGRESS_GLOB)):
+        if path.endswith(contract.DUMP_SUFFIX):
+            continue
+        try:
+            with open(path) as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if record.get("node", node) in ("", node):
+            return True
+    return False
+
+
+def ranks_line(exit_codes: dict[str, int], process_group: bool | None) -> str:
+    """The bare line the launch reads after torchrun returns."""
+    return f"{contract.RANKS_MARKER} " + json.dumps({"exit_codes": exit_codes, "process_group": process_group})
+
+
 def main(argv: list[str]) -> None:
+    node = os.environ.get(contract.NODE_VARIABLE) or f"node-{os.environ.get('NODE_RANK', '0')}"
+    run_id = os.environ.get(contract.RUN_ID_VARIABLE)
+    own = OwnOutput.start(node, os.path.expanduser(f"~/{contract.node_run(run_id)}") if run_id else None)
+    prefix_rank_output(own.mux, node)
+    code, exit_codes = 0, {}
+    try:
+        code = serve(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    except Exception as exc:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+        if isinstance(exc, SignalException):  # stopped (fab stop, fail-fast, Ctrl-C): the agent said so
+            code = 128 + int(exc.sigval)  # as a shell reports a process a signal ended; no traceback
+        elif isinstance(exc, ChildFailedError):
+            print(exc, file=sys.stderr, flush=True)  # torchrun's failure record, without a Python traceback
+            code, exit_codes = 1, rank_exit_codes(exc)
+        else:
+            raise
+    finally:
+        for stop in STOP_SIGNALS:  # torch's handlers raise wherever a later stop lands: end at once instead
+            signal.signal(stop, signal.SIG_DFL)
+        own.restore()  # sends what the spool still holds
+    print(ranks_line(exit_codes, formed_process_group(node) if code == 0 else None), flush=True)
+    sys.exit(code)
+
+
+def serve(argv: list[str]) -> int:
     bindable = stores_can_be_bound()
     if not (bindable and serve_worker_stores_from_the_agent()):
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # never share one store across restarts
@@ -96,7 +210,51 @@ def main(argv: list[str]) -> None:
     from torch.distributed.run import main as torchrun
 
     torchrun(argv)
+    if rendezvous_store is not None:
+        wait_for_the_other_agents(rendezvous_store, node_count(argv) - 1)
+    elif os.environ.get("NODE_RANK") != "0":
+        tell_the_head_node()
     del rendezvous_store  # held until torchrun is done: its rendezvous backend serves from this server
+    return 0
+
+
+def node_count(argv: list[str]) -> int:
+    """--nnodes (a number, as fab gives it), else NNODES."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("--nnodes="):
+            return int(arg.split("=", 1)[1].split(":")[-1])
+        if arg == "--nnodes" and i + 1 < len(argv):
+            return int(argv[i + 1].split(":")[-1])
+    return int(os.environ.get("NNODES", "1"))
+
+
+def tell_the_head_node() -> None:
+    """Count this agent's end in the rendezvous store, once its torchrun has shut the rendezvous down."""
+    from torch.distributed import TCPStore
+
+    try:
+        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=ENDED_WAIT)
+        store.add(AGENTS_ENDED_KEY, 1)
+    except Exception:  # the head's agent is gone already (it waits only so long): nothing waits for this
+        pass
+
+
+def wait_for_the_other_agents(store, others: int) -> None:
+    """Keep the rendezvous store up until every other node's agent has ended (`tell_the_head_node`).
+
+    torchrun's agents leave their exit barrier together, then each closes the rendezvous and stops its
+    heartbeats, reading and writing this store. The head's agent hosts it: were it to exit first, an
+    agent still closing would fail and print a `recvValueWithTimeout` trace and a "failed to shutdown
+    the rendezvous" warning after a healthy run. Bounded: a node that never says so costs `ENDED_WAIT`.
+    """
+    deadline = time.monotonic() + ENDED_WAIT.total_seconds()
+    while others > 0 and time.monotonic() < deadline:
+        try:
+            if store.add(AGENTS_ENDED_KEY, 0) >= others:
+                return
+        except Exception:
+            return
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from infra import ssh
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo, NodeInfo
 from infra.ssh import describe
-from remote.stream import say
+from remote.stream import NodeStream, copy_channel, say
 
 T = TypeVar("T")
 NO_EXIT_STATUS = -1  # what paramiko reports for a channel that closed without an exit status
@@ -106,6 +106,21 @@ class NodeSession:
         if not warn and result.exited != 0:
             raise UnexpectedExit(result)
         return result
+
+    def stream(self, command: str, stream: NodeStream) -> int:
+        """Run a command, its output (stderr merged in) copied into `stream` as it comes, in large reads
+        straight from the channel (`copy_channel`); its exit code. ConnectionResetError as for `run`."""
+        self.conn.open()
+        channel = self.conn.client.get_transport().open_session()
+        try:
+            channel.set_combine_stderr(True)
+            channel.exec_command(command)
+            code = copy_channel(channel, stream)
+        finally:
+            channel.close()
+        if code == NO_EXIT_STATUS:
+            raise ConnectionResetError("the connection closed before the command finished")
+        return code
 
     def retrying(
         self,

@@ -30,7 +30,7 @@ from remote.connect import CONNECTION_ERRORS, NodeSession, describe, on_all_node
 from remote.hangwatch import HangPolicy, HangReport, HangWatch, job_environment, rankhook_path
 from remote.packages import Requirements
 from remote.packages import ensure as ensure_requirements
-from remote.stream import NodeStream, say
+from remote.stream import NodeStream, RankOutcome, node_exited, say
 from remote.workdir import Manifest, Project, count_files, human_bytes
 
 STOP_WAIT_S = 15
@@ -90,12 +90,28 @@ class JobResult:
     """The last lines of each node's output."""
     hang: HangReport | None = None
     """What the hang watch found, if the job hung."""
+    ranks: dict[str, RankOutcome] = field(default_factory=dict)
+    """Per node, how its ranks ended, as its node/torchrun.py said."""
     watch: dict | None = None
     """What the hang watch did (polls, ranks seen); None where it was off."""
 
     @property
     def ok(self) -> bool:
         return not self.interrupted and all(code == 0 for code in self.exit_codes.values())
+
+    def exited(self, node: str) -> str:
+        """`node-1 exited 1 (rank 1 exited 3)`: the node's code, and its failed ranks' own."""
+        return node_exited(node, self.exit_codes.get(node), self.ranks.get(node, RankOutcome()))
+
+    @property
+    def rank_exit_codes(self) -> dict[str, dict[str, int]]:
+        """{node: {global rank: exit code}} of the ranks that failed, for the run's summary."""
+        return {node: outcome.exit_codes for node, outcome in self.ranks.items() if outcome.exit_codes}
+
+    @property
+    def without_process_group(self) -> list[str]:
+        """The nodes none of whose ranks formed a process group (where the monitors could tell)."""
+        return [node for node, outcome in self.ranks.items() if outcome.process_group is False]
 
 
 @dataclass(frozen=True)
@@ -171,18 +187,17 @@ class JobLock:
 
 
 class JobStream(NodeStream):
-    """A node's job output; the launch command's exit marker is kept in `exit` and not shown."""
+    """A node's job output; the launch command's exit marker and node/torchrun.py's ranks line are
+    kept (`exit`, `ranks`) and not shown."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.exit: tuple[int, float | None] | None = None
+    @property
+    def exit(self) -> tuple[int, float | None] | None:
+        rest = self.markers.get(contract.EXIT_MARKER)
+        return None if rest is None else job_command.parse_exit_marker(f"{contract.EXIT_MARKER} {rest}")
 
-    def _emit(self, line: str) -> None:
-        marker = job_command.parse_exit_marker(line.rstrip("\r"))
-        if marker is None:
-            super()._emit(line)
-        else:
-            self.exit = marker
+    @property
+    def ranks(self) -> RankOutcome:
+        return RankOutcome.parse(self.markers.get(contract.RANKS_MARKER))
 
 
 def first_failure(
@@ -273,8 +288,7 @@ def run_job(
         )
         stream = streams[session.node.name]
         try:
-            result = session.run(command, out_stream=stream, err_stream=stream, hide=False, pty=False)
-            return result.exited
+            return session.stream(command, stream)
         except Exception as exc:  # a dropped connection ends this node's part; the others are stopped
             stream.write(f"fab: connection lost during the job: {describe(exc)}\n")
             return LOST
@@ -286,7 +300,14 @@ def run_job(
     ).start()
     previous_handlers = _interrupt_on_signals()
     try:
-        _supervise(cluster, futures, exit_codes, returned, quiet=watch.stopping.is_set)
+        _supervise(
+            cluster,
+            futures,
+            exit_codes,
+            returned,
+            quiet=watch.stopping.is_set,
+            exited=lambda name: node_exited(name, exit_codes[name], streams[name].ranks),
+        )
     except KeyboardInterrupt:
         interrupted = True
         say("fab: interrupted: stopping the job on every node")
@@ -309,6 +330,7 @@ def run_job(
         interrupted,
         {name: stream.tail for name, stream in streams.items()},
         watch.report,
+        {name: stream.ranks for name, stream in streams.items() if contract.RANKS_MARKER in stream.markers},
         watch.stats(),
     )
 
@@ -340,11 +362,17 @@ def _restore(handlers: dict) -> None:
 
 
 def _supervise(
-    cluster: ClusterInfo, futures: dict[Future, NodeSession], exit_codes: dict, returned: list, quiet=lambda: False
+    cluster: ClusterInfo,
+    futures: dict[Future, NodeSession],
+    exit_codes: dict,
+    returned: list,
+    quiet=lambda: False,
+    exited=lambda name: name,
 ) -> None:
     """Wait for every node (`returned` says in which order they did); at the first failure stop the
     others, and wherever a connection dropped, reconnect and stop that node's part too. `quiet()` is
-    true once the hang watch is stopping the job: the failures that follow are its doing."""
+    true once the hang watch is stopping the job: the failures that follow are its doing; `exited(name)`
+    says how a node's job ended (`JobResult.exited`)."""
     pending, stopping, stoppers = set(futures), False, []
     while pending:
         done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
@@ -358,7 +386,7 @@ def _supervise(
                 stopping = True
                 others = [futures[f].node.name for f in pending]
                 if others and not quiet():
-                    say(f"fab: {name} exited {exit_codes[name]}: stopping the job on {', '.join(others)}")
+                    say(f"fab: {exited(name)}: stopping the job on {', '.join(others)}")
                     stoppers.append((_stop_in_background(cluster, others), others))
     deadline = time.monotonic() + STOP_WAIT_S
     for thread, nodes in stoppers:

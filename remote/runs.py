@@ -136,6 +136,7 @@ def summary(cluster: ClusterInfo, spec: JobSpec, result: JobResult, cost_usd: fl
         "ended_at": result.ended_at,
         "duration_s": round(result.duration_s, 3),
         "exit_codes": result.exit_codes,
+        "rank_exit_codes": result.rank_exit_codes,  # the failed ranks' own codes, by node and global rank
         "cost_usd": round(cost_usd, 6),
         "hourly_usd": cluster.hourly_usd,
         "script": spec.script if not spec.upload else str(spec.upload),

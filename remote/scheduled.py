@@ -35,7 +35,7 @@ RECORD = "run.json"
 """A scheduled run's record in its local run folder."""
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "HUNG", "PREEMPTED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 """States after which the run runs no more (Slurm's, plus HUNG: the hang watch stopped it)."""
-NODE_LINE = re.compile(r"^\[(node-\d+)\] ?")
+NODE_LINE = re.compile(r"^\[(node-\d+)(?: rank \d+)?\] ?")
 CANCEL_WAIT_S = 30
 
 
@@ -170,6 +170,8 @@ class LogSplitter:
         self.partial = ""
         self.logs: dict[str, object] = {}
         self.exit_codes: dict[str, int] = {}
+        self.ranks: dict[str, str] = {}
+        """Each node's ranks line (`contract.RANKS_MARKER`'s JSON: the failed ranks' own codes)."""
         self.end: tuple[str, int | None] | None = None
         self.tail: dict[str, list[str]] = {}
 
@@ -192,15 +194,18 @@ class LogSplitter:
         match = NODE_LINE.match(line)
         node = match.group(1) if match else None
         payload = piece[match.end() :] if match else piece
-        marker = job_command.parse_exit_marker(payload.strip())
-        if node and marker is not None:
-            self.exit_codes[node] = marker[0]
+        if node and payload.startswith(contract.MARKER_START):  # the launch's markers: kept, never shown
+            marker = job_command.parse_exit_marker(payload.strip())
+            if marker is not None:
+                self.exit_codes[node] = marker[0]
+            elif payload.startswith(contract.RANKS_MARKER):
+                self.ranks[node] = payload[len(contract.RANKS_MARKER) :].strip()
             return
         if node:
             log = self.logs.get(node)
             if log is None:
                 log = self.logs[node] = state.open_private(self.local_dir / f"{node}.log", "w", buffering=1)
-            log.write(payload if payload.endswith("\n") else payload.rstrip("\r") + "\n")  # type: ignore[attr-defined]
+            log.write(piece if piece.endswith("\n") else piece.rstrip("\r") + "\n")  # type: ignore[attr-defined]
             self.tail[node] = (self.tail.get(node, []) + [payload.rstrip()])[-40:]
         if self.echo:
             sys.stdout.write(piece)

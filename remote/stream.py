@@ -1,59 +1,234 @@
-"""Remote output, streamed live with a `[node-i]` prefix and kept whole in each node's log file."""
+"""Remote output, copied as it arrives to the terminal and to each node's log file; what the nodes said of
+their ranks (`RankOutcome`).
 
+The nodes prefix their own lines (`[node-1]`, `[node-1 rank 3]`: `node/output.py`, run by
+`node/torchrun.py`), so this side copies bytes in large reads and never splits the output into lines:
+a job writing as fast as it can is not slowed by fab, and a progress bar redrawn with `\\r` shows live.
+What is done per read is one search for the launch's markers (lines starting with
+`contract.MARKER_START`, kept out of the terminal and the log) and, on the terminal only, ending a line
+that another node's output or fab's own line would otherwise continue.
+"""
+
+import json
+import signal
 import sys
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 from infra import state
+from node import contract
 
 if TYPE_CHECKING:  # rich loads only where a table is printed
     from rich.console import Console
 
-COLORS = ("36", "35", "33", "32", "34", "31")  # cyan, magenta, yellow, green, blue, red
-_print_lock = threading.Lock()
+READ_BYTES = 1 << 16
+TAIL_BYTES = 1 << 14  # kept of each node's output, for the lines shown when a step fails
+TAIL_LINES = 40
+MARKER = contract.MARKER_START.encode()
+
+
+class Terminal:
+    """fab's standard output, shared by every node's stream and fab's own lines: whoever writes while
+    another writer's line is unfinished ends that line first, and that writer's next bytes start with
+    its line's prefix again."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.unfinished: NodeStream | None = None
+
+    def write(self, writer: "NodeStream | None", data: bytes) -> None:
+        with self.lock:
+            sys.stdout.flush()
+            out = getattr(sys.stdout, "buffer", None) or _Text(sys.stdout)
+            if self.unfinished is not None and self.unfinished is not writer:
+                out.write(b"\n")
+                self.unfinished.resumed = True
+                self.unfinished = None
+            if writer is not None and writer.resumed:
+                writer.resumed = False
+                if data and data[:1] not in (b"\n", b"\r"):
+                    out.write(writer.line_prefix)
+            out.write(data)
+            out.flush()
+            if data:  # a line redrawn with `\r` is unfinished too: another writer would draw over it
+                self.unfinished = writer if writer is not None and not data.endswith(b"\n") else None
+
+
+terminal = Terminal()
+
+
+class _Text:
+    """A text stream (one without `.buffer`) taking bytes."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, data: bytes) -> None:
+        self.stream.write(data.decode(errors="replace"))
+
+    def flush(self) -> None:
+        self.stream.flush()
 
 
 class NodeStream:
-    """A file-like sink for one node's output: complete lines go to the terminal and to the log."""
+    """One node's output: bytes go to the terminal and to the node's log as they come; lines that
+    start with `contract.MARKER_START` are kept in `markers` (by the marker's name) and not shown."""
 
     def __init__(self, name: str, index: int, log_path: Path | None, echo: bool = True):
-        self.prefix = f"[{name}] "
-        if sys.stdout.isatty():
-            self.prefix = f"\033[{COLORS[index % len(COLORS)]}m[{name}]\033[0m "
+        self.name = name
         self.echo = echo
-        self.log = state.open_private(log_path, "a", buffering=1) if log_path else None
-        self.partial = ""
-        self.tail: list[str] = []
+        self.log: IO[bytes] | None = state.open_private(log_path, "ab", buffering=0) if log_path else None
+        self.held = b""
+        """Bytes at a line's start that may be the start of a marker: shown once they are not."""
+        self.at_line_start = True
+        self.resumed = False
+        """Set by the terminal when another writer ended this stream's unfinished line."""
+        self.line_prefix = f"[{name}] ".encode()
+        """The prefix of the line under way (the node's own, `[node-1 rank 3] `), for `resumed`."""
+        self.tail_bytes = b""
+        self.markers: dict[str, str] = {}
+        self.lock = threading.Lock()
+        self.closed = False
+        """After `close` (a stopped launch gives up on a node) what still arrives is dropped."""
+
+    def feed(self, data: bytes) -> None:
+        """Bytes as the node sent them."""
+        with self.lock:
+            if not self.closed:
+                self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
+        data, self.held = self.held + data, b""
+        start = 0
+        while True:
+            at = self._marker_at(data, start)
+            if at < 0:
+                break
+            end = data.find(b"\n", at)
+            if end < 0:  # the marker's line is not whole yet
+                self._emit(data[start:at])
+                self.held = data[at:]
+                return
+            self._emit(data[start:at])
+            self._note_marker(data[at:end].decode(errors="replace").rstrip("\r"))
+            start = end + 1
+            self.at_line_start = True
+        rest = data[start:]
+        line_start = rest.rfind(b"\n") + 1 if b"\n" in rest else (0 if self.at_line_start else -1)
+        if line_start >= 0 and rest[line_start:] and MARKER.startswith(rest[line_start:]):
+            self.held = rest[line_start:]  # could still become a marker
+            rest = rest[:line_start]
+        self._emit(rest)
+
+    def _marker_at(self, data: bytes, start: int) -> int:
+        if start == 0 and self.at_line_start and data.startswith(MARKER):
+            return 0
+        if start > 0 and data.startswith(MARKER, start):
+            return start
+        found = data.find(b"\n" + MARKER, start)
+        return found + 1 if found >= 0 else -1
+
+    def _note_marker(self, line: str) -> None:
+        name, _, rest = line.partition(" ")
+        self.markers[name] = rest
+
+    def _emit(self, data: bytes) -> None:
+        if not data:
+            return
+        self.at_line_start = data.endswith(b"\n")
+        self.tail_bytes = (self.tail_bytes + data)[-TAIL_BYTES:]
+        self._learn_prefix(data)
+        if self.log:
+            self.log.write(data)
+        if self.echo:
+            terminal.write(self, data)
+
+    def _learn_prefix(self, data: bytes) -> None:
+        line = data[data.rfind(b"\n") + 1 :].rsplit(b"\r", 1)[-1]
+        if line.startswith(b"[") and b"] " in line[:64]:
+            self.line_prefix = line[: line.index(b"] ") + 2]
 
     def write(self, text: str) -> int:
-        self.partial += text
-        *lines, self.partial = self.partial.split("\n")
-        for line in lines:
-            self._emit(line)
+        """A line of fab's own about this node, with the node's prefix."""
+        with self.lock:
+            if not self.closed:
+                prefix = "" if self.at_line_start else "\n"
+                self._emit(f"{prefix}[{self.name}] {text}".encode())
         return len(text)
 
-    def _emit(self, line: str) -> None:
-        line = line.rstrip("\r")
-        self.tail = (self.tail + [line])[-40:]
-        if self.log:
-            self.log.write(line + "\n")
-        if self.echo:
-            with _print_lock:
-                sys.stdout.write(self.prefix + line + "\n")
-                sys.stdout.flush()
+    @property
+    def tail(self) -> list[str]:
+        """The last lines of the node's output."""
+        return self.tail_bytes.decode(errors="replace").splitlines()[-TAIL_LINES:]
 
     def flush(self) -> None:
-        if self.log:
-            self.log.flush()
+        pass
 
     def close(self) -> None:
-        if self.partial:
-            self._emit(self.partial)
-            self.partial = ""
-        if self.log:
-            self.log.close()
-            self.log = None
+        with self.lock:
+            if self.closed:
+                return
+            if self.held:
+                self._emit(self.held)
+                self.held = b""
+            if not self.at_line_start:
+                self._emit(b"\n")
+            self.closed = True
+            if self.log:
+                self.log.close()
+                self.log = None
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """What node/torchrun.py said of a node's ranks when its torchrun returned (`contract.RANKS_MARKER`)."""
+
+    exit_codes: dict[str, int] = field(default_factory=dict)
+    """The failed ranks' own exit codes by global rank, from torchrun's failure record (-N: signal N)."""
+    process_group: bool | None = None
+    """Whether any rank of the node formed a process group; None where unknown (no monitor, a failure)."""
+
+    @classmethod
+    def parse(cls, text: str | None) -> "RankOutcome":
+        try:
+            data = json.loads(text or "")
+            codes = {str(rank): int(code) for rank, code in dict(data.get("exit_codes") or {}).items()}
+            group = data.get("process_group")
+            return cls(codes, group if isinstance(group, bool) else None)
+        except (ValueError, TypeError, AttributeError):
+            return cls()
+
+    def describe(self) -> str:
+        """`rank 1 exited 3, rank 2 was killed by SIGKILL`, or empty."""
+        return ", ".join(f"rank {rank} {_ended(code)}" for rank, code in self.exit_codes.items())
+
+
+def node_exited(node: str, code: int | None, outcome: RankOutcome) -> str:
+    """`node-1 exited 1 (rank 1 exited 3)`: the node's code, and its failed ranks' own."""
+    ranks = outcome.describe()
+    return f"{node} exited {code}" + (f" ({ranks})" if ranks else "")
+
+
+def _ended(code: int) -> str:
+    if code >= 0:
+        return f"exited {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
+
+
+def copy_channel(channel, stream: NodeStream) -> int:
+    """Copy an SSH channel's output (stderr merged in) into `stream` until the command exits; its exit
+    status (-1 where the channel closed without one)."""
+    while True:
+        data = channel.recv(READ_BYTES)
+        if not data:
+            break
+        stream.feed(data)
+    return channel.recv_exit_status()
 
 
 def console() -> "Console":
@@ -65,6 +240,4 @@ def console() -> "Console":
 
 def say(message: str) -> None:
     """A line of `fab`'s own, kept apart from node output."""
-    with _print_lock:
-        sys.stdout.write(message + "\n")
-        sys.stdout.flush()
+    terminal.write(None, (message + "\n").encode())

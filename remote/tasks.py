@@ -20,7 +20,16 @@ from node import contract
 from remote import job_command, node_paths, options, protocol, runs, scheduled, workdir
 from remote.bootstrap import Bootstrap
 from remote.connect import describe, on_all_nodes, open_sessions
-from remote.launch import DEFAULT_MAX_RESULT_MB, JobLock, JobSpec, NodeSetup, check_ready, launch, stop_everywhere
+from remote.launch import (
+    DEFAULT_MAX_RESULT_MB,
+    JobLock,
+    JobResult,
+    JobSpec,
+    NodeSetup,
+    check_ready,
+    launch,
+    stop_everywhere,
+)
 from remote.stream import console, say
 
 STACK_HELP = "stack to use (default: $CLUSTER_STACK, else the last `python deploy.py up`)"
@@ -128,7 +137,7 @@ def start_job(stack: str | None, spec: JobSpec, detach: bool = False) -> None:
         )
     if not result.ok:
         first = result.failed_node or next(n for n, c in result.exit_codes.items() if c != 0)
-        codes = ", ".join(f"{n} exited {c}" for n, c in result.exit_codes.items() if c not in (0, None))
+        codes = ", ".join(result.exited(n) for n, c in result.exit_codes.items() if c not in (0, None))
         raise Exit(
             f"error: run {result.run_id} failed: {codes} (first: {first}, log: {local_dir / (first + '.log')}); "
             "the job was stopped on every node",
@@ -136,8 +145,19 @@ def start_job(stack: str | None, spec: JobSpec, detach: bool = False) -> None:
         )
     say(
         f"fab: run {result.run_id} ok in {result.duration_s:.1f} s, cost ${cost_usd:.4f} "
-        f"(${cluster.hourly_usd:.3f}/h); {where}"
+        f"(${cluster.hourly_usd:.3f}/h){alone(result)}; {where}"
     )
+
+
+def alone(result: JobResult) -> str:
+    """Beside "ok": the nodes whose ranks never formed a process group (a script that found no GPU and
+    returned 0 did nothing distributed)."""
+    nodes = result.without_process_group
+    if not nodes:
+        return ""
+    if len(nodes) == len(result.exit_codes):
+        return ", but no rank joined a process group"
+    return f", but no rank on {', '.join(nodes)} joined a process group"
 
 
 @dataclass(frozen=True)
@@ -517,8 +537,8 @@ def logs(c, run=None, node=None, lines=None, follow=False, stack=None):
     for path in logs_found:
         text = path.read_text().splitlines()
         shown = text[-count:] if count > 0 else text
-        for line in shown:
-            say(f"[{path.stem}] {line}")
+        for line in shown:  # the nodes prefix their own lines; a line fab wrote before them gets one here
+            say(line if line.startswith(f"[{path.stem}") else f"[{path.stem}] {line}")
     summary = run_dir / runs.SUMMARY
     if summary.exists():
         say(runs.summary_line(summary))

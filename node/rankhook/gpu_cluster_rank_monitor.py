@@ -89,12 +89,18 @@ class RankMonitor:
         no collective. Without it the last record, up to an interval old, could still show the rank
         inside its final collective while the process lingers in shutdown."""
         path = os.path.join(self.folder, contract.rank_progress(self.rank))
+        dist = _initialized_dist()
         try:
             with open(path) as f:
                 record = json.load(f)
-        except (OSError, ValueError):
-            return  # it never formed a process group: nothing was reported, nothing to correct
-        dist = _initialized_dist()
+        except (OSError, ValueError):  # no look of this thread found a group: was there one in between?
+            if dist is not None:
+                record = self.snapshot(dist, {}, "")
+            elif _formed_a_group():
+                record = {"rank": self.rank, "node": os.environ.get(contract.NODE_VARIABLE, ""), "groups": {}}
+                record.update(pid=os.getpid(), step=_harness_step(), error="")
+            else:
+                return  # it never formed a process group: nothing to say (fab says so beside "ok")
         if dist is not None:
             try:  # the counters as the script left them, where the group still exists
                 groups, ranks = record.setdefault("groups", {}), group_ranks(dist)
@@ -217,8 +223,23 @@ class _Recorder:
             for pg_id, s in status.items()
         }
 
+    def configs(self) -> dict:
+        """Every process group this process made, by the recorder's group id."""
+        return json.loads(self.c10d._dump_fr_trace_json(includeCollectives=False)).get("pg_config", {})
+
     def full(self) -> dict:
         return json.loads(self.c10d._dump_fr_trace_json(includeCollectives=True))
+
+
+def _formed_a_group() -> bool:
+    """Whether this process ever made a process group, destroyed since or not: the flight recorder keeps
+    every group's configuration (`pg_config`) past `destroy_process_group`."""
+    if "torch.distributed" not in sys.modules:
+        return False
+    try:
+        return bool(_recorder().configs())
+    except Exception:
+        return False
 
 
 def _recorder() -> _Recorder:

@@ -45,6 +45,16 @@ def test_each_check_prints_one_ok_line(example, nproc, tmp_path):
     assert CHECK_LINE.match(result.stdout.strip()), result.stdout
 
 
+@pytest.mark.parametrize("layout", [[], ["--tp", "2"]])
+def test_the_hybrid_check_holds_on_its_default_model(layout, tmp_path):
+    """The default model (not TINY) on 4 ranks, dp(1) x tp(4) and dp(2) x tp(2): the layout's sums in
+    another order drift as far as the reference's own reordered sums do, and the check says so."""
+    result = ok(torchrun("hybrid_parallel.py", "--check", "--steps", "2", *layout, nproc=4, run_dir=tmp_path))
+    assert CHECK_LINE.match(result.stdout.strip()), result.stdout
+    tolerance = float(re.search(r"\(tolerance (\S+)\)", result.stdout).group(1))
+    assert tolerance < 1e-3  # from this run's measured drift: a fraction of one AdamW step (lr 3e-3)
+
+
 def test_a_check_that_does_not_hold_says_fail_and_exits_1():
     # A rank-16 approximation of 32-wide matrices is no smaller than they are: PowerSGD sends them
     # whole. (One process, started without torchrun, is a world of one: DDP and its hooks still run.)

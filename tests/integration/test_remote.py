@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from node import contract
 from tests.support import REPO
 from tests.support.cli import assert_one_line_error
 from tests.support.clusters import bootstrapped_cluster, metrics_of, processes_of, run_id_in, run_processes
@@ -180,6 +181,63 @@ def test_max_restarts_restarts_both_nodes_and_training_resumes(cluster):
     assert resumed["parameter_digest"] == straight_summary["parameter_digest"]
 
 
+MULTINODE_SCRIPT = """
+# In the style of pytorch/examples' distributed/ddp-tutorial-series/multinode.py: global rank 0 saves a
+# snapshot every epoch; at start every rank loads it where it exists. Here the ranks also check, each
+# epoch, that they are at the same one, and the last rank crashes once at epoch 2.
+import os, sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+where, total_epochs = sys.argv[1], 4
+snapshot_path = "snapshot.pt" if where == "cwd" else os.path.join(os.environ["CLUSTER_RUN_DIR"], "snapshot.pt")
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+model, epochs_run = torch.nn.Linear(4, 1), 0
+if os.path.exists(snapshot_path):
+    snapshot = torch.load(snapshot_path)
+    model.load_state_dict(snapshot["MODEL_STATE"])
+    epochs_run = snapshot["EPOCHS_RUN"]
+    print(f"rank {rank}: resuming training from snapshot at epoch {epochs_run}", flush=True)
+model = DDP(model)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+crashed = os.path.join(os.environ["CLUSTER_RUN_DIR"], "crashed")
+for epoch in range(epochs_run, total_epochs):
+    seen = torch.tensor([epoch, -epoch], dtype=torch.float)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    if seen[0] != -seen[1]:
+        print(f"rank {rank}: epochs out of step: {int(-seen[1])} to {int(seen[0])}", flush=True)
+        sys.exit(5)
+    optimizer.zero_grad()
+    model(torch.ones(8, 4)).sum().backward()
+    optimizer.step()
+    if rank == 0:  # atomically, so a restart never reads half a file
+        torch.save({"MODEL_STATE": model.module.state_dict(), "EPOCHS_RUN": epoch + 1}, snapshot_path + ".tmp")
+        os.replace(snapshot_path + ".tmp", snapshot_path)
+    dist.barrier()
+    if epoch == 2 and rank == world - 1 and not os.path.exists(crashed):
+        open(crashed, "w").close()
+        sys.exit(1)
+print(f"rank {rank}: trained to epoch {total_epochs}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_max_restarts_resumes_a_multinode_style_snapshot_only_from_the_shared_run_dir(cluster, tmp_path):
+    """The README's claim about pytorch/examples' multinode.py: a snapshot in the working directory is
+    on node-0 only (rank 0 saves it), so after a restart node-0 resumes and node-1 starts over, and the
+    ranks fall out of step; the same snapshot in $CLUSTER_RUN_DIR (shared storage) resumes every node."""
+    script = tmp_path / "multinode.py"
+    script.write_text(MULTINODE_SCRIPT)
+    in_cwd = cluster.fab("run", "--script", str(script), "--max-restarts", "1", "--args", "cwd", timeout=300)
+    assert in_cwd.returncode == 1, in_cwd.stdout[-3000:]
+    assert "[node-0] rank 0: resuming training from snapshot at epoch 3" in in_cwd.stdout, in_cwd.stdout[-3000:]
+    assert "[node-1] rank 1: resuming" not in in_cwd.stdout and "epochs out of step: 0 to 3" in in_cwd.stdout
+    shared = cluster.fab("run", "--script", str(script), "--max-restarts", "1", "--args", "run", timeout=300)
+    assert shared.returncode == 0, shared.stdout[-3000:] + shared.stderr
+    for node in (0, 1):
+        assert f"[node-{node}] rank {node}: resuming training from snapshot at epoch 3" in shared.stdout
+        assert f"[node-{node}] rank {node}: trained to epoch 4" in shared.stdout
+
+
 ROW = re.compile(r"^\s+(\d+)\s+(\d+)\s+float\s+(\w+)\s+(-?\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)$")
 
 
@@ -239,8 +297,9 @@ def test_model_parallel_runs_one_pipeline_stage_per_node(cluster):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr
     assert "[node-0] 2 stages x 2 layers" in result.stdout
     assert "theory (p-1)/(m+p-1) = 33.3%" in result.stdout  # p = 2 nodes, m = 2 micro-batches
+    assert "[node-0] stages: 0 on node-0, 1 on node-1" in result.stdout
     summary = metrics_of(cluster.run_dir(result.stdout), "summary")[-1]
-    assert summary["stages"] == 2
+    assert summary["stages"] == 2 and summary["stage_nodes"] == ["node-0", "node-1"]  # one stage per node
     assert summary["bubble_theory"] == pytest.approx(1 / 3) and 0 <= summary["bubble_measured"] < 1
 
 
@@ -249,9 +308,9 @@ def test_fab_hybrid_runs_2_nodes_x_2_processes_and_resumes_on_2_ranks(cluster):
     args = " ".join(TINY) + " --steps 2 --checkpoint-dir ckpt/hybrid"
     four = cluster.fab("hybrid", "--nproc-per-node", "2", "--args", args)
     assert four.returncode == 0, four.stdout[-3000:] + four.stderr
-    assert "[node-0] mesh dp(2) x tp(2):" in four.stdout
-    assert "[node-0]   replica 0: ranks 0, 1 on node-0" in four.stdout  # global rank 0 is on node-0
-    assert "[node-0]   replica 1: ranks 2, 3 on node-1" in four.stdout
+    assert "[node-0 rank 0] mesh dp(2) x tp(2):" in four.stdout  # 2 ranks a node: each line names its rank
+    assert "[node-0 rank 0]   replica 0: ranks 0, 1 on node-0" in four.stdout  # global rank 0 is on node-0
+    assert "[node-0 rank 0]   replica 1: ranks 2, 3 on node-1" in four.stdout
     two = cluster.fab("hybrid", "--args", args)  # one process per CPU node: dp(2) x tp(1)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr
     assert "saved by 4 ranks, loaded onto 2" in two.stdout
@@ -282,6 +341,7 @@ def test_a_plain_torchrun_script_sees_distinct_node_ranks_and_one_master(cluster
     assert all(r["SUM"] == "3" for r in reports)
     by_node = {r["CLUSTER_NODE"]: r for r in reports}
     assert by_node["node-0"]["RANK"] == "0" and by_node["node-0"]["GROUP_RANK"] == "0"
+    assert "ok in" in result.stdout and "process group" not in result.stdout  # its group lived a few ms
 
 
 def test_a_failing_rank_ends_the_whole_job_quickly_and_leaves_nothing(cluster, tmp_path):
@@ -289,7 +349,7 @@ def test_a_failing_rank_ends_the_whole_job_quickly_and_leaves_nothing(cluster, t
     script.write_text(  # the last rank fails before joining; the others would wait for it forever
         "import os, sys, time\n"
         "if int(os.environ['RANK']) == int(os.environ['WORLD_SIZE']) - 1:\n"
-        "    time.sleep(1); sys.exit(1)\n"
+        "    time.sleep(1); sys.exit(3)\n"
         "import torch.distributed as dist\n"
         "dist.init_process_group('gloo'); dist.barrier(); print('never', flush=True)\n"
     )
@@ -298,12 +358,62 @@ def test_a_failing_rank_ends_the_whole_job_quickly_and_leaves_nothing(cluster, t
     elapsed = time.monotonic() - started
     assert result.returncode == 1
     assert "never" not in result.stdout
-    assert "node-1 exited 1" in result.stderr and "node-1.log" in result.stderr
+    # torchrun exits 1 for any failed worker; the script's own code comes from torchrun's failure record
+    assert "node-1 exited 1 (rank 1 exited 3)" in result.stderr and "node-1.log" in result.stderr
+    assert "fab: node-1 exited 1 (rank 1 exited 3): stopping the job on node-0" in result.stdout
+    assert "[node-1] Traceback" not in result.stdout  # its torchrun's failure record, not a Python traceback
     assert elapsed < 60, elapsed  # without fail-fast node-0 waits out the 10-minute rendezvous timeout
     run_dir = cluster.runs()[-1]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["exit_codes"]["node-1"] == 1
+    assert summary["exit_codes"]["node-1"] == 1 and summary["rank_exit_codes"] == {"node-1": {"1": 3}}
     assert run_processes(summary["run_id"]) == []
+
+
+PROGRESS_SCRIPT = """
+import os, sys, time
+rank, go = os.environ["RANK"], sys.argv[1]
+sys.stdout.write(f"\\rLIVE {rank} 10%"); sys.stdout.flush()  # a progress bar, redrawn with \\r
+deadline = time.monotonic() + 120
+while not os.path.exists(go) and time.monotonic() < deadline:  # the test has seen every bar
+    time.sleep(0.1)
+print(f"\\rLIVE {rank} 100%", flush=True)
+"""
+
+
+def read_until(proc: subprocess.Popen, *texts: bytes, timeout_s: float = 120) -> bytes:
+    """A running fab's raw output until every one of `texts` has appeared, unfinished lines included."""
+    seen, deadline = b"", time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not all(text in seen for text in texts):
+        chunk = os.read(proc.stdout.fileno(), 65536)
+        if not chunk:
+            break
+        seen += chunk
+    if not all(text in seen for text in texts):
+        raise AssertionError(f"{texts!r} not all seen in:\n{seen!r}")
+    return seen
+
+
+def test_each_rank_is_named_its_progress_shows_live_and_a_job_without_a_process_group_is_said(cluster, tmp_path):
+    """2 ranks per node: each line says node and rank; a bar redrawn with \\r arrives before its line
+    ends (the script waits for the test to see it); no rank formed a process group, and fab says so."""
+    script, go = tmp_path / "progress.py", tmp_path / "go"
+    script.write_text(PROGRESS_SCRIPT)
+    job = cluster.popen_fab("run", "--script", str(script), "--nproc-per-node", "2", "--args", str(go), text=False)
+    try:
+        bars = [f"[node-{rank // 2} rank {rank}] LIVE {rank} 10%".encode() for rank in range(4)]
+        seen = read_until(job, *bars)
+        go.write_text("")
+        out, _ = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    text = (seen + out).decode()
+    assert job.returncode == 0, text
+    for rank in range(4):
+        assert f"[node-{rank // 2} rank {rank}] LIVE {rank} 100%" in text, text
+    assert len(re.findall(r"LIVE \d+ 100%", text)) == 4, text  # 2 processes per node, no more
+    assert "ok in" in text and "but no rank joined a process group" in text, text
+    summary = json.loads((cluster.run_dir(text) / "summary.json").read_text())
+    assert summary["rank_exit_codes"] == {}
 
 
 def start_sleeping_job(cluster, tmp_path) -> tuple[subprocess.Popen, str]:
@@ -322,6 +432,35 @@ def test_ctrl_c_stops_the_job_everywhere(cluster, tmp_path):
     finally:
         job.kill()
     assert run_processes(run_id) == []
+
+
+FLOOD_SCRIPT = """
+import sys
+line = "x" * 99 + "\\n"
+while True:
+    sys.stdout.write(line * 1000)
+"""
+
+
+def test_ctrl_c_during_a_flood_of_output_stops_cleanly(cluster, tmp_path):
+    """A job writing as fast as it can: Ctrl-C stops it everywhere and fab ends in its own words, with no
+    traceback from output still arriving while fab closes its streams."""
+    script = tmp_path / "flood.py"
+    script.write_text(FLOOD_SCRIPT)
+    job = cluster.popen_fab("run", "--script", str(script), text=False)
+    flood = b"x" * 99
+    try:
+        seen = read_until(job, b"[node-0] " + flood, b"[node-1] " + flood).replace(flood, b"")
+        job.send_signal(signal.SIGINT)
+        while chunk := os.read(job.stdout.fileno(), 1 << 20):
+            seen += chunk.replace(flood, b"")  # what is left besides the flood: fab's own lines
+        assert job.wait(timeout=60) == 130
+    finally:
+        job.kill()
+    text = seen.decode(errors="replace")
+    assert "interrupted: stopping the job on every node" in text and "Traceback" not in text, text[-3000:]
+    assert "Error" not in text, text[-3000:]
+    assert run_processes(run_id_in(text)) == []
 
 
 def test_two_launches_at_the_same_moment_run_one_job(cluster, tmp_path):
@@ -359,10 +498,13 @@ def test_two_launches_at_the_same_moment_run_one_job(cluster, tmp_path):
 
 def test_fail_fast_names_the_node_that_failed_first_by_its_own_clock(cluster, tmp_path):
     script = tmp_path / "both_fail.py"
-    script.write_text(  # node-0 fails first, but a child keeps its output open, so its SSH call returns last
+    # node-0 fails first, but a child holds its SSH output open (the launch shell's, whose pid the job
+    # file records: a rank's own output goes through node/torchrun.py), so its SSH call returns last.
+    script.write_text(
         "import os, subprocess, sys, time\n"
         "if os.environ['CLUSTER_NODE'] == 'node-0':\n"
-        "    subprocess.Popen(['sleep', '30'])\n"
+        f"    shell = open(os.path.expanduser('~/{contract.JOB}')).read().split()[0]\n"
+        "    subprocess.Popen(['sleep', '30'], stdout=open(f'/proc/{shell}/fd/1', 'w'))\n"
         "    sys.exit(3)\n"
         "time.sleep(2)\n"
         "sys.exit(4)\n"

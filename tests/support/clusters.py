@@ -62,14 +62,15 @@ class Cluster:
     def cli(self, *args: str):
         return run_cli(*args, **self.env)
 
-    def popen_fab(self, *args: str, stderr=subprocess.STDOUT) -> subprocess.Popen:
+    def popen_fab(self, *args: str, stderr=subprocess.STDOUT, text: bool = True) -> subprocess.Popen:
+        """fab running; `text=False` gives its output as bytes, as they come (unfinished lines too)."""
         return subprocess.Popen(
             [str(Path(sys.executable).with_name("fab")), *args],
             cwd=REPO,
             env=child_env(**self.env),
             stdout=subprocess.PIPE,
             stderr=stderr,
-            text=True,
+            text=text,
         )
 
     def runs(self) -> list[Path]:

@@ -77,9 +77,11 @@ def test_argument_types_accept_what_they_mean_and_say_why_not(check, good, bad):
         assert repr(text) in str(refused.value)
 
 
-def test_results_go_to_the_results_dir_else_the_run_dir_else_here(tmp_path, monkeypatch):
+def test_results_go_to_the_results_dir_else_the_run_dir_else_a_folder_git_ignores_here(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert results_dir({}) == tmp_path
+    assert results_dir({}) == tmp_path / "results"  # plain torchrun in the checkout leaves it clean:
+    ignored = subprocess.run(["git", "check-ignore", "-q", "results/profile.json"], cwd=REPO)
+    assert ignored.returncode == 0  # git ignores what lands there
     assert results_dir({"CLUSTER_RUN_DIR": "/runs/r1"}) == Path("/runs/r1")
     both = {"CLUSTER_RUN_DIR": str(tmp_path / "run"), "CLUSTER_RESULTS_DIR": str(tmp_path / "results")}
     assert results_dir(both) == tmp_path / "results"

@@ -14,11 +14,11 @@ from datetime import datetime, timezone
 import pytest
 
 from infra.inventory import ClusterInfo
-from node import probe, standalone
+from node import contract, probe, standalone
 from remote import job_command, node_paths, protocol
 from remote.bootstrap import REPO, SYNCED, digest, local_manifest
 from remote.launch import JobStream, first_failure
-from remote.stream import NodeStream
+from remote.stream import NodeStream, RankOutcome, say
 from tests.support.inventories import cluster
 
 
@@ -233,14 +233,35 @@ def test_stop_command_ends_every_job_of_the_node_and_nothing_else(tmp_path):
             proc.kill()
 
 
-def test_node_stream_prefixes_whole_lines_and_keeps_the_log(tmp_path, capsys):
+def test_node_stream_copies_bytes_as_they_come_and_keeps_the_log(tmp_path, capsysbinary):
+    """The nodes prefix their own lines: fab copies what arrives, an unfinished line (a progress bar
+    redrawn with `\\r`) included, and starts a line of its own on a fresh line."""
     stream = NodeStream("node-1", 1, tmp_path / "node-1.log")
-    stream.write("first li")
-    stream.write("ne\nsecond\npart")
+    stream.feed(b"[node-1] first li")
+    assert capsysbinary.readouterr().out == b"[node-1] first li"  # shown before its line ends
+    stream.feed(b"ne\n[node-1] \r[node-1] 10%")
+    stream.feed(b"\r[node-1] 20%")
+    assert capsysbinary.readouterr().out == b"ne\n[node-1] \r[node-1] 10%\r[node-1] 20%"
+    stream.write("fab: connection lost\n")
     stream.close()
-    out = capsys.readouterr().out.splitlines()
-    assert out == ["[node-1] first line", "[node-1] second", "[node-1] part"]
-    assert (tmp_path / "node-1.log").read_text() == "first line\nsecond\npart\n"
+    assert capsysbinary.readouterr().out == b"\n[node-1] fab: connection lost\n"
+    log = (tmp_path / "node-1.log").read_bytes()
+    assert log == b"[node-1] first line\n[node-1] \r[node-1] 10%\r[node-1] 20%\n[node-1] fab: connection lost\n"
+    assert stream.tail[-1] == "[node-1] fab: connection lost"
+
+
+def test_two_nodes_unfinished_lines_never_run_into_each_other(tmp_path, capsysbinary):
+    zero, one = NodeStream("node-0", 0, None), NodeStream("node-1", 1, None)
+    zero.feed(b"[node-0 rank 1] loading")
+    one.feed(b"[node-1] ready\n")
+    zero.feed(b" done\n")
+    say("fab: a line of its own")
+    assert capsysbinary.readouterr().out.splitlines() == [
+        b"[node-0 rank 1] loading",
+        b"[node-1] ready",
+        b"[node-0 rank 1]  done",
+        b"fab: a line of its own",
+    ]
 
 
 def test_the_code_manifest_is_what_git_has_in_the_synced_folders_with_their_hashes():
@@ -344,13 +365,48 @@ def test_fail_fast_names_the_node_that_saw_its_failure_first_not_the_first_call_
     assert first_failure({"node-0": 0, "node-1": 0}, {"node-0": 1.0, "node-1": 2.0}, ["node-0", "node-1"]) is None
 
 
-def test_the_exit_marker_is_kept_out_of_the_stream_and_the_log(tmp_path, capsys):
+@pytest.mark.parametrize("cut", [1, 5, 12, 20, 40])
+def test_the_markers_are_kept_out_of_the_stream_and_the_log_wherever_a_read_ends(tmp_path, capsysbinary, cut):
     stream = JobStream("node-0", 0, tmp_path / "node-0.log")
-    stream.write(f"last words\n{job_command.EXIT_MARKER} 1 1700000000.5\n")
+    sent = (
+        b"[node-0] last words\n"
+        + f'{contract.RANKS_MARKER} {{"exit_codes": {{"1": 3}}, "process_group": null}}\n'.encode()
+        + f"{job_command.EXIT_MARKER} 1 1700000000.5\n".encode()
+    )
+    for start in range(0, len(sent), cut):
+        stream.feed(sent[start : start + cut])
     stream.close()
     assert stream.exit == (1, 1700000000.5)
-    assert capsys.readouterr().out == "[node-0] last words\n"
-    assert (tmp_path / "node-0.log").read_text() == "last words\n"
+    assert stream.ranks == RankOutcome({"1": 3}, None) and stream.ranks.describe() == "rank 1 exited 3"
+    assert capsysbinary.readouterr().out == b"[node-0] last words\n"
+    assert (tmp_path / "node-0.log").read_bytes() == b"[node-0] last words\n"
+
+
+def test_a_line_that_only_starts_like_a_marker_is_shown_whole(capsysbinary):
+    stream = JobStream("node-0", 0, None)
+    stream.feed(b"__gpu")
+    stream.feed(b"_cluster is a fine name\n__init__\n")
+    stream.close()
+    assert capsysbinary.readouterr().out == b"__gpu_cluster is a fine name\n__init__\n"
+
+
+@pytest.mark.parametrize(
+    "line,codes,described,group",
+    [
+        (
+            '{"exit_codes": {"1": 3, "2": -9}, "process_group": null}',
+            {"1": 3, "2": -9},
+            "rank 1 exited 3, rank 2 was killed by SIGKILL",
+            None,
+        ),
+        ('{"exit_codes": {}, "process_group": false}', {}, "", False),
+        ("not json", {}, "", None),
+        (None, {}, "", None),
+    ],
+)
+def test_the_ranks_line_names_each_failed_ranks_own_code(line, codes, described, group):
+    outcome = RankOutcome.parse(line)
+    assert (outcome.exit_codes, outcome.describe(), outcome.process_group) == (codes, described, group)
 
 
 @pytest.mark.parametrize(

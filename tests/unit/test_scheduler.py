@@ -92,3 +92,17 @@ def test_sockets_move_to_a_short_folder_where_the_home_is_deep():
     deep = scheduler.Paths("/x" * 40).sockets
 
     assert deep.startswith("/tmp/gpu-cluster-") and len(deep) + scheduler.SOCKET_NAME_ROOM <= 107
+
+
+def test_the_step_prefixes_the_shells_lines_and_leaves_the_ranks_own_prefixes_alone():
+    from node.slurm_run import Prefixer
+
+    prefix = Prefixer(b"[node-1] ", own=b"[node-1")
+    stream = b"mkdir: oops\n[node-1 rank 3] step 1\r[node-1 rank 3] step 2\n__gpu_cluster_exit__ 0 1.5\n[node-1] done\n"
+    for cut in (1, 3, 7, len(stream)):  # however the bytes arrive
+        prefix = Prefixer(b"[node-1] ", own=b"[node-1")
+        out = b"".join(prefix(stream[i : i + cut]) for i in range(0, len(stream), cut))
+        assert out == (
+            b"[node-1] mkdir: oops\n[node-1 rank 3] step 1\r[node-1 rank 3] step 2\n"
+            b"[node-1] __gpu_cluster_exit__ 0 1.5\n[node-1] done\n"
+        ), cut
