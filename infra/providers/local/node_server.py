@@ -28,6 +28,7 @@ from pathlib import Path
 import asyncssh
 
 from infra import state
+from infra.providers.local import metadata
 from node import contract, procfs
 
 SERVER_MODULE = "infra.providers.local.node_server"
@@ -69,6 +70,10 @@ class NodeConfig:
     """Written once the port is bound: `{"pid", "started_at", "address", "port"}`."""
     token: str
     """Put in every session's environment as CLUSTER_NODE_TOKEN, so power-off finds all it started."""
+    metadata_port: int = 0
+    """The port of the node's instance metadata service on `address` (metadata.py); 0: none."""
+    notice_file: str = ""
+    """Where the operator posts a spot notice for this node; the node powers off at its time."""
 
     @classmethod
     def load(cls, path: str) -> "NodeConfig":
@@ -206,6 +211,7 @@ class Node:
         self.home = Path(config.home)
         self.processes = ProcessTable(self.home, config.token)
         self.stopping = asyncio.Event()
+        self.metadata_endpoint = f"http://{config.address}:{config.metadata_port}" if config.metadata_port else ""
 
     def session_env(self, process: asyncssh.SSHServerProcess) -> dict[str, str]:
         cfg = self.config
@@ -223,6 +229,8 @@ class Node:
             "CUDA_VISIBLE_DEVICES": "",
             "BASH_ENV": str(self.home / contract.HOME_DIR / "bash_env"),
         }
+        if self.metadata_endpoint:
+            env[contract.METADATA_ENDPOINT_VARIABLE] = self.metadata_endpoint
         env.update(process.env)
         if process.term_type:
             env["TERM"] = process.term_type
@@ -314,6 +322,10 @@ class Node:
         while not self.stopping.is_set():
             if marker.exists():
                 log.warning("stop marker %s found: powering off", marker)
+                self.stopping.set()
+                return
+            if self.config.notice_file and metadata.reclaim_due(Path(self.config.notice_file)):
+                log.warning("the spot notice's time has passed: the node is reclaimed")
                 self.stopping.set()
                 return
             try:
@@ -421,6 +433,9 @@ async def serve(config: NodeConfig) -> None:
         encoding=None,
         reuse_address=True,
     )
+    service = None
+    if config.metadata_port:
+        service = metadata.MetadataServer(config.address, config.metadata_port, Path(config.notice_file)).start()
     _write_pid_file(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -430,6 +445,8 @@ async def serve(config: NodeConfig) -> None:
     await node.stopping.wait()
     guard.cancel()
     server.close()
+    if service is not None:
+        service.stop()
     await node.processes.end_all()
     Path(config.pid_file).unlink(missing_ok=True)
     log.info("%s powered off", config.name)
