@@ -90,6 +90,8 @@ def test_drill_spot_notice_reaches_the_watcher_then_the_node_is_reclaimed(make_c
         assert wait_until(lambda: not accepts(node1["public_ip"], node1["ssh_port"]), 15), "node-1 still answers"
         assert watcher.wait(timeout=15) != 0  # its session ended with the node
         assert accepts(node0["public_ip"], node0["ssh_port"])  # the other node lives on
+        again = run_cli("drill", "spot", "node-1", "--stack", "spot")
+        assert_one_line_error(again, "node-1 is not running")
     finally:
         if watcher.poll() is None:
             watcher.kill()

@@ -632,6 +632,8 @@ class LocalProvider(Provider):
 
     def spot_drill(self, cluster: ClusterInfo, node: str, notice_s: float, say) -> None:
         name = cluster.node(node).name
+        if name not in _server_start_times(cluster.stack):
+            raise UsageError(f"{name} is not running (reclaimed already?): python deploy.py status shows the nodes")
         notice = metadata.post_notice(notice_path(cluster.stack, name), notice_s)
         say(
             f"{name}: spot interruption notice posted on its metadata service; "
