@@ -1,19 +1,22 @@
 """Watch this node's instance metadata for a spot interruption notice or a rebalance recommendation.
 
-    python node/spot_watch.py [--interval-s 5] [--hook COMMAND] [--endpoint URL] [--once]
+    python node/spot_watch.py [--interval-s 5] [--signal-ranks] [--hook COMMAND] [--endpoint URL] [--once]
 
 Polls `spot/instance-action` and `events/recommendations/rebalance` every `--interval-s` with an IMDSv2
 session token (asked again before it expires, and at once when the service refuses it). The service is
 `$AWS_EC2_METADATA_SERVICE_ENDPOINT` where set (botocore's variable; each local node serves its own),
 else EC2's http://169.254.169.254. Each new notice prints one line and runs `--hook` through the shell
-with `SPOT_EVENT` (`interruption` or `rebalance`), `SPOT_ACTION` and `SPOT_TIME` in its environment
-(what is to come: SIGUSR1 to the ranks, drain the node, requeue the run). Where no service answers
-(not on EC2) it says so once and keeps looking. Standard library only.
+with `SPOT_EVENT` (`interruption` or `rebalance`), `SPOT_ACTION` and `SPOT_TIME` in its environment.
+With `--signal-ranks`, an interruption notice also sends SIGUSR1 (Slurm's and PyTorch Lightning's
+"save and requeue") to every rank of every run on this node: the torchrun workers, found in /proc by
+their CLUSTER_RUN_ID and RANK (and CLUSTER_NODE, where several nodes share one machine). Where no
+service answers (not on EC2) it says so once and keeps looking. Standard library only.
 """
 
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
 
-from node import contract  # noqa: E402
+from node import contract, procfs  # noqa: E402
 
 DEFAULT_INTERVAL_S = 5.0
 DEFAULT_TOKEN_TTL_S = 21600
@@ -120,12 +123,38 @@ def read_notices(client: MetadataClient) -> list[Notice]:
     return notices
 
 
-class SpotWatch:
-    """Polls, prints each new notice once and runs the hook for it."""
+def ranks_on_this_node(node: str) -> dict[int, str]:
+    """pid -> run id of every torchrun worker of any run on this node (`node` empty: of any node)."""
+    found = {}
+    for pid, variables in procfs.environments(exclude={os.getpid()}):
+        run_id = variables.get(contract.RUN_ID_VARIABLE)
+        if not run_id or not variables.get("RANK", "").isdigit():
+            continue
+        if node and variables.get(contract.NODE_VARIABLE) != node:
+            continue
+        found[pid] = run_id
+    return found
 
-    def __init__(self, client: MetadataClient, hook: str = "", node: str = "", out=None):
+
+def signal_ranks(node: str, sig: int = signal.SIGUSR1) -> dict[int, str]:
+    """Send `sig` to every rank on this node; the ranks it reached (pid -> run id)."""
+    reached = {}
+    for pid, run_id in ranks_on_this_node(node).items():
+        try:
+            os.kill(pid, sig)
+            reached[pid] = run_id
+        except OSError:  # ended meanwhile
+            pass
+    return reached
+
+
+class SpotWatch:
+    """Polls, prints each new notice once, signals the ranks (when asked) and runs the hook."""
+
+    def __init__(self, client: MetadataClient, hook: str = "", node: str = "", out=None, signal_ranks: bool = False):
         self.client = client
         self.hook = hook
+        self.signal_ranks = signal_ranks
         self.node = node or os.environ.get(contract.NODE_VARIABLE, "") or "this node"
         self.out = out or (lambda line: print(line, flush=True))
         self.seen: set[Notice] = set()
@@ -147,8 +176,16 @@ class SpotWatch:
         for notice in new:
             self.seen.add(notice)
             self.out(notice.line(self.node))
+            if self.signal_ranks and notice.event == "interruption":
+                self.tell_ranks()
             self.run_hook(notice)
         return new
+
+    def tell_ranks(self) -> None:
+        node = os.environ.get(contract.NODE_VARIABLE, "")
+        reached = signal_ranks(node)
+        runs = ", ".join(sorted(set(reached.values()))) or "no run"
+        self.out(f"spot-watch {self.node}: SIGUSR1 to {len(reached)} rank(s) ({runs})")
 
     def run_hook(self, notice: Notice) -> None:
         if not self.hook:
@@ -175,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval-s", type=float, default=DEFAULT_INTERVAL_S, help="seconds between polls")
     parser.add_argument("--hook", default="", help="shell command run on each new notice")
     parser.add_argument(
+        "--signal-ranks", action="store_true", help="on an interruption notice, SIGUSR1 to every rank on this node"
+    )
+    parser.add_argument(
         "--endpoint",
         default=None,
         help=f"the metadata service (default: ${contract.METADATA_ENDPOINT_VARIABLE}, "
@@ -186,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.interval_s <= 0 or not 1 <= args.token_ttl_s <= DEFAULT_TOKEN_TTL_S:
         parser.error("--interval-s must be above 0 and --token-ttl-s in 1..21600")
     client = MetadataClient(args.endpoint or endpoint_from(dict(os.environ)), args.token_ttl_s)
-    watch = SpotWatch(client, args.hook)
+    watch = SpotWatch(client, args.hook, signal_ranks=args.signal_ranks)
     if args.once:
         watch.check()
         return 0

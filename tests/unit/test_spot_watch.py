@@ -1,7 +1,10 @@
 """The local metadata service (IMDSv2 tokens, the spot notice) and node/spot_watch.py against it, in-process."""
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -164,3 +167,45 @@ def test_once_from_the_environment(service, monkeypatch, capsys):
     assert capsys.readouterr().out.splitlines()[0] == (
         "spot-watch node-3: spot interruption notice: terminate at 2027-01-15T08:02:00Z"
     )
+
+
+WAITS_FOR_SIGUSR1 = """
+import signal, sys, time
+got = []
+signal.signal(signal.SIGUSR1, lambda *_: got.append(1))
+print("ready", flush=True)
+deadline = time.monotonic() + 30
+while not got and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("SIGUSR1" if got else "nothing", flush=True)
+"""
+
+
+def started(node: str, **variables: str) -> subprocess.Popen:
+    env = {**os.environ, contract.NODE_VARIABLE: node, **variables}
+    proc = subprocess.Popen([sys.executable, "-c", WAITS_FOR_SIGUSR1], env=env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_an_interruption_notice_sends_sigusr1_to_this_nodes_ranks_only(service, monkeypatch):
+    node = f"node-spot-{os.getpid()}"  # unique: other tests' processes on this machine are not ours
+    monkeypatch.setenv(contract.NODE_VARIABLE, node)
+    rank = started(node, CLUSTER_RUN_ID="run-a", RANK="1")
+    others = [
+        started(node, CLUSTER_RUN_ID="run-a"),  # torchrun itself: not a rank
+        started(f"{node}-other", CLUSTER_RUN_ID="run-a", RANK="0"),  # a rank of another node
+        started(node, RANK="0"),  # not a run's
+    ]
+    lines: list[str] = []
+    watch = spot_watch.SpotWatch(spot_watch.MetadataClient(service.endpoint), out=lines.append, signal_ranks=True)
+    try:
+        assert spot_watch.ranks_on_this_node(node) == {rank.pid: "run-a"}
+        metadata.post_notice(service.notice_file, 120)
+        watch.check()
+        assert rank.communicate(timeout=30)[0].strip() == "SIGUSR1"
+        assert f"spot-watch {node}: SIGUSR1 to 1 rank(s) (run-a)" in lines
+    finally:
+        for proc in [rank, *others]:
+            proc.kill()
+    assert [proc.communicate()[0] for proc in others] == ["", "", ""]
