@@ -5,9 +5,11 @@
 Started in the background by `deploy.py up --local`, one process per node, with an allow-listed
 environment (no credentials of the caller's). It accepts only the cluster's key, serves exec, shell
 (with a PTY when asked), SFTP and scp (both protocols, with an exit status as OpenSSH gives), and
-behaves like a machine that can be powered off: on SIGTERM, or when the watchdog's stop marker appears
-in the shared folder, it ends every process started on the node and exits. A client that disconnects
-takes its command's process group with it, so a killed session leaves no orphans. Everything it and
+behaves like a machine that can be powered off: on SIGTERM, when the watchdog's stop marker appears
+in the shared folder, or when a spot notice's time passes (a spot instance reclaimed), it ends every
+process started on the node and exits. It also serves the node's instance metadata service
+(metadata.py). A client that disconnects takes its command's process group with it, so a killed
+session leaves no orphans. Everything it and
 its commands create is private to the user (umask 077), as the state folder it lives in is.
 """
 
@@ -317,7 +319,8 @@ class Node:
                 task.cancel()
 
     async def guard(self) -> None:
-        """Power off when the watchdog's stop marker appears, as an AWS node's guard timer does."""
+        """Power off when the watchdog's stop marker appears, as an AWS node's guard timer does, or when
+        the spot notice's time has passed, as EC2 reclaims a spot instance."""
         marker = Path(self.config.shared_dir) / contract.STOP_MARKER
         while not self.stopping.is_set():
             if marker.exists():
@@ -435,7 +438,10 @@ async def serve(config: NodeConfig) -> None:
     )
     service = None
     if config.metadata_port:
-        service = metadata.MetadataServer(config.address, config.metadata_port, Path(config.notice_file)).start()
+        try:
+            service = metadata.MetadataServer(config.address, config.metadata_port, Path(config.notice_file)).start()
+        except OSError as exc:  # main() names the SSH port; say which port this was
+            raise OSError(exc.errno, f"{exc.strerror} (the metadata service's port {config.metadata_port})") from None
     _write_pid_file(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
