@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     drill.add_argument("failure", choices=["spot"], help="spot: a spot interruption notice, then the node reclaimed")
     drill.add_argument("node", help="node name, e.g. node-1")
     drill.add_argument("--notice", type=float, default=120.0, metavar="S", help="seconds from notice to reclaim (120)")
+    drill.add_argument("--fis-role", metavar="ARN", help="AWS: the IAM role AWS FIS assumes to interrupt the instance")
     drill.add_argument("--stack", help=stack_help)
     return parser
 
@@ -305,7 +306,8 @@ def cmd_drill(args) -> int:
     if not 0 <= args.notice <= 3600:
         raise UsageError(f"--notice {args.notice:g}: give the seconds from notice to reclaim, 0..3600 (EC2 gives 120)")
     cluster = inventory.load_current(args.stack)
-    providers.for_cluster(cluster).spot_drill(cluster, args.node, args.notice, say=report.console.print)
+    chosen = providers.for_cluster(cluster)
+    chosen.spot_drill(cluster, args.node, args.notice, say=report.console.print, fis_role=args.fis_role)
     return 0
 
 

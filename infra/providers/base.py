@@ -118,6 +118,7 @@ class Provider:
         """Stacks an `up` killed midway left running without an inventory (found from what is on disk)."""
         return []
 
-    def spot_drill(self, cluster: ClusterInfo, node: str, notice_s: float, say) -> None:
-        """`deploy.py drill spot`: post a spot interruption notice on `node`, reclaimed `notice_s` later."""
+    def spot_drill(self, cluster: ClusterInfo, node: str, notice_s: float, say, fis_role: str | None = None) -> None:
+        """`deploy.py drill spot`: post a spot interruption notice on `node`, reclaimed `notice_s` later
+        (`fis_role`: the IAM role AWS FIS assumes to do it, where AWS does it)."""
         raise UsageError(f"drill spot rehearses a spot interruption: {self.what} has no spot instances")

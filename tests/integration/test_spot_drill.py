@@ -117,5 +117,7 @@ def test_drill_on_aws_says_what_it_would_need(state_dir, tmp_path):
     (tmp_path / "known_hosts").write_text("")
     inventory.save(replace(aws_cluster(), ssh_key=str(tmp_path / "key"), known_hosts=str(tmp_path / "known_hosts")))
     result = run_cli("drill", "spot", "node-1", "--stack", "dev")
-    assert_one_line_error(result, "AWS FIS", "aws:ec2:send-spot-instance-interruptions", "node-1")
+    assert_one_line_error(result, "AWS FIS", "aws:ec2:send-spot-instance-interruptions", "node-1", "--fis-role ARN")
+    role = ["--fis-role", "arn:aws:iam::123456789012:role/fis-spot"]
+    assert_one_line_error(run_cli("drill", "spot", "node-1", "--notice", "3", *role, "--stack", "dev"), "2 to 15")
     assert_one_line_error(run_cli("drill", "spot", "node-9", "--stack", "dev"), "no node 'node-9'")

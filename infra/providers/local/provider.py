@@ -630,7 +630,7 @@ class LocalProvider(Provider):
     def interrupted_stacks(self) -> list[str]:
         return stacks_without_inventory()
 
-    def spot_drill(self, cluster: ClusterInfo, node: str, notice_s: float, say) -> None:
+    def spot_drill(self, cluster: ClusterInfo, node: str, notice_s: float, say, fis_role: str | None = None) -> None:
         name = cluster.node(node).name
         if name not in _server_start_times(cluster.stack):
             raise UsageError(f"{name} is not running (reclaimed already?): python deploy.py status shows the nodes")
