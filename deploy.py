@@ -90,6 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="print an OpenSSH config block per node: ssh -F FILE node-1, scp, rsync -e, editors' remote modes",
     )
     ssh_config.add_argument("--stack", help=stack_help)
+
+    drill = commands.add_parser(
+        "drill", help="rehearse a failure: `drill spot NODE` posts a spot notice, then reclaims"
+    )
+    drill.add_argument("failure", choices=["spot"], help="spot: a spot interruption notice, then the node reclaimed")
+    drill.add_argument("node", help="node name, e.g. node-1")
+    drill.add_argument("--notice", type=float, default=120.0, metavar="S", help="seconds from notice to reclaim (120)")
+    drill.add_argument("--fis-role", metavar="ARN", help="AWS: the IAM role AWS FIS assumes to interrupt the instance")
+    drill.add_argument("--stack", help=stack_help)
     return parser
 
 
@@ -307,6 +316,16 @@ def cmd_ssh_config(args) -> int:
     return 0
 
 
+def cmd_drill(args) -> int:
+    """A spot interruption as the cloud gives one: the notice on the node's metadata service, the node gone later."""
+    if not 0 <= args.notice <= 3600:
+        raise UsageError(f"--notice {args.notice:g}: give the seconds from notice to reclaim, 0..3600 (EC2 gives 120)")
+    cluster = inventory.load_current(args.stack)
+    chosen = providers.for_cluster(cluster)
+    chosen.spot_drill(cluster, args.node, args.notice, say=report.console.print, fis_role=args.fis_role)
+    return 0
+
+
 COMMANDS = {
     "up": cmd_up,
     "down": cmd_down,
@@ -315,6 +334,7 @@ COMMANDS = {
     "cost": cmd_cost,
     "ssh": cmd_ssh,
     "ssh-config": cmd_ssh_config,
+    "drill": cmd_drill,
 }
 
 

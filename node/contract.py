@@ -200,3 +200,22 @@ def home_relative(path: str) -> str:
 def shell(path: str) -> str:
     """`path` (relative to the home) for a shell command: `~/` expands, nothing else does."""
     return f"~/{path}"
+
+
+METADATA_ENDPOINT_VARIABLE = "AWS_EC2_METADATA_SERVICE_ENDPOINT"
+"""botocore's own variable: where the node's instance metadata service answers. The local provider
+sets it in every session on its nodes (each node serves its own); on EC2 it is unset."""
+METADATA_DEFAULT_ENDPOINT = "http://169.254.169.254"
+"""EC2's instance metadata service, where the variable above is unset."""
+IMDS_TOKEN_PATH = "/latest/api/token"
+"""IMDSv2: `PUT` here with `IMDS_TTL_HEADER` for a session token."""
+IMDS_TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
+"""IMDSv2: the token's lifetime asked for (1..21600 s), and given back with the token."""
+IMDS_TOKEN_HEADER = "X-aws-ec2-metadata-token"
+"""IMDSv2: the token, on every `GET`."""
+SPOT_ACTION_PATH = "/latest/meta-data/spot/instance-action"
+"""404 until the instance is to be reclaimed, then `{"action": "terminate", "time": ISO UTC}`
+(https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/spot-instance-termination-notices.html)."""
+REBALANCE_PATH = "/latest/meta-data/events/recommendations/rebalance"
+"""404 until the instance is at elevated risk of interruption, then `{"noticeTime": ISO UTC}`
+(https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/rebalance-recommendations.html)."""

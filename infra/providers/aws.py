@@ -335,6 +335,26 @@ class AwsProvider(Provider):
     def bookkeeping(self, request: UpRequest) -> tuple[StackConfig | None, float | None]:
         return stack_config.load_stack(request.stack, request.overrides), None
 
+    def spot_drill(self, cluster: ClusterInfo, node: str, notice_s: float, say, fis_role: str | None = None) -> None:
+        import boto3
+
+        from infra import preflight, spot_fis
+
+        cluster.node(node)
+        if not fis_role:
+            raise UsageError(
+                f"drill spot on AWS runs an AWS FIS experiment ({spot_fis.ACTION_ID}) on {node}'s instance: "
+                "pass --fis-role ARN, an IAM role FIS may assume with ec2:SendSpotInstanceInterruptions "
+                "and ec2:DescribeInstances"
+            )
+        spot_fis.check_notice(notice_s)
+        session = boto3.Session(region_name=cluster.region)
+        with preflight.aws_answers(f"drill spot {node}"):
+            experiment = spot_fis.interrupt(
+                session.client("ec2"), session.client("fis"), cluster.stack, node, cluster.region, notice_s, fis_role
+            )
+        say(f"{node}: AWS FIS experiment {experiment} posts the spot notice; interrupted in {notice_s:g} s")
+
     def down(self, stack: str, say) -> DownReport:
         from infra import teardown
 

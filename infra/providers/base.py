@@ -9,6 +9,7 @@ kept") is done once by `infra.providers.bring_up` / `bring_down`.
 from dataclasses import dataclass
 
 from infra.config import StackConfig
+from infra.errors import UsageError
 from infra.inventory import ClusterInfo, NodeStatus
 
 # The config keys `up` takes from the command line, and the flag that sets each.
@@ -116,3 +117,8 @@ class Provider:
     def interrupted_stacks(self) -> list[str]:
         """Stacks an `up` killed midway left running without an inventory (found from what is on disk)."""
         return []
+
+    def spot_drill(self, cluster: ClusterInfo, node: str, notice_s: float, say, fis_role: str | None = None) -> None:
+        """`deploy.py drill spot`: post a spot interruption notice on `node`, reclaimed `notice_s` later
+        (`fis_role`: the IAM role AWS FIS assumes to do it, where AWS does it)."""
+        raise UsageError(f"drill spot rehearses a spot interruption: {self.what} has no spot instances")

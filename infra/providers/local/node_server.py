@@ -5,9 +5,11 @@
 Started in the background by `deploy.py up --local`, one process per node, with an allow-listed
 environment (no credentials of the caller's). It accepts only the cluster's key, serves exec, shell
 (with a PTY when asked), SFTP and scp (both protocols, with an exit status as OpenSSH gives), and
-behaves like a machine that can be powered off: on SIGTERM, or when the watchdog's stop marker appears
-in the shared folder, it ends every process started on the node and exits. A client that disconnects
-takes its command's process group with it, so a killed session leaves no orphans. Everything it and
+behaves like a machine that can be powered off: on SIGTERM, when the watchdog's stop marker appears
+in the shared folder, or when a spot notice's time passes (a spot instance reclaimed), it ends every
+process started on the node and exits. It also serves the node's instance metadata service
+(metadata.py). A client that disconnects takes its command's process group with it, so a killed
+session leaves no orphans. Everything it and
 its commands create is private to the user (umask 077), as the state folder it lives in is.
 """
 
@@ -28,6 +30,7 @@ from pathlib import Path
 import asyncssh
 
 from infra import state
+from infra.providers.local import metadata
 from node import contract, procfs
 
 SERVER_MODULE = "infra.providers.local.node_server"
@@ -69,6 +72,10 @@ class NodeConfig:
     """Written once the port is bound: `{"pid", "started_at", "address", "port"}`."""
     token: str
     """Put in every session's environment as CLUSTER_NODE_TOKEN, so power-off finds all it started."""
+    metadata_port: int = 0
+    """The port of the node's instance metadata service on `address` (metadata.py); 0: none."""
+    notice_file: str = ""
+    """Where the operator posts a spot notice for this node; the node powers off at its time."""
 
     @classmethod
     def load(cls, path: str) -> "NodeConfig":
@@ -206,6 +213,7 @@ class Node:
         self.home = Path(config.home)
         self.processes = ProcessTable(self.home, config.token)
         self.stopping = asyncio.Event()
+        self.metadata_endpoint = f"http://{config.address}:{config.metadata_port}" if config.metadata_port else ""
 
     def session_env(self, process: asyncssh.SSHServerProcess) -> dict[str, str]:
         cfg = self.config
@@ -223,6 +231,8 @@ class Node:
             "CUDA_VISIBLE_DEVICES": "",
             "BASH_ENV": str(self.home / contract.HOME_DIR / "bash_env"),
         }
+        if self.metadata_endpoint:
+            env[contract.METADATA_ENDPOINT_VARIABLE] = self.metadata_endpoint
         env.update(process.env)
         if process.term_type:
             env["TERM"] = process.term_type
@@ -309,11 +319,16 @@ class Node:
                 task.cancel()
 
     async def guard(self) -> None:
-        """Power off when the watchdog's stop marker appears, as an AWS node's guard timer does."""
+        """Power off when the watchdog's stop marker appears, as an AWS node's guard timer does, or when
+        the spot notice's time has passed, as EC2 reclaims a spot instance."""
         marker = Path(self.config.shared_dir) / contract.STOP_MARKER
         while not self.stopping.is_set():
             if marker.exists():
                 log.warning("stop marker %s found: powering off", marker)
+                self.stopping.set()
+                return
+            if self.config.notice_file and metadata.reclaim_due(Path(self.config.notice_file)):
+                log.warning("the spot notice's time has passed: the node is reclaimed")
                 self.stopping.set()
                 return
             try:
@@ -421,6 +436,12 @@ async def serve(config: NodeConfig) -> None:
         encoding=None,
         reuse_address=True,
     )
+    service = None
+    if config.metadata_port:
+        try:
+            service = metadata.MetadataServer(config.address, config.metadata_port, Path(config.notice_file)).start()
+        except OSError as exc:  # main() names the SSH port; say which port this was
+            raise OSError(exc.errno, f"{exc.strerror} (the metadata service's port {config.metadata_port})") from None
     _write_pid_file(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -430,6 +451,8 @@ async def serve(config: NodeConfig) -> None:
     await node.stopping.wait()
     guard.cancel()
     server.close()
+    if service is not None:
+        service.stop()
     await node.processes.end_all()
     Path(config.pid_file).unlink(missing_ok=True)
     log.info("%s powered off", config.name)

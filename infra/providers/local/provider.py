@@ -32,7 +32,7 @@ from infra.config import StackConfig
 from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo, NodeInfo, NodeStatus
 from infra.providers.base import DownReport, Provider, UpRequest, UpResult
-from infra.providers.local import procs
+from infra.providers.local import metadata, procs
 from infra.providers.local.node_server import PID_REGISTRY, SERVER_MODULE, NodeConfig, token_entry
 from node import contract, procfs
 
@@ -75,6 +75,11 @@ def shared_dir(stack: str) -> Path:
 
 def host_key_path(stack: str, index: int) -> Path:
     return state.stack_dir(stack) / "host_keys" / f"node-{index}"
+
+
+def notice_path(stack: str, node_name: str) -> Path:
+    """Where `drill spot` posts a node's spot notice (out of the node's home, as the host keys are)."""
+    return state.stack_dir(stack) / "notices" / f"{node_name}.json"
 
 
 # ---------------------------------------------------------------------------------------------- up
@@ -203,6 +208,13 @@ def _can_bind_address(address: str) -> bool:
             return False
 
 
+def _free_port(address: str) -> int:
+    """A port free on `address` now, for the node's metadata service (its node server binds it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((address, 0))
+        return sock.getsockname()[1]
+
+
 def _check_port_free(address: str, port: int) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -272,6 +284,8 @@ def _prepare_node(stack: str, index: int, address: str, port: int, client_key: P
         shared_dir=str(shared_dir(stack)),
         pid_file=str(home / "sshd.pid"),
         token=secrets.token_hex(8),
+        metadata_port=_free_port(address),
+        notice_file=str(notice_path(stack, f"node-{index}")),
     )
     state.write_atomic(home / "node.json", json.dumps(config.__dict__, indent=2))
     return config, host_public
@@ -442,6 +456,8 @@ def _node_endpoints(stack: str) -> list[tuple[str, int]]:
         try:
             config = json.loads(path.read_text())
             endpoints.append((config["address"], int(config["port"])))
+            if config.get("metadata_port"):
+                endpoints.append((config["address"], int(config["metadata_port"])))
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return endpoints
@@ -637,3 +653,13 @@ class LocalProvider(Provider):
 
     def interrupted_stacks(self) -> list[str]:
         return stacks_without_inventory()
+
+    def spot_drill(self, cluster: ClusterInfo, node: str, notice_s: float, say, fis_role: str | None = None) -> None:
+        name = cluster.node(node).name
+        if name not in _server_start_times(cluster.stack):
+            raise UsageError(f"{name} is not running (reclaimed already?): python deploy.py status shows the nodes")
+        notice = metadata.post_notice(notice_path(cluster.stack, name), notice_s)
+        say(
+            f"{name}: spot interruption notice posted on its metadata service; "
+            f"reclaimed at {notice['time']} (in {notice_s:g} s)"
+        )
