@@ -385,7 +385,7 @@ class Bootstrap:
                 on_all_nodes([r.session for r in self.records], lambda s: s.run(stop))
                 for record in self.records:
                     self._forget(record, "scheduler")
-            return {r.name: Outcome("n/a", "runs held by fab (--scheduler slurm: by Slurm)") for r in self.records}
+            return {r.name: Outcome("n/a", "none") for r in self.records}
         # Always asked: `start` leaves running daemons of an unchanged configuration alone (about 0.4 s), and
         # starts what is not running (a node restarted since), which no recorded digest can know.
         description = self._scheduler_description()

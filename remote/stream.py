@@ -235,7 +235,7 @@ def console() -> "Console":
     """rich output for tables: the terminal's width, or a wide page when piped (logs, CI)."""
     from rich.console import Console
 
-    return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 
 
 def say(message: str) -> None:

@@ -320,7 +320,7 @@ def test_fab_hybrid_runs_2_nodes_x_2_processes_and_resumes_on_2_ranks(cluster):
 
 def test_fab_refuses_a_process_count_below_1_before_anything_runs(cluster):
     before = cluster.runs()
-    assert_one_line_error(cluster.fab("hybrid", "--nproc-per-node", "0"), "--nproc-per-node", ">= 1")
+    assert_one_line_error(cluster.fab("hybrid", "--nproc-per-node", "0"), "--nproc-per-node", "from 1 to 256")
     assert_one_line_error(cluster.fab("hello", "--nproc-per-node", "two"), "--nproc-per-node", "whole number")
     assert cluster.runs() == before
 

@@ -157,7 +157,7 @@ def test_stop_leaves_no_process_and_a_changed_description_restarts(own_scheduler
 def test_powering_off_a_local_node_ends_its_daemons_steps_and_tasks(own_scheduler):
     """The local provider's node server ends what its node started (`ProcessTable.end_all`): the
     registered daemons, and the steps slurmd forks into sessions of their own with an empty environment."""
-    from infra.local.node_server import ProcessTable
+    from infra.providers.local.node_server import ProcessTable
 
     cluster = own_scheduler
     cluster.start()

@@ -485,6 +485,9 @@ def test_procfs_tells_running_stopped_and_gone_processes_and_finds_them_by_envir
     child = subprocess.Popen(["sleep", "30"], env={"PATH": os.environ["PATH"], "CLUSTER_RUN_ID": "run-procfs"})
     try:
         assert procfs.alive(child.pid) and procfs.process_state(child.pid) == "running"
+        deadline = time.monotonic() + 5  # a loaded machine may show the new program's environ a moment late
+        while procfs.pids_with_environment("CLUSTER_RUN_ID=run-procfs") != [child.pid] and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert procfs.pids_with_environment("CLUSTER_RUN_ID=run-procfs") == [child.pid]
         assert procfs.environment(child.pid)["CLUSTER_RUN_ID"] == "run-procfs"
         child.send_signal(signal.SIGSTOP)
