@@ -45,18 +45,31 @@ def rank_processes(run_id: str) -> dict[int, int]:
     return found
 
 
-def read_ranks(folder: str, run_id: str, now: float) -> list[dict]:
-    """Every rank of the run on this node: its last progress record, if any, and its process state."""
-    records = {}
+def progress_records(folder: str) -> list[dict]:
+    """The ranks' progress records in `folder` (`rank-<R>.json`), those that read whole; one being
+    replaced right now, or damaged, is left for the next look."""
+    found = []
     for path in glob.glob(os.path.join(folder, contract.RANK_PROGRESS_GLOB)):
         if path.endswith(contract.DUMP_SUFFIX):
             continue
         try:
             with open(path) as f:
                 record = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict):
+            found.append(record)
+    return found
+
+
+def read_ranks(folder: str, run_id: str, now: float) -> list[dict]:
+    """Every rank of the run on this node: its last progress record, if any, and its process state."""
+    records = {}
+    for record in progress_records(folder):
+        try:
             records[int(record["rank"])] = record
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # being replaced right now, or damaged: the next poll reads it
+        except (KeyError, TypeError, ValueError):
+            continue
     for rank, pid in rank_processes(run_id).items():
         if rank not in records or records[rank].get("pid") != pid:
             records[rank] = {"rank": rank, "pid": pid, "time": now, "reported": False}

@@ -27,7 +27,6 @@ monitors' progress records show (`null` where the launch started no monitor). No
 operator side.
 """
 
-import glob
 import json
 import os
 import signal
@@ -40,6 +39,7 @@ if not __package__:  # run as a file (`python node/torchrun.py`): import its sib
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
 
 from node import contract  # noqa: E402
+from node.hang import progress_records  # noqa: E402
 from node.output import Mux, OwnOutput, node_prefix, rank_pipe  # noqa: E402
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -146,17 +146,7 @@ def formed_process_group(node: str) -> bool | None:
     folder = os.environ.get(contract.PROGRESS_VARIABLE)
     if not folder or not os.path.isdir(folder):
         return None
-    for path in glob.glob(os.path.join(folder, contract.RANK_PROGRESS_GLOB)):
-        if path.endswith(contract.DUMP_SUFFIX):
-            continue
-        try:
-            with open(path) as f:
-                record = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if record.get("node", node) in ("", node):
-            return True
-    return False
+    return any(record.get("node", node) in ("", node) for record in progress_records(folder))
 
 
 def ranks_line(exit_codes: dict[str, int], process_group: bool | None) -> str:

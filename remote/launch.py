@@ -270,22 +270,8 @@ def run_job(
     interrupted = False
 
     def start(session: NodeSession) -> int:
-        command = job_command.launch_command(
-            cluster,
-            session.node,
-            run_id,
-            spec.task,
-            script,
-            spec.args,
-            spec.max_restarts,
-            setup.master_port,
-            spec.nproc_per_node,
-            job_environment(run_id, spec.hang),
-            (rankhook_path(),) if spec.hang.enabled else (),
-            workdir_key=spec.workdir.key if spec.workdir else None,
-            python=spec.requirements.python if spec.requirements else None,
-            env=spec.env,
-        )
+        workdir_key = spec.workdir.key if spec.workdir else None
+        command = node_command(cluster, session.node, spec, setup, run_id, script, workdir_key)
         stream = streams[session.node.name]
         try:
             return session.stream(command, stream)
@@ -332,6 +318,29 @@ def run_job(
         watch.report,
         {name: stream.ranks for name, stream in streams.items() if contract.RANKS_MARKER in stream.markers},
         watch.stats(),
+    )
+
+
+def node_command(
+    cluster: ClusterInfo, node, spec: JobSpec, setup: NodeSetup, run_id: str, script: str, workdir_key: str | None
+) -> str:
+    """The job's whole command on one node (`job_command.launch_command`) for this launch's spec, the
+    hang watch's recorder and rank hook included; attached launches and Slurm's steps run the same."""
+    return job_command.launch_command(
+        cluster,
+        node,
+        run_id,
+        spec.task,
+        script,
+        spec.args,
+        spec.max_restarts,
+        setup.master_port,
+        spec.nproc_per_node,
+        job_environment(run_id, spec.hang),
+        (rankhook_path(),) if spec.hang.enabled else (),
+        workdir_key=workdir_key,
+        python=spec.requirements.python if spec.requirements else None,
+        env=spec.env,
     )
 
 

@@ -382,8 +382,8 @@ def launch(cluster: ClusterInfo, spec, setup, runs_root: Path, detach: bool) -> 
     from infra.ledger import Ledger
     from remote import workdir as workdirs
     from remote.connect import on_all_nodes, open_sessions
-    from remote.hangwatch import OVERDUE_GRACE_S, ask_command, job_environment, rankhook_path
-    from remote.launch import JobLock, check_ready, job_script, prepare, upload_script
+    from remote.hangwatch import OVERDUE_GRACE_S, ask_command
+    from remote.launch import JobLock, check_ready, job_script, node_command, prepare, upload_script
 
     wanted = None
     if spec.workdir:
@@ -408,24 +408,8 @@ def launch(cluster: ClusterInfo, spec, setup, runs_root: Path, detach: bool) -> 
                     why = "; ".join(f"{r.name}: {describe(r.error)}" for r in copied.failed)
                     raise OperationError(f"could not copy the workdir for run {run_id}: {why}")
         script = job_script(cluster, spec, run_id)
-        commands = {
-            node.name: job_command.launch_command(
-                cluster,
-                node,
-                run_id,
-                spec.task,
-                script,
-                spec.args,
-                spec.max_restarts,
-                setup.master_port,
-                spec.nproc_per_node,
-                job_environment(run_id, spec.hang),
-                (rankhook_path(),) if spec.hang.enabled else (),
-                python=spec.requirements.python if spec.requirements else None,
-                env=spec.env,
-            )
-            for node in cluster.nodes
-        }
+        # The copy is made: each node's command only makes the job's folder (no workdir key).
+        commands = {node.name: node_command(cluster, node, spec, setup, run_id, script, None) for node in cluster.nodes}
         watch = None
         if spec.hang.enabled:  # on the cluster: it holds while no fab follows the run
             watch = {
