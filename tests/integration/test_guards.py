@@ -21,15 +21,16 @@ def test_an_idle_local_cluster_brings_itself_down_and_says_why(state_dir, make_c
     bootstrap = run_fab("bootstrap", "--master-port", str(free_port()))
     assert bootstrap.returncode == 0, bootstrap.stdout + bootstrap.stderr
     assert "idle 0.1 min" in bootstrap.stdout
-    deadline, status = time.monotonic() + 60, None
+    # The marker is written first and every node powers itself off when it sees it: wait for both.
+    deadline, report = time.monotonic() + 60, {}
     while time.monotonic() < deadline:
         status = run_cli("status", "--json")
-        if status.returncode == 1 and "idle" in json.loads(status.stdout)["stopped_reason"]:
+        report = json.loads(status.stdout) if status.returncode == 1 else {}
+        if "idle" in report.get("stopped_reason", "") and all(n["state"] == "down" for n in report["nodes"]):
             break
         time.sleep(1)
-    report = json.loads(status.stdout)
-    assert "idle: no job and idle GPUs" in report["stopped_reason"]
-    assert all(n["state"] == "down" for n in report["nodes"])
+    assert "idle: no job and idle GPUs" in report.get("stopped_reason", ""), report
+    assert all(n["state"] == "down" for n in report["nodes"]), report["nodes"]
     assert node_server_processes(state_dir) == [] and watchdog_processes(state_dir) == []
     text = run_cli("status")
     assert "the cluster stopped itself: idle" in text.stdout
