@@ -1,4 +1,4 @@
-"""The user data every AWS node boots with: EFS at /shared, the power-off guard, a ready marker.
+"""The user data every AWS node boots with: EFS at /shared, the power-off guard, Slurm's programs, a ready marker.
 
 The guard is a systemd timer that powers the node off when the watchdog (harness/watchdog.py, started
 on the head node by `fab bootstrap`) writes its stop marker into the shared folder, so a budget or
@@ -13,6 +13,20 @@ SSH_USER = "ubuntu"  # the login of the AMI (the Deep Learning Base AMI on Ubunt
 READY_MARKER = "/var/lib/gpu-cluster/ready"
 STOP_MARKER = f"{SHARED_DIR}/{contract.STOP_MARKER}"
 MOUNT_OPTIONS = "nfsvers=4.1,rsize=1048576,wsize=1048576,hard,timeo=600,retrans=2,noresvport"
+SCHEDULER_PACKAGES = ("slurm-wlm", "munge")
+SCHEDULER_SERVICES = ("munge", "slurmctld", "slurmd")
+
+SCHEDULER_SETUP = f"""\
+# Slurm's programs for `fab bootstrap --scheduler slurm` (node/scheduler.py runs its own daemons, as the
+# node user, with the cluster's own configuration): the system's services are masked before the
+# install so they never start with Ubuntu's defaults. A failed install is logged, never fatal: the node
+# serves attached launches, and bootstrap's scheduler stage names what is missing.
+systemctl mask {" ".join(SCHEDULER_SERVICES)} >/dev/null 2>&1 || true
+if ! {{ command -v slurmctld && command -v slurmd && command -v munged; }} >/dev/null 2>&1; then
+  {{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq {" ".join(SCHEDULER_PACKAGES)}; }} \\
+    || echo "warning: {" and ".join(SCHEDULER_PACKAGES)} not installed; fab bootstrap --scheduler slurm will fail on this node"
+fi
+"""
 
 
 def user_data(efs_dns_name: str, ssh_user: str = "ubuntu") -> str:
@@ -64,6 +78,7 @@ UNIT
 systemctl daemon-reload
 systemctl enable --now gpu-cluster-guard.timer
 
+{SCHEDULER_SETUP}
 mkdir -p "$(dirname {READY_MARKER})"
 date -Is > {READY_MARKER}
 echo "gpu-cluster init done $(date -Is)"

@@ -3,10 +3,11 @@ exit 2, nothing created; `plan` still works offline."""
 
 import json
 import os
+import subprocess
 
 import pytest
 
-from infra.cloud_init import STOP_MARKER, user_data
+from infra.cloud_init import SCHEDULER_SETUP, STOP_MARKER, user_data
 from infra.providers.aws import host_keys_from_console
 from tests.support.cli import assert_one_line_error, run_cli
 
@@ -174,3 +175,23 @@ def test_ssh_passes_the_remote_command_through_whole():
     argv = ssh_argv(cluster, "node-0", ["grep", "--", "-x", "file"])
     assert argv[-6:] == ["ubuntu@203.0.113.10", "--", "grep", "--", "-x", "file"]
     assert "StrictHostKeyChecking=yes" in argv and "UserKnownHostsFile=/kh" in argv
+
+
+def test_cloud_init_installs_slurm_with_its_system_services_masked_first_and_a_failed_install_is_not_fatal(tmp_path):
+    """The node's Slurm section run by bash against stand-in apt-get and systemctl: the system's daemons are
+    masked before the packages can start them, and an apt failure leaves the rest of the boot to go on."""
+    calls = tmp_path / "calls"
+    for name, code in (("systemctl", 0), ("apt-get", 100)):
+        tool = tmp_path / name
+        tool.write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\nexit {code}\n')
+        tool.chmod(0o755)
+    script = f"set -euo pipefail\n{SCHEDULER_SETUP}echo booted\n"
+    done = subprocess.run(
+        ["bash", "-c", script], env={"PATH": f"{tmp_path}:/usr/bin:/bin"}, capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("booted"), done.stdout + done.stderr
+    assert "slurm-wlm and munge not installed" in done.stdout
+    lines = calls.read_text().splitlines()
+    assert lines[0] == "systemctl mask munge slurmctld slurmd"
+    assert any(line.startswith("apt-get") for line in lines[1:])
+    assert SCHEDULER_SETUP in user_data("fs-1234.efs.us-east-1.amazonaws.com")
