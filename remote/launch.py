@@ -212,6 +212,28 @@ def first_failure(
     return ordered[0] if ordered else None
 
 
+def open_launch(
+    cluster: ClusterInfo, spec: JobSpec, queued: bool = False
+) -> tuple[Manifest | None, list[NodeSession], list[str], str]:
+    """A launch's first steps, attached or held by Slurm: the workdir's manifest, one status round on
+    every node, the readiness checks (UsageError before anything starts; the sessions closed), and
+    the new run's id. The caller closes the sessions."""
+    wanted = None
+    if spec.workdir:
+        wanted = workdir.manifest(spec.workdir, workdir.hash_cache_path(cluster, spec.workdir))
+    status = protocol.launch_status_command(
+        spec.workdir.key if spec.workdir else None, spec.requirements.digest if spec.requirements else None
+    )
+    sessions, statuses = open_sessions(cluster, status)
+    try:
+        check_ready(sessions, statuses, queued=queued)
+    except BaseException:
+        for session in sessions:
+            session.close()
+        raise
+    return wanted, sessions, statuses, job_command.new_run_id(spec.task)
+
+
 def check_ready(sessions: list[NodeSession], statuses: list[str], queued: bool = False) -> None:
     """UsageError (exit 2) if a node is not bootstrapped or (unless the run is `queued` behind it by the
     scheduler) already runs a job, before anything starts."""
@@ -559,16 +581,8 @@ def launch(
     cluster: ClusterInfo, spec: JobSpec, setup: NodeSetup, runs_root: Path, on_start=None, on_hang=None
 ) -> tuple[JobResult, Path]:
     """The whole launch: checks, sync, upload, run, results. UsageError before anything starts if not ready."""
-    wanted = None
-    if spec.workdir:
-        wanted = workdir.manifest(spec.workdir, workdir.hash_cache_path(cluster, spec.workdir))
-    status = protocol.launch_status_command(
-        spec.workdir.key if spec.workdir else None, spec.requirements.digest if spec.requirements else None
-    )
-    sessions, statuses = open_sessions(cluster, status)
+    wanted, sessions, statuses, run_id = open_launch(cluster, spec)
     try:
-        check_ready(sessions, statuses)
-        run_id = job_command.new_run_id(spec.task)
         local_dir = runs_root / run_id
         with JobLock(sessions[0], run_id, spec.task):
             prepare(cluster, sessions, statuses, spec, setup, wanted)

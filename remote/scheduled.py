@@ -380,21 +380,12 @@ def launch(cluster: ClusterInfo, spec, setup, runs_root: Path, detach: bool) -> 
     """Prepare, submit and (unless `detach`) follow one run; the run's local folder, its record, and how
     following ended (None when detached at once)."""
     from infra.ledger import Ledger
-    from remote import workdir as workdirs
-    from remote.connect import on_all_nodes, open_sessions
+    from remote.connect import on_all_nodes
     from remote.hangwatch import OVERDUE_GRACE_S, ask_command
-    from remote.launch import JobLock, check_ready, job_script, node_command, prepare, upload_script
+    from remote.launch import JobLock, job_script, node_command, open_launch, prepare, upload_script
 
-    wanted = None
-    if spec.workdir:
-        wanted = workdirs.manifest(spec.workdir, workdirs.hash_cache_path(cluster, spec.workdir))
-    status = protocol.launch_status_command(
-        spec.workdir.key if spec.workdir else None, spec.requirements.digest if spec.requirements else None
-    )
-    sessions, statuses = open_sessions(cluster, status)
+    wanted, sessions, statuses, run_id = open_launch(cluster, spec, queued=True)
     try:
-        check_ready(sessions, statuses, queued=True)
-        run_id = job_command.new_run_id(spec.task)
         local_dir = runs_root / run_id
         with JobLock(sessions[0], run_id, spec.task):  # the workdir caches and environments, one launch at a time
             prepare(cluster, sessions, statuses, spec, setup, wanted)
