@@ -47,6 +47,8 @@ FINAL_STATES = frozenset(
     {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 )
 """Slurm's job states after which a job runs no more (a requeued job goes back to PENDING first)."""
+WAITING_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SPECIAL_EXIT"})
+"""Slurm's job states of a job that waits to start (again)."""
 FIELD = re.compile(r"(\w+)=(\S*)")
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 SEPARATOR = re.compile(rb"([\r\n])")
@@ -277,17 +279,22 @@ def _epoch(value: str):
         return None
 
 
-def _job_fields(text: str) -> dict:
+def job_fields(text: str) -> dict:
+    """One job's state, times, exit and requeues from `scontrol show job --oneliner` or a job-completion
+    line; what is not known yet is None (Slurm writes an `EndTime` and `ExitCode=0:0` before a job ends,
+    and for a waiting job a `StartTime` that is only its guess)."""
     fields = dict(FIELD.findall(text))
     code = fields.get("ExitCode", "")
     status, _, signal_number = code.partition(":")
+    state = fields.get("JobState", "").split()[0] if fields.get("JobState") else None
+    ended = state in FINAL_STATES
     return {
-        "state": fields.get("JobState", "").split()[0] if fields.get("JobState") else None,
+        "state": state,
         "submitted_at": _epoch(fields.get("SubmitTime", "")),
-        "started_at": _epoch(fields.get("StartTime", "")),
-        "ended_at": _epoch(fields.get("EndTime", "")),
-        "exit_code": int(status) if status.isdigit() else None,
-        "signal": int(signal_number) if signal_number.isdigit() else None,
+        "started_at": None if state in WAITING_STATES else _epoch(fields.get("StartTime", "")),
+        "ended_at": _epoch(fields.get("EndTime", "")) if ended else None,
+        "exit_code": int(status) if ended and status.isdigit() else None,
+        "signal": int(signal_number) if ended and signal_number.isdigit() else None,
         "requeues": int(fields["Restarts"]) if fields.get("Restarts", "").isdigit() else 0,
     }
 
@@ -296,17 +303,14 @@ def job_state(job_id: str) -> dict | None:
     """What Slurm knows of the job: the controller while it remembers it, else the completion log."""
     result = _client(["scontrol", "show", "job", "--oneliner", job_id])
     if result.returncode == 0 and "JobState=" in result.stdout:
-        found = _job_fields(result.stdout)
-        if found["state"] not in FINAL_STATES:
-            found["ended_at"] = None
-        return found
+        return job_fields(result.stdout)
     completions = os.path.join(os.path.expanduser("~"), contract.JOB_COMPLETIONS)
     try:
         with open(completions, errors="replace") as f:
             lines = [line for line in f if line.startswith(f"JobId={job_id} ")]
     except OSError:
         return None
-    return _job_fields(lines[-1]) if lines else None
+    return job_fields(lines[-1]) if lines else None
 
 
 def follow(log: str, job_id: str, offset: int = 0) -> int:

@@ -233,12 +233,15 @@ class Followed:
     detached: str = ""
     """Why following stopped before the end (a dropped connection, SIGHUP); '' when it did not."""
     interrupted: bool = False
-    """Ctrl-C: the run was cancelled."""
+    """Ctrl-C: the run was cancelled (or, `detached` too, only the following stopped)."""
 
 
-def follow(cluster: ClusterInfo, run: Run, local_dir: Path, stop_hang=None, echo: bool = True) -> Followed:
+def follow(
+    cluster: ClusterInfo, run: Run, local_dir: Path, stop_hang=None, echo: bool = True, cancel_on_interrupt=True
+) -> Followed:
     """Show the run's log from its start until it ends. Ctrl-C (or SIGTERM) cancels the run and follows
-    it to its end; SIGHUP or a lost connection only stop the following."""
+    it to its end, or with `cancel_on_interrupt` False (`fab logs -f`) only stops the following, as
+    SIGHUP or a lost connection do."""
     local_dir.mkdir(parents=True, exist_ok=True)
     splitter = LogSplitter(local_dir, echo)
     head = NodeSession(cluster, cluster.head)
@@ -263,16 +266,19 @@ def follow(cluster: ClusterInfo, run: Run, local_dir: Path, stop_hang=None, echo
             thread.join(timeout=0.2)
     except KeyboardInterrupt:
         interrupted = True
-        say(f"fab: interrupted: cancelling run {run.run_id}")
-        try:
-            cancel(cluster, run)
-        except (UsageError, OperationError) as exc:
-            say(f"fab: {exc}")
-        thread.join(timeout=CANCEL_WAIT_S)
+        if cancel_on_interrupt:
+            say(f"fab: interrupted: cancelling run {run.run_id}")
+            try:
+                cancel(cluster, run)
+            except (UsageError, OperationError) as exc:
+                say(f"fab: {exc}")
+            thread.join(timeout=CANCEL_WAIT_S)
     finally:
         _restore(handlers)
         head.close()
         splitter.close()
+    if interrupted and not cancel_on_interrupt:
+        return Followed(None, splitter.exit_codes, detached="Ctrl-C", interrupted=True)
     if hangup.is_set() and not splitter.end:
         return Followed(None, splitter.exit_codes, detached="the terminal hung up (SIGHUP)")
     if splitter.end is None and not interrupted:
@@ -326,7 +332,7 @@ def refresh(cluster: ClusterInfo, runs: list[Run]) -> None:
         run.state = known.get("state") or run.state
         run.started_at = known.get("started_at") or run.started_at
         run.ended_at = known.get("ended_at") if run.state in FINAL else None
-        run.exit_code = known.get("exit_code")
+        run.exit_code = known.get("exit_code") if run.state in FINAL else None
         run.requeues = int(known.get("requeues") or 0)
 
 
@@ -452,7 +458,9 @@ def launch(cluster: ClusterInfo, spec, setup, runs_root: Path, detach: bool) -> 
     return local_dir, run, follow_with_watch(cluster, setup, run, local_dir, spec.hang)
 
 
-def follow_with_watch(cluster: ClusterInfo, setup, run: Run, local_dir: Path, hang_policy=None) -> Followed:
+def follow_with_watch(
+    cluster: ClusterInfo, setup, run: Run, local_dir: Path, hang_policy=None, cancel_on_interrupt=True
+) -> Followed:
     """`follow`, with the hang watch beside it (while fab follows) where the run has one."""
     from remote.hangwatch import HangPolicy, HangWatch
 
@@ -476,7 +484,7 @@ def follow_with_watch(cluster: ClusterInfo, setup, run: Run, local_dir: Path, ha
 
         watch = HangWatch(cluster, setup.python, run.run_id, policy, local_dir, stop_run, hung).start()
     try:
-        return follow(cluster, run, local_dir)
+        return follow(cluster, run, local_dir, cancel_on_interrupt=cancel_on_interrupt)
     finally:
         if watch is not None:
             watch.close()

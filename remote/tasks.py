@@ -61,6 +61,8 @@ def after_follow(cluster: ClusterInfo, setup: NodeSetup, folder: Path, run: sche
             f"fab: stopped following ({followed.detached}); run {run.run_id} goes on on the cluster: "
             f"fab logs -f --run {run.run_id}"
         )
+        if followed.interrupted:
+            raise Exit(code=130)
         return
     scheduled.finish(cluster, setup, folder, run, followed)
     code, line = scheduled.outcome_line(cluster, run, folder)
@@ -510,7 +512,8 @@ def logs(c, run=None, node=None, lines=None, follow=False, stack=None):
             raise Exit("error: --follow follows runs held by Slurm (fab bootstrap --scheduler slurm)", code=2)
         folder, record = scheduled.find(state.runs_dir(cluster.stack), run)
         if not record.finished:
-            followed = scheduled.follow_with_watch(cluster, setup, record, folder)
+            # Ctrl-C stops the following only: cancelling is fab stop --run's
+            followed = scheduled.follow_with_watch(cluster, setup, record, folder, cancel_on_interrupt=False)
             after_follow(cluster, setup, folder, record, followed)
             return
         code, line = scheduled.outcome_line(cluster, record, folder)

@@ -146,7 +146,8 @@ def test_three_runs_queue_in_order_without_overlap(cluster, tmp_path):
 def test_a_cancel_leaves_nothing_and_bad_run_ids_are_one_line(cluster, tmp_path):
     work = script(tmp_path, "sleep.py", "print('sleeping', flush=True)\ntime.sleep(600)\n")
     run_id = detached(cluster, "run", "--script", str(work))
-    wait_for_state(cluster, run_id, "RUNNING")
+    running = wait_for_state(cluster, run_id, "RUNNING")
+    assert running["exit_code"] is None and running["ended_at"] is None, running  # null until known
     slurm.wait_for(lambda: run_processes(run_id), "the run's processes")
     stopped = cluster.fab("stop", "--run", run_id)
     assert stopped.returncode == 0 and f"run {run_id} cancelled" in stopped.stdout, stopped.stdout + stopped.stderr
@@ -159,20 +160,30 @@ def test_a_cancel_leaves_nothing_and_bad_run_ids_are_one_line(cluster, tmp_path)
     assert_one_line_error(cluster.fab("logs", "-f", "--run", "no-such-run"), "no run 'no-such-run'")
 
 
-def test_ctrl_c_of_a_followed_run_cancels_it_and_a_hangup_only_detaches(cluster, tmp_path):
+def test_ctrl_c_of_a_followed_run_cancels_it_and_a_hangup_or_ctrl_c_of_logs_f_only_detaches(cluster, tmp_path):
     work = script(tmp_path, "sleep2.py", "print('sleeping', flush=True)\ntime.sleep(600)\n")
-    for sent, code, state in ((signal.SIGHUP, 0, "RUNNING"), (signal.SIGINT, 130, "CANCELLED")):
-        fab = cluster.popen_fab("run", "--script", str(work))
+
+    def followed_until_sleeping(fab) -> str:
         seen = ""
         while "[node-1] sleeping" not in seen:
             line = fab.stdout.readline()
             assert line, seen
             seen += line
+        return seen
+
+    for sent, code, state in ((signal.SIGHUP, 0, "RUNNING"), (signal.SIGINT, 130, "CANCELLED")):
+        fab = cluster.popen_fab("run", "--script", str(work))
+        seen = followed_until_sleeping(fab)
         run_id = next(line.split()[2].rstrip(":") for line in seen.splitlines() if line.startswith("fab: run "))
         fab.send_signal(sent)
         assert fab.wait(timeout=60) == code, fab.stdout.read()
         assert wait_for_state(cluster, run_id, state)["state"] == state
-        if state == "RUNNING":  # the hangup left it running: cancel it here
+        if state == "RUNNING":  # the hangup left it running; Ctrl-C of a `fab logs -f` leaves it too
+            follower = cluster.popen_fab("logs", "-f", "--run", run_id)
+            followed_until_sleeping(follower)
+            follower.send_signal(signal.SIGINT)
+            assert follower.wait(timeout=60) == 130 and "goes on on the cluster" in follower.stdout.read()
+            assert wait_for_state(cluster, run_id, "RUNNING")["state"] == "RUNNING"
             assert cluster.fab("stop", "--run", run_id).returncode == 0
             wait_for_state(cluster, run_id, "CANCELLED")
         slurm.wait_for(lambda run_id=run_id: not run_processes(run_id), "no process of the run left")

@@ -4,7 +4,7 @@ import base64
 
 import pytest
 
-from node import scheduler
+from node import scheduler, slurm_run
 
 KEY = base64.b64encode(b"k" * 1024).decode()
 
@@ -106,3 +106,37 @@ def test_the_step_prefixes_the_shells_lines_and_leaves_the_ranks_own_prefixes_al
             b"[node-1] mkdir: oops\n[node-1 rank 3] step 1\r[node-1 rank 3] step 2\n"
             b"[node-1] __gpu_cluster_exit__ 0 1.5\n[node-1] done\n"
         ), cut
+
+
+# ------------------------------------------------------------------------ a job's state, as Slurm says it
+
+PENDING_JOB = (
+    "JobId=2 JobName=20261125-001712-run-3592 UserId=root(0) JobState=PENDING Reason=Resources Dependency=(null) "
+    "Requeue=1 Restarts=0 ExitCode=0:0 SubmitTime=2026-11-25T00:17:12 EligibleTime=2026-11-25T00:17:12 "
+    "StartTime=2027-11-25T00:16:51 EndTime=2027-11-25T00:16:51 Deadline=N/A"
+)
+RUNNING_JOB = (
+    "JobId=1 JobName=20261125-001650-run-c3b5 JobState=RUNNING Reason=None Requeue=1 Restarts=1 ExitCode=0:0 "
+    "SubmitTime=2026-11-25T00:16:50 StartTime=2026-11-25T00:16:51 EndTime=2027-11-25T00:16:51"
+)
+COMPLETION = (
+    "JobId=1 UserId=root(0) GroupId=root(0) Name=20261125-001650-run-c3b5 JobState=FAILED Partition=cluster "
+    "TimeLimit=UNLIMITED StartTime=2026-11-25T00:16:51 EndTime=2026-11-25T00:17:21 NodeList=node-[0-1] "
+    "NodeCnt=2 ProcCnt=4 WorkDir=/r ReservationName= Tres=cpu=4 Account= QOS= WcKey= Cluster=gc "
+    "SubmitTime=2026-11-25T00:16:50 EligibleTime=2026-11-25T00:16:50 DerivedExitCode=0:0 ExitCode=3:0"
+)
+
+
+def test_a_waiting_job_has_no_start_and_a_running_one_no_end_or_exit_code():
+    waiting = slurm_run.job_fields(PENDING_JOB)
+    assert waiting["state"] == "PENDING" and waiting["submitted_at"] is not None
+    assert (waiting["started_at"], waiting["ended_at"], waiting["exit_code"]) == (None, None, None)
+    running = slurm_run.job_fields(RUNNING_JOB)
+    assert running["started_at"] is not None and (running["ended_at"], running["exit_code"]) == (None, None)
+    assert running["requeues"] == 1
+
+
+def test_an_ended_job_has_its_times_and_exit_code_from_the_completion_log():
+    ended = slurm_run.job_fields(COMPLETION)
+    assert ended["state"] == "FAILED" and ended["exit_code"] == 3 and ended["signal"] == 0
+    assert ended["ended_at"] - ended["started_at"] == 30
