@@ -124,7 +124,11 @@ def cost_tables(data: dict) -> None:
     for column in ("run", "task", "stack", "nodes", "seconds", "cost", "exit codes"):
         runs.add_column(column)
     for r in data["runs"]:
-        codes = ", ".join(f"{k}={v}" for k, v in (r["exit_codes"] or {}).items()) or r.get("end_reason") or "running"
+        codes = (
+            ", ".join(f"{k}={v}" for k, v in sorted((r["exit_codes"] or {}).items()))
+            or r.get("end_reason")
+            or "running"
+        )
         if r.get("hung"):
             stalled = (r["stalled_at"] or "")[11:19]
             codes = f"HUNG: no progress from {stalled} UTC, ${r['usd_since_stall']:.4f} spent since; {codes}"

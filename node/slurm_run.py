@@ -282,7 +282,7 @@ def _epoch(value: str):
 def job_fields(text: str) -> dict:
     """One job's state, times, exit and requeues from `scontrol show job --oneliner` or a job-completion
     line; what is not known yet is None (Slurm writes an `EndTime` and `ExitCode=0:0` before a job ends,
-    and for a waiting job a `StartTime` that is only its guess)."""
+    and for a waiting job a `StartTime` that is only its guess). Slurm's `ExitCode` is `STATUS:SIGNAL`."""
     fields = dict(FIELD.findall(text))
     code = fields.get("ExitCode", "")
     status, _, signal_number = code.partition(":")
@@ -293,7 +293,10 @@ def job_fields(text: str) -> dict:
         "submitted_at": _epoch(fields.get("SubmitTime", "")),
         "started_at": None if state in WAITING_STATES else _epoch(fields.get("StartTime", "")),
         "ended_at": _epoch(fields.get("EndTime", "")) if ended else None,
-        "exit_code": int(status) if ended and status.isdigit() else None,
+        # a job ended by a signal (cancelled, killed) has the shell's code for it: 128 + the signal
+        "exit_code": (128 + int(signal_number) if status == "0" and signal_number not in ("", "0") else int(status))
+        if ended and status.isdigit()
+        else None,
         "signal": int(signal_number) if ended and signal_number.isdigit() else None,
         "requeues": int(fields["Restarts"]) if fields.get("Restarts", "").isdigit() else 0,
     }

@@ -140,3 +140,10 @@ def test_an_ended_job_has_its_times_and_exit_code_from_the_completion_log():
     ended = slurm_run.job_fields(COMPLETION)
     assert ended["state"] == "FAILED" and ended["exit_code"] == 3 and ended["signal"] == 0
     assert ended["ended_at"] - ended["started_at"] == 30
+
+
+def test_a_job_ended_by_a_signal_has_the_shells_code_for_it():
+    cancelled = slurm_run.job_fields(
+        COMPLETION.replace("JobState=FAILED", "JobState=CANCELLED").replace("=3:0", "=0:15")
+    )
+    assert cancelled["state"] == "CANCELLED" and (cancelled["exit_code"], cancelled["signal"]) == (143, 15)
