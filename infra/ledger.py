@@ -271,13 +271,18 @@ class Ledger:
         return cluster_id
 
     def cluster_down(self, stack: str, reason: str = "down", at: float | None = None) -> bool:
-        """Close the stack's open interval; False if none was open."""
+        """Close the stack's open interval, and its runs still open (nothing runs on a cluster that is down:
+        a run held by Slurm that no fab saw end is priced up to here); False if no interval was open."""
         at = self.clock() if at is None else at
         with self._transaction():
             cursor = self.db.execute(
                 "UPDATE intervals SET ended_at = MAX(?, started_at), end_reason = ? WHERE ended_at IS NULL AND "
                 "cluster_id IN (SELECT id FROM clusters WHERE stack = ?)",
                 (at, reason, stack),
+            )
+            self.db.execute(
+                "UPDATE runs SET ended_at = MAX(?, started_at), end_reason = ? WHERE ended_at IS NULL AND stack = ?",
+                (at, f"ended with its cluster ({reason})", stack),
             )
         return cursor.rowcount > 0
 

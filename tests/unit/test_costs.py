@@ -180,6 +180,21 @@ def test_an_open_interval_is_costed_up_to_now_and_runs_by_their_duration(tmp_pat
     assert run.exit_codes == {"node-0": 0, "node-1": 0} and run.cost_usd(clock.now) == pytest.approx(0.025)
 
 
+def test_a_run_no_fab_saw_end_is_closed_and_priced_up_to_its_cluster_going_down(tmp_path):
+    clock = Clock()
+    ledger = Ledger(tmp_path / "ledger.sqlite", clock=clock)
+    ledger.cluster_up("dev", "aws", "g4dn.2xlarge", 2, hourly_usd=3.6)
+    ledger.run_started("held", "dev", "run", 2, 3.6, scheduled=True)  # held by Slurm: no fab heartbeats it
+    ledger.run_started("other", "prod", "run", 2, 3.6, scheduled=True)
+    clock.now += 50
+    ledger.cluster_down("dev")
+    clock.now += 1000
+    held, other = ledger.run("held"), ledger.run("other")
+    assert held.ended_at == clock.now - 1000 and held.end_reason == "ended with its cluster (down)"
+    assert held.cost_usd(clock.now) == pytest.approx(0.05)
+    assert other.ended_at is None  # another stack's run goes on
+
+
 def test_local_clusters_cost_nothing_but_say_what_they_would_have_cost(tmp_path):
     clock = Clock()
     ledger = Ledger(tmp_path / "ledger.sqlite", clock=clock)
