@@ -30,30 +30,62 @@ MARKER = contract.MARKER_START.encode()
 
 
 class Terminal:
-    """fab's standard output, shared by every node's stream and fab's own lines: whoever writes while
-    another writer's line is unfinished ends that line first, and that writer's next bytes start with
-    its line's prefix again."""
+    """fab's standard output, shared by every node's stream and fab's own lines.
+
+    A node's unfinished line (bytes after its last line end, no `\\r` among them) is held up to `HOLD_S`
+    for the rest of it: SSH delivers output in pieces that can end mid-line, and another node's line
+    written meanwhile would cut it in two. Held longer (a prompt, `loading...` then ` done` much later),
+    it is shown; whoever then writes ends that line first, and its writer's next bytes start with the
+    line's prefix again. A line redrawn with `\\r` (a progress bar) is never held."""
+
+    HOLD_S = 0.2
 
     def __init__(self):
         self.lock = threading.Lock()
         self.unfinished: NodeStream | None = None
+        self.held: dict[NodeStream, bytes] = {}
+        self.timer: threading.Timer | None = None
 
     def write(self, writer: "NodeStream | None", data: bytes) -> None:
         with self.lock:
-            sys.stdout.flush()
-            out = getattr(sys.stdout, "buffer", None) or _Text(sys.stdout)
-            if self.unfinished is not None and self.unfinished is not writer:
-                out.write(b"\n")
-                self.unfinished.resumed = True
-                self.unfinished = None
-            if writer is not None and writer.resumed:
-                writer.resumed = False
-                if data and data[:1] not in (b"\n", b"\r"):
-                    out.write(writer.line_prefix)
-            out.write(data)
-            out.flush()
-            if data:  # a line redrawn with `\r` is unfinished too: another writer would draw over it
-                self.unfinished = writer if writer is not None and not data.endswith(b"\n") else None
+            if writer is not None:
+                data = self.held.pop(writer, b"") + data
+                cut = data.rfind(b"\n") + 1
+                if b"\r" not in data[cut:] and data[cut:]:
+                    self.held[writer] = data[cut:]
+                    data = data[:cut]
+                    self._flush_later()
+            self._write(writer, data)
+
+    def release(self, writer: "NodeStream | None" = None) -> None:
+        """Show what is held (of `writer`, or of every writer)."""
+        with self.lock:
+            for held in [writer] if writer is not None else list(self.held):
+                self._write(held, self.held.pop(held, b""))
+
+    def _flush_later(self) -> None:
+        if self.timer is None or not self.timer.is_alive():
+            self.timer = threading.Timer(self.HOLD_S, self.release)
+            self.timer.daemon = True
+            self.timer.start()
+
+    def _write(self, writer: "NodeStream | None", data: bytes) -> None:
+        if not data:
+            return
+        sys.stdout.flush()
+        out = getattr(sys.stdout, "buffer", None) or _Text(sys.stdout)
+        if self.unfinished is not None and self.unfinished is not writer:
+            out.write(b"\n")
+            self.unfinished.resumed = True
+            self.unfinished = None
+        if writer is not None and writer.resumed:
+            writer.resumed = False
+            if data[:1] not in (b"\n", b"\r"):
+                out.write(writer.line_prefix)
+        out.write(data)
+        out.flush()
+        # a line redrawn with `\r` is unfinished too: another writer would draw over it
+        self.unfinished = writer if writer is not None and not data.endswith(b"\n") else None
 
 
 terminal = Terminal()
@@ -176,6 +208,8 @@ class NodeStream:
             if not self.at_line_start:
                 self._emit(b"\n")
             self.closed = True
+            if self.echo:
+                terminal.release(self)
             if self.log:
                 self.log.close()
                 self.log = None

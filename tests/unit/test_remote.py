@@ -233,12 +233,21 @@ def test_stop_command_ends_every_job_of_the_node_and_nothing_else(tmp_path):
             proc.kill()
 
 
+def shown(capsysbinary, until: bytes, wait_s: float = 5.0) -> bytes:
+    """What fab's output shows, read until it ends with `until` (or `wait_s` passed)."""
+    out, deadline = b"", time.monotonic() + wait_s
+    while not out.endswith(until) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        out += capsysbinary.readouterr().out
+    return out
+
+
 def test_node_stream_copies_bytes_as_they_come_and_keeps_the_log(tmp_path, capsysbinary):
-    """The nodes prefix their own lines: fab copies what arrives, an unfinished line (a progress bar
-    redrawn with `\\r`) included, and starts a line of its own on a fresh line."""
+    """The nodes prefix their own lines: fab copies what arrives, a line redrawn with `\\r` at once, an
+    unfinished line after a moment (a prompt, `loading...`), and starts a line of its own on a fresh line."""
     stream = NodeStream("node-1", 1, tmp_path / "node-1.log")
     stream.feed(b"[node-1] first li")
-    assert capsysbinary.readouterr().out == b"[node-1] first li"  # shown before its line ends
+    assert shown(capsysbinary, b"[node-1] first li") == b"[node-1] first li"  # shown before its line ends
     stream.feed(b"ne\n[node-1] \r[node-1] 10%")
     stream.feed(b"\r[node-1] 20%")
     assert capsysbinary.readouterr().out == b"ne\n[node-1] \r[node-1] 10%\r[node-1] 20%"
@@ -250,17 +259,23 @@ def test_node_stream_copies_bytes_as_they_come_and_keeps_the_log(tmp_path, capsy
     assert stream.tail[-1] == "[node-1] fab: connection lost"
 
 
-def test_two_nodes_unfinished_lines_never_run_into_each_other(tmp_path, capsysbinary):
+def test_two_nodes_lines_arriving_in_pieces_stay_whole_and_never_run_into_each_other(capsysbinary):
     zero, one = NodeStream("node-0", 0, None), NodeStream("node-1", 1, None)
-    zero.feed(b"[node-0 rank 1] loading")
+    zero.feed(b"[node-0 rank 1] imported: tiny")  # SSH delivered half a line
     one.feed(b"[node-1] ready\n")
-    zero.feed(b" done\n")
+    zero.feed(b" package\n[node-0 rank 1] loading")
     say("fab: a line of its own")
-    assert capsysbinary.readouterr().out.splitlines() == [
-        b"[node-0 rank 1] loading",
+    shown_first = shown(capsysbinary, b"loading")  # a line left unfinished is shown after a moment...
+    one.feed(b"[node-1] steady\n")  # ...and another node's line starts on a line of its own
+    zero.feed(b" done\n")
+    zero.close(), one.close()
+    assert (shown_first + capsysbinary.readouterr().out).splitlines() == [
         b"[node-1] ready",
-        b"[node-0 rank 1]  done",
+        b"[node-0 rank 1] imported: tiny package",
         b"fab: a line of its own",
+        b"[node-0 rank 1] loading",
+        b"[node-1] steady",
+        b"[node-0 rank 1]  done",
     ]
 
 
