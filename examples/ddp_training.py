@@ -10,7 +10,9 @@ Models: the course's 784-512-10 MLP (`--model mlp`) or a small causal transforme
 `--precision fp16` uses a GradScaler; bf16 is refused on GPUs without it (T4: use fp16).
 With `--checkpoint-dir` (default `$CLUSTER_RUN_DIR/checkpoints` under `fab`), rank 0 saves atomically
 and every rank resumes from the latest checkpoint, so a torchrun restart (`--max-restarts`) continues
-where it stopped; `--simulate-failure-at-step N` crashes one rank once to show it.
+where it stopped; `--simulate-failure-at-step N` crashes one rank once to show it. On SIGUSR1 (a spot
+notice, harness/preemption.py) the ranks stop together at the next step, save, and exit 0; the cluster
+requeues the run and it resumes from that step.
 """
 
 import argparse
@@ -38,6 +40,7 @@ from harness.dist import Distributed, cleanup, fail, init_distributed, print0, r
 from harness.gpu_monitor import GpuMonitor
 from harness.metrics import MetricsWriter, StepLogger, peak_memory_gib, peak_tflops
 from harness.models import MLP, TinyTransformerLM, count_parameters, unwrap
+from harness.preemption import Preemption, restart_count
 from harness.train import (
     PRECISIONS,
     LoopConfig,
@@ -204,6 +207,7 @@ def summarize(args, ctx, result, meter: CostMeter, logger: StepLogger, metrics: 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    preemption = Preemption()  # before anything slow: a notice during setup is kept for the first step
     ctx = init_distributed(timeout_s=args.timeout)
     try:
         try:
@@ -216,7 +220,7 @@ def main(argv=None) -> int:
         checkpoints = default_checkpoint_dir(args, ctx)
         start = load_checkpoint(checkpoints, model, optimizer, scaler, ctx.device)
         if start:
-            print0(f"resuming from step {start} ({checkpoints})")
+            print0(f"resuming from step {start} ({checkpoints}; restart {restart_count()})")
         loader, sampler = build_loader(dataset, ctx, args.batch_size, args.seed)
         if len(loader) == 0:
             fail(
@@ -249,7 +253,14 @@ def main(argv=None) -> int:
                 logger,
                 start_step=start,
                 profiler=profiler,
+                preemption=preemption,
             )
+        if result.preempted:
+            saved = (
+                f"checkpoint at step {result.steps} saved in {checkpoints}" if checkpoints else "no --checkpoint-dir"
+            )
+            print0(f"preempted (SIGUSR1) at step {result.steps}: {saved}; exiting to be started again")
+            return 0
         return summarize(args, ctx, result, meter, logger, metrics, model)
     finally:
         cleanup()

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from harness.dist import Distributed
 from harness.metrics import StepLogger
 from harness.models import loss_fn, unwrap
+from harness.preemption import Preemption
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 
@@ -141,6 +142,8 @@ class LoopResult:
     """The step it resumed from (0 for a fresh start)."""
     elapsed_s: float
     """Wall time of the loop on this rank."""
+    preempted: bool = False
+    """Stopped early at a step boundary for a spot notice (SIGUSR1), its checkpoint saved."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,7 @@ def train_loop(
     logger: StepLogger,
     start_step: int = 0,
     profiler=None,
+    preemption: Preemption | None = None,
 ) -> LoopResult:
     step, first_loss, last_loss = start_step, None, None
     steps_per_epoch = len(loader)
@@ -186,12 +190,17 @@ def train_loop(
             first_loss = loss if first_loss is None else first_loss
             done = step >= config.max_steps
             logger.step(step, loss, time.perf_counter() - step_started, log=done or step % config.log_every == 0)
-            _maybe_checkpoint(ctx, config, step, done, model, optimizer, scaler)
+            saved = _maybe_checkpoint(ctx, config, step, done, model, optimizer, scaler)
             _maybe_fail(ctx, config, step)
             if profiler is not None:
                 profiler.step()
             if done:
                 break
+            if preemption is not None and preemption.agreed(ctx.device):
+                if not saved and config.checkpoint_dir is not None:
+                    _maybe_checkpoint(ctx, config, step, True, model, optimizer, scaler)
+                elapsed = time.perf_counter() - started
+                return LoopResult(first_loss, last_loss, step, start_step, elapsed, preempted=True)
     return LoopResult(first_loss, last_loss, step, start_step, time.perf_counter() - started)
 
 
@@ -215,12 +224,14 @@ def train_step(
     return loss.item()
 
 
-def _maybe_checkpoint(ctx, config: LoopConfig, step: int, done: bool, model, optimizer, scaler) -> None:
+def _maybe_checkpoint(ctx, config: LoopConfig, step: int, done: bool, model, optimizer, scaler) -> bool:
+    """Save at every `checkpoint_every` steps and at the end; whether it saved."""
     if config.checkpoint_dir is None or not (done or step % config.checkpoint_every == 0):
-        return
+        return False
     if ctx.is_rank0:
         save_checkpoint(config.checkpoint_dir, step, model, optimizer, scaler)
     dist.barrier()  # nobody runs ahead of a checkpoint it might have to resume from
+    return True
 
 
 def _maybe_fail(ctx, config: LoopConfig, step: int) -> None:

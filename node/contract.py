@@ -65,8 +65,16 @@ HANG_RECORD = "hang.json"
 """In a scheduled run's folder on the head node: the cluster-side hang watch's verdict, where it found one."""
 RUN_LOG = "output.log"
 """A scheduled run's log in its run folder on the head node: every node's output, `[node-i] `-prefixed."""
-SCHEDULER_DAEMONS = ("munged", "slurmctld", "slurmd")
-"""The scheduler's daemons, in start order (slurmctld runs on the head node only)."""
+SCHEDULER_DAEMONS = ("munged", "slurmctld", "slurmd", "spot-watch")
+"""The scheduler's daemons, in start order (slurmctld runs on the head node only; spot-watch is
+node/spot_watch.py, which drains this node and tells its ranks on a spot interruption notice)."""
+PREEMPTED_RECORD = "preempted.json"
+"""In a scheduled run's folder on the head node: the last spot notice that requeued the run (node, reason,
+the restart it began)."""
+SPOT_DRAIN_REASON = "spot interruption notice"
+"""How a Slurm node drained by spot-watch's notice starts its reason (`sinfo -o %E`)."""
+RESTART_COUNT_VARIABLE = "CLUSTER_RESTART_COUNT"
+"""In every rank: how many times the run was requeued and started again (0 on the first start)."""
 SCHEDULER_VARIABLE = "CLUSTER_SCHEDULER_DIR"
 """Carried by the scheduler's daemons (and what they fork): this node's scheduler folder, so `stop`
 finds them all where several nodes share one machine."""

@@ -56,7 +56,13 @@ CREDENTIAL_LIFETIME_S = 10
 """Slurm holds a requeued job `cred_expire + 1` s before it may start again (121 s by default)."""
 NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")
 NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,19}$")
-PROGRAMS = {"munged": "munge", "slurmctld": "slurm-wlm", "slurmd": "slurm-wlm", "sinfo": "slurm-wlm"}
+PROGRAMS = {
+    "munged": "munge",
+    "slurmctld": "slurm-wlm",
+    "slurmd": "slurm-wlm",
+    "sinfo": "slurm-wlm",
+    "scontrol": "slurm-wlm",
+}
 SBIN = ("/usr/sbin", "/usr/local/sbin", "/sbin")
 SOCKET_PATH_MAX = 107
 """sun_path holds 108 bytes with the terminating NUL."""
@@ -405,6 +411,9 @@ def daemon_argv(name: str, cluster: Cluster, node: Node, paths: Paths) -> list:
         ]
     if name == "slurmctld":
         return [program("slurmctld"), "-D", "-i", "-f", paths.conf]
+    if name == "spot-watch":
+        here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "spot_watch.py")
+        return [sys.executable, "-u", here, "--preempt", "--node", node.name]
     return [program("slurmd"), "-D", "-f", paths.conf, "-N", node.name]
 
 
@@ -414,7 +423,7 @@ def listen_address(name: str, cluster: Cluster, node: Node, bound: str):
         return bound, cluster.slurmctld_port
     if name == "slurmd":
         return bound, cluster.slurmd_port + cluster.nodes.index(node)
-    return None
+    return None  # munged answers on a Unix socket; spot-watch listens on nothing
 
 
 def running_daemon(paths: Paths, name: str) -> int | None:
@@ -425,9 +434,11 @@ def running_daemon(paths: Paths, name: str) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     argv = procfs.command_line(pid)
-    if pid > 1 and procfs.alive(pid) and argv and os.path.basename(argv[0]).startswith(name):
-        return pid
-    return None
+    if not (pid > 1 and procfs.alive(pid) and argv):
+        return None
+    if name == "spot-watch":  # a Python program
+        return pid if any(os.path.basename(word) == "spot_watch.py" for word in argv) else None
+    return pid if os.path.basename(argv[0]).startswith(name) else None
 
 
 def write_private(path: str, data: bytes, mode: int) -> None:
@@ -520,6 +531,8 @@ def wait_ready(name: str, pid: int, paths: Paths, where) -> None:
     while True:
         if not procfs.alive(pid):
             raise DaemonError(f"{name} exited at start; its log ({paths.log(name)}) ends: {log_tail(paths.log(name))}")
+        if name == "spot-watch":  # it opens nothing; alive is ready
+            return
         if munge_answers(paths) if where is None else accepting(where):
             return
         if time.monotonic() > deadline:
@@ -570,7 +583,10 @@ def start(cluster: Cluster, node_name: str, home: str) -> dict:
             started[name] = pid
         running[name] = pid
     action = "restarted" if restarted else ("started" if started else "unchanged")
-    return {"node": node.name, "action": action, "daemons": running, "started": sorted(started)}
+    result: dict = {"node": node.name, "action": action, "daemons": running, "started": sorted(started)}
+    if "slurmd" in started:  # this node was down (a replacement, a restart): one drained for a notice returns
+        result["resumed"] = resume_after_notice(paths, node.name)
+    return result
 
 
 def _is_step(pid: int) -> bool:
@@ -650,6 +666,60 @@ def node_states(paths: Paths) -> dict | None:
     if result.returncode != 0:
         return None
     return dict(line.split(None, 1) for line in result.stdout.splitlines() if len(line.split()) == 2)
+
+
+def scontrol(paths: Paths, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [program("scontrol"), *args],
+        env={**os.environ, **client_environment(paths)},
+        capture_output=True,
+        text=True,
+        timeout=CLIENT_TIMEOUT_S,
+    )
+
+
+def node_reasons(paths: Paths) -> dict:
+    """{node: (Slurm's state, the reason it is drained or down, or "")}; {} where the controller is silent."""
+    try:
+        result = subprocess.run(
+            [program("sinfo"), "--noheader", "--Node", "--format=%N|%T|%E"],
+            env={**os.environ, **client_environment(paths)},
+            capture_output=True,
+            text=True,
+            timeout=CLIENT_TIMEOUT_S,
+        )
+    except (subprocess.TimeoutExpired, OSError, UsageError):
+        return {}
+    found = {}
+    for line in result.stdout.splitlines() if result.returncode == 0 else []:
+        name, _, rest = line.partition("|")
+        node_state, _, reason = rest.partition("|")
+        found[name.strip()] = (node_state.strip(), "" if reason.strip() == "none" else reason.strip())
+    return found
+
+
+def drain_for_notice(paths: Paths, node_name: str, notice: str) -> str:
+    """Drain this node (no new run starts on it; the running one goes on until it ends); Slurm's answer."""
+    result = scontrol(
+        paths, "update", f"NodeName={node_name}", "State=DRAIN", f"Reason={contract.SPOT_DRAIN_REASON}: {notice}"
+    )
+    return "drained" if result.returncode == 0 else (result.stderr.strip() or f"scontrol exited {result.returncode}")
+
+
+def resume_after_notice(paths: Paths, node_name: str, wait_s: float = READY_TIMEOUT_S) -> bool:
+    """A fresh node in the place of one drained by a spot notice: back in service once its slurmd has
+    registered. False where it was not drained for a notice."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        node_state, reason = node_reasons(paths).get(node_name, ("", ""))
+        if not reason.startswith(contract.SPOT_DRAIN_REASON):
+            return False
+        if "NOT_RESPONDING" not in node_state.upper() and not node_state.endswith("*"):
+            if scontrol(paths, "update", f"NodeName={node_name}", "State=RESUME").returncode == 0:
+                return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
 
 
 def state(home: str, node_name: str | None) -> dict:

@@ -108,23 +108,56 @@ def step_argv(spec: dict, srun: str, here: str, *options: str) -> list:
 
 
 def batch_script(spec: dict, srun: str, here: str) -> str:
-    """The job's script: one step, one task per node, this file's `step` in each; with a hang watch
-    (`spec["watch"]`), this file's `supervise` runs that step and watches it, on the head node."""
-    if spec.get("watch"):
-        words = [spec["python"], "-u", here, "supervise", _encoded(spec)]
-    else:
-        words = step_argv(spec, srun, here, "--kill-on-bad-exit=1")
+    """The job's script: this file's `supervise`, on the head node, which runs the one step (one task per
+    node, this file's `step` in each)."""
+    words = [spec["python"], "-u", here, "supervise", _encoded(spec)]
     return "#!/bin/bash\n" + "exec " + " ".join(shlex.quote(word) for word in words) + "\n"
 
 
 def supervise(spec: dict) -> int:
-    """In the batch job, on the head node: the run's step, and the hang watch beside it, so a hung run is
-    found and stopped while no fab is connected. A verdict goes into the run's log and `hang.json`."""
+    """In the batch job, on the head node: the run's step; the hang watch beside it where asked
+    (`spec["watch"]`), so a hung run is found and stopped while no fab is connected (a verdict goes into
+    the run's log and `hang.json`); and when the step has ended, the requeue of a run a spot notice ended."""
     here, srun = os.path.abspath(__file__), scheduler.program("srun")
-    watch = spec["watch"]
     main = subprocess.Popen(step_argv(spec, srun, here, "--kill-on-bad-exit=1"))
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR1):
         signal.signal(signum, lambda number, frame: main.send_signal(number))
+    code = _watch(spec, main, srun, here) if spec.get("watch") else _status(main.wait())
+    return requeue_if_preempted(spec, code)
+
+
+def requeue_if_preempted(spec: dict, code: int) -> int:
+    """Where a node of the run was drained for a spot notice while it ran, the run goes back to the queue
+    (its ranks were told to save and exit) and starts again, with the same run id and folders, once every
+    node is in service: `preempted.json` in the run's folder says why; else the step's exit status."""
+    paths = scheduler.Paths(os.path.expanduser("~"))
+    reasons = scheduler.node_reasons(paths)
+    noticed = [
+        (n["name"], reasons[n["name"]][1])
+        for n in spec["nodes"]
+        if reasons.get(n["name"], ("", ""))[1].startswith(contract.SPOT_DRAIN_REASON)
+    ]
+    job = os.environ.get("SLURM_JOB_ID", "")
+    if not noticed or not job:
+        return code
+    restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0) + 1
+    record = {"nodes": [n for n, _ in noticed], "reason": noticed[0][1], "at": time.time(), "restart": restart}
+    scheduler.write_private(
+        os.path.join(os.path.dirname(spec["log"]), contract.PREEMPTED_RECORD), json.dumps(record).encode(), 0o600
+    )
+    names = ", ".join(n for n, _ in noticed)
+    print(f"[cluster] {names}: {noticed[0][1]}: the run (exit {code}) is requeued (restart {restart})", flush=True)
+    result = _client(["scontrol", "requeue", job])
+    if result.returncode != 0:
+        print(f"[cluster] could not requeue: {result.stderr.strip()}", flush=True)
+        return code
+    time.sleep(scheduler.CLIENT_TIMEOUT_S)  # Slurm ends this script as it requeues the job
+    return code
+
+
+def _watch(spec: dict, main: subprocess.Popen, srun: str, here: str) -> int:
+    """The hang watch beside the running step; the step's exit status."""
+    watch = spec["watch"]
     probe = {**spec, "nodes": [{**node, "command": watch["status"][node["name"]]} for node in spec["nodes"]]}
     probe.pop("watch", None)
     overdue = watch["timeout_s"] + watch.get("overdue_grace_s", 30)
@@ -222,7 +255,12 @@ def step(spec: dict) -> int:
     if node is None:
         print(f"error: no command for node {name!r} in this run", file=sys.stderr, flush=True)
         return 2
-    environment = {**os.environ, "HOME": node["home"], "PATH": os.environ.get("PATH") or DEFAULT_PATH}
+    environment = {
+        **os.environ,
+        "HOME": node["home"],
+        "PATH": os.environ.get("PATH") or DEFAULT_PATH,
+        contract.RESTART_COUNT_VARIABLE: os.environ.get("SLURM_RESTART_COUNT") or "0",
+    }
     child = subprocess.Popen(
         ["bash", "-c", node["command"]],
         stdin=subprocess.DEVNULL,
@@ -299,6 +337,7 @@ def job_fields(text: str) -> dict:
         else None,
         "signal": int(signal_number) if ended and signal_number.isdigit() else None,
         "requeues": int(fields["Restarts"]) if fields.get("Restarts", "").isdigit() else 0,
+        "log": fields.get("StdOut") or None,
     }
 
 
@@ -314,6 +353,21 @@ def job_state(job_id: str) -> dict | None:
     except OSError:
         return None
     return job_fields(lines[-1]) if lines else None
+
+
+def shown_state(job_id: str) -> dict | None:
+    """`job_state`, with PREEMPTED for a run waiting to start again after a spot notice requeued it."""
+    found = job_state(job_id)
+    if found is None or found["state"] not in WAITING_STATES or not found["requeues"] or not found.get("log"):
+        return found
+    try:
+        with open(os.path.join(os.path.dirname(found["log"]), contract.PREEMPTED_RECORD)) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return found
+    if record.get("restart") == found["requeues"]:
+        return {**found, "state": "PREEMPTED", "preempted": record}
+    return found
 
 
 def follow(log: str, job_id: str, offset: int = 0) -> int:
@@ -379,7 +433,7 @@ def main(argv: list | None = None) -> int:
         if args.action == "follow":
             return follow(args.spec, args.more[0], int(args.more[1]) if len(args.more) > 1 else 0)
         if args.action == "states":
-            print(json.dumps({job: job_state(job) for job in [args.spec, *args.more]}))
+            print(json.dumps({job: shown_state(job) for job in [args.spec, *args.more]}))
             return 0
         if args.action == "cancel":
             print(json.dumps(cancel(args.spec)))

@@ -1,6 +1,7 @@
 """Watch this node's instance metadata for a spot interruption notice or a rebalance recommendation.
 
-    python node/spot_watch.py [--interval-s 5] [--signal-ranks] [--hook COMMAND] [--endpoint URL] [--once]
+    python node/spot_watch.py [--interval-s 5] [--signal-ranks] [--preempt] [--node NAME] [--hook COMMAND]
+                              [--endpoint URL] [--once]
 
 Polls `spot/instance-action` and `events/recommendations/rebalance` every `--interval-s` with an IMDSv2
 session token (asked again before it expires, and at once when the service refuses it). The service is
@@ -9,8 +10,11 @@ else EC2's http://169.254.169.254. Each new notice prints one line and runs `--h
 with `SPOT_EVENT` (`interruption` or `rebalance`), `SPOT_ACTION` and `SPOT_TIME` in its environment.
 With `--signal-ranks`, an interruption notice also sends SIGUSR1 (Slurm's and PyTorch Lightning's
 "save and requeue") to every rank of every run on this node: the torchrun workers, found in /proc by
-their CLUSTER_RUN_ID and RANK (and CLUSTER_NODE, where several nodes share one machine). Where no
-service answers (not on EC2) it says so once and keeps looking. Standard library only.
+their CLUSTER_RUN_ID and RANK (and CLUSTER_NODE, where several nodes share one machine). `--preempt`
+(how the scheduler stage runs it on every node, node/scheduler.py) first drains this node in Slurm, its
+reason starting with `contract.SPOT_DRAIN_REASON`, then signals the ranks: the ranks save and exit, and
+the run's batch job (node/slurm_run.py) sees the drain and requeues the run. Where no service answers
+(not on EC2) it says so once and keeps looking. Standard library only.
 """
 
 import argparse
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
 
-from node import contract, procfs  # noqa: E402
+from node import contract, procfs, scheduler  # noqa: E402
 
 DEFAULT_INTERVAL_S = 5.0
 DEFAULT_TOKEN_TTL_S = 21600
@@ -151,10 +155,19 @@ def signal_ranks(node: str, sig: int = signal.SIGUSR1) -> dict[int, str]:
 class SpotWatch:
     """Polls, prints each new notice once, signals the ranks (when asked) and runs the hook."""
 
-    def __init__(self, client: MetadataClient, hook: str = "", node: str = "", out=None, signal_ranks: bool = False):
+    def __init__(
+        self,
+        client: MetadataClient,
+        hook: str = "",
+        node: str = "",
+        out=None,
+        signal_ranks: bool = False,
+        preempt: bool = False,
+    ):
         self.client = client
         self.hook = hook
-        self.signal_ranks = signal_ranks
+        self.preempt = preempt
+        self.signal_ranks = signal_ranks or preempt
         self.node = node or os.environ.get(contract.NODE_VARIABLE, "") or "this node"
         self.out = out or (lambda line: print(line, flush=True))
         self.seen: set[Notice] = set()
@@ -176,13 +189,25 @@ class SpotWatch:
         for notice in new:
             self.seen.add(notice)
             self.out(notice.line(self.node))
+            if self.preempt and notice.event == "interruption":
+                self.drain(notice)
             if self.signal_ranks and notice.event == "interruption":
                 self.tell_ranks()
             self.run_hook(notice)
         return new
 
+    def drain(self, notice: Notice) -> None:
+        """No new run on this node; the running one is requeued when it ends (node/slurm_run.py)."""
+        try:
+            answer = scheduler.drain_for_notice(
+                scheduler.Paths(os.path.expanduser("~")), self.node, f"{notice.action} at {notice.time}"
+            )
+        except (OSError, subprocess.SubprocessError, scheduler.UsageError) as exc:
+            answer = str(exc)
+        self.out(f"spot-watch {self.node}: Slurm: {answer}")
+
     def tell_ranks(self) -> None:
-        node = os.environ.get(contract.NODE_VARIABLE, "")
+        node = os.environ.get(contract.NODE_VARIABLE, "") or (self.node if self.preempt else "")
         reached = signal_ranks(node)
         runs = ", ".join(sorted(set(reached.values()))) or "no run"
         self.out(f"spot-watch {self.node}: SIGUSR1 to {len(reached)} rank(s) ({runs})")
@@ -215,6 +240,12 @@ def main(argv: list[str] | None = None) -> int:
         "--signal-ranks", action="store_true", help="on an interruption notice, SIGUSR1 to every rank on this node"
     )
     parser.add_argument(
+        "--preempt",
+        action="store_true",
+        help="on an interruption notice, drain this node in Slurm, then SIGUSR1 to its ranks (implies --signal-ranks)",
+    )
+    parser.add_argument("--node", default="", help=f"this node's name (default: ${contract.NODE_VARIABLE})")
+    parser.add_argument(
         "--endpoint",
         default=None,
         help=f"the metadata service (default: ${contract.METADATA_ENDPOINT_VARIABLE}, "
@@ -226,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.interval_s <= 0 or not 1 <= args.token_ttl_s <= DEFAULT_TOKEN_TTL_S:
         parser.error("--interval-s must be above 0 and --token-ttl-s in 1..21600")
     client = MetadataClient(args.endpoint or endpoint_from(dict(os.environ)), args.token_ttl_s)
-    watch = SpotWatch(client, args.hook, signal_ranks=args.signal_ranks)
+    watch = SpotWatch(client, args.hook, node=args.node, signal_ranks=args.signal_ranks, preempt=args.preempt)
     if args.once:
         watch.check()
         return 0
