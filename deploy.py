@@ -41,7 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--nodes", type=str, default=None, help="number of nodes, 1..16 (default: the stack's, or 2)")
     up.add_argument("--instance-type", help="EC2 instance type, e.g. g4dn.2xlarge or g6.2xlarge (local: priced as)")
-    up.add_argument("--spot", action="store_true", default=None, help="AWS: spot instances instead of on-demand")
+    up.add_argument(
+        "--spot",
+        action="store_true",
+        default=None,
+        help="spot instances instead of on-demand (local: a reclaimed or dead node is replaced and rejoins)",
+    )
     up.add_argument("--yes", action="store_true", help="AWS: do not ask to confirm the hourly cost")
     up.add_argument("--ssh-cidr", help="AWS: who may SSH in (default: your public IP /32)")
     up.add_argument("--max-total-usd", help="guard: power the cluster off before it has cost this much")

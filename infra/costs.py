@@ -95,17 +95,20 @@ def report(stack: str | None = None, say=print) -> dict:
     """`deploy.py cost --json`: every cluster and run, with totals."""
     ledger = open_ledger(say, create=False)
     now = time.time()
-    clusters, runs = [], []
+    clusters, runs, events = [], [], []
     if ledger is not None:
         try:
-            clusters = [_cluster_row(c, now) for c in ledger.clusters(stack)]
+            records = ledger.clusters(stack)
+            clusters = [_cluster_row(c, now) for c in records]
             runs = [_run_row(r, now) for r in ledger.runs(stack)]
+            events = [_event_row(e, records) for e in ledger.events(stack)]
         finally:
             ledger.close()
     would = [c["would_have_cost_usd"] for c in clusters if c["would_have_cost_usd"] is not None]
     return {
         "clusters": clusters,
         "runs": runs,
+        "events": events,
         "total_usd": round(sum(c["cost_usd"] for c in clusters), 6),
         "local_would_have_cost_usd": round(sum(would), 6) if would else None,
     }
@@ -137,6 +140,21 @@ def _cluster_row(c, now: float) -> dict:
         "hours": round(billing.hours(c.seconds(now)), 4),
         "cost_usd": round(c.cost_usd(now), 6),
         "would_have_cost_usd": round(reference, 6) if reference is not None else None,
+    }
+
+
+def _event_row(e, clusters) -> dict:
+    """An interruption or a lost node, priced as the whole cluster's time waiting for the replacement
+    (at the hourly price of the stack's cluster that was up then)."""
+    hourly = next((c.hourly_usd for c in reversed(clusters) if c.stack == e.stack and c.created_at <= e.at), 0.0)
+    return {
+        "stack": e.stack,
+        "kind": e.kind,
+        "node": e.node,
+        "at": _iso(e.at),
+        "seconds": round(e.seconds, 1),
+        "detail": e.detail,
+        "cost_usd": round(billing.cost_usd(hourly, e.seconds), 6),
     }
 
 

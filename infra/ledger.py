@@ -74,6 +74,15 @@ CREATE TABLE IF NOT EXISTS runs (
     ended_at REAL,
     exit_codes TEXT
 );
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY,
+    stack TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    node TEXT NOT NULL,
+    detail TEXT NOT NULL,
+    at REAL NOT NULL,
+    seconds REAL NOT NULL
+);
 """  # runs also get RUN_OWNER_COLUMNS, added where an older ledger lacks them
 
 
@@ -160,6 +169,21 @@ SCHEDULED_OWNER = "slurm"
 """`owner_host` of a run held by the cluster's scheduler: never closed as abandoned."""
 
 
+@dataclass(frozen=True)
+class Event:
+    """Something that happened to a node: a `spot interruption` or a `node lost`, and its replacement."""
+
+    stack: str
+    kind: str
+    node: str
+    detail: str
+    """What was done (`replaced; rejoined in 9 s`, or why the replacement failed)."""
+    at: float
+    """When the node was found gone."""
+    seconds: float
+    """From then until its replacement rejoined (or gave up): what the cluster paid waiting."""
+
+
 class Ledger:
     """The ledger file; every public method is one transaction."""
 
@@ -242,6 +266,24 @@ class Ledger:
 
     def _transaction(self):
         return _Transaction(self.db)
+
+    # ------------------------------------------------------------------------------------ events
+
+    def event(self, stack: str, kind: str, node: str, detail: str, at: float, seconds: float) -> None:
+        """Something that happened to a node of the cluster (a spot interruption, a node lost), and how
+        long the cluster waited for it (until its replacement rejoined)."""
+        with self._transaction() as db:
+            db.execute(
+                "INSERT INTO events (stack, kind, node, detail, at, seconds) VALUES (?, ?, ?, ?, ?, ?)",
+                (stack, kind, node, detail, at, seconds),
+            )
+
+    def events(self, stack: str | None = None) -> list[Event]:
+        rows = self.db.execute(
+            "SELECT stack, kind, node, detail, at, seconds FROM events WHERE ? IS NULL OR stack = ? ORDER BY at, id",
+            (stack, stack),
+        ).fetchall()
+        return [Event(*row) for row in rows]
 
     def close(self) -> None:
         self.db.close()

@@ -139,6 +139,21 @@ def cost_tables(data: dict) -> None:
     for r in data["runs"]:
         if r.get("hung"):
             console.print(r["hang_verdict"], markup=False)
+    if data.get("events"):
+        events = Table(title="interruptions", show_edge=False, pad_edge=False)
+        for column in ("at", "stack", "node", "what", "seconds", "cost of waiting", "then"):
+            events.add_column(column)
+        for e in data["events"]:
+            events.add_row(
+                (e["at"] or "")[:19],
+                e["stack"],
+                e["node"],
+                e["kind"],
+                f"{e['seconds']:.1f}",
+                f"${e['cost_usd']:.4f}",
+                e["detail"],
+            )
+        console.print(events)
     would = data["local_would_have_cost_usd"]
     extra = f"; local clusters would have cost ${would:.4f} on their instance types" if would is not None else ""
     console.print(f"total: ${data['total_usd']:.4f}{extra}")

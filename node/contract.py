@@ -73,6 +73,8 @@ PREEMPTED_RECORD = "preempted.json"
 the restart it began)."""
 SPOT_DRAIN_REASON = "spot interruption notice"
 """How a Slurm node drained by spot-watch's notice starts its reason (`sinfo -o %E`)."""
+NODE_LOST_REASON = "node lost"
+"""How the reason of a node set DOWN by gpu-cluster's replacement (a node found dead) starts."""
 RESTART_COUNT_VARIABLE = "CLUSTER_RESTART_COUNT"
 """In every rank: how many times the run was requeued and started again (0 on the first start)."""
 SCHEDULER_VARIABLE = "CLUSTER_SCHEDULER_DIR"
@@ -95,6 +97,8 @@ STOP_MARKER = f"{SHARED_STATE}/stop.json"
 when it appears (cloud-init's guard on AWS, the node server on the local provider)."""
 WATCHDOG_HEARTBEAT = f"{SHARED_STATE}/watchdog.json"
 """Relative to the shared folder: the watchdog's last check (its pid, the cost so far, its guards)."""
+SCHEDULER_STATE = f"{SHARED_STATE}/slurm-state"
+"""Relative to the shared folder: slurmctld's StateSaveLocation (the queue outlives a replaced head node)."""
 
 
 def node_run(run_id: str) -> str:

@@ -2,6 +2,7 @@
 
     python node/scheduler.py start --node NAME [--conf-json FILE]   # the description on stdin without FILE
     python node/scheduler.py stop                                   # this node's daemons, nothing left
+    python node/scheduler.py lost --node NAME [--why TEXT]          # that node is gone: DOWN, runs requeued
     python node/scheduler.py state [--json]                         # daemons alive, Slurm's node state
     python node/scheduler.py env                                    # `export SLURM_CONF=...` for clients
 
@@ -110,6 +111,9 @@ class Cluster:
     """(first, last): the ports srun and the steps listen on."""
     munge_key: bytes
     """The cluster's munge key (the same on every node)."""
+    state_save: str = ""
+    """Where slurmctld keeps the queue: on shared storage, so a head node replaced with a fresh disk
+    finds it again; empty: in the head node's own scheduler folder."""
 
     @property
     def head(self) -> Node:
@@ -202,7 +206,10 @@ def parse_cluster(data) -> Cluster:
         raise UsageError("munge_key must be base64") from None
     if len(key) < 32:
         raise UsageError(f"munge_key is {len(key)} bytes: munge needs at least 32 (1024 random bytes is usual)")
-    return Cluster(name, nodes, ctld, slurmd, (first, last), key)
+    state_save = data.get("state_save") or ""
+    if not isinstance(state_save, str) or (state_save and not os.path.isabs(state_save)):
+        raise UsageError(f"state_save must be an absolute path, not {state_save!r}")
+    return Cluster(name, nodes, ctld, slurmd, (first, last), key, state_save)
 
 
 def daemon_address() -> str:
@@ -319,7 +326,7 @@ def slurm_conf(cluster: Cluster, node: Node, paths: Paths, bound: str, user: str
         "AuthType=auth/munge",
         "CredType=cred/munge",
         f"AuthInfo=socket={paths.munge_socket},cred_expire={CREDENTIAL_LIFETIME_S}",
-        f"StateSaveLocation={os.path.join(paths.folder, 'ctld')}",
+        f"StateSaveLocation={cluster.state_save or os.path.join(paths.folder, 'ctld')}",
         f"SlurmdSpoolDir={paths.spool}",
         f"SlurmctldPidFile={os.path.join(paths.folder, 'slurmctld.pid')}",
         f"SlurmdPidFile={os.path.join(paths.folder, 'slurmd.pid')}",
@@ -347,6 +354,9 @@ def slurm_conf(cluster: Cluster, node: Node, paths: Paths, bound: str, user: str
         # The description is what the caller measured; a node never drains over a count it sees otherwise.
         "SlurmdParameters=config_overrides",
         "ReturnToService=2",
+        # A node that stops answering (an instance gone without notice) is DOWN within a minute, not five:
+        # its run is requeued (JobRequeue) and resumes when a replacement registers.
+        "SlurmdTimeout=60",
         "JobRequeue=1",
         "JobFileAppend=1",
         "KillOnBadExit=1",
@@ -542,8 +552,9 @@ def wait_ready(name: str, pid: int, paths: Paths, where) -> None:
         time.sleep(0.05)
 
 
-def make_folders(paths: Paths) -> None:
-    for folder in (paths.folder, paths.munge, paths.sockets, paths.at(contract.PIDS)):
+def make_folders(paths: Paths, cluster: Cluster | None = None) -> None:
+    extra = (cluster.state_save,) if cluster is not None and cluster.state_save else ()
+    for folder in (paths.folder, paths.munge, paths.sockets, paths.at(contract.PIDS), *extra):
         os.makedirs(folder, mode=0o700, exist_ok=True)
         if os.stat(folder).st_uid != os.getuid():
             raise UsageError(f"{folder} belongs to another user: remove it, or start from a shallower home")
@@ -567,7 +578,7 @@ def start(cluster: Cluster, node_name: str, home: str) -> dict:
         return {"node": node.name, "action": "unchanged", "daemons": running}
     changed = read_text(paths.digest) != digest
     restarted = [name for name in stop(paths) if name in names] if changed else []
-    make_folders(paths)  # after stop, which removes a short socket folder
+    make_folders(paths, cluster if node == cluster.head else None)  # after stop, which removes a short socket folder
     if changed:
         for path, (data, mode) in files.items():
             write_private(path, data, mode)
@@ -698,6 +709,19 @@ def node_reasons(paths: Paths) -> dict:
     return found
 
 
+def lost_or_noticed(reason: str) -> bool:
+    """A reason gpu-cluster gave a node it took out of service: a spot notice, or a node found dead."""
+    return reason.startswith((contract.SPOT_DRAIN_REASON, contract.NODE_LOST_REASON))
+
+
+def mark_lost(paths: Paths, node_name: str, why: str) -> str:
+    """Tell Slurm a node is gone (DOWN: its run is requeued, JobRequeue=1); Slurm's answer."""
+    result = scontrol(
+        paths, "update", f"NodeName={node_name}", "State=DOWN", f"Reason={contract.NODE_LOST_REASON}: {why}"
+    )
+    return "down" if result.returncode == 0 else (result.stderr.strip() or f"scontrol exited {result.returncode}")
+
+
 def drain_for_notice(paths: Paths, node_name: str, notice: str) -> str:
     """Drain this node (no new run starts on it; the running one goes on until it ends); Slurm's answer."""
     result = scontrol(
@@ -707,12 +731,12 @@ def drain_for_notice(paths: Paths, node_name: str, notice: str) -> str:
 
 
 def resume_after_notice(paths: Paths, node_name: str, wait_s: float = READY_TIMEOUT_S) -> bool:
-    """A fresh node in the place of one drained by a spot notice: back in service once its slurmd has
-    registered. False where it was not drained for a notice."""
+    """A fresh node in the place of one drained by a spot notice or found dead: back in service once its
+    slurmd has registered. False where it was not out of service for one of those."""
     deadline = time.monotonic() + wait_s
     while True:
         node_state, reason = node_reasons(paths).get(node_name, ("", ""))
-        if not reason.startswith(contract.SPOT_DRAIN_REASON):
+        if not lost_or_noticed(reason):
             return False
         if "NOT_RESPONDING" not in node_state.upper() and not node_state.endswith("*"):
             if scontrol(paths, "update", f"NodeName={node_name}", "State=RESUME").returncode == 0:
@@ -760,6 +784,9 @@ def main(argv: list | None = None) -> int:
     start_parser.add_argument("--conf-json", help="the cluster's description (default: stdin)")
     start_parser.add_argument("--node", default=os.environ.get(contract.NODE_VARIABLE), help="this node's name")
     commands.add_parser("stop", help="stop this node's daemons")
+    lost_parser = commands.add_parser("lost", help="tell Slurm a node is gone (its run is requeued)")
+    lost_parser.add_argument("--node", required=True, help="the node that is gone")
+    lost_parser.add_argument("--why", default="gone", help="the reason Slurm shows")
     state_parser = commands.add_parser("state", help="this node's scheduler state")
     state_parser.add_argument("--json", action="store_true", help="one JSON object")
     state_parser.add_argument("--node", default=os.environ.get(contract.NODE_VARIABLE), help="this node's name")
@@ -772,6 +799,8 @@ def main(argv: list | None = None) -> int:
                 raise UsageError(f"start needs --node NAME (or {contract.NODE_VARIABLE} in the environment)")
             result = start(read_description(args.conf_json), args.node, home)
             print(json.dumps(result))
+        elif args.command == "lost":
+            print(f"{args.node}: {mark_lost(Paths(home), args.node, args.why)}")
         elif args.command == "stop":
             stopped = stop(Paths(home))
             print("stopped " + " ".join(stopped) if stopped else "not running")

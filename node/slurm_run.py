@@ -127,15 +127,16 @@ def supervise(spec: dict) -> int:
 
 
 def requeue_if_preempted(spec: dict, code: int) -> int:
-    """Where a node of the run was drained for a spot notice while it ran, the run goes back to the queue
-    (its ranks were told to save and exit) and starts again, with the same run id and folders, once every
-    node is in service: `preempted.json` in the run's folder says why; else the step's exit status."""
-    paths = scheduler.Paths(os.path.expanduser("~"))
+    """Where a node of the run was drained for a spot notice, or taken out as lost, while it ran, the run
+    goes back to the queue (its ranks were told to save and exit, or lost a peer) and starts again, with
+    the same run id and folders, once every node is in service: `preempted.json` in the run's folder
+    says why; else the step's exit status."""
+    paths = scheduler.Paths(spec["nodes"][0]["home"])  # the batch job's HOME is the user's, not the node's
     reasons = scheduler.node_reasons(paths)
     noticed = [
         (n["name"], reasons[n["name"]][1])
         for n in spec["nodes"]
-        if reasons.get(n["name"], ("", ""))[1].startswith(contract.SPOT_DRAIN_REASON)
+        if scheduler.lost_or_noticed(reasons.get(n["name"], ("", ""))[1])
     ]
     job = os.environ.get("SLURM_JOB_ID", "")
     if not noticed or not job:
@@ -147,7 +148,7 @@ def requeue_if_preempted(spec: dict, code: int) -> int:
     )
     names = ", ".join(n for n, _ in noticed)
     print(f"[cluster] {names}: {noticed[0][1]}: the run (exit {code}) is requeued (restart {restart})", flush=True)
-    result = _client(["scontrol", "requeue", job])
+    result = scheduler.scontrol(paths, "requeue", job)
     if result.returncode != 0:
         print(f"[cluster] could not requeue: {result.stderr.strip()}", flush=True)
         return code

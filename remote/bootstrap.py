@@ -457,6 +457,7 @@ class Bootstrap:
             "munge_key": key_path.read_text().strip(),
             "ports": {"slurmctld": first, "slurmd": first + 1, "srun": [first + 20, first + SCHEDULER_PORTS]},
             "nodes": nodes,
+            "state_save": f"{self.cluster.shared_dir}/{contract.SCHEDULER_STATE}" if self.cluster.shared_dir else "",
         }
 
     def _check_master_reachable(self) -> dict[str, Outcome]:

@@ -33,8 +33,9 @@ from remote.stream import say
 
 RECORD = "run.json"
 """A scheduled run's record in its local run folder."""
-FINAL = ("COMPLETED", "FAILED", "CANCELLED", "HUNG", "PREEMPTED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
-"""States after which the run runs no more (Slurm's, plus HUNG: the hang watch stopped it)."""
+FINAL = ("COMPLETED", "FAILED", "CANCELLED", "HUNG", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+"""States after which the run runs no more (Slurm's, plus HUNG: the hang watch stopped it). PREEMPTED is
+not one: a run a spot notice ended waits in the queue, and starts again once every node is in service."""
 NODE_LINE = re.compile(r"^\[(node-\d+)(?: rank \d+)?\] ?")
 CANCEL_WAIT_S = 30
 
@@ -330,7 +331,7 @@ def refresh(cluster: ClusterInfo, runs: list[Run]) -> None:
         if known is None:
             continue
         run.state = known.get("state") or run.state
-        run.started_at = known.get("started_at") or run.started_at
+        run.started_at = run.started_at or known.get("started_at")  # the first start: a requeue costs the wait too
         run.ended_at = known.get("ended_at") if run.state in FINAL else None
         run.exit_code = known.get("exit_code") if run.state in FINAL else None
         run.requeues = int(known.get("requeues") or 0)

@@ -14,7 +14,7 @@ import pytest
 from botocore.stub import ANY, Stubber
 
 from harness import watchdog
-from infra import pricing
+from infra import costs, pricing
 from infra.errors import UsageError
 from infra.ledger import Ledger
 from node import contract
@@ -193,6 +193,18 @@ def test_a_run_no_fab_saw_end_is_closed_and_priced_up_to_its_cluster_going_down(
     assert held.ended_at == clock.now - 1000 and held.end_reason == "ended with its cluster (down)"
     assert held.cost_usd(clock.now) == pytest.approx(0.05)
     assert other.ended_at is None  # another stack's run goes on
+
+
+def test_an_interruption_is_priced_as_the_whole_cluster_waiting_for_the_replacement(state_dir):
+    clock = Clock()
+    ledger = Ledger(clock=clock)
+    ledger.cluster_up("dev", "aws", "g4dn.2xlarge", 2, hourly_usd=3.6)  # $0.001 a second, both nodes
+    ledger.cluster_up("other", "aws", "g4dn.2xlarge", 2, hourly_usd=36.0)
+    ledger.event("dev", "spot interruption", "node-1", "replaced; rejoined in 40 s", at=clock.now + 10, seconds=40)
+    ledger.close()
+    [event] = costs.report("dev")["events"]
+    assert event["kind"] == "spot interruption" and event["node"] == "node-1" and event["seconds"] == 40
+    assert event["cost_usd"] == pytest.approx(0.04) and event["detail"] == "replaced; rejoined in 40 s"
 
 
 def test_local_clusters_cost_nothing_but_say_what_they_would_have_cost(tmp_path):

@@ -61,6 +61,9 @@ class LocalOptions:
     """Node-0's loopback address; None picks 127.0.0.10, or 127.0.0.1 where only that binds."""
     ssh_port: int = DEFAULT_SSH_PORT
     """SSH port of node-0 (and of every node when each has its own address)."""
+    spot: bool = False
+    """Nodes behave as spot instances in a group that keeps its size: a node reclaimed (`drill spot`) or
+    dead is replaced by a fresh one, which bootstraps and rejoins (supervisor.py)."""
     asked: frozenset[str] = frozenset()
     """The fields above the user gave explicitly; a cluster that is already up must match them."""
 
@@ -100,6 +103,8 @@ def up(options: LocalOptions) -> tuple[ClusterInfo, bool]:
         raise
     inventory.save(cluster)
     state.set_current_stack(options.stack)
+    if options.spot:
+        start_supervisor(options.stack)
     return cluster, True
 
 
@@ -135,8 +140,10 @@ def check_unchanged(cluster: ClusterInfo, options: LocalOptions) -> None:
         "instance_type": cluster.instance_type,
         "first_address": head.public_ip,
         "ssh_port": head.ssh_port,
+        "spot": supervised(cluster.stack),
     }
     flags = {
+        "spot": "--spot",
         "nodes": "--nodes",
         "instance_type": "--instance-type",
         "first_address": "--bind",
@@ -334,6 +341,60 @@ def _last_log_line(config: NodeConfig) -> str:
     return lines[-1] if lines else ""
 
 
+# ------------------------------------------------------------------------------------- supervisor
+
+SUPERVISOR_PID = "supervisor.pid"
+SUPERVISOR_LOG = "supervisor.log"
+SUPERVISOR_MODULE = "infra.providers.local.supervisor"
+
+
+def start_supervisor(stack: str) -> int:
+    """Start the stack's supervisor (supervisor.py) in a session of its own; its pid."""
+    with state.open_private(state.stack_file(stack, SUPERVISOR_LOG), "ab") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", SUPERVISOR_MODULE, stack],
+            cwd=state.REPO_ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+        )
+    return process.pid
+
+
+def supervisor_pid(stack: str) -> int | None:
+    """The running supervisor's pid (really it: pids are reused)."""
+    try:
+        pid = int(state.stack_file(stack, SUPERVISOR_PID).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pid if pid > 1 and procs.alive(pid) and SUPERVISOR_MODULE in (procfs.command_line(pid) or []) else None
+
+
+def supervised(stack: str) -> bool:
+    return state.stack_file(stack, SUPERVISOR_PID).exists()
+
+
+def stop_supervisor(stack: str, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """End the supervisor, and a bootstrap it runs (its process group), before the nodes are stopped."""
+    pid = supervisor_pid(stack)
+    state.stack_file(stack, SUPERVISOR_PID).unlink(missing_ok=True)
+    if pid is None:
+        return
+    _kill_group(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while procs.alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    _kill_group(pid, signal.SIGKILL)
+
+
+def _kill_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except OSError:
+        pass
+
+
 # -------------------------------------------------------------------------------------------- down
 
 
@@ -367,6 +428,7 @@ def stop_nodes(stack: str) -> int:
 
     Servers are found by their pid files and also by their command line, so that one whose pid file
     is not written yet (an `up` killed right after spawning it) or was deleted is stopped too."""
+    stop_supervisor(stack)  # first: it would replace the nodes as they go
     pids = sorted({pid for pid in _server_pids(stack) if _is_node_server(pid)} | set(_servers_by_command_line(stack)))
     for pid in pids:
         _kill(pid, signal.SIGTERM)
@@ -578,7 +640,7 @@ class LocalProvider(Provider):
     """N SSH-server nodes on this machine's loopback."""
 
     name = "local"
-    accepts = frozenset({"nodes", "instanceType", "maxTotalUsd", "idleMinutes", "bind", "ssh_port"})
+    accepts = frozenset({"nodes", "instanceType", "spot", "maxTotalUsd", "idleMinutes", "bind", "ssh_port"})
     what = "the local provider"
     why_not = "the nodes run on this machine, cost nothing and need no confirmation"
     flag = "--local"
@@ -600,6 +662,7 @@ class LocalProvider(Provider):
                 ("instance_type", request.overrides.get("instanceType")),
                 ("first_address", request.bind),
                 ("ssh_port", request.ssh_port),
+                ("spot", request.overrides.get("spot")),
             )
             if value is not None
         }
@@ -609,6 +672,7 @@ class LocalProvider(Provider):
             wanted.instance_type,
             request.bind,
             DEFAULT_SSH_PORT if request.ssh_port is None else request.ssh_port,
+            spot=wanted.spot,
             asked=frozenset(asked),
         )
         cluster, created = up(options)

@@ -1,0 +1,205 @@
+"""The local provider's stand-in for a cloud that keeps a cluster whole: a node whose server is gone (reclaimed
+after a spot drill's notice, or killed) is replaced by a fresh node on the same address and port.
+
+    python -m infra.providers.local.supervisor STACK
+
+`up --local --spot` starts it in a session of its own (its pid in the stack's `supervisor.pid`); `down`
+ends it before the nodes. Every `POLL_S` it looks at each node server. When the watchdog's stop marker is there
+(the cluster powered itself off) it exits: nothing is replaced. For every node found gone it:
+
+1. tells Slurm the node is lost (DOWN, reason `contract.NODE_LOST_REASON`) unless a notice drained it
+   already: a run still on it is requeued (node/slurm_run.py, JobRequeue), as slurmctld would do itself
+   after SlurmdTimeout on a real cluster;
+2. ends what the dead node left running (its scheduler daemons, job processes), as a power cut would;
+3. starts a fresh node: an empty home, a new host key (pinned in the stack's known_hosts in place of the
+   old one), a new token and metadata service, no notice;
+4. runs `fab bootstrap` on the cluster: the fresh node is prepared, its slurmd registers, the node
+   returns to service (node/scheduler.py), and the requeued run starts again.
+
+What it does is one line each in the stack's `supervisor.log`, and an event in the ledger (`deploy.py
+cost` lists interruptions and replacements). A replacement that fails to bootstrap is marked so in Slurm
+(the run waits, PENDING, with that reason) and tried again after `RETRY_S`.
+"""
+
+import asyncio
+import dataclasses
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from infra import inventory, keys, ssh, state
+from infra.inventory import ClusterInfo, NodeInfo
+from infra.ledger import Ledger
+from infra.providers.local import provider
+from infra.providers.local.node_server import PID_REGISTRY, token_entry
+from node import contract, procfs
+
+POLL_S = 1.0
+RETRY_S = 30.0
+BOOTSTRAP_TIMEOUT_S = 600
+PID_FILE = provider.SUPERVISOR_PID
+LOG_FILE = provider.SUPERVISOR_LOG
+
+
+def log(stack: str, line: str) -> None:
+    stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    with state.open_private(state.stack_file(stack, LOG_FILE), "a") as f:
+        f.write(f"{stamp} {line}\n")
+
+
+def dead_nodes(stack: str, cluster: ClusterInfo) -> list[tuple[int, NodeInfo]]:
+    """Nodes whose server is not running."""
+    alive = provider._server_start_times(stack)
+    return [(i, node) for i, node in enumerate(cluster.nodes) if node.name not in alive]
+
+
+def powered_off(stack: str) -> bool:
+    return (provider.shared_dir(stack) / contract.STOP_MARKER).exists()
+
+
+def mark_lost(cluster: ClusterInfo, lost: list[NodeInfo]) -> None:
+    """Slurm on the head node is told which nodes are gone (where the head node is one of them, there
+    is no controller to tell: the queue is on shared storage and the runs are requeued when it is back)."""
+    if cluster.head in lost:
+        return
+    script = f"{cluster.shared_dir}/code/node/scheduler.py"  # a local cluster always has its shared folder
+    for node in lost:
+        argv = [cluster.python, script, "lost", "--node", node.name, "--why", "its server is gone"]
+        command = " ".join(shlex.quote(word) for word in argv)
+        try:
+            result = asyncio.run(ssh.run(cluster, cluster.head, f"cd && {command}", timeout_s=30))
+            answer = (result.stdout or result.stderr or "").strip().splitlines()
+            log(cluster.stack, f"{node.name}: Slurm told it is lost: {answer[-1] if answer else result.exit_status}")
+        except Exception as exc:  # the head node may be gone too; the replacement goes on regardless
+            log(cluster.stack, f"{node.name}: could not tell Slurm: {ssh.describe(exc)}")
+
+
+def end_leftovers(stack: str, index: int) -> None:
+    """What the dead node's server could not end: its registered daemons, processes carrying its token,
+    and what works in its ~/.gpu-cluster, with everything below them."""
+    home = provider.node_dir(stack, index)
+    for path in (home / PID_REGISTRY).glob("*.pid"):
+        try:
+            pgid = int(path.read_text().split()[0])
+            if pgid > 1:
+                os.killpg(pgid, signal.SIGKILL)
+        except (ValueError, IndexError, OSError):
+            pass
+    try:
+        token = json.loads((home / "node.json").read_text())["token"]
+    except (OSError, ValueError, KeyError, TypeError):
+        token = None
+    rooted = procfs.pids_working_in(str(home / contract.HOME_DIR))
+    pids = (procfs.pids_with_environment(token_entry(token)) if token else []) + rooted + procfs.descendants(rooted)
+    for pid in set(pids):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def fresh_node(stack: str, cluster: ClusterInfo, index: int) -> None:
+    """A new node in the dead one's place: same address and port, empty home, new host key pinned."""
+    node = cluster.nodes[index]
+    home = provider.node_dir(stack, index)
+    shutil.rmtree(home, ignore_errors=True)
+    provider.notice_path(stack, node.name).unlink(missing_ok=True)
+    client_key = Path(cluster.ssh_key)
+    config, host_public = provider._prepare_node(stack, index, node.public_ip, node.ssh_port, client_key, node.ssh_user)
+    known_hosts = Path(cluster.known_hosts)
+    entry = keys.known_hosts_entry(node.public_ip, node.ssh_port, host_public)
+    host = entry.split()[0]
+    kept = [line for line in known_hosts.read_text().splitlines() if line and line.split()[0] != host]
+    keys.write_known_hosts(known_hosts, [*kept, entry])
+    process = provider._spawn(config)
+    provider._wait_for_pid_files([config], [process])
+    ssh.wait_for_ssh(dataclasses.replace(cluster, nodes=(node,)), provider.READY_TIMEOUT_S)
+
+
+def bootstrap(stack: str) -> tuple[bool, str]:
+    """`fab bootstrap` of the stack (the scheduler it had); whether it passed, and its last line."""
+    fab = Path(sys.executable).with_name("fab")
+    argv = [
+        str(fab) if fab.exists() else shutil.which("fab") or "fab",
+        "-r",
+        str(state.REPO_ROOT),
+        "bootstrap",
+        "--stack",
+        stack,
+    ]
+    with state.open_private(state.stack_file(stack, LOG_FILE), "ab") as out:
+        try:
+            result = subprocess.run(
+                argv, stdout=out, stderr=subprocess.STDOUT, cwd=state.REPO_ROOT, timeout=BOOTSTRAP_TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired:
+            return False, f"fab bootstrap did not finish within {BOOTSTRAP_TIMEOUT_S} s"
+    return result.returncode == 0, f"fab bootstrap exited {result.returncode}"
+
+
+def replace(stack: str, cluster: ClusterInfo, dead: list[tuple[int, NodeInfo]]) -> bool:
+    """Replace every dead node, then bootstrap the cluster once; whether all of it worked."""
+    names = ", ".join(node.name for _, node in dead)
+    started = time.time()
+    reclaimed = [node.name for _, node in dead if provider.notice_path(stack, node.name).exists()]
+    log(stack, f"{names}: gone ({'reclaimed after a spot notice' if reclaimed else 'no notice'}); replacing")
+    mark_lost(cluster, [node for _, node in dead])
+    for index, _ in dead:
+        end_leftovers(stack, index)
+    for index, node in dead:
+        fresh_node(stack, cluster, index)
+        log(stack, f"{node.name}: a fresh node is up on {node.public_ip}:{node.ssh_port}, its new host key pinned")
+    passed, last = bootstrap(stack)
+    took = time.time() - started
+    ledger = Ledger()
+    try:
+        for _, node in dead:
+            kind = "spot interruption" if node.name in reclaimed else "node lost"
+            detail = f"replaced; rejoined in {took:.0f} s" if passed else f"replaced; did not rejoin ({last})"
+            ledger.event(stack, kind, node.name, detail, at=started, seconds=took)
+    finally:
+        ledger.close()
+    log(stack, f"{names}: {'rejoined' if passed else 'did not rejoin'} in {took:.1f} s ({last})")
+    return passed
+
+
+def run(stack: str) -> int:
+    state.write_atomic(state.stack_file(stack, PID_FILE), f"{os.getpid()}\n")
+    log(stack, f"supervising stack {stack!r} (pid {os.getpid()})")
+    retry_at = 0.0
+    while True:
+        if powered_off(stack):
+            log(stack, "the cluster powered itself off: nothing to replace; exiting")
+            return 0
+        try:
+            cluster = inventory.load(stack)
+        except Exception:  # down removed it
+            return 0
+        dead = dead_nodes(stack, cluster)
+        if dead and time.monotonic() >= retry_at:
+            time.sleep(POLL_S)  # a node the drill reclaims, or `down` stops, goes with its neighbours
+            if powered_off(stack) or not state.stack_file(stack, PID_FILE).exists():
+                continue
+            dead = dead_nodes(stack, cluster)
+            if dead and not replace(stack, cluster, dead):
+                retry_at = time.monotonic() + RETRY_S
+        time.sleep(POLL_S)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m infra.providers.local.supervisor STACK", file=sys.stderr)
+        return 2
+    return run(args[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
