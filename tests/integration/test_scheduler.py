@@ -55,8 +55,8 @@ def wait_state(cluster, job_id: str, *states: str) -> dict:
 def test_comes_up_idle_and_a_second_start_restarts_nothing(scheduler):
     states = [scheduler.state(i) for i in range(2)]
     assert [s["node_state"] for s in states] == ["idle", "idle"], states
-    assert set(states[0]["daemons"]) == {"munged", "slurmctld", "slurmd"}
-    assert set(states[1]["daemons"]) == {"munged", "slurmd"}
+    assert set(states[0]["daemons"]) == {"munged", "slurmctld", "slurmd", "spot-watch"}
+    assert set(states[1]["daemons"]) == {"munged", "slurmd", "spot-watch"}
     assert all(pid for s in states for pid in s["daemons"].values()), states
 
     again = scheduler.start()
@@ -151,7 +151,7 @@ def test_stop_leaves_no_process_and_a_changed_description_restarts(own_scheduler
     assert left == [], [(pid, _name(pid)) for pid in left]
     sockets = [Paths(str(home)).sockets for home in cluster.homes]
     assert not [s for s, home in zip(sockets, cluster.homes, strict=True) if str(home) not in s and Path(s).exists()]
-    assert [cluster.state(i)["daemons"] for i in range(2)] == [{"munged": None, "slurmd": None}] * 2
+    assert [cluster.state(i)["daemons"] for i in range(2)] == [{"munged": None, "slurmd": None, "spot-watch": None}] * 2
 
 
 def test_powering_off_a_local_node_ends_its_daemons_steps_and_tasks(own_scheduler):

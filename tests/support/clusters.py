@@ -50,10 +50,10 @@ def start_local_cluster(stack: str, state_dir: Path, nodes: int = 2, *extra: str
 class Cluster:
     """A local cluster that tests share, with its own state folder."""
 
-    def __init__(self, state_dir: Path, stack: str = "local", master_port: int | None = None):
+    def __init__(self, state_dir: Path, stack: str = "local", master_port: int | None = None, up_args=()):
         self.state_dir, self.stack = state_dir, stack
         self.env = {"CLUSTER_STATE_DIR": str(state_dir)}
-        self.info = start_local_cluster_in(state_dir, stack)
+        self.info = start_local_cluster_in(state_dir, stack, *up_args)
         self.master_port = master_port or free_port()
 
     def fab(self, *args: str, **kwargs):
@@ -84,11 +84,11 @@ class Cluster:
         self.cli("down", "--stack", self.stack)
 
 
-def start_local_cluster_in(state_dir: Path, stack: str) -> dict:
+def start_local_cluster_in(state_dir: Path, stack: str, *up_args: str) -> dict:
     old = os.environ.get("CLUSTER_STATE_DIR")
     os.environ["CLUSTER_STATE_DIR"] = str(state_dir)
     try:
-        return start_local_cluster(stack, state_dir).inventory
+        return start_local_cluster(stack, state_dir, 2, *up_args).inventory
     finally:
         if old is None:
             os.environ.pop("CLUSTER_STATE_DIR")
@@ -97,9 +97,9 @@ def start_local_cluster_in(state_dir: Path, stack: str) -> dict:
 
 
 @contextmanager
-def bootstrapped_cluster(tmp_path_factory, name: str, *bootstrap_args: str, master_port: int | None = None):
+def bootstrapped_cluster(tmp_path_factory, name: str, *bootstrap_args: str, master_port: int | None = None, up_args=()):
     """A 2-node local cluster, bootstrapped, that a module's tests share; `down` afterwards, pass or fail."""
-    handle = Cluster(tmp_path_factory.mktemp(name) / "state", master_port=master_port)
+    handle = Cluster(tmp_path_factory.mktemp(name) / "state", master_port=master_port, up_args=up_args)
     try:
         handle.first_bootstrap = handle.fab("bootstrap", "--master-port", str(handle.master_port), *bootstrap_args)
         assert handle.first_bootstrap.returncode == 0, handle.first_bootstrap.stdout + handle.first_bootstrap.stderr

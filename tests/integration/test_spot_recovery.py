@@ -1,0 +1,113 @@
+"""A spot cluster heals itself while nothing is connected (`up --local --spot`, runs held by Slurm): a notice
+ends a run at a checkpoint and requeues it, the reclaimed node is replaced and rejoins, the run resumes at
+the step it saved; a node killed without notice is replaced too, and the run resumes from its last
+periodic checkpoint. The training script is the course's own ddp_training, the drill the user's command."""
+
+import json
+import os
+import re
+import signal
+
+import pytest
+
+from node import contract, procfs
+from tests.support import slurm
+from tests.support.clusters import bootstrapped_cluster, node_server_processes
+
+pytestmark = pytest.mark.skipif(slurm.unavailable() is not None, reason=f"Slurm: {slurm.unavailable()}")
+
+CHECKPOINT_EVERY = 200
+RESUMED = re.compile(r"\[node-0\] resuming from step (\d+) \(.*; restart (\d+)\)")
+PREEMPTED = re.compile(r"\[node-0\] preempted \(SIGUSR1\) at step (\d+): checkpoint at step \1 saved")
+STEP = re.compile(r"^\[node-0\]\s+(\d+)\s+\d", re.M)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with bootstrapped_cluster(
+        tmp_path_factory, "spot", "--scheduler", "slurm", master_port=slurm.free_ports(), up_args=("--spot",)
+    ) as handle:
+        yield handle
+
+
+def log_of(cluster, run_id: str) -> str:
+    path = cluster.state_dir / cluster.stack / "shared" / "runs" / run_id / contract.RUN_LOG
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def wait_for_log(cluster, run_id: str, pattern: re.Pattern, after: int = 0) -> re.Match:
+    found: list[re.Match] = []
+
+    def seen() -> bool:
+        found[:] = list(pattern.finditer(log_of(cluster, run_id)))[after:]
+        return bool(found)
+
+    slurm.wait_for(seen, f"{pattern.pattern} in the run's log", lambda: log_of(cluster, run_id)[-3000:], 180)
+    return found[0]
+
+
+def job(cluster, run_id: str) -> dict:
+    result = cluster.fab("jobs", "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return next(row for row in json.loads(result.stdout) if row["run_id"] == run_id)
+
+
+def pinned_key(cluster, node: dict) -> str:
+    host = f"[{node['public_ip']}]:{node['ssh_port']}"
+    lines = (cluster.state_dir / cluster.stack / "known_hosts").read_text().splitlines()
+    return next(line for line in lines if line.split()[0] == host)
+
+
+def test_a_notice_and_a_death_each_cost_at_most_the_steps_since_a_checkpoint_and_the_cluster_heals(cluster):
+    node1 = cluster.info["nodes"][1]
+    args = f"--steps 10000000 --checkpoint-every {CHECKPOINT_EVERY} --log-every 50"
+    submitted = cluster.fab("run-ddp", "--args", args, "--detach")
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    run_id = submitted.stdout.strip().splitlines()[-1]
+    wait_for_log(cluster, run_id, STEP)
+    key_before = pinned_key(cluster, node1)
+
+    # A spot notice: every rank stops at one step and saves it, the run waits PREEMPTED, the node is reclaimed
+    # and replaced, and the run resumes at the saved step: no step is trained twice.
+    drilled = cluster.cli("drill", "spot", "node-1", "--notice", "15")
+    assert drilled.returncode == 0, drilled.stdout + drilled.stderr
+    saved = int(wait_for_log(cluster, run_id, PREEMPTED).group(1))
+    slurm.wait_for(lambda: job(cluster, run_id)["state"] == "PREEMPTED", f"run {run_id} PREEMPTED")
+    resumed = wait_for_log(cluster, run_id, RESUMED)
+    assert (int(resumed.group(1)), resumed.group(2)) == (saved, "1")  # CLUSTER_RESTART_COUNT, from Slurm
+    row = job(cluster, run_id)
+    assert row["state"] == "RUNNING" and row["requeues"] == 1, row
+    assert pinned_key(cluster, node1) != key_before  # the fresh node's host key, pinned in place of the old
+    assert cluster.cli("ssh", "node-1", "--", "true").returncode == 0  # stock OpenSSH accepts it
+
+    # No notice: node-1's server is killed outright. Slurm is told the node is lost, the run is requeued,
+    # and it resumes from its last periodic checkpoint (or the notice's, if none was taken since).
+    pid_file = cluster.state_dir / cluster.stack / "nodes" / "node-1" / "sshd.pid"
+    slurm.wait_for(lambda: len(STEP.findall(log_of(cluster, run_id).split(resumed.group(0))[-1])) > 0, "a step")
+    os.kill(json.loads(pid_file.read_text())["pid"], signal.SIGKILL)
+    again = wait_for_log(cluster, run_id, RESUMED, after=1)
+    before_death = [
+        int(s) for s in STEP.findall(log_of(cluster, run_id).split(resumed.group(0))[-1].split(again.group(0))[0])
+    ]
+    step = int(again.group(1))
+    assert again.group(2) == "2" and (step == saved or step % CHECKPOINT_EVERY == 0), again.group(0)
+    assert step >= saved and max(before_death) - step < CHECKPOINT_EVERY + 50, (step, before_death[-3:])
+
+    cost = json.loads(cluster.cli("cost", "--json").stdout)
+    events = [(e["node"], e["kind"]) for e in cost["events"] if e["stack"] == cluster.stack]
+    assert events == [("node-1", "spot interruption"), ("node-1", "node lost")], cost["events"]
+    assert cluster.fab("stop", "--run", run_id).returncode == 0
+
+    down = cluster.cli("down")
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert node_server_processes(cluster.state_dir) == []
+    assert _supervisors(cluster) == []
+
+
+def _supervisors(cluster) -> list[int]:
+    """This cluster's supervisors still alive (found by the state folder in their environment)."""
+    return [
+        pid
+        for pid in procfs.pids_with_environment(f"CLUSTER_STATE_DIR={cluster.state_dir}")
+        if "infra.providers.local.supervisor" in (procfs.command_line(pid) or [])
+    ]
