@@ -149,7 +149,7 @@ def test_down_of_an_unknown_local_stack_creates_nothing(state_dir):
         (["down", "--stack", "evil\n"], ["bad stack name"]),
         (["cost", "--stack", ""], ["bad stack name ''"]),
         (["up", "--local", "--", "--nodes", "3"], ["unrecognized arguments after --"]),
-        (["up", "--local", "--spot", "--yes"], ["--spot, --yes", "do(es) not apply to --local"]),
+        (["up", "--local", "--spot", "--yes"], ["--yes", "do(es) not apply to --local"]),
         (["up", "--local", "--ssh-cidr", "203.0.113.7/32"], ["--ssh-cidr", "not apply to --local"]),
         (["up", "--hosts", "hosts.yaml", "--nodes", "2"], ["--nodes", "not apply to --hosts"]),
         (["up", "--stack", "dev", "--bind", "127.0.0.20"], ["--bind", "not apply to AWS"]),

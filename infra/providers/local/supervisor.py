@@ -156,7 +156,10 @@ def replace(stack: str, cluster: ClusterInfo, dead: list[tuple[int, NodeInfo]]) 
     for index, node in dead:
         fresh_node(stack, cluster, index)
         log(stack, f"{node.name}: a fresh node is up on {node.public_ip}:{node.ssh_port}, its new host key pinned")
-    passed, last = bootstrap(stack)
+    if state.stack_file(stack, state.BOOTSTRAP).exists():
+        passed, last = bootstrap(stack)
+    else:  # never bootstrapped: the fresh node is as the others are
+        passed, last = True, "not bootstrapped before: fab bootstrap prepares it"
     took = time.time() - started
     ledger = Ledger()
     try:
