@@ -255,11 +255,8 @@ def main(argv=None) -> int:
                 profiler=profiler,
                 preemption=preemption,
             )
-        if result.preempted:
-            saved = (
-                f"checkpoint at step {result.steps} saved in {checkpoints}" if checkpoints else "no --checkpoint-dir"
-            )
-            print0(f"preempted (SIGUSR1) at step {result.steps}: {saved}; exiting to be started again")
+        if preemption.stopped_at is not None:
+            print0(preemption.line(checkpoints))
             return 0
         return summarize(args, ctx, result, meter, logger, metrics, model)
     finally:

@@ -55,6 +55,7 @@ from harness.parallel import (
     timed,
     train_step,
 )
+from harness.preemption import Preemption
 from harness.sharded_checkpoint import ShardedCheckpointer, add_checkpoint_arguments, checkpoint_root
 
 DEFAULT_MODEL = ModelConfig(vocab=64, seq_len=32, d_model=128, n_heads=4, n_layers=2)
@@ -109,7 +110,9 @@ def build(args, ctx) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr)
 
 
-def train(args, ctx, model, optimizer, batches: Batches, start: int, checkpointer, logger) -> SavedForBackward:
+def train(
+    args, ctx, model, optimizer, batches: Batches, start: int, checkpointer, logger, preemption: Preemption
+) -> SavedForBackward:
     """Steps start+1..args.steps; the last one's forward pass is measured."""
     saved = SavedForBackward(model)
     for step in range(start, args.steps):
@@ -119,8 +122,14 @@ def train(args, ctx, model, optimizer, batches: Batches, start: int, checkpointe
         done = step + 1 == args.steps
         log = done or (step + 1) % args.log_every == 0
         logger.step(step + 1, mean_over_ranks(loss) if log else 0.0, seconds, log=log)
-        if checkpointer and (done or (step + 1) % args.checkpoint_every == 0):
+        saved_now = checkpointer is not None and (done or (step + 1) % args.checkpoint_every == 0)
+        if saved_now:
             checkpointer.save(step + 1, model, optimizer)
+        if not done and preemption.agreed(ctx.device):  # a spot notice: every rank stops at this step
+            if checkpointer and not saved_now:
+                checkpointer.save(step + 1, model, optimizer)
+            preemption.stop(step + 1)
+            break
     if checkpointer:
         checkpointer.wait()
     return saved
@@ -171,6 +180,7 @@ def main(argv=None) -> int:
     env = DistEnv.from_environ()
     if args.batch_size % env.world_size:
         fail(f"--batch-size {args.batch_size} must split evenly over {env.world_size} ranks", code=2)
+    preemption = Preemption()  # SIGUSR1 (a spot notice): save at the next step and exit
     ctx = init_distributed(timeout_s=args.timeout)
     try:
         batches = Batches(args.model, args.batch_size, args.seed)
@@ -189,7 +199,10 @@ def main(argv=None) -> int:
         meter = CostMeter(ctx.env.hourly_usd)
         metrics = MetricsWriter(ctx.env.run_dir, ctx.is_rank0)
         logger = StepLogger(ctx.is_rank0, ctx.device, meter, metrics, args.batch_size)
-        saved = train(args, ctx, model, optimizer, batches, start, checkpointer, logger)
+        saved = train(args, ctx, model, optimizer, batches, start, checkpointer, logger, preemption)
+        if preemption.stopped_at is not None:
+            print0(preemption.line(root))
+            return 0
         summary = {
             "example": "fsdp_training",
             "zero": args.zero,

@@ -68,6 +68,7 @@ from harness.parallel import (
     timed,
     train_step,
 )
+from harness.preemption import Preemption
 from harness.sharded_checkpoint import ShardedCheckpointer, add_checkpoint_arguments, checkpoint_root
 
 DEFAULT_MODEL = ModelConfig(vocab=128, seq_len=32, d_model=256, n_heads=8, n_layers=4)
@@ -160,7 +161,9 @@ def reordering_drift(args, ctx, batches: Batches, reference: torch.nn.Module) ->
     return max_parameter_diff(full_parameters(again), full_parameters(reference))
 
 
-def train(args, ctx, model, optimizer, replica: int, shape: MeshShape, batches, start, checkpointer, logger):
+def train(
+    args, ctx, model, optimizer, replica: int, shape: MeshShape, batches, start, checkpointer, logger, preemption
+):
     """Steps start+1..args.steps; the first one is measured (memory and collectives), as it pays for
     warming up anyway: the steps the lines show are not slowed by the counting."""
     saved, counter = SavedForBackward(model), CollectiveCounter()
@@ -173,8 +176,14 @@ def train(args, ctx, model, optimizer, replica: int, shape: MeshShape, batches, 
             )
         log = done or (step + 1) % args.log_every == 0
         logger.step(step + 1, mean_over_ranks(loss) if log else 0.0, seconds, log=log)
-        if checkpointer and (done or (step + 1) % args.checkpoint_every == 0):
+        saved_now = checkpointer is not None and (done or (step + 1) % args.checkpoint_every == 0)
+        if saved_now:
             checkpointer.save(step + 1, model, optimizer)
+        if not done and preemption.agreed(ctx.device):  # a spot notice: every rank stops at this step
+            if checkpointer and not saved_now:
+                checkpointer.save(step + 1, model, optimizer)
+            preemption.stop(step + 1)
+            break
     if checkpointer:
         checkpointer.wait()
     return saved, counter
@@ -199,6 +208,7 @@ def main(argv=None) -> int:
     problem = layout_problem(shape, env.world_size, args.model, args.batch_size)
     if problem:
         fail(problem, code=2)
+    preemption = Preemption()  # SIGUSR1 (a spot notice): save at the next step and exit
     ctx = init_distributed(timeout_s=args.timeout)
     try:
         batches = Batches(args.model, args.batch_size, args.seed)
@@ -216,8 +226,21 @@ def main(argv=None) -> int:
         metrics = MetricsWriter(ctx.env.run_dir, ctx.is_rank0)
         logger = StepLogger(ctx.is_rank0, ctx.device, meter, metrics, args.batch_size)
         saved, counter = train(
-            args, ctx, model, optimizer, mesh["dp"].get_local_rank(), shape, batches, start, checkpointer, logger
+            args,
+            ctx,
+            model,
+            optimizer,
+            mesh["dp"].get_local_rank(),
+            shape,
+            batches,
+            start,
+            checkpointer,
+            logger,
+            preemption,
         )
+        if preemption.stopped_at is not None:
+            print0(preemption.line(root))
+            return 0
         summary = {
             "example": "hybrid_parallel",
             "dp": shape.dp,

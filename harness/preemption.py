@@ -29,6 +29,8 @@ class Preemption:
 
     def __init__(self):
         self.asked = False
+        self.stopped_at: int | None = None
+        """The step the ranks stopped after, once they agreed to (a loop sets it)."""
         signal.signal(signal.SIGUSR1, self._ask)
 
     def _ask(self, signum, frame) -> None:
@@ -41,6 +43,14 @@ class Preemption:
         flag = torch.tensor([1 if self.asked else 0], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+    def stop(self, step: int) -> None:
+        self.stopped_at = step
+
+    def line(self, where) -> str:
+        """What rank 0 prints as it exits to be started again."""
+        saved = f"checkpoint at step {self.stopped_at} saved in {where}" if where else "no checkpoint folder"
+        return f"preempted (SIGUSR1) at step {self.stopped_at}: {saved}; exiting to be started again"
 
 
 def restart_count() -> int:

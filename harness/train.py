@@ -142,8 +142,6 @@ class LoopResult:
     """The step it resumed from (0 for a fresh start)."""
     elapsed_s: float
     """Wall time of the loop on this rank."""
-    preempted: bool = False
-    """Stopped early at a step boundary for a spot notice (SIGUSR1), its checkpoint saved."""
 
 
 @dataclass(frozen=True)
@@ -196,11 +194,13 @@ def train_loop(
                 profiler.step()
             if done:
                 break
-            if preemption is not None and preemption.agreed(ctx.device):
+            if preemption is not None and preemption.agreed(ctx.device):  # every rank stops at this step
                 if not saved and config.checkpoint_dir is not None:
                     _maybe_checkpoint(ctx, config, step, True, model, optimizer, scaler)
-                elapsed = time.perf_counter() - started
-                return LoopResult(first_loss, last_loss, step, start_step, elapsed, preempted=True)
+                preemption.stop(step)
+                break
+        if preemption is not None and preemption.stopped_at is not None:
+            break
     return LoopResult(first_loss, last_loss, step, start_step, time.perf_counter() - started)
 
 

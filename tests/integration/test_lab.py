@@ -6,9 +6,12 @@ on 4 ranks resumed on 2 with equal parameters, and the strategy table's figures.
 """
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -188,3 +191,45 @@ def test_the_strategy_table_reports_peak_cuda_memory(tmp_path):
     )
     rows = json.loads((tmp_path / "strategies.json").read_text())["strategies"]
     assert all(r["peak_cuda_bytes"] >= r["memory"]["parameters_bytes"] for r in rows)
+
+
+@pytest.mark.parametrize("example", ["fsdp_training.py", "hybrid_parallel.py"])
+def test_on_sigusr1_every_rank_stops_at_one_step_saves_it_and_the_next_start_resumes_there(example, tmp_path):
+    """The spot notice's contract (harness/preemption.py): one rank gets SIGUSR1, every rank stops at the
+    same step boundary, the sharded checkpoint of that step is committed, and a restart resumes from it."""
+    env = child_env(CLUSTER_RUN_DIR=str(tmp_path))  # unbuffered already
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    args = [f"examples/{example}", *TINY, "--checkpoint-every", "100000", "--log-every", "1"]
+    job = subprocess.Popen(
+        [*command, *args, "--steps", "100000"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        seen = b""
+        while not re.search(rb"^\s+2\s+\d", seen, re.M):  # a step line: the loop runs
+            chunk = job.stdout.read1(65536)
+            assert chunk, seen.decode(errors="replace")
+            seen += chunk
+        os.kill(_rank_pid(tmp_path, "1"), signal.SIGUSR1)  # the last rank only, as on a reclaimed node
+        out, _ = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    text = (seen + out).decode(errors="replace")
+    assert job.returncode == 0, text
+    stopped = re.search(r"preempted \(SIGUSR1\) at step (\d+): checkpoint at step \1 saved in ", text)
+    assert stopped, text
+    step = int(stopped.group(1))
+    assert (tmp_path / "checkpoints" / f"step-{step:08d}" / "COMMITTED").is_file()
+    resumed = ok(torchrun(example, *TINY, "--steps", str(step + 1), run_dir=tmp_path))
+    assert f"resumed from step {step} " in resumed.stdout, resumed.stdout
+
+
+def _rank_pid(run_dir, rank: str) -> int:
+    """The pid of the example's rank `rank` started for `run_dir` (found in /proc by its environment)."""
+    wanted = {f"CLUSTER_RUN_DIR={run_dir}".encode(), f"RANK={rank}".encode()}
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if wanted <= set(environ.read_bytes().split(b"\0")):
+                return int(environ.parent.name)
+        except OSError:
+            continue
+    raise AssertionError(f"no rank {rank} running for {run_dir}")
