@@ -33,6 +33,8 @@ from harness.cost import CostMeter
 from harness.dist import cleanup, init_distributed, print0, run
 from harness.metrics import MetricsWriter, StepLogger
 from harness.models import MLP, loss_fn
+from harness.preemption import Preemption
+from harness.sharded_checkpoint import ShardedCheckpointer, add_checkpoint_arguments, checkpoint_root
 
 GRADIENT_TOLERANCE = 1e-5
 SAMPLES = 8192
@@ -55,6 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--sync-every-micro-step", action="store_true", help="naive: all-reduce after every micro-batch"
     )
     parser.add_argument("--check-gradient", action="store_true", help="compare with the full-batch gradient and exit")
+    add_checkpoint_arguments(parser)
     add_run_arguments(parser, log_every=10, log_help="print a step line every N optimizer steps")
     args = parser.parse_args(argv)
     if args.accumulation_steps * args.micro_batch_size >= SAMPLES:
@@ -152,6 +155,7 @@ def check_gradient(args, ctx, ddp, counter, dataset) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    preemption = Preemption()  # SIGUSR1 (a spot notice): save at the next step and exit
     ctx = init_distributed(timeout_s=args.timeout)
     try:
         ddp, counter, optimizer = build(args, ctx)
@@ -165,8 +169,13 @@ def main(argv=None) -> int:
         meter = CostMeter(ctx.env.hourly_usd)
         metrics = MetricsWriter(ctx.env.run_dir, ctx.is_rank0)
         logger = StepLogger(ctx.is_rank0, ctx.device, meter, metrics, k * args.micro_batch_size * ctx.world_size)
+        root = checkpoint_root(args.checkpoint_dir, ctx.env.shared_dir, ctx.env.run_dir)
+        checkpointer = ShardedCheckpointer(root, args.async_save) if root else None
+        start, _ = checkpointer.load_latest(ddp, optimizer) if checkpointer else (0, 0)
+        if start:
+            print0(f"resumed from step {start} ({root})")
         started = time.perf_counter()
-        for step in range(args.steps):
+        for step in range(start, args.steps):
             step_started = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             loss = accumulate(ddp, counter, micro_batches(dataset, ctx, args, step), args.sync_every_micro_step)
@@ -175,15 +184,29 @@ def main(argv=None) -> int:
             logger.step(
                 step + 1, loss, time.perf_counter() - step_started, log=done or (step + 1) % args.log_every == 0
             )
+            saved_now = done or (step + 1) % args.checkpoint_every == 0
+            if checkpointer is not None and saved_now:
+                checkpointer.save(step + 1, ddp, optimizer)
+            if not done and preemption.agreed(ctx.device):  # a spot notice: every rank stops at this step
+                if checkpointer is not None and not saved_now:
+                    checkpointer.save(step + 1, ddp, optimizer)
+                preemption.stop(step + 1)
+                break
+        if checkpointer:
+            checkpointer.wait()
+        if preemption.stopped_at is not None:
+            print0(preemption.line(root))
+            return 0
         elapsed = time.perf_counter() - started
-        per_step_calls = counter.calls / args.steps
-        per_step_syncs = counter.synced_backwards / args.steps
+        trained = max(args.steps - start, 1)
+        per_step_calls = counter.calls / trained
+        per_step_syncs = counter.synced_backwards / trained
         buckets = counter.calls / max(counter.synced_backwards, 1)
         print0(
             f"all-reduce per optimizer step: {per_step_syncs:g} gradient synchronisation(s), "
             f"{per_step_calls:g} all-reduce call(s) ({buckets:g} bucket(s) each), counted at run time"
         )
-        print0(f"{elapsed / args.steps * 1000:.1f} ms per optimizer step")
+        print0(f"{elapsed / trained * 1000:.1f} ms per optimizer step")
         metrics.write(
             "summary",
             example="gradient_accumulation",
@@ -193,7 +216,7 @@ def main(argv=None) -> int:
             allreduce_calls_per_step=per_step_calls,
             synchronisations_per_step=per_step_syncs,
             buckets=buckets,
-            ms_per_step=elapsed / args.steps * 1000,
+            ms_per_step=elapsed / trained * 1000,
             usd=meter.usd_so_far(),
         )
         return 0

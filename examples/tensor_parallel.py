@@ -49,6 +49,8 @@ from harness.parallel import (
     timed,
     train_step,
 )
+from harness.preemption import Preemption
+from harness.sharded_checkpoint import ShardedCheckpointer, add_checkpoint_arguments, checkpoint_root
 
 DEFAULT_MODEL = ModelConfig(vocab=64, seq_len=32, d_model=128, n_heads=4, n_layers=2)
 TOLERANCE = 1e-5  # the split model sums the same products in another order
@@ -71,6 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_training_arguments(
         parser, steps=20, batch_size=8, batch_help="sequences per step, the same on every rank", lr=3e-3
     )
+    add_checkpoint_arguments(parser)
     add_run_arguments(parser, log_every=5, check="compare outputs and gradients with the unsplit model")
     args = parser.parse_args(argv)
     args.model = model_config(args, parser)
@@ -131,6 +134,7 @@ def main(argv=None) -> int:
     problem = layout_problem(MeshShape(1, env.world_size), env.world_size, args.model, args.batch_size)
     if problem:
         fail(problem, code=2)
+    preemption = Preemption()  # SIGUSR1 (a spot notice): save at the next step and exit
     ctx = init_distributed(timeout_s=args.timeout)
     try:
         batches = Batches(args.model, args.batch_size, args.seed)
@@ -141,20 +145,39 @@ def main(argv=None) -> int:
             f"{args.model.describe()}; tensor parallel over {ctx.world_size} ranks ({ctx.backend}), "
             f"batch {args.batch_size} on every rank"
         )
+        root = checkpoint_root(args.checkpoint_dir, ctx.env.shared_dir, ctx.env.run_dir)
+        checkpointer = ShardedCheckpointer(root, args.async_save) if root else None
+        start, _ = checkpointer.load_latest(model, optimizer) if checkpointer else (0, 0)
+        if start:
+            print0(f"resumed from step {start} ({root})")
         counter = CollectiveCounter()
-        with counter:
-            inputs, targets = batches.replica_batch(0, 0, 1, ctx.device)
+        with counter:  # the first step trained here, counted
+            inputs, targets = batches.replica_batch(start, 0, 1, ctx.device)
             train_step(model, optimizer, inputs, targets)
         print0(f"collectives in one training step (CommDebugMode; {args.model.n_layers} blocks):")
         print0(collective_table(counter))
         meter = CostMeter(ctx.env.hourly_usd)
         metrics = MetricsWriter(ctx.env.run_dir, ctx.is_rank0)
         logger = StepLogger(ctx.is_rank0, ctx.device, meter, metrics, args.batch_size)
-        for step in range(1, args.steps):
+        for step in range(start + 1, args.steps):
             inputs, targets = batches.replica_batch(step, 0, 1, ctx.device)
             loss, seconds = timed(partial(train_step, model, optimizer, inputs, targets), ctx.device)
-            log = step + 1 == args.steps or (step + 1) % args.log_every == 0
+            done = step + 1 == args.steps
+            log = done or (step + 1) % args.log_every == 0
             logger.step(step + 1, mean_over_ranks(loss) if log else 0.0, seconds, log=log)
+            saved_now = done or (step + 1) % args.checkpoint_every == 0
+            if checkpointer is not None and saved_now:
+                checkpointer.save(step + 1, model, optimizer)
+            if not done and preemption.agreed(ctx.device):  # a spot notice: every rank stops at this step
+                if checkpointer is not None and not saved_now:
+                    checkpointer.save(step + 1, model, optimizer)
+                preemption.stop(step + 1)
+                break
+        if checkpointer:
+            checkpointer.wait()
+        if preemption.stopped_at is not None:
+            print0(preemption.line(root))
+            return 0
         metrics.write(
             "summary",
             example="tensor_parallel",

@@ -575,7 +575,8 @@ def start(cluster: Cluster, node_name: str, home: str) -> dict:
     digest = digest_of(files)
     running = {name: running_daemon(paths, name) for name in names}
     if read_text(paths.digest) == digest and all(running.values()):
-        return {"node": node.name, "action": "unchanged", "daemons": running}
+        resumed = resume_if_ours(paths, node.name, fresh=False)  # a node set DOWN as lost that answers again
+        return {"node": node.name, "action": "unchanged", "daemons": running, "resumed": resumed}
     changed = read_text(paths.digest) != digest
     restarted = [name for name in stop(paths) if name in names] if changed else []
     make_folders(paths, cluster if node == cluster.head else None)  # after stop, which removes a short socket folder
@@ -595,8 +596,7 @@ def start(cluster: Cluster, node_name: str, home: str) -> dict:
         running[name] = pid
     action = "restarted" if restarted else ("started" if started else "unchanged")
     result: dict = {"node": node.name, "action": action, "daemons": running, "started": sorted(started)}
-    if "slurmd" in started:  # this node was down (a replacement, a restart): one drained for a notice returns
-        result["resumed"] = resume_after_notice(paths, node.name)
+    result["resumed"] = resume_if_ours(paths, node.name, fresh="slurmd" in started)
     return result
 
 
@@ -730,13 +730,15 @@ def drain_for_notice(paths: Paths, node_name: str, notice: str) -> str:
     return "drained" if result.returncode == 0 else (result.stderr.strip() or f"scontrol exited {result.returncode}")
 
 
-def resume_after_notice(paths: Paths, node_name: str, wait_s: float = READY_TIMEOUT_S) -> bool:
-    """A fresh node in the place of one drained by a spot notice or found dead: back in service once its
-    slurmd has registered. False where it was not out of service for one of those."""
+def resume_if_ours(paths: Paths, node_name: str, fresh: bool, wait_s: float = READY_TIMEOUT_S) -> bool:
+    """This node back in service where gpu-cluster took it out and it is whole again: set DOWN as lost
+    (it answers now), or drained for a spot notice when it is `fresh` (its slurmd just started: a
+    replacement; a node still waiting to be reclaimed keeps its drain). Waits for slurmd to register."""
     deadline = time.monotonic() + wait_s
     while True:
         node_state, reason = node_reasons(paths).get(node_name, ("", ""))
-        if not lost_or_noticed(reason):
+        ours = reason.startswith(contract.NODE_LOST_REASON) or (fresh and reason.startswith(contract.SPOT_DRAIN_REASON))
+        if not ours:
             return False
         if "NOT_RESPONDING" not in node_state.upper() and not node_state.endswith("*"):
             if scontrol(paths, "update", f"NodeName={node_name}", "State=RESUME").returncode == 0:

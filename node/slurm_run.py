@@ -357,9 +357,18 @@ def job_state(job_id: str) -> dict | None:
 
 
 def shown_state(job_id: str) -> dict | None:
-    """`job_state`, with PREEMPTED for a run waiting to start again after a spot notice requeued it."""
+    """`job_state`, with PREEMPTED for a run waiting to start again after a spot notice requeued it, and for
+    a waiting run the nodes it waits for (out of service after a notice, or lost, and why)."""
     found = job_state(job_id)
-    if found is None or found["state"] not in WAITING_STATES or not found["requeues"] or not found.get("log"):
+    if found is None or found["state"] not in WAITING_STATES:
+        return found
+    out = [
+        f"{node}: {reason}"
+        for node, (_, reason) in sorted(scheduler.node_reasons(scheduler.Paths(os.path.expanduser("~"))).items())
+        if scheduler.lost_or_noticed(reason)
+    ]
+    found = {**found, "waiting_for": "; ".join(out) or None}
+    if not found["requeues"] or not found.get("log"):
         return found
     try:
         with open(os.path.join(os.path.dirname(found["log"]), contract.PREEMPTED_RECORD)) as f:

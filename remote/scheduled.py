@@ -64,6 +64,8 @@ class Run:
     """The hang watch's verdict, where it stopped the run."""
     spec: dict = field(default_factory=dict)
     """What the summary needs of the launch (script, args, workdir, requirements, env names, result cap)."""
+    waiting_for: str | None = None
+    """While it waits: the nodes out of service it needs (a notice, a lost node, a replacement that failed)."""
 
     @property
     def ended(self) -> bool:
@@ -335,6 +337,7 @@ def refresh(cluster: ClusterInfo, runs: list[Run]) -> None:
         run.ended_at = known.get("ended_at") if run.state in FINAL else None
         run.exit_code = known.get("exit_code") if run.state in FINAL else None
         run.requeues = int(known.get("requeues") or 0)
+        run.waiting_for = known.get("waiting_for")
 
 
 def cancel(cluster: ClusterInfo, run: Run) -> dict | None:

@@ -428,6 +428,9 @@ def jobs(c, json_=False, stack=None):
             f"${row['cost_usd']:.4f}",
         )
     console().print(table)
+    for _, record in found:
+        if record.waiting_for and not record.ended:
+            say(f"{record.run_id} waits for {record.waiting_for}")
 
 
 @task(help={"run": "the run (default: the newest)", "stack": STACK_HELP})

@@ -193,13 +193,21 @@ def test_the_strategy_table_reports_peak_cuda_memory(tmp_path):
     assert all(r["peak_cuda_bytes"] >= r["memory"]["parameters_bytes"] for r in rows)
 
 
-@pytest.mark.parametrize("example", ["fsdp_training.py", "hybrid_parallel.py"])
-def test_on_sigusr1_every_rank_stops_at_one_step_saves_it_and_the_next_start_resumes_there(example, tmp_path):
+@pytest.mark.parametrize(
+    "example, model",
+    [
+        ("fsdp_training.py", TINY),
+        ("hybrid_parallel.py", TINY),
+        ("tensor_parallel.py", TINY),
+        ("gradient_accumulation.py", ["--hidden", "32", "--micro-batch-size", "4"]),
+    ],
+)
+def test_on_sigusr1_every_rank_stops_at_one_step_saves_it_and_the_next_start_resumes_there(example, model, tmp_path):
     """The spot notice's contract (harness/preemption.py): one rank gets SIGUSR1, every rank stops at the
     same step boundary, the sharded checkpoint of that step is committed, and a restart resumes from it."""
     env = child_env(CLUSTER_RUN_DIR=str(tmp_path))  # unbuffered already
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    args = [f"examples/{example}", *TINY, "--checkpoint-every", "100000", "--log-every", "1"]
+    args = [f"examples/{example}", *model, "--checkpoint-every", "100000", "--log-every", "1"]
     job = subprocess.Popen(
         [*command, *args, "--steps", "100000"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
@@ -219,7 +227,7 @@ def test_on_sigusr1_every_rank_stops_at_one_step_saves_it_and_the_next_start_res
     assert stopped, text
     step = int(stopped.group(1))
     assert (tmp_path / "checkpoints" / f"step-{step:08d}" / "COMMITTED").is_file()
-    resumed = ok(torchrun(example, *TINY, "--steps", str(step + 1), run_dir=tmp_path))
+    resumed = ok(torchrun(example, *model, "--steps", str(step + 1), run_dir=tmp_path))
     assert f"resumed from step {step} " in resumed.stdout, resumed.stdout
 
 

@@ -64,14 +64,14 @@ def powered_off(stack: str) -> bool:
     return (provider.shared_dir(stack) / contract.STOP_MARKER).exists()
 
 
-def mark_lost(cluster: ClusterInfo, lost: list[NodeInfo]) -> None:
+def mark_lost(cluster: ClusterInfo, lost: list[NodeInfo], why: str = "its server is gone") -> None:
     """Slurm on the head node is told which nodes are gone (where the head node is one of them, there
     is no controller to tell: the queue is on shared storage and the runs are requeued when it is back)."""
     if cluster.head in lost:
         return
     script = f"{cluster.shared_dir}/code/node/scheduler.py"  # a local cluster always has its shared folder
     for node in lost:
-        argv = [cluster.python, script, "lost", "--node", node.name, "--why", "its server is gone"]
+        argv = [cluster.python, script, "lost", "--node", node.name, "--why", why]
         command = " ".join(shlex.quote(word) for word in argv)
         try:
             result = asyncio.run(ssh.run(cluster, cluster.head, f"cd && {command}", timeout_s=30))
@@ -170,12 +170,15 @@ def replace(stack: str, cluster: ClusterInfo, dead: list[tuple[int, NodeInfo]]) 
     finally:
         ledger.close()
     log(stack, f"{names}: {'rejoined' if passed else 'did not rejoin'} in {took:.1f} s ({last})")
+    if not passed:  # the runs wait, and say why (fab jobs); tried again after RETRY_S
+        mark_lost(cluster, [node for _, node in dead], f"its replacement did not rejoin ({last}; see {LOG_FILE})")
     return passed
 
 
 def run(stack: str) -> int:
     state.write_atomic(state.stack_file(stack, PID_FILE), f"{os.getpid()}\n")
     log(stack, f"supervising stack {stack!r} (pid {os.getpid()})")
+    unjoined: list[NodeInfo] = []  # replaced, but their bootstrap failed: tried again every RETRY_S
     retry_at = 0.0
     while True:
         if powered_off(stack):
@@ -185,13 +188,20 @@ def run(stack: str) -> int:
             cluster = inventory.load(stack)
         except Exception:  # down removed it
             return 0
-        dead = dead_nodes(stack, cluster)
-        if dead and time.monotonic() >= retry_at:
+        if dead_nodes(stack, cluster):
             time.sleep(POLL_S)  # a node the drill reclaims, or `down` stops, goes with its neighbours
             if powered_off(stack) or not state.stack_file(stack, PID_FILE).exists():
                 continue
             dead = dead_nodes(stack, cluster)
             if dead and not replace(stack, cluster, dead):
+                unjoined, retry_at = [node for _, node in dead], time.monotonic() + RETRY_S
+        elif unjoined and time.monotonic() >= retry_at:
+            names = ", ".join(node.name for node in unjoined)
+            passed, last = bootstrap(stack)
+            log(stack, f"{names}: {'rejoined' if passed else 'did not rejoin'} on a new try ({last})")
+            if passed:
+                unjoined = []
+            else:
                 retry_at = time.monotonic() + RETRY_S
         time.sleep(POLL_S)
 
