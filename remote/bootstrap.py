@@ -161,11 +161,7 @@ class Bootstrap:
 
     def __init__(self, cluster: ClusterInfo, force: bool, master_port: int, scheduler: str | None = None):
         self.cluster, self.force, self.master_port = cluster, force, master_port
-        self.scheduler = (
-            scheduler
-            if scheduler is not None
-            else _read_json(state.stack_file(cluster.stack, state.BOOTSTRAP)).get("scheduler") or "none"
-        )
+        self.scheduler = scheduler if scheduler is not None else remembered_setup(cluster).get("scheduler") or "none"
         self.stack_dir = state.stack_dir(cluster.stack)
         self.manifest = local_manifest()
         self.records: list[NodeRecord] = []
@@ -643,6 +639,11 @@ class Bootstrap:
                     out.print(f"[bold]{name}[/bold]: {failed_stage} failed: {outcome.detail}")
                     for line in outcome.output.strip().splitlines()[-20:]:
                         out.print(f"  [{name}] {line}", markup=False)
+
+
+def remembered_setup(cluster: ClusterInfo) -> dict:
+    """What the last bootstrap of the cluster chose (`bootstrap.json`: master_port, scheduler); {} if none."""
+    return _read_json(state.stack_file(cluster.stack, state.BOOTSTRAP))
 
 
 def _read_json(path: Path) -> dict:

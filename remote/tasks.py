@@ -18,7 +18,7 @@ from infra.errors import UsageError
 from infra.inventory import ClusterInfo
 from node import contract
 from remote import job_command, node_paths, options, protocol, runs, scheduled, workdir
-from remote.bootstrap import Bootstrap
+from remote.bootstrap import Bootstrap, remembered_setup
 from remote.connect import describe, on_all_nodes, open_sessions
 from remote.launch import (
     DEFAULT_MAX_RESULT_MB,
@@ -349,9 +349,12 @@ def processes(value: str | None) -> int | None:
 )
 def bootstrap(c, force=False, master_port=None, scheduler=None, stack=None):
     """Prepare every node: checks, Python deps, code sync, node environment, health check, scheduler."""
-    port = options.port("--master-port", master_port, job_command.DEFAULT_MASTER_PORT)
+    cluster = cluster_for(stack)
+    # Another bootstrap (yours, or the replacement of a lost node) keeps the port the last one chose.
+    default = remembered_setup(cluster).get("master_port") or job_command.DEFAULT_MASTER_PORT
+    port = options.port("--master-port", master_port, default)
     chosen = options.choice("--scheduler", scheduler, ("slurm", "none")) if scheduler is not None else None
-    Bootstrap(cluster_for(stack), bool(force), port, chosen).run()
+    Bootstrap(cluster, bool(force), port, chosen).run()
 
 
 @task(help={"run": "cancel this run only (queued or running; runs held by Slurm)", "stack": STACK_HELP})

@@ -18,7 +18,7 @@ ends it before the nodes. Every `POLL_S` it looks at each node server. When the 
 
 What it does is one line each in the stack's `supervisor.log`, and an event in the ledger (`deploy.py
 cost` lists interruptions and replacements). A replacement that fails to bootstrap is marked so in Slurm
-(the run waits, PENDING, with that reason) and tried again after `RETRY_S`.
+(the run waits, PENDING, with that reason) and tried again every `RETRY_S`.
 """
 
 import asyncio
@@ -42,7 +42,7 @@ from infra.providers.local.node_server import PID_REGISTRY, token_entry
 from node import contract, procfs
 
 POLL_S = 1.0
-RETRY_S = 30.0
+RETRY_S = 15.0
 BOOTSTRAP_TIMEOUT_S = 600
 PID_FILE = provider.SUPERVISOR_PID
 LOG_FILE = provider.SUPERVISOR_LOG
