@@ -71,6 +71,9 @@ node/spot_watch.py, which drains this node and tells its ranks on a spot interru
 PREEMPTED_RECORD = "preempted.json"
 """In a scheduled run's folder on the head node: the last spot notice that requeued the run (node, reason,
 the restart it began)."""
+FIRST_START_RECORD = "started.json"
+"""In a scheduled run's folder on the head node: when its batch job first started (a requeue starts it again;
+Slurm keeps only the last start, and the run is priced from the first)."""
 SPOT_DRAIN_REASON = "spot interruption notice"
 """How a Slurm node drained by spot-watch's notice starts its reason (`sinfo -o %E`)."""
 NODE_LOST_REASON = "node lost"

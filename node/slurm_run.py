@@ -119,6 +119,9 @@ def supervise(spec: dict) -> int:
     (`spec["watch"]`), so a hung run is found and stopped while no fab is connected (a verdict goes into
     the run's log and `hang.json`); and when the step has ended, the requeue of a run a spot notice ended."""
     here, srun = os.path.abspath(__file__), scheduler.program("srun")
+    first_start = os.path.join(os.path.dirname(spec["log"]), contract.FIRST_START_RECORD)
+    if not os.path.exists(first_start):
+        scheduler.write_private(first_start, json.dumps({"at": time.time()}).encode(), 0o600)
     main = subprocess.Popen(step_argv(spec, srun, here, "--kill-on-bad-exit=1"))
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR1):
         signal.signal(signum, lambda number, frame: main.send_signal(number))
@@ -357,9 +360,15 @@ def job_state(job_id: str) -> dict | None:
 
 
 def shown_state(job_id: str) -> dict | None:
-    """`job_state`, with PREEMPTED for a run waiting to start again after a spot notice requeued it, and for
-    a waiting run the nodes it waits for (out of service after a notice, or lost, and why)."""
+    """`job_state`, its `started_at` the first start; PREEMPTED for a run waiting to start again after a
+    spot notice requeued it; and for a waiting run the nodes it waits for (out of service, and why)."""
     found = job_state(job_id)
+    if found is not None and found.get("log") and found["requeues"]:
+        try:
+            with open(os.path.join(os.path.dirname(found["log"]), contract.FIRST_START_RECORD)) as f:
+                found = {**found, "started_at": float(json.load(f)["at"])}  # the first start, not Slurm's last
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
     if found is None or found["state"] not in WAITING_STATES:
         return found
     out = [

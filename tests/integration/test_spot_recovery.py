@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import socket
+from datetime import datetime, timezone
 
 import pytest
 
@@ -85,6 +86,7 @@ def test_a_notice_and_a_death_each_cost_at_most_the_steps_since_a_checkpoint_and
     # A spot notice: every rank stops at one step and saves it, the run waits PREEMPTED, the node is reclaimed
     # and replaced, and the run resumes at the saved step: no step is trained twice. The replacement's first
     # bootstrap fails (MASTER_PORT taken on node-0): the run waits and fab jobs says why; the next try rejoins.
+    drilled_at = datetime.now(timezone.utc)
     drilled = cluster.cli("drill", "spot", "node-1", "--notice", "15")
     assert drilled.returncode == 0, drilled.stdout + drilled.stderr
     saved = int(wait_for_log(cluster, run_id, PREEMPTED).group(1))
@@ -101,6 +103,7 @@ def test_a_notice_and_a_death_each_cost_at_most_the_steps_since_a_checkpoint_and
     assert (int(resumed.group(1)), resumed.group(2)) == (saved, "1")  # CLUSTER_RESTART_COUNT, from Slurm
     row = job(cluster, run_id)
     assert row["state"] == "RUNNING" and row["requeues"] == 1, row
+    assert datetime.fromisoformat(row["started_at"]) < drilled_at, row  # priced from its first start
     assert pinned_key(cluster, node1) != key_before  # the fresh node's host key, pinned in place of the old
     assert cluster.cli("ssh", "node-1", "--", "true").returncode == 0  # stock OpenSSH accepts it
 
