@@ -129,6 +129,12 @@ def test_a_notice_and_a_death_each_cost_at_most_the_steps_since_a_checkpoint_and
     assert down.returncode == 0, down.stdout + down.stderr
     assert node_server_processes(cluster.state_dir) == []
     assert _supervisors(cluster) == []
+    slurm.wait_for(  # nothing of the replaced or original nodes: their daemons, steps, tasks
+        lambda: procfs.pids_working_in(str(cluster.state_dir)) == [],
+        "no process left in the cluster's folders",
+        lambda: str([procfs.command_line(pid) for pid in procfs.pids_working_in(str(cluster.state_dir))]),
+        deadline_s=10,
+    )
 
 
 def _supervisors(cluster) -> list[int]:

@@ -40,7 +40,7 @@ DEFAULT_FIRST_ADDRESS = "127.0.0.10"
 DEFAULT_SSH_PORT = 2222
 SSH_PORT_RANGE = (1024, 65535)  # `--ssh-port`: below 1024 needs root
 READY_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 3.0
+STOP_TIMEOUT_S = 6.0  # longer than a node server's own grace for what it ends
 # What a node server, and so every command on a local node, keeps of the caller's environment: enough
 # to run programs (PATH, locale, time zone, temporary folder) and nothing that grants access elsewhere
 # (AWS_*, PULUMI_*, tokens, passwords, SSH_AUTH_SOCK), as a fresh login on another machine would have.
@@ -444,19 +444,30 @@ def stop_nodes(stack: str) -> int:
 
 def _end_registered_daemons(stack: str) -> None:
     """A node server that was killed outright could not end what it started; do it for it."""
-    for path in (state.stack_dir(stack) / "nodes").glob(f"*/{PID_REGISTRY}/*.pid"):
+    for home in sorted((state.stack_dir(stack) / "nodes").glob("node-*")):
+        end_node_leftovers(home)
+
+
+def end_node_leftovers(home: Path) -> None:
+    """What a node's server ends when it powers off, for a server that could not (killed outright, or
+    stopped before it finished): its registered daemons' groups, processes carrying its token, and what
+    works in its ~/.gpu-cluster (Slurm's steps, in sessions of their own, with an emptied environment),
+    with everything below them."""
+    for path in (home / PID_REGISTRY).glob("*.pid"):
         try:
             pgid = int(path.read_text().split()[0])
             if pgid > 1:  # a job may write anything here; never signal init's group or every process
                 os.killpg(pgid, signal.SIGKILL)
         except (ValueError, IndexError, OSError):
             pass
-    for path in (state.stack_dir(stack) / "nodes").glob("node-*/node.json"):
-        try:
-            token = json.loads(path.read_text())["token"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        for pid in procfs.pids_with_environment(token_entry(token)):
+    try:
+        token = json.loads((home / "node.json").read_text())["token"]
+    except (OSError, ValueError, KeyError, TypeError):
+        token = None
+    rooted = procfs.pids_working_in(str(home / contract.HOME_DIR))
+    marked = procfs.pids_with_environment(token_entry(token)) if token else []
+    for pid in set(marked + rooted + procfs.descendants(rooted)):
+        if pid != os.getpid():
             _kill(pid, signal.SIGKILL)
 
 

@@ -23,11 +23,9 @@ cost` lists interruptions and replacements). A replacement that fails to bootstr
 
 import asyncio
 import dataclasses
-import json
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -38,8 +36,7 @@ from infra import inventory, keys, ssh, state
 from infra.inventory import ClusterInfo, NodeInfo
 from infra.ledger import Ledger
 from infra.providers.local import provider
-from infra.providers.local.node_server import PID_REGISTRY, token_entry
-from node import contract, procfs
+from node import contract
 
 POLL_S = 1.0
 RETRY_S = 15.0
@@ -79,30 +76,6 @@ def mark_lost(cluster: ClusterInfo, lost: list[NodeInfo], why: str = "its server
             log(cluster.stack, f"{node.name}: Slurm told it is lost: {answer[-1] if answer else result.exit_status}")
         except Exception as exc:  # the head node may be gone too; the replacement goes on regardless
             log(cluster.stack, f"{node.name}: could not tell Slurm: {ssh.describe(exc)}")
-
-
-def end_leftovers(stack: str, index: int) -> None:
-    """What the dead node's server could not end: its registered daemons, processes carrying its token,
-    and what works in its ~/.gpu-cluster, with everything below them."""
-    home = provider.node_dir(stack, index)
-    for path in (home / PID_REGISTRY).glob("*.pid"):
-        try:
-            pgid = int(path.read_text().split()[0])
-            if pgid > 1:
-                os.killpg(pgid, signal.SIGKILL)
-        except (ValueError, IndexError, OSError):
-            pass
-    try:
-        token = json.loads((home / "node.json").read_text())["token"]
-    except (OSError, ValueError, KeyError, TypeError):
-        token = None
-    rooted = procfs.pids_working_in(str(home / contract.HOME_DIR))
-    pids = (procfs.pids_with_environment(token_entry(token)) if token else []) + rooted + procfs.descendants(rooted)
-    for pid in set(pids):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def fresh_node(stack: str, cluster: ClusterInfo, index: int) -> None:
@@ -152,7 +125,7 @@ def replace(stack: str, cluster: ClusterInfo, dead: list[tuple[int, NodeInfo]]) 
     log(stack, f"{names}: gone ({'reclaimed after a spot notice' if reclaimed else 'no notice'}); replacing")
     mark_lost(cluster, [node for _, node in dead])
     for index, _ in dead:
-        end_leftovers(stack, index)
+        provider.end_node_leftovers(provider.node_dir(stack, index))
     for index, node in dead:
         fresh_node(stack, cluster, index)
         log(stack, f"{node.name}: a fresh node is up on {node.public_ip}:{node.ssh_port}, its new host key pinned")
