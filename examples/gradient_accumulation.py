@@ -14,6 +14,7 @@ import argparse
 import sys
 import time
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -34,7 +35,8 @@ from harness.dist import cleanup, init_distributed, print0, run
 from harness.metrics import MetricsWriter, StepLogger
 from harness.models import MLP, loss_fn
 from harness.preemption import Preemption
-from harness.sharded_checkpoint import ShardedCheckpointer, add_checkpoint_arguments, checkpoint_root
+from harness.sharded_checkpoint import add_checkpoint_arguments, checkpoint_root
+from harness.train import load_checkpoint, save_checkpoint
 
 GRADIENT_TOLERANCE = 1e-5
 SAMPLES = 8192
@@ -153,6 +155,12 @@ def check_gradient(args, ctx, ddp, counter, dataset) -> int:
     return 0 if ok else 1
 
 
+def save_checkpoint_on_rank0(ctx, root: Path, model, optimizer, step: int) -> None:
+    if ctx.is_rank0:
+        save_checkpoint(root, step, model, optimizer, None)
+    dist.barrier()  # no rank goes on (or exits) before the checkpoint it would resume from is whole
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     preemption = Preemption()  # SIGUSR1 (a spot notice): save at the next step and exit
@@ -169,9 +177,10 @@ def main(argv=None) -> int:
         meter = CostMeter(ctx.env.hourly_usd)
         metrics = MetricsWriter(ctx.env.run_dir, ctx.is_rank0)
         logger = StepLogger(ctx.is_rank0, ctx.device, meter, metrics, k * args.micro_batch_size * ctx.world_size)
+        # DDP's parameters are whole on every rank: rank 0 saves them (harness/train.py's checkpoints).
         root = checkpoint_root(args.checkpoint_dir, ctx.env.shared_dir, ctx.env.run_dir)
-        checkpointer = ShardedCheckpointer(root, args.async_save) if root else None
-        start, _ = checkpointer.load_latest(ddp, optimizer) if checkpointer else (0, 0)
+        start = load_checkpoint(root, ddp, optimizer, None, ctx.device)
+        save = partial(save_checkpoint_on_rank0, ctx, root, ddp, optimizer) if root else None
         if start:
             print0(f"resumed from step {start} ({root})")
         started = time.perf_counter()
@@ -184,17 +193,10 @@ def main(argv=None) -> int:
             logger.step(
                 step + 1, loss, time.perf_counter() - step_started, log=done or (step + 1) % args.log_every == 0
             )
-            # Periodic saves where asked (--checkpoint-dir): this lab measures; a notice saves regardless.
-            saved_now = args.checkpoint_dir is not None and (done or (step + 1) % args.checkpoint_every == 0)
-            if checkpointer is not None and saved_now:
-                checkpointer.save(step + 1, ddp, optimizer)
-            if not done and preemption.agreed(ctx.device):  # a spot notice: every rank stops at this step
-                if checkpointer is not None and not saved_now:
-                    checkpointer.save(step + 1, ddp, optimizer)
-                preemption.stop(step + 1)
-                break
-        if checkpointer:
-            checkpointer.wait()
+            # Periodic saves only where asked (--checkpoint-dir): this lab measures; a notice saves regardless.
+            due = args.checkpoint_dir is not None and (done or (step + 1) % args.checkpoint_every == 0)
+            if preemption.step_ended(step + 1, done, due, save, ctx.device):
+                break  # a spot notice: every rank stopped at this step, saved
         if preemption.stopped_at is not None:
             print0(preemption.line(root))
             return 0

@@ -167,6 +167,7 @@ def train(
     """Steps start+1..args.steps; the first one is measured (memory and collectives), as it pays for
     warming up anyway: the steps the lines show are not slowed by the counting."""
     saved, counter = SavedForBackward(model), CollectiveCounter()
+    save = partial(checkpointer.save, model=model, optimizer=optimizer) if checkpointer else None
     for step in range(start, args.steps):
         inputs, targets = batches.replica_batch(step, replica, shape.dp, ctx.device)
         first, done = step == start, step + 1 == args.steps
@@ -176,14 +177,9 @@ def train(
             )
         log = done or (step + 1) % args.log_every == 0
         logger.step(step + 1, mean_over_ranks(loss) if log else 0.0, seconds, log=log)
-        saved_now = checkpointer is not None and (done or (step + 1) % args.checkpoint_every == 0)
-        if saved_now:
-            checkpointer.save(step + 1, model, optimizer)
-        if not done and preemption.agreed(ctx.device):  # a spot notice: every rank stops at this step
-            if checkpointer and not saved_now:
-                checkpointer.save(step + 1, model, optimizer)
-            preemption.stop(step + 1)
-            break
+        due = done or (step + 1) % args.checkpoint_every == 0
+        if preemption.step_ended(step + 1, done, due, save, ctx.device):
+            break  # a spot notice: every rank stopped at this step, saved
     if checkpointer:
         checkpointer.wait()
     return saved, counter

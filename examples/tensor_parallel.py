@@ -147,6 +147,7 @@ def main(argv=None) -> int:
         )
         root = checkpoint_root(args.checkpoint_dir, ctx.env.shared_dir, ctx.env.run_dir)
         checkpointer = ShardedCheckpointer(root, args.async_save) if root else None
+        save = partial(checkpointer.save, model=model, optimizer=optimizer) if checkpointer else None
         start, _ = checkpointer.load_latest(model, optimizer) if checkpointer else (0, 0)
         if start:
             print0(f"resumed from step {start} ({root})")
@@ -165,15 +166,10 @@ def main(argv=None) -> int:
             done = step + 1 == args.steps
             log = done or (step + 1) % args.log_every == 0
             logger.step(step + 1, mean_over_ranks(loss) if log else 0.0, seconds, log=log)
-            # Periodic saves where asked (--checkpoint-dir): this lab measures; a notice saves regardless.
-            saved_now = args.checkpoint_dir is not None and (done or (step + 1) % args.checkpoint_every == 0)
-            if checkpointer is not None and saved_now:
-                checkpointer.save(step + 1, model, optimizer)
-            if not done and preemption.agreed(ctx.device):  # a spot notice: every rank stops at this step
-                if checkpointer is not None and not saved_now:
-                    checkpointer.save(step + 1, model, optimizer)
-                preemption.stop(step + 1)
-                break
+            # Periodic saves only where asked (--checkpoint-dir): this lab measures; a notice saves regardless.
+            due = args.checkpoint_dir is not None and (done or (step + 1) % args.checkpoint_every == 0)
+            if preemption.step_ended(step + 1, done, due, save, ctx.device):
+                break  # a spot notice: every rank stopped at this step, saved
         if checkpointer:
             checkpointer.wait()
         if preemption.stopped_at is not None:

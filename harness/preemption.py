@@ -47,6 +47,19 @@ class Preemption:
     def stop(self, step: int) -> None:
         self.stopped_at = step
 
+    def step_ended(self, step: int, done: bool, due: bool, save, device) -> bool:
+        """At a step boundary: `save(step)` where `due` (periodic, or the last step; `save` None: the loop
+        keeps no checkpoints), then, unless it was the last step, agree on a notice; on one, save this
+        step if not saved already. True when the loop must stop here."""
+        if save is not None and due:
+            save(step)
+        if done or not self.agreed(device):
+            return False
+        if save is not None and not due:
+            save(step)
+        self.stop(step)
+        return True
+
     def line(self, where) -> str:
         """What rank 0 prints as it exits to be started again."""
         saved = f"checkpoint at step {self.stopped_at} saved in {where}" if where else "no checkpoint folder"

@@ -77,7 +77,7 @@ def save_checkpoint(directory: Path, step: int, model: nn.Module, optimizer, sca
             "step": step,
             "model": unwrap(model).state_dict(),
             "optimizer": optimizer.state_dict(),
-            "scaler": scaler.state_dict(),
+            "scaler": scaler.state_dict() if scaler is not None else {},
         },
         tmp,
     )
@@ -91,7 +91,8 @@ def load_checkpoint(directory: Path | None, model: nn.Module, optimizer, scaler,
     state = torch.load(checkpoint_path(directory), map_location=device, weights_only=True)
     unwrap(model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    scaler.load_state_dict(state["scaler"])
+    if scaler is not None:
+        scaler.load_state_dict(state["scaler"])
     return int(state["step"])
 
 
