@@ -664,19 +664,7 @@ def client_environment(paths: Paths) -> dict:
 
 def node_states(paths: Paths) -> dict | None:
     """{node: Slurm's state} as sinfo reports it, or None where the controller does not answer."""
-    try:
-        result = subprocess.run(
-            [program("sinfo"), "--noheader", "--Node", "--format=%N %T"],
-            env={**os.environ, **client_environment(paths)},
-            capture_output=True,
-            text=True,
-            timeout=CLIENT_TIMEOUT_S,
-        )
-    except (subprocess.TimeoutExpired, OSError, UsageError):
-        return None
-    if result.returncode != 0:
-        return None
-    return dict(line.split(None, 1) for line in result.stdout.splitlines() if len(line.split()) == 2)
+    return {name: node_state for name, (node_state, _) in node_reasons(paths).items()} or None
 
 
 def scontrol(paths: Paths, *args: str) -> subprocess.CompletedProcess:
