@@ -28,6 +28,7 @@ import base64
 import json
 import os
 import re
+import select
 import shlex
 import signal
 import subprocess
@@ -52,6 +53,8 @@ WAITING_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"
 FIELD = re.compile(r"(\w+)=(\S*)")
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 SEPARATOR = re.compile(rb"([\r\n])")
+HOLD_S = 0.2
+"""How long a node's unfinished line waits for its rest before it goes into the run's log as it is."""
 
 
 class Prefixer:
@@ -252,6 +255,35 @@ def submit(spec: dict) -> str:
     return result.stdout.strip().split(";")[0]
 
 
+def copy_whole_lines(fd: int, prefix, out, hold_s: float = HOLD_S) -> None:
+    """Copy `fd` to `out` (prefixed) until its end, whole lines at a time: srun gathers every node's
+    output into one log, and a line written in two pieces (an unbuffered `print` writes its text, then
+    the newline) would take another node's line into it. A piece without a line end is held up to
+    `hold_s` for its rest; a line redrawn with `\\r` goes out at each `\\r`."""
+    pending, held_since = b"", 0.0
+    while True:
+        wait = max(0.0, held_since + hold_s - time.monotonic()) if pending else None
+        if select.select([fd], [], [], wait)[0]:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            data = pending + prefix(chunk)
+            cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
+            if cut:
+                out.write(data[:cut])
+                out.flush()
+            if data[cut:] and not pending:
+                held_since = time.monotonic()
+            pending = data[cut:]
+        elif pending:  # held long enough (a prompt, `loading...`): shown as it is
+            out.write(pending)
+            out.flush()
+            pending = b""
+    if pending:
+        out.write(pending)
+        out.flush()
+
+
 def step(spec: dict) -> int:
     """This node's part of the run: its command, its output prefixed; the command's exit status."""
     name = os.environ.get("SLURMD_NODENAME", "")
@@ -287,14 +319,8 @@ def step(spec: dict) -> int:
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR1):
         signal.signal(signum, forward)
     prefix = Prefixer(f"[{name}] ".encode(), own=f"[{name}".encode())
-    out = sys.stdout.buffer
     assert child.stdout is not None
-    while True:
-        chunk = os.read(child.stdout.fileno(), 65536)
-        if not chunk:
-            break
-        out.write(prefix(chunk))
-        out.flush()
+    copy_whole_lines(child.stdout.fileno(), prefix, sys.stdout.buffer)
     code = child.wait()
     return 128 - code if code < 0 else code
 

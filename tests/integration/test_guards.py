@@ -31,6 +31,10 @@ def test_an_idle_local_cluster_brings_itself_down_and_says_why(state_dir, make_c
         time.sleep(1)
     assert "idle: no job and idle GPUs" in report.get("stopped_reason", ""), report
     assert all(n["state"] == "down" for n in report["nodes"]), report["nodes"]
+    # A node stops answering at once and ends what runs on it before its server exits (a few seconds).
+    deadline = time.monotonic() + 30
+    while (node_server_processes(state_dir) or watchdog_processes(state_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert node_server_processes(state_dir) == [] and watchdog_processes(state_dir) == []
     text = run_cli("status")
     assert "the cluster stopped itself: idle" in text.stdout
