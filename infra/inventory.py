@@ -105,6 +105,9 @@ class ClusterInfo:
     """How the watchdog is kept alive on the head node: `systemd` (a unit) or `detached` (a process)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for every node's jobs (local nodes share this machine's cores: one thread each)."""
+    nodes_move: bool = False
+    """A replaced node comes back at a new address (AWS spot: each worker is an Auto Scaling group of one):
+    Slurm knows the nodes by name, and each node's /etc/hosts maps the names from the shared folder."""
 
     def __post_init__(self):
         # Every node names its login user, so no connection has to fall back to the cluster's.

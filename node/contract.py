@@ -102,6 +102,13 @@ WATCHDOG_HEARTBEAT = f"{SHARED_STATE}/watchdog.json"
 """Relative to the shared folder: the watchdog's last check (its pid, the cost so far, its guards)."""
 SCHEDULER_STATE = f"{SHARED_STATE}/slurm-state"
 """Relative to the shared folder: slurmctld's StateSaveLocation (the queue outlives a replaced head node)."""
+NODE_ADDRESSES = f"{SHARED_STATE}/hosts"
+"""Relative to the shared folder: where nodes that move (AWS spot workers) write their address at boot, one
+file per node name; every node's /etc/hosts maps the names from it (Slurm knows such nodes by name)."""
+JOIN_KIT = f"{SHARED_STATE}/join.json"
+"""Relative to the shared folder (0600): what a replacement node needs to join with nobody connected
+(node/join.py): the interpreter, the venv's requirements, each node's env file, the scheduler's
+description with the munge key. Written by bootstrap's scheduler stage."""
 
 
 def node_run(run_id: str) -> str:

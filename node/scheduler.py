@@ -21,8 +21,11 @@ one machine do not meet.
 Every socket listens on one address, never the wildcard: `CommunicationParameters=NoCtldInAddrAny,
 NoInAddrAny` makes each daemon (and srun, and the steps) bind the address the host's name resolves to.
 So that address must be the node's own (checked here), and on a cluster whose nodes are all on loopback
-(one machine) it is that loopback address the nodes are reached at. Jobs run as the submitting user, on
-every node: this node's user runs the daemons (SlurmUser, SlurmdUser), root or not.
+(one machine) it is that loopback address the nodes are reached at. A node's address may be its own name
+instead (AWS spot workers come back at a new address): Slurm then looks every name up at each connection
+(`NoAddrCache`), and each node's /etc/hosts maps the names (cloud-init keeps it from the shared folder).
+Jobs run as the submitting user, on every node: this node's user runs the daemons (SlurmUser,
+SlurmdUser), root or not.
 
 Standard library only; run as a file, it imports its siblings from the code folder.
 """
@@ -132,7 +135,17 @@ class Cluster:
     @property
     def one_machine(self) -> bool:
         """Every node on loopback: they share this machine (nothing else reaches a loopback address)."""
-        return all(ipaddress.ip_address(node.address).is_loopback for node in self.nodes)
+        return all(on_loopback(node) for node in self.nodes)
+
+    @property
+    def by_name(self) -> bool:
+        """The nodes are known by name: their addresses come and go (a replaced spot node), and every
+        connection looks the name up again (the nodes' /etc/hosts)."""
+        return any(node.address == node.name for node in self.nodes)
+
+
+def on_loopback(node: Node) -> bool:
+    return node.address != node.name and ipaddress.ip_address(node.address).is_loopback
 
 
 def _integer(value, what: str, low: int, high: int) -> int:
@@ -151,10 +164,10 @@ def parse_node(entry, index: int) -> Node:
     if not isinstance(name, str) or not NODE_NAME.match(name):
         raise UsageError(f"nodes[{index}].name {name!r} is not a node name (up to 20 letters, digits, '-', '_', '.')")
     try:
-        if not isinstance(address, str) or ipaddress.ip_address(address).version != 4:
+        if not isinstance(address, str) or (address != name and ipaddress.ip_address(address).version != 4):
             raise ValueError
     except ValueError:
-        raise UsageError(f"nodes[{index}].address {address!r} is not an IPv4 address") from None
+        raise UsageError(f"nodes[{index}].address {address!r} is neither an IPv4 address nor the node's name") from None
     return Node(
         name=name,
         address=address,
@@ -181,7 +194,7 @@ def parse_cluster(data) -> Cluster:
         values = [getattr(node, attribute) for node in nodes]
         if len(set(values)) != len(values):
             raise UsageError(f"two nodes share one {attribute}: {', '.join(values)}")
-    loopback = [ipaddress.ip_address(node.address).is_loopback for node in nodes]
+    loopback = [on_loopback(node) for node in nodes]
     if any(loopback) and not all(loopback):
         raise UsageError("some nodes are on loopback and some are not: a cluster is on one machine or on several")
     ports = data["ports"]
@@ -239,6 +252,17 @@ def check_binding(cluster: Cluster, node: Node, bound: str) -> None:
             "address of the host's name, and this cluster's nodes are on loopback; make the name resolve to "
             "127.0.0.1 (/etc/hosts)"
         )
+    if cluster.by_name and node.address == node.name:
+        try:
+            resolved = str(socket.getaddrinfo(node.name, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
+        except (OSError, IndexError):
+            resolved = None
+        if resolved != bound:
+            raise UsageError(
+                f"{node.name} resolves to {resolved or 'nothing'}, not to {bound}, the address of this host's name "
+                f"{host!r}: the others reach it by name; map {node.name} to {bound} (/etc/hosts)"
+            )
+        return
     if not cluster.one_machine and bound != node.address:
         raise UsageError(
             f"this host's name {host!r} resolves to {bound}, not {node.name}'s address {node.address}: Slurm's "
@@ -320,7 +344,7 @@ def slurm_conf(cluster: Cluster, node: Node, paths: Paths, bound: str, user: str
         f"SlurmctldPort={cluster.slurmctld_port}",
         f"SlurmdPort={cluster.slurmd_port}",
         f"SrunPortRange={cluster.srun_ports[0]}-{cluster.srun_ports[1]}",
-        "CommunicationParameters=NoCtldInAddrAny,NoInAddrAny",
+        "CommunicationParameters=NoCtldInAddrAny,NoInAddrAny" + (",NoAddrCache" if cluster.by_name else ""),
         f"SlurmUser={user}",
         f"SlurmdUser={user}",
         "AuthType=auth/munge",

@@ -341,13 +341,20 @@ class Bootstrap:
         self._record(record, "deps", wanted, facts)
         return Outcome("done", _torch(facts))
 
-    def env(self, record: NodeRecord) -> Outcome:
-        index = self.records.index(record)
-        interface = record.facts("probe")["interface"]
+    def env_text(self, record: NodeRecord) -> str:
+        """The node's environment file, as every job on it sources it."""
         environment = job_command.node_environment(
-            self.cluster, index, interface, self.python_for(record), self.master_port
+            self.cluster,
+            self.records.index(record),
+            record.facts("probe")["interface"],
+            self.python_for(record),
+            self.master_port,
         )
-        text = job_command.env_file_text(environment)
+        return job_command.env_file_text(environment)
+
+    def env(self, record: NodeRecord) -> Outcome:
+        interface = record.facts("probe")["interface"]
+        text = self.env_text(record)
         wanted = digest(text)
         if self._up_to_date(record, "env", wanted):
             return Outcome("up to date", f"iface {interface}")
@@ -423,7 +430,25 @@ class Bootstrap:
             outcomes[answer.name] = (
                 answer.value if answer.value is not None else Outcome("failed", describe(answer.error))
             )
+        if self.cluster.shared_dir and all(o.status != "failed" for o in outcomes.values()):
+            self._write_join_kit(description)
         return outcomes
+
+    def _write_join_kit(self, description: dict) -> None:
+        """What a replacement node needs to join with nobody connected (node/join.py), in the shared folder,
+        0600 like the munge key it holds."""
+        kit = {
+            "python": self.cluster.python,
+            "requirements": (REPO / "requirements-node.txt").read_text(),
+            "env": {r.name: self.env_text(r) for r in self.records},
+            "scheduler": description,
+        }
+        path = f"{self.cluster.shared_dir.rstrip('/')}/{contract.JOIN_KIT}"
+        head = self.records[0].session
+        head.run(f"mkdir -p {node_paths.shell_path(str(Path(path).parent))}", warn=False)
+        head.conn.put(io.StringIO(json.dumps(kit)), remote=f"{path}.tmp")
+        quoted = node_paths.shell_path(path)
+        head.run(f"chmod 600 {quoted}.tmp && mv {quoted}.tmp {quoted}", warn=False)
 
     def _scheduler_description(self) -> dict:
         """node/scheduler.py's cluster description: the nodes, the ports (next to MASTER_PORT), the key."""
@@ -442,7 +467,7 @@ class Bootstrap:
             nodes.append(
                 {
                     "name": node.name,
-                    "address": node.private_ip,
+                    "address": node.name if self.cluster.nodes_move else node.private_ip,
                     "cpus": int(probe.get("cpus") or 1),
                     "memory_mb": max(256, int(int(probe.get("memory_mb") or 1024) * 0.9)),
                     "gpus": node.gpus,

@@ -7,8 +7,8 @@ import json
 import os
 import re
 import signal
-import socket
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pytest
 
@@ -54,20 +54,6 @@ def job(cluster, run_id: str) -> dict:
     return next(row for row in json.loads(result.stdout) if row["run_id"] == run_id)
 
 
-def take_port(address: str, port: int) -> socket.socket:
-    taken: list[socket.socket] = []
-
-    def bound() -> bool:
-        try:
-            taken.append(socket.create_server((address, port)))
-            return True
-        except OSError:
-            return False
-
-    slurm.wait_for(bound, f"{address}:{port} free")
-    return taken[0]
-
-
 def pinned_key(cluster, node: dict) -> str:
     host = f"[{node['public_ip']}]:{node['ssh_port']}"
     lines = (cluster.state_dir / cluster.stack / "known_hosts").read_text().splitlines()
@@ -84,21 +70,31 @@ def test_a_notice_and_a_death_each_cost_at_most_the_steps_since_a_checkpoint_and
     key_before = pinned_key(cluster, node1)
 
     # A spot notice: every rank stops at one step and saves it, the run waits PREEMPTED, the node is reclaimed
-    # and replaced, and the run resumes at the saved step: no step is trained twice. The replacement's first
-    # bootstrap fails (MASTER_PORT taken on node-0): the run waits and fab jobs says why; the next try rejoins.
+    # and replaced, and the run resumes at the saved step: no step is trained twice. The replacement joins from
+    # the shared folder by itself (node/join.py); its first join fails (the join kit there is damaged): the
+    # run waits and fab jobs says why; the next try, with the kit whole again, rejoins.
+    kit = Path(cluster.info["shared_dir"]) / contract.JOIN_KIT
+    whole = kit.read_text()
+    assert json.loads(whole)["scheduler"]["munge_key"] and oct(kit.stat().st_mode & 0o777) == "0o600"
+    kit.write_text(whole[: len(whole) // 2])
     drilled_at = datetime.now(timezone.utc)
     drilled = cluster.cli("drill", "spot", "node-1", "--notice", "15")
     assert drilled.returncode == 0, drilled.stdout + drilled.stderr
     saved = int(wait_for_log(cluster, run_id, PREEMPTED).group(1))
-    blocker = take_port(cluster.info["nodes"][0]["private_ip"], cluster.master_port)  # once the run let it go
+    supervisor_log = cluster.state_dir / cluster.stack / "supervisor.log"
     try:
-        supervisor_log = cluster.state_dir / cluster.stack / "supervisor.log"
-        slurm.wait_for(lambda: "node-1: did not rejoin" in supervisor_log.read_text(), "a failed rejoin", None, 180)
+        slurm.wait_for(
+            lambda: "node-1: did not rejoin" in supervisor_log.read_text(),
+            "a failed rejoin",
+            supervisor_log.read_text,
+            180,
+        )
         waiting = cluster.fab("jobs")
         assert f"{run_id} waits for node-1: node lost: its replacement did not rejoin" in waiting.stdout, waiting.stdout
+        assert "join failed: error: " in supervisor_log.read_text()  # it joins by itself, no fab bootstrap
         assert job(cluster, run_id)["state"] == "PREEMPTED"
     finally:
-        blocker.close()
+        kit.write_text(whole)
     resumed = wait_for_log(cluster, run_id, RESUMED)
     assert (int(resumed.group(1)), resumed.group(2)) == (saved, "1")  # CLUSTER_RESTART_COUNT, from Slurm
     row = job(cluster, run_id)

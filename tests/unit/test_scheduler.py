@@ -60,6 +60,21 @@ def test_nodes_on_several_machines_are_reached_at_their_own_addresses():
     assert scheduler.gres_conf(cluster).splitlines()[1:] == ["NodeName=node-0 Name=gpu Count=4"]
 
 
+def test_nodes_known_by_name_are_looked_up_at_every_connection(monkeypatch):
+    # AWS spot workers come back at a new address: Slurm knows them by name, each node's /etc/hosts maps it.
+    cluster = scheduler.parse_cluster(description("node-0", "node-1"))
+
+    lines = conf_lines(cluster, node_index=1, bound="10.0.0.9")
+
+    assert "CommunicationParameters=NoCtldInAddrAny,NoInAddrAny,NoAddrCache" in lines
+    assert "SlurmctldHost=node-0(node-0)" in lines
+    assert [line.split()[2] for line in lines if line.startswith("NodeName=")] == ["NodeAddr=node-0", "NodeAddr=node-1"]
+    monkeypatch.setattr(scheduler.socket, "getaddrinfo", lambda *a, **k: [(0, 0, 0, "", ("10.0.0.7", 0))])
+    with pytest.raises(scheduler.UsageError, match=r"node-1 resolves to 10\.0\.0\.7, not to 10\.0\.0\.9"):
+        scheduler.check_binding(cluster, cluster.nodes[1], "10.0.0.9")
+    scheduler.check_binding(cluster, cluster.nodes[1], "10.0.0.7")
+
+
 def test_requeue_and_order_settings():
     lines = conf_lines(scheduler.parse_cluster(description("127.0.0.10", "127.0.0.11")))
 
@@ -78,6 +93,7 @@ def test_requeue_and_order_settings():
         ({"munge_key": base64.b64encode(b"short").decode()}, "32"),
         ({"ports": {"slurmctld": 7000, "slurmd": 7000, "srun": [7100, 7199]}}, "overlap"),
         ({"ports": {"slurmctld": 7000, "slurmd": 7001}}, "ports"),
+        ({"nodes": [{"name": "node-0", "address": "db.example", "cpus": 1, "memory_mb": 1}]}, "nor the node's name"),
     ],
 )
 def test_a_bad_description_names_what_is_wrong(changes, words):

@@ -13,7 +13,9 @@ ends it before the nodes. Every `POLL_S` it looks at each node server. When the 
 2. ends what the dead node left running (its scheduler daemons, job processes), as a power cut would;
 3. starts a fresh node: an empty home, a new host key (pinned in the stack's known_hosts in place of the
    old one), a new token and metadata service, no notice;
-4. runs `fab bootstrap` on the cluster: the fresh node is prepared, its slurmd registers, the node
+4. brings it in: a worker joins by itself from the shared folder (node/join.py, as a replacement's boot
+   does on AWS: the venv, its env file, Slurm's daemons); where the head node is among the dead, or no
+   bootstrap left a join kit, `fab bootstrap` of the cluster does it. Its slurmd registers, the node
    returns to service (node/scheduler.py), and the requeued run starts again.
 
 What it does is one line each in the stack's `supervisor.log`, and an event in the ledger (`deploy.py
@@ -117,6 +119,34 @@ def bootstrap(stack: str) -> tuple[bool, str]:
     return result.returncode == 0, f"fab bootstrap exited {result.returncode}"
 
 
+def join(cluster: ClusterInfo, node: NodeInfo) -> tuple[bool, str]:
+    """node/join.py on the fresh node, as a replacement's boot runs it on AWS: the venv, the env file and
+    Slurm's daemons from the shared folder's join kit; whether it passed, and its last line."""
+    script = f"{cluster.shared_dir}/code/node/join.py"
+    command = " ".join(shlex.quote(word) for word in [cluster.python, script, "--node", node.name])
+    try:
+        result = asyncio.run(ssh.run(cluster, node, f"cd && {command}", timeout_s=BOOTSTRAP_TIMEOUT_S))
+    except Exception as exc:
+        return False, f"join could not run: {ssh.describe(exc)}"
+    said = (result.stdout or "") + (result.stderr or "")
+    with state.open_private(state.stack_file(cluster.stack, LOG_FILE), "a") as out:
+        out.write(said if said.endswith("\n") or not said else said + "\n")
+    lines = said.strip().splitlines()
+    return result.exit_status == 0, f"join {'passed' if result.exit_status == 0 else 'failed'}: " + (
+        lines[-1][-300:] if lines else f"exit {result.exit_status}"
+    )
+
+
+def rejoin(stack: str, cluster: ClusterInfo, nodes: list[NodeInfo]) -> tuple[bool, str]:
+    """Bring fresh nodes into the cluster: each joins from the shared folder by itself (node/join.py) where
+    bootstrap left a join kit and the head node is not among them; else `fab bootstrap` of the cluster."""
+    if cluster.head not in nodes and (provider.shared_dir(stack) / contract.JOIN_KIT).exists():
+        answers = [join(cluster, node) for node in nodes]
+        failed = [last for passed, last in answers if not passed]
+        return not failed, (failed or [answers[-1][1]])[0]
+    return bootstrap(stack)
+
+
 def replace(stack: str, cluster: ClusterInfo, dead: list[tuple[int, NodeInfo]]) -> bool:
     """Replace every dead node, then bootstrap the cluster once; whether all of it worked."""
     names = ", ".join(node.name for _, node in dead)
@@ -130,7 +160,7 @@ def replace(stack: str, cluster: ClusterInfo, dead: list[tuple[int, NodeInfo]]) 
         fresh_node(stack, cluster, index)
         log(stack, f"{node.name}: a fresh node is up on {node.public_ip}:{node.ssh_port}, its new host key pinned")
     if state.stack_file(stack, state.BOOTSTRAP).exists():
-        passed, last = bootstrap(stack)
+        passed, last = rejoin(stack, cluster, [node for _, node in dead])
     else:  # never bootstrapped: the fresh node is as the others are
         passed, last = True, "not bootstrapped before: fab bootstrap prepares it"
     took = time.time() - started
@@ -170,7 +200,7 @@ def run(stack: str) -> int:
                 unjoined, retry_at = [node for _, node in dead], time.monotonic() + RETRY_S
         elif unjoined and time.monotonic() >= retry_at:
             names = ", ".join(node.name for node in unjoined)
-            passed, last = bootstrap(stack)
+            passed, last = rejoin(stack, cluster, unjoined)
             log(stack, f"{names}: {'rejoined' if passed else 'did not rejoin'} on a new try ({last})")
             if passed:
                 unjoined = []
