@@ -29,8 +29,109 @@ fi
 """
 
 
-def user_data(efs_dns_name: str, ssh_user: str = "ubuntu") -> str:
-    """A bash cloud-init script; safe to run again (every step checks before it acts)."""
+NODE_ADDRESSES = f"{SHARED_DIR}/{contract.NODE_ADDRESSES}"
+JOIN_KIT = f"{SHARED_DIR}/{contract.JOIN_KIT}"
+JOIN_LOG = "/var/log/gpu-cluster-join.log"
+HOSTS_BEGIN = "# gpu-cluster nodes (from the shared folder)"
+HOSTS_END = "# end of gpu-cluster nodes"
+
+
+def named_node_setup(node: str) -> str:
+    """For a cluster whose workers come back at new addresses (spot workers in Auto Scaling groups): the
+    host takes the node's name, writes its address to the shared folder, and keeps /etc/hosts mapping every
+    node's name to its address now (Slurm looks the names up at each connection)."""
+    return f"""
+# This node is {node}: Slurm knows the nodes by name, and a replacement comes back at a new address.
+hostnamectl set-hostname {node} || hostname {node}
+address=$(hostname -I | awk '{{print $1}}')
+mkdir -p {NODE_ADDRESSES}
+echo "$address" > {NODE_ADDRESSES}/{node}.tmp && mv {NODE_ADDRESSES}/{node}.tmp {NODE_ADDRESSES}/{node}
+cat > /usr/local/sbin/gpu-cluster-hosts <<'HOSTS'
+#!/bin/bash
+# /etc/hosts maps every node's name to the address it wrote into the shared folder.
+block=$(for f in {NODE_ADDRESSES}/node-*; do [ -f "$f" ] && echo "$(cat "$f") $(basename "$f")"; done)
+current=$(sed -n '/^{HOSTS_BEGIN}$/,/^{HOSTS_END}$/p' /etc/hosts | sed '1d;$d')
+[ "$block" = "$current" ] && exit 0
+sed -i '/^{HOSTS_BEGIN}$/,/^{HOSTS_END}$/d' /etc/hosts
+printf '%s\\n%s\\n%s\\n' "{HOSTS_BEGIN}" "$block" "{HOSTS_END}" >> /etc/hosts
+HOSTS
+chmod 755 /usr/local/sbin/gpu-cluster-hosts
+cat > /etc/systemd/system/gpu-cluster-hosts.service <<'UNIT'
+[Unit]
+Description=gpu-cluster node names in /etc/hosts
+[Service]
+Type=oneshot
+ExecStart=/usr/local/sbin/gpu-cluster-hosts
+UNIT
+cat > /etc/systemd/system/gpu-cluster-hosts.timer <<'UNIT'
+[Unit]
+Description=gpu-cluster node names in /etc/hosts, every 10 s
+[Timer]
+OnBootSec=5
+OnUnitActiveSec=10
+AccuracySec=1
+[Install]
+WantedBy=timers.target
+UNIT
+systemctl daemon-reload
+/usr/local/sbin/gpu-cluster-hosts
+systemctl enable --now gpu-cluster-hosts.timer
+"""
+
+
+def worker_join(node: str, ssh_user: str) -> str:
+    """A replacement worker joins by itself: where bootstrap left its join kit in the shared folder, the node
+    user runs node/join.py (the venv, the env file, slurmd). A first boot before any bootstrap has nothing to
+    join. A boot while the cluster is stopping (the watchdog's marker) powers off at once."""
+    return f"""
+if [ -f {STOP_MARKER} ]; then
+  echo "the cluster is stopping ($(cat {STOP_MARKER})): powering off"; systemctl poweroff; exit 0
+fi
+if [ -f {JOIN_KIT} ]; then
+  echo "joining the cluster as {node} from {JOIN_KIT}"
+  sudo -u {ssh_user} -H bash -lc "cd && python3 {SHARED_DIR}/code/node/join.py --node {node}" >>{JOIN_LOG} 2>&1 \\
+    && echo "{node} joined" || echo "{node} did not join: see {JOIN_LOG}"
+else
+  echo "no join kit yet: fab bootstrap prepares this node"
+fi
+"""
+
+
+def scale_in_first(groups_file: str, region: str) -> str:
+    """The head node's guard, before it powers off: the worker groups go to zero (each would otherwise start
+    a new worker in place of one that powered itself off). The head's instance role may do only this, and
+    only to groups tagged with its stack."""
+    return f"""
+  if [ -f {groups_file} ]; then
+    while read -r group; do
+      [ -n "$group" ] && aws autoscaling update-auto-scaling-group --region {region} --auto-scaling-group-name "$group" \\
+        --min-size 0 --max-size 0 --desired-capacity 0 \\
+        || logger -t gpu-cluster "could not scale $group to zero"
+    done < {groups_file}
+  fi"""
+
+
+WORKER_GROUPS_FILE = "/etc/gpu-cluster/worker-groups"
+
+
+def user_data(
+    efs_dns_name: str,
+    ssh_user: str = "ubuntu",
+    node: str | None = None,
+    worker_groups: list[str] | tuple[str, ...] = (),
+    region: str = "",
+) -> str:
+    """A bash cloud-init script; safe to run again (every step checks before it acts). With `node`, the
+    node is known by name (its workers move); a worker (not node-0) joins from the shared folder at boot;
+    with `worker_groups`, the head's guard scales those Auto Scaling groups to zero before powering off."""
+    named = named_node_setup(node) if node else ""
+    joins = worker_join(node, ssh_user) if node and node != "node-0" else ""
+    groups = ""
+    scale_in = ""
+    if worker_groups:
+        listed = "\n".join(worker_groups)
+        groups = f"mkdir -p {WORKER_GROUPS_FILE.rsplit('/', 1)[0]}\nprintf '%s\\n' '{listed}' > {WORKER_GROUPS_FILE}\n"
+        scale_in = scale_in_first(WORKER_GROUPS_FILE, region)
     return f"""#!/bin/bash
 # gpu-cluster node setup: mount EFS, install the power-off guard, mark ready.
 set -euo pipefail
@@ -48,11 +149,11 @@ done
 mountpoint -q {SHARED_DIR}
 grep -q " {SHARED_DIR} " /etc/fstab || echo "{efs_dns_name}:/ {SHARED_DIR} nfs4 {MOUNT_OPTIONS},_netdev,nofail 0 0" >> /etc/fstab
 chown {ssh_user}:{ssh_user} {SHARED_DIR}
-
+{named}{groups}
 cat > /usr/local/sbin/gpu-cluster-guard <<'GUARD'
 #!/bin/bash
 # Power off when the watchdog has decided the cluster must stop (budget or idle).
-if [ -f {STOP_MARKER} ]; then
+if [ -f {STOP_MARKER} ]; then{scale_in}
   logger -t gpu-cluster "stop marker found: $(cat {STOP_MARKER}); powering off"
   echo "gpu-cluster-watchdog: $(cat {STOP_MARKER})" > /dev/console
   systemctl poweroff
@@ -81,5 +182,5 @@ systemctl enable --now gpu-cluster-guard.timer
 {SCHEDULER_SETUP}
 mkdir -p "$(dirname {READY_MARKER})"
 date -Is > {READY_MARKER}
-echo "gpu-cluster init done $(date -Is)"
+{joins}echo "gpu-cluster init done $(date -Is)"
 """

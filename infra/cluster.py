@@ -3,12 +3,15 @@
     ClusterNetwork   a dedicated VPC, one public subnet in a zone that offers the type, IGW, routes
     SharedStorage    encrypted EFS (elastic throughput), its mount target, NFS only from the nodes
     GpuCluster       both of the above, the node security group, a cluster placement group, the key
-                     pair and the instances (IMDSv2, encrypted gp3 root, optional spot)
+                     pair and the instances (IMDSv2, encrypted gp3 root, optional spot); with spot, each
+                     worker is an Auto Scaling group of one (replaced by EC2 when reclaimed or dead)
 
 Every resource that takes tags is tagged `gpu-cluster:stack` = the stack and `Name`, which is how
 `deploy.py down` proves nothing is left behind. No resource is created inside `apply()`.
 """
 
+import base64
+import json
 from dataclasses import dataclass
 
 import pulumi
@@ -17,8 +20,9 @@ import pulumi_aws as aws
 from infra import cloud_init
 from infra.cloud_init import SSH_USER
 from infra.config import StackConfig
+from infra.tags import NODE_TAG, STACK_TAG
 
-STACK_TAG = "gpu-cluster:stack"
+ROOT_DEVICE = "/dev/sda1"  # the root device of Ubuntu's AMIs, the DLAMI's included
 VPC_CIDR = "10.42.0.0/16"
 SUBNET_CIDR = "10.42.1.0/24"
 FIRST_NODE_HOST = 10  # node i is 10.42.1.(10+i): ascending addresses put global rank 0 on node-0
@@ -178,15 +182,39 @@ class GpuCluster(pulumi.ComponentResource):
         self.key_pair = aws.ec2.KeyPair(
             f"{name}-key", public_key=config.ssh_public_key, tags=tags_for(config.stack, f"{name}-key"), opts=child
         )
-        user_data = self.storage.file_system.dns_name.apply(cloud_init.user_data)
-        self.instances = [self._node(name, i, args.ami_id, user_data) for i in range(config.nodes)]
-        self.nodes = pulumi.Output.all(
-            *[pulumi.Output.all(i.id, i.public_ip, i.private_ip, i.availability_zone) for i in self.instances]
-        ).apply(
-            lambda rows: [
-                {"name": f"node-{k}", "instance_id": r[0], "public_ip": r[1], "private_ip": r[2], "zone": r[3]}
-                for k, r in enumerate(rows)
+        dns_name = self.storage.file_system.dns_name
+        self.worker_groups: list[aws.autoscaling.Group] = []
+        if config.spot:
+            # Spot: each worker is an Auto Scaling group of one, so a reclaimed or dead worker is replaced
+            # with nobody connected; the replacement joins from EFS at boot (cloud_init.worker_join). The
+            # head node keeps its fixed address (MASTER_ADDR, slurmctld); its guard scales the groups to
+            # zero before it powers off, which its instance role allows for this stack's groups only.
+            self.worker_groups = [
+                self._worker_group(name, i, args.ami_id, dns_name.apply(_named_user_data(f"node-{i}")))
+                for i in range(1, config.nodes)
             ]
+            groups = pulumi.Output.all(*[group.name for group in self.worker_groups])
+            head_data = pulumi.Output.all(dns_name, groups).apply(
+                lambda found: cloud_init.user_data(
+                    found[0], node="node-0", worker_groups=list(found[1]), region=config.region
+                )
+            )
+            self.instances = [self._node(name, 0, args.ami_id, head_data, self._scaler_profile(name, child))]
+        else:
+            user_data = dns_name.apply(cloud_init.user_data)
+            self.instances = [self._node(name, i, args.ami_id, user_data) for i in range(config.nodes)]
+        head = pulumi.Output.all(
+            *[pulumi.Output.all(i.id, i.public_ip, i.private_ip, i.availability_zone) for i in self.instances]
+        )
+        group_names = pulumi.Output.all(*[group.name for group in self.worker_groups])
+        self.nodes = pulumi.Output.all(head, group_names).apply(
+            lambda found: (
+                [
+                    {"name": f"node-{k}", "instance_id": r[0], "public_ip": r[1], "private_ip": r[2], "zone": r[3]}
+                    for k, r in enumerate(found[0])
+                ]
+                + [{"name": f"node-{k}", "group": g} for k, g in enumerate(found[1], start=len(found[0]))]
+            )
         )
         self.register_outputs({"nodes": self.nodes, "efs_id": self.storage.file_system.id})
 
@@ -235,9 +263,118 @@ class GpuCluster(pulumi.ComponentResource):
         )
         return group
 
-    def _node(self, name: str, index: int, ami_id, user_data) -> aws.ec2.Instance:
+    def _scaler_profile(self, name: str, child: pulumi.ResourceOptions) -> aws.iam.InstanceProfile:
+        """The head node's role: it may set this stack's worker groups' sizes, nothing else."""
+        stack = self.config.stack
+        role = aws.iam.Role(
+            f"{name}-head",
+            assume_role_policy=json.dumps(
+                {
+                    "Version": "2012-10-17",
+                    "Statement": [
+                        {"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}
+                    ],
+                }
+            ),
+            tags=tags_for(stack, f"{name}-head"),
+            opts=child,
+        )
+        aws.iam.RolePolicy(
+            f"{name}-scale-workers",
+            role=role.id,
+            policy=json.dumps(
+                {
+                    "Version": "2012-10-17",
+                    "Statement": [
+                        {
+                            "Effect": "Allow",
+                            "Action": "autoscaling:UpdateAutoScalingGroup",
+                            "Resource": "*",
+                            "Condition": {"StringEquals": {f"autoscaling:ResourceTag/{STACK_TAG}": stack}},
+                        }
+                    ],
+                }
+            ),
+            opts=child,
+        )
+        return aws.iam.InstanceProfile(f"{name}-head", role=role.name, tags=tags_for(stack, f"{name}-head"), opts=child)
+
+    def _node_tags(self, index: int) -> dict[str, str]:
+        stack = self.config.stack
+        return tags_for(stack, f"{stack}-node-{index}", **{NODE_TAG: f"node-{index}"})
+
+    def _worker_group(self, name: str, index: int, ami_id, user_data) -> aws.autoscaling.Group:
+        """A spot worker as an Auto Scaling group of one: EC2 starts a new one when it is reclaimed or dies.
+        Not capacity rebalancing: it would end the old worker on its own schedule, a run with it, when the
+        notice would have let the run save; and one node name is one instance at a time."""
         config = self.config
-        node_tags = tags_for(config.stack, f"{config.stack}-node-{index}", **{"gpu-cluster:node": f"node-{index}"})
+        node_tags = self._node_tags(index)
+        template = aws.ec2.LaunchTemplate(
+            f"{name}-node-{index}",
+            image_id=ami_id,
+            instance_type=config.instance_type,
+            key_name=self.key_pair.key_name,
+            user_data=pulumi.Output.from_input(user_data).apply(lambda text: base64.b64encode(text.encode()).decode()),
+            instance_market_options=aws.ec2.LaunchTemplateInstanceMarketOptionsArgs(
+                market_type="spot",
+                spot_options=aws.ec2.LaunchTemplateInstanceMarketOptionsSpotOptionsArgs(
+                    spot_instance_type="one-time", instance_interruption_behavior="terminate"
+                ),
+            ),
+            metadata_options=aws.ec2.LaunchTemplateMetadataOptionsArgs(
+                http_endpoint="enabled", http_tokens="required", http_put_response_hop_limit=1
+            ),
+            block_device_mappings=[
+                aws.ec2.LaunchTemplateBlockDeviceMappingArgs(
+                    device_name=ROOT_DEVICE,
+                    ebs=aws.ec2.LaunchTemplateBlockDeviceMappingEbsArgs(
+                        volume_type="gp3",
+                        volume_size=config.root_volume_gb,
+                        encrypted="true",
+                        delete_on_termination="true",
+                    ),
+                )
+            ],
+            network_interfaces=[
+                aws.ec2.LaunchTemplateNetworkInterfaceArgs(
+                    device_index=0,
+                    subnet_id=self.network.subnet.id,
+                    security_groups=[self.node_group.id],
+                    associate_public_ip_address="true",
+                    delete_on_termination="true",
+                )
+            ],
+            placement=aws.ec2.LaunchTemplatePlacementArgs(group_name=self.placement_group.name),
+            tag_specifications=[
+                aws.ec2.LaunchTemplateTagSpecificationArgs(resource_type=kind, tags=node_tags)
+                for kind in ("instance", "volume")
+            ],
+            tags=node_tags,
+            opts=pulumi.ResourceOptions(parent=self, ignore_changes=["image_id"]),
+        )
+        return aws.autoscaling.Group(
+            f"{name}-node-{index}",
+            min_size=1,
+            max_size=1,
+            desired_capacity=1,
+            vpc_zone_identifiers=[self.network.subnet.id],
+            launch_template=aws.autoscaling.GroupLaunchTemplateArgs(
+                id=template.id, version=template.latest_version.apply(str)
+            ),
+            health_check_type="EC2",
+            capacity_rebalance=False,
+            force_delete=True,  # destroy ends its instance with it
+            wait_for_capacity_timeout="0",  # `up` waits for the instance itself, with progress
+            tags=[
+                aws.autoscaling.GroupTagArgs(key=key, value=value, propagate_at_launch=False)
+                for key, value in node_tags.items()
+            ],
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.storage.mount_target]),
+        )
+
+    def _node(self, name: str, index: int, ami_id, user_data, profile=None) -> aws.ec2.Instance:
+        config = self.config
+        node_tags = self._node_tags(index)
         market = None
         if config.spot:
             market = aws.ec2.InstanceInstanceMarketOptionsArgs(
@@ -263,6 +400,7 @@ class GpuCluster(pulumi.ComponentResource):
                 volume_type="gp3", volume_size=config.root_volume_gb, encrypted=True, delete_on_termination=True
             ),
             instance_market_options=market,
+            iam_instance_profile=profile.name if profile is not None else None,
             instance_initiated_shutdown_behavior=config.shutdown_behavior,
             user_data=user_data,
             user_data_replace_on_change=True,
@@ -281,6 +419,13 @@ def build(config: StackConfig) -> GpuCluster:
         filters=[aws.ec2.GetInstanceTypeOfferingsFilterArgs(name="instance-type", values=[config.instance_type])],
     ).locations.apply(_first_zone(config))
     return GpuCluster(config.stack, GpuClusterArgs(config, ami_id, zone))
+
+
+def _named_user_data(node: str):
+    def render(dns_name: str) -> str:
+        return cloud_init.user_data(dns_name, node=node)
+
+    return render
 
 
 def _first_zone(config: StackConfig):

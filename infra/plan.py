@@ -52,6 +52,14 @@ class RecordingMocks(pulumi.runtime.Mocks):
             state["dnsName"] = f"fs-planned.efs.{self.region}.amazonaws.com"
         elif args.typ in ("aws:ec2/keyPair:KeyPair", "aws:ec2/placementGroup:PlacementGroup"):
             state.setdefault("keyName" if "keyPair" in args.typ else "name", args.name)
+        elif args.typ in (
+            "aws:autoscaling/group:Group",
+            "aws:iam/role:Role",
+            "aws:iam/instanceProfile:InstanceProfile",
+        ):
+            state.setdefault("name", args.name)
+        elif args.typ == "aws:ec2/launchTemplate:LaunchTemplate":
+            state["latestVersion"] = 1
         return f"{args.name}-id", state
 
     def call(self, args: pulumi.runtime.MockCallArgs):
@@ -128,7 +136,12 @@ ORDER = (
     "MountTarget",
     "PlacementGroup",
     "KeyPair",
+    "Role",
+    "RolePolicy",
+    "InstanceProfile",
     "Instance",
+    "LaunchTemplate",
+    "Group",
 )
 
 
@@ -159,6 +172,18 @@ def describe(resource: PlannedResource) -> dict[str, object]:
             else i.get("ami"),
             "on_shutdown": i.get("instanceInitiatedShutdownBehavior"),
         }
+    if short == "LaunchTemplate":
+        metadata = i.get("metadataOptions", {})
+        root = (i.get("blockDeviceMappings") or [{}])[0].get("ebs", {})
+        return {
+            "type": i.get("instanceType"),
+            "market": (i.get("instanceMarketOptions") or {}).get("marketType", "on-demand"),
+            "imds": "v2 required" if metadata.get("httpTokens") == "required" else "v1 allowed",
+            "root": f"{int(root.get('volumeSize') or 0)} GB {root.get('volumeType')}"
+            f"{', encrypted' if root.get('encrypted') == 'true' else ', NOT encrypted'}",
+        }
+    if short == "Group":
+        return {"size": int(i.get("desiredCapacity") or 0), "replaces": "a reclaimed or dead worker"}
     if short == "SecurityGroupIngressRule":
         group = str(i.get("referencedSecurityGroupId", "")).removesuffix("-id")
         source = i.get("cidrIpv4") or i.get("cidrIpv6") or f"members of {group}"

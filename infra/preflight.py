@@ -44,6 +44,7 @@ class AwsClients:
     ssm: Any
     pricing: Any
     efs: Any
+    autoscaling: Any = None
 
     @classmethod
     def for_region(cls, region: str) -> "AwsClients":
@@ -55,6 +56,7 @@ class AwsClients:
             ssm=session.client("ssm"),
             pricing=session.client("pricing", region_name=PRICING_API_REGION),
             efs=session.client("efs"),
+            autoscaling=session.client("autoscaling"),
         )
 
 

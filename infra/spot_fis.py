@@ -10,11 +10,10 @@ and the caller needs `fis:CreateExperimentTemplate`, `fis:StartExperiment` and `
 
 import secrets
 
-from infra.cluster import STACK_TAG
 from infra.errors import UsageError
+from infra.tags import NODE_TAG, STACK_TAG
 
 ACTION_ID = "aws:ec2:send-spot-instance-interruptions"
-NODE_TAG = "gpu-cluster:node"
 MIN_NOTICE_S = 120
 MAX_NOTICE_S = 900
 

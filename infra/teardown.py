@@ -1,13 +1,13 @@
 """After `pulumi destroy`: look for anything still tagged with the stack, and say what it costs.
 
-Instances, volumes, network interfaces, security groups, EFS file systems and mount targets,
+Auto Scaling groups, instances, volumes, network interfaces, security groups, EFS file systems and mount targets,
 placement groups, key pairs and VPCs carrying `gpu-cluster:stack = <stack>` (network interfaces also
 by the stack's VPC, since AWS does not tag the ones it makes for instances and mount targets).
 """
 
 from dataclasses import dataclass
 
-from infra.cluster import STACK_TAG
+from infra.tags import STACK_TAG
 
 LIVE_INSTANCE_STATES = ["pending", "running", "shutting-down", "stopping", "stopped"]
 
@@ -30,11 +30,17 @@ def tag_filter(stack: str) -> list[dict]:
     return [{"Name": f"tag:{STACK_TAG}", "Values": [stack]}]
 
 
-def sweep(stack: str, ec2, efs, placement_ec2=None) -> list[Leftover]:
+def sweep(stack: str, ec2, efs, placement_ec2=None, autoscaling=None) -> list[Leftover]:
     """Everything of `stack` that still exists. `placement_ec2` answers describe_placement_groups
-    (default: `ec2`)."""
+    (default: `ec2`); `autoscaling`, where given, is asked for the stack's Auto Scaling groups (spot workers)."""
     found: list[Leftover] = []
     tagged = tag_filter(stack)
+    if autoscaling is not None:
+        # A group left behind starts a new instance for every one that ends: as billable as the instances.
+        for page in autoscaling.get_paginator("describe_auto_scaling_groups").paginate(Filters=tagged):
+            for group in page["AutoScalingGroups"]:
+                wanted = f"{group['DesiredCapacity']} wanted"
+                found.append(Leftover("auto-scaling-group", group["AutoScalingGroupName"], True, wanted))
     for reservation in ec2.describe_instances(
         Filters=tagged + [{"Name": "instance-state-name", "Values": LIVE_INSTANCE_STATES}]
     )["Reservations"]:

@@ -76,9 +76,14 @@ def after_follow(cluster: ClusterInfo, setup: NodeSetup, folder: Path, run: sche
 
 def cluster_for(stack: str | None) -> ClusterInfo:
     try:
-        return inventory.load_current(stack)
+        cluster = inventory.load_current(stack)
     except UsageError as exc:
         raise Exit(f"error: {exc}", code=2) from None
+    if not cluster.nodes_move:
+        return cluster
+    from infra import providers  # boto3 loads only where nodes move (AWS spot workers)
+
+    return providers.current(cluster, say)
 
 
 def setup_for(cluster: ClusterInfo) -> NodeSetup:

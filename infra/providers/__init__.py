@@ -22,6 +22,12 @@ PROVIDERS: dict[str, Provider] = {p.name: p for p in (LocalProvider(), AwsProvid
 LOCAL, AWS, HOSTS = (PROVIDERS[name] for name in ("local", "aws", "ssh"))
 
 
+def current(cluster: ClusterInfo, say) -> ClusterInfo:
+    """The cluster as it is now: nodes the cloud replaced by itself (spot workers in Auto Scaling groups)
+    are adopted before anyone connects. Nothing is asked of a cluster whose nodes never move."""
+    return for_cluster(cluster).adopt_replacements(cluster, say) if cluster.nodes_move else cluster
+
+
 def bring_up(chosen: Provider, request: UpRequest, say) -> UpResult:
     """`up` through the chosen provider, with what every provider shares: the request checked against
     what it accepts and against a stack of another kind, then, for a cluster it created, the ledger

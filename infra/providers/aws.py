@@ -22,6 +22,7 @@ from infra.config import StackConfig
 from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo, NodeInfo, NodeStatus
 from infra.providers.base import DownReport, Provider, UpRequest, UpResult
+from infra.tags import NODE_TAG
 
 if TYPE_CHECKING:  # boto3 and Pulumi load only when AWS is used (about 2 s)
     from infra import automation, preflight, teardown
@@ -63,6 +64,7 @@ def up(
     config = stack_config.with_ssh(config, found.ssh_cidr, keys.public_key_text(key_path))
     deployment = automation.Deployment(request.stack, command, on_output=lambda line: say(line.rstrip()))
     outputs = _up_with_zone_fallback(deployment, config, found.zones, say)
+    outputs = {**outputs, "nodes": _group_nodes_found(request.stack, outputs["nodes"], clients.ec2, say)}
     cluster = _cluster_from_outputs(request.stack, config, outputs, key_path, found.estimate.hourly_usd)
     _pin_and_wait(cluster, outputs, clients.ec2, say)
     inventory.save(cluster)
@@ -131,7 +133,128 @@ def _cluster_from_outputs(stack: str, config, outputs: dict, key_path, hourly_us
         nodes=nodes,
         python="python3",
         daemon="systemd",  # the DLAMI runs systemd and the user has sudo
+        nodes_move=any("group" in n for n in outputs["nodes"]),
     )
+
+
+# ------------------------------------------------------------------------ nodes in Auto Scaling groups
+
+LIVE_FIRST = {"running": 0, "pending": 1, "stopping": 2, "stopped": 3, "shutting-down": 4, "terminated": 5}
+
+
+def current_instances(ec2, stack: str) -> dict[str, dict]:
+    """Each node's instance now, by its node tag: a live one before one that is gone (a replaced worker's
+    old instance stays listed for a while, terminated), the newest of equals."""
+    from infra import teardown
+
+    found: dict[str, dict] = {}
+    for reservation in ec2.describe_instances(Filters=teardown.tag_filter(stack))["Reservations"]:
+        for instance in reservation["Instances"]:
+            name = {t["Key"]: t["Value"] for t in instance.get("Tags", [])}.get(NODE_TAG)
+            if name is None:
+                continue
+            if name not in found or _preference(instance) < _preference(found[name]):
+                found[name] = instance
+    return found
+
+
+def _preference(instance: dict) -> tuple:
+    launched = instance.get("LaunchTime")
+    return (LIVE_FIRST.get(instance["State"]["Name"], 9), -launched.timestamp() if launched else 0)
+
+
+def _group_nodes_found(stack: str, nodes: list[dict], ec2, say, timeout_s: float = READY_TIMEOUT_S) -> list[dict]:
+    """The program's nodes with every worker of an Auto Scaling group filled in (its instance, addresses),
+    once EC2 has started it."""
+    waiting = [n["name"] for n in nodes if "group" in n]
+    if not waiting:
+        return nodes
+    say(f"waiting for the Auto Scaling groups to start {', '.join(waiting)} ...")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        instances = current_instances(ec2, stack)
+        started = {
+            name: instances[name]
+            for name in waiting
+            if instances.get(name, {}).get("State", {}).get("Name") == "running"
+            and instances[name].get("PublicIpAddress")
+        }
+        if len(started) == len(waiting):
+            break
+        if time.monotonic() > deadline:
+            missing = ", ".join(name for name in waiting if name not in started)
+            raise OperationError(
+                f"no instance started for {missing} in {timeout_s:.0f} s (see the Auto Scaling group's activity); "
+                f"python deploy.py down --stack {stack} removes the cluster"
+            )
+        time.sleep(5)
+    return [
+        {
+            **n,
+            "instance_id": started[n["name"]]["InstanceId"],
+            "public_ip": started[n["name"]]["PublicIpAddress"],
+            "private_ip": started[n["name"]]["PrivateIpAddress"],
+        }
+        if n["name"] in started
+        else n
+        for n in nodes
+    ]
+
+
+def adopt_replacements(cluster: ClusterInfo, ec2, say) -> ClusterInfo:
+    """Workers EC2 replaced by itself (their group started a new instance in place of a reclaimed or dead
+    one) become the inventory's: the new addresses, the new host key pinned from the instance's console
+    output (never on first contact: a replacement nobody watched come up is trusted only through AWS),
+    and an event in the ledger. A replacement whose key is not on its console yet keeps the old entry and
+    is said so; the next command tries again."""
+    instances = current_instances(ec2, cluster.stack)
+    nodes, pinned = [], {}
+    for node in cluster.nodes:
+        instance = instances.get(node.name, {})
+        address = instance.get("PublicIpAddress")
+        if instance.get("State", {}).get("Name") != "running" or not address or address == node.public_ip:
+            nodes.append(node)
+            continue
+        key = _console_host_key(ec2, instance["InstanceId"])
+        if key is None:
+            say(
+                f"{node.name} was replaced (instance {instance['InstanceId']} at {address}); its host key is not on "
+                "its console output yet, so it is not trusted yet: try again in a minute"
+            )
+            nodes.append(node)
+            continue
+        moved = NodeInfo(**{**node.__dict__, "public_ip": address, "private_ip": instance["PrivateIpAddress"]})
+        pinned[node] = (moved, keys.known_hosts_entry(address, moved.ssh_port, key), instance)
+        nodes.append(moved)
+    if not pinned:
+        return cluster
+    known_hosts = Path(cluster.known_hosts)
+    gone = {f"[{old.public_ip}]:{old.ssh_port}" for old in pinned} | {old.public_ip for old in pinned}
+    kept = [line for line in known_hosts.read_text().splitlines() if line and line.split()[0] not in gone]
+    keys.write_known_hosts(known_hosts, [*kept, *(entry for _, entry, _ in pinned.values())])
+    updated = ClusterInfo(**{**cluster.__dict__, "nodes": tuple(nodes)})
+    inventory.save(updated)
+    from infra.ledger import Ledger
+
+    ledger = Ledger()
+    try:
+        for old, (moved, _, instance) in pinned.items():
+            launched = instance.get("LaunchTime")
+            ledger.event(
+                cluster.stack,
+                "node replaced",
+                old.name,
+                f"by its Auto Scaling group: {instance['InstanceId']} at {moved.public_ip} (was {old.public_ip})",
+                at=launched.timestamp() if launched else time.time(),
+                seconds=0.0,
+            )
+            say(
+                f"{old.name} was replaced by its Auto Scaling group: now {moved.public_ip}, "
+                "host key pinned from its console"
+            )
+    finally:
+        ledger.close()
+    return updated
 
 
 # ------------------------------------------------------------------------------------ host keys
@@ -231,7 +354,7 @@ def down(
             "(it clears pending operations and refreshes first)"
         ) from None
     with preflight.aws_answers("after destroy, looking for leftovers"):
-        leftovers = teardown.sweep(stack, clients.ec2, clients.efs, placement_ec2)
+        leftovers = teardown.sweep(stack, clients.ec2, clients.efs, placement_ec2, clients.autoscaling)
     if not leftovers:
         state.forget(stack)
     return leftovers
@@ -256,13 +379,8 @@ def status(cluster: ClusterInfo, ec2) -> tuple[list[NodeStatus], dict]:
 
 
 def _status(cluster: ClusterInfo, ec2) -> tuple[list[NodeStatus], dict]:
-    from infra import teardown
 
-    instances = {}
-    for reservation in ec2.describe_instances(Filters=teardown.tag_filter(cluster.stack))["Reservations"]:
-        for instance in reservation["Instances"]:
-            tags = {t["Key"]: t["Value"] for t in instance.get("Tags", [])}
-            instances[tags.get("gpu-cluster:node", instance["InstanceId"])] = instance
+    instances = current_instances(ec2, cluster.stack)
     running = [n for n in cluster.nodes if instances.get(n.name, {}).get("State", {}).get("Name") == "running"]
     probes = {p.node.name: p for p in ssh.probe_nodes(_only(cluster, running))} if running else {}
     now = datetime.now(timezone.utc)
@@ -371,3 +489,9 @@ class AwsProvider(Provider):
         from infra import preflight
 
         return status(cluster, preflight.AwsClients.for_region(cluster.region).ec2)
+
+    def adopt_replacements(self, cluster: ClusterInfo, say) -> ClusterInfo:
+        from infra import preflight
+
+        with preflight.aws_answers(f"looking for replaced nodes of stack '{cluster.stack}'"):
+            return adopt_replacements(cluster, preflight.AwsClients.for_region(cluster.region).ec2, say)

@@ -118,6 +118,11 @@ class Provider:
         """Stacks an `up` killed midway left running without an inventory (found from what is on disk)."""
         return []
 
+    def adopt_replacements(self, cluster: ClusterInfo, say) -> ClusterInfo:
+        """Where the cloud replaced nodes by itself (`cluster.nodes_move`): the inventory follows them (new
+        addresses, their host keys pinned); the cluster as it is now."""
+        return cluster
+
     def spot_drill(self, cluster: ClusterInfo, node: str, notice_s: float, say, fis_role: str | None = None) -> None:
         """`deploy.py drill spot`: post a spot interruption notice on `node`, reclaimed `notice_s` later
         (`fis_role`: the IAM role AWS FIS assumes to do it, where AWS does it)."""

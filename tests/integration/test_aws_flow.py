@@ -167,3 +167,141 @@ def test_status_shows_instance_states_and_why_the_cluster_stopped_itself(monkeyp
     assert [r.state for r in rows] == ["stopped", "stopped"]
     assert [r.instance_id for r in rows] == ids and not any(r.reachable for r in rows)
     assert stopped == {"reason": "budget: $24.99 spent of maxTotalUsd $25", "at": 1795250000.0}
+
+
+class ConsoleWithHostKeys:
+    """moto's EC2 for everything, but each instance's console output carries the host keys cloud-init
+    prints (moto's is fixed): `keys` maps an instance id to its key; an instance not in it shows none yet."""
+
+    def __init__(self, ec2, keys: dict[str, str]):
+        self.ec2, self.keys = ec2, keys
+
+    def get_console_output(self, **kwargs):
+        key = self.keys.get(kwargs["InstanceId"])
+        block = f"-----BEGIN SSH HOST KEY KEYS-----\n{key} root@node\n-----END SSH HOST KEY KEYS-----\n" if key else ""
+        return {"InstanceId": kwargs["InstanceId"], "Output": "boot...\n" + block}
+
+    def __getattr__(self, name):
+        return getattr(self.ec2, name)
+
+
+def spot_stack_on_moto(ec2, autoscaling) -> str:
+    """What the program makes for `spot: true, nodes: 2`: the head an instance, node-1 a group of one."""
+    vpc = ec2.create_vpc(CidrBlock="10.42.0.0/16")["Vpc"]["VpcId"]
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.42.1.0/24", AvailabilityZone="us-east-1a")["Subnet"]
+    ec2.modify_subnet_attribute(SubnetId=subnet["SubnetId"], MapPublicIpOnLaunch={"Value": True})
+
+    def tags(node: str) -> list[dict]:
+        return [{"Key": "gpu-cluster:stack", "Value": "dev"}, {"Key": "gpu-cluster:node", "Value": node}]
+
+    ec2.run_instances(
+        ImageId="ami-12c6146b",
+        MinCount=1,
+        MaxCount=1,
+        InstanceType="g4dn.2xlarge",
+        SubnetId=subnet["SubnetId"],
+        TagSpecifications=[{"ResourceType": "instance", "Tags": tags("node-0")}],
+    )
+    template = ec2.create_launch_template(
+        LaunchTemplateName="dev-node-1",
+        LaunchTemplateData={
+            "ImageId": "ami-12c6146b",
+            "InstanceType": "g4dn.2xlarge",
+            "TagSpecifications": [{"ResourceType": "instance", "Tags": tags("node-1")}],
+        },
+    )["LaunchTemplate"]
+    autoscaling.create_auto_scaling_group(
+        AutoScalingGroupName="dev-node-1-3f2a",
+        MinSize=1,
+        MaxSize=1,
+        DesiredCapacity=1,
+        LaunchTemplate={"LaunchTemplateId": template["LaunchTemplateId"], "Version": "1"},
+        VPCZoneIdentifier=subnet["SubnetId"],
+        Tags=[
+            {**tag, "PropagateAtLaunch": False, "ResourceId": "dev-node-1-3f2a", "ResourceType": "auto-scaling-group"}
+            for tag in tags("node-1")
+        ],
+    )
+    return "dev-node-1-3f2a"
+
+
+def test_a_reclaimed_spot_worker_is_replaced_by_its_group_and_adopted_with_its_key_from_the_console(
+    monkeypatch, state_dir
+):
+    from infra import keys
+    from infra.inventory import ClusterInfo, NodeInfo
+    from infra.ledger import Ledger
+
+    said: list[str] = []
+    with moto_aws(monkeypatch):
+        ec2, autoscaling = (
+            boto3.client("ec2", region_name="us-east-1"),
+            boto3.client("autoscaling", region_name="us-east-1"),
+        )
+        group = spot_stack_on_moto(ec2, autoscaling)
+        head = aws_provider.current_instances(ec2, "dev")["node-0"]
+        program_nodes = [
+            {
+                "name": "node-0",
+                "instance_id": head["InstanceId"],
+                "public_ip": head["PublicIpAddress"],
+                "private_ip": head["PrivateIpAddress"],
+            },
+            {"name": "node-1", "group": group},
+        ]
+        found = aws_provider._group_nodes_found("dev", program_nodes, ec2, said.append, timeout_s=30)
+        first = found[1]
+        assert first["instance_id"].startswith("i-") and first["public_ip"]  # up fills the group's worker in
+        stack_dir = state_dir / "dev"
+        stack_dir.mkdir(parents=True)
+        (stack_dir / "known_hosts").write_text(
+            "".join(keys.known_hosts_entry(n["public_ip"], 22, f"ssh-ed25519 OLD{n['name'][-1]}") + "\n" for n in found)
+        )
+        cluster = ClusterInfo(
+            "dev",
+            "aws",
+            "us-east-1",
+            "g4dn.2xlarge",
+            1.504,
+            "ubuntu",
+            str(stack_dir / "id_ed25519"),
+            str(stack_dir / "known_hosts"),
+            "/shared",
+            "2026-11-25T00:00:00+00:00",
+            tuple(NodeInfo(n["name"], n["public_ip"], n["private_ip"], 22, 1) for n in found),
+            nodes_move=True,
+        )
+        inventory.save(cluster)
+
+        ec2.terminate_instances(InstanceIds=[first["instance_id"]])  # reclaimed: its group starts another
+        replacement = aws_provider.current_instances(ec2, "dev")["node-1"]
+        assert replacement["InstanceId"] != first["instance_id"] and replacement["State"]["Name"] == "running"
+
+        # Its console shows no host key yet: it is not trusted, and the inventory keeps the old address.
+        unchanged = aws_provider.adopt_replacements(cluster, ConsoleWithHostKeys(ec2, {}), said.append)
+        assert unchanged == cluster and "its host key is not on its console output yet" in said[-1]
+
+        console = ConsoleWithHostKeys(ec2, {replacement["InstanceId"]: "ssh-ed25519 NEW1"})
+        adopted = aws_provider.adopt_replacements(cluster, console, said.append)
+        rows, _ = aws_provider.status(adopted, console)
+        placement = boto3.client("ec2", region_name="us-east-1")  # moto lacks placement groups
+        stub = Stubber(placement)
+        stub.add_response("describe_placement_groups", {"PlacementGroups": []}, {"Filters": teardown.tag_filter("dev")})
+        stub.activate()
+        leftovers = teardown.sweep("dev", ec2, boto3.client("efs", region_name="us-east-1"), placement, autoscaling)
+
+    node1 = adopted.node("node-1")
+    assert (node1.public_ip, node1.private_ip) == (replacement["PublicIpAddress"], replacement["PrivateIpAddress"])
+    assert adopted.node("node-0") == cluster.node("node-0")
+    assert inventory.load("dev") == adopted
+    pinned = (stack_dir / "known_hosts").read_text()
+    assert keys.known_hosts_entry(node1.public_ip, 22, "ssh-ed25519 NEW1") in pinned.splitlines()
+    assert "OLD1" not in pinned and "OLD0" in pinned
+    assert [r.instance_id for r in rows] == [head["InstanceId"], replacement["InstanceId"]]  # the live one, not the old
+    ledger = Ledger()
+    try:
+        events = [(e.kind, e.node) for e in ledger.events("dev")]
+    finally:
+        ledger.close()
+    assert events == [("node replaced", "node-1")]
+    assert ("auto-scaling-group", group) in [(x.kind, x.id) for x in leftovers]  # down's sweep would name it

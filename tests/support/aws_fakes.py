@@ -141,7 +141,7 @@ def moto_aws(monkeypatch):
 
 
 def clients(region: str = "us-east-1", quota_vcpus: float = 64, ami_found: bool = True, pricing=None) -> AwsClients:
-    """moto for STS, EC2 and EFS; Stubber for the rest."""
+    """moto for STS, EC2, EFS and Auto Scaling; Stubber for the rest."""
     return AwsClients(
         sts=boto3.client("sts", region_name=region),
         ec2=boto3.client("ec2", region_name=region),
@@ -149,4 +149,5 @@ def clients(region: str = "us-east-1", quota_vcpus: float = 64, ami_found: bool 
         ssm=ssm_client(ami_found),
         pricing=pricing or pricing_client(),
         efs=boto3.client("efs", region_name=region),
+        autoscaling=boto3.client("autoscaling", region_name=region),
     )

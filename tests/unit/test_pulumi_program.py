@@ -1,7 +1,9 @@
 """Policy tests of the Pulumi program under Pulumi's own mocks (preview=False; unknown calls refused)."""
 
+import base64
 import importlib
 import inspect
+import json
 
 import pytest
 
@@ -93,13 +95,44 @@ def test_node_addresses_ascend_so_rank_0_is_on_node_0():
     assert [n["name"] for n in run.nodes] == [f"node-{i}" for i in range(12)]
 
 
-def test_count_type_and_spot_come_from_the_config():
-    run = program(nodes=3, instanceType="g6.2xlarge", spot=True)
+def test_count_and_type_come_from_the_config():
+    run = program(nodes=3, instanceType="g6.2xlarge")
     instances = of_type(run, "Instance")
     assert len(instances) == 3 and {i.inputs["instanceType"] for i in instances} == {"g6.2xlarge"}
-    for instance in instances:
-        market = instance.inputs["instanceMarketOptions"]
-        assert market["marketType"] == "spot" and market["spotOptions"]["instanceInterruptionBehavior"] == "terminate"
+    assert of_type(run, "Group") == [] and of_type(run, "Role") == []
+
+
+def test_spot_workers_are_groups_of_one_that_replace_them_and_join_from_efs_at_boot():
+    run = program(nodes=3, instanceType="g6.2xlarge", spot=True)
+    (head,) = of_type(run, "Instance")  # the head keeps its address: MASTER_ADDR, slurmctld
+    market = head.inputs["instanceMarketOptions"]
+    assert market["marketType"] == "spot" and market["spotOptions"]["instanceInterruptionBehavior"] == "terminate"
+    assert head.inputs["privateIp"] == node_private_ip(0) and head.inputs["iamInstanceProfile"] == "dev-head"
+    assert "hostnamectl set-hostname node-0" in head.inputs["userData"]
+    groups, templates = of_type(run, "Group"), of_type(run, "LaunchTemplate")
+    assert [g.name for g in groups] == [t.name for t in templates] == ["dev-node-1", "dev-node-2"]
+    head_data = head.inputs["userData"]
+    for index, (group, template) in enumerate(zip(groups, templates, strict=True), start=1):
+        g, t = group.inputs, template.inputs
+        assert (g["minSize"], g["maxSize"], g["desiredCapacity"]) == (1, 1, 1) and g["capacityRebalance"] is False
+        assert g["vpcZoneIdentifiers"] == ["dev-net-subnet-id"] and g["forceDelete"] is True
+        assert {tag["key"]: tag["value"] for tag in g["tags"]}[STACK_TAG] == "dev"
+        assert t["instanceType"] == "g6.2xlarge" and t["metadataOptions"]["httpTokens"] == "required"
+        assert t["instanceMarketOptions"]["spotOptions"]["instanceInterruptionBehavior"] == "terminate"
+        assert t["blockDeviceMappings"][0]["ebs"]["encrypted"] == "true"
+        assert t["placement"]["groupName"] == "dev-placement"
+        (interface,) = t["networkInterfaces"]
+        assert interface["securityGroups"] == ["dev-nodes-id"] and interface["subnetId"] == "dev-net-subnet-id"
+        tagged = {spec["resourceType"]: spec["tags"] for spec in t["tagSpecifications"]}
+        assert tagged["instance"]["gpu-cluster:node"] == f"node-{index}" and tagged["volume"][STACK_TAG] == "dev"
+        boot = base64.b64decode(t["userData"]).decode()
+        assert f"join.py --node node-{index}" in boot and f"hostnamectl set-hostname node-{index}" in boot
+        assert group.name in head_data  # the head's guard scales it to zero before powering off
+    policy = json.loads(named(run, "dev-scale-workers").inputs["policy"])["Statement"]
+    assert [(p["Action"], p["Condition"]) for p in policy] == [
+        ("autoscaling:UpdateAutoScalingGroup", {"StringEquals": {f"autoscaling:ResourceTag/{STACK_TAG}": "dev"}})
+    ]
+    assert [n.get("group") for n in run.nodes] == [None, "dev-node-1", "dev-node-2"]
 
 
 def test_every_resource_that_takes_tags_is_tagged_with_the_stack():
