@@ -5,7 +5,10 @@ munge (.ci/run installs them)."""
 import asyncio
 import ipaddress
 import json
+import os
 import shlex
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -152,6 +155,65 @@ def test_stop_leaves_no_process_and_a_changed_description_restarts(own_scheduler
     sockets = [Paths(str(home)).sockets for home in cluster.homes]
     assert not [s for s, home in zip(sockets, cluster.homes, strict=True) if str(home) not in s and Path(s).exists()]
     assert [cluster.state(i)["daemons"] for i in range(2)] == [{"munged": None, "slurmd": None, "spot-watch": None}] * 2
+
+
+@pytest.fixture
+def hosts_file():
+    """Names added to /etc/hosts for one test (root, as in CI), and the file as it was afterwards. The file's
+    own lines are never rewritten (other tests resolve names meanwhile): lines go after them and are cut
+    off again."""
+    path = Path("/etc/hosts")
+    if not os.access(path, os.W_OK) or shutil.which("unshare") is None:
+        pytest.skip("needs a writable /etc/hosts and unshare (root)")
+    length = path.stat().st_size
+    newline = "" if path.read_bytes().endswith(b"\n") or length == 0 else "\n"
+
+    def names(mapping: dict) -> None:
+        os.truncate(path, length)
+        with path.open("a") as f:
+            f.write(newline + "".join(f"{address} {name}\n" for name, address in mapping.items()))
+
+    try:
+        yield names
+    finally:
+        os.truncate(path, length)
+
+
+def test_a_node_known_by_name_comes_back_at_a_new_address_and_slurm_reaches_it(own_scheduler, hosts_file):
+    """As an AWS spot worker does: its replacement has another address. Slurm knows such nodes by name
+    (NoAddrCache), so the controller and srun find the new address with no change to any configuration.
+    A host's name is what its daemons bind: the moved node runs in a UTS namespace of its own."""
+    cluster = own_scheduler
+    suffix = cluster.description["cluster"]
+    names = [f"{suffix}-0", f"{suffix}-1"]
+    for node, name in zip(cluster.description["nodes"], names, strict=True):
+        node["name"] = node["address"] = name
+    hosts_file({names[0]: "127.0.0.1", names[1]: "127.0.0.1"})  # where this host's name resolves (loopback)
+    text = json.dumps(cluster.description)
+    for index, name in enumerate(names):
+        started = cluster.scheduler(index, "start", "--node", name, stdin=text)
+        assert started.returncode == 0, (started.stderr, cluster.logs(index))
+    cluster.wait_idle()
+    assert "CommunicationParameters=NoCtldInAddrAny,NoInAddrAny,NoAddrCache" in cluster.conf.read_text()
+
+    cluster.scheduler(1, "stop")
+    hosts_file({names[0]: "127.0.0.1", names[1]: "127.0.0.2"})
+    script = shlex.join([sys.executable, str(slurm.SCHEDULER), "start", "--node", names[1]])
+    moved = subprocess.run(
+        ["unshare", "--uts", "sh", "-c", f"hostname {names[1]} && exec {script}"],
+        input=text,
+        env={**os.environ, "HOME": str(cluster.homes[1])},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert moved.returncode == 0, (moved.stderr, cluster.logs(1))
+
+    listening = [s for s in slurm.listening_sockets() if s[0] == "127.0.0.2"]
+    assert listening, slurm.listening_sockets()
+    cluster.wait_idle()
+    ran = cluster.client("srun", "--nodes=2", "--ntasks-per-node=1", "--label", "sh", "-c", "echo $SLURMD_NODENAME")
+    assert sorted(line.replace(" ", "") for line in ran.stdout.splitlines()) == [f"0:{names[0]}", f"1:{names[1]}"]
 
 
 def test_powering_off_a_local_node_ends_its_daemons_steps_and_tasks(own_scheduler):
