@@ -43,6 +43,8 @@ from harness.pipeline import (
     schedule_order,
     stage_slice,
 )
+from harness.preemption import Preemption
+from harness.sharded_checkpoint import StageCheckpointer, add_checkpoint_arguments, checkpoint_root
 
 CHECK_TOLERANCE = 1e-5
 CLASSES = 10
@@ -63,6 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--layers-per-stage", type=positive_int, default=2, help="Linear+ReLU blocks per stage (default 2)"
     )
     parser.add_argument("--two-device-split", action="store_true", help="also run the two-GPU split on node 0")
+    add_checkpoint_arguments(parser)
     add_run_arguments(parser, log_every=5, check="compare loss and gradients with the unsplit model, then exit")
     args = parser.parse_args(argv)
     if args.batch_size > SAMPLES:
@@ -117,9 +120,17 @@ def check_against_unsplit(args, ctx, dataset) -> int:
     return 0 if ok else 1
 
 
-def train(args, ctx, dataset) -> int:
+def train(args, ctx, dataset, preemption: Preemption) -> int:
     stage, _ = make_stage(args, ctx)
     optimizer = torch.optim.SGD(stage.module.parameters(), lr=args.lr)
+    # Each stage saves its own layers (harness/sharded_checkpoint.py's StageCheckpointer); periodically only
+    # where asked (--checkpoint-dir): this lab measures the bubble; a spot notice saves regardless.
+    root = checkpoint_root(args.checkpoint_dir, ctx.env.shared_dir, ctx.env.run_dir)
+    checkpointer = StageCheckpointer(root) if root else None
+    start = checkpointer.load_latest(stage.module, optimizer, ctx.device) if checkpointer else 0
+    if start:
+        print0(f"resumed from step {start} ({root})")
+    save = (lambda step: checkpointer.save(step, stage.module, optimizer)) if checkpointer else None
     order = schedule_order(args.schedule, ctx.rank, ctx.world_size, args.micro_batches)
     meter = CostMeter(ctx.env.hourly_usd)
     metrics = MetricsWriter(ctx.env.run_dir, ctx.is_rank0)
@@ -130,7 +141,7 @@ def train(args, ctx, dataset) -> int:
         f"{ctx.world_size} stages x {args.layers_per_stage} layers of width {args.width}, {args.schedule}, "
         f"m={args.micro_batches} micro-batches of {shape[0]}"
     )
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         inputs, targets = batch(dataset, args, step, ctx.device)
         optimizer.zero_grad(set_to_none=True)
         loss, timing = stage.run_step(order, inputs.chunk(args.micro_batches), targets.chunk(args.micro_batches), shape)
@@ -138,11 +149,15 @@ def train(args, ctx, dataset) -> int:
         loss_on_rank0 = torch.tensor([loss], device=ctx.device)
         dist.broadcast(loss_on_rank0, src=ctx.world_size - 1)
         bubble = measured_bubble(timing, ctx.device)
-        if step > 0:  # the first step pays for warm-up
+        if step > start:  # the first step pays for warm-up
             bubbles.append(bubble)
             step_times.append(timing.total_s)
         done = step + 1 == args.steps
         logger.step(step + 1, loss_on_rank0.item(), timing.total_s, log=done or (step + 1) % args.log_every == 0)
+        due = args.checkpoint_dir is not None and (done or (step + 1) % args.checkpoint_every == 0)
+        if preemption.step_ended(step + 1, done, due, save, ctx.device):
+            print0(preemption.line(root))
+            return 0  # a spot notice: every stage stopped at this step and saved it
     return report(args, ctx, bubbles, step_times, metrics, meter)
 
 
@@ -210,6 +225,7 @@ def two_device_split(args, ctx) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    preemption = Preemption()  # SIGUSR1 (a spot notice): save at the next step and exit
     ctx = init_distributed(timeout_s=args.timeout)
     try:
         dataset = data.teacher_classification(
@@ -217,7 +233,7 @@ def main(argv=None) -> int:
         ).tensors
         if args.check:
             return check_against_unsplit(args, ctx, dataset)
-        code = train(args, ctx, dataset)
+        code = train(args, ctx, dataset, preemption)
         if args.two_device_split:
             two_device_split(args, ctx)
         return code

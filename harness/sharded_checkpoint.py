@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -78,6 +79,45 @@ def write_marker(path: Path, step: int, world_size: int) -> None:
     tmp = path / f".{COMMIT_MARKER}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps({"step": step, "world_size": world_size, "committed_at": time.time()}) + "\n")
     os.replace(tmp, path / COMMIT_MARKER)
+
+
+class StageCheckpointer:
+    """Each rank's own module and optimizer (a pipeline stage: the ranks hold different layers under the same
+    names, which DCP would take for one replicated tensor), one file per rank in a committed step folder."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def save(self, step: int, module: nn.Module, optimizer) -> None:
+        path = step_dir(self.root, step)
+        path.mkdir(parents=True, exist_ok=True)
+        tmp = path / f".stage-{self.rank}.{os.getpid()}.tmp"
+        torch.save({"model": module.state_dict(), "optimizer": optimizer.state_dict()}, tmp)
+        os.replace(tmp, path / f"stage-{self.rank}.pt")
+        dist.barrier()  # every stage written before the step is committed
+        if self.rank == 0:
+            write_marker(path, step, self.world_size)
+            for old in committed_steps(self.root)[:-KEEP]:
+                shutil.rmtree(step_dir(self.root, old), ignore_errors=True)
+        dist.barrier()
+
+    def load_latest(self, module: nn.Module, optimizer, device) -> int:
+        """Load this rank's stage of the newest committed step; the step, or 0 where there is none. A step
+        saved by another number of stages cannot be loaded into these: ValueError naming both."""
+        path = latest_committed(self.root)
+        if path is None:
+            return 0
+        marker = json.loads((path / COMMIT_MARKER).read_text())
+        if marker["world_size"] != self.world_size:
+            raise ValueError(
+                f"the checkpoint in {path} has {marker['world_size']} pipeline stages, this run {self.world_size}: "
+                "start with the same number of ranks, or another --checkpoint-dir"
+            )
+        state = torch.load(path / f"stage-{self.rank}.pt", map_location=device, weights_only=True)
+        module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        return int(marker["step"])
 
 
 class ShardedCheckpointer:

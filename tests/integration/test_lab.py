@@ -198,12 +198,13 @@ def test_the_strategy_table_reports_peak_cuda_memory(tmp_path):
     [
         ("fsdp_training.py", TINY),  # sharded (DCP); hybrid_parallel and tensor_parallel share its loop's ending
         ("gradient_accumulation.py", ["--hidden", "32", "--micro-batch-size", "4"]),  # DDP: rank 0 saves
+        ("model_parallelism.py", ["--width", "16", "--batch-size", "16", "--micro-batches", "2"]),  # each stage
     ],
 )
 def test_on_sigusr1_every_rank_stops_at_one_step_saves_it_and_the_next_start_resumes_there(example, model, tmp_path):
     """The spot notice's contract (harness/preemption.py): one rank gets SIGUSR1, every rank stops at the
-    same step boundary, the checkpoint of that step is saved (sharded, or rank 0's of DDP's whole
-    tensors), and a restart resumes from it."""
+    same step boundary, the checkpoint of that step is saved (sharded, rank 0's of DDP's whole tensors,
+    or each pipeline stage's own), and a restart resumes from it."""
     env = child_env(CLUSTER_RUN_DIR=str(tmp_path))  # unbuffered already
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     args = [f"examples/{example}", *model, "--checkpoint-every", "100000", "--log-every", "1"]
