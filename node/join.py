@@ -144,11 +144,19 @@ def join(kit: dict, node: str, home: str, code: str, address: str | None) -> dic
         )
     finally:
         os.unlink(sent)
+    # Started is not back in service: where the head node was being replaced at the same time, the controller
+    # could not resume this node yet. Asked again here, and a failure fails the join (it is tried again).
+    in_slurm = run_step(
+        "the scheduler's controller",
+        [kit["python"], os.path.join(code, "node", "scheduler.py"), "rejoined", "--node", node],
+        home,
+    ).strip()
     return {
         "node": node,
         "took_s": round(time.monotonic() - started, 1),
         "venv": {k: venv[k] for k in ("torch", "installed") if k in venv},
         "scheduler": scheduler.get("action", "started"),
+        "slurm": in_slurm.rpartition(": ")[2],
     }
 
 

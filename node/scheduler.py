@@ -3,6 +3,7 @@
     python node/scheduler.py start --node NAME [--conf-json FILE]   # the description on stdin without FILE
     python node/scheduler.py stop                                   # this node's daemons, nothing left
     python node/scheduler.py lost --node NAME [--why TEXT]          # that node is gone: DOWN, runs requeued
+    python node/scheduler.py rejoined --node NAME                   # a replacement: back in service
     python node/scheduler.py state [--json]                         # daemons alive, Slurm's node state
     python node/scheduler.py env                                    # `export SLURM_CONF=...` for clients
 
@@ -760,6 +761,20 @@ def resume_if_ours(paths: Paths, node_name: str, fresh: bool, wait_s: float = RE
         time.sleep(0.2)
 
 
+def rejoined(paths: Paths, node_name: str, wait_s: float = READY_TIMEOUT_S) -> str:
+    """A replacement (node/join.py) back in service: where gpu-cluster's reasons hold it out (a notice's
+    drain, or lost), it is resumed; it is a new machine, never the one waiting to be reclaimed. Slurm's state
+    of it; DaemonError when the controller does not answer (the head node may be being replaced too: the
+    join is tried again) or still holds it out."""
+    resume_if_ours(paths, node_name, fresh=True, wait_s=wait_s)
+    node_state, reason = node_reasons(paths).get(node_name, ("", ""))
+    if not node_state:
+        raise DaemonError(f"the controller did not answer about {node_name} (is the head node up?)")
+    if lost_or_noticed(reason):
+        raise DaemonError(f"{node_name} is still out of service in Slurm ({node_state}: {reason})")
+    return node_state
+
+
 def state(home: str, node_name: str | None) -> dict:
     """This node's scheduler: configured or not, each daemon's pid while it runs, Slurm's node states."""
     paths = Paths(home)
@@ -798,6 +813,8 @@ def main(argv: list | None = None) -> int:
     start_parser.add_argument("--conf-json", help="the cluster's description (default: stdin)")
     start_parser.add_argument("--node", default=os.environ.get(contract.NODE_VARIABLE), help="this node's name")
     commands.add_parser("stop", help="stop this node's daemons")
+    rejoined_parser = commands.add_parser("rejoined", help="a replacement node: back in service (node/join.py)")
+    rejoined_parser.add_argument("--node", default=os.environ.get(contract.NODE_VARIABLE), help="this node's name")
     lost_parser = commands.add_parser("lost", help="tell Slurm a node is gone (its run is requeued)")
     lost_parser.add_argument("--node", required=True, help="the node that is gone")
     lost_parser.add_argument("--why", default="gone", help="the reason Slurm shows")
@@ -813,6 +830,10 @@ def main(argv: list | None = None) -> int:
                 raise UsageError(f"start needs --node NAME (or {contract.NODE_VARIABLE} in the environment)")
             result = start(read_description(args.conf_json), args.node, home)
             print(json.dumps(result))
+        elif args.command == "rejoined":
+            if not args.node:
+                raise UsageError(f"rejoined needs --node NAME (or {contract.NODE_VARIABLE} in the environment)")
+            print(f"{args.node}: {rejoined(Paths(home), args.node)}")
         elif args.command == "lost":
             print(f"{args.node}: {mark_lost(Paths(home), args.node, args.why)}")
         elif args.command == "stop":

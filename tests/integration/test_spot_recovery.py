@@ -116,10 +116,30 @@ def test_a_notice_and_a_death_each_cost_at_most_the_steps_since_a_checkpoint_and
     assert again.group(2) == "2" and (step == saved or step % CHECKPOINT_EVERY == 0), again.group(0)
     assert step >= saved and max(before_death) - step < CHECKPOINT_EVERY + 50, (step, before_death[-3:])
 
+    # Notices on both nodes at once, the head node's included: the run resumes once both are back (the head
+    # is bootstrapped again; a worker that tried to join before it had a controller joins on a new try).
+    slurm.wait_for(lambda: len(STEP.findall(log_of(cluster, run_id).split(again.group(0))[-1])) > 0, "a step")
+    for node in ("node-0", "node-1"):
+        assert cluster.cli("drill", "spot", node, "--notice", "5").returncode == 0
+    both = wait_for_log(cluster, run_id, RESUMED, after=2)
+    assert both.group(2) == "3" and int(both.group(1)) >= step, both.group(0)
+
     cost = json.loads(cluster.cli("cost", "--json").stdout)
     events = [(e["node"], e["kind"]) for e in cost["events"] if e["stack"] == cluster.stack]
-    assert events == [("node-1", "spot interruption"), ("node-1", "node lost")], cost["events"]
+    assert events[:2] == [("node-1", "spot interruption"), ("node-1", "node lost")], cost["events"]
+    assert sorted(events[2:]) == [("node-0", "spot interruption"), ("node-1", "spot interruption")], cost["events"]
     assert cluster.fab("stop", "--run", run_id).returncode == 0
+
+    # With no run going, a reclaimed node is replaced all the same: the cluster heals.
+    supervisor_lines = len(supervisor_log.read_text().splitlines())
+    assert cluster.cli("drill", "spot", "node-1", "--notice", "1").returncode == 0
+    slurm.wait_for(
+        lambda: "node-1: rejoined" in "\n".join(supervisor_log.read_text().splitlines()[supervisor_lines:]),
+        "node-1 replaced with no run going",
+        supervisor_log.read_text,
+    )
+    status = json.loads(cluster.cli("status", "--json").stdout)
+    assert [(n["state"], n["reachable"], n["scheduler"]) for n in status["nodes"]] == [("up", True, "idle")] * 2, status
 
     down = cluster.cli("down")
     assert down.returncode == 0, down.stdout + down.stderr

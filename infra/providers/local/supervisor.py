@@ -41,7 +41,7 @@ from infra.providers.local import provider
 from node import contract
 
 POLL_S = 1.0
-RETRY_S = 15.0
+RETRY_S = 5.0
 BOOTSTRAP_TIMEOUT_S = 600
 PID_FILE = provider.SUPERVISOR_PID
 LOG_FILE = provider.SUPERVISOR_LOG
@@ -141,6 +141,8 @@ def rejoin(stack: str, cluster: ClusterInfo, nodes: list[NodeInfo]) -> tuple[boo
     """Bring fresh nodes into the cluster: each joins from the shared folder by itself (node/join.py) where
     bootstrap left a join kit and the head node is not among them; else `fab bootstrap` of the cluster."""
     if cluster.head not in nodes and (provider.shared_dir(stack) / contract.JOIN_KIT).exists():
+        if cluster.head.name in [node.name for _, node in dead_nodes(stack, cluster)]:
+            return False, "the head node is gone too: its replacement comes first"  # no controller to join
         answers = [join(cluster, node) for node in nodes]
         failed = [last for passed, last in answers if not passed]
         return not failed, (failed or [answers[-1][1]])[0]
