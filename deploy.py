@@ -179,9 +179,14 @@ def _interrupted_local_stack() -> str | None:
 # --------------------------------------------------------------------------------------- status
 
 
+def say_on_stderr(line: str) -> None:
+    """What a command says beside its output (a replaced node adopted): never into `--json` or ssh-config."""
+    print(line, file=sys.stderr)
+
+
 def cmd_status(args) -> int:
     try:
-        cluster = providers.current(inventory.load_current(args.stack), report.console.print)
+        cluster = providers.current(inventory.load_current(args.stack), say_on_stderr)
     except UsageError:
         leftovers = [] if state.resolve_stack(args.stack) else providers.interrupted_stacks()
         if leftovers:
@@ -302,7 +307,7 @@ def ssh_argv(cluster: inventory.ClusterInfo, node_name: str, remote_command: lis
 
 
 def cmd_ssh(args) -> int:
-    cluster = providers.current(inventory.load_current(args.stack), report.console.print)
+    cluster = providers.current(inventory.load_current(args.stack), say_on_stderr)
     argv = ssh_argv(cluster, args.node, args.remote_command)
     if shutil.which("ssh") is None:
         raise UsageError("no ssh client on PATH: install OpenSSH (e.g. apt install openssh-client)")
@@ -312,7 +317,7 @@ def cmd_ssh(args) -> int:
 
 def cmd_ssh_config(args) -> int:
     """The nodes as ssh_config blocks on stdout, under the one SSH policy (infra/ssh.py)."""
-    cluster = providers.current(inventory.load_current(args.stack), lambda line: print(line, file=sys.stderr))
+    cluster = providers.current(inventory.load_current(args.stack), say_on_stderr)
     try:
         text = openssh_config(cluster)
     except ValueError as exc:
@@ -325,7 +330,7 @@ def cmd_drill(args) -> int:
     """A spot interruption as the cloud gives one: the notice on the node's metadata service, the node gone later."""
     if not 0 <= args.notice <= 3600:
         raise UsageError(f"--notice {args.notice:g}: give the seconds from notice to reclaim, 0..3600 (EC2 gives 120)")
-    cluster = providers.current(inventory.load_current(args.stack), report.console.print)
+    cluster = providers.current(inventory.load_current(args.stack), say_on_stderr)
     chosen = providers.for_cluster(cluster)
     chosen.spot_drill(cluster, args.node, args.notice, say=report.console.print, fis_role=args.fis_role)
     return 0

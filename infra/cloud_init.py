@@ -36,24 +36,35 @@ HOSTS_BEGIN = "# gpu-cluster nodes (from the shared folder)"
 HOSTS_END = "# end of gpu-cluster nodes"
 
 
-def named_node_setup(node: str) -> str:
+IMDS_ADDRESS = (
+    'token=$(curl -sf -X PUT -H "X-aws-ec2-metadata-token-ttl-seconds: 60" http://169.254.169.254/latest/api/token)'
+    ' && curl -sf -H "X-aws-ec2-metadata-token: $token" http://169.254.169.254/latest/meta-data/local-ipv4'
+)
+"""This instance's private address, as EC2 gives it (IMDSv2): `hostname -I` may name a docker bridge first."""
+
+
+def named_node_setup(node: str, ssh_user: str) -> str:
     """For a cluster whose workers come back at new addresses (spot workers in Auto Scaling groups): the
     host takes the node's name, writes its address to the shared folder, and keeps /etc/hosts mapping every
-    node's name to its address now (Slurm looks the names up at each connection)."""
+    node's name to its address now (Slurm looks the names up at each connection). The shared state
+    folder is the node user's (0700): root made here, the watchdog and bootstrap could not write there."""
     return f"""
 # This node is {node}: Slurm knows the nodes by name, and a replacement comes back at a new address.
+install -d -o {ssh_user} -g {ssh_user} -m 700 {SHARED_DIR}/{contract.SHARED_STATE}
 hostnamectl set-hostname {node} || hostname {node}
-address=$(hostname -I | awk '{{print $1}}')
+address=$({IMDS_ADDRESS})
 mkdir -p {NODE_ADDRESSES}
-echo "$address" > {NODE_ADDRESSES}/{node}.tmp && mv {NODE_ADDRESSES}/{node}.tmp {NODE_ADDRESSES}/{node}
+echo "$address" > {NODE_ADDRESSES}/.{node}.tmp && mv {NODE_ADDRESSES}/.{node}.tmp {NODE_ADDRESSES}/{node}
 cat > /usr/local/sbin/gpu-cluster-hosts <<'HOSTS'
 #!/bin/bash
-# /etc/hosts maps every node's name to the address it wrote into the shared folder.
+# /etc/hosts maps every node's name to the address it wrote into the shared folder. The new file replaces
+# the old whole (a name must never be missing while Slurm looks it up).
 block=$(for f in {NODE_ADDRESSES}/node-*; do [ -f "$f" ] && echo "$(cat "$f") $(basename "$f")"; done)
 current=$(sed -n '/^{HOSTS_BEGIN}$/,/^{HOSTS_END}$/p' /etc/hosts | sed '1d;$d')
 [ "$block" = "$current" ] && exit 0
-sed -i '/^{HOSTS_BEGIN}$/,/^{HOSTS_END}$/d' /etc/hosts
-printf '%s\\n%s\\n%s\\n' "{HOSTS_BEGIN}" "$block" "{HOSTS_END}" >> /etc/hosts
+sed '/^{HOSTS_BEGIN}$/,/^{HOSTS_END}$/d' /etc/hosts > /etc/.hosts.gpu-cluster
+printf '%s\\n%s\\n%s\\n' "{HOSTS_BEGIN}" "$block" "{HOSTS_END}" >> /etc/.hosts.gpu-cluster
+chmod 644 /etc/.hosts.gpu-cluster && mv /etc/.hosts.gpu-cluster /etc/hosts
 HOSTS
 chmod 755 /usr/local/sbin/gpu-cluster-hosts
 cat > /etc/systemd/system/gpu-cluster-hosts.service <<'UNIT'
@@ -79,35 +90,69 @@ systemctl enable --now gpu-cluster-hosts.timer
 """
 
 
-def worker_join(node: str, ssh_user: str) -> str:
-    """A replacement worker joins by itself: where bootstrap left its join kit in the shared folder, the node
-    user runs node/join.py (the venv, the env file, slurmd). A first boot before any bootstrap has nothing to
-    join. A boot while the cluster is stopping (the watchdog's marker) powers off at once."""
+def stop_at_boot() -> str:
+    """A worker that boots while the cluster is stopping (the watchdog's marker) powers off at once, before
+    it installs anything: its group started it in place of one that powered itself off."""
     return f"""
 if [ -f {STOP_MARKER} ]; then
   echo "the cluster is stopping ($(cat {STOP_MARKER})): powering off"; systemctl poweroff; exit 0
 fi
+"""
+
+
+def worker_join(node: str, ssh_user: str) -> str:
+    """A replacement worker joins by itself: where bootstrap left its join kit in the shared folder, the node
+    user runs node/join.py (the venv, the env file, slurmd) from a unit that tries again every 30 s until it
+    passes (the head node may be being replaced too). A first boot before any bootstrap has nothing to
+    join."""
+    return f"""
+cat > /etc/systemd/system/gpu-cluster-join.service <<'UNIT'
+[Unit]
+Description=gpu-cluster: join the cluster as {node} from the shared folder
+After=network-online.target remote-fs.target
+StartLimitIntervalSec=0
+[Service]
+Type=oneshot
+User={ssh_user}
+WorkingDirectory=~
+ExecStart=/usr/bin/python3 {SHARED_DIR}/code/node/join.py --node {node}
+StandardOutput=append:{JOIN_LOG}
+StandardError=append:{JOIN_LOG}
+Restart=on-failure
+RestartSec=30
+UNIT
+systemctl daemon-reload
 if [ -f {JOIN_KIT} ]; then
-  echo "joining the cluster as {node} from {JOIN_KIT}"
-  sudo -u {ssh_user} -H bash -lc "cd && python3 {SHARED_DIR}/code/node/join.py --node {node}" >>{JOIN_LOG} 2>&1 \\
-    && echo "{node} joined" || echo "{node} did not join: see {JOIN_LOG}"
+  echo "joining the cluster as {node} from {JOIN_KIT} (log: {JOIN_LOG})"
+  systemctl start --no-block gpu-cluster-join.service
 else
   echo "no join kit yet: fab bootstrap prepares this node"
 fi
 """
 
 
+SCALE_IN_GRACE_S = 300
+"""How long the head's guard keeps trying to scale the worker groups to zero before it powers off anyway."""
+
+
 def scale_in_first(groups_file: str, region: str) -> str:
     """The head node's guard, before it powers off: the worker groups go to zero (each would otherwise start
     a new worker in place of one that powered itself off). The head's instance role may do only this, and
-    only to groups tagged with its stack."""
+    only to groups tagged with its stack. Where it fails, the guard tries again at its next run and powers
+    off anyway after SCALE_IN_GRACE_S (a head left up would bill on)."""
     return f"""
   if [ -f {groups_file} ]; then
+    failed=0
     while read -r group; do
-      [ -n "$group" ] && aws autoscaling update-auto-scaling-group --region {region} --auto-scaling-group-name "$group" \\
+      [ -n "$group" ] || continue
+      aws autoscaling update-auto-scaling-group --region {region} --auto-scaling-group-name "$group" \\
         --min-size 0 --max-size 0 --desired-capacity 0 \\
-        || logger -t gpu-cluster "could not scale $group to zero"
+        || {{ failed=1; logger -t gpu-cluster "could not scale $group to zero"; }}
     done < {groups_file}
+    age=$(( $(date +%s) - $(stat -c %Y {STOP_MARKER}) ))
+    if [ "$failed" = 1 ] && [ "$age" -lt {SCALE_IN_GRACE_S} ]; then
+      exit 0  # tried again at the next run
+    fi
   fi"""
 
 
@@ -124,8 +169,11 @@ def user_data(
     """A bash cloud-init script; safe to run again (every step checks before it acts). With `node`, the
     node is known by name (its workers move); a worker (not node-0) joins from the shared folder at boot;
     with `worker_groups`, the head's guard scales those Auto Scaling groups to zero before powering off."""
-    named = named_node_setup(node) if node else ""
-    joins = worker_join(node, ssh_user) if node and node != "node-0" else ""
+    named, joins = "", ""
+    if node:
+        worker = node != "node-0"
+        named = (stop_at_boot() if worker else "") + named_node_setup(node, ssh_user)
+        joins = worker_join(node, ssh_user) if worker else ""
     groups = ""
     scale_in = ""
     if worker_groups:

@@ -264,7 +264,7 @@ class GpuCluster(pulumi.ComponentResource):
         return group
 
     def _scaler_profile(self, name: str, child: pulumi.ResourceOptions) -> aws.iam.InstanceProfile:
-        """The head node's role: it may set this stack's worker groups' sizes, nothing else."""
+        """The head node's role: it may set this stack's worker groups' sizes to zero, nothing else."""
         stack = self.config.stack
         role = aws.iam.Role(
             f"{name}-head",
@@ -290,7 +290,16 @@ class GpuCluster(pulumi.ComponentResource):
                             "Effect": "Allow",
                             "Action": "autoscaling:UpdateAutoScalingGroup",
                             "Resource": "*",
-                            "Condition": {"StringEquals": {f"autoscaling:ResourceTag/{STACK_TAG}": stack}},
+                            # To zero only: a process on the head that reads these credentials cannot
+                            # start workers with them.
+                            "Condition": {
+                                "StringEquals": {f"autoscaling:ResourceTag/{STACK_TAG}": stack},
+                                "NumericEquals": {
+                                    "autoscaling:MinSize": 0,
+                                    "autoscaling:MaxSize": 0,
+                                    "autoscaling:DesiredCapacity": 0,
+                                },
+                            },
                         }
                     ],
                 }
@@ -314,6 +323,7 @@ class GpuCluster(pulumi.ComponentResource):
             image_id=ami_id,
             instance_type=config.instance_type,
             key_name=self.key_pair.key_name,
+            instance_initiated_shutdown_behavior="terminate",  # a spot instance can only terminate
             user_data=pulumi.Output.from_input(user_data).apply(lambda text: base64.b64encode(text.encode()).decode()),
             instance_market_options=aws.ec2.LaunchTemplateInstanceMarketOptionsArgs(
                 market_type="spot",

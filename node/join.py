@@ -57,9 +57,27 @@ def read_kit(shared: str) -> dict:
         ) from None
     except (OSError, ValueError) as exc:
         raise BadInput(f"{path} cannot be read ({exc}); run fab bootstrap to write it again") from None
-    if not isinstance(kit, dict) or not {"python", "requirements", "env", "scheduler"} <= set(kit):
+    if not well_formed(kit):
         raise BadInput(f"{path} is not a join kit (run fab bootstrap to write it again)")
     return kit
+
+
+def well_formed(kit) -> bool:
+    """The kit's shape, as bootstrap writes it (scheduler.py checks the description's own fields)."""
+    if not isinstance(kit, dict) or not {"python", "requirements", "env", "scheduler"} <= set(kit):
+        return False
+    env, nodes = kit["env"], kit["scheduler"].get("nodes") if isinstance(kit["scheduler"], dict) else None
+    return (
+        isinstance(kit["python"], str)
+        and isinstance(kit["requirements"], str)
+        and isinstance(env, dict)
+        and all(isinstance(text, str) for text in env.values())
+        and isinstance(nodes, list)
+        and bool(nodes)
+        and all(
+            isinstance(n, dict) and isinstance(n.get("name"), str) and isinstance(n.get("address"), str) for n in nodes
+        )
+    )
 
 
 def write_private(path: str, text: str) -> None:

@@ -4,6 +4,7 @@
     python node/scheduler.py stop                                   # this node's daemons, nothing left
     python node/scheduler.py lost --node NAME [--why TEXT]          # that node is gone: DOWN, runs requeued
     python node/scheduler.py rejoined --node NAME                   # a replacement: back in service
+    python node/scheduler.py replaced --node NAME                   # its old machine's jobs requeued
     python node/scheduler.py state [--json]                         # daemons alive, Slurm's node state
     python node/scheduler.py env                                    # `export SLURM_CONF=...` for clients
 
@@ -765,14 +766,51 @@ def rejoined(paths: Paths, node_name: str, wait_s: float = READY_TIMEOUT_S) -> s
     """A replacement (node/join.py) back in service: where gpu-cluster's reasons hold it out (a notice's
     drain, or lost), it is resumed; it is a new machine, never the one waiting to be reclaimed. Slurm's state
     of it; DaemonError when the controller does not answer (the head node may be being replaced too: the
-    join is tried again) or still holds it out."""
-    resume_if_ours(paths, node_name, fresh=True, wait_s=wait_s)
-    node_state, reason = node_reasons(paths).get(node_name, ("", ""))
-    if not node_state:
-        raise DaemonError(f"the controller did not answer about {node_name} (is the head node up?)")
-    if lost_or_noticed(reason):
-        raise DaemonError(f"{node_name} is still out of service in Slurm ({node_state}: {reason})")
-    return node_state
+    join is tried again) or still holds it out, `wait_s` on."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        resume_if_ours(paths, node_name, fresh=True, wait_s=max(0.0, deadline - time.monotonic()))
+        node_state, reason = node_reasons(paths).get(node_name, ("", ""))
+        if node_state and not lost_or_noticed(reason):
+            return node_state
+        if time.monotonic() > deadline:
+            if not node_state:
+                raise DaemonError(f"the controller did not answer about {node_name} (is the head node up?)")
+            raise DaemonError(f"{node_name} is still out of service in Slurm ({node_state}: {reason})")
+        time.sleep(1.0)
+
+
+def forget_stale_jobs(paths: Paths, node_name: str) -> str:
+    """A node replaced by a new machine while no controller was there to see it go (the head node was
+    replaced too): a job Slurm still thinks runs on it, started before its new slurmd, went with the old
+    machine. The node is set DOWN as lost (the job is requeued, JobRequeue=1) and back in service at once.
+    What was done, in a few words. (A cloud instance's new boot time tells Slurm as much by itself; the
+    local provider's nodes share this machine's.)"""
+    shown = scontrol(paths, "show", "node", node_name, "--oneliner").stdout
+    slurmd_started = re.search(r"SlurmdStartTime=(\S+)", shown)
+    if not slurmd_started:
+        return "unknown to the controller"
+    listed = subprocess.run(
+        [
+            program("squeue"),
+            "--noheader",
+            f"--nodelist={node_name}",
+            "--states=RUNNING,COMPLETING,CONFIGURING",
+            "--format=%i|%S",
+        ],
+        env={**os.environ, **client_environment(paths)},
+        capture_output=True,
+        text=True,
+        timeout=CLIENT_TIMEOUT_S,
+    ).stdout
+    stale = [
+        job for job, _, started in (line.partition("|") for line in listed.split()) if started < slurmd_started.group(1)
+    ]
+    if not stale:
+        return "no job of the old machine"
+    mark_lost(paths, node_name, "replaced: its jobs went with the old machine")
+    rejoined(paths, node_name)
+    return f"requeued {', '.join(stale)}"
 
 
 def state(home: str, node_name: str | None) -> dict:
@@ -813,6 +851,8 @@ def main(argv: list | None = None) -> int:
     start_parser.add_argument("--conf-json", help="the cluster's description (default: stdin)")
     start_parser.add_argument("--node", default=os.environ.get(contract.NODE_VARIABLE), help="this node's name")
     commands.add_parser("stop", help="stop this node's daemons")
+    replaced_parser = commands.add_parser("replaced", help="a node replaced while the head was: requeue its old jobs")
+    replaced_parser.add_argument("--node", required=True, help="the replaced node")
     rejoined_parser = commands.add_parser("rejoined", help="a replacement node: back in service (node/join.py)")
     rejoined_parser.add_argument("--node", default=os.environ.get(contract.NODE_VARIABLE), help="this node's name")
     lost_parser = commands.add_parser("lost", help="tell Slurm a node is gone (its run is requeued)")
@@ -830,6 +870,8 @@ def main(argv: list | None = None) -> int:
                 raise UsageError(f"start needs --node NAME (or {contract.NODE_VARIABLE} in the environment)")
             result = start(read_description(args.conf_json), args.node, home)
             print(json.dumps(result))
+        elif args.command == "replaced":
+            print(f"{args.node}: {forget_stale_jobs(Paths(home), args.node)}")
         elif args.command == "rejoined":
             if not args.node:
                 raise UsageError(f"rejoined needs --node NAME (or {contract.NODE_VARIABLE} in the environment)")

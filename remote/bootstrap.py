@@ -445,10 +445,12 @@ class Bootstrap:
         }
         path = f"{self.cluster.shared_dir.rstrip('/')}/{contract.JOIN_KIT}"
         head = self.records[0].session
-        head.run(f"mkdir -p {node_paths.shell_path(str(Path(path).parent))}", warn=False)
-        head.conn.put(io.StringIO(json.dumps(kit)), remote=f"{path}.tmp")
         quoted = node_paths.shell_path(path)
-        head.run(f"chmod 600 {quoted}.tmp && mv {quoted}.tmp {quoted}", warn=False)
+        # The file is made 0600 before the key goes in: SFTP writes into it and keeps its mode.
+        folder = node_paths.shell_path(str(Path(path).parent))
+        head.run(f"umask 077 && mkdir -p {folder} && : > {quoted}.tmp && chmod 600 {quoted}.tmp", warn=False)
+        head.conn.put(io.StringIO(json.dumps(kit)), remote=f"{path}.tmp")
+        head.run(f"mv {quoted}.tmp {quoted}", warn=False)
 
     def _scheduler_description(self) -> dict:
         """node/scheduler.py's cluster description: the nodes, the ports (next to MASTER_PORT), the key."""

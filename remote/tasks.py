@@ -83,7 +83,7 @@ def cluster_for(stack: str | None) -> ClusterInfo:
         return cluster
     from infra import providers  # boto3 loads only where nodes move (AWS spot workers)
 
-    return providers.current(cluster, say)
+    return providers.current(cluster, lambda line: print(line, file=sys.stderr, flush=True))  # not into --json
 
 
 def setup_for(cluster: ClusterInfo) -> NodeSetup:

@@ -64,7 +64,8 @@ def up(
     config = stack_config.with_ssh(config, found.ssh_cidr, keys.public_key_text(key_path))
     deployment = automation.Deployment(request.stack, command, on_output=lambda line: say(line.rstrip()))
     outputs = _up_with_zone_fallback(deployment, config, found.zones, say)
-    outputs = {**outputs, "nodes": _group_nodes_found(request.stack, outputs["nodes"], clients.ec2, say)}
+    found_nodes = _group_nodes_found(request.stack, outputs["nodes"], clients.ec2, say, autoscaling=clients.autoscaling)
+    outputs = {**outputs, "nodes": found_nodes}
     cluster = _cluster_from_outputs(request.stack, config, outputs, key_path, found.estimate.hourly_usd)
     _pin_and_wait(cluster, outputs, clients.ec2, say)
     inventory.save(cluster)
@@ -163,9 +164,12 @@ def _preference(instance: dict) -> tuple:
     return (LIVE_FIRST.get(instance["State"]["Name"], 9), -launched.timestamp() if launched else 0)
 
 
-def _group_nodes_found(stack: str, nodes: list[dict], ec2, say, timeout_s: float = READY_TIMEOUT_S) -> list[dict]:
+def _group_nodes_found(
+    stack: str, nodes: list[dict], ec2, say, timeout_s: float = READY_TIMEOUT_S, autoscaling=None
+) -> list[dict]:
     """The program's nodes with every worker of an Auto Scaling group filled in (its instance, addresses),
-    once EC2 has started it."""
+    once EC2 has started it; OperationError at once where a group's last try to start one failed (no spot
+    capacity in the zone, a quota)."""
     waiting = [n["name"] for n in nodes if "group" in n]
     if not waiting:
         return nodes
@@ -181,6 +185,9 @@ def _group_nodes_found(stack: str, nodes: list[dict], ec2, say, timeout_s: float
         }
         if len(started) == len(waiting):
             break
+        for node in nodes:
+            if "group" in node and node["name"] not in started and autoscaling is not None:
+                _refuse_failed_launch(autoscaling, stack, node)
         if time.monotonic() > deadline:
             missing = ", ".join(name for name in waiting if name not in started)
             raise OperationError(
@@ -199,6 +206,17 @@ def _group_nodes_found(stack: str, nodes: list[dict], ec2, say, timeout_s: float
         else n
         for n in nodes
     ]
+
+
+def _refuse_failed_launch(autoscaling, stack: str, node: dict) -> None:
+    activities = autoscaling.describe_scaling_activities(AutoScalingGroupName=node["group"], MaxRecords=1)
+    last = (activities.get("Activities") or [{}])[0]
+    if last.get("StatusCode") in ("Failed", "Cancelled"):
+        why = (last.get("StatusMessage") or last.get("Description") or "no reason given").splitlines()[0]
+        raise OperationError(
+            f"{node['name']}'s Auto Scaling group could not start it: {why}; python deploy.py down --stack {stack} "
+            "removes the cluster (another zone: availabilityZone in the stack config)"
+        )
 
 
 def adopt_replacements(cluster: ClusterInfo, ec2, say) -> ClusterInfo:

@@ -10,7 +10,7 @@ import pytest
 from botocore.stub import Stubber
 
 from infra import inventory, state, teardown
-from infra.errors import UsageError
+from infra.errors import OperationError, UsageError
 from infra.providers import UpRequest
 from infra.providers import aws as aws_provider
 from tests.support import pulumi_fakes
@@ -249,7 +249,7 @@ def test_a_reclaimed_spot_worker_is_replaced_by_its_group_and_adopted_with_its_k
             },
             {"name": "node-1", "group": group},
         ]
-        found = aws_provider._group_nodes_found("dev", program_nodes, ec2, said.append, timeout_s=30)
+        found = aws_provider._group_nodes_found("dev", program_nodes, ec2, said.append, 30, autoscaling)
         first = found[1]
         assert first["instance_id"].startswith("i-") and first["public_ip"]  # up fills the group's worker in
         stack_dir = state_dir / "dev"
@@ -305,3 +305,28 @@ def test_a_reclaimed_spot_worker_is_replaced_by_its_group_and_adopted_with_its_k
         ledger.close()
     assert events == [("node replaced", "node-1")]
     assert ("auto-scaling-group", group) in [(x.kind, x.id) for x in leftovers]  # down's sweep would name it
+
+
+def test_up_stops_at_once_when_a_workers_group_cannot_start_it(monkeypatch, state_dir):
+    """No spot capacity in the zone: the group's launch fails, and up says so instead of waiting 15 minutes."""
+    with moto_aws(monkeypatch):
+        ec2 = boto3.client("ec2", region_name="us-east-1")
+        autoscaling = boto3.client("autoscaling", region_name="us-east-1")
+        stub = Stubber(autoscaling)
+        failed = {
+            "StatusCode": "Failed",
+            "StatusMessage": "We currently do not have sufficient g4dn.2xlarge capacity in the zone you requested.",
+            "ActivityId": "a",
+            "AutoScalingGroupName": "dev-node-1-3f2a",
+            "Cause": "an instance was started in response to a difference between desired and actual capacity",
+            "StartTime": "2026-11-25T00:00:00Z",
+        }
+        stub.add_response(
+            "describe_scaling_activities",
+            {"Activities": [failed]},
+            {"AutoScalingGroupName": "dev-node-1-3f2a", "MaxRecords": 1},
+        )
+        stub.activate()
+        nodes = [{"name": "node-1", "group": "dev-node-1-3f2a"}]
+        with pytest.raises(OperationError, match="node-1's Auto Scaling group could not start it: We currently do not"):
+            aws_provider._group_nodes_found("dev", nodes, ec2, lambda line: None, 30, autoscaling)

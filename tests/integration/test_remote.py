@@ -458,8 +458,12 @@ def test_ctrl_c_during_a_flood_of_output_stops_cleanly(cluster, tmp_path):
     finally:
         job.kill()
     text = seen.decode(errors="replace")
-    assert "interrupted: stopping the job on every node" in text and "Traceback" not in text, text[-3000:]
-    assert "Error" not in text, text[-3000:]
+    # fab's own lines only: torchrun itself may print a traceback as it is stopped (its SIGTERM handler
+    # raising inside a finalizer, seen once in CI), and that is the job's output, kept as it came.
+    own = "\n".join(line for line in text.splitlines() if not line.startswith("[node-"))
+    assert "interrupted: stopping the job on every node" in own, text[-3000:]
+    assert "Traceback" not in own and "Error" not in own, own[-3000:]
+    assert "ValueError: I/O operation on closed file" not in text, text[-3000:]
     assert run_processes(run_id_in(text)) == []
 
 

@@ -119,6 +119,7 @@ def test_spot_workers_are_groups_of_one_that_replace_them_and_join_from_efs_at_b
         assert {tag["key"]: tag["value"] for tag in g["tags"]}[STACK_TAG] == "dev"
         assert t["instanceType"] == "g6.2xlarge" and t["metadataOptions"]["httpTokens"] == "required"
         assert t["instanceMarketOptions"]["spotOptions"]["instanceInterruptionBehavior"] == "terminate"
+        assert t["instanceInitiatedShutdownBehavior"] == "terminate"
         assert t["blockDeviceMappings"][0]["ebs"]["encrypted"] == "true"
         assert t["placement"]["groupName"] == "dev-placement"
         (interface,) = t["networkInterfaces"]
@@ -127,10 +128,18 @@ def test_spot_workers_are_groups_of_one_that_replace_them_and_join_from_efs_at_b
         assert tagged["instance"]["gpu-cluster:node"] == f"node-{index}" and tagged["volume"][STACK_TAG] == "dev"
         boot = base64.b64decode(t["userData"]).decode()
         assert f"join.py --node node-{index}" in boot and f"hostnamectl set-hostname node-{index}" in boot
+        # A worker started while the cluster stops powers off before it installs anything.
+        assert boot.index("the cluster is stopping") < boot.index("apt-get install -y -qq slurm-wlm")
         assert group.name in head_data  # the head's guard scales it to zero before powering off
     policy = json.loads(named(run, "dev-scale-workers").inputs["policy"])["Statement"]
     assert [(p["Action"], p["Condition"]) for p in policy] == [
-        ("autoscaling:UpdateAutoScalingGroup", {"StringEquals": {f"autoscaling:ResourceTag/{STACK_TAG}": "dev"}})
+        (
+            "autoscaling:UpdateAutoScalingGroup",
+            {
+                "StringEquals": {f"autoscaling:ResourceTag/{STACK_TAG}": "dev"},
+                "NumericEquals": {"autoscaling:MinSize": 0, "autoscaling:MaxSize": 0, "autoscaling:DesiredCapacity": 0},
+            },
+        )
     ]
     assert [n.get("group") for n in run.nodes] == [None, "dev-node-1", "dev-node-2"]
 

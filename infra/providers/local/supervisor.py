@@ -63,6 +63,20 @@ def powered_off(stack: str) -> bool:
     return (provider.shared_dir(stack) / contract.STOP_MARKER).exists()
 
 
+def forget_stale_jobs(cluster: ClusterInfo, replaced: list[NodeInfo]) -> None:
+    """After the head node was replaced with others: the runs Slurm's recovered queue still has running on
+    the old machines are requeued now (node/scheduler.py replaced), not after SlurmdTimeout."""
+    script = f"{cluster.shared_dir}/code/node/scheduler.py"
+    for node in replaced:
+        command = " ".join(shlex.quote(word) for word in [cluster.python, script, "replaced", "--node", node.name])
+        try:
+            result = asyncio.run(ssh.run(cluster, cluster.head, f"cd && {command}", timeout_s=60))
+            answer = (result.stdout or result.stderr or "").strip().splitlines()
+            log(cluster.stack, f"{node.name}: {answer[-1] if answer else f'exit {result.exit_status}'}")
+        except Exception as exc:  # Slurm finds out by itself after SlurmdTimeout
+            log(cluster.stack, f"{node.name}: could not ask Slurm about its old jobs: {ssh.describe(exc)}")
+
+
 def mark_lost(cluster: ClusterInfo, lost: list[NodeInfo], why: str = "its server is gone") -> None:
     """Slurm on the head node is told which nodes are gone (where the head node is one of them, there
     is no controller to tell: the queue is on shared storage and the runs are requeued when it is back)."""
@@ -143,6 +157,8 @@ def rejoin(stack: str, cluster: ClusterInfo, nodes: list[NodeInfo]) -> tuple[boo
     if cluster.head not in nodes and (provider.shared_dir(stack) / contract.JOIN_KIT).exists():
         if cluster.head.name in [node.name for _, node in dead_nodes(stack, cluster)]:
             return False, "the head node is gone too: its replacement comes first"  # no controller to join
+        if provider.notice_path(stack, cluster.head.name).exists():
+            return False, "the head node has a spot notice too: its replacement comes first"
         answers = [join(cluster, node) for node in nodes]
         failed = [last for passed, last in answers if not passed]
         return not failed, (failed or [answers[-1][1]])[0]
@@ -163,6 +179,8 @@ def replace(stack: str, cluster: ClusterInfo, dead: list[tuple[int, NodeInfo]]) 
         log(stack, f"{node.name}: a fresh node is up on {node.public_ip}:{node.ssh_port}, its new host key pinned")
     if state.stack_file(stack, state.BOOTSTRAP).exists():
         passed, last = rejoin(stack, cluster, [node for _, node in dead])
+        if passed and cluster.head in [node for _, node in dead]:
+            forget_stale_jobs(cluster, [node for _, node in dead])
     else:  # never bootstrapped: the fresh node is as the others are
         passed, last = True, "not bootstrapped before: fab bootstrap prepares it"
     took = time.time() - started
