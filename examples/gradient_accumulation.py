@@ -31,7 +31,7 @@ from harness.args import (
     positive_int,
 )
 from harness.cost import CostMeter
-from harness.dist import cleanup, init_distributed, print0, run
+from harness.dist import cleanup, init_distributed, keep_until_exit, print0, run
 from harness.metrics import MetricsWriter, StepLogger
 from harness.models import MLP, loss_fn
 from harness.preemption import Preemption
@@ -94,6 +94,7 @@ def build(args, ctx):
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     counter = AllReduceCounter()
     ddp.register_comm_hook(None, counter.hook)
+    keep_until_exit(ddp)  # its hook is Python's: freeing it at exit can deadlock
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
     return ddp, counter, optimizer
 

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from harness.comm_bench import bus_factor
+from harness.dist import keep_until_exit
 
 HOOKS = ("none", "fp16", "bf16", "powersgd")
 
@@ -124,6 +125,7 @@ def register_counted_hook(
     if inner is None:
         raise RuntimeError("register_counted_hook needs torch.distributed initialised first")
     counting = CountingProcessGroup(inner, tally)
+    keep_until_exit(ddp)  # its hook is Python's: freeing it at exit can deadlock
     if hook == "powersgd":
         state = powerSGD_hook.PowerSGDState(
             process_group=counting, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=start_iter

@@ -154,6 +154,17 @@ def _single_process_defaults() -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
+_KEPT_UNTIL_EXIT: list = []
+
+
+def keep_until_exit(ddp) -> None:
+    """Never free this DDP model: one with a Python comm hook (a `Future.then` callback) deadlocks when
+    freed at `main()`'s return, seen under load: its Reducer frees the gloo process group, which joins
+    gloo's threads holding the GIL while one of them waits for the GIL to drop the hook's callback. `run`
+    ends the process with `os._exit`, so what is kept here is never freed."""
+    _KEPT_UNTIL_EXIT.append(ddp)
+
+
 def cleanup() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
