@@ -128,11 +128,14 @@ def read_notices(client: MetadataClient) -> list[Notice]:
 
 
 def ranks_on_this_node(node: str) -> dict[int, str]:
-    """pid -> run id of every torchrun worker of any run on this node (`node` empty: of any node)."""
+    """pid -> run id of every torchrun worker of any run on this node (`node` empty: of any node): the
+    node user's (its HOME: the local provider's nodes, of every cluster on the machine, share one machine
+    and differ by their homes)."""
     found = {}
+    home = os.path.expanduser("~")
     for pid, variables in procfs.environments(exclude={os.getpid()}):
         run_id = variables.get(contract.RUN_ID_VARIABLE)
-        if not run_id or not variables.get("RANK", "").isdigit():
+        if not run_id or not variables.get("RANK", "").isdigit() or variables.get("HOME") != home:
             continue
         if node and variables.get(contract.NODE_VARIABLE) != node:
             continue

@@ -188,14 +188,17 @@ def started(node: str, **variables: str) -> subprocess.Popen:
     return proc
 
 
-def test_an_interruption_notice_sends_sigusr1_to_this_nodes_ranks_only(service, monkeypatch):
+def test_an_interruption_notice_sends_sigusr1_to_this_nodes_ranks_only(service, monkeypatch, tmp_path):
     node = f"node-spot-{os.getpid()}"  # unique: other tests' processes on this machine are not ours
     monkeypatch.setenv(contract.NODE_VARIABLE, node)
+    monkeypatch.setenv("HOME", str(tmp_path))  # this node's home
     rank = started(node, CLUSTER_RUN_ID="run-a", RANK="1")
     others = [
         started(node, CLUSTER_RUN_ID="run-a"),  # torchrun itself: not a rank
         started(f"{node}-other", CLUSTER_RUN_ID="run-a", RANK="0"),  # a rank of another node
         started(node, RANK="0"),  # not a run's
+        # the same node name in another local cluster on this machine: another home
+        started(node, CLUSTER_RUN_ID="run-b", RANK="1", HOME=str(tmp_path / "elsewhere")),
     ]
     lines: list[str] = []
     watch = spot_watch.SpotWatch(spot_watch.MetadataClient(service.endpoint), out=lines.append, signal_ranks=True)
@@ -208,4 +211,4 @@ def test_an_interruption_notice_sends_sigusr1_to_this_nodes_ranks_only(service, 
     finally:
         for proc in [rank, *others]:
             proc.kill()
-    assert [proc.communicate()[0] for proc in others] == ["", "", ""]
+    assert [proc.communicate()[0] for proc in others] == ["", "", "", ""]
