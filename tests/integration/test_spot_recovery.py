@@ -27,7 +27,7 @@ STEP = re.compile(r"^\[node-0\]\s+(\d+)\s+\d", re.M)
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     with bootstrapped_cluster(
-        tmp_path_factory, "spot", "--scheduler", "slurm", master_port=slurm.free_ports(), up_args=("--spot",)
+        tmp_path_factory, "spot", scheduler="slurm", master_port=slurm.free_ports(), up_args=("--spot",)
     ) as handle:
         yield handle
 
@@ -138,8 +138,15 @@ def test_a_notice_and_a_death_each_cost_at_most_the_steps_since_a_checkpoint_and
         "node-1 replaced with no run going",
         supervisor_log.read_text,
     )
-    status = json.loads(cluster.cli("status", "--json").stdout)
-    assert [(n["state"], n["reachable"], n["scheduler"]) for n in status["nodes"]] == [("up", True, "idle")] * 2, status
+    # Slurm may still flag the node as not responding (`idle*`: a ping of the old machine that failed after
+    # the new one registered) until its next ping of the node, up to SlurmdTimeout / 3 later.
+    status: dict = {}
+
+    def healed() -> bool:
+        status.update(json.loads(cluster.cli("status", "--json").stdout))
+        return [(n["state"], n["reachable"], n["scheduler"]) for n in status["nodes"]] == [("up", True, "idle")] * 2
+
+    slurm.wait_for(healed, "both nodes up and idle in Slurm", lambda: json.dumps(status))
 
     down = cluster.cli("down")
     assert down.returncode == 0, down.stdout + down.stderr
