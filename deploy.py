@@ -234,7 +234,7 @@ def _with_scheduler_states(cluster: inventory.ClusterInfo, rows: list) -> list:
     script = f"{setup.get('code_dir', '')}/node/scheduler.py".replace("$HOME/", "")
 
     async def ask(node):
-        command = f"{shlex.quote(cluster.python)} {shlex.quote(script)} state --json"
+        command = f"{shlex.quote(cluster.python)} {shlex.quote(script)} state --json --node {node.name}"
         try:
             result = await ssh.run(cluster, node, command, timeout_s=15)
             found = json.loads(result.stdout.strip().splitlines()[-1])

@@ -37,7 +37,7 @@ def run() -> list[Check]:
     # First bootstraps, alternated on fresh clusters, the quickest of each kept (a busy machine only adds).
     firsts: dict[str, list[float]] = {"without": [], "with": []}
     for _ in range(2):
-        for kind, extra in (("without", ()), ("with", ("--scheduler", "slurm"))):
+        for kind, extra in (("without", ("--scheduler", "none")), ("with", ("--scheduler", "slurm"))):
             fresh = scratch_env()
             deploy("up", "--local", "--nodes", "2", "--bind", "127.0.202.10", "--ssh-port", "2432", env=fresh)
             try:

@@ -71,6 +71,9 @@ class NodeInfo:
     """GPUs on the node; 0 for CPU nodes, which train with gloo."""
     ssh_user: str = ""
     """The login user on this node (hosts of the `ssh` provider may differ); filled from the cluster's."""
+    slurm_name: str = ""
+    """Its NodeName in a Slurm the hosts already ran (`slurm_existing`) where the hosts file names it; else
+    bootstrap finds it (the node's address, then its host name)."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,9 @@ class ClusterInfo:
     nodes_move: bool = False
     """A replaced node comes back at a new address (AWS spot: each worker is an Auto Scaling group of one):
     Slurm knows the nodes by name, and each node's /etc/hosts maps the names from the shared folder."""
+    slurm_existing: dict = field(default_factory=dict)
+    """Own machines that already run Slurm (`slurm: existing` in the hosts file): its runs go there,
+    {"partition": "" for Slurm's default, "conf": "" for Slurm's default slurm.conf}; {} otherwise."""
 
     def __post_init__(self):
         # Every node names its login user, so no connection has to fall back to the cluster's.
@@ -144,6 +150,11 @@ class ClusterInfo:
             raise ValueError(f"daemon must be one of {', '.join(DAEMONS)}")
         if not isinstance(values.get("env", {}), dict):
             raise ValueError("env must be a mapping")
+        existing = values.get("slurm_existing", {})
+        if not isinstance(existing, dict) or not all(
+            isinstance(existing.get(k, ""), str) for k in ("partition", "conf")
+        ):
+            raise ValueError("slurm_existing must be a mapping of partition and conf")
         return cls(nodes=typed_nodes, **values)
 
 

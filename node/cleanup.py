@@ -62,6 +62,21 @@ def stop_job(home_dir: str) -> str:
     return f"stopped {run_id}" if stopped else "idle"
 
 
+def cancel_existing_runs(home_dir: str, code_dir: str) -> list:
+    """Where runs went to a Slurm the hosts already ran, this stack's jobs there (queued ones would
+    start after down, with nothing left to run): scheduler.py's `stop`, with the node venv bootstrap made."""
+    if not os.path.exists(os.path.join(home_dir, os.path.relpath(contract.SLURM_EXISTING, contract.HOME_DIR))):
+        return []
+    python = os.path.join(home_dir, os.path.relpath(contract.VENV, contract.HOME_DIR), "bin", "python")
+    script = os.path.join(code_dir, "node", "scheduler.py")
+    try:
+        result = subprocess.run([python, script, "stop"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    words = result.stdout.decode(errors="replace").split()
+    return words[words.index("cancelled") + 1 :] if "cancelled" in words else []
+
+
 def stop_daemons(home_dir: str) -> list:
     ended = []
     registry = os.path.join(home_dir, os.path.relpath(contract.PIDS, contract.HOME_DIR))
@@ -101,7 +116,11 @@ def main(argv: list) -> None:
         sys.exit("usage: cleanup.py HOME_DIR [SYNCED_CODE_DIR TOP...]")
     home_dir = os.path.expanduser(argv[0])
     removed = []  # type: list[str]
+    code_dir = argv[1] if len(argv) > 2 else os.path.join(home_dir, os.path.relpath(contract.CODE, contract.HOME_DIR))
+    cancelled = cancel_existing_runs(home_dir, code_dir)
     report = {"job": stop_job(home_dir), "daemons": stop_daemons(home_dir), "removed": removed}
+    if cancelled:
+        report["cancelled"] = cancelled
     if len(argv) > 2:
         removed += remove_code(argv[1], argv[2:])
     if os.path.isdir(home_dir):

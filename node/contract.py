@@ -48,6 +48,10 @@ SCHEDULER = f"{HOME_DIR}/slurm"
 logs and sockets of this node's daemons."""
 SLURM_CONF = f"{SCHEDULER}/slurm.conf"
 """This node's slurm.conf; clients (`sbatch`, `squeue`, `scancel`) find it through `SLURM_CONF`."""
+SLURM_EXISTING = f"{SCHEDULER}/existing.json"
+"""Where the hosts already run Slurm (`slurm: existing`) and runs go to it: {"partition", "conf" (its
+slurm.conf, '' for Slurm's default), "tag" (the comment this stack's jobs carry), "names" (node-i: the
+node's NodeName there)}. Written by bootstrap on every node; its presence means no daemon here is ours."""
 GRES_CONF = f"{SCHEDULER}/gres.conf"
 """The GPUs of the nodes that have any, beside slurm.conf (Slurm reads it from the same folder)."""
 SCHEDULER_DIGEST = f"{SCHEDULER}/digest"

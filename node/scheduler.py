@@ -7,6 +7,10 @@
     python node/scheduler.py replaced --node NAME                   # its old machine's jobs requeued
     python node/scheduler.py state [--json]                         # daemons alive, Slurm's node state
     python node/scheduler.py env                                    # `export SLURM_CONF=...` for clients
+    python node/scheduler.py check [--head]                         # Slurm's programs are here (exit 2 if not)
+    python node/scheduler.py identify --node NAME [--partition P] [--conf F] [--name N] [--address A]...
+                                                                    # this host's node in a Slurm it already runs
+    python node/scheduler.py adopt --conf-json FILE                 # runs go to that Slurm (contract.SLURM_EXISTING)
 
 `start` takes the cluster's description (the same JSON on every node; head node first):
 
@@ -68,6 +72,11 @@ PROGRAMS = {
     "slurmd": "slurm-wlm",
     "sinfo": "slurm-wlm",
     "scontrol": "slurm-wlm",
+    "srun": "slurm-wlm",
+    "sbatch": "slurm-wlm",
+    "squeue": "slurm-wlm",
+    "scancel": "slurm-wlm",
+    "sacct": "slurm-wlm",
 }
 SBIN = ("/usr/sbin", "/usr/local/sbin", "/sbin")
 SOCKET_PATH_MAX = 107
@@ -430,6 +439,16 @@ def program(name: str) -> str:
     return found
 
 
+NEEDED = ("munged", "slurmd", "srun", "sbatch", "squeue", "scontrol", "sinfo")
+"""What every node runs and what the runs' commands call; the head node runs slurmctld too."""
+
+
+def check(head: bool) -> None:
+    """UsageError naming the first of Slurm's or munge's programs this node lacks (and its package)."""
+    for name in NEEDED + (("slurmctld",) if head else ()):
+        program(name)
+
+
 def daemon_argv(name: str, cluster: Cluster, node: Node, paths: Paths) -> list:
     if name == "munged":
         munge = paths.munge
@@ -684,8 +703,110 @@ def stop(paths: Paths, grace_s: float = STOP_GRACE_S) -> list:
     return [name for name, pid in registered.items() if pid]
 
 
+def existing(paths: Paths) -> dict | None:
+    """The Slurm the hosts already ran, where runs go to it (contract.SLURM_EXISTING); None where Slurm is ours."""
+    try:
+        with open(paths.at(contract.SLURM_EXISTING)) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def client_environment(paths: Paths) -> dict:
-    return {"SLURM_CONF": paths.conf}
+    """What Slurm's clients need to reach the cluster's controller: our slurm.conf, or the existing one's."""
+    adopted = existing(paths)
+    if adopted is None:
+        return {"SLURM_CONF": paths.conf}
+    return {"SLURM_CONF": adopted["conf"]} if adopted.get("conf") else {}
+
+
+def slurm_name(paths: Paths, node_name: str) -> str:
+    """Slurm's NodeName of node-i: the same, or its name in the Slurm the hosts already ran."""
+    adopted = existing(paths)
+    return str((adopted or {}).get("names", {}).get(node_name) or node_name)
+
+
+def partition_nodes(environment: dict, partition: str) -> list:
+    """[(NodeName, NodeHostname, NodeAddr, state)] of `partition` (every node where ''), as sinfo lists them;
+    DaemonError with sinfo's own words where it cannot answer."""
+    argv = [program("sinfo"), "--noheader", "--Node", "--format=%N|%n|%o|%T"]
+    if partition:
+        argv.append(f"--partition={partition}")
+    try:
+        result = subprocess.run(
+            argv, env={**os.environ, **environment}, capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        raise DaemonError(f"sinfo did not answer in {CLIENT_TIMEOUT_S:g} s (is slurmctld up?)") from None
+    if result.returncode != 0:
+        raise DaemonError(f"sinfo failed: {(result.stderr.strip() or result.stdout.strip())[-200:]}")
+    found: dict[str, tuple] = {}
+    for line in result.stdout.splitlines():
+        parts = [part.strip() for part in line.split("|")]
+        if len(parts) == 4:
+            found.setdefault(parts[0], tuple(parts))
+    return list(found.values())
+
+
+def identify(partition: str, conf: str, name: str, addresses: list) -> dict:
+    """This host's node in a Slurm it already runs: `name` where given, else the node whose NodeAddr is one
+    of `addresses`, else whose NodeHostname or NodeName is this host's name. {"name", "state"}."""
+    if conf and not os.path.isfile(conf):
+        raise UsageError(f"slurm_conf {conf} is not a file on this host")
+    listed = partition_nodes({"SLURM_CONF": conf} if conf else {}, partition)
+    where = f"partition {partition}" if partition else "the existing Slurm"
+    if not listed:
+        raise UsageError(f"{where} has no nodes (check partition: in the hosts file)")
+    if name:
+        chosen = [row for row in listed if row[0] == name]
+    else:
+        chosen = [row for row in listed if row[2] in addresses]
+        if not chosen:
+            host = socket.gethostname()
+            names = {host, host.split(".")[0], socket.getfqdn()}
+            chosen = [row for row in listed if row[1] in names or row[0] in names]
+    known = ", ".join(row[0] for row in listed[:8]) + (" ..." if len(listed) > 8 else "")
+    if len(chosen) != 1:
+        what = f"slurm_name {name!r} is not" if name else "no node at its address or host name is"
+        if len(chosen) > 1:
+            what = f"{', '.join(row[0] for row in chosen)} all match it: one must be"
+        raise UsageError(f"{what} in {where} (its nodes: {known}); set slurm_name: for this host in the hosts file")
+    return {"name": chosen[0][0], "state": chosen[0][3]}
+
+
+def adopt(paths: Paths, data) -> dict:
+    """Record the Slurm the hosts already ran (contract.SLURM_EXISTING): runs go there, none of our own
+    daemons runs. `data`: {"partition", "conf", "tag", "names": {node-i: NodeName}}."""
+    if not isinstance(data, dict) or not isinstance(data.get("names"), dict) or not data["names"]:
+        raise UsageError("adopt needs {partition, conf, tag, names: {node-i: NodeName}}")
+    record: dict[str, object] = {key: str(data.get(key) or "") for key in ("partition", "conf", "tag")}
+    record["names"] = {str(k): str(v) for k, v in data["names"].items()}
+    os.makedirs(paths.folder, mode=0o700, exist_ok=True)
+    write_private(paths.at(contract.SLURM_EXISTING), json.dumps(record).encode(), 0o600)
+    return record
+
+
+def cancel_tagged(paths: Paths) -> list:
+    """Cancel this stack's jobs (queued or running) in the Slurm the hosts already ran; their ids."""
+    adopted = existing(paths)
+    if not adopted or not adopted.get("tag"):
+        return []
+    environment = {**os.environ, **client_environment(paths)}
+    try:
+        listed = subprocess.run(
+            [program("squeue"), "--noheader", f"--user={pwd.getpwuid(os.getuid()).pw_name}", "--format=%i|%k"],
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=CLIENT_TIMEOUT_S,
+        ).stdout
+    except (subprocess.TimeoutExpired, UsageError):
+        return []
+    ours = [job for job, _, comment in (line.partition("|") for line in listed.split()) if comment == adopted["tag"]]
+    if ours:
+        subprocess.run([program("scancel"), *ours], env=environment, capture_output=True, timeout=CLIENT_TIMEOUT_S)
+    return ours
 
 
 def node_states(paths: Paths) -> dict | None:
@@ -816,14 +937,16 @@ def forget_stale_jobs(paths: Paths, node_name: str) -> str:
 def state(home: str, node_name: str | None) -> dict:
     """This node's scheduler: configured or not, each daemon's pid while it runs, Slurm's node states."""
     paths = Paths(home)
-    configured = os.path.exists(paths.conf)
-    daemons = {name: running_daemon(paths, name) for name in contract.SCHEDULER_DAEMONS}
-    nodes = node_states(paths) if configured and daemons["munged"] else None
+    adopted = existing(paths)
+    configured = adopted is not None or os.path.exists(paths.conf)
+    daemons = {} if adopted else {name: running_daemon(paths, name) for name in contract.SCHEDULER_DAEMONS}
+    nodes = node_states(paths) if adopted or (configured and daemons["munged"]) else None
     return {
         "node": node_name,
         "configured": configured,
+        "existing": adopted is not None,
         "daemons": {name: pid for name, pid in daemons.items() if pid or name != "slurmctld"},
-        "node_state": (nodes or {}).get(node_name) if node_name else None,
+        "node_state": (nodes or {}).get(slurm_name(paths, node_name)) if node_name else None,
         "nodes": nodes,
     }
 
@@ -850,7 +973,7 @@ def main(argv: list | None = None) -> int:
     start_parser = commands.add_parser("start", help="write the configuration and start this node's daemons")
     start_parser.add_argument("--conf-json", help="the cluster's description (default: stdin)")
     start_parser.add_argument("--node", default=os.environ.get(contract.NODE_VARIABLE), help="this node's name")
-    commands.add_parser("stop", help="stop this node's daemons")
+    commands.add_parser("stop", help="stop this node's daemons (an existing Slurm: cancel this stack's jobs there)")
     replaced_parser = commands.add_parser("replaced", help="a node replaced while the head was: requeue its old jobs")
     replaced_parser.add_argument("--node", required=True, help="the replaced node")
     rejoined_parser = commands.add_parser("rejoined", help="a replacement node: back in service (node/join.py)")
@@ -862,6 +985,15 @@ def main(argv: list | None = None) -> int:
     state_parser.add_argument("--json", action="store_true", help="one JSON object")
     state_parser.add_argument("--node", default=os.environ.get(contract.NODE_VARIABLE), help="this node's name")
     commands.add_parser("env", help="the environment Slurm's clients need (shell `export` lines)")
+    check_parser = commands.add_parser("check", help="are Slurm's and munge's programs installed here")
+    check_parser.add_argument("--head", action="store_true", help="this node runs the controller too")
+    identify_parser = commands.add_parser("identify", help="this host's node in a Slurm it already runs")
+    identify_parser.add_argument("--partition", default="", help="the partition runs go to (default: Slurm's)")
+    identify_parser.add_argument("--conf", default="", help="its slurm.conf (default: Slurm's own)")
+    identify_parser.add_argument("--name", default="", help="the node's NodeName, where the hosts file gives it")
+    identify_parser.add_argument("--address", action="append", default=[], help="an address of this host")
+    adopt_parser = commands.add_parser("adopt", help="runs go to a Slurm the hosts already run")
+    adopt_parser.add_argument("--conf-json", help="{partition, conf, tag, names} (default: stdin)")
     args = parser.parse_args(argv)
     home = os.path.expanduser("~")
     try:
@@ -879,8 +1011,25 @@ def main(argv: list | None = None) -> int:
         elif args.command == "lost":
             print(f"{args.node}: {mark_lost(Paths(home), args.node, args.why)}")
         elif args.command == "stop":
-            stopped = stop(Paths(home))
-            print("stopped " + " ".join(stopped) if stopped else "not running")
+            if existing(Paths(home)) is not None:  # none of the daemons is ours: this stack's jobs go
+                cancelled = cancel_tagged(Paths(home))
+                os.unlink(Paths(home).at(contract.SLURM_EXISTING))
+                print("cancelled " + " ".join(cancelled) if cancelled else "nothing of ours in the existing Slurm")
+            else:
+                stopped = stop(Paths(home))
+                print("stopped " + " ".join(stopped) if stopped else "not running")
+        elif args.command == "identify":
+            print(json.dumps(identify(args.partition, args.conf, args.name, args.address)))
+        elif args.command == "adopt":
+            text = open(args.conf_json).read() if args.conf_json else sys.stdin.read()
+            try:
+                data = json.loads(text)
+            except ValueError:
+                raise UsageError("adopt: the description is not JSON") from None
+            print(json.dumps(adopt(Paths(home), data)))
+        elif args.command == "check":
+            check(args.head)
+            print("ok")
         elif args.command == "state":
             result = state(home, args.node)
             if args.json:

@@ -220,12 +220,19 @@ def _ask(probe: dict, srun: str, here: str) -> list:
     return payloads
 
 
-def sbatch_argv(spec: dict, sbatch: str, script: str) -> list:
-    names = ",".join(node["name"] for node in spec["nodes"])
+def sbatch_argv(spec: dict, sbatch: str, script: str, adopted: dict | None = None) -> list:
+    """The run's sbatch; `adopted`: the Slurm the hosts already ran (its partition, this stack's tag)."""
+    names = ",".join(node.get("slurm_name") or node["name"] for node in spec["nodes"])
+    where = []
+    if adopted and adopted.get("partition"):
+        where.append(f"--partition={adopted['partition']}")
+    if adopted and adopted.get("tag"):
+        where.append(f"--comment={adopted['tag']}")  # what down cancels there
     return [
         sbatch,
         "--parsable",
         f"--job-name={spec['run_id']}",
+        *where,
         f"--nodes={len(spec['nodes'])}",
         f"--nodelist={names}",
         "--exclusive",
@@ -242,13 +249,21 @@ def submit(spec: dict) -> str:
     """sbatch the run; its job id."""
     folder = os.path.dirname(spec["log"])
     os.makedirs(folder, exist_ok=True)
+    paths = scheduler.Paths(os.path.expanduser("~"))
+    spec = {
+        **spec,
+        "nodes": [{**node, "slurm_name": scheduler.slurm_name(paths, node["name"])} for node in spec["nodes"]],
+    }
     script = os.path.join(folder, f"{spec['run_id']}.sbatch")
     with open(script, "w") as f:
         f.write(batch_script(spec, scheduler.program("srun"), os.path.abspath(__file__)))
     os.chmod(script, 0o700)
-    environment = {**os.environ, **scheduler.client_environment(scheduler.Paths(os.path.expanduser("~")))}
+    environment = {**os.environ, **scheduler.client_environment(paths)}
     result = subprocess.run(
-        sbatch_argv(spec, scheduler.program("sbatch"), script), env=environment, capture_output=True, text=True
+        sbatch_argv(spec, scheduler.program("sbatch"), script, scheduler.existing(paths)),
+        env=environment,
+        capture_output=True,
+        text=True,
     )
     if result.returncode != 0:
         raise scheduler.DaemonError(f"sbatch failed: {result.stderr.strip()}")
@@ -286,11 +301,12 @@ def copy_whole_lines(fd: int, prefix, out, hold_s: float = HOLD_S) -> None:
 
 def step(spec: dict) -> int:
     """This node's part of the run: its command, its output prefixed; the command's exit status."""
-    name = os.environ.get("SLURMD_NODENAME", "")
-    node = next((n for n in spec["nodes"] if n["name"] == name), None)
+    slurm_name = os.environ.get("SLURMD_NODENAME", "")
+    node = next((n for n in spec["nodes"] if (n.get("slurm_name") or n["name"]) == slurm_name), None)
     if node is None:
-        print(f"error: no command for node {name!r} in this run", file=sys.stderr, flush=True)
+        print(f"error: no command for node {slurm_name!r} in this run", file=sys.stderr, flush=True)
         return 2
+    name = node["name"]
     environment = {
         **os.environ,
         "HOME": node["home"],
@@ -376,6 +392,8 @@ def job_state(job_id: str) -> dict | None:
     result = _client(["scontrol", "show", "job", "--oneliner", job_id])
     if result.returncode == 0 and "JobState=" in result.stdout:
         return job_fields(result.stdout)
+    if scheduler.existing(scheduler.Paths(os.path.expanduser("~"))) is not None:
+        return accounted_state(job_id)
     completions = os.path.join(os.path.expanduser("~"), contract.JOB_COMPLETIONS)
     try:
         with open(completions, errors="replace") as f:
@@ -383,6 +401,32 @@ def job_state(job_id: str) -> dict | None:
     except OSError:
         return None
     return job_fields(lines[-1]) if lines else None
+
+
+def accounted_state(job_id: str) -> dict | None:
+    """A Slurm the hosts already ran forgets an ended job after its MinJobAge (300 s by default): what its
+    accounting (`sacct`) has of it, where it keeps any; None where it does not."""
+    try:
+        result = _client(
+            [
+                "sacct",
+                "--allocations",
+                "--noheader",
+                "--parsable2",
+                f"--jobs={job_id}",
+                "--format=State,ExitCode,Submit,Start,End",
+            ]
+        )
+    except (OSError, subprocess.TimeoutExpired, scheduler.UsageError):
+        return None
+    rows = [line.split("|") for line in result.stdout.splitlines() if line.count("|") == 4]
+    if result.returncode != 0 or not rows:
+        return None
+    state, code, submitted, started, ended = rows[-1]
+    return job_fields(
+        f"JobState={state.split()[0] if state else ''} ExitCode={code} SubmitTime={submitted} "
+        f"StartTime={started} EndTime={ended}"
+    )
 
 
 def shown_state(job_id: str) -> dict | None:

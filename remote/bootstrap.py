@@ -161,7 +161,17 @@ class Bootstrap:
 
     def __init__(self, cluster: ClusterInfo, force: bool, master_port: int, scheduler: str | None = None):
         self.cluster, self.force, self.master_port = cluster, force, master_port
-        self.scheduler = scheduler if scheduler is not None else remembered_setup(cluster).get("scheduler") or "none"
+        remembered = remembered_setup(cluster)
+        self.scheduler_choice = (
+            scheduler
+            or remembered.get("scheduler_choice")
+            or ("slurm" if remembered.get("scheduler") == "slurm" else "auto")
+        )
+        """auto (the default): Slurm where every node has it, else runs held by fab; slurm; none."""
+        self.scheduler = "" if self.scheduler_choice == "auto" else self.scheduler_choice
+        """What the scheduler stage settled on: slurm or none."""
+        self.scheduler_why = ""
+        """Why `auto` settled on none (one line), for the launches to say."""
         self.stack_dir = state.stack_dir(cluster.stack)
         self.manifest = local_manifest()
         self.records: list[NodeRecord] = []
@@ -383,6 +393,14 @@ class Bootstrap:
         """Slurm on every node (node/scheduler.py): slurmctld on the head node, slurmd everywhere, one munge
         key per cluster; with `--scheduler none`, whatever an earlier bootstrap started is stopped."""
         stop = node_paths.node_module(self.cluster, self.cluster.python, "scheduler", "stop")
+        if self.cluster.slurm_existing and self.scheduler_choice != "none":
+            self.scheduler = "slurm"
+            return self._adopt_existing_slurm()
+        if self.scheduler_choice == "auto":
+            self.scheduler_why = self._slurm_missing()
+            self.scheduler = "none" if self.scheduler_why else "slurm"
+            if self.scheduler_why:
+                say(f"bootstrap: runs stay in fab's connections, not in Slurm: {self.scheduler_why}")
         if self.scheduler != "slurm":
             if any("scheduler" in r.stages for r in self.records):
                 on_all_nodes([r.session for r in self.records], lambda s: s.run(stop))
@@ -433,6 +451,78 @@ class Bootstrap:
         if self.cluster.shared_dir and all(o.status != "failed" for o in outcomes.values()):
             self._write_join_kit(description)
         return outcomes
+
+    def _adopt_existing_slurm(self) -> dict[str, Outcome]:
+        """Own machines that already run Slurm (`slurm: existing`): each node finds its NodeName there
+        (the hosts file's `slurm_name`, else its address, else its host name), then every node records the
+        names, the partition and this stack's tag (contract.SLURM_EXISTING); no daemon of ours starts."""
+        existing = self.cluster.slurm_existing
+        partition, conf = existing.get("partition", ""), existing.get("conf", "")
+
+        def identify(record: NodeRecord) -> Outcome:
+            node = self.cluster.node(record.name)
+            args = ["identify", "--partition", partition, "--conf", conf, "--name", node.slurm_name]
+            for address in dict.fromkeys((node.public_ip, node.private_ip)):
+                args += ["--address", address]
+            command = node_paths.node_module(self.cluster, self.cluster.python, "scheduler", *args)
+            result = record.session.run(command, timeout=60)
+            if result.exited != 0:
+                why = (result.stderr.strip() or result.stdout.strip() or f"exit {result.exited}").splitlines()
+                return Outcome("failed", why[-1].removeprefix("error: ")[-300:], result.stdout + result.stderr)
+            return Outcome("done", protocol.parse_last_json(result.stdout)["name"])
+
+        outcomes = self._on_every_record(identify)
+        if any(o.status == "failed" for o in outcomes.values()):
+            return outcomes
+        names = {name: outcome.detail for name, outcome in outcomes.items()}
+        taken: dict[str, str] = {}
+        for node_name, slurm_name in names.items():
+            if slurm_name in taken:
+                why = (
+                    f"{taken[slurm_name]} and {node_name} are both Slurm node {slurm_name}: "
+                    "set slurm_name: for each host in the hosts file"
+                )
+                return {r.name: Outcome("failed", why) for r in self.records}
+            taken[slurm_name] = node_name
+        text = json.dumps({**existing, "tag": f"gpu-cluster:{self.cluster.stack}", "names": names})
+        wanted = digest(text, self.manifest.get("node/scheduler.py"))
+
+        def adopt(record: NodeRecord) -> Outcome:
+            where = f"existing Slurm: {names[record.name]}" + (f" ({partition})" if partition else "")
+            if self._up_to_date(record, "scheduler", wanted):
+                return Outcome("up to date", where)
+            command = node_paths.node_module(self.cluster, self.cluster.python, "scheduler", "adopt")
+            result = record.session.run(f"printf %s {shlex.quote(text)} | {command}", timeout=60)
+            if result.exited != 0:
+                return Outcome("failed", (result.stderr.strip() or f"exit {result.exited}")[-300:], result.stderr)
+            self._record(record, "scheduler", wanted, {"scheduler": "slurm", "existing": names[record.name]})
+            return Outcome("done", where)
+
+        return self._on_every_record(adopt)
+
+    def _on_every_record(self, work: Callable[[NodeRecord], Outcome]) -> dict[str, Outcome]:
+        answers = on_all_nodes([r.session for r in self.records], lambda s: work(self._record_of(s)))
+        return {a.name: a.value if a.value is not None else Outcome("failed", describe(a.error)) for a in answers}
+
+    def _slurm_missing(self) -> str:
+        """Why Slurm cannot hold this cluster's runs (one line), or '' where it can: one user name on
+        every node (a job runs as one user everywhere) and Slurm's and munge's programs on each."""
+        users = {node.name: node.ssh_user or self.cluster.ssh_user for node in self.cluster.nodes}
+        if len(set(users.values())) > 1:
+            named = ", ".join(f"{user} on {name}" for name, user in users.items())
+            return f"the nodes' users differ ({named}) and a Slurm job runs as one user on every node"
+
+        def check(record: NodeRecord) -> str:
+            head = ["--head"] if record is self.records[0] else []
+            command = node_paths.node_module(self.cluster, self.cluster.python, "scheduler", "check", *head)
+            result = record.session.run(command, warn=True)
+            if result.exited == 0:
+                return ""
+            lines = (result.stderr.strip() or result.stdout.strip() or f"exit {result.exited}").splitlines()
+            return f"{record.name}: {lines[-1].removeprefix('error: ')}"[:300]
+
+        answers = on_all_nodes([r.session for r in self.records], lambda s: check(self._record_of(s)))
+        return next((a.value if a.value is not None else describe(a.error) for a in answers if a.value != ""), "")
 
     def _write_join_kit(self, description: dict) -> None:
         """What a replacement node needs to join with nobody connected (node/join.py), in the shared folder,
@@ -639,6 +729,8 @@ class Bootstrap:
             "python": {r.name: self.python_for(r) for r in self.records},
             "code_dir": node_paths.code_dir(self.cluster),
             "scheduler": "slurm" if self.scheduler == "slurm" else "",
+            "scheduler_choice": self.scheduler_choice,
+            "scheduler_why": self.scheduler_why,
             "nodes": {r.name: {"probe": r.facts("probe"), "deps": r.facts("deps")} for r in self.records},
             "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }

@@ -126,13 +126,21 @@ class NodeSetup:
     """`slurm` where Slurm holds the runs (bootstrap's scheduler stage), else '' (runs held by fab)."""
     homes: dict[str, str] = field(default_factory=dict)
     """Each node user's home (the probe's), for absolute paths on the nodes."""
+    scheduler_why: str = ""
+    """Why bootstrap's `--scheduler auto` left the runs to fab (one line), '' where it did not."""
 
     @classmethod
     def load(cls, path: Path) -> "NodeSetup":
         try:
             data = json.loads(path.read_text())
             homes = {name: facts["probe"]["home"] for name, facts in data.get("nodes", {}).items()}
-            return cls(int(data["master_port"]), dict(data["python"]), str(data.get("scheduler") or ""), homes)
+            return cls(
+                int(data["master_port"]),
+                dict(data["python"]),
+                str(data.get("scheduler") or ""),
+                homes,
+                str(data.get("scheduler_why") or ""),
+            )
         except (OSError, ValueError, KeyError, TypeError):
             raise UsageError("the cluster is not bootstrapped: run fab bootstrap") from None
 

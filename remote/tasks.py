@@ -42,8 +42,8 @@ HANG_HELP = {
 }
 RESTARTS_HELP = "torchrun --max-restarts: restart a failed worker group this many times, >= 0 (default 0)"
 DETACH_HELP = (
-    "submit and return (the run id is the last line): the run is held by Slurm on the cluster; "
-    "needs fab bootstrap --scheduler slurm"
+    "submit and return (the run id is the last line): the run is held by Slurm on the cluster, which "
+    "bootstrap sets up wherever Slurm is installed on the nodes"
 )
 NPROC_HELP = (
     f"processes per node, 1..{options.MAX_NPROC_PER_NODE} (default: one per GPU, one on CPU nodes); "
@@ -108,11 +108,14 @@ def start_job(stack: str | None, spec: JobSpec, detach: bool = False) -> None:
         after_follow(cluster, setup, folder, run, followed)
         return
     if detach:
+        why = f" ({setup.scheduler_why})" if setup.scheduler_why else ""
         raise Exit(
-            "error: --detach needs runs held by the cluster's scheduler: fab bootstrap --scheduler slurm "
-            "(without it a run lives in this fab's connections)",
+            f"error: --detach needs runs held by Slurm on the cluster, which it does not run{why}: install "
+            "slurm-wlm and munge on the nodes, then fab bootstrap --scheduler slurm",
             code=2,
         )
+    if setup.scheduler_why:
+        say(f"fab: this run lives in fab's connections, not in Slurm on the cluster: {setup.scheduler_why}")
     book = runs.RunBook(cluster)
     result, local_dir = launch(
         cluster,
@@ -348,7 +351,8 @@ def processes(value: str | None) -> int | None:
         "master-port": f"MASTER_PORT for the rendezvous on node-0, {options.PORT_RANGE[0]}..{options.PORT_RANGE[1]}, "
         f"free there (default {job_command.DEFAULT_MASTER_PORT})",
         "scheduler": "slurm: Slurm on the nodes holds every run (detach, queue, follow, cancel); none: runs are "
-        "held by fab's SSH sessions (default: what the last bootstrap chose, else none)",
+        "held by fab's SSH sessions; auto: slurm where every node has it and one user, else none, saying why "
+        "(default: what the last bootstrap chose, else auto)",
         "stack": STACK_HELP,
     }
 )
@@ -358,7 +362,7 @@ def bootstrap(c, force=False, master_port=None, scheduler=None, stack=None):
     # Another bootstrap (yours, or the replacement of a lost node) keeps the port the last one chose.
     default = remembered_setup(cluster).get("master_port") or job_command.DEFAULT_MASTER_PORT
     port = options.port("--master-port", master_port, default)
-    chosen = options.choice("--scheduler", scheduler, ("slurm", "none")) if scheduler is not None else None
+    chosen = options.choice("--scheduler", scheduler, ("auto", "slurm", "none")) if scheduler is not None else None
     Bootstrap(cluster, bool(force), port, chosen).run()
 
 

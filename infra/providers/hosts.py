@@ -12,6 +12,7 @@ machine off.
 import asyncio
 import ipaddress
 import json
+import re
 import shlex
 import stat
 import time
@@ -33,8 +34,21 @@ NODE_SCRIPTS = Path(contract.__file__).resolve().parent  # node/: the scripts th
 CHECK_TIMEOUT_S = 30.0
 DOWN_TIMEOUT_S = 60.0
 MAX_HOSTS = 16
-FILE_KEYS = {"key", "user", "python", "shared_dir", "hourly_usd", "known_hosts", "hosts"}
-HOST_KEYS = {"address", "port", "user", "private_ip"}
+FILE_KEYS = {
+    "key",
+    "user",
+    "python",
+    "shared_dir",
+    "hourly_usd",
+    "known_hosts",
+    "hosts",
+    "slurm",
+    "partition",
+    "slurm_conf",
+}
+HOST_KEYS = {"address", "port", "user", "private_ip", "slurm_name"}
+SLURM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+PARTITION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 @dataclass(frozen=True)
@@ -49,6 +63,8 @@ class Host:
     """The login user there."""
     private_ip: str | None
     """What the other hosts use to reach it; None: probed at `up`."""
+    slurm_name: str = ""
+    """Its NodeName in the Slurm the hosts already run (`slurm: existing`); empty: found at bootstrap."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +83,9 @@ class HostsFile:
     """Host keys to require; None: pin what each host offers on first contact."""
     hosts: tuple[Host, ...]
     """In the file's order."""
+    slurm_existing: dict = field(default_factory=dict)
+    """`slurm: existing`: the Slurm the hosts already run holds the runs, {"partition", "conf"} (each
+    may be empty: Slurm's default partition, its default configuration); {} otherwise."""
 
 
 @dataclass(frozen=True)
@@ -124,9 +143,38 @@ def _parse(data, problems: list[str]) -> HostsFile | None:
     hourly_usd = _hourly_usd(data.get("hourly_usd", 0), problems)
     known_hosts = _known_hosts(data.get("known_hosts"), problems)
     hosts = _hosts(data.get("hosts"), default_user, problems)
+    existing = _slurm_existing(data, hosts, problems)
     if problems:
         return None
-    return HostsFile(key, python, shared_dir.rstrip("/") or shared_dir, hourly_usd, known_hosts, hosts)
+    return HostsFile(key, python, shared_dir.rstrip("/") or shared_dir, hourly_usd, known_hosts, hosts, existing)
+
+
+def _slurm_existing(data: dict, hosts: tuple[Host, ...], problems: list[str]) -> dict:
+    """`slurm: existing` with its optional `partition:` and `slurm_conf:` (and hosts' `slurm_name:`)."""
+    slurm = data.get("slurm")
+    if slurm is None:
+        for key in ("partition", "slurm_conf"):
+            if key in data:
+                problems.append(f"{key}: is for a Slurm the hosts already run: add slurm: existing")
+        if any(h.slurm_name for h in hosts):
+            problems.append("slurm_name: is for a Slurm the hosts already run: add slurm: existing")
+        return {}
+    if slurm != "existing":
+        problems.append(
+            f"slurm: {slurm!r} is not understood: slurm: existing adopts the Slurm the hosts already run "
+            "(leave it out and fab bootstrap sets up Slurm of its own)"
+        )
+        return {}
+    partition = _text(data.get("partition", ""), "partition", problems, required=False)
+    if partition and not PARTITION.match(partition):
+        problems.append(f"partition {partition!r} is not a Slurm partition name")
+    conf = _text(data.get("slurm_conf", ""), "slurm_conf", problems, required=False)
+    if conf and not conf.startswith("/"):
+        problems.append(f"slurm_conf {conf!r} must be an absolute path on the hosts")
+    names = [h.slurm_name for h in hosts if h.slurm_name]
+    if len(set(names)) < len(names):
+        problems.append("slurm_name: two hosts name the same Slurm node")
+    return {"partition": partition, "conf": conf}
 
 
 def _text(value, name: str, problems: list[str], required: bool = True) -> str:
@@ -224,7 +272,10 @@ def _host(index: int, entry, default_user: str, problems: list[str]) -> Host | N
             private_ip = str(ipaddress.ip_address(str(private_ip)))
         except ValueError:
             problems.append(f"{where}: private_ip {private_ip!r} is not an IP address")
-    return Host(address, port, user, private_ip) if len(problems) == before else None
+    slurm_name = _text(entry.get("slurm_name", ""), f"{where} slurm_name", problems, required=False)
+    if slurm_name and not SLURM_NAME.match(slurm_name):
+        problems.append(f"{where}: slurm_name {slurm_name!r} is not a Slurm node name")
+    return Host(address, port, user, private_ip, slurm_name) if len(problems) == before else None
 
 
 # --------------------------------------------------------------------------------------- checks
@@ -338,6 +389,15 @@ def _refuse_other_hosts(cluster: ClusterInfo, hosts_file: HostsFile, hosts_path:
             f"hosts are not changed in place: python deploy.py down --stack {cluster.stack}, "
             f"then python deploy.py up --hosts {hosts_path}"
         )
+    named = {_login(h.user, h.address, h.port): h.slurm_name for h in hosts_file.hosts}
+    if cluster.slurm_existing != hosts_file.slurm_existing or any(
+        named[_login(n.ssh_user, n.public_ip, n.ssh_port)] != n.slurm_name for n in cluster.nodes
+    ):
+        raise UsageError(
+            f"stack {cluster.stack!r} is up with other Slurm settings than {hosts_path} has (slurm:, partition:, "
+            f"slurm_conf:, slurm_name:): python deploy.py down --stack {cluster.stack}, "
+            f"then python deploy.py up --hosts {hosts_path}"
+        )
 
 
 def _refuse_hosts_of_other_stacks(stack: str, hosts_file: HostsFile) -> None:
@@ -372,7 +432,15 @@ def _rank_order(checks: list[HostCheck]) -> list[HostCheck]:
 
 def _cluster(stack: str, hosts_file: HostsFile, checks: list[HostCheck], known_hosts: Path) -> ClusterInfo:
     nodes = tuple(
-        NodeInfo(f"node-{i}", c.host.address, _private_ip(c), c.host.port, int(c.facts.get("gpus") or 0), c.host.user)
+        NodeInfo(
+            f"node-{i}",
+            c.host.address,
+            _private_ip(c),
+            c.host.port,
+            int(c.facts.get("gpus") or 0),
+            c.host.user,
+            c.host.slurm_name,
+        )
         for i, c in enumerate(checks)
     )
     daemons = {c.facts.get("daemon") for c in checks}
@@ -390,6 +458,7 @@ def _cluster(stack: str, hosts_file: HostsFile, checks: list[HostCheck], known_h
         nodes=nodes,
         python=hosts_file.python,
         daemon="systemd" if daemons == {"systemd"} else "detached",
+        slurm_existing=hosts_file.slurm_existing,
     )
 
 

@@ -18,7 +18,7 @@ def watchdog_processes(state_dir: Path) -> list[int]:
 def test_an_idle_local_cluster_brings_itself_down_and_says_why(state_dir, make_cluster):
     make_cluster("local", 2, "--idle-minutes", "0.1")  # 6 seconds
     assert json.loads((state_dir / "local" / "guards.json").read_text())["idle_minutes"] == 0.1
-    bootstrap = run_fab("bootstrap", "--master-port", str(free_port()))
+    bootstrap = run_fab("bootstrap", "--master-port", str(free_port()), "--scheduler", "none")
     assert bootstrap.returncode == 0, bootstrap.stdout + bootstrap.stderr
     assert "idle 0.1 min" in bootstrap.stdout
     # The marker is written first and every node powers itself off when it sees it: wait for both.
@@ -87,7 +87,7 @@ def idle_window_s() -> float:
 def test_a_stalled_job_stops_billing_and_a_slow_healthy_one_does_not(state_dir, make_cluster, tmp_path):
     window_s = idle_window_s()
     make_cluster("local", 2, "--idle-minutes", f"{window_s / 60:.4f}")
-    assert run_fab("bootstrap", "--master-port", str(free_port())).returncode == 0
+    assert run_fab("bootstrap", "--master-port", str(free_port()), "--scheduler", "none").returncode == 0
     script = tmp_path / "steps.py"
     script.write_text(STEPS_SCRIPT)
     step_s = f"{window_s / 4:.2f}"

@@ -39,7 +39,7 @@ def test_a_stage_failing_on_one_node_is_reported_and_stops_the_bootstrap(state_d
     planted = state_dir / "local" / "nodes" / "node-1" / ".gpu-cluster" / "venv"
     planted.parent.mkdir(parents=True, exist_ok=True)
     planted.write_text("planted by the test\n")
-    result = run_fab("bootstrap", "--master-port", str(free_port()))
+    result = run_fab("bootstrap", "--master-port", str(free_port()), "--scheduler", "none")
     assert result.returncode == 1
     assert "node-1: deps failed" in result.stdout and ".gpu-cluster/venv" in result.stdout, result.stdout
     states = {
@@ -66,7 +66,7 @@ def test_a_connection_dropped_during_bootstrap_is_retried(state_dir, make_cluste
         )
         node1["ssh_port"] = proxy.port
         inventory_path.write_text(json.dumps(inventory))
-        first = popen_fab("bootstrap", "--master-port", str(free_port()))
+        first = popen_fab("bootstrap", "--master-port", str(free_port()), "--scheduler", "none")
         lock = state_dir / ".locks" / "local.bootstrap.lock"
         deadline = time.monotonic() + 60
         while not lock_held(lock) and first.poll() is None and time.monotonic() < deadline:

@@ -1,5 +1,5 @@
-"""Runs held by Slurm on the cluster (`fab bootstrap --scheduler slurm`), end to end on a local cluster with
-real slurmctld and slurmd: a run outlives its fab, runs queue one at a time in order, a cancel leaves
+"""Runs held by Slurm on the cluster (`fab bootstrap`'s default where the nodes have Slurm), end to end on a
+local cluster with real slurmctld and slurmd: a run outlives its fab, runs queue one at a time in order, a cancel leaves
 nothing, and a run that ended while nothing was connected is priced."""
 
 import ipaddress
@@ -19,7 +19,10 @@ pytestmark = pytest.mark.skipif(slurm.unavailable() is not None, reason=f"Slurm:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     with bootstrapped_cluster(
-        tmp_path_factory, "scheduled", "--scheduler", "slurm", master_port=slurm.free_ports()
+        tmp_path_factory,
+        "scheduled",
+        master_port=slurm.free_ports(),
+        scheduler=None,  # auto finds Slurm
     ) as handle:
         yield handle
 
@@ -56,6 +59,8 @@ def script(tmp_path, name: str, body: str):
 
 def test_bootstrap_starts_slurm_on_every_node_on_loopback_only(cluster):
     assert "scheduler" in cluster.first_bootstrap.stdout and "slurmctld" in cluster.first_bootstrap.stdout
+    setup = json.loads((cluster.state_dir / cluster.stack / "bootstrap.json").read_text())
+    assert (setup["scheduler_choice"], setup["scheduler"], setup["scheduler_why"]) == ("auto", "slurm", "")
     again = cluster.fab("bootstrap", "--master-port", str(cluster.master_port))  # the choice is remembered
     assert again.returncode == 0 and "scheduler up to date" in again.stdout, again.stdout
     ours = {pid for pid in _slurm_pids(cluster)}

@@ -222,6 +222,20 @@ def test_a_malformed_hosts_file_lists_every_problem(state_dir, tmp_path):
     assert_one_line_error(run_cli("up", "--hosts", str(hosts_file)), "hosts[0] user: is empty")
     hosts_file.write_text(yaml.safe_dump({"key": str(tmp_path / "k"), "user": "", "hosts": [{"address": "h"}]}))
     assert_one_line_error(run_cli("up", "--hosts", str(hosts_file)), "user: is empty", "hosts[0]: no user")
+    base = {"key": str(tmp_path / "k"), "user": "u"}
+    hosts_file.write_text(yaml.safe_dump({**base, "slurm": "ours", "hosts": ["h"]}))
+    assert_one_line_error(run_cli("up", "--hosts", str(hosts_file)), "slurm: 'ours' is not understood")
+    hosts_file.write_text(yaml.safe_dump({**base, "partition": "gpu", "hosts": [{"address": "h", "slurm_name": "a"}]}))
+    assert_one_line_error(run_cli("up", "--hosts", str(hosts_file)), "partition: is for a Slurm", "slurm_name: is for")
+    existing = {**base, "slurm": "existing", "partition": "a b", "slurm_conf": "etc/slurm.conf"}
+    hosts = [{"address": "h", "slurm_name": "x"}, {"address": "i", "slurm_name": "x"}]
+    hosts_file.write_text(yaml.safe_dump({**existing, "hosts": hosts}))
+    assert_one_line_error(
+        run_cli("up", "--hosts", str(hosts_file)),
+        "partition 'a b' is not a Slurm partition name",
+        "slurm_conf 'etc/slurm.conf' must be an absolute path",
+        "two hosts name the same Slurm node",
+    )
     assert not state_dir.exists() or not any(state_dir.iterdir())
 
 
@@ -233,6 +247,9 @@ def test_bootstrap_layers_the_venv_over_the_hosts_python_without_pip(cluster):
     assert first.returncode == 0, first.stdout + first.stderr
     assert "all-reduce ok (2 ranks)" in first.stdout
     setup = json.loads((cluster.state_dir / STACK / "bootstrap.json").read_text())
+    # Two users: Slurm would run a job as one of them on both hosts, so the default leaves runs to fab.
+    assert setup["scheduler"] == "" and "the nodes' users differ" in setup["scheduler_why"], setup
+    assert "runs stay in fab's connections, not in Slurm: the nodes' users differ" in first.stdout, first.stdout
     base_site = next((cluster.hosts.python.parent.parent / "lib").glob("python3*/site-packages"))
     for node, user in zip(("node-0", "node-1"), cluster.hosts.users, strict=True):
         venv = cluster.home(user) / ".gpu-cluster" / "venv"
@@ -257,6 +274,8 @@ def test_run_ddp_trains_across_both_hosts(cluster):
     result = cluster.fab("run-ddp", "--args", "--steps 10 --log-every 5")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "parameters identical on all 2 ranks" in result.stdout
+    said = [line for line in result.stdout.splitlines() if "lives in fab's connections" in line]
+    assert len(said) == 1 and "users differ" in said[0], result.stdout  # why, once
     run_dir = sorted((cluster.state_dir / STACK / "runs").glob("*"))[-1]
     steps = [
         json.loads(line)["step"]

@@ -97,11 +97,17 @@ def start_local_cluster_in(state_dir: Path, stack: str, *up_args: str) -> dict:
 
 
 @contextmanager
-def bootstrapped_cluster(tmp_path_factory, name: str, *bootstrap_args: str, master_port: int | None = None, up_args=()):
-    """A 2-node local cluster, bootstrapped, that a module's tests share; `down` afterwards, pass or fail."""
+def bootstrapped_cluster(
+    tmp_path_factory, name: str, *bootstrap_args: str, master_port: int | None = None, up_args=(), scheduler="none"
+):
+    """A 2-node local cluster, bootstrapped, that a module's tests share; `down` afterwards, pass or fail.
+    `scheduler`: bootstrap's --scheduler (none: runs held by fab; None: the default, auto)."""
     handle = Cluster(tmp_path_factory.mktemp(name) / "state", master_port=master_port, up_args=up_args)
+    chosen = ("--scheduler", scheduler) if scheduler else ()
     try:
-        handle.first_bootstrap = handle.fab("bootstrap", "--master-port", str(handle.master_port), *bootstrap_args)
+        handle.first_bootstrap = handle.fab(
+            "bootstrap", "--master-port", str(handle.master_port), *chosen, *bootstrap_args
+        )
         assert handle.first_bootstrap.returncode == 0, handle.first_bootstrap.stdout + handle.first_bootstrap.stderr
         yield handle
     finally:

@@ -101,6 +101,54 @@ def test_a_bad_description_names_what_is_wrong(changes, words):
         scheduler.parse_cluster(description("127.0.0.10", "127.0.0.11", **changes))
 
 
+def test_check_names_the_first_missing_program_and_its_package(tmp_path, monkeypatch, capsys):
+    """What bootstrap's default (--scheduler auto) asks each node before choosing Slurm."""
+    monkeypatch.setattr(scheduler, "SBIN", (str(tmp_path),))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    for name in scheduler.NEEDED:
+        (tmp_path / name).write_text("#!/bin/sh\n")
+        (tmp_path / name).chmod(0o755)
+    assert scheduler.main(["check"]) == 0 and capsys.readouterr().out == "ok\n"
+    assert scheduler.main(["check", "--head"]) == 2  # the controller is not there
+    assert capsys.readouterr().err == (
+        "error: slurmctld is not installed on this node: install slurm-wlm (Debian/Ubuntu: apt-get install "
+        "slurm-wlm munge)\n"
+    )
+    (tmp_path / "munged").unlink()
+    assert scheduler.main(["check"]) == 2 and "munged is not installed" in capsys.readouterr().err
+
+
+def fake_sinfo(folder, listing: str, monkeypatch) -> None:
+    """An `sinfo` that prints `listing` (NodeName|NodeHostname|NodeAddr|state lines) whatever it is asked."""
+    monkeypatch.setattr(scheduler, "SBIN", (str(folder),))
+    monkeypatch.setenv("PATH", str(folder))
+    (folder / "sinfo").write_text(f"#!/bin/sh\nprintf '%s' '{listing}'\n")  # a builtin: PATH has no cat
+    (folder / "sinfo").chmod(0o755)
+
+
+def test_a_host_finds_its_node_in_an_existing_slurm_by_name_address_or_host_name(tmp_path, monkeypatch):
+    host = scheduler.socket.gethostname()
+    fake_sinfo(tmp_path, f"gpu1|gpu1|10.0.0.5|idle\ngpu2|{host}|10.0.0.6|mixed\ngpu3|gpu3|10.0.0.7|idle\n", monkeypatch)
+    assert scheduler.identify("gpu", "", "gpu3", []) == {"name": "gpu3", "state": "idle"}  # the hosts file's
+    assert scheduler.identify("gpu", "", "", ["192.0.2.1", "10.0.0.5"])["name"] == "gpu1"  # its address
+    assert scheduler.identify("gpu", "", "", ["192.0.2.1"])["name"] == "gpu2"  # its host name
+    with pytest.raises(scheduler.UsageError, match="slurm_name 'gpu9' is not in partition gpu .*gpu1, gpu2, gpu3"):
+        scheduler.identify("gpu", "", "gpu9", [])
+    with pytest.raises(scheduler.UsageError, match="slurm_conf /nowhere is not a file"):
+        scheduler.identify("gpu", "/nowhere", "", [])
+
+
+def test_a_host_matching_no_node_or_two_is_told_to_name_its_node(tmp_path, monkeypatch):
+    fake_sinfo(tmp_path, "a|h|10.0.0.5|idle\nb|h|10.0.0.5|idle\n", monkeypatch)
+    with pytest.raises(scheduler.UsageError, match="a, b all match it: one must be in the existing Slurm"):
+        scheduler.identify("", "", "", ["10.0.0.5"])
+    with pytest.raises(scheduler.UsageError, match="no node at its address or host name is in .*slurm_name:"):
+        scheduler.identify("", "", "", ["10.0.0.9"])
+    fake_sinfo(tmp_path, "", monkeypatch)
+    with pytest.raises(scheduler.UsageError, match="partition nope has no nodes"):
+        scheduler.identify("nope", "", "", [])
+
+
 def test_loopback_and_other_nodes_do_not_mix():
     with pytest.raises(scheduler.UsageError, match="loopback"):
         scheduler.parse_cluster(description("127.0.0.10", "10.0.0.6"))
