@@ -2,6 +2,7 @@
 has no capacity in the first zone), then host-key pinning and readiness against real SSH servers on
 loopback that stand in for the instances."""
 
+import dataclasses
 import json
 import shutil
 
@@ -13,7 +14,7 @@ from infra import inventory, state, teardown
 from infra.errors import OperationError, UsageError
 from infra.providers import UpRequest
 from infra.providers import aws as aws_provider
-from tests.support import pulumi_fakes
+from tests.support import inventories, pulumi_fakes
 from tests.support.aws_fakes import clients, moto_aws
 from tests.support.pulumi_fakes import FakePulumi
 
@@ -125,8 +126,6 @@ class ConsoleWithWatchdogLine:
 
 
 def test_status_shows_instance_states_and_why_the_cluster_stopped_itself(monkeypatch, state_dir):
-    from infra.inventory import ClusterInfo, NodeInfo
-
     with moto_aws(monkeypatch):
         ec2 = boto3.client("ec2", region_name="us-east-1")
         ids = []
@@ -149,19 +148,7 @@ def test_status_shows_instance_states_and_why_the_cluster_stopped_itself(monkeyp
                 )["Instances"][0]["InstanceId"]
             )
         ec2.stop_instances(InstanceIds=ids)
-        cluster = ClusterInfo(
-            "dev",
-            "aws",
-            "us-east-1",
-            "g4dn.2xlarge",
-            1.504,
-            "ubuntu",
-            "/k",
-            "/kh",
-            "/shared",
-            "2026-11-21T00:00:00+00:00",
-            tuple(NodeInfo(f"node-{i}", f"54.0.0.{i}", f"10.42.1.{10 + i}", 22, 1) for i in range(2)),
-        )
+        cluster = inventories.cluster()
         line = 'gpu-cluster-watchdog: {"reason": "budget: $24.99 spent of maxTotalUsd $25", "at": 1795250000.0}\n'
         rows, stopped = aws_provider.status(cluster, ConsoleWithWatchdogLine(ec2, "boot...\n" + line))
     assert [r.state for r in rows] == ["stopped", "stopped"]
@@ -229,7 +216,7 @@ def test_a_reclaimed_spot_worker_is_replaced_by_its_group_and_adopted_with_its_k
     monkeypatch, state_dir
 ):
     from infra import keys
-    from infra.inventory import ClusterInfo, NodeInfo
+    from infra.inventory import NodeInfo
     from infra.ledger import Ledger
 
     said: list[str] = []
@@ -257,18 +244,11 @@ def test_a_reclaimed_spot_worker_is_replaced_by_its_group_and_adopted_with_its_k
         (stack_dir / "known_hosts").write_text(
             "".join(keys.known_hosts_entry(n["public_ip"], 22, f"ssh-ed25519 OLD{n['name'][-1]}") + "\n" for n in found)
         )
-        cluster = ClusterInfo(
-            "dev",
-            "aws",
-            "us-east-1",
-            "g4dn.2xlarge",
-            1.504,
-            "ubuntu",
-            str(stack_dir / "id_ed25519"),
-            str(stack_dir / "known_hosts"),
-            "/shared",
-            "2026-11-25T00:00:00+00:00",
-            tuple(NodeInfo(n["name"], n["public_ip"], n["private_ip"], 22, 1) for n in found),
+        cluster = dataclasses.replace(
+            inventories.cluster(),
+            ssh_key=str(stack_dir / "id_ed25519"),
+            known_hosts=str(stack_dir / "known_hosts"),
+            nodes=tuple(NodeInfo(n["name"], n["public_ip"], n["private_ip"], 22, 1) for n in found),
             nodes_move=True,
         )
         inventory.save(cluster)
