@@ -276,6 +276,7 @@ def test_run_ddp_trains_across_both_hosts(cluster):
     assert "parameters identical on all 2 ranks" in result.stdout
     said = [line for line in result.stdout.splitlines() if "lives in fab's connections" in line]
     assert len(said) == 1 and "users differ" in said[0], result.stdout  # why, once
+    assert_one_line_error(cluster.fab("hello", "--detach"), "--detach needs runs held by Slurm", "users differ")
     run_dir = sorted((cluster.state_dir / STACK / "runs").glob("*"))[-1]
     steps = [
         json.loads(line)["step"]
