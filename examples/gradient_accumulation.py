@@ -59,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--sync-every-micro-step", action="store_true", help="naive: all-reduce after every micro-batch"
     )
     parser.add_argument("--check-gradient", action="store_true", help="compare with the full-batch gradient and exit")
-    add_checkpoint_arguments(parser)
+    add_checkpoint_arguments(parser, async_save=False)  # rank 0 saves DDP's whole tensors, synchronously
     add_run_arguments(parser, log_every=10, log_help="print a step line every N optimizer steps")
     args = parser.parse_args(argv)
     if args.accumulation_steps * args.micro_batch_size >= SAMPLES:

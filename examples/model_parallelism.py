@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--layers-per-stage", type=positive_int, default=2, help="Linear+ReLU blocks per stage (default 2)"
     )
     parser.add_argument("--two-device-split", action="store_true", help="also run the two-GPU split on node 0")
-    add_checkpoint_arguments(parser)
+    add_checkpoint_arguments(parser, async_save=False)  # each stage saves its own layers, synchronously
     add_run_arguments(parser, log_every=5, check="compare loss and gradients with the unsplit model, then exit")
     args = parser.parse_args(argv)
     if args.batch_size > SAMPLES:

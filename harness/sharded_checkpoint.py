@@ -33,8 +33,9 @@ COMMIT_MARKER = "COMMITTED"
 KEEP = 2  # committed checkpoints kept; older ones are removed after a new one commits
 
 
-def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--checkpoint-dir`, `--checkpoint-every` and `--async-save`, for the examples that save this way."""
+def add_checkpoint_arguments(parser: argparse.ArgumentParser, async_save: bool = True) -> None:
+    """`--checkpoint-dir`, `--checkpoint-every` and, where the example saves with DCP (`async_save`),
+    `--async-save`: an example that saves otherwise does not offer a flag it would ignore."""
     parser.add_argument(
         "--checkpoint-dir",
         type=Path,
@@ -42,7 +43,8 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
         help="save and resume here; relative: inside $CLUSTER_SHARED_DIR (default: $CLUSTER_RUN_DIR/checkpoints)",
     )
     parser.add_argument("--checkpoint-every", type=positive_int, default=20, help="save every N steps and at the end")
-    parser.add_argument("--async-save", action="store_true", help="write checkpoints while training goes on")
+    if async_save:
+        parser.add_argument("--async-save", action="store_true", help="write checkpoints while training goes on")
 
 
 def checkpoint_root(given: Path | None, shared_dir: Path | None, run_dir: Path | None) -> Path | None:

@@ -60,6 +60,15 @@ def test_each_example_refuses_its_bad_argument_in_one_line(example, capsys):
     assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], lines
 
 
+@pytest.mark.parametrize("example", ["gradient_accumulation", "model_parallelism"])
+def test_an_example_that_saves_synchronously_refuses_async_save(example, capsys):
+    """It would be ignored: these save whole tensors (rank 0) or each stage's own layers, not with DCP."""
+    with pytest.raises(SystemExit) as exited:
+        importlib.import_module(f"examples.{example}").parse_args(["--async-save"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert exited.value.code == 2 and len(lines) == 1 and "--async-save" in lines[0], lines
+
+
 @pytest.mark.parametrize(
     "check,good,bad",
     [
