@@ -83,7 +83,8 @@ class Run:
             return None
 
     def as_row(self, hourly_usd: float) -> dict:
-        """`fab jobs --json`'s object."""
+        """`fab jobs --json`'s object: the issue's keys, then `waiting_for` (null unless it waits for nodes
+        out of service: a notice, a lost node, a replacement that failed to join)."""
         return {
             "run_id": self.run_id,
             "task": self.task,
@@ -95,6 +96,7 @@ class Run:
             "exit_code": self.exit_code,
             "requeues": self.requeues,
             "cost_usd": round(self.cost_usd(hourly_usd), 6),
+            "waiting_for": None if self.ended else self.waiting_for,
         }
 
     def cost_usd(self, hourly_usd: float) -> float:

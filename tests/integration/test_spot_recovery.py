@@ -92,7 +92,8 @@ def test_a_notice_and_a_death_each_cost_at_most_the_steps_since_a_checkpoint_and
         waiting = cluster.fab("jobs")
         assert f"{run_id} waits for node-1: node lost: its replacement did not rejoin" in waiting.stdout, waiting.stdout
         assert "join failed: error: " in supervisor_log.read_text()  # it joins by itself, no fab bootstrap
-        assert job(cluster, run_id)["state"] == "PREEMPTED"
+        row = job(cluster, run_id)
+        assert row["state"] == "PREEMPTED" and "its replacement did not rejoin" in row["waiting_for"], row
     finally:
         kit.write_text(whole)
     resumed = wait_for_log(cluster, run_id, RESUMED)
