@@ -113,7 +113,8 @@ class ClusterInfo:
     Slurm knows the nodes by name, and each node's /etc/hosts maps the names from the shared folder."""
     slurm_existing: dict = field(default_factory=dict)
     """Own machines that already run Slurm (`slurm: existing` in the hosts file): its runs go there,
-    {"partition": "" for Slurm's default, "conf": "" for Slurm's default slurm.conf}; {} otherwise."""
+    {"partition": "" for Slurm's default, "conf": "" for Slurm's default slurm.conf, "tag": the comment this
+    stack's jobs carry there, random per `up`}; {} otherwise."""
 
     def __post_init__(self):
         # Every node names its login user, so no connection has to fall back to the cluster's.
@@ -152,7 +153,7 @@ class ClusterInfo:
             raise ValueError("env must be a mapping")
         existing = values.get("slurm_existing", {})
         if not isinstance(existing, dict) or not all(
-            isinstance(existing.get(k, ""), str) for k in ("partition", "conf")
+            isinstance(existing.get(k, ""), str) for k in ("partition", "conf", "tag")
         ):
             raise ValueError("slurm_existing must be a mapping of partition and conf")
         return cls(nodes=typed_nodes, **values)

@@ -64,15 +64,18 @@ def stop_job(home_dir: str) -> str:
 
 def cancel_existing_runs(home_dir: str, code_dir: str) -> list:
     """Where runs went to a Slurm the hosts already ran, this stack's jobs there (queued ones would
-    start after down, with nothing left to run): scheduler.py's `stop`, with the node venv bootstrap made."""
+    start after down, with nothing left to run): scheduler.py's `stop`, with the node venv bootstrap made.
+    RuntimeError, saying why, where they could not be cancelled."""
     if not os.path.exists(os.path.join(home_dir, os.path.relpath(contract.SLURM_EXISTING, contract.HOME_DIR))):
         return []
     python = os.path.join(home_dir, os.path.relpath(contract.VENV, contract.HOME_DIR), "bin", "python")
     script = os.path.join(code_dir, "node", "scheduler.py")
     try:
-        result = subprocess.run([python, script, "stop"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
+        result = subprocess.run([python, script, "stop"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeError(str(exc)) from None
+    if result.returncode != 0:
+        raise RuntimeError(result.stderr.decode(errors="replace").strip()[-200:] or "exit %d" % result.returncode)
     words = result.stdout.decode(errors="replace").split()
     return words[words.index("cancelled") + 1 :] if "cancelled" in words else []
 
@@ -117,7 +120,11 @@ def main(argv: list) -> None:
     home_dir = os.path.expanduser(argv[0])
     removed = []  # type: list[str]
     code_dir = argv[1] if len(argv) > 2 else os.path.join(home_dir, os.path.relpath(contract.CODE, contract.HOME_DIR))
-    cancelled = cancel_existing_runs(home_dir, code_dir)
+    try:
+        cancelled = cancel_existing_runs(home_dir, code_dir)
+    except RuntimeError as exc:  # nothing removed: down keeps the stack and can be run again
+        print(json.dumps({"error": "could not cancel this stack's jobs in the existing Slurm: %s" % exc}))
+        return
     report = {"job": stop_job(home_dir), "daemons": stop_daemons(home_dir), "removed": removed}
     if cancelled:
         report["cancelled"] = cancelled

@@ -75,6 +75,9 @@ node/spot_watch.py, which drains this node and tells its ranks on a spot interru
 PREEMPTED_RECORD = "preempted.json"
 """In a scheduled run's folder on the head node: the last spot notice that requeued the run (node, reason,
 the restart it began)."""
+END_RECORD = "ended.json"
+"""In a scheduled run's folder on the head node: the batch job's own end (the step's exit status, when), for
+a Slurm that forgets an ended job (MinJobAge) and keeps no accounting (an existing one without slurmdbd)."""
 FIRST_START_RECORD = "started.json"
 """In a scheduled run's folder on the head node: when its batch job first started (a requeue starts it again;
 Slurm keeps only the last start, and the run is priced from the first)."""

@@ -443,10 +443,21 @@ NEEDED = ("munged", "slurmd", "srun", "sbatch", "squeue", "scontrol", "sinfo")
 """What every node runs and what the runs' commands call; the head node runs slurmctld too."""
 
 
+SITE_CONFS = ("/etc/slurm/slurm.conf", "/etc/slurm-llnl/slurm.conf")
+"""Where a host that runs a Slurm of its own keeps its configuration (Debian/Ubuntu, and their older path)."""
+
+
 def check(head: bool) -> None:
-    """UsageError naming the first of Slurm's or munge's programs this node lacks (and its package)."""
+    """UsageError naming the first of Slurm's or munge's programs this node lacks (and its package), or
+    the configuration of a Slurm the host already runs (adopt that one rather than start another)."""
     for name in NEEDED + (("slurmctld",) if head else ()):
         program(name)
+    site = next((path for path in SITE_CONFS if os.path.exists(path)), None)
+    if site:
+        raise UsageError(
+            f"this host already runs Slurm ({site}): add slurm: existing to the hosts file to send runs to it, "
+            "or fab bootstrap --scheduler slurm for one of gpu-cluster's own beside it"
+        )
 
 
 def daemon_argv(name: str, cluster: Cluster, node: Node, paths: Paths) -> list:
@@ -788,24 +799,31 @@ def adopt(paths: Paths, data) -> dict:
 
 
 def cancel_tagged(paths: Paths) -> list:
-    """Cancel this stack's jobs (queued or running) in the Slurm the hosts already ran; their ids."""
+    """Cancel this stack's jobs (queued or running) in the Slurm the hosts already ran: the login user's
+    whose comment is the stack's tag (random per `up`, so another stack of the same name is not ours);
+    their ids. DaemonError where Slurm cannot be asked or does not cancel: nothing is known to be gone."""
     adopted = existing(paths)
     if not adopted or not adopted.get("tag"):
         return []
     environment = {**os.environ, **client_environment(paths)}
-    try:
-        listed = subprocess.run(
-            [program("squeue"), "--noheader", f"--user={pwd.getpwuid(os.getuid()).pw_name}", "--format=%i|%k"],
-            env=environment,
-            capture_output=True,
-            text=True,
-            timeout=CLIENT_TIMEOUT_S,
-        ).stdout
-    except (subprocess.TimeoutExpired, UsageError):
-        return []
-    ours = [job for job, _, comment in (line.partition("|") for line in listed.split()) if comment == adopted["tag"]]
+
+    def client(*argv: str) -> str:
+        try:
+            result = subprocess.run(
+                [program(argv[0]), *argv[1:]], env=environment, capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired:
+            raise DaemonError(f"{argv[0]} did not answer in {CLIENT_TIMEOUT_S:g} s (is slurmctld up?)") from None
+        if result.returncode != 0:
+            raise DaemonError(f"{argv[0]} failed: {(result.stderr.strip() or result.stdout.strip())[-200:]}")
+        return result.stdout
+
+    user = pwd.getpwuid(os.getuid()).pw_name
+    listed = client("squeue", "--noheader", f"--user={user}", "--format=%i|%k")
+    rows = (line.partition("|") for line in listed.splitlines())
+    ours = [job.strip() for job, _, comment in rows if comment.strip() == adopted["tag"]]
     if ours:
-        subprocess.run([program("scancel"), *ours], env=environment, capture_output=True, timeout=CLIENT_TIMEOUT_S)
+        client("scancel", *ours)
     return ours
 
 
@@ -1012,7 +1030,7 @@ def main(argv: list | None = None) -> int:
             print(f"{args.node}: {mark_lost(Paths(home), args.node, args.why)}")
         elif args.command == "stop":
             if existing(Paths(home)) is not None:  # none of the daemons is ours: this stack's jobs go
-                cancelled = cancel_tagged(Paths(home))
+                cancelled = cancel_tagged(Paths(home))  # a DaemonError keeps the record: ask again later
                 os.unlink(Paths(home).at(contract.SLURM_EXISTING))
                 print("cancelled " + " ".join(cancelled) if cancelled else "nothing of ours in the existing Slurm")
             else:

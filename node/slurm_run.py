@@ -3,7 +3,7 @@
     python node/slurm_run.py submit SPEC_FILE      # prints the job id
     python node/slurm_run.py step SPEC_BASE64      # what srun starts on every node (not for people)
     python node/slurm_run.py follow LOG JOB [OFFSET]  # the log from OFFSET as it grows, until the job ends
-    python node/slurm_run.py states JOB...         # each job's state and times, as JSON
+    python node/slurm_run.py states JOB[=LOG]...   # each job's state and times, as JSON
     python node/slurm_run.py cancel JOB            # scancel, saying the state it had
 
 SPEC_FILE is JSON: {"run_id", "log": the run's log file (on the head node), "python": this interpreter
@@ -129,7 +129,12 @@ def supervise(spec: dict) -> int:
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR1):
         signal.signal(signum, lambda number, frame: main.send_signal(number))
     code = _watch(spec, main, srun, here) if spec.get("watch") else _status(main.wait())
-    return requeue_if_preempted(spec, code)
+    code = requeue_if_preempted(spec, code)  # requeued: Slurm ends this script before it goes on
+    record = {"exit_code": code, "at": time.time(), "restarts": int(os.environ.get("SLURM_RESTART_COUNT") or 0)}
+    scheduler.write_private(
+        os.path.join(os.path.dirname(spec["log"]), contract.END_RECORD), json.dumps(record).encode(), 0o600
+    )
+    return code
 
 
 def requeue_if_preempted(spec: dict, code: int) -> int:
@@ -387,20 +392,43 @@ def job_fields(text: str) -> dict:
     }
 
 
-def job_state(job_id: str) -> dict | None:
-    """What Slurm knows of the job: the controller while it remembers it, else the completion log."""
+def job_state(job_id: str, log: str = "") -> dict | None:
+    """What Slurm knows of the job: the controller while it remembers it, else the completion log (ours)
+    or the accounting (an existing Slurm's), else the batch job's own end record beside its `log`."""
     result = _client(["scontrol", "show", "job", "--oneliner", job_id])
     if result.returncode == 0 and "JobState=" in result.stdout:
         return job_fields(result.stdout)
     if scheduler.existing(scheduler.Paths(os.path.expanduser("~"))) is not None:
-        return accounted_state(job_id)
+        return accounted_state(job_id) or ended_state(log)
     completions = os.path.join(os.path.expanduser("~"), contract.JOB_COMPLETIONS)
     try:
         with open(completions, errors="replace") as f:
             lines = [line for line in f if line.startswith(f"JobId={job_id} ")]
     except OSError:
+        lines = []
+    return job_fields(lines[-1]) if lines else ended_state(log)
+
+
+def ended_state(log: str) -> dict | None:
+    """The run's end as its batch job recorded it (contract.END_RECORD beside `log`): COMPLETED with exit 0,
+    CANCELLED where a signal ended it (scancel: SIGTERM, then SIGKILL), else FAILED; None without one."""
+    try:
+        with open(os.path.join(os.path.dirname(log), contract.END_RECORD)) as f:
+            record = json.load(f)
+        code, at = int(record["exit_code"]), float(record["at"])
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    return job_fields(lines[-1]) if lines else None
+    state = "COMPLETED" if code == 0 else "CANCELLED" if code in (128 + 15, 128 + 9) else "FAILED"
+    return {
+        "state": state,
+        "submitted_at": None,
+        "started_at": None,
+        "ended_at": at,
+        "exit_code": code,
+        "signal": code - 128 if state == "CANCELLED" else None,
+        "requeues": int(record.get("restarts") or 0),
+        "log": log,
+    }
 
 
 def accounted_state(job_id: str) -> dict | None:
@@ -429,10 +457,10 @@ def accounted_state(job_id: str) -> dict | None:
     )
 
 
-def shown_state(job_id: str) -> dict | None:
+def shown_state(job_id: str, log: str = "") -> dict | None:
     """`job_state`, its `started_at` the first start; PREEMPTED for a run waiting to start again after a
     spot notice requeued it; and for a waiting run the nodes it waits for (out of service, and why)."""
-    found = job_state(job_id)
+    found = job_state(job_id, log)
     if found is not None and found.get("log") and found["requeues"]:
         try:
             with open(os.path.join(os.path.dirname(found["log"]), contract.FIRST_START_RECORD)) as f:
@@ -480,7 +508,7 @@ def follow(log: str, job_id: str, offset: int = 0) -> int:
             break
         if time.monotonic() - checked >= STATE_POLL_S:
             checked = time.monotonic()
-            found = job_state(job_id)
+            found = job_state(job_id, log)
             if found is None or found["state"] in FINAL_STATES:
                 final = found or {"state": "UNKNOWN", "exit_code": None}
                 continue  # one more read: what was written before the end
@@ -522,7 +550,9 @@ def main(argv: list | None = None) -> int:
         if args.action == "follow":
             return follow(args.spec, args.more[0], int(args.more[1]) if len(args.more) > 1 else 0)
         if args.action == "states":
-            print(json.dumps({job: shown_state(job) for job in [args.spec, *args.more]}))
+            # JOB, or JOB=LOG (the run's log on this node: its end record lies beside it)
+            asked = [word.partition("=") for word in [args.spec, *args.more]]
+            print(json.dumps({job: shown_state(job, log) for job, _, log in asked}))
             return 0
         if args.action == "cancel":
             print(json.dumps(cancel(args.spec)))

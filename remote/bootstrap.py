@@ -172,6 +172,8 @@ class Bootstrap:
         """What the scheduler stage settled on: slurm or none."""
         self.scheduler_why = ""
         """Why `auto` settled on none (one line), for the launches to say."""
+        self.previous_scheduler = str(remembered.get("scheduler") or "")
+        """What held the runs after the last bootstrap: `slurm`, or '' (fab)."""
         self.stack_dir = state.stack_dir(cluster.stack)
         self.manifest = local_manifest()
         self.records: list[NodeRecord] = []
@@ -393,20 +395,38 @@ class Bootstrap:
         """Slurm on every node (node/scheduler.py): slurmctld on the head node, slurmd everywhere, one munge
         key per cluster; with `--scheduler none`, whatever an earlier bootstrap started is stopped."""
         stop = node_paths.node_module(self.cluster, self.cluster.python, "scheduler", "stop")
+        users = self._users_differ() if self.scheduler_choice != "none" else ""
+        if users and (self.cluster.slurm_existing or self.scheduler_choice == "slurm"):
+            return {r.name: Outcome("failed", users) for r in self.records}
         if self.cluster.slurm_existing and self.scheduler_choice != "none":
             self.scheduler = "slurm"
             return self._adopt_existing_slurm()
         if self.scheduler_choice == "auto":
-            self.scheduler_why = self._slurm_missing()
-            self.scheduler = "none" if self.scheduler_why else "slurm"
-            if self.scheduler_why:
-                say(f"bootstrap: runs stay in fab's connections, not in Slurm: {self.scheduler_why}")
+            why, unasked = (users, {}) if users else self._slurm_missing()
+            if unasked:  # a node that could not be asked decides nothing: Slurm is not turned off for it
+                return unasked
+            if why and self.previous_scheduler == "slurm":  # runs may be queued there: never stopped silently
+                why = (
+                    f"{why}; Slurm held this cluster's runs at the last bootstrap: install it again, or "
+                    "fab bootstrap --scheduler none to stop it and hold runs in fab's connections"
+                )
+                return {r.name: Outcome("failed", why) for r in self.records}
+            self.scheduler, self.scheduler_why = ("none" if why else "slurm"), why
+            if why:
+                say(f"bootstrap: runs stay in fab's connections, not in Slurm: {why}")
         if self.scheduler != "slurm":
-            if any("scheduler" in r.stages for r in self.records):
-                on_all_nodes([r.session for r in self.records], lambda s: s.run(stop))
-                for record in self.records:
-                    self._forget(record, "scheduler")
-            return {r.name: Outcome("n/a", "none") for r in self.records}
+            if not any("scheduler" in r.stages for r in self.records):
+                return {r.name: Outcome("n/a", "none") for r in self.records}
+
+            def stopped(record: NodeRecord) -> Outcome:
+                result = record.session.run(stop, timeout=120)
+                if result.exited != 0:  # an existing Slurm's jobs not cancelled: the record stays, ask again
+                    why = (result.stderr.strip() or f"exit {result.exited}").splitlines()[-1]
+                    return Outcome("failed", f"not stopped: {why.removeprefix('error: ')}"[:300], result.stderr)
+                self._forget(record, "scheduler")
+                return Outcome("n/a", "none")
+
+            return self._on_every_record(stopped)
         # Always asked: `start` leaves running daemons of an unchanged configuration alone (about 0.4 s), and
         # starts what is not running (a node restarted since), which no recorded digest can know.
         description = self._scheduler_description()
@@ -484,7 +504,7 @@ class Bootstrap:
                 )
                 return {r.name: Outcome("failed", why) for r in self.records}
             taken[slurm_name] = node_name
-        text = json.dumps({**existing, "tag": f"gpu-cluster:{self.cluster.stack}", "names": names})
+        text = json.dumps({**existing, "names": names})
         wanted = digest(text, self.manifest.get("node/scheduler.py"))
 
         def adopt(record: NodeRecord) -> Outcome:
@@ -504,13 +524,19 @@ class Bootstrap:
         answers = on_all_nodes([r.session for r in self.records], lambda s: work(self._record_of(s)))
         return {a.name: a.value if a.value is not None else Outcome("failed", describe(a.error)) for a in answers}
 
-    def _slurm_missing(self) -> str:
-        """Why Slurm cannot hold this cluster's runs (one line), or '' where it can: one user name on
-        every node (a job runs as one user everywhere) and Slurm's and munge's programs on each."""
+    def _users_differ(self) -> str:
+        """Why Slurm cannot run this cluster's jobs as one user (one line), or '' where every node logs in
+        as the same user: a Slurm job runs as one user on every node."""
         users = {node.name: node.ssh_user or self.cluster.ssh_user for node in self.cluster.nodes}
-        if len(set(users.values())) > 1:
-            named = ", ".join(f"{user} on {name}" for name, user in users.items())
-            return f"the nodes' users differ ({named}) and a Slurm job runs as one user on every node"
+        if len(set(users.values())) <= 1:
+            return ""
+        named = ", ".join(f"{user} on {name}" for name, user in users.items())
+        return f"the nodes' users differ ({named}) and a Slurm job runs as one user on every node"
+
+    def _slurm_missing(self) -> tuple[str, dict[str, Outcome]]:
+        """Why Slurm cannot hold this cluster's runs (one line, '' where it can: Slurm's and munge's
+        programs on every node, and no Slurm of the host's own to adopt instead), and the failed outcomes of
+        the nodes that could not be asked ({} where all were)."""
 
         def check(record: NodeRecord) -> str:
             head = ["--head"] if record is self.records[0] else []
@@ -522,7 +548,14 @@ class Bootstrap:
             return f"{record.name}: {lines[-1].removeprefix('error: ')}"[:300]
 
         answers = on_all_nodes([r.session for r in self.records], lambda s: check(self._record_of(s)))
-        return next((a.value if a.value is not None else describe(a.error) for a in answers if a.value != ""), "")
+        if any(a.error is not None for a in answers):
+            return "", {
+                a.name: Outcome("failed", f"could not check for Slurm: {describe(a.error)}")
+                if a.error is not None
+                else Outcome("failed", "not decided: another node could not be checked")
+                for a in answers
+            }
+        return next((a.value for a in answers if a.value), ""), {}
 
     def _write_join_kit(self, description: dict) -> None:
         """What a replacement node needs to join with nobody connected (node/join.py), in the shared folder,

@@ -318,7 +318,8 @@ def refresh(cluster: ClusterInfo, runs: list[Run]) -> None:
         return
     head = NodeSession(cluster, cluster.head)
     try:
-        command = node_paths.node_module(cluster, cluster.python, "slurm_run", "states", *[r.job_id for r in pending])
+        asked = [f"{r.job_id}={r.log}" for r in pending]  # the log: the run's end record lies beside it
+        command = node_paths.node_module(cluster, cluster.python, "slurm_run", "states", *asked)
         result = head.run(f"cd && {command}")
     except CONNECTION_ERRORS as exc:
         raise OperationError(f"{cluster.head.name} does not answer: {describe(exc)}") from None

@@ -108,10 +108,10 @@ def start_job(stack: str | None, spec: JobSpec, detach: bool = False) -> None:
         after_follow(cluster, setup, folder, run, followed)
         return
     if detach:
-        why = f" ({setup.scheduler_why})" if setup.scheduler_why else ""
+        why = setup.scheduler_why or "bootstrapped with --scheduler none"
         raise Exit(
-            f"error: --detach needs runs held by Slurm on the cluster, which it does not run{why}: install "
-            "slurm-wlm and munge on the nodes, then fab bootstrap --scheduler slurm",
+            f"error: --detach needs runs held by Slurm on the cluster, which it does not run ({why}); "
+            "fab bootstrap sets Slurm up once that is mended",
             code=2,
         )
     if setup.scheduler_why:

@@ -13,6 +13,7 @@ import asyncio
 import ipaddress
 import json
 import re
+import secrets
 import shlex
 import stat
 import time
@@ -390,7 +391,8 @@ def _refuse_other_hosts(cluster: ClusterInfo, hosts_file: HostsFile, hosts_path:
             f"then python deploy.py up --hosts {hosts_path}"
         )
     named = {_login(h.user, h.address, h.port): h.slurm_name for h in hosts_file.hosts}
-    if cluster.slurm_existing != hosts_file.slurm_existing or any(
+    settings = {key: value for key, value in cluster.slurm_existing.items() if key != "tag"}
+    if settings != hosts_file.slurm_existing or any(
         named[_login(n.ssh_user, n.public_ip, n.ssh_port)] != n.slurm_name for n in cluster.nodes
     ):
         raise UsageError(
@@ -458,7 +460,11 @@ def _cluster(stack: str, hosts_file: HostsFile, checks: list[HostCheck], known_h
         nodes=nodes,
         python=hosts_file.python,
         daemon="systemd" if daemons == {"systemd"} else "detached",
-        slurm_existing=hosts_file.slurm_existing,
+        # The comment this stack's jobs carry there, random so that another stack of the same name (another
+        # state folder, another laptop) is never taken for this one when `down` cancels.
+        slurm_existing={**hosts_file.slurm_existing, "tag": f"gpu-cluster:{stack}:{secrets.token_hex(6)}"}
+        if hosts_file.slurm_existing
+        else {},
     )
 
 
@@ -497,8 +503,10 @@ def down(stack: str, say=print) -> bool:
             say(f"{node.name} ({node.ssh_user}@{node.public_ip}): not cleaned: {report['error']}")
             continue
         daemons = f", ended {', '.join(report['daemons'])}" if report["daemons"] else ""
+        cancelled = report.get("cancelled") or []
+        slurm = f", cancelled Slurm job(s) {', '.join(cancelled)}" if cancelled else ""
         removed = ", ".join(report["removed"]) or "nothing to remove"
-        say(f"{node.name} ({node.ssh_user}@{node.public_ip}): job {report['job']}{daemons}; removed {removed}")
+        say(f"{node.name} ({node.ssh_user}@{node.public_ip}): job {report['job']}{daemons}{slurm}; removed {removed}")
     if failed:
         return False
     state.forget(stack)

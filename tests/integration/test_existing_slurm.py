@@ -108,7 +108,7 @@ def test_runs_go_to_the_existing_slurm_under_its_names_and_down_leaves_it_runnin
         queued_id = queued.stdout.strip().splitlines()[-1]
         assert _queue(theirs).get(queued_id) == "PENDING", _queue(theirs)
         down = run_cli("down", "--stack", "hosts", **env)
-        assert down.returncode == 0, down.stdout + down.stderr
+        assert down.returncode == 0 and "cancelled Slurm job(s)" in down.stdout, down.stdout + down.stderr
         deadline = time.monotonic() + slurm.DEADLINE_S
         while queued_id in _queue(theirs) and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -263,6 +263,9 @@ def test_bootstrap_layers_the_venv_over_the_hosts_python_without_pip(cluster):
             assert stat.S_IMODE(private.stat().st_mode) == 0o600, private
     second = cluster.fab("bootstrap", "--master-port", str(cluster.master_port))
     assert second.returncode == 0 and "nodes up to date" in second.stdout
+    insisted = cluster.fab("bootstrap", "--master-port", str(cluster.master_port), "--scheduler", "slurm")
+    assert insisted.returncode == 1 and "node-1: scheduler failed: the nodes' users differ" in insisted.stdout
+    assert json.loads((cluster.state_dir / STACK / "bootstrap.json").read_text())["scheduler_choice"] == "auto"
     sourced = cluster.cli("ssh", "node-1", "--", ". ~/.gpu-cluster/env && echo $NODE_RANK $MASTER_ADDR")
     assert sourced.stdout.split() == ["1", cluster.hosts.servers[0].address]
 

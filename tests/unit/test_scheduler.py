@@ -1,9 +1,11 @@
 """node/scheduler.py's pure parts: the description's checks, slurm.conf and gres.conf, the socket folder."""
 
 import base64
+import json
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -104,6 +106,7 @@ def test_a_bad_description_names_what_is_wrong(changes, words):
 def test_check_names_the_first_missing_program_and_its_package(tmp_path, monkeypatch, capsys):
     """What bootstrap's default (--scheduler auto) asks each node before choosing Slurm."""
     monkeypatch.setattr(scheduler, "SBIN", (str(tmp_path),))
+    monkeypatch.setattr(scheduler, "SITE_CONFS", ())
     monkeypatch.setenv("PATH", str(tmp_path))
     for name in scheduler.NEEDED:
         (tmp_path / name).write_text("#!/bin/sh\n")
@@ -114,6 +117,10 @@ def test_check_names_the_first_missing_program_and_its_package(tmp_path, monkeyp
         "error: slurmctld is not installed on this node: install slurm-wlm (Debian/Ubuntu: apt-get install "
         "slurm-wlm munge)\n"
     )
+    (tmp_path / "site.conf").write_text("ClusterName=theirs\n")  # a host that runs a Slurm of its own
+    monkeypatch.setattr(scheduler, "SITE_CONFS", ("/nonexistent/slurm.conf", str(tmp_path / "site.conf")))
+    assert scheduler.main(["check"]) == 2
+    assert f"already runs Slurm ({tmp_path / 'site.conf'}): add slurm: existing" in capsys.readouterr().err
     (tmp_path / "munged").unlink()
     assert scheduler.main(["check"]) == 2 and "munged is not installed" in capsys.readouterr().err
 
@@ -147,6 +154,41 @@ def test_a_host_matching_no_node_or_two_is_told_to_name_its_node(tmp_path, monke
     fake_sinfo(tmp_path, "", monkeypatch)
     with pytest.raises(scheduler.UsageError, match="partition nope has no nodes"):
         scheduler.identify("nope", "", "", [])
+
+
+def adopted_home(tmp_path, monkeypatch, squeue: str) -> Path:
+    """A home whose runs go to an existing Slurm (tag gpu-cluster:hosts:abc), with fake `squeue` (this
+    shell text) and `scancel` (it notes its arguments in `cancelled`)."""
+    bin_dir, home = tmp_path / "bin", tmp_path / "home"
+    bin_dir.mkdir()
+    for name, text in (("squeue", squeue), ("scancel", f'echo "$@" > {tmp_path}/cancelled')):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{text}\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setattr(scheduler, "SBIN", (str(bin_dir),))
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setenv("HOME", str(home))
+    adopted = {"partition": "gpu", "conf": "", "tag": "gpu-cluster:hosts:abc", "names": {"node-0": "gpu1"}}
+    scheduler.adopt(scheduler.Paths(str(home)), adopted)
+    return home
+
+
+def test_stop_on_an_existing_slurm_cancels_exactly_this_stacks_jobs(tmp_path, monkeypatch, capsys):
+    listing = "11|gpu-cluster:hosts:abc\n12|gpu-cluster:hosts:zzz\n13|gpu-cluster:hosts:abc extra\n14|\n"
+    home = adopted_home(tmp_path, monkeypatch, f"printf '{listing}'")
+    assert scheduler.main(["stop"]) == 0
+    assert capsys.readouterr().out == "cancelled 11\n"  # another stack of the same name has another tag
+    assert (tmp_path / "cancelled").read_text() == "11\n"
+    assert not (home / ".gpu-cluster" / "slurm" / "existing.json").exists()
+
+
+def test_stop_on_an_existing_slurm_that_does_not_answer_fails_and_keeps_the_record(tmp_path, monkeypatch, capsys):
+    home = adopted_home(
+        tmp_path, monkeypatch, "echo 'slurm_load_jobs error: Unable to contact slurm controller' >&2; exit 1"
+    )
+    assert scheduler.main(["stop"]) == 1
+    assert "squeue failed: slurm_load_jobs error: Unable to contact slurm controller" in capsys.readouterr().err
+    assert (home / ".gpu-cluster" / "slurm" / "existing.json").exists()  # down keeps the stack: ask again
+    assert not (tmp_path / "cancelled").exists()
 
 
 def test_loopback_and_other_nodes_do_not_mix():
@@ -207,6 +249,17 @@ def test_an_ended_job_has_its_times_and_exit_code_from_the_completion_log():
     ended = slurm_run.job_fields(COMPLETION)
     assert ended["state"] == "FAILED" and ended["exit_code"] == 3 and ended["signal"] == 0
     assert ended["ended_at"] - ended["started_at"] == 30
+
+
+@pytest.mark.parametrize("code, state", [(0, "COMPLETED"), (143, "CANCELLED"), (137, "CANCELLED"), (3, "FAILED")])
+def test_a_forgotten_job_ends_as_its_batch_job_recorded(tmp_path, code, state):
+    """An existing Slurm without accounting forgets an ended job: the run's own end record tells."""
+    log = tmp_path / "output.log"
+    assert slurm_run.ended_state(str(log)) is None  # none yet: still unknown, never guessed
+    (tmp_path / "ended.json").write_text(json.dumps({"exit_code": code, "at": 1795000000.5, "restarts": 1}))
+    ended = slurm_run.ended_state(str(log))
+    assert (ended["state"], ended["exit_code"], ended["ended_at"], ended["requeues"]) == (state, code, 1795000000.5, 1)
+    assert ended["state"] in slurm_run.FINAL_STATES
 
 
 def test_a_job_ended_by_a_signal_has_the_shells_code_for_it():
