@@ -426,7 +426,12 @@ class Bootstrap:
                 self._forget(record, "scheduler")
                 return Outcome("n/a", "none")
 
-            return self._on_every_record(stopped)
+            outcomes = self._on_every_record(stopped)
+            if self.cluster.shared_dir and all(o.status != "failed" for o in outcomes.values()):
+                # no replacement node joins a Slurm that is gone (node/join.py reads the kit)
+                kit = node_paths.shell_path(f"{self.cluster.shared_dir.rstrip('/')}/{contract.JOIN_KIT}")
+                self.records[0].session.run(f"rm -f {kit}", warn=False)
+            return outcomes
         # Always asked: `start` leaves running daemons of an unchanged configuration alone (about 0.4 s), and
         # starts what is not running (a node restarted since), which no recorded digest can know.
         description = self._scheduler_description()

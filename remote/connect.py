@@ -6,6 +6,7 @@ backoff; steps given to `retrying` must therefore be safe to repeat.
 
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -184,8 +185,10 @@ class NodeResults(list[NodeResult[T]]):
         return [r for r in self if not r.ok]
 
 
-def on_all_nodes(sessions: list[NodeSession], step: Callable[[NodeSession], T]) -> NodeResults[T]:
-    """`step` on every node at once, one thread each; what each returned or raised."""
+def on_all_nodes(sessions: list[NodeSession], step: Callable[[NodeSession], T], daemon: bool = False) -> NodeResults[T]:
+    """`step` on every node at once, one thread each; what each returned or raised. `daemon`: in daemon
+    threads, for best-effort work in the background (a stop after a failure), so that a node that never
+    answers does not keep fab from exiting (a pool's workers are joined at the interpreter's exit)."""
 
     def guarded(session: NodeSession) -> NodeResult[T]:
         try:
@@ -193,6 +196,18 @@ def on_all_nodes(sessions: list[NodeSession], step: Callable[[NodeSession], T]) 
         except Exception as exc:  # reported per node by the caller
             return NodeResult(session, error=exc)
 
+    if daemon:
+        results: list = [None] * len(sessions)
+
+        def work(index: int) -> None:
+            results[index] = guarded(sessions[index])
+
+        threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(sessions))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return NodeResults(results)
     with ThreadPoolExecutor(max_workers=max(1, len(sessions))) as pool:
         return NodeResults(pool.map(guarded, sessions))
 

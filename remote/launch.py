@@ -255,11 +255,14 @@ def check_ready(sessions: list[NodeSession], statuses: list[str], queued: bool =
             raise UsageError(f"{session.node.name} is not bootstrapped: run fab bootstrap")
 
 
-def stop_everywhere(cluster: ClusterInfo, nodes: list[str] | None = None) -> dict[str, str]:
-    """Run the stop command on the named nodes (default all) over fresh connections."""
+def stop_everywhere(cluster: ClusterInfo, nodes: list[str] | None = None, background: bool = False) -> dict[str, str]:
+    """Run the stop command on the named nodes (default all) over fresh connections (`background`: in
+    daemon threads, which never keep fab from exiting)."""
     targets = [n for n in cluster.nodes if nodes is None or n.name in nodes]
     sessions = [NodeSession(cluster, node) for node in targets]
-    outcomes = on_all_nodes(sessions, lambda s: s.retrying(lambda x: x.run(protocol.stop_command()), delays_s=(0.5,)))
+    outcomes = on_all_nodes(
+        sessions, lambda s: s.retrying(lambda x: x.run(protocol.stop_command()), delays_s=(0.5,)), daemon=background
+    )
     for session in sessions:
         session.close()
     return {
@@ -439,7 +442,7 @@ def _supervise(
 
 def _stop_in_background(cluster: ClusterInfo, nodes: list[str], report=None) -> threading.Thread:
     def stop():
-        outcomes = stop_everywhere(cluster, nodes)
+        outcomes = stop_everywhere(cluster, nodes, background=True)
         if report:
             report(outcomes)
 

@@ -149,6 +149,14 @@ def test_a_notice_and_a_death_each_cost_at_most_the_steps_since_a_checkpoint_and
 
     slurm.wait_for(healed, "both nodes up and idle in Slurm", lambda: json.dumps(status))
 
+    # --scheduler none turns Slurm off: its daemons stop, and the join kit goes (nothing joins a Slurm gone).
+    off = cluster.fab("bootstrap", "--scheduler", "none")
+    assert off.returncode == 0, off.stdout + off.stderr
+    assert not kit.exists()
+    daemons = ("munged", "slurmctld", "slurmd", "spot_watch")
+    left = [" ".join(procfs.command_line(pid)) for pid in procfs.pids_working_in(str(cluster.state_dir))]
+    assert not [line for line in left if any(name in line for name in daemons)], left
+
     down = cluster.cli("down")
     assert down.returncode == 0, down.stdout + down.stderr
     assert node_server_processes(cluster.state_dir) == []

@@ -181,13 +181,20 @@ def _owner_only(attrs: asyncssh.SFTPAttrs) -> asyncssh.SFTPAttrs:
 class NodeSSHServer(asyncssh.SSHServer):
     """Authentication for one connection: the cluster's key and user, nothing else."""
 
-    def __init__(self, config: NodeConfig, authorized: asyncssh.SSHKey):
+    def __init__(self, config: NodeConfig, authorized: asyncssh.SSHKey, connections: set | None = None):
         self.config = config
         self.authorized = authorized
+        self.connections = connections if connections is not None else set()
+        """Every open connection of the node, which its power-off drops."""
 
     def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
         peer = conn.get_extra_info("peername")
         log.info("connection from %s", peer[0] if peer else "?")
+        self.conn = conn
+        self.connections.add(conn)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.connections.discard(getattr(self, "conn", None))
 
     def begin_auth(self, username: str) -> bool:
         return True
@@ -425,8 +432,9 @@ async def serve(config: NodeConfig) -> None:
     node = Node(config)
     node.write_shell_files()
     authorized = asyncssh.import_public_key(config.authorized_key)
+    connections: set = set()
     server = await asyncssh.create_server(
-        lambda: NodeSSHServer(config, authorized),
+        lambda: NodeSSHServer(config, authorized, connections),
         config.address,
         config.port,
         server_host_keys=[config.host_key],
@@ -454,6 +462,8 @@ async def serve(config: NodeConfig) -> None:
     if service is not None:
         service.stop()
     await node.processes.end_all()
+    for conn in list(connections):  # a machine that powers off drops its connections: no client waits on
+        conn.abort()  # one (a `fab stop` that connected as it went would wait for an answer forever)
     Path(config.pid_file).unlink(missing_ok=True)
     log.info("%s powered off", config.name)
 
