@@ -155,7 +155,7 @@ class ClusterInfo:
         if not isinstance(existing, dict) or not all(
             isinstance(existing.get(k, ""), str) for k in ("partition", "conf", "tag")
         ):
-            raise ValueError("slurm_existing must be a mapping of partition and conf")
+            raise ValueError("slurm_existing must be a mapping of partition, conf and tag")
         return cls(nodes=typed_nodes, **values)
 
 

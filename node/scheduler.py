@@ -8,7 +8,7 @@
     python node/scheduler.py state [--json]                         # daemons alive, Slurm's node state
     python node/scheduler.py env                                    # `export SLURM_CONF=...` for clients
     python node/scheduler.py check [--head]                         # Slurm's programs are here (exit 2 if not)
-    python node/scheduler.py identify --node NAME [--partition P] [--conf F] [--name N] [--address A]...
+    python node/scheduler.py identify [--partition P] [--conf F] [--name N] [--address A]...
                                                                     # this host's node in a Slurm it already runs
     python node/scheduler.py adopt --conf-json FILE                 # runs go to that Slurm (contract.SLURM_EXISTING)
 
@@ -738,22 +738,31 @@ def slurm_name(paths: Paths, node_name: str) -> str:
     return str((adopted or {}).get("names", {}).get(node_name) or node_name)
 
 
+def answered(environment: dict, *argv: str) -> str:
+    """One of Slurm's clients (`argv[0]`) with `environment`; its output. DaemonError with its own words
+    where it fails or does not answer within CLIENT_TIMEOUT_S."""
+    try:
+        result = subprocess.run(
+            [program(argv[0]), *argv[1:]],
+            env={**os.environ, **environment},
+            capture_output=True,
+            text=True,
+            timeout=CLIENT_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        raise DaemonError(f"{argv[0]} did not answer in {CLIENT_TIMEOUT_S:g} s (is slurmctld up?)") from None
+    if result.returncode != 0:
+        raise DaemonError(f"{argv[0]} failed: {(result.stderr.strip() or result.stdout.strip())[-200:]}")
+    return result.stdout
+
+
 def partition_nodes(environment: dict, partition: str) -> list:
     """[(NodeName, NodeHostname, NodeAddr, state)] of `partition` (every node where ''), as sinfo lists them;
     DaemonError with sinfo's own words where it cannot answer."""
-    argv = [program("sinfo"), "--noheader", "--Node", "--format=%N|%n|%o|%T"]
-    if partition:
-        argv.append(f"--partition={partition}")
-    try:
-        result = subprocess.run(
-            argv, env={**os.environ, **environment}, capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S
-        )
-    except subprocess.TimeoutExpired:
-        raise DaemonError(f"sinfo did not answer in {CLIENT_TIMEOUT_S:g} s (is slurmctld up?)") from None
-    if result.returncode != 0:
-        raise DaemonError(f"sinfo failed: {(result.stderr.strip() or result.stdout.strip())[-200:]}")
+    where = [f"--partition={partition}"] if partition else []
+    listed = answered(environment, "sinfo", "--noheader", "--Node", "--format=%N|%n|%o|%T", *where)
     found: dict[str, tuple] = {}
-    for line in result.stdout.splitlines():
+    for line in listed.splitlines():
         parts = [part.strip() for part in line.split("|")]
         if len(parts) == 4:
             found.setdefault(parts[0], tuple(parts))
@@ -805,25 +814,13 @@ def cancel_tagged(paths: Paths) -> list:
     adopted = existing(paths)
     if not adopted or not adopted.get("tag"):
         return []
-    environment = {**os.environ, **client_environment(paths)}
-
-    def client(*argv: str) -> str:
-        try:
-            result = subprocess.run(
-                [program(argv[0]), *argv[1:]], env=environment, capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S
-            )
-        except subprocess.TimeoutExpired:
-            raise DaemonError(f"{argv[0]} did not answer in {CLIENT_TIMEOUT_S:g} s (is slurmctld up?)") from None
-        if result.returncode != 0:
-            raise DaemonError(f"{argv[0]} failed: {(result.stderr.strip() or result.stdout.strip())[-200:]}")
-        return result.stdout
-
+    environment = client_environment(paths)
     user = pwd.getpwuid(os.getuid()).pw_name
-    listed = client("squeue", "--noheader", f"--user={user}", "--format=%i|%k")
+    listed = answered(environment, "squeue", "--noheader", f"--user={user}", "--format=%i|%k")
     rows = (line.partition("|") for line in listed.splitlines())
     ours = [job.strip() for job, _, comment in rows if comment.strip() == adopted["tag"]]
     if ours:
-        client("scancel", *ours)
+        answered(environment, "scancel", *ours)
     return ours
 
 

@@ -468,11 +468,7 @@ class Bootstrap:
                 r.name: outcomes.get(r.name, Outcome("failed", "not started: the head node's failed"))
                 for r in self.records
             }
-        rest = on_all_nodes([r.session for r in self.records[1:]], lambda s: start(self._record_of(s)))
-        for answer in rest:
-            outcomes[answer.name] = (
-                answer.value if answer.value is not None else Outcome("failed", describe(answer.error))
-            )
+        outcomes.update(self._on_every_record(start, self.records[1:]))
         if self.cluster.shared_dir and all(o.status != "failed" for o in outcomes.values()):
             self._write_join_kit(description)
         return outcomes
@@ -525,8 +521,12 @@ class Bootstrap:
 
         return self._on_every_record(adopt)
 
-    def _on_every_record(self, work: Callable[[NodeRecord], Outcome]) -> dict[str, Outcome]:
-        answers = on_all_nodes([r.session for r in self.records], lambda s: work(self._record_of(s)))
+    def _on_every_record(
+        self, work: Callable[[NodeRecord], Outcome], records: list[NodeRecord] | None = None
+    ) -> dict[str, Outcome]:
+        """`work` on each of `records` (default: every node's) at once; a node where it raised, failed."""
+        chosen = self.records if records is None else records
+        answers = on_all_nodes([r.session for r in chosen], lambda s: work(self._record_of(s)))
         return {a.name: a.value if a.value is not None else Outcome("failed", describe(a.error)) for a in answers}
 
     def _users_differ(self) -> str:
