@@ -4,9 +4,10 @@ Each node runs `torchrun` in its own SSH session (one thread per node). When a n
 non-zero, or its connection is lost, or the user presses Ctrl-C, the job is stopped on every other node
 (`protocol.stop_command`), so nothing waits forever in a collective and nothing is left behind.
 One job at a time: a launch holds the head node's job lock (`JobLock`) from before it creates anything
-until its job has ended everywhere.
+until its job has ended everywhere; a launch that finds it held waits its turn.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -147,33 +148,46 @@ class NodeSetup:
 
 class JobLock:
     """The cluster's one-job lock on the head node (node/job_lock.py), held over an SSH channel
-    of its own: taking it is atomic, and closing the channel, or losing it, releases it."""
+    of its own: taking it is atomic, and closing the channel, or losing it, releases it. A launch that
+    finds it held waits its turn (in arrival order) and says so once: launches queue, never refuse."""
 
     def __init__(self, head: NodeSession, run_id: str, task: str):
         self.head, self.run_id, self.task = head, run_id, task
         self.channel: paramiko.Channel | None = None
+        self.waited = False
+        """Whether another launch held the lock first (what it found before may have changed since)."""
 
     def __enter__(self) -> "JobLock":
         name, owner = self.head.node.name, f"{socket.gethostname()}:{os.getpid()}"
         try:
             channel = self.head.conn.client.get_transport().open_session(timeout=LOCK_WAIT_S)
+        except CONNECTION_ERRORS as exc:
+            raise OperationError(f"could not take the job lock on {name}: {describe(exc)}") from None
+        try:
             channel.settimeout(LOCK_WAIT_S)
             channel.exec_command(protocol.lock_command(self.run_id, self.task, owner))
-            reply = channel.makefile("r").readline().strip()
+            replies = channel.makefile("r")
+            reply = replies.readline().strip()
             state, holder = protocol.parse_lock_reply(reply)
+            if state == "waiting" and holder is not None:
+                self.waited = True
+                say(
+                    f"fab: {name} is busy with run {holder['run_id']} ({holder['task']}, fab {holder['owner']}): "
+                    f"run {self.run_id} waits its turn (Ctrl-C gives up)"
+                )
+                channel.settimeout(None)  # as long as the launches before it take
+                reply = replies.readline().strip()
+                state, holder = protocol.parse_lock_reply(reply)
             if state == "locked":
                 self.channel = channel
                 return self
             why = reply or channel.makefile_stderr("r").read().decode(errors="replace").strip()[-200:]
             code = channel.recv_exit_status() if channel.exit_status_ready() or not why else -1
-            channel.close()
         except CONNECTION_ERRORS as exc:
             raise OperationError(f"could not take the job lock on {name}: {describe(exc)}") from None
-        if state == "held" and holder is not None:
-            raise UsageError(
-                f"{name} is running job {holder['run_id']} ({holder['task']}, launched by fab "
-                f"{holder['owner']}): wait for it or run fab stop"
-            )
+        finally:
+            if self.channel is None:
+                channel.close()
         if not why or code >= 128 or code < 0:  # the holder was ended before it answered: a stop at that moment
             raise OperationError(
                 f"the job lock on {name} was ended before it was taken (a fab stop or down at the same moment?): "
@@ -220,21 +234,16 @@ def first_failure(
     return ordered[0] if ordered else None
 
 
-def open_launch(
-    cluster: ClusterInfo, spec: JobSpec, queued: bool = False
-) -> tuple[Manifest | None, list[NodeSession], list[str], str]:
+def open_launch(cluster: ClusterInfo, spec: JobSpec) -> tuple[Manifest | None, list[NodeSession], list[str], str]:
     """A launch's first steps, attached or held by Slurm: the workdir's manifest, one status round on
-    every node, the readiness checks (UsageError before anything starts; the sessions closed), and
-    the new run's id. The caller closes the sessions."""
+    every node (`launch_status`), the bootstrap check (UsageError before anything starts; the sessions
+    closed), and the new run's id. The caller closes the sessions."""
     wanted = None
     if spec.workdir:
         wanted = workdir.manifest(spec.workdir, workdir.hash_cache_path(cluster, spec.workdir))
-    status = protocol.launch_status_command(
-        spec.workdir.key if spec.workdir else None, spec.requirements.digest if spec.requirements else None
-    )
-    sessions, statuses = open_sessions(cluster, status)
+    sessions, statuses = open_sessions(cluster, launch_status(spec))
     try:
-        check_ready(sessions, statuses, queued=queued)
+        check_ready(sessions, statuses, queued=True)  # a job running now: the job lock decides (`owning`)
     except BaseException:
         for session in sessions:
             session.close()
@@ -242,14 +251,38 @@ def open_launch(
     return wanted, sessions, statuses, job_command.new_run_id(spec.task)
 
 
+def launch_status(spec: JobSpec) -> str:
+    return protocol.launch_status_command(
+        spec.workdir.key if spec.workdir else None, spec.requirements.digest if spec.requirements else None
+    )
+
+
+@contextlib.contextmanager
+def owning(sessions: list[NodeSession], statuses: list[str], spec: JobSpec, run_id: str, queued: bool = False):
+    """The head node's job lock for this launch, taken in its turn. Where another launch held it first,
+    `statuses` are asked again (that launch may have synced, installed or run meanwhile); then a job
+    still running is one no launch holds (its fab was killed), and unless the run is `queued` by the
+    scheduler behind it, the launch is refused before anything starts."""
+    with JobLock(sessions[0], run_id, spec.task) as lock:
+        if lock.waited:
+            asked = on_all_nodes(sessions, lambda s: s.run(launch_status(spec)))
+            if asked.failed:
+                why = "; ".join(f"{r.name}: {describe(r.error)}" for r in asked.failed)
+                raise OperationError(f"the nodes stopped answering while run {run_id} waited its turn: {why}")
+            statuses[:] = [r.value.stdout for r in asked if r.value is not None]
+        check_ready(sessions, statuses, queued=queued)
+        yield lock
+
+
 def check_ready(sessions: list[NodeSession], statuses: list[str], queued: bool = False) -> None:
     """UsageError (exit 2) if a node is not bootstrapped or (unless the run is `queued` behind it by the
-    scheduler) already runs a job, before anything starts."""
+    scheduler) runs a job that no launch holds, before anything starts."""
     for session, output in zip(sessions, statuses, strict=True):
         job, bootstrapped = protocol.parse_job_status(output)
         if job and not queued:
             raise UsageError(
-                f"{session.node.name} is running job {job['run_id']} ({job['task']}): wait for it or run fab stop"
+                f"{session.node.name} is running job {job['run_id']} ({job['task']}), which no launch holds "
+                "(its fab was killed?): fab stop ends it"
             )
         if not bootstrapped:
             raise UsageError(f"{session.node.name} is not bootstrapped: run fab bootstrap")
@@ -595,7 +628,7 @@ def launch(
     wanted, sessions, statuses, run_id = open_launch(cluster, spec)
     try:
         local_dir = runs_root / run_id
-        with JobLock(sessions[0], run_id, spec.task):
+        with owning(sessions, statuses, spec, run_id):
             prepare(cluster, sessions, statuses, spec, setup, wanted)
             if spec.upload:
                 upload_script(cluster, sessions, run_id, spec.upload)

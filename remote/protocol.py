@@ -22,12 +22,13 @@ def lock_command(run_id: str, task: str, owner: str) -> str:
 
 
 def parse_lock_reply(line: str) -> tuple[str, dict | None]:
-    """`locked`, `held` with {run_id, task, owner, since}, or `failed` (the line is the reason)."""
+    """`locked`, `waiting` with the holder's {run_id, task, owner, since}, or `failed` (the line is the
+    reason)."""
     parts = line.split()
     if parts == ["locked"]:
         return "locked", None
-    if len(parts) == 5 and parts[0] == "held":
-        return "held", dict(zip(("run_id", "task", "owner", "since"), parts[1:], strict=True))
+    if len(parts) == 5 and parts[0] == "waiting":
+        return "waiting", dict(zip(("run_id", "task", "owner", "since"), parts[1:], strict=True))
     return "failed", None
 
 

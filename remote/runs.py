@@ -8,15 +8,18 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from infra import state
+from infra.errors import UsageError
 from infra.inventory import ClusterInfo
 from infra.ledger import HEARTBEAT_S, Ledger
 from node import billing
-from remote.launch import JobResult, JobSpec
-from remote.stream import say
+from remote.launch import JobSpec
+from remote.stream import RankOutcome, node_exited, say
 
 SUMMARY = "summary.json"
 
@@ -36,7 +39,9 @@ class RunBook:
             say(f"fab: warning: the ledger cannot be opened ({exc}); this run is not recorded in it")
             self.ledger = None
 
-    def started(self, run_id: str, task: str) -> None:
+    def started(self, run_id: str, task: str, scheduled: bool = False) -> None:
+        """A run begins: held by this fab (it heartbeats while it supervises the run), or `scheduled` (held
+        by Slurm: no fab owns it, its times come from Slurm when a command sees it end)."""
         self._safely(
             lambda ledger: ledger.run_started(
                 run_id,
@@ -44,10 +49,11 @@ class RunBook:
                 task,
                 len(self.cluster.nodes),
                 self.cluster.hourly_usd,
-                owner_pid=os.getpid(),
+                owner_pid=None if scheduled else os.getpid(),
+                scheduled=scheduled,
             )
         )
-        if self.ledger is not None:
+        if self.ledger is not None and not scheduled:
             self.heartbeat = Heartbeat(self.ledger.path, run_id)
             self.heartbeat.start()
 
@@ -64,9 +70,10 @@ class RunBook:
         except (sqlite3.Error, OSError) as exc:
             say(f"fab: warning: could not record the hang in the ledger ({exc})")
 
-    def ended(self, run_id: str, exit_codes: dict, duration_s: float, task: str) -> float:
+    def ended(self, run: "Run") -> None:
         """Record the end over a connection opened now: a ledger damaged during the run is started over
-        here (with the clusters the inventories know), and a run whose row went with it is written again."""
+        here (with the clusters the inventories know), and a run whose row went with it is written again.
+        A run held by Slurm gets Slurm's times (it may have queued, or ended while nothing was connected)."""
         if self.heartbeat is not None:
             self.heartbeat.stop()
         if self.ledger is not None:
@@ -78,15 +85,27 @@ class RunBook:
             except (sqlite3.Error, OSError) as exc:
                 say(f"fab: warning: the ledger cannot be opened ({exc}); this run's end is not recorded in it")
                 self.ledger = None
+        started, ended = run.started_at or run.submitted_at, run.ended_at or time.time()
+        scheduled = run.holder == "slurm"
 
-        def record(ledger: Ledger) -> float:
-            if ledger.run(run_id) is None:
-                stack, nodes, hourly = self.cluster.stack, len(self.cluster.nodes), self.cluster.hourly_usd
-                ledger.run_started(run_id, stack, task, nodes, hourly, at=time.time() - duration_s)
-            return ledger.run_ended(run_id, exit_codes)
+        def record(ledger: Ledger) -> None:
+            if ledger.run(run.run_id) is None:
+                stack, nodes, hourly = self.cluster.stack, len(run.nodes), self.cluster.hourly_usd
+                ledger.run_started(run.run_id, stack, run.task, nodes, hourly, at=started, scheduled=scheduled)
+            if scheduled:
+                ledger.run_times(run.run_id, started, ended, run.exit_codes)
+            else:
+                ledger.run_ended(run.run_id, run.exit_codes, at=ended)
 
-        cost = self._safely(record)
-        return cost if cost is not None else billing.cost_usd(self.cluster.hourly_usd, duration_s)
+        self._safely(record)
+        self.close()
+
+    def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        if self.ledger is not None:
+            self.ledger.close()
+            self.ledger = None
 
     def _safely(self, write: Callable[[Ledger], Any]) -> Any:
         if self.ledger is None:
@@ -126,36 +145,237 @@ class Heartbeat(threading.Thread):
         self.join(timeout=5)
 
 
-def summary(cluster: ClusterInfo, spec: JobSpec, result: JobResult, cost_usd: float) -> dict:
-    """What `summary.json` says of a finished run (names of --env variables only: values may be secrets)."""
-    summary: dict = {
-        "task": spec.task,
-        "run_id": result.run_id,
-        "nodes": [n.name for n in cluster.nodes],
-        "started_at": result.started_at,
-        "ended_at": result.ended_at,
-        "duration_s": round(result.duration_s, 3),
-        "exit_codes": result.exit_codes,
-        "rank_exit_codes": result.rank_exit_codes,  # the failed ranks' own codes, by node and global rank
-        "cost_usd": round(cost_usd, 6),
-        "hourly_usd": cluster.hourly_usd,
+STATES = ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "HUNG", "PREEMPTED")
+"""A run's states, whichever holder holds it (`fab jobs --json`'s `state`). PREEMPTED waits to start
+again (a spot notice or a lost node requeued it)."""
+FINAL = ("COMPLETED", "FAILED", "CANCELLED", "HUNG")
+"""The states after which a run runs no more."""
+STOPPED_CODES = (128 + 15, 128 + 9)
+"""SIGTERM, SIGKILL: what a stop (node/stop_jobs.py, scancel, fail-fast) ends a node's job with."""
+RECORD = "run.json"
+"""A run's record in its local run folder."""
+
+
+@dataclass
+class Run:
+    """What this machine knows of one run, whichever holder holds it (`run.json` in its run folder)."""
+
+    run_id: str
+    task: str
+    job_id: str
+    """The Slurm job ('' for a run held by fab's connections)."""
+    log: str
+    """The run's log on the head node (absolute; '' where fab's connections bring every line)."""
+    nodes: list[str]
+    submitted_at: float
+    state: str = "PENDING"
+    started_at: float | None = None
+    ended_at: float | None = None
+    exit_code: int | None = None
+    """The run's own exit code: the first failed rank's (its script's), else its node's."""
+    requeues: int = 0
+    exit_codes: dict = field(default_factory=dict)
+    """Each node's own exit code, from its exit marker."""
+    finished: bool = False
+    """Results fetched, summary written, ledger closed."""
+    hang: dict | None = None
+    """The hang watch's verdict, where it found one."""
+    spec: dict = field(default_factory=dict)
+    """What the summary needs of the launch (script, args, workdir, requirements, env names, result cap)."""
+    waiting_for: str | None = None
+    """While it waits: the nodes out of service it needs (a notice, a lost node, a replacement that failed)."""
+    holder: str = "slurm"
+    """Who holds it: `slurm`, or `fab` (an attached launch's connections; `owner` is that fab)."""
+    rank_exit_codes: dict = field(default_factory=dict)
+    """{node: {global rank: exit code}} of the ranks that failed (node/torchrun.py's ranks line)."""
+    first_failed: str | None = None
+    """The node that failed first, where the holder could tell."""
+    without_process_group: list = field(default_factory=list)
+    """The nodes none of whose ranks formed a process group."""
+    owner: str = ""
+    """`host:pid` of the fab that holds a run in its connections."""
+    extra: dict = field(default_factory=dict)
+    """What only one holder knows, for the summary (fab's hang watch's counts)."""
+
+    @property
+    def ended(self) -> bool:
+        return self.state in FINAL
+
+    def save(self, folder: Path) -> None:
+        state.write_atomic(folder / RECORD, json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, folder: Path) -> "Run | None":
+        try:
+            data = json.loads((folder / RECORD).read_text())
+            return cls(**data)
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def end(self, state_: str, exit_codes: dict, ranks: dict) -> None:
+        """The run ended `state_`, each node's job with `exit_codes`, the failed ranks' own codes `ranks`
+        ({node: {rank: code}}): the run's exit code is the first failed rank's, else the first failed
+        node's (a node stopped because another failed comes last)."""
+        self.state, self.exit_codes, self.rank_exit_codes = state_, dict(exit_codes), dict(ranks)
+        nodes = [n for n in self.nodes if n in self.exit_codes] + [n for n in self.exit_codes if n not in self.nodes]
+        failed = [n for n in nodes if self.exit_codes.get(n) not in (0, None)]
+        if self.first_failed is None and failed:
+            by_own = [n for n in failed if self.rank_exit_codes.get(n) or self.exit_codes[n] not in STOPPED_CODES]
+            self.first_failed = (by_own or failed)[0]
+        first = self.first_failed
+        if first and self.rank_exit_codes.get(first):
+            self.exit_code = next(iter(self.rank_exit_codes[first].values()))
+        elif first:
+            self.exit_code = self.exit_codes[first]
+        elif self.exit_code is None and state_ in FINAL:
+            self.exit_code = 0 if state_ == "COMPLETED" else None
+
+    def exited(self, node: str) -> str:
+        """`node-1 exited 1 (rank 1 exited 3)`: the node's code, and its failed ranks' own."""
+        return node_exited(node, self.exit_codes.get(node), RankOutcome(self.rank_exit_codes.get(node) or {}))
+
+    def as_row(self, hourly_usd: float) -> dict:
+        """`fab jobs --json`'s object: the contract's keys, then `waiting_for` (null unless it waits for
+        nodes out of service: a notice, a lost node, a replacement that failed to join) and `holder`."""
+        return {
+            "run_id": self.run_id,
+            "task": self.task,
+            "state": self.state,
+            "nodes": self.nodes,
+            "submitted_at": iso(self.submitted_at),
+            "started_at": iso(self.started_at),
+            "ended_at": iso(self.ended_at),
+            "exit_code": self.exit_code,
+            "requeues": self.requeues,
+            "cost_usd": round(self.cost_usd(hourly_usd), 6),
+            "waiting_for": None if self.ended else self.waiting_for,
+            "exit_codes": self.exit_codes,
+            "rank_exit_codes": self.rank_exit_codes,
+            "holder": self.holder,
+        }
+
+    def cost_usd(self, hourly_usd: float) -> float:
+        if self.started_at is None:
+            return 0.0
+        return billing.cost_usd(hourly_usd, max(0.0, (self.ended_at or time.time()) - self.started_at))
+
+
+def iso(at: float | None) -> str | None:
+    return None if at is None else datetime.fromtimestamp(at, timezone.utc).isoformat(timespec="seconds")
+
+
+def spec_facts(spec: JobSpec) -> dict:
+    """What a run's record keeps of its launch (names of --env variables only: values may be secrets)."""
+    return {
         "script": spec.script if not spec.upload else str(spec.upload),
         "args": spec.args,
         "workdir": str(spec.workdir.root) if spec.workdir else None,
         "requirements": str(spec.requirements.path) if spec.requirements else None,
-        "env": sorted(spec.env),  # names only: values may be secrets, and this file outlives the run
+        "env": sorted(spec.env),
+        "max_result_bytes": spec.max_result_bytes,
+        "hang": {"timeout_s": spec.hang.timeout_s, "on_hang": spec.hang.on_hang},
     }
-    if result.watch:
-        summary["hang_watch"] = result.watch
-    if result.hang:
+
+
+def summary(cluster: ClusterInfo, run: Run) -> dict:
+    """What `summary.json` says of a finished run, whichever holder held it."""
+    started = run.started_at or run.submitted_at
+    ended = run.ended_at or time.time()
+    summary: dict = {
+        "task": run.task,
+        "run_id": run.run_id,
+        "nodes": run.nodes,
+        "state": run.state,
+        "holder": run.holder,
+        "submitted_at": iso(run.submitted_at),
+        "started_at": iso(started),
+        "ended_at": iso(ended),
+        "duration_s": round(ended - started, 3),
+        "exit_code": run.exit_code,
+        "exit_codes": run.exit_codes,
+        "rank_exit_codes": run.rank_exit_codes,  # the failed ranks' own codes, by node and global rank
+        "requeues": run.requeues,
+        "cost_usd": round(run.cost_usd(cluster.hourly_usd), 6),
+        "hourly_usd": cluster.hourly_usd,
+        **{key: run.spec.get(key) for key in ("script", "args", "workdir", "requirements", "env")},
+        **run.extra,
+    }
+    if run.job_id:
+        summary["slurm_job"] = run.job_id
+    if run.hang:
         summary["hang"] = {
-            "verdict": result.hang.verdict,
-            "stalled_at": result.hang.stalled_since,
-            "detected_at": result.hang.detected_at,
-            "evidence": str(result.hang.evidence_dir),
-            "usd_since_stall": round(billing.cost_usd(cluster.hourly_usd, time.time() - result.hang.stalled_since), 6),
+            **run.hang,
+            "usd_since_stall": round(billing.cost_usd(cluster.hourly_usd, ended - float(run.hang["stalled_at"])), 6)
+            if run.hang.get("stalled_at")
+            else None,
         }
     return summary
+
+
+def outcome(cluster: ClusterInfo, run: Run, folder: Path) -> tuple[int, str]:
+    """The one rule from a run's end to fab's exit code and last line: 0 for COMPLETED, else 1."""
+    where = f"logs: {folder}"
+    if run.state == "COMPLETED":
+        took = (run.ended_at or time.time()) - (run.started_at or run.submitted_at)
+        cost = run.cost_usd(cluster.hourly_usd)
+        rate = f"${cluster.hourly_usd:.3f}/h"
+        return 0, f"fab: run {run.run_id} ok in {took:.1f} s, cost ${cost:.4f} ({rate}){alone(run)}; {where}"
+    failed = [n for n in run.nodes if run.exit_codes.get(n) not in (0, None)]
+    codes = ", ".join(run.exited(n) for n in failed)
+    if run.state == "HUNG" and run.hang:
+        verdict = str(run.hang.get("verdict", ""))
+        return 1, (
+            f"error: run {run.run_id} hung and was stopped on every node ({verdict.split(': ', 1)[-1]}); "
+            f"evidence: {run.hang.get('evidence') or folder}; {where}"
+        )
+    if run.state == "CANCELLED":
+        return 1, (
+            f"error: run {run.run_id} was stopped from outside ({codes or 'before it started'}: a fab stop, "
+            f"the watchdog or a down at the same time); {where}"
+        )
+    first = run.first_failed or (failed[0] if failed else None)
+    if first is None:
+        return 1, f"error: run {run.run_id} {run.state.lower()}: exit code {run.exit_code}; {where}"
+    return 1, (
+        f"error: run {run.run_id} failed: {codes} (first: {first}, log: {folder / (first + '.log')}); "
+        "the job was stopped on every node"
+    )
+
+
+def alone(run: Run) -> str:
+    """Beside "ok": the nodes whose ranks never formed a process group (a script that found no GPU and
+    returned 0 did nothing distributed)."""
+    nodes = run.without_process_group
+    if not nodes:
+        return ""
+    if len(nodes) == len(run.nodes):
+        return ", but no rank joined a process group"
+    return f", but no rank on {', '.join(nodes)} joined a process group"
+
+
+def runs_of(runs_root: Path) -> list[tuple[Path, Run]]:
+    """Every run of the stack with a record here, oldest first."""
+    found = []
+    if runs_root.is_dir():
+        for folder in sorted(runs_root.iterdir()):
+            run = Run.load(folder) if folder.is_dir() else None
+            if run is not None:
+                found.append((folder, run))
+    return sorted(found, key=lambda pair: pair[1].submitted_at)
+
+
+def find(runs_root: Path, run_id: str | None) -> tuple[Path, Run]:
+    """The run `--run ID` names (the newest without it); one line, exit 2, when there is none."""
+    found = runs_of(runs_root)
+    if run_id is None:
+        if not found:
+            raise UsageError("no run yet: fab run ... (or any launch task)")
+        return found[-1]
+    for folder, run in found:
+        if run.run_id == run_id:
+            return folder, run
+    known = ", ".join(run.run_id for _, run in found[-3:]) or "none"
+    raise UsageError(f"no run {run_id!r} on this stack (latest: {known}); fab jobs lists them")
 
 
 def write_summary(run_dir: Path, data: dict) -> None:

@@ -19,94 +19,34 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra import state
 from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
-from node import billing, contract
+from node import contract
 from remote import job_command, node_paths, protocol
 from remote.connect import CONNECTION_ERRORS, NodeSession, describe
-from remote.stream import say
+from remote.runs import FINAL, Run, RunBook, spec_facts, summary, write_summary
+from remote.stream import RankOutcome, say
 
-RECORD = "run.json"
-"""A scheduled run's record in its local run folder."""
-FINAL = ("COMPLETED", "FAILED", "CANCELLED", "HUNG", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
-"""States after which the run runs no more (Slurm's, plus HUNG: the hang watch stopped it). PREEMPTED is
-not one: a run a spot notice ended waits in the queue, and starts again once every node is in service."""
+SLURM_STATES = {
+    **dict.fromkeys(("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SPECIAL_EXIT", "RESV_DEL_HOLD"), "PENDING"),
+    **dict.fromkeys(("RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "STOPPED", "SIGNALING"), "RUNNING"),
+    **dict.fromkeys(("FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"), "FAILED"),
+    **dict.fromkeys(("COMPLETED", "CANCELLED", "HUNG", "PREEMPTED"), None),
+}
+"""Slurm's job states onto a run's (`runs.STATES`); None: the same name. COMPLETING (a slurmctld restart
+shows it for a while) is still running; TIMEOUT, NODE_FAIL and the like are failures."""
 NODE_LINE = re.compile(r"^\[(node-\d+)(?: rank \d+)?\] ?")
 CANCEL_WAIT_S = 30
 
 
-@dataclass
-class Run:
-    """What this machine knows of one scheduled run (`run.json`)."""
-
-    run_id: str
-    task: str
-    job_id: str
-    log: str
-    """The run's log on the head node (absolute)."""
-    nodes: list[str]
-    submitted_at: float
-    state: str = "PENDING"
-    started_at: float | None = None
-    ended_at: float | None = None
-    exit_code: int | None = None
-    requeues: int = 0
-    exit_codes: dict = field(default_factory=dict)
-    """Each node's own exit code, from its exit marker in the log."""
-    finished: bool = False
-    """Results fetched, summary written, ledger closed."""
-    hang: dict | None = None
-    """The hang watch's verdict, where it stopped the run."""
-    spec: dict = field(default_factory=dict)
-    """What the summary needs of the launch (script, args, workdir, requirements, env names, result cap)."""
-    waiting_for: str | None = None
-    """While it waits: the nodes out of service it needs (a notice, a lost node, a replacement that failed)."""
-
-    @property
-    def ended(self) -> bool:
-        return self.state in FINAL
-
-    def save(self, folder: Path) -> None:
-        state.write_atomic(folder / RECORD, json.dumps(asdict(self), indent=2) + "\n")
-
-    @classmethod
-    def load(cls, folder: Path) -> "Run | None":
-        try:
-            data = json.loads((folder / RECORD).read_text())
-            return cls(**data)
-        except (OSError, ValueError, TypeError):
-            return None
-
-    def as_row(self, hourly_usd: float) -> dict:
-        """`fab jobs --json`'s object: the issue's keys, then `waiting_for` (null unless it waits for nodes
-        out of service: a notice, a lost node, a replacement that failed to join)."""
-        return {
-            "run_id": self.run_id,
-            "task": self.task,
-            "state": self.state,
-            "nodes": self.nodes,
-            "submitted_at": _iso(self.submitted_at),
-            "started_at": _iso(self.started_at),
-            "ended_at": _iso(self.ended_at),
-            "exit_code": self.exit_code,
-            "requeues": self.requeues,
-            "cost_usd": round(self.cost_usd(hourly_usd), 6),
-            "waiting_for": None if self.ended else self.waiting_for,
-        }
-
-    def cost_usd(self, hourly_usd: float) -> float:
-        if self.started_at is None:
-            return 0.0
-        return billing.cost_usd(hourly_usd, max(0.0, (self.ended_at or time.time()) - self.started_at))
-
-
-def _iso(at: float | None) -> str | None:
-    return None if at is None else datetime.fromtimestamp(at, timezone.utc).isoformat(timespec="seconds")
+def run_state(slurm_state: str) -> str:
+    """A run's state for Slurm's `slurm_state` (an unknown one is taken as running: it has not ended)."""
+    mapped = SLURM_STATES.get(slurm_state, "RUNNING")
+    return mapped or slurm_state
 
 
 # ------------------------------------------------------------------------------------------- submit
@@ -235,6 +175,8 @@ class Followed:
     end: tuple[str, int | None] | None
     """(Slurm's state, the job's exit code) when the run ended while followed; None otherwise."""
     exit_codes: dict[str, int]
+    ranks: dict[str, str] = field(default_factory=dict)
+    """Each node's ranks line (the failed ranks' own codes), as `LogSplitter.ranks`."""
     detached: str = ""
     """Why following stopped before the end (a dropped connection, SIGHUP); '' when it did not."""
     interrupted: bool = False
@@ -282,13 +224,14 @@ def follow(
         _restore(handlers)
         head.close()
         splitter.close()
+    codes, ranks = splitter.exit_codes, splitter.ranks
     if interrupted and not cancel_on_interrupt:
-        return Followed(None, splitter.exit_codes, detached="Ctrl-C", interrupted=True)
+        return Followed(None, codes, ranks, detached="Ctrl-C", interrupted=True)
     if hangup.is_set() and not splitter.end:
-        return Followed(None, splitter.exit_codes, detached="the terminal hung up (SIGHUP)")
+        return Followed(None, codes, ranks, detached="the terminal hung up (SIGHUP)")
     if splitter.end is None and not interrupted:
-        return Followed(None, splitter.exit_codes, detached=outcome.get("lost", "the connection ended"))
-    return Followed(splitter.end, splitter.exit_codes, interrupted=interrupted)
+        return Followed(None, codes, ranks, detached=outcome.get("lost", "the connection ended"))
+    return Followed(splitter.end, codes, ranks, interrupted=interrupted)
 
 
 def _signals(hangup: threading.Event) -> dict:
@@ -335,7 +278,7 @@ def refresh(cluster: ClusterInfo, runs: list[Run]) -> None:
         known = found.get(run.job_id)
         if known is None:
             continue
-        run.state = known.get("state") or run.state
+        run.state = run_state(known.get("state") or "") if known.get("state") else run.state
         run.started_at = run.started_at or known.get("started_at")  # the first start: a requeue costs the wait too
         run.ended_at = known.get("ended_at") if run.state in FINAL else None
         run.exit_code = known.get("exit_code") if run.state in FINAL else None
@@ -358,49 +301,20 @@ def cancel(cluster: ClusterInfo, run: Run) -> dict | None:
     return protocol.parse_last_json(result.stdout).get("before")
 
 
-# -------------------------------------------------------------------------------------------- runs
-
-
-def runs_of(runs_root: Path) -> list[tuple[Path, Run]]:
-    """Every scheduled run of the stack with a record here, oldest first."""
-    found = []
-    if runs_root.is_dir():
-        for folder in sorted(runs_root.iterdir()):
-            run = Run.load(folder) if folder.is_dir() else None
-            if run is not None:
-                found.append((folder, run))
-    return sorted(found, key=lambda pair: pair[1].submitted_at)
-
-
-def find(runs_root: Path, run_id: str | None) -> tuple[Path, Run]:
-    """The run `--run ID` names (the newest without it); one line, exit 2, when there is none."""
-    runs = runs_of(runs_root)
-    if run_id is None:
-        if not runs:
-            raise UsageError("no run held by the scheduler yet: fab run ... (or any launch task)")
-        return runs[-1]
-    for folder, run in runs:
-        if run.run_id == run_id:
-            return folder, run
-    known = ", ".join(run.run_id for _, run in runs[-3:]) or "none"
-    raise UsageError(f"no run {run_id!r} on this stack (latest: {known}); fab jobs lists them")
-
-
 # ------------------------------------------------------------------------------------- a launch
 
 
 def launch(cluster: ClusterInfo, spec, setup, runs_root: Path, detach: bool) -> tuple[Path, Run, Followed | None]:
     """Prepare, submit and (unless `detach`) follow one run; the run's local folder, its record, and how
     following ended (None when detached at once)."""
-    from infra.ledger import Ledger
     from remote.connect import on_all_nodes
     from remote.hangwatch import OVERDUE_GRACE_S, ask_command
-    from remote.launch import JobLock, job_script, node_command, open_launch, prepare, upload_script
+    from remote.launch import job_script, node_command, open_launch, owning, prepare, upload_script
 
-    wanted, sessions, statuses, run_id = open_launch(cluster, spec, queued=True)
+    wanted, sessions, statuses, run_id = open_launch(cluster, spec)
     try:
         local_dir = runs_root / run_id
-        with JobLock(sessions[0], run_id, spec.task):  # the workdir caches and environments, one launch at a time
+        with owning(sessions, statuses, spec, run_id, queued=True):  # caches and environments: one launch at a time
             prepare(cluster, sessions, statuses, spec, setup, wanted)
             if spec.upload:
                 upload_script(cluster, sessions, run_id, spec.upload)
@@ -437,137 +351,57 @@ def launch(cluster: ClusterInfo, spec, setup, runs_root: Path, detach: bool) -> 
         f"{head_path(setup, cluster, node_paths.remote_run_dir(cluster, run_id))}/{contract.RUN_LOG}",
         [node.name for node in cluster.nodes],
         time.time(),
-        spec={
-            "script": spec.script if not spec.upload else str(spec.upload),
-            "args": spec.args,
-            "workdir": str(spec.workdir.root) if spec.workdir else None,
-            "requirements": str(spec.requirements.path) if spec.requirements else None,
-            "env": sorted(spec.env),
-            "max_result_bytes": spec.max_result_bytes,
-            "hang": {"timeout_s": spec.hang.timeout_s, "on_hang": spec.hang.on_hang},
-        },
+        spec=spec_facts(spec),
     )
     run.save(state.make_private_dir(local_dir))
-    try:
-        ledger = Ledger()
-        try:
-            ledger.run_started(run_id, cluster.stack, spec.task, len(cluster.nodes), cluster.hourly_usd, scheduled=True)
-        finally:
-            ledger.close()
-    except Exception as exc:  # the ledger is a record; it never costs the run
-        say(f"fab: warning: could not record the run in the ledger ({exc})")
+    book = RunBook(cluster)
+    book.started(run_id, spec.task, scheduled=True)
+    book.close()
     say(
         f"fab: run {run_id}: {spec.task} on {len(cluster.nodes)} nodes, held by Slurm (job {job_id}); "
         f"logs in {local_dir}"
     )
     if detach:
         return local_dir, run, None
-    return local_dir, run, follow_with_watch(cluster, setup, run, local_dir, spec.hang)
-
-
-def follow_with_watch(
-    cluster: ClusterInfo, setup, run: Run, local_dir: Path, hang_policy=None, cancel_on_interrupt=True
-) -> Followed:
-    """`follow`, with the hang watch beside it (while fab follows) where the run has one."""
-    from remote.hangwatch import HangPolicy, HangWatch
-
-    saved = run.spec.get("hang") or {}
-    policy = hang_policy or HangPolicy(float(saved.get("timeout_s", 0)), str(saved.get("on_hang", "stop")))
-    watch = None
-    if policy.enabled:
-
-        def stop_run():
-            cancel(cluster, run)
-            return {}
-
-        def hung(report) -> None:
-            run.hang = {
-                "verdict": report.verdict,
-                "stalled_at": report.stalled_since,
-                "detected_at": report.detected_at,
-                "evidence": str(report.evidence_dir),
-            }
-            run.save(local_dir)
-
-        watch = HangWatch(cluster, setup.python, run.run_id, policy, local_dir, stop_run, hung).start()
-    try:
-        return follow(cluster, run, local_dir, cancel_on_interrupt=cancel_on_interrupt)
-    finally:
-        if watch is not None:
-            watch.close()
+    return local_dir, run, follow(cluster, run, local_dir)  # the hang watch runs on the cluster (supervise)
 
 
 def finish(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: Followed | None = None) -> None:
-    """A run seen ended: its state and times from Slurm, each node's exit code, results fetched,
-    summary.json written, the ledger's row given Slurm's times. Done once per run."""
-    from infra.ledger import Ledger
+    """A run seen ended: its state and times from Slurm, each node's and each failed rank's exit code,
+    results fetched, summary.json written, the ledger's row given Slurm's times. Done once per run."""
     from remote.launch import explain_failure, fetch_results, report_fetched
-    from remote.runs import write_summary
 
     if run.finished:
         return
     refresh(cluster, [run])
+    exit_codes, ranks = dict(run.exit_codes), {}
     if followed is not None and followed.exit_codes:
-        run.exit_codes = dict(followed.exit_codes)
+        exit_codes, ranks = dict(followed.exit_codes), dict(followed.ranks)
     if followed is None:  # ended while nothing followed it: its log (and each node's code) from the head
-        run.exit_codes = _bring_log(cluster, run, folder) or run.exit_codes
+        brought = _bring_log(cluster, run, folder)
+        exit_codes, ranks = (dict(brought.exit_codes), dict(brought.ranks)) if brought.exit_codes else (exit_codes, {})
     for node in run.nodes:  # a node that left no marker was ended from outside
-        run.exit_codes.setdefault(node, 0 if run.state == "COMPLETED" else 128 + 15)
+        exit_codes.setdefault(node, 0 if run.state == "COMPLETED" else 128 + 15)
     if run.hang is None:
         run.hang = _cluster_hang(cluster, run)
+    outcome = run.state
     if run.hang and run.state in ("CANCELLED", "FAILED"):
-        run.state = "HUNG"
-    if run.state not in ("COMPLETED",):
+        outcome = "HUNG"
+    run.end(outcome, exit_codes, {n: RankOutcome.parse(text).exit_codes for n, text in ranks.items()})
+    if run.state != "COMPLETED":
         explain_failure(folder)
     head = NodeSession(cluster, cluster.head)
+    max_bytes = int(run.spec.get("max_result_bytes") or 50_000_000)
     try:
-        fetched = fetch_results(
-            cluster,
-            head,
-            setup.python[cluster.head.name],
-            run.run_id,
-            folder,
-            int(run.spec.get("max_result_bytes") or 50_000_000),
-        )
-        report_fetched(fetched, folder, cluster.head.name, int(run.spec.get("max_result_bytes") or 50_000_000))
+        fetched = fetch_results(cluster, head, setup.python[cluster.head.name], run.run_id, folder, max_bytes)
+        report_fetched(fetched, folder, cluster.head.name, max_bytes)
     except Exception as exc:  # results are a convenience; the logs are local already
         say(f"fab: could not fetch results from {cluster.head.name}: {describe(exc)}")
     finally:
         head.close()
-    started = run.started_at or run.submitted_at
-    ended = run.ended_at or time.time()
-    cost = billing.cost_usd(cluster.hourly_usd, max(0.0, ended - started))
-    try:
-        ledger = Ledger()
-        try:
-            if ledger.run(run.run_id) is None:
-                ledger.run_started(
-                    run.run_id, cluster.stack, run.task, len(run.nodes), cluster.hourly_usd, scheduled=True
-                )
-            ledger.run_times(run.run_id, started, ended, run.exit_codes)
-        finally:
-            ledger.close()
-    except Exception as exc:
-        say(f"fab: warning: could not record the run's end in the ledger ({exc})")
-    summary = {
-        "task": run.task,
-        "run_id": run.run_id,
-        "nodes": run.nodes,
-        "state": run.state,
-        "slurm_job": run.job_id,
-        "submitted_at": _iso(run.submitted_at),
-        "started_at": _iso(started),
-        "ended_at": _iso(ended),
-        "duration_s": round(ended - started, 3),
-        "exit_codes": run.exit_codes,
-        "requeues": run.requeues,
-        "cost_usd": round(cost, 6),
-        "hourly_usd": cluster.hourly_usd,
-        **{key: run.spec.get(key) for key in ("script", "args", "workdir", "requirements", "env")},
-    }
-    if run.hang:
-        summary["hang"] = run.hang
-    write_summary(folder, summary)
+    run.started_at, run.ended_at = run.started_at or run.submitted_at, run.ended_at or time.time()
+    RunBook(cluster).ended(run)
+    write_summary(folder, summary(cluster, run))
     run.finished = True
     run.save(folder)
 
@@ -588,8 +422,9 @@ def _cluster_hang(cluster: ClusterInfo, run: Run) -> dict | None:
         head.close()
 
 
-def _bring_log(cluster: ClusterInfo, run: Run, folder: Path) -> dict[str, int]:
-    """The run's whole log from the head node into the local per-node logs; each node's exit code."""
+def _bring_log(cluster: ClusterInfo, run: Run, folder: Path) -> "LogSplitter":
+    """The run's whole log from the head node into the local per-node logs; each node's exit code and
+    ranks line are on the splitter returned."""
     splitter = LogSplitter(folder, echo=False)
     head = NodeSession(cluster, cluster.head)
     try:
@@ -599,7 +434,7 @@ def _bring_log(cluster: ClusterInfo, run: Run, folder: Path) -> dict[str, int]:
     finally:
         head.close()
         splitter.close()
-    return splitter.exit_codes
+    return splitter
 
 
 class _Sink:
@@ -614,24 +449,3 @@ class _Sink:
 
     def flush(self) -> None:
         pass
-
-
-def outcome_line(cluster: ClusterInfo, run: Run, folder: Path) -> tuple[int, str]:
-    """The exit code and the last line for a run that ended: 0 for COMPLETED, else 1."""
-    cost = run.cost_usd(cluster.hourly_usd)
-    took = (run.ended_at or time.time()) - (run.started_at or run.submitted_at)
-    if run.state == "COMPLETED":
-        return (
-            0,
-            f"fab: run {run.run_id} ok in {took:.1f} s, cost ${cost:.4f} (${cluster.hourly_usd:.3f}/h); logs: {folder}",
-        )
-    codes = ", ".join(f"{n} exited {c}" for n, c in sorted(run.exit_codes.items()) if c)
-    if run.state == "HUNG" and run.hang:
-        return (
-            1,
-            f"error: run {run.run_id} hung and was stopped ({run.hang['verdict']}); "
-            f"evidence: {run.hang.get('evidence') or folder}; logs: {folder}",
-        )
-    if run.state == "CANCELLED":
-        return 1, f"error: run {run.run_id} was cancelled ({codes or 'before it started'}); logs: {folder}"
-    return 1, f"error: run {run.run_id} {run.state.lower()}: {codes or f'exit code {run.exit_code}'}; logs: {folder}"

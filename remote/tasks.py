@@ -7,7 +7,6 @@ import contextlib
 import json
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from invoke import Collection, task
 from invoke.exceptions import Exit
@@ -17,18 +16,15 @@ from infra import inventory, state
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo
 from node import contract
-from remote import job_command, node_paths, options, protocol, runs, scheduled, workdir
+from remote import holders, job_command, node_paths, options, protocol, runs, scheduled, workdir
 from remote.bootstrap import Bootstrap, remembered_setup
 from remote.connect import describe, on_all_nodes, open_sessions
 from remote.launch import (
     DEFAULT_MAX_RESULT_MB,
     JobLock,
-    JobResult,
     JobSpec,
     NodeSetup,
     check_ready,
-    launch,
-    stop_everywhere,
 )
 from remote.stream import console, say
 
@@ -51,24 +47,26 @@ NPROC_HELP = (
 )
 
 
-STOPPED_CODES = (128 + 15, 128 + 9)  # SIGTERM, SIGKILL: what stop (node/stop_jobs.py) ends a job with
-
-
-def after_follow(cluster: ClusterInfo, setup: NodeSetup, folder: Path, run: scheduled.Run, followed) -> None:
-    """The end of following a scheduled run: detached (it goes on), or finished and reported."""
-    if followed.detached:
+def report(cluster: ClusterInfo, ending: holders.Ending) -> None:
+    """How a launch or a follow ended, said the one way for both holders: submitted (its id last),
+    detached (it goes on), cancelled by Ctrl-C (130), or its outcome (`runs.outcome`: 0 or 1)."""
+    run, folder = ending.run, ending.folder
+    if ending.submitted:
+        say(f"fab: follow it with fab logs -f --run {run.run_id}; cancel it with fab stop --run {run.run_id}")
+        print(run.run_id, flush=True)  # alone on the last line, for scripts
+        return
+    if ending.detached:
         say(
-            f"fab: stopped following ({followed.detached}); run {run.run_id} goes on on the cluster: "
+            f"fab: stopped following ({ending.detached}); run {run.run_id} goes on on the cluster: "
             f"fab logs -f --run {run.run_id}"
         )
-        if followed.interrupted:
+        if ending.interrupted:
             raise Exit(code=130)
         return
-    scheduled.finish(cluster, setup, folder, run, followed)
-    code, line = scheduled.outcome_line(cluster, run, folder)
-    if followed.interrupted:
-        say(f"fab: run {run.run_id} cancelled (Ctrl-C); logs: {folder}")
+    if ending.interrupted:
+        say(f"fab: run {run.run_id} cancelled (Ctrl-C): stopped on every node; logs: {folder}")
         raise Exit(code=130)
+    code, line = runs.outcome(cluster, run, folder)
     if code:
         raise Exit(line, code=code)
     say(line)
@@ -90,84 +88,20 @@ def setup_for(cluster: ClusterInfo) -> NodeSetup:
     return NodeSetup.load(state.stack_file(cluster.stack, state.BOOTSTRAP))
 
 
+def holder_of(stack: str | None) -> tuple[ClusterInfo, holders.RunHolder]:
+    cluster = cluster_for(stack)
+    return cluster, holders.holder_for(cluster, setup_for(cluster))
+
+
 def start_job(stack: str | None, spec: JobSpec, detach: bool = False) -> None:
-    """Launch `spec` on every node; exit 1 naming the node that failed, 130 on Ctrl-C. Where Slurm holds
-    the runs, the run is submitted and followed (`detach`: submitted only, its id printed last)."""
+    """Launch `spec` on every node, held as bootstrap chose; exit 1 naming the node that failed, 130 on
+    Ctrl-C (`detach`: submitted only, its id printed last)."""
     options.job_text(spec.args, spec.env)
     cluster = cluster_for(stack)
     problem = job_command.nproc_problem(cluster.nodes, spec.nproc_per_node)
     if problem:
         raise Exit(f"error: {problem}", code=2)
-    setup = setup_for(cluster)
-    if setup.scheduler == "slurm":
-        folder, run, followed = scheduled.launch(cluster, spec, setup, state.runs_dir(cluster.stack), detach)
-        if followed is None:
-            say(f"fab: follow it with fab logs -f --run {run.run_id}; cancel it with fab stop --run {run.run_id}")
-            print(run.run_id, flush=True)  # alone on the last line, for scripts
-            return
-        after_follow(cluster, setup, folder, run, followed)
-        return
-    if detach:
-        why = setup.scheduler_why or "bootstrapped with --scheduler none"
-        raise Exit(
-            f"error: --detach needs runs held by Slurm on the cluster, which it does not run ({why}); "
-            "fab bootstrap sets Slurm up once that is mended",
-            code=2,
-        )
-    if setup.scheduler_why:
-        say(f"fab: this run lives in fab's connections, not in Slurm on the cluster: {setup.scheduler_why}")
-    book = runs.RunBook(cluster)
-    result, local_dir = launch(
-        cluster,
-        spec,
-        setup,
-        state.runs_dir(cluster.stack),
-        on_start=lambda run_id: book.started(run_id, spec.task),
-        on_hang=book.hung,
-    )
-    cost_usd = book.ended(result.run_id, result.exit_codes, result.duration_s, spec.task)
-    runs.write_summary(local_dir, runs.summary(cluster, spec, result, cost_usd))
-    where = f"logs: {local_dir}"
-    if result.interrupted:
-        say(f"fab: run {result.run_id} interrupted after {result.duration_s:.1f} s; job stopped on every node; {where}")
-        raise Exit(code=130)
-    if result.hang and spec.hang.on_hang == "stop":
-        raise Exit(
-            f"error: run {result.run_id} hung and was stopped on every node ({result.hang.verdict.split(': ', 1)[1]}); "
-            f"evidence: {result.hang.evidence_dir}; {where}",
-            code=1,
-        )
-    failed = [c for c in result.exit_codes.values() if c not in (0, None)]
-    if not result.ok and failed and all(c in STOPPED_CODES for c in failed):
-        raise Exit(
-            f"error: run {result.run_id} was stopped from outside: every node's job ended on a signal "
-            f"({', '.join(f'{n} exited {c}' for n, c in result.exit_codes.items() if c)}: a fab stop, the "
-            f"watchdog or a down at the same time); {where}",
-            code=1,
-        )
-    if not result.ok:
-        first = result.failed_node or next(n for n, c in result.exit_codes.items() if c != 0)
-        codes = ", ".join(result.exited(n) for n, c in result.exit_codes.items() if c not in (0, None))
-        raise Exit(
-            f"error: run {result.run_id} failed: {codes} (first: {first}, log: {local_dir / (first + '.log')}); "
-            "the job was stopped on every node",
-            code=1,
-        )
-    say(
-        f"fab: run {result.run_id} ok in {result.duration_s:.1f} s, cost ${cost_usd:.4f} "
-        f"(${cluster.hourly_usd:.3f}/h){alone(result)}; {where}"
-    )
-
-
-def alone(result: JobResult) -> str:
-    """Beside "ok": the nodes whose ranks never formed a process group (a script that found no GPU and
-    returned 0 did nothing distributed)."""
-    nodes = result.without_process_group
-    if not nodes:
-        return ""
-    if len(nodes) == len(result.exit_codes):
-        return ", but no rank joined a process group"
-    return f", but no rank on {', '.join(nodes)} joined a process group"
+    report(cluster, holders.holder_for(cluster, setup_for(cluster)).launch(spec, detach))
 
 
 @dataclass(frozen=True)
@@ -366,65 +300,39 @@ def bootstrap(c, force=False, master_port=None, scheduler=None, stack=None):
     Bootstrap(cluster, bool(force), port, chosen).run()
 
 
-@task(help={"run": "cancel this run only (queued or running; runs held by Slurm)", "stack": STACK_HELP})
+@task(help={"run": "cancel this run only (queued or running)", "stack": STACK_HELP})
 def stop(c, run=None, stack=None):
-    """Stop whatever job runs on the cluster, on every node (with Slurm, queued runs too); --run ID: that run."""
-    cluster = cluster_for(stack)
-    setup = NodeSetup.load(state.stack_file(cluster.stack, state.BOOTSTRAP)) if run is not None else None
-    if run is not None:
-        run_id = options.run_id(run)
-        if setup is None or setup.scheduler != "slurm":
-            raise Exit(
-                "error: --run needs runs held by Slurm (fab bootstrap --scheduler slurm); fab stop stops the job",
-                code=2,
-            )
-        folder, record = scheduled.find(state.runs_dir(cluster.stack), run_id)
-        scheduled.refresh(cluster, [record])
-        if record.ended:
-            record.save(folder)
-            say(f"fab: run {run_id} had already ended ({record.state}); nothing to cancel")
-            return
-        before = scheduled.cancel(cluster, record)
-        say(f"fab: run {run_id} cancelled (it was {(before or {}).get('state') or record.state})")
+    """Stop whatever job runs on the cluster, on every node (where Slurm holds the runs, queued runs too);
+    --run ID: that run only."""
+    cluster, holder = holder_of(stack)
+    if run is None:
+        holders.stop_all(cluster, holder)
         return
-    if _scheduler_of(cluster) == "slurm":
-        pending = [(f, r) for f, r in scheduled.runs_of(state.runs_dir(cluster.stack)) if not r.ended]
-        scheduled.refresh(cluster, [r for _, r in pending])
-        for _, record in pending:
-            if not record.ended:
-                scheduled.cancel(cluster, record)
-                say(f"fab: run {record.run_id} cancelled (it was {record.state})")
-    for node, outcome in stop_everywhere(cluster).items():
-        say(f"{node}: {outcome}")
-
-
-def _scheduler_of(cluster: ClusterInfo) -> str:
-    try:
-        return setup_for(cluster).scheduler
-    except UsageError:
-        return ""
+    folder, record = runs.find(state.runs_dir(cluster.stack), options.run_id(run))
+    holder.refresh([(folder, record)])
+    if record.ended:
+        record.save(folder)
+        say(f"fab: run {record.run_id} had already ended ({record.state}); nothing to cancel")
+        return
+    before = holder.cancel(record)
+    if before is None:
+        raise Exit(f"error: run {record.run_id} is not running on the cluster; fab jobs lists the runs", code=2)
+    say(f"fab: run {record.run_id} cancelled (it was {before})")
 
 
 @task(help={"json": "machine-readable: a list of runs", "stack": STACK_HELP})
 def jobs(c, json_=False, stack=None):
-    """Queued, running and recent runs held by Slurm: state, times, exit code, requeues, cost."""
-    cluster = cluster_for(stack)
-    setup = setup_for(cluster)
-    if setup.scheduler != "slurm":
-        raise Exit("error: fab jobs lists runs held by Slurm: fab bootstrap --scheduler slurm", code=2)
-    found = scheduled.runs_of(state.runs_dir(cluster.stack))
-    scheduled.refresh(cluster, [r for _, r in found])
-    for folder, record in found:
-        record.save(folder)
-        if record.ended and not record.finished:
-            with contextlib.redirect_stdout(sys.stderr if json_ else sys.stdout):
-                scheduled.finish(cluster, setup, folder, record)
+    """Queued, running and recent runs: state, times, exit code, requeues, cost."""
+    cluster, holder = holder_of(stack)
+    found = runs.runs_of(state.runs_dir(cluster.stack))
+    with contextlib.redirect_stdout(sys.stderr if json_ else sys.stdout):  # finishing says what it fetched
+        holder.refresh(found)
     rows = [record.as_row(cluster.hourly_usd) for _, record in found]
     if json_:
         print(json.dumps(rows, indent=2))
         return
     if not rows:
-        say("no runs yet: fab run ... --detach (or any launch task)")
+        say("no runs yet: fab run ... (or any launch task)")
         return
     table = Table(title=f"runs of '{cluster.stack}'")
     for column in ("run", "task", "state", "submitted", "started", "ended", "exit", "requeues", "cost"):
@@ -450,8 +358,8 @@ def results(c, run=None, stack=None):
     """Fetch a finished run's results and metrics into its run folder (as an attached run does)."""
     cluster = cluster_for(stack)
     setup = setup_for(cluster)
-    folder, record = scheduled.find(state.runs_dir(cluster.stack), options.run_id(run) if run else None)
-    scheduled.refresh(cluster, [record])
+    folder, record = runs.find(state.runs_dir(cluster.stack), options.run_id(run) if run else None)
+    holders.holder_for(cluster, setup).refresh([(folder, record)])
     record.save(folder)
     if not record.ended:
         raise Exit(
@@ -474,8 +382,10 @@ def clean_runs(c, keep=None, stack=None):
     setup = setup_for(cluster)
     sessions, statuses = open_sessions(cluster, protocol.job_status_command())
     try:
-        check_ready(sessions, statuses)
-        with JobLock(sessions[0], job_command.new_run_id("clean-runs"), "clean-runs"):  # no job starts meanwhile
+        check_ready(sessions, statuses, queued=True)
+        with JobLock(
+            sessions[0], job_command.new_run_id("clean-runs"), "clean-runs"
+        ):  # after the job; none starts meanwhile
             outcomes = on_all_nodes(
                 sessions,
                 lambda s: protocol.parse_last_json(
@@ -511,33 +421,25 @@ def clean_runs(c, keep=None, stack=None):
         "run": "the run id (default: the latest run)",
         "node": "only this node's log",
         "lines": "how many lines from the end of each log (default 50; 0 for all)",
-        "follow": "follow a run held by Slurm until it ends (exit 0 if it completed, else 1)",
+        "follow": "follow the run until it ends (exit 0 if it completed, else 1); Ctrl-C stops following only",
         "stack": STACK_HELP,
     }
 )
 def logs(c, run=None, node=None, lines=None, follow=False, stack=None):
-    """Show a run's per-node logs (kept on this machine in .cluster/<stack>/runs/<run-id>/); -f follows a
-    run held by Slurm until it ends (exit 0 if it completed, else 1)."""
+    """Show a run's per-node logs (kept on this machine in .cluster/<stack>/runs/<run-id>/); -f follows the
+    run until it ends (exit 0 if it completed, else 1)."""
     count = options.integer("--lines", lines, 50, minimum=0)
     run = options.run_id(run) if run is not None else None
     if follow:
-        cluster = cluster_for(stack)
-        setup = setup_for(cluster)
-        if setup.scheduler != "slurm":
-            raise Exit("error: --follow follows runs held by Slurm (fab bootstrap --scheduler slurm)", code=2)
-        folder, record = scheduled.find(state.runs_dir(cluster.stack), run)
+        cluster, holder = holder_of(stack)
+        folder, record = runs.find(state.runs_dir(cluster.stack), run)
         if not record.finished:
-            # Ctrl-C stops the following only: cancelling is fab stop --run's
-            followed = scheduled.follow_with_watch(cluster, setup, record, folder, cancel_on_interrupt=False)
-            after_follow(cluster, setup, folder, record, followed)
+            report(cluster, holder.follow(folder, record))  # Ctrl-C stops the following only
             return
-        code, line = scheduled.outcome_line(cluster, record, folder)
         for path in sorted(folder.glob("node-*.log")):
             for text in path.read_text(errors="replace").splitlines()[-count if count else None :]:
-                say(f"[{path.stem}] {text}")
-        if code:
-            raise Exit(line, code=code)
-        say(line)
+                say(prefixed(path.stem, text))
+        report(cluster, holders.Ending(folder, record))
         return
     stack_name = state.resolve_stack(stack)
     if stack_name is None:
@@ -555,11 +457,16 @@ def logs(c, run=None, node=None, lines=None, follow=False, stack=None):
     for path in logs_found:
         text = path.read_text().splitlines()
         shown = text[-count:] if count > 0 else text
-        for line in shown:  # the nodes prefix their own lines; a line fab wrote before them gets one here
-            say(line if line.startswith(f"[{path.stem}") else f"[{path.stem}] {line}")
+        for line in shown:
+            say(prefixed(path.stem, line))
     summary = run_dir / runs.SUMMARY
     if summary.exists():
         say(runs.summary_line(summary))
+
+
+def prefixed(node: str, line: str) -> str:
+    """A node's log line as shown: the nodes prefix their own lines; a line fab wrote before them gets one."""
+    return line if line.startswith(f"[{node}") else f"[{node}] {line}"
 
 
 GPU_QUERY = (

@@ -467,37 +467,30 @@ def test_ctrl_c_during_a_flood_of_output_stops_cleanly(cluster, tmp_path):
     assert run_processes(run_id_in(text)) == []
 
 
-def test_two_launches_at_the_same_moment_run_one_job(cluster, tmp_path):
-    script = tmp_path / "until_released.py"  # runs until the test has seen one launch of the pair end
+def test_launches_at_the_same_moment_wait_their_turn_and_run_one_after_another(cluster, tmp_path):
+    script = tmp_path / "stamp.py"  # node-0 records when each run's script ran
     script.write_text(
         "import os, sys, time\n"
-        "deadline = time.time() + 120\n"
-        "while not os.path.exists(sys.argv[1]) and time.time() < deadline:\n"
-        "    time.sleep(0.1)\n"
+        "start = time.time()\n"
+        "time.sleep(1.5)\n"
+        "if os.environ['CLUSTER_NODE'] == 'node-0':\n"
+        "    with open(sys.argv[1], 'a') as f:\n"
+        "        f.write(f\"{os.environ['CLUSTER_RUN_ID']} {start} {time.time()}\\n\")\n"
     )
-    for attempt in range(3):
-        before = cluster.runs()
-        release = tmp_path / f"release-{attempt}"
-        pair = [
-            cluster.popen_fab("run", "--script", str(script), "--args", str(release), stderr=subprocess.PIPE)
-            for _ in range(2)
-        ]
-        deadline = time.monotonic() + 120
-        while all(job.poll() is None for job in pair) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        release.touch()
-        outcomes = []
-        for job in pair:
-            out, err = job.communicate(timeout=120)
-            outcomes.append((job.returncode, out, err))
-        assert sorted(code for code, _, _ in outcomes) == [0, 2], outcomes
-        [(_, ran, _)] = [o for o in outcomes if o[0] == 0]
-        [(_, _, refusal)] = [o for o in outcomes if o[0] == 2]
-        # Refused by the head node's lock, or (when the first launch's job already runs) by whichever node's
-        # job the second launch's check saw first: the line names a node and the run that ran.
-        assert refusal.count("\n") == 1 and re.match(r"error: node-\d is running job ", refusal), refusal
-        assert run_id_in(ran) in refusal and "fab stop" in refusal
-        assert len(cluster.runs()) == len(before) + 1  # the refused launch created no run folder
+    stamps = tmp_path / "stamps"
+    before = cluster.runs()
+    trio = [cluster.popen_fab("run", "--script", str(script), "--args", str(stamps)) for _ in range(3)]
+    outcomes = [(job.communicate(timeout=300), job.returncode) for job in trio]
+    assert [code for _, code in outcomes] == [0, 0, 0], outcomes  # all accepted, none refused
+    said = [out for (out, _), _ in outcomes]
+    assert any("waits its turn (Ctrl-C gives up)" in out for out in said), said
+    ran = sorted(
+        (float(start), float(end), run_id)
+        for run_id, start, end in (line.split() for line in stamps.read_text().splitlines())
+    )
+    assert sorted(r for _, _, r in ran) == sorted(run_id_in(out) for out in said)
+    assert all(later[0] >= earlier[1] for earlier, later in zip(ran, ran[1:], strict=False)), ran  # never at once
+    assert len(cluster.runs()) == len(before) + 3
 
 
 def test_fail_fast_names_the_node_that_failed_first_by_its_own_clock(cluster, tmp_path):
@@ -548,7 +541,7 @@ def _raw_address(hex_address: str) -> tuple[int, bytes]:
     return (socket.AF_INET if len(raw) == 4 else socket.AF_INET6), words
 
 
-def test_a_running_job_listens_on_loopback_only_refuses_a_second_and_stop_ends_it_everywhere(cluster, tmp_path):
+def test_a_running_job_listens_on_loopback_only_a_second_waits_and_stop_ends_both(cluster, tmp_path):
     script = tmp_path / "listen.py"
     script.write_text(
         "import time, torch.distributed as dist\n"
@@ -564,12 +557,15 @@ def test_a_running_job_listens_on_loopback_only_refuses_a_second_and_stop_ends_i
         assert len(addresses) >= 3  # with the workers' store and gloo's sockets
         assert all(a.startswith("127.") for a in addresses), addresses
 
-        assert_one_line_error(cluster.fab("hello"), "running job", "fab stop")
+        second = cluster.popen_fab("hello")  # waits its turn, saying so, and fab stop ends it too
+        wait_for_output(second, f"busy with run {run_id}", "waits its turn")
         stopped = cluster.fab("stop")
         assert stopped.returncode == 0 and stopped.stdout.count("stopped") == 2
         assert job.wait(timeout=30) == 1
         said = job.stdout.read()
         assert f"run {run_id} was stopped from outside" in said, said  # not "failed: node-0 exited 143"
+        _, refused = second.communicate(timeout=60)
+        assert second.returncode == 1 and "nothing was started" in refused, refused
     finally:
         job.kill()
     assert run_processes(run_id) == []

@@ -3,6 +3,7 @@
 import os
 import sqlite3
 import subprocess
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 from infra import inventory, state
 from infra.ledger import ABANDONED_AFTER_S, Ledger
-from remote.runs import RunBook
+from remote.runs import Run, RunBook
 from tests.support import inventories
 
 
@@ -93,12 +94,15 @@ def test_a_ledger_damaged_during_a_run_keeps_the_run_and_the_clusters_still_up(s
         Path(f"{path}{suffix}").unlink(missing_ok=True)
     path.write_bytes(b"not a database any more" * 200)
 
-    cost = book.ended("r1", {"node-0": 0, "node-1": 0}, 36.0, "hello")
+    now = time.time()
+    record = Run("r1", "hello", "", "", ["node-0", "node-1"], now - 36, started_at=now - 36, ended_at=now, holder="fab")
+    record.end("COMPLETED", {"node-0": 0, "node-1": 0}, {})
+    book.ended(record)
 
     ledger = Ledger()
     run = ledger.run("r1")
     assert run is not None and run.exit_codes == {"node-0": 0, "node-1": 0} and run.task == "hello"
-    assert cost == pytest.approx(up.hourly_usd * 36 / 3600, rel=0.05)
+    assert run.cost_usd(now) == pytest.approx(up.hourly_usd * 36 / 3600, rel=0.05)
     cluster = ledger.open_cluster(up.stack)  # still priced, from when it was made, not from the damage
     assert cluster is not None and cluster.created_at == created
     assert len(list(path.parent.glob("ledger.sqlite.corrupt-*"))) == 1

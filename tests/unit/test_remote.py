@@ -429,9 +429,9 @@ def test_the_ranks_line_names_each_failed_ranks_own_code(line, codes, described,
     [
         ("locked", ("locked", None)),
         (
-            "held 20260101-000000-hello-ab12 hello laptop:4242 1700000000",
+            "waiting 20260101-000000-hello-ab12 hello laptop:4242 1700000000",
             (
-                "held",
+                "waiting",
                 {
                     "run_id": "20260101-000000-hello-ab12",
                     "task": "hello",
@@ -448,34 +448,43 @@ def test_lock_replies(reply, parsed):
     assert protocol.parse_lock_reply(reply) == parsed
 
 
-def test_the_job_lock_is_taken_once_and_released_when_its_holder_ends(tmp_path):
-    """Two holders of node/job_lock.py for real: the second is refused naming the first, and
-    once the first's input closes (fab ended the job) the lock is free again."""
+def test_the_job_lock_is_taken_once_and_launches_wait_their_turn_in_arrival_order(tmp_path):
+    """Holders of node/job_lock.py for real: a second and a third wait (naming the holder) instead of
+    being refused, take the lock in the order they came once the one before releases it (its input
+    closes: fab ended), a waiter that gives up (its input closes) leaves the line, and a holder that
+    dies without a word releases the lock too."""
     lock = tmp_path / "job.lock"
     holder = [sys.executable, str(node_paths.NODE_CODE / "job_lock.py"), str(lock)]
-    first = subprocess.Popen(
-        [*holder, "run-a", "hello", "laptop:1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
+
+    def take(run_id: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [*holder, run_id, "hello", f"laptop:{run_id}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+
+    taken = []
     try:
-        assert first.stdout.readline().strip() == "locked"
-        second = subprocess.run([*holder, "run-b", "hello", "laptop:2"], capture_output=True, text=True, timeout=30)
-        assert second.returncode == 3
-        state, held = protocol.parse_lock_reply(second.stdout.strip())
-        assert state == "held" and (held["run_id"], held["owner"]) == ("run-a", "laptop:1")
+        taken.append(take("run-a"))
+        assert taken[0].stdout.readline().strip() == "locked"
+        for run_id in ("run-b", "gives-up", "run-c"):
+            taken.append(take(run_id))
+            state, held = protocol.parse_lock_reply(taken[-1].stdout.readline().strip())
+            assert state == "waiting" and (held["run_id"], held["owner"]) == ("run-a", "laptop:run-a")
+        first, second, quitter, third = taken
+        quitter.stdin.close()  # Ctrl-C of a waiting fab
+        assert quitter.wait(timeout=30) == 3
         first.stdin.close()
         assert first.wait(timeout=30) == 0
-        third = subprocess.Popen(
-            [*holder, "run-c", "hello", "laptop:3"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-        )
+        assert second.stdout.readline().strip() == "locked"  # b came before c
+        assert third.poll() is None
+        second.kill()  # dies holding it: released all the same
         assert third.stdout.readline().strip() == "locked"
-        third.kill()  # a holder that dies without a word releases the lock too
-        third.wait(timeout=30)
-        fourth = subprocess.run(
-            [*holder, "run-d", "hello", "laptop:4"], input="", capture_output=True, text=True, timeout=30
-        )
-        assert fourth.stdout.strip() == "locked" and fourth.returncode == 0
+        third.stdin.close()
+        assert third.wait(timeout=30) == 0
+        assert list((tmp_path / "job.lock.queue").iterdir()) == []  # nobody is left in line
     finally:
-        first.kill()
+        for process in taken:
+            process.kill()
+            process.wait()
 
 
 def test_node_files_sent_as_source_carry_their_siblings(tmp_path):

@@ -1,0 +1,249 @@
+"""Who holds a run: fab's own SSH connections (`FabHolder`), or Slurm on the cluster (`SlurmHolder`).
+
+One protocol, two implementations, chosen once from what bootstrap recorded (`holder_for`). Both write
+the one run record (`runs.Run`, `run.json` in the run's folder), the one summary (`runs.summary`), the
+ledger through one writer (`runs.RunBook`), and end with the one rule from outcome to exit code
+(`runs.outcome`). What a holder can do (detach, queue on the cluster) is a fact on it, never a test of
+its name.
+"""
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from infra import state
+from infra.errors import UsageError
+from infra.inventory import ClusterInfo
+from remote import protocol, runs, scheduled
+from remote.connect import open_sessions
+from remote.launch import JobResult, JobSpec, NodeSetup, launch, stop_everywhere
+from remote.stream import say
+
+
+@dataclass
+class Ending:
+    """How a launch returned."""
+
+    folder: Path
+    run: runs.Run
+    submitted: bool = False
+    """`--detach`: submitted, not followed."""
+    detached: str = ""
+    """Why fab stopped following a run that goes on (a dropped connection, SIGHUP, Ctrl-C of logs -f)."""
+    interrupted: bool = False
+    """Ctrl-C (or SIGTERM) of an attached launch: the run was cancelled."""
+
+
+class RunHolder(Protocol):
+    detaches: bool
+    """A run outlives the fab that launched it (`--detach`, `fab logs -f`, a closed lid)."""
+    queues: bool
+    """Runs wait in a queue on the cluster (else a launch waits its turn in its own fab)."""
+    why_not: str
+    """Why the runs are not held on the cluster ('' where they are): said once per launch."""
+
+    def launch(self, spec: JobSpec, detach: bool) -> Ending: ...
+
+    def refresh(self, found: list[tuple[Path, runs.Run]]) -> None:
+        """Bring the records of runs not yet ended up to date (in place)."""
+
+    def cancel(self, run: runs.Run) -> str | None:
+        """Stop one run, queued or running; the state it had, or None where it was not running."""
+
+    def follow(self, folder: Path, run: runs.Run) -> Ending:
+        """Show a run's output from its start until it ends (Ctrl-C stops the following only)."""
+
+
+def holder_for(cluster: ClusterInfo, setup: NodeSetup) -> RunHolder:
+    """The holder bootstrap chose for this cluster."""
+    return SlurmHolder(cluster, setup) if setup.scheduler == "slurm" else FabHolder(cluster, setup)
+
+
+class FabHolder:
+    """The run lives in the launching fab's SSH connections: one at a time (a second launch waits its
+    turn on the head node's job lock), it ends if that fab is killed, and it cannot detach."""
+
+    detaches = False
+    queues = False
+
+    def __init__(self, cluster: ClusterInfo, setup: NodeSetup):
+        self.cluster, self.setup = cluster, setup
+        self.why_not = setup.scheduler_why or "bootstrapped with --scheduler none"
+
+    def launch(self, spec: JobSpec, detach: bool) -> Ending:
+        if detach:
+            raise UsageError(
+                f"--detach needs runs held by Slurm on the cluster, which it does not run ({self.why_not}); "
+                "fab bootstrap sets Slurm up once that is mended"
+            )
+        if self.setup.scheduler_why:
+            say(f"fab: this run lives in fab's connections, not in Slurm on the cluster: {self.setup.scheduler_why}")
+        runs_root = state.runs_dir(self.cluster.stack)
+        book = runs.RunBook(self.cluster)
+        records: dict[str, runs.Run] = {}
+
+        def started(run_id: str) -> None:
+            book.started(run_id, spec.task)
+            now = time.time()
+            run = runs.Run(
+                run_id,
+                spec.task,
+                "",
+                "",
+                [n.name for n in self.cluster.nodes],
+                now,
+                state="RUNNING",
+                started_at=now,
+                holder="fab",
+                owner=f"{socket.gethostname()}:{os.getpid()}",
+                spec=runs.spec_facts(spec),
+            )
+            run.save(state.make_private_dir(runs_root / run_id))
+            records[run_id] = run
+
+        try:
+            result, folder = launch(self.cluster, spec, self.setup, runs_root, on_start=started, on_hang=book.hung)
+        except BaseException:
+            book.close()  # a record written stays RUNNING until this fab is gone, then reads FAILED
+            raise
+        run = records[result.run_id]
+        ended(run, spec, result)
+        book.ended(run)
+        runs.write_summary(folder, runs.summary(self.cluster, run))
+        run.finished = True
+        run.save(folder)
+        return Ending(folder, run, interrupted=result.interrupted)
+
+    def refresh(self, found: list[tuple[Path, runs.Run]]) -> None:
+        """A run whose fab is gone from this machine is held no more: it ended when its fab did."""
+        here = socket.gethostname()
+        for folder, run in found:
+            host, _, pid = run.owner.partition(":")  # a run recorded while Slurm held the runs has none
+            if run.ended or host != here or not pid.isdigit() or _alive(int(pid)):
+                continue
+            run.state, run.ended_at = "FAILED", run.ended_at or time.time()
+            run.extra = {**run.extra, "ended": f"its fab (pid {pid}) ended before the run did"}
+            run.save(folder)
+
+    def cancel(self, run: runs.Run) -> str | None:
+        sessions, statuses = open_sessions(self.cluster, protocol.job_status_command())
+        for session in sessions:
+            session.close()
+        running = {(protocol.parse_job_status(s)[0] or {}).get("run_id") for s in statuses}
+        if run.run_id not in running:
+            return None
+        for node, outcome in stop_everywhere(self.cluster).items():
+            say(f"{node}: {outcome}")
+        return "RUNNING"
+
+    def follow(self, folder: Path, run: runs.Run) -> Ending:
+        """The launching fab writes each node's log here as it streams: show them as they grow until its
+        record says the run ended."""
+        shown: dict[Path, int] = {}
+        try:
+            while True:
+                record = runs.Run.load(folder) or run
+                self.refresh([(folder, record)])
+                for path in sorted(folder.glob("node-*.log")):
+                    with path.open("rb") as f:
+                        f.seek(shown.get(path, 0))
+                        text = f.read()
+                    shown[path] = shown.get(path, 0) + len(text)
+                    if text:
+                        os.write(1, text)
+                if record.ended:
+                    return Ending(folder, record)
+                time.sleep(0.2)
+        except KeyboardInterrupt:
+            return Ending(folder, run, detached="Ctrl-C", interrupted=True)
+
+
+def ended(run: runs.Run, spec: JobSpec, result: JobResult) -> None:
+    """An attached launch's result into its run record."""
+    run.ended_at = time.time()
+    run.started_at = run.ended_at - result.duration_s
+    run.first_failed = result.failed_node
+    run.without_process_group = result.without_process_group
+    failed = [c for c in result.exit_codes.values() if c not in (0, None)]
+    if result.interrupted or (failed and all(c in runs.STOPPED_CODES for c in failed)):
+        outcome = "CANCELLED"
+    elif result.hang and spec.hang.on_hang == "stop":
+        outcome = "HUNG"
+    else:
+        outcome = "COMPLETED" if result.ok else "FAILED"
+    run.end(outcome, result.exit_codes, result.rank_exit_codes)
+    if result.hang:
+        run.hang = {
+            "verdict": result.hang.verdict,
+            "stalled_at": result.hang.stalled_since,
+            "detected_at": result.hang.detected_at,
+            "evidence": str(result.hang.evidence_dir),
+        }
+    if result.watch:
+        run.extra = {**run.extra, "hang_watch": result.watch}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SlurmHolder:
+    """Slurm on the cluster holds the run: submitted as one batch job, queued in submission order,
+    followed from its log; a closed connection or a killed fab only stops the following."""
+
+    detaches = True
+    queues = True
+    why_not = ""
+
+    def __init__(self, cluster: ClusterInfo, setup: NodeSetup):
+        self.cluster, self.setup = cluster, setup
+
+    def launch(self, spec: JobSpec, detach: bool) -> Ending:
+        runs_root = state.runs_dir(self.cluster.stack)
+        folder, run, followed = scheduled.launch(self.cluster, spec, self.setup, runs_root, detach)
+        if followed is None:
+            return Ending(folder, run, submitted=True)
+        return self._after(folder, run, followed)
+
+    def refresh(self, found: list[tuple[Path, runs.Run]]) -> None:
+        jobs = [(f, r) for f, r in found if r.job_id]  # a run held by fab before Slurm was set up has none
+        scheduled.refresh(self.cluster, [r for _, r in jobs])
+        for folder, run in jobs:
+            run.save(folder)
+            if run.ended and not run.finished:
+                scheduled.finish(self.cluster, self.setup, folder, run)
+
+    def cancel(self, run: runs.Run) -> str | None:
+        before = scheduled.cancel(self.cluster, run)
+        return (before or {}).get("state") or run.state
+
+    def follow(self, folder: Path, run: runs.Run) -> Ending:
+        return self._after(folder, run, scheduled.follow(self.cluster, run, folder, cancel_on_interrupt=False))
+
+    def _after(self, folder: Path, run: runs.Run, followed: scheduled.Followed) -> Ending:
+        if followed.detached:
+            return Ending(folder, run, detached=followed.detached, interrupted=followed.interrupted)
+        scheduled.finish(self.cluster, self.setup, folder, run, followed)
+        return Ending(folder, run, interrupted=followed.interrupted)
+
+
+def stop_all(cluster: ClusterInfo, holder: RunHolder) -> None:
+    """`fab stop`: every run not ended (queued ones too, where the cluster queues), then whatever job
+    still runs on each node."""
+    found = [(f, r) for f, r in runs.runs_of(state.runs_dir(cluster.stack)) if not r.ended]
+    holder.refresh(found)
+    for _, run in found:
+        if not run.ended and holder.queues:
+            holder.cancel(run)
+            say(f"fab: run {run.run_id} cancelled (it was {run.state})")
+    for node, outcome in stop_everywhere(cluster).items():
+        say(f"{node}: {outcome}")
