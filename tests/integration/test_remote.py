@@ -557,7 +557,9 @@ def test_a_running_job_listens_on_loopback_only_a_second_waits_and_stop_ends_bot
         assert len(addresses) >= 3  # with the workers' store and gloo's sockets
         assert all(a.startswith("127.") for a in addresses), addresses
 
-        second = cluster.popen_fab("hello", stderr=subprocess.PIPE)  # waits its turn, saying so, and fab stop ends it too
+        second = cluster.popen_fab(
+            "hello", stderr=subprocess.PIPE
+        )  # waits its turn, saying so, and fab stop ends it too
         wait_for_output(second, f"busy with run {run_id}", "waits its turn")
         stopped = cluster.fab("stop")
         assert stopped.returncode == 0 and stopped.stdout.count("stopped") == 2

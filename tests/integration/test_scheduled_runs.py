@@ -129,7 +129,7 @@ def test_an_attached_run_whose_fab_is_killed_completes_and_is_priced(cluster, tm
     assert "finished" in (cluster.state_dir / cluster.stack / "runs" / run_id / "node-0.log").read_text()
 
 
-def test_three_runs_queue_in_order_without_overlap(cluster, tmp_path):
+def test_runs_submitted_at_the_same_moment_are_all_queued_and_run_in_order_without_overlap(cluster, tmp_path):
     order = tmp_path / "order.log"
     work = script(
         tmp_path,
@@ -140,12 +140,29 @@ def test_three_runs_queue_in_order_without_overlap(cluster, tmp_path):
         f"if rank == 0:\n"
         f"    with open({str(order)!r}, 'a') as f: f.write('end ' + sys.argv[1] + '\\n')\n",
     )
-    ids = [detached(cluster, "run", "--script", str(work), "--args", str(n)) for n in range(3)]
+    ids = []
+    for pair in ("a", "b"):  # two at the same moment, then two more: none refused, each pair after the one before
+        launches = [cluster.popen_fab("run", "--script", str(work), "--args", f"{pair}{n}", "--detach") for n in (1, 2)]
+        for job in launches:
+            out, _ = job.communicate(timeout=180)
+            assert job.returncode == 0, out
+            ids.append(out.strip().splitlines()[-1])
     for run_id in ids:
         assert cluster.fab("logs", "-f", "--run", run_id).returncode == 0
-    assert order.read_text().split("\n")[:-1] == [f"{what} {n}" for n in range(3) for what in ("start", "end")]
+    lines = order.read_text().split("\n")[:-1]
+    assert lines[0::2] == [line.replace("end", "start") for line in lines[1::2]], lines  # never two at once
+    assert [line[-2] for line in lines] == ["a"] * 4 + ["b"] * 4, lines
     rows = jobs(cluster)
-    assert [rows[i]["state"] for i in ids] == ["COMPLETED"] * 3
+    assert [rows[i]["state"] for i in ids] == ["COMPLETED"] * 4
+
+
+def test_a_ranks_own_exit_code_is_in_fabs_line_and_in_jobs(cluster, tmp_path):
+    work = script(tmp_path, "fails.py", "time.sleep(0.5)\nsys.exit(3 if rank == 1 else 0)\n")
+    result = cluster.fab("run", "--script", str(work))
+    assert result.returncode == 1 and "node-1 exited 1 (rank 1 exited 3)" in result.stderr, result.stderr
+    assert "(first: node-1, log: " in result.stderr, result.stderr
+    row = jobs(cluster)[result.stdout.split("fab: run ")[1].split(":")[0]]
+    assert (row["state"], row["exit_code"], row["rank_exit_codes"]) == ("FAILED", 3, {"node-1": {"1": 3}}), row
 
 
 def test_a_cancel_leaves_nothing_and_bad_run_ids_are_one_line(cluster, tmp_path):
