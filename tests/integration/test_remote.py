@@ -367,6 +367,9 @@ def test_a_failing_rank_ends_the_whole_job_quickly_and_leaves_nothing(cluster, t
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_codes"]["node-1"] == 1 and summary["rank_exit_codes"] == {"node-1": {"1": 3}}
     assert run_processes(summary["run_id"]) == []
+    listed = cluster.fab("jobs", "--json")  # runs held by fab are listed as Slurm's are, with the rank's own code
+    [row] = [r for r in json.loads(listed.stdout) if r["run_id"] == summary["run_id"]]
+    assert (row["state"], row["exit_code"], row["holder"]) == ("FAILED", 3, "fab"), row
 
 
 PROGRESS_SCRIPT = """
