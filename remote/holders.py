@@ -57,11 +57,6 @@ class RunHolder(Protocol):
         """Show a run's output from its start until it ends (Ctrl-C stops the following only)."""
 
 
-def holder_for(cluster: ClusterInfo, setup: NodeSetup) -> RunHolder:
-    """The holder bootstrap chose for this cluster."""
-    return SlurmHolder(cluster, setup) if setup.scheduler == "slurm" else FabHolder(cluster, setup)
-
-
 class FabHolder:
     """The run lives in the launching fab's SSH connections: one at a time (a second launch waits its
     turn on the head node's job lock), it ends if that fab is killed, and it cannot detach."""
@@ -247,3 +242,12 @@ def stop_all(cluster: ClusterInfo, holder: RunHolder) -> None:
             say(f"fab: run {run.run_id} cancelled (it was {run.state})")
     for node, outcome in stop_everywhere(cluster).items():
         say(f"{node}: {outcome}")
+
+
+HOLDERS: dict[str, type] = {"slurm": SlurmHolder, "": FabHolder}
+"""The holder for each of bootstrap.json's `scheduler` values (`NodeSetup.scheduler`)."""
+
+
+def holder_for(cluster: ClusterInfo, setup: NodeSetup) -> RunHolder:
+    """The holder bootstrap chose for this cluster."""
+    return HOLDERS.get(setup.scheduler, FabHolder)(cluster, setup)
