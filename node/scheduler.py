@@ -57,7 +57,7 @@ from dataclasses import dataclass
 if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
 
-from node import contract, procfs  # noqa: E402
+from node import calls, contract, procfs  # noqa: E402
 
 READY_TIMEOUT_S = 30.0
 STOP_GRACE_S = 5.0
@@ -85,11 +85,11 @@ SOCKET_NAME_ROOM = 50
 """What the deepest socket adds to the folder: `/spool/<node name, up to 20>_<job>.<step>` at most."""
 
 
-class UsageError(Exception):
+class UsageError(calls.BadInput):
     """Bad input or a missing prerequisite: one line, exit 2, nothing started."""
 
 
-class DaemonError(Exception):
+class DaemonError(calls.Failed):
     """A daemon did not come up: exit 1, with the end of its log."""
 
 

@@ -1,10 +1,11 @@
 """On the head node: a run as one Slurm batch job, one task per node, every node's output in the run's log.
 
-    python node/slurm_run.py submit SPEC_FILE      # prints the job id
     python node/slurm_run.py step SPEC_BASE64      # what srun starts on every node (not for people)
+    python node/slurm_run.py supervise SPEC_BASE64 # the batch script: the step, the hang watch, the requeue
     python node/slurm_run.py follow LOG JOB [OFFSET]  # the log from OFFSET as it grows, until the job ends
-    python node/slurm_run.py states JOB[=LOG]...   # each job's state and times, as JSON
-    python node/slurm_run.py cancel JOB            # scancel, saying the state it had
+
+and, through node/calls.py, SubmitRun (sbatch a spec file; the job id), RunStates (each job's state and
+times) and CancelRun (scancel, saying the state it had).
 
 SPEC_FILE is JSON: {"run_id", "log": the run's log file (on the head node), "python": this interpreter
 on every node, "nodes": [{"name": "node-<i>", "home": the node user's home there, "command": a shell
@@ -529,6 +530,17 @@ def cancel(job_id: str) -> dict:
     return {"before": before}
 
 
+def submit_file(spec_file: str) -> dict:
+    """node/calls.py's SubmitRun."""
+    with open(os.path.expanduser(spec_file)) as f:
+        return {"job_id": submit(json.load(f))}
+
+
+def states(logs: dict) -> dict:
+    """node/calls.py's RunStates: each job's `shown_state`, with its run's log."""
+    return {"states": {job: shown_state(job, log) for job, log in logs.items()}}
+
+
 def _kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -538,27 +550,16 @@ def _kill_group(pgid: int) -> None:
 
 def main(argv: list | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=("submit", "step", "supervise", "follow", "states", "cancel"))
-    parser.add_argument("spec", help="submit: the run's JSON file; step: the spec as srun passes it; follow: the log")
-    parser.add_argument("more", nargs="*", help="follow: JOB [OFFSET]; states: more jobs")
+    parser.add_argument("action", choices=("step", "supervise", "follow"))
+    parser.add_argument("spec", help="step, supervise: the spec as srun or sbatch passes it; follow: the log")
+    parser.add_argument("more", nargs="*", help="follow: JOB [OFFSET]")
     args = parser.parse_args(argv)
     try:
         if args.action == "step":
             return step(json.loads(base64.b64decode(args.spec)))
         if args.action == "supervise":
             return supervise(json.loads(base64.b64decode(args.spec)))
-        if args.action == "follow":
-            return follow(args.spec, args.more[0], int(args.more[1]) if len(args.more) > 1 else 0)
-        if args.action == "states":
-            # JOB, or JOB=LOG (the run's log on this node: its end record lies beside it)
-            asked = [word.partition("=") for word in [args.spec, *args.more]]
-            print(json.dumps({job: shown_state(job, log) for job, _, log in asked}))
-            return 0
-        if args.action == "cancel":
-            print(json.dumps(cancel(args.spec)))
-            return 0
-        with open(args.spec) as f:
-            print(submit(json.load(f)))
+        return follow(args.spec, args.more[0], int(args.more[1]) if len(args.more) > 1 else 0)
     except (OSError, ValueError, KeyError) as exc:
         print(f"error: {args.action}: {exc}", file=sys.stderr)
         return 2

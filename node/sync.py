@@ -1,17 +1,15 @@
 """The node's side of `fab run --workdir`: its cache of a project folder, the run's results, old run copies.
 
-    python sync.py manifest CACHE                 # {path: sha256} of the cache's files, as JSON
-    python sync.py apply CACHE BUNDLE             # apply a bundle that `fab` sent; prints {"sent", "removed"}
-    python sync.py results RUN_DIR RESULTS_DIR    # what a launch fetches back: [{"remote", "name", "size"}]
-    python sync.py clean RUNS KEEP                # remove the node-local copies of all but the newest KEEP runs
+Called through node/calls.py: WorkdirManifest ({path: sha256} of a cache's files), ApplyBundle (apply a
+bundle that `fab` sent), ListResults (what a launch fetches back: [{"remote", "name", "size"}]) and
+CleanRuns (remove the node-local copies of all but the newest KEEP runs).
 
 A cache (`~/.gpu-cluster/workdirs/<key>`, see contract.py) holds `files/` (the project as last synced),
 `manifest.json` and `digest`. `apply` removes the manifest and the digest before it changes any file
 and writes them back only once every file is in place, so a sync that was cut short leaves no digest
 that a launch could trust: the next `manifest` hashes the files themselves. A bundle is a tar file that
 `fab` built (remote/workdir.py): `plan.json` ({"remove": [...], "manifest": {...}, "digest": "..."}),
-then the changed files under `files/`. Standard library only; run as a file, it imports its siblings
-from the code folder.
+then the changed files under `files/`. Standard library only.
 """
 
 from __future__ import annotations
@@ -21,13 +19,9 @@ import json
 import os
 import shutil
 import stat
-import sys
 import tarfile
 
-if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
-
-from node import contract  # noqa: E402
+from node import contract
 
 FILES, MANIFEST, DIGEST = contract.WORKDIR_FILES, contract.WORKDIR_MANIFEST, contract.WORKDIR_DIGEST
 PLAN = "plan.json"
@@ -180,19 +174,12 @@ def clean(runs: str, keep: int) -> dict:
     return {"runs": len(run_ids), "removed": removed, "freed_bytes": freed}
 
 
-def main(argv: list) -> None:
-    paths = [os.path.expanduser(arg) for arg in argv[1:]]
-    if argv[:1] == ["manifest"] and len(paths) == 1:
-        print(json.dumps(manifest(*paths)))
-    elif argv[:1] == ["apply"] and len(paths) == 2:
-        print(json.dumps(apply(*paths)))
-    elif argv[:1] == ["results"] and len(paths) == 2:
-        print(json.dumps({"files": results(*paths)}))
-    elif argv[:1] == ["clean"] and len(paths) == 2:
-        print(json.dumps(clean(paths[0], int(argv[2]))))
-    else:
-        sys.exit(__doc__.split("\n\n")[1])
+def manifest_reply(cache: str) -> dict:
+    """node/calls.py's WorkdirManifest (the cache's folder made, for the bundle that follows)."""
+    os.makedirs(os.path.expanduser(cache), mode=0o700, exist_ok=True)
+    return {"files": manifest(os.path.expanduser(cache))}
 
 
-if __name__ == "__main__":
-    main(sys.argv[1:])
+def results_reply(run_dir: str, results_dir: str) -> dict:
+    """node/calls.py's ListResults."""
+    return {"files": results(os.path.expanduser(run_dir), os.path.expanduser(results_dir))}

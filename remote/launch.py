@@ -24,9 +24,9 @@ import paramiko
 from infra import state
 from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
-from node import contract
+from node import calls, contract
 from node import hang_rule as hang
-from remote import job_command, node_paths, protocol, workdir
+from remote import job_command, node_paths, nodecall, protocol, workdir
 from remote.connect import CONNECTION_ERRORS, NodeSession, describe, on_all_nodes, open_sessions
 from remote.hangwatch import HangPolicy, HangReport, HangWatch, job_environment, rankhook_path
 from remote.packages import Requirements
@@ -522,15 +522,11 @@ def fetch_results(
 ) -> Fetched:
     """Copy the head node's `$CLUSTER_RESULTS_DIR` (whole) and the run's `metrics.jsonl`, and nothing
     else: checkpoints and whatever else the job left in its folders stay on the nodes."""
-    listing = node_paths.node_module(
-        cluster,
-        python,
-        "sync",
-        "results",
+    listing = calls.ListResults(
         contract.home_relative(node_paths.remote_run_dir(cluster, run_id)),
         contract.home_relative(node_paths.results_dir(run_id)),
     )
-    entries = protocol.parse_last_json(session.run(f"cd && {listing}", warn=False).stdout)["files"]
+    entries = nodecall.call(session, python, listing).files
     names: list[str] = []
     total, refused = 0, []
     for entry in entries:

@@ -25,8 +25,8 @@ from pathlib import Path
 from infra import state
 from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
-from node import contract
-from remote import job_command, node_paths, protocol
+from node import calls, contract
+from remote import job_command, node_paths, nodecall
 from remote.connect import CONNECTION_ERRORS, NodeSession, describe
 from remote.runs import FINAL, Run, RunBook, spec_facts, summary, write_summary
 from remote.stream import RankOutcome, say
@@ -88,12 +88,11 @@ def submit(
     spec_path = f"{run_dir}/slurm-spec.json"
     head.run(f"mkdir -p {node_paths.shell_path(run_dir)}", warn=False)
     head.conn.put(_text_file(json.dumps(spec)), remote=spec_path)
-    command = node_paths.node_module(cluster, cluster.python, "slurm_run", "submit", spec_path)
-    result = head.run(f"cd && chmod 600 {node_paths.shell_path(spec_path)} && {command}")
-    if result.exited != 0:
-        lines = (result.stderr.strip() or result.stdout.strip()).splitlines()
-        raise OperationError(f"the run could not be submitted to Slurm: {lines[-1] if lines else result.exited}")
-    return result.stdout.strip().splitlines()[-1]
+    head.run(f"chmod 600 {node_paths.shell_path(spec_path)}", warn=False)
+    try:
+        return nodecall.call(head, cluster.python, calls.SubmitRun(spec_path)).job_id
+    except OperationError as exc:
+        raise OperationError(f"the run could not be submitted to Slurm: {exc}") from None
 
 
 def _text_file(text: str):
@@ -260,20 +259,12 @@ def refresh(cluster: ClusterInfo, runs: list[Run]) -> None:
     if not pending:
         return
     head = NodeSession(cluster, cluster.head)
-    try:
-        asked = [f"{r.job_id}={r.log}" for r in pending]  # the log: the run's end record lies beside it
-        command = node_paths.node_module(cluster, cluster.python, "slurm_run", "states", *asked)
-        result = head.run(f"cd && {command}")
+    try:  # with each run's log: its end record lies beside it
+        found = nodecall.call(head, cluster.python, calls.RunStates({r.job_id: r.log for r in pending})).states
     except CONNECTION_ERRORS as exc:
         raise OperationError(f"{cluster.head.name} does not answer: {describe(exc)}") from None
     finally:
         head.close()
-    try:
-        found = protocol.parse_last_json(result.stdout)
-    except ValueError:
-        raise OperationError(
-            f"could not read the runs' states on {cluster.head.name}: {result.stderr.strip()[-200:]}"
-        ) from None
     for run in pending:
         known = found.get(run.job_id)
         if known is None:
@@ -290,15 +281,13 @@ def cancel(cluster: ClusterInfo, run: Run) -> dict | None:
     """scancel the run's job; what Slurm knew of it before (None: nothing)."""
     head = NodeSession(cluster, cluster.head)
     try:
-        command = node_paths.node_module(cluster, cluster.python, "slurm_run", "cancel", run.job_id)
-        result = head.run(f"cd && {command}")
+        return nodecall.call(head, cluster.python, calls.CancelRun(run.job_id)).before
     except CONNECTION_ERRORS as exc:
         raise OperationError(f"{cluster.head.name} does not answer: {describe(exc)}") from None
+    except OperationError as exc:
+        raise OperationError(f"could not cancel run {run.run_id}: {exc}") from None
     finally:
         head.close()
-    if result.exited != 0:
-        raise OperationError(f"could not cancel run {run.run_id}: {result.stderr.strip()[-200:]}")
-    return protocol.parse_last_json(result.stdout).get("before")
 
 
 # ------------------------------------------------------------------------------------- a launch

@@ -15,8 +15,8 @@ from rich.table import Table
 from infra import inventory, state
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo
-from node import contract
-from remote import holders, job_command, node_paths, options, protocol, runs, scheduled, workdir
+from node import calls, contract
+from remote import holders, job_command, node_paths, nodecall, options, protocol, runs, scheduled, workdir
 from remote.bootstrap import Bootstrap, remembered_setup
 from remote.connect import describe, on_all_nodes, open_sessions
 from remote.launch import (
@@ -387,16 +387,7 @@ def clean_runs(c, keep=None, stack=None):
             sessions[0], job_command.new_run_id("clean-runs"), "clean-runs"
         ):  # after the job; none starts meanwhile
             outcomes = on_all_nodes(
-                sessions,
-                lambda s: protocol.parse_last_json(
-                    s.run(
-                        "cd && "
-                        + node_paths.node_module(
-                            cluster, setup.python[s.node.name], "sync", "clean", contract.RUNS, str(count)
-                        ),
-                        warn=False,
-                    ).stdout
-                ),
+                sessions, lambda s: nodecall.call(s, setup.python[s.node.name], calls.CleanRuns(contract.RUNS, count))
             )
     finally:
         for session in sessions:
@@ -409,8 +400,8 @@ def clean_runs(c, keep=None, stack=None):
             say(f"{result.name}: could not clean: {describe(result.error)}")
             continue
         say(
-            f"{result.name}: removed the copies of {outcome['removed']} of {outcome['runs']} runs "
-            f"({workdir.human_bytes(outcome['freed_bytes'])}); the newest {count} kept"
+            f"{result.name}: removed the copies of {outcome.removed} of {outcome.runs} runs "
+            f"({workdir.human_bytes(outcome.freed_bytes)}); the newest {count} kept"
         )
     if failed:
         raise Exit(code=1)

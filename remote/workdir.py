@@ -33,9 +33,9 @@ from pathspec import GitIgnoreSpec
 from infra import state
 from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
-from node import contract
+from node import calls, contract
 from node.sync import PLAN, file_sha256  # the node hashes its cache the same way
-from remote import node_paths, protocol
+from remote import nodecall, protocol
 from remote.connect import NodeSession, describe, on_all_nodes
 from remote.stream import say
 
@@ -349,10 +349,7 @@ def sync(
         return
 
     def read_manifest(session: NodeSession) -> dict:
-        command = node_paths.node_module(cluster, python[session.node.name], "sync", "manifest", cache)
-        return protocol.parse_last_json(
-            session.run(f"mkdir -p {contract.shell(cache)} && cd && {command}", warn=False).stdout
-        )
+        return nodecall.call(session, python[session.node.name], calls.WorkdirManifest(cache)).files
 
     remote = _node_results(behind, read_manifest, "read the workdir cache")
     plans = {name: changes(wanted.hashes, hashes) for name, hashes in remote.items()}
@@ -368,8 +365,7 @@ def sync(
             send, remove = plans[session.node.name]
             remote_bundle = f"{contract.WORKDIRS}/.bundle-{wanted.digest[:12]}.tar.gz"
             session.conn.put(str(bundles[(tuple(send), tuple(remove))]), remote=remote_bundle)
-            command = node_paths.node_module(cluster, python[session.node.name], "sync", "apply", cache, remote_bundle)
-            return protocol.parse_last_json(session.run(f"cd && {command}", warn=False).stdout)
+            return nodecall.call(session, python[session.node.name], calls.ApplyBundle(cache, remote_bundle))
 
         _node_results(behind, send_bundle, "update the workdir cache")
     say("fab: workdir: " + _sent_line(project, plans, [s.node.name for s in sessions]))

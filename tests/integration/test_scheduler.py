@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from node import procfs
+from node import calls, procfs
 from node.scheduler import Paths
 from tests.support import REPO, network, slurm
 
-SLURM_RUN = REPO / "node" / "slurm_run.py"
+CALLS = REPO / "node" / "calls.py"
 pytestmark = pytest.mark.skipif(bool(slurm.unavailable()), reason=f"Slurm: {slurm.unavailable()}")
 
 
@@ -263,10 +263,11 @@ def run_spec(cluster, folder, commands: list) -> dict:
 
 
 def submit(cluster, spec: dict, folder) -> str:
+    """The run's job id: submitted as fab does, through a node call."""
     (folder / "spec.json").write_text(json.dumps(spec))
-    result = cluster.scheduler(0, "submit", str(folder / "spec.json"), program=SLURM_RUN)
-    assert result.returncode == 0, (result.stdout, result.stderr)
-    return result.stdout.strip()
+    request = calls.SubmitRun(str(folder / "spec.json"))
+    result = cluster.scheduler(0, *calls.command_words(request, calls.code_version()), program=CALLS)
+    return calls.reply_from(request, result.returncode, result.stdout, result.stderr).job_id
 
 
 def hello_command(cluster, index: int, run_id: str, port: int) -> str:

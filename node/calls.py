@@ -1,0 +1,270 @@
+"""Every call from the operator to a node, typed: each verb's request and reply, defined once here, one
+dispatcher that runs on the node, and one error rule.
+
+    python node/calls.py REQUEST        # REQUEST: base64 of {"verb", "version", "args"}; prints the reply
+
+The operator side (remote/nodecall.py for fab, the local provider's supervisor for itself) builds the
+command with `command_words`, and reads the answer with `reply_from`: the reply is one line of JSON on
+stdout, exit 0. The one error rule: `error: <one line>` on stderr, exit 2 where the request is bad (an
+unknown verb, arguments that do not fit, bad input the work refused) or the node runs other code than
+the caller speaks (`version`: the digest of node/, as bootstrap sent it: run fab bootstrap), exit 1
+where the work failed. A request travels on the command line, which other users of the host can read:
+no request carries a secret (those go in 0600 files the request names).
+
+Standard library only; run as a file, it imports its siblings from the code folder.
+"""
+
+import base64
+import dataclasses
+import hashlib
+import importlib
+import json
+import os
+import sys
+import typing
+
+if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BAD_INPUT_EXIT, FAILED_EXIT = 2, 1
+
+
+class BadInput(Exception):
+    """The request cannot be done as asked (exit 2)."""
+
+
+class Failed(Exception):
+    """The work was tried and failed (exit 1)."""
+
+
+class CallError(Exception):
+    """What the operator side raises for an answer that is not a reply: the node's one line and exit code."""
+
+    def __init__(self, verb: str, exit_code: int, line: str):
+        super().__init__(line)
+        self.verb, self.exit_code, self.line = verb, exit_code, line
+
+    @property
+    def bad_input(self) -> bool:
+        return self.exit_code == BAD_INPUT_EXIT
+
+
+# ------------------------------------------------------------------------------------------ the verbs
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A verb's request; `HANDLER` ("module:function") does it on the node with the fields as keyword
+    arguments and returns the fields of `REPLY`."""
+
+    HANDLER: typing.ClassVar[str] = ""
+    REPLY: typing.ClassVar[type] = dict
+
+
+@dataclasses.dataclass(frozen=True)
+class Files:
+    """{path: sha256} of a workdir cache's files."""
+
+    files: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkdirManifest(Request):
+    """The manifest of a workdir cache (`~/.gpu-cluster/workdirs/<key>`)."""
+
+    cache: str
+    HANDLER: typing.ClassVar[str] = "sync:manifest_reply"
+    REPLY: typing.ClassVar[type] = Files
+
+
+@dataclasses.dataclass(frozen=True)
+class Applied:
+    sent: int
+    removed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ApplyBundle(Request):
+    """Apply a bundle of changed files that fab sent to a workdir cache."""
+
+    cache: str
+    bundle_path: str
+    HANDLER: typing.ClassVar[str] = "sync:apply"
+    REPLY: typing.ClassVar[type] = Applied
+
+
+@dataclasses.dataclass(frozen=True)
+class ResultFiles:
+    files: list
+    """[{"remote", "name", "size"}] of what a launch fetches back."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ListResults(Request):
+    """What a run leaves to fetch: its results folder and its metrics."""
+
+    run_dir: str
+    results_dir: str
+    HANDLER: typing.ClassVar[str] = "sync:results_reply"
+    REPLY: typing.ClassVar[type] = ResultFiles
+
+
+@dataclasses.dataclass(frozen=True)
+class Cleaned:
+    removed: int
+    runs: int
+    freed_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CleanRuns(Request):
+    """Remove the node-local copies of all but the newest `keep` runs."""
+
+    runs: str
+    keep: int
+    HANDLER: typing.ClassVar[str] = "sync:clean"
+    REPLY: typing.ClassVar[type] = Cleaned
+
+
+@dataclasses.dataclass(frozen=True)
+class Submitted:
+    job_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SubmitRun(Request):
+    """sbatch a run from its spec file (0600 on the head node: its commands carry --env values)."""
+
+    spec_file: str
+    HANDLER: typing.ClassVar[str] = "slurm_run:submit_file"
+    REPLY: typing.ClassVar[type] = Submitted
+
+
+@dataclasses.dataclass(frozen=True)
+class JobStates:
+    states: dict
+    """{job id: what Slurm knows of it (slurm_run.shown_state), or None}."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunStates(Request):
+    """The state of Slurm jobs, each with its run's log on the head node (its end record lies beside it)."""
+
+    logs: dict
+    """{job id: log}"""
+    HANDLER: typing.ClassVar[str] = "slurm_run:states"
+    REPLY: typing.ClassVar[type] = JobStates
+
+
+@dataclasses.dataclass(frozen=True)
+class Cancelled:
+    before: dict | None
+    """What Slurm knew of the job before (None: nothing)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CancelRun(Request):
+    """scancel a run's job."""
+
+    job_id: str
+    HANDLER: typing.ClassVar[str] = "slurm_run:cancel"
+    REPLY: typing.ClassVar[type] = Cancelled
+
+
+VERBS = {
+    cls.__name__: cls for cls in (WorkdirManifest, ApplyBundle, ListResults, CleanRuns, SubmitRun, RunStates, CancelRun)
+}
+"""Every verb, by its request's name."""
+
+
+# --------------------------------------------------------------------------------------- the version
+
+
+def code_version(folder: str = HERE) -> str:
+    """The digest of the node code in `folder` (every .py under it): what the caller and the node must share."""
+    hasher = hashlib.sha256()
+    for top, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(top, name)
+            hasher.update(os.path.relpath(path, folder).encode() + b"\0")
+            with open(path, "rb") as f:
+                hasher.update(f.read() + b"\0")
+    return hasher.hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------ the caller's side
+
+
+def command_words(request: Request, version: str) -> list:
+    """The words after `python node/calls.py` for `request`."""
+    message = {"verb": type(request).__name__, "version": version, "args": dataclasses.asdict(request)}
+    return [base64.b64encode(json.dumps(message).encode()).decode()]
+
+
+def reply_from(request: Request, exit_code: int, stdout: str, stderr: str):
+    """The reply to `request` from what the node printed; CallError with the node's one line otherwise."""
+    verb = type(request).__name__
+    if exit_code == 0:
+        for line in reversed(stdout.strip().splitlines()):
+            try:
+                return type(request).REPLY(**json.loads(line))
+            except (ValueError, TypeError):
+                continue
+        exit_code = FAILED_EXIT
+    lines = [line.strip() for line in (stderr.strip() or stdout.strip()).splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error: ")]
+    line = (errors or lines or [f"exit {exit_code}, no answer"])[-1]
+    return_code = exit_code if exit_code in (BAD_INPUT_EXIT, FAILED_EXIT) else FAILED_EXIT
+    raise CallError(verb, return_code, line.removeprefix("error: "))
+
+
+# -------------------------------------------------------------------------------------- the node's side
+
+
+def dispatch(encoded: str, version: str) -> dict:
+    """Do the request; its reply's fields. BadInput where the request does not fit."""
+    try:
+        message = json.loads(base64.b64decode(encoded))
+        verb, asked, args = message["verb"], message["version"], dict(message["args"])
+    except (ValueError, KeyError, TypeError):
+        raise BadInput("the request is not one fab sends: run fab bootstrap") from None
+    if asked != version:
+        raise BadInput(f"this node runs other node code ({version}) than fab speaks ({asked}): run fab bootstrap")
+    kind = VERBS.get(verb)
+    if kind is None:
+        raise BadInput(f"no verb {verb!r} on this node: run fab bootstrap")
+    try:
+        request = kind(**args)
+    except TypeError as exc:
+        raise BadInput(f"{verb}: {exc}") from None
+    module, function = kind.HANDLER.split(":")
+    handler = getattr(importlib.import_module(f"node.{module}"), function)
+    result = handler(**dataclasses.asdict(request))
+    reply = kind.REPLY(**result) if isinstance(result, dict) else result
+    return dataclasses.asdict(reply)
+
+
+def main(argv: list) -> int:
+    if len(argv) != 1:
+        print("error: usage: calls.py REQUEST (fab sends it)", file=sys.stderr)
+        return BAD_INPUT_EXIT
+    try:
+        print(json.dumps(dispatch(argv[0], code_version())), flush=True)
+    except BadInput as exc:
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return BAD_INPUT_EXIT
+    except Exception as exc:  # the one rule: whatever failed is one line, exit 1
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return FAILED_EXIT
+    return 0
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text[:500]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,65 @@
+"""node/calls.py, the one typed node call, run for real as fab runs it: `python node/calls.py REQUEST` in
+the node user's home, its reply read back by the caller's side of the same module."""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from node import calls
+from tests.support import REPO
+
+CALLS = REPO / "node" / "calls.py"
+
+
+def ask(request: calls.Request, home, version: str | None = None):
+    words = calls.command_words(request, version or calls.code_version())
+    result = subprocess.run([sys.executable, str(CALLS), *words], capture_output=True, text=True, cwd=home, timeout=60)
+    return calls.reply_from(request, result.returncode, result.stdout, result.stderr), result
+
+
+def test_a_request_gets_its_typed_reply(tmp_path):
+    runs = tmp_path / ".gpu-cluster" / "runs"
+    for run_id, size in (("20260101-000000-a", 5), ("20260102-000000-b", 7)):
+        (runs / run_id / "workdir").mkdir(parents=True)
+        (runs / run_id / "workdir" / "f").write_bytes(b"x" * size)
+    reply, _ = ask(calls.CleanRuns(".gpu-cluster/runs", 1), tmp_path)
+    assert reply == calls.Cleaned(removed=1, runs=2, freed_bytes=5)
+    assert not (runs / "20260101-000000-a").exists() and (runs / "20260102-000000-b" / "workdir" / "f").exists()
+
+
+@pytest.mark.parametrize(
+    ("words", "exit_code", "says"),
+    [
+        (["not base64 at all"], 2, "not one fab sends"),
+        ([], 2, "usage"),
+    ],
+)
+def test_a_request_that_is_not_one_is_one_line_and_exit_2(tmp_path, words, exit_code, says):
+    result = subprocess.run([sys.executable, str(CALLS), *words], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == exit_code and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("error: ") and says in result.stderr and result.stdout == ""
+
+
+def test_other_node_code_is_refused_naming_bootstrap(tmp_path):
+    with pytest.raises(calls.CallError) as refused:
+        ask(calls.CleanRuns(".gpu-cluster/runs", 1), tmp_path, version="0123456789abcdef")
+    assert refused.value.bad_input and "run fab bootstrap" in refused.value.line
+
+
+def test_a_failure_of_the_work_is_one_line_and_exit_1(tmp_path):
+    (tmp_path / "cache").mkdir()
+    with pytest.raises(calls.CallError) as failed:  # no such bundle: the work fails, the request was fine
+        ask(calls.ApplyBundle("cache", "no-such-bundle.tar.gz"), tmp_path)
+    assert (
+        failed.value.exit_code == 1 and "no-such-bundle.tar.gz" in failed.value.line and "\n" not in failed.value.line
+    )
+
+
+def test_the_version_is_the_node_codes_and_changes_with_it(tmp_path):
+    copy = tmp_path / "node"
+    shutil.copytree(REPO / "node", copy, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    assert calls.code_version(str(copy)) == calls.code_version()  # what bootstrap sends is what fab speaks
+    (copy / "sync.py").write_text((copy / "sync.py").read_text() + "\n# changed\n")
+    assert calls.code_version(str(copy)) != calls.code_version()
