@@ -1,4 +1,6 @@
-"""End every job on this node: `python -c <this file> JOB_FILE GRACE_S`; prints `stopped RUN...` or `idle`.
+"""End every job on this node: `python -c <this file> JOB_FILE GRACE_S [RUN_ID]`; prints `stopped RUN...` or
+`idle`. With RUN_ID, only that run's processes (a launch waiting its turn for the job lock is a run of
+its own, and goes on).
 
 A job is the process group JOB_FILE records (the launch command, torchrun in it) and every process
 whose environment carries a CLUSTER_RUN_ID and this node's HOME: torchrun's workers, which start
@@ -47,11 +49,12 @@ def signal_all(groups: list[int], pids: list[int], sig: int) -> None:
             pass
 
 
-def stop(job_file: Path, grace_s: float, home: str) -> list[str]:
-    """Stop every job; the run ids stopped, in the order found."""
+def stop(job_file: Path, grace_s: float, home: str, only: str = "") -> list[str]:
+    """Stop every job (`only`: that run's); the run ids stopped, in the order found."""
     me = {os.getpid(), os.getppid()}
     job = recorded_job(job_file)
-    strays = job_processes(home, me)
+    job = job if job is None or not only or job[1] == only else None
+    strays = {pid: run for pid, run in job_processes(home, me).items() if not only or run == only}
     groups = [job[0]] if job else []
     runs = list(dict.fromkeys(([job[1]] if job else []) + list(strays.values())))
     signal_all(groups, list(strays), signal.SIGTERM)
@@ -60,14 +63,17 @@ def stop(job_file: Path, grace_s: float, home: str) -> list[str]:
         time.sleep(0.1)
     signal_all(groups, list(strays), signal.SIGKILL)
     for pid, run_id in job_processes(home, me).items():  # started while we were stopping
-        signal_all([], [pid], signal.SIGKILL)
-        runs = list(dict.fromkeys(runs + [run_id]))
-    job_file.unlink(missing_ok=True)
+        if not only or run_id == only:
+            signal_all([], [pid], signal.SIGKILL)
+            runs = list(dict.fromkeys(runs + [run_id]))
+    if job is not None or not only:
+        job_file.unlink(missing_ok=True)
     return runs
 
 
 def main() -> None:
-    runs = stop(Path(os.path.expanduser(sys.argv[1])), float(sys.argv[2]), os.environ.get("HOME", ""))
+    only = sys.argv[3] if len(sys.argv) > 3 else ""
+    runs = stop(Path(os.path.expanduser(sys.argv[1])), float(sys.argv[2]), os.environ.get("HOME", ""), only)
     print("stopped " + " ".join(runs) if runs else "idle")
 
 

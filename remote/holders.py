@@ -130,7 +130,7 @@ class FabHolder:
         running = {(protocol.parse_job_status(s)[0] or {}).get("run_id") for s in statuses}
         if run.run_id not in running:
             return None
-        for node, outcome in stop_everywhere(self.cluster).items():
+        for node, outcome in stop_everywhere(self.cluster, run_id=run.run_id).items():
             say(f"{node}: {outcome}")
         return "RUNNING"
 

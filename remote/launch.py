@@ -288,13 +288,16 @@ def check_ready(sessions: list[NodeSession], statuses: list[str], queued: bool =
             raise UsageError(f"{session.node.name} is not bootstrapped: run fab bootstrap")
 
 
-def stop_everywhere(cluster: ClusterInfo, nodes: list[str] | None = None, background: bool = False) -> dict[str, str]:
+def stop_everywhere(
+    cluster: ClusterInfo, nodes: list[str] | None = None, background: bool = False, run_id: str = ""
+) -> dict[str, str]:
     """Run the stop command on the named nodes (default all) over fresh connections (`background`: in
-    daemon threads, which never keep fab from exiting)."""
+    daemon threads, which never keep fab from exiting; `run_id`: that run's processes only)."""
     targets = [n for n in cluster.nodes if nodes is None or n.name in nodes]
     sessions = [NodeSession(cluster, node) for node in targets]
+    command = protocol.stop_command(run_id=run_id)
     outcomes = on_all_nodes(
-        sessions, lambda s: s.retrying(lambda x: x.run(protocol.stop_command()), delays_s=(0.5,)), daemon=background
+        sessions, lambda s: s.retrying(lambda x: x.run(command), delays_s=(0.5,)), daemon=background
     )
     for session in sessions:
         session.close()

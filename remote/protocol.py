@@ -81,11 +81,14 @@ def parse_job_status(output: str) -> tuple[dict | None, bool]:
     return job, "bootstrapped" in (line.strip() for line in lines)
 
 
-def stop_command(grace_s: int = TERMINATE_GRACE_S) -> str:
-    """End every job on the node (node/stop_jobs.py): SIGTERM, SIGKILL after `grace_s`.
-    Prints `stopped RUN_ID...` or `idle`."""
+def stop_command(grace_s: int = TERMINATE_GRACE_S, run_id: str = "") -> str:
+    """End every job on the node (`run_id`: that run's only; node/stop_jobs.py): SIGTERM, SIGKILL after
+    `grace_s`. Prints `stopped RUN_ID...` or `idle`."""
     source = standalone.source("stop_jobs")
-    return f'. {ENV_FILE} 2>/dev/null; "${{CLUSTER_PYTHON:-python3}}" -c {shlex.quote(source)} {JOB_FILE} {grace_s}'
+    only = f" {shlex.quote(run_id)}" if run_id else ""
+    return (
+        f'. {ENV_FILE} 2>/dev/null; "${{CLUSTER_PYTHON:-python3}}" -c {shlex.quote(source)} {JOB_FILE} {grace_s}{only}'
+    )
 
 
 def hash_files_command(folder: str, tops: tuple[str, ...]) -> str:
