@@ -366,7 +366,7 @@ def finish(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: Follow
     exit_codes, ranks = dict(run.exit_codes), {}
     if followed is not None and followed.exit_codes:
         exit_codes, ranks = dict(followed.exit_codes), dict(followed.ranks)
-    if followed is None:  # ended while nothing followed it: its log (and each node's code) from the head
+    if followed is None and run.log:  # ended unfollowed: its log (and each node's code) from the head
         brought = _bring_log(cluster, run, folder)
         exit_codes, ranks = (dict(brought.exit_codes), dict(brought.ranks)) if brought.exit_codes else (exit_codes, {})
     for node in run.nodes:  # a node that left no marker was ended from outside
