@@ -172,8 +172,26 @@ class CancelRun(Request):
     REPLY: typing.ClassVar[type] = Cancelled
 
 
+@dataclasses.dataclass(frozen=True)
+class KitApplied:
+    facts: dict
+    """{part: what applying it found or did}"""
+
+
+@dataclasses.dataclass(frozen=True)
+class ApplyKit(Request):
+    """Apply parts of a node's kit (node/kit.py: deps, env, scheduler) from a file fab sent (0600: the
+    scheduler's description holds the munge key; removed once read)."""
+
+    kit_file: str
+    parts: list
+    HANDLER: typing.ClassVar[str] = "kit:apply_file"
+    REPLY: typing.ClassVar[type] = KitApplied
+
+
 VERBS = {
-    cls.__name__: cls for cls in (WorkdirManifest, ApplyBundle, ListResults, CleanRuns, SubmitRun, RunStates, CancelRun)
+    cls.__name__: cls
+    for cls in (WorkdirManifest, ApplyBundle, ListResults, CleanRuns, SubmitRun, RunStates, CancelRun, ApplyKit)
 }
 """Every verb, by its request's name."""
 

@@ -6,10 +6,10 @@ A replacement node (a spot instance the Auto Scaling group started in place of a
 the local provider's fresh node) has an empty home. `fab bootstrap`'s scheduler stage leaves what a node
 needs to join in the shared folder (`contract.JOIN_KIT`, 0600, the node user's own): the interpreter
 to layer the venv over, the venv's requirements, each node's environment file, and the scheduler's
-description with the cluster's munge key. This script does on this node what bootstrap's deps, env and
-scheduler stages would: the venv (node/python_env.py), `~/.gpu-cluster/env`, then Slurm's daemons
-(node/scheduler.py start), whose slurmd registers with the head node and returns the node to service;
-a run that waits for the node starts again. The code is already there: it lives in the shared folder.
+description with the cluster's munge key. This script applies this node's kit (node/kit.py), the recipe
+bootstrap's deps, env and scheduler stages apply: the venv (node/python_env.py), `~/.gpu-cluster/env`,
+then Slurm's daemons (node/scheduler.py start), whose slurmd registers with the head node and returns the
+node to service; a run that waits for the node starts again. The code is already there: it lives in the shared folder.
 
 `--address` replaces this node's address in the description (a replacement on AWS comes up at a new
 private address; where the cluster names its nodes in Slurm, the name stays). The head node is not
@@ -24,17 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
 
-from node import contract  # noqa: E402
-
-STEP_TIMEOUT_S = 1800
+from node import calls, contract, kit, scheduler  # noqa: E402
 
 
 class JoinError(Exception):
@@ -80,48 +76,11 @@ def well_formed(kit) -> bool:
     )
 
 
-def write_private(path: str, text: str) -> None:
-    folder = os.path.dirname(path)
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".join-")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def run_step(name: str, argv: list, home: str) -> str:
-    try:
-        result = subprocess.run(argv, cwd=home, capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise JoinError(f"{name}: {exc}") from None
-    if result.returncode != 0:
-        said = (result.stderr.strip() or result.stdout.strip()).splitlines()
-        raise JoinError(f"{name} failed: {said[-1] if said else f'exit {result.returncode}'}")
-    return result.stdout
-
-
-def last_json(text: str) -> dict:
-    for line in reversed(text.strip().splitlines()):
-        try:
-            found = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(found, dict):
-            return found
-    return {}
-
-
-def join(kit: dict, node: str, home: str, code: str, address: str | None) -> dict:
+def join(cluster_kit: dict, node: str, home: str, code: str, address: str | None) -> dict:
     started = time.monotonic()
-    description = kit["scheduler"]
+    description = cluster_kit["scheduler"]
     names = [entry.get("name") for entry in description.get("nodes", [])]
-    if node not in names or node not in kit["env"]:
+    if node not in names or node not in cluster_kit["env"]:
         raise BadInput(f"{node!r} is not a node of this cluster (its nodes: {', '.join(map(str, names))})")
     if node == names[0]:
         raise BadInput(f"{node} is the head node: it is prepared by fab bootstrap, not joined")
@@ -129,52 +88,25 @@ def join(kit: dict, node: str, home: str, code: str, address: str | None) -> dic
         for entry in description["nodes"]:
             if entry["name"] == node and entry["address"] != node:  # a name given in Slurm stays the name
                 entry["address"] = address
-    os.makedirs(os.path.join(home, contract.PIDS), mode=0o700, exist_ok=True)
-    os.chmod(os.path.join(home, contract.HOME_DIR), 0o700)
-
-    requirements = os.path.join(home, contract.REQUIREMENTS)
-    write_private(requirements, kit["requirements"])
-    venv = last_json(
-        run_step(
-            "the venv", [kit["python"], os.path.join(code, "node", "python_env.py"), contract.VENV, requirements], home
-        )
-    )
-    write_private(os.path.join(home, contract.ENV), kit["env"][node])
-
-    fd, sent = tempfile.mkstemp(dir=os.path.join(home, contract.HOME_DIR), prefix="scheduler-description-")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(description, f)
-        scheduler = last_json(
-            run_step(
-                "the scheduler",
-                [
-                    kit["python"],
-                    os.path.join(code, "node", "scheduler.py"),
-                    "start",
-                    "--node",
-                    node,
-                    "--conf-json",
-                    sent,
-                ],
-                home,
-            )
-        )
-    finally:
-        os.unlink(sent)
+    try:  # the same recipe bootstrap's deps, env and scheduler stages apply
+        done = kit.apply(kit.for_node(cluster_kit, node), home, code)
+    except calls.BadInput as exc:
+        raise BadInput(str(exc)) from None
+    except Exception as exc:  # whichever part failed says so in its line
+        raise JoinError(" ".join(str(exc).split()) or type(exc).__name__) from None
     # Started is not back in service: where the head node was being replaced at the same time, the controller
     # could not resume this node yet. Asked again here, and a failure fails the join (it is tried again).
-    in_slurm = run_step(
-        "the scheduler's controller",
-        [kit["python"], os.path.join(code, "node", "scheduler.py"), "rejoined", "--node", node],
-        home,
-    ).strip()
+    try:
+        in_slurm = scheduler.rejoined(scheduler.Paths(home), node)
+    except (calls.BadInput, calls.Failed) as exc:
+        raise JoinError(f"the scheduler's controller: {exc}") from None
+    venv = done["deps"]
     return {
         "node": node,
         "took_s": round(time.monotonic() - started, 1),
         "venv": {k: venv[k] for k in ("torch", "installed") if k in venv},
-        "scheduler": scheduler.get("action", "started"),
-        "slurm": in_slurm.rpartition(": ")[2],
+        "scheduler": done["scheduler"].get("action", "started"),
+        "slurm": in_slurm,
     }
 
 

@@ -19,6 +19,7 @@ bootstrap stops there, showing the failing node's output.
 """
 
 import base64
+import dataclasses
 import hashlib
 import io
 import json
@@ -35,8 +36,8 @@ from rich.table import Table
 from infra import state
 from infra.errors import OperationError, ReportedFailure, UsageError
 from infra.inventory import ClusterInfo
-from node import contract
-from remote import job_command, node_paths, protocol
+from node import calls, contract, kit
+from remote import job_command, node_paths, nodecall, protocol
 from remote.connect import NodeSession, describe, on_all_nodes, open_sessions
 from remote.launch import JobSpec, NodeSetup, run_job
 from remote.stream import console, say
@@ -339,17 +340,7 @@ class Bootstrap:
         wanted = digest(requirements, self.cluster.python, self.manifest.get("node/python_env.py"))
         if self._up_to_date(record, "deps", wanted):
             return Outcome("up to date", _torch(record.facts("deps")))
-        record.session.run(f"mkdir -p {contract.shell(contract.HOME_DIR)}", warn=False)
-        record.session.conn.put(io.StringIO(requirements), remote=contract.REQUIREMENTS)
-        command = node_paths.node_module(
-            self.cluster, self.cluster.python, "python_env", contract.VENV, contract.REQUIREMENTS
-        )
-        result = record.session.run(f"cd && {command}", timeout=1800)
-        if result.exited != 0:
-            raise StageFailed(
-                f"the node venv over {self.cluster.python} could not be made", result.stdout + result.stderr
-            )
-        facts = protocol.parse_last_json(result.stdout)
+        facts = self._apply_kit(record, "deps", kit.NodeKit(record.name, self.cluster.python, requirements))
         self._record(record, "deps", wanted, facts)
         return Outcome("done", _torch(facts))
 
@@ -370,10 +361,7 @@ class Bootstrap:
         wanted = digest(text)
         if self._up_to_date(record, "env", wanted):
             return Outcome("up to date", f"iface {interface}")
-        record.session.run(f"mkdir -p {contract.shell(contract.PIDS)}", warn=False)
-        record.session.conn.put(io.StringIO(text), remote=f"{contract.ENV}.tmp")
-        tmp_env = f"{contract.shell(contract.ENV)}.tmp"
-        record.session.run(f"chmod 600 {tmp_env} && mv {tmp_env} {node_paths.ENV_FILE}", warn=False)
+        self._apply_kit(record, "env", kit.NodeKit(record.name, self.cluster.python, env=text))
         self._record(record, "env", wanted, {"interface": interface})
         return Outcome("done", f"iface {interface}")
 
@@ -429,32 +417,21 @@ class Bootstrap:
             outcomes = self._on_every_record(stopped)
             if self.cluster.shared_dir and all(o.status != "failed" for o in outcomes.values()):
                 # no replacement node joins a Slurm that is gone (node/join.py reads the kit)
-                kit = node_paths.shell_path(f"{self.cluster.shared_dir.rstrip('/')}/{contract.JOIN_KIT}")
-                self.records[0].session.run(f"rm -f {kit}", warn=False)
+                join_kit = node_paths.shell_path(f"{self.cluster.shared_dir.rstrip('/')}/{contract.JOIN_KIT}")
+                self.records[0].session.run(f"rm -f {join_kit}", warn=False)
             return outcomes
         # Always asked: `start` leaves running daemons of an unchanged configuration alone (about 0.4 s), and
         # starts what is not running (a node restarted since), which no recorded digest can know.
         description = self._scheduler_description()
         wanted = digest(description, self.manifest.get("node/scheduler.py"))
-        text = json.dumps(description)
 
         def start(record: NodeRecord) -> Outcome:
-            # The description (it holds the munge key) goes as a file in the private ~/.gpu-cluster, removed
-            # after use: Fabric's stdin would keep the command waiting for an end of input.
-            sent = f"{contract.HOME_DIR}/scheduler-description.json"
-            record.session.conn.put(io.StringIO(text), remote=sent)
-            command = node_paths.node_module(
-                self.cluster, self.cluster.python, "scheduler", "start", "--node", record.name, "--conf-json", sent
-            )
-            result = record.session.run(
-                f"cd && chmod 600 {sent} && {command}; code=$?; rm -f {sent}; exit $code", timeout=120
-            )
-            if result.exited != 0:
-                why = (result.stderr.strip() or result.stdout.strip()).splitlines()
-                return Outcome(
-                    "failed", (why[-1] if why else f"exit {result.exited}")[-300:], result.stdout + result.stderr
-                )
-            fresh = protocol.parse_last_json(result.stdout).get("action") == "unchanged"
+            recipe = kit.NodeKit(record.name, self.cluster.python, scheduler=description)
+            try:
+                started = self._apply_kit(record, "scheduler", recipe)
+            except StageFailed as exc:
+                return Outcome("failed", str(exc)[-300:])
+            fresh = started.get("action") == "unchanged"
             if not fresh:
                 self._record(record, "scheduler", wanted, {"scheduler": "slurm"})
             daemons = "slurmctld, slurmd" if record is self.records[0] else "slurmd"
@@ -472,6 +449,20 @@ class Bootstrap:
         if self.cluster.shared_dir and all(o.status != "failed" for o in outcomes.values()):
             self._write_join_kit(description)
         return outcomes
+
+    def _apply_kit(self, record: NodeRecord, part: str, recipe: kit.NodeKit) -> dict:
+        """One part of the node's kit applied there (node/kit.py, the ApplyKit node call); its facts. The kit
+        goes as a 0600 file in the private ~/.gpu-cluster (the scheduler's holds the munge key), which the
+        node removes once read."""
+        sent = f"{contract.HOME_DIR}/kit-{part}.json"
+        record.session.run(f"mkdir -p {contract.shell(contract.HOME_DIR)} && : > {contract.shell(sent)}", warn=False)
+        record.session.conn.put(io.StringIO(json.dumps(dataclasses.asdict(recipe))), remote=sent)
+        try:
+            return nodecall.call(record.session, self.cluster.python, calls.ApplyKit(sent, [part]), timeout=1800).facts[
+                part
+            ]
+        except (UsageError, OperationError) as exc:
+            raise StageFailed(str(exc).split(": ", 1)[-1]) from None
 
     def _adopt_existing_slurm(self) -> dict[str, Outcome]:
         """Own machines that already run Slurm (`slurm: existing`): each node finds its NodeName there
@@ -565,7 +556,7 @@ class Bootstrap:
     def _write_join_kit(self, description: dict) -> None:
         """What a replacement node needs to join with nobody connected (node/join.py), in the shared folder,
         0600 like the munge key it holds."""
-        kit = {
+        cluster_kit = {
             "python": self.cluster.python,
             "requirements": (REPO / "requirements-node.txt").read_text(),
             "env": {r.name: self.env_text(r) for r in self.records},
@@ -577,7 +568,7 @@ class Bootstrap:
         # The file is made 0600 before the key goes in: SFTP writes into it and keeps its mode.
         folder = node_paths.shell_path(str(Path(path).parent))
         head.run(f"umask 077 && mkdir -p {folder} && : > {quoted}.tmp && chmod 600 {quoted}.tmp", warn=False)
-        head.conn.put(io.StringIO(json.dumps(kit)), remote=f"{path}.tmp")
+        head.conn.put(io.StringIO(json.dumps(cluster_kit)), remote=f"{path}.tmp")
         head.run(f"mv {quoted}.tmp {quoted}", warn=False)
 
     def _scheduler_description(self) -> dict:
