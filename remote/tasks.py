@@ -13,8 +13,8 @@ from invoke import Collection, task
 from invoke.exceptions import Exit
 from rich.table import Table
 
-from infra import inventory, state
-from infra.errors import UsageError
+from infra import inventory, runlog, state
+from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
 from node import contract
 from remote import job_command, node_paths, options, protocol, runs, scheduled, workdir
@@ -414,6 +414,8 @@ def jobs(c, json_=False, stack=None):
         raise Exit("error: fab jobs lists runs held by Slurm: fab bootstrap --scheduler slurm", code=2)
     found = scheduled.runs_of(state.runs_dir(cluster.stack))
     scheduled.refresh(cluster, [r for _, r in found])
+    with contextlib.redirect_stdout(sys.stderr if json_ else sys.stdout):
+        scheduled.bring_logs(cluster, found)  # a run nobody follows has its log here as it goes
     for folder, record in found:
         record.save(folder)
         if record.ended and not record.finished:
@@ -532,9 +534,7 @@ def logs(c, run=None, node=None, lines=None, follow=False, stack=None):
             after_follow(cluster, setup, folder, record, followed)
             return
         code, line = scheduled.outcome_line(cluster, record, folder)
-        for path in sorted(folder.glob("node-*.log")):
-            for text in path.read_text(errors="replace").splitlines()[-count if count else None :]:
-                say(f"[{path.stem}] {text}")
+        show_logs(folder, None, count)
         if code:
             raise Exit(line, code=code)
         say(line)
@@ -546,20 +546,41 @@ def logs(c, run=None, node=None, lines=None, follow=False, stack=None):
     run_dir = runs_root / run if run else runs.latest_run(runs_root)
     if run_dir is None or not run_dir.is_dir():
         raise Exit(f"error: no run {run!r} in {runs_root}" if run else f"error: no runs yet in {runs_root}", code=2)
-    logs_found = sorted(run_dir.glob("node-*.log"))
-    if node:
-        logs_found = [p for p in logs_found if p.stem == node]
-        if not logs_found:
-            raise Exit(f"error: run {run_dir.name} has no log for {node}", code=2)
+    held = scheduled.Run.load(run_dir)  # a run held by Slurm: its log comes here as it goes
+    if held is not None and not held.finished:
+        bring_log(stack_name, run_dir, held)
+    if node and not (run_dir / f"{node}.log").exists():
+        raise Exit(f"error: run {run_dir.name} has no log for {node}", code=2)
     say(f"run {run_dir.name} ({run_dir})")
-    for path in logs_found:
-        text = path.read_text().splitlines()
-        shown = text[-count:] if count > 0 else text
-        for line in shown:  # the nodes prefix their own lines; a line fab wrote before them gets one here
-            say(line if line.startswith(f"[{path.stem}") else f"[{path.stem}] {line}")
+    show_logs(run_dir, node, count)
     summary = run_dir / runs.SUMMARY
     if summary.exists():
         say(runs.summary_line(summary))
+
+
+def bring_log(stack: str, folder: Path, record: scheduled.Run) -> None:
+    """A run held by Slurm that is not finished: the rest of its log from the head node first, where the
+    cluster answers (after down, what is here is all there is)."""
+    try:
+        scheduled.bring_logs(inventory.load(stack), [(folder, record)])
+    except (UsageError, OperationError) as exc:
+        say(f"fab: showing the log as far as it is here ({exc})")
+
+
+def show_logs(run_dir: Path, node: str | None, count: int) -> None:
+    """The last `count` lines (0: all) of each node's log, then of the cluster's (Slurm's, srun's and the
+    batch script's lines, for a run held by Slurm), each line with its writer's prefix once."""
+    logs_found = sorted(run_dir.glob("node-*.log"))
+    if node:
+        logs_found = [p for p in logs_found if p.stem == node]
+    elif (run_dir / runlog.CLUSTER_LOG).exists():
+        logs_found.append(run_dir / runlog.CLUSTER_LOG)
+    for path in logs_found:
+        text = path.read_text(errors="replace").splitlines()
+        shown = text[-count:] if count > 0 else text
+        for line in shown:  # the nodes prefix their own lines; a line fab wrote before them gets one here
+            own = line.startswith(f"[{path.stem}") or path.name == runlog.CLUSTER_LOG
+            say(line if own else f"[{path.stem}] {line}")
 
 
 GPU_QUERY = (
