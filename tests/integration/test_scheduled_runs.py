@@ -237,3 +237,34 @@ def test_two_ranks_progress_bars_stay_in_lines_and_logs_of_their_own(cluster, tm
         assert f"[{node}] rank {rank} bar 4" in log and f"rank {1 - rank} bar" not in log, log
         assert all(line.count(" bar ") <= 1 for line in log.splitlines()), log
 
+
+def test_down_mid_run_keeps_its_log_here_and_names_the_run_it_cancelled(cluster, tmp_path):
+    """Last: it takes the module's cluster down."""
+    work = script(
+        tmp_path,
+        "long2.py",
+        "print(f'rank {rank} started', flush=True)\n"
+        "time.sleep(3)\n"
+        "print(f'rank {rank} later', flush=True)\n"
+        "time.sleep(600)\n",
+    )
+    run_id = detached(cluster, "run", "--script", str(work))
+    on_cluster = cluster.state_dir / cluster.stack / "shared" / "runs" / run_id / "output.log"  # the local provider's
+
+    def cluster_log_has(text: str) -> bool:
+        return on_cluster.exists() and text in on_cluster.read_text()
+
+    slurm.wait_for(lambda: cluster_log_has("rank 1 started"), "the run's first lines")
+    shown = cluster.fab("logs", "--run", run_id)  # a running run nobody follows: its lines so far
+    assert shown.returncode == 0 and "[node-1] rank 1 started" in shown.stdout, shown.stdout + shown.stderr
+    assert "rank 1 later" not in shown.stdout
+    slurm.wait_for(lambda: cluster_log_has("rank 1 later"), "the run's later lines")
+    down = cluster.cli("down", "--stack", cluster.stack)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert f"run {run_id}, running, was cancelled with the cluster" in down.stdout, down.stdout
+    assert not on_cluster.exists()
+    folder = cluster.state_dir / cluster.stack / "runs" / run_id
+    assert "[node-1] rank 1 later" in (folder / "node-1.log").read_text()
+    kept = cluster.fab("logs", "--run", run_id, "--stack", cluster.stack)
+    assert kept.returncode == 0 and "[node-0] rank 0 later" in kept.stdout, kept.stdout + kept.stderr
+    assert json.loads((folder / "run.json").read_text())["state"] == "CANCELLED"
