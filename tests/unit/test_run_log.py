@@ -76,3 +76,33 @@ def test_the_terminal_ends_a_bar_before_another_writers_line(tmp_path, capsysbin
     out = capsysbinary.readouterr().out
     assert out == b"[node-0] 10%\r\n[node-1] 10%\r\n[node-0] 20%\r[node-0] 30%\r\nsrun: done\n"
     assert not list(tmp_path.iterdir())  # a replay writes nothing
+
+
+def test_down_records_the_runs_it_ended_from_the_records_fab_wrote(state_dir):
+    """infra reads remote's run.json (it may not import remote): the keys it needs are the ones Run writes."""
+    folders = {}
+    for run_id, state in (("running", "RUNNING"), ("queued", "PENDING"), ("ended", "RUNNING"), ("done", "COMPLETED")):
+        folders[run_id] = state_dir / "local" / "runs" / run_id
+        folders[run_id].mkdir(parents=True)
+        run = scheduled.Run(run_id, "run", "7", f"/shared/runs/{run_id}/output.log", ["node-0"], 1795000000.0, state)
+        run.finished = run_id == "done"
+        run.save(folders[run_id])
+
+    found = {run.folder.name: run for run in runlog.unfinished_runs("local")}
+    assert sorted(found) == ["ended", "queued", "running"]
+    found["running"].started = True
+    found["ended"].end = runlog._end_state(b'{"exit_code": 3, "at": 1795000100.0, "restarts": 0}')
+    said: list[str] = []
+    runlog.after_down(list(found.values()), said.append, at=1795000200.0)
+
+    assert said == [
+        f"run queued, queued, was cancelled with the cluster; its log is kept in {folders['queued']}",
+        f"run running, running, was cancelled with the cluster; its log is kept in {folders['running']}",
+    ]
+    records = {run_id: scheduled.Run.load(folder) for run_id, folder in folders.items()}
+    assert {run_id: (r.state, r.ended_at, r.finished) for run_id, r in records.items()} == {
+        "running": ("CANCELLED", 1795000200.0, True),
+        "queued": ("CANCELLED", 1795000200.0, True),
+        "ended": ("FAILED", 1795000100.0, True),
+        "done": ("COMPLETED", None, True),
+    }
