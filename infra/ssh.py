@@ -112,10 +112,13 @@ def connect(cluster: ClusterInfo, node: NodeInfo, timeout_s: float = CONNECT_TIM
     )
 
 
-async def run(cluster: ClusterInfo, node: NodeInfo, command: str, timeout_s: float = 10.0):
-    """Run `command` on `node`; returns asyncssh's completed process (exit_status, stdout, stderr)."""
+async def run(
+    cluster: ClusterInfo, node: NodeInfo, command: str, timeout_s: float = 10.0, encoding: str | None = "utf-8"
+):
+    """Run `command` on `node`; returns asyncssh's completed process (exit_status, stdout, stderr: text, or
+    bytes with `encoding` None)."""
     async with connect(cluster, node, timeout_s) as conn:
-        return await asyncio.wait_for(conn.run(command, check=False), timeout_s)
+        return await asyncio.wait_for(conn.run(command, check=False, encoding=encoding), timeout_s)
 
 
 async def _probe(cluster: ClusterInfo, node: NodeInfo, timeout_s: float) -> NodeProbe:

@@ -64,7 +64,8 @@ SCHEDULER_SHORT_FOLDER = "/tmp/gpu-cluster-{uid}-{key}"
 """Where this node's Unix sockets (munge's, slurmd's spool with the steps' sockets) go when the home is too
 deep for them: a socket's path is at most 108 bytes. `key` is a digest of the scheduler folder's path."""
 RUN_END_MARKER = "__GPU_CLUSTER_RUN_END__"
-"""The line `slurm_run.py follow` ends with: `RUN_END_MARKER STATE EXIT_CODE` (Slurm's job state)."""
+"""The line `slurm_run.py follow` ends with, after a newline of its own: `RUN_END_MARKER STATE EXIT_CODE
+LOG_BYTES` (Slurm's job state; the log's size, where the log ends and this line begins)."""
 HANG_RECORD = "hang.json"
 """In a scheduled run's folder on the head node: the cluster-side hang watch's verdict, where it found one."""
 RUN_LOG = "output.log"

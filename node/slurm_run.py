@@ -277,18 +277,24 @@ def submit(spec: dict) -> str:
 
 
 def copy_whole_lines(fd: int, prefix, out, hold_s: float = HOLD_S) -> None:
-    """Copy `fd` to `out` (prefixed) until its end, whole lines at a time: srun gathers every node's
-    output into one log, and a line written in two pieces (an unbuffered `print` writes its text, then
-    the newline) would take another node's line into it. A piece without a line end is held up to
-    `hold_s` for its rest; a line redrawn with `\\r` goes out at each `\\r`."""
-    pending, held_since = b"", 0.0
+    """Copy `fd` to `out` (prefixed) until its end, in whole pieces only (each ends at a `\\n` or a `\\r`):
+    srun gathers every node's output into one log, where a piece left open would take the next node's
+    output into its line (an unbuffered `print` writes its text, then the newline; a progress bar writes
+    `\\r` and its text, then nothing for a while). A piece without a line end is held up to `hold_s` for its
+    rest; held longer, it goes out ended by a `\\r`, as a line that is redrawn, and when its rest comes the
+    whole line goes out again (a bar's next `\\r` only replaces it)."""
+    pending, shown, held_since = b"", b"", 0.0
     while True:
         wait = max(0.0, held_since + hold_s - time.monotonic()) if pending else None
         if select.select([fd], [], [], wait)[0]:
             chunk = os.read(fd, 65536)
             if not chunk:
                 break
-            data = pending + prefix(chunk)
+            data = prefix(chunk)
+            if not pending and data.startswith(b"\r"):  # at a line's start: nothing to redraw
+                data, shown = data[1:], b""
+            data = pending + shown + data  # a line that went out unfinished: its rest redraws it whole
+            shown = b""
             cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
             if cut:
                 out.write(data[:cut])
@@ -296,12 +302,12 @@ def copy_whole_lines(fd: int, prefix, out, hold_s: float = HOLD_S) -> None:
             if data[cut:] and not pending:
                 held_since = time.monotonic()
             pending = data[cut:]
-        elif pending:  # held long enough (a prompt, `loading...`): shown as it is
-            out.write(pending)
+        elif pending:  # held long enough (a prompt, `loading...`, a slow bar): shown as it is
+            out.write(pending + b"\r")
             out.flush()
-            pending = b""
+            pending, shown = b"", pending
     if pending:
-        out.write(pending)
+        out.write(pending + b"\n")
         out.flush()
 
 
@@ -411,13 +417,20 @@ def job_state(job_id: str, log: str = "") -> dict | None:
 
 
 def ended_state(log: str) -> dict | None:
-    """The run's end as its batch job recorded it (contract.END_RECORD beside `log`): COMPLETED with exit 0,
-    CANCELLED where a signal ended it (scancel: SIGTERM, then SIGKILL), else FAILED; None without one."""
+    """The run's end as its batch job recorded it (contract.END_RECORD beside `log`); None without one."""
     try:
         with open(os.path.join(os.path.dirname(log), contract.END_RECORD)) as f:
-            record = json.load(f)
+            return end_record_state(json.load(f), log)
+    except (OSError, ValueError):
+        return None
+
+
+def end_record_state(record, log: str = "") -> dict | None:
+    """A batch job's end record as a job's state: COMPLETED with exit 0, CANCELLED where a signal ended it
+    (scancel: SIGTERM, then SIGKILL), else FAILED; None where it is not one."""
+    try:
         code, at = int(record["exit_code"]), float(record["at"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return None
     state = "COMPLETED" if code == 0 else "CANCELLED" if code in (128 + 15, 128 + 9) else "FAILED"
     return {
@@ -515,7 +528,8 @@ def follow(log: str, job_id: str, offset: int = 0) -> int:
                 continue  # one more read: what was written before the end
         time.sleep(FOLLOW_POLL_S)
     code = final.get("exit_code")
-    out.write(f"{contract.RUN_END_MARKER} {final['state']} {'-' if code is None else code}\n".encode())
+    # on a line of its own, the log's size last: the follower keeps the log, not this line
+    out.write(f"\n{contract.RUN_END_MARKER} {final['state']} {'-' if code is None else code} {position}\n".encode())
     out.flush()
     return 0
 

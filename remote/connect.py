@@ -22,7 +22,7 @@ from infra import ssh
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo, NodeInfo
 from infra.ssh import describe
-from remote.stream import NodeStream, copy_channel, say
+from remote.stream import Feed, copy_channel, say
 
 T = TypeVar("T")
 NO_EXIT_STATUS = -1  # what paramiko reports for a channel that closed without an exit status
@@ -108,7 +108,7 @@ class NodeSession:
             raise UnexpectedExit(result)
         return result
 
-    def stream(self, command: str, stream: NodeStream) -> int:
+    def stream(self, command: str, stream: Feed) -> int:
         """Run a command, its output (stderr merged in) copied into `stream` as it comes, in large reads
         straight from the channel (`copy_channel`); its exit code. ConnectionResetError as for `run`."""
         self.conn.open()

@@ -212,6 +212,7 @@ class SlurmHolder:
     def refresh(self, found: list[tuple[Path, runs.Run]]) -> None:
         jobs = [(f, r) for f, r in found if r.job_id]  # a run held by fab before Slurm was set up has none
         scheduled.refresh(self.cluster, [r for _, r in jobs])
+        scheduled.bring_logs(self.cluster, jobs)  # a run nobody follows has its log here as it goes
         for folder, run in jobs:
             run.save(folder)
             if run.ended and not run.finished:

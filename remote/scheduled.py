@@ -14,23 +14,22 @@ connected is priced.
 """
 
 import json
-import re
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra import state
+from infra import runlog, state
 from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
 from node import calls, contract
 from remote import job_command, node_paths, nodecall
 from remote.connect import CONNECTION_ERRORS, NodeSession, describe
 from remote.runs import FINAL, Run, RunBook, spec_facts, summary, write_summary
-from remote.stream import RankOutcome, say
+from remote.stream import LogWriter, RankOutcome, say, terminal
 
+RECORD = runlog.RECORD
 SLURM_STATES = {
     **dict.fromkeys(("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SPECIAL_EXIT", "RESV_DEL_HOLD"), "PENDING"),
     **dict.fromkeys(("RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "STOPPED", "SIGNALING"), "RUNNING"),
@@ -39,8 +38,9 @@ SLURM_STATES = {
 }
 """Slurm's job states onto a run's (`runs.STATES`); None: the same name. COMPLETING (a slurmctld restart
 shows it for a while) is still running; TIMEOUT, NODE_FAIL and the like are failures."""
-NODE_LINE = re.compile(r"^\[(node-\d+)(?: rank \d+)?\] ?")
 CANCEL_WAIT_S = 30
+HOLD_WAIT_S = 2.0
+"""How long a follower waits for a command that is adding to the run's local copy (`fab jobs`)."""
 
 
 def run_state(slurm_state: str) -> str:
@@ -104,67 +104,39 @@ def _text_file(text: str):
 # ------------------------------------------------------------------------------------------- follow
 
 
-class LogSplitter:
-    """The run's log as it arrives: each `[node-i] ` piece into that node's local log and onto the
-    terminal (a piece ends at a newline or a carriage return, so progress bars stay live), the exit
-    markers kept apart, and the end marker's state and exit code noted."""
+class LogSplitter(runlog.LogCopy):
+    """The run's log as it arrives: into its local copy (infra/runlog.py: `output.log`, each node's
+    `node-<i>.log`, `cluster.log` for Slurm's, srun's and the batch script's lines) and onto the terminal,
+    each writer (a node, a rank, the cluster) a terminal writer of its own, as an attached run's nodes
+    are: a progress bar one rank redraws with `\\r` is ended before another's line starts. The launch's
+    markers are kept apart (`exit_codes`), and the follower's end marker noted (`end`)."""
 
-    def __init__(self, local_dir: Path, echo: bool = True):
-        self.local_dir, self.echo = local_dir, echo
-        self.partial = ""
-        self.logs: dict[str, object] = {}
-        self.exit_codes: dict[str, int] = {}
-        self.ranks: dict[str, str] = {}
+    def __init__(self, local_dir: Path, echo: bool = True, write: bool = True):
+        super().__init__(local_dir, self._show if echo else None, write)
+        self.writers: dict[str, LogWriter] = {}
+
+    def _show(self, prefix: str, piece: str) -> None:
+        terminal.write(self.writers.setdefault(prefix, LogWriter()), piece.encode())
+
+    @property
+    def ranks(self) -> dict[str, str]:
         """Each node's ranks line (`contract.RANKS_MARKER`'s JSON: the failed ranks' own codes)."""
-        self.end: tuple[str, int | None] | None = None
-        self.tail: dict[str, list[str]] = {}
+        marker = contract.RANKS_MARKER
+        return {node: found[marker][len(marker) :].strip() for node, found in self.markers.items() if marker in found}
 
-    def write(self, text: str) -> int:
-        self.partial += text
-        pieces = re.split(r"(?<=[\r\n])", self.partial)
-        self.partial = pieces.pop() if pieces and not pieces[-1].endswith(("\r", "\n")) else ""
-        for piece in pieces:
-            if piece:
-                self._piece(piece)
-        return len(text)
-
-    def _piece(self, piece: str) -> None:
-        line = piece.rstrip("\r\n")
-        if line.startswith(contract.RUN_END_MARKER):
-            words = line.split()
-            code = words[2] if len(words) > 2 else "-"
-            self.end = (words[1] if len(words) > 1 else "UNKNOWN", int(code) if code.lstrip("-").isdigit() else None)
-            return
-        match = NODE_LINE.match(line)
-        node = match.group(1) if match else None
-        payload = piece[match.end() :] if match else piece
-        if node and payload.startswith(contract.MARKER_START):  # the launch's markers: kept, never shown
-            marker = job_command.parse_exit_marker(payload.strip())
+    @property
+    def exit_codes(self) -> dict[str, int]:
+        """Each node's exit code, from its exit marker."""
+        found = {}
+        for node, markers in self.markers.items():
+            marker = job_command.parse_exit_marker(markers.get(contract.EXIT_MARKER, ""))
             if marker is not None:
-                self.exit_codes[node] = marker[0]
-            elif payload.startswith(contract.RANKS_MARKER):
-                self.ranks[node] = payload[len(contract.RANKS_MARKER) :].strip()
-            return
-        if node:
-            log = self.logs.get(node)
-            if log is None:
-                log = self.logs[node] = state.open_private(self.local_dir / f"{node}.log", "w", buffering=1)
-            log.write(piece if piece.endswith("\n") else piece.rstrip("\r") + "\n")  # type: ignore[attr-defined]
-            self.tail[node] = (self.tail.get(node, []) + [payload.rstrip()])[-40:]
-        if self.echo:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+                found[node] = marker[0]
+        return found
 
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        if self.partial:
-            self._piece(self.partial + "\n")
-            self.partial = ""
-        for log in self.logs.values():
-            log.close()  # type: ignore[attr-defined]
-        self.logs = {}
+    def feed(self, data: bytes) -> None:
+        """Bytes of the follower's output as they come (`NodeSession.stream`)."""
+        self.add(data)
 
 
 @dataclass
@@ -190,13 +162,17 @@ def follow(
     SIGHUP or a lost connection do."""
     local_dir.mkdir(parents=True, exist_ok=True)
     splitter = LogSplitter(local_dir, echo)
+    if not splitter.hold(wait_s=HOLD_WAIT_S):  # another fab follows it and keeps its copy: only shown here
+        splitter = LogSplitter(local_dir, echo, write=False)
     head = NodeSession(cluster, cluster.head)
-    command = node_paths.node_module(cluster, cluster.python, "slurm_run", "follow", run.log, run.job_id)
     outcome: dict = {}
 
     def reader() -> None:
+        command = node_paths.node_module(
+            cluster, cluster.python, "slurm_run", "follow", run.log, run.job_id, str(splitter.offset)
+        )
         try:
-            head.run(f"cd && {command}", out_stream=splitter, err_stream=splitter, hide=False, pty=False)
+            head.stream(f"cd && {command}", splitter)
         except CONNECTION_ERRORS as exc:
             outcome["lost"] = describe(exc)
         except Exception as exc:  # whatever ended the connection: the run goes on
@@ -205,9 +181,10 @@ def follow(
     hangup = threading.Event()
     handlers = _signals(hangup)
     thread = threading.Thread(target=reader, name=f"follow-{run.run_id}", daemon=True)
-    thread.start()
     interrupted = False
     try:
+        splitter.resume()  # what is here already, shown again; the rest comes from where it ends
+        thread.start()
         while thread.is_alive() and not hangup.is_set():
             thread.join(timeout=0.2)
     except KeyboardInterrupt:
@@ -218,11 +195,15 @@ def follow(
                 cancel(cluster, run)
             except (UsageError, OperationError) as exc:
                 say(f"fab: {exc}")
+            if thread.ident is None:  # interrupted while what was here was shown: follow it to its end
+                thread.start()
             thread.join(timeout=CANCEL_WAIT_S)
     finally:
         _restore(handlers)
         head.close()
-        splitter.close()
+        if thread.ident is not None:  # what it read before the connection closed goes into the copy first
+            thread.join(timeout=2.0)
+        splitter.close(ended=splitter.end is not None)
     codes, ranks = splitter.exit_codes, splitter.ranks
     if interrupted and not cancel_on_interrupt:
         return Followed(None, codes, ranks, detached="Ctrl-C", interrupted=True)
@@ -411,30 +392,47 @@ def _cluster_hang(cluster: ClusterInfo, run: Run) -> dict | None:
         head.close()
 
 
-def _bring_log(cluster: ClusterInfo, run: Run, folder: Path) -> "LogSplitter":
-    """The run's whole log from the head node into the local per-node logs; each node's exit code and
-    ranks line are on the splitter returned."""
-    splitter = LogSplitter(folder, echo=False)
+def bring_logs(cluster: ClusterInfo, runs: list[tuple[Path, Run]]) -> None:
+    """The rest of each unfinished run's log from the head node into its local copy (infra/runlog.py), so
+    that a run nobody follows has its log here as it goes; a copy another fab holds is skipped (it
+    follows the run: the log is here)."""
+    pending = [(folder, run) for folder, run in runs if not run.finished]
+    if not pending:
+        return
     head = NodeSession(cluster, cluster.head)
     try:
-        head.conn.get(run.log, local=_Sink(splitter))
-    except Exception as exc:  # the logs are a convenience here; the outcome comes from Slurm
-        say(f"fab: could not bring run {run.run_id}'s log from {cluster.head.name}: {describe(exc)}")
+        for folder, run in pending:
+            copy = LogSplitter(folder, echo=False)
+            if not copy.hold():
+                continue
+            try:
+                copy.resume()
+                received = _Bytes()
+                head.stream(f"cd && {runlog.tail_command(run.log, copy.offset)}", received)
+                copy.add(bytes(received.data).partition(b"\n")[2])  # the first line: the end record
+            except CONNECTION_ERRORS as exc:
+                say(f"fab: could not bring run {run.run_id}'s log from {cluster.head.name}: {describe(exc)}")
+            finally:
+                copy.close(ended=run.ended)
     finally:
         head.close()
-        splitter.close()
-    return splitter
 
 
-class _Sink:
-    """A binary file-like that feeds the splitter (SFTP writes bytes)."""
+def _bring_log(cluster: ClusterInfo, run: Run, folder: Path) -> "LogSplitter":
+    """The rest of the run's log from the head node into its local copy; each node's exit code and ranks
+    line are on the copy returned."""
+    bring_logs(cluster, [(folder, run)])
+    copy = LogSplitter(folder, echo=False, write=False)
+    copy.resume()
+    copy.close(ended=True)
+    return copy
 
-    def __init__(self, splitter: LogSplitter):
-        self.splitter = splitter
 
-    def write(self, data: bytes) -> int:
-        self.splitter.write(data.decode(errors="replace"))
-        return len(data)
+class _Bytes:
+    """A command's output, kept whole."""
 
-    def flush(self) -> None:
-        pass
+    def __init__(self):
+        self.data = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self.data += data

@@ -15,7 +15,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Protocol
 
 from infra import state
 from node import contract
@@ -27,6 +27,30 @@ READ_BYTES = 1 << 16
 TAIL_BYTES = 1 << 14  # kept of each node's output, for the lines shown when a step fails
 TAIL_LINES = 40
 MARKER = contract.MARKER_START.encode()
+
+
+class Writer(Protocol):
+    """Who writes on the terminal: a node's stream, or one writer of a scheduled run's log."""
+
+    resumed: bool
+    """Set by the terminal when another writer ended this writer's unfinished line."""
+    line_prefix: bytes
+    """The prefix its next bytes need after `resumed`."""
+
+
+class LogWriter:
+    """One writer of a scheduled run's log (a node, a rank, the cluster): each of its pieces starts with
+    its own prefix, so a line of it that another writer ended needs none again."""
+
+    line_prefix = b""
+
+    @property
+    def resumed(self) -> bool:
+        return False
+
+    @resumed.setter
+    def resumed(self, value: bool) -> None:
+        pass
 
 
 class Terminal:
@@ -42,11 +66,11 @@ class Terminal:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.unfinished: NodeStream | None = None
-        self.held: dict[NodeStream, bytes] = {}
+        self.unfinished: Writer | None = None
+        self.held: dict[Writer, bytes] = {}
         self.timer: threading.Timer | None = None
 
-    def write(self, writer: "NodeStream | None", data: bytes) -> None:
+    def write(self, writer: Writer | None, data: bytes) -> None:
         with self.lock:
             if writer is not None:
                 data = self.held.pop(writer, b"") + data
@@ -57,7 +81,7 @@ class Terminal:
                     self._flush_later()
             self._write(writer, data)
 
-    def release(self, writer: "NodeStream | None" = None) -> None:
+    def release(self, writer: Writer | None = None) -> None:
         """Show what is held (of `writer`, or of every writer)."""
         with self.lock:
             for held in [writer] if writer is not None else list(self.held):
@@ -69,7 +93,7 @@ class Terminal:
             self.timer.daemon = True
             self.timer.start()
 
-    def _write(self, writer: "NodeStream | None", data: bytes) -> None:
+    def _write(self, writer: Writer | None, data: bytes) -> None:
         if not data:
             return
         sys.stdout.flush()
@@ -254,7 +278,13 @@ def _ended(code: int) -> str:
         return f"was killed by signal {-code}"
 
 
-def copy_channel(channel, stream: NodeStream) -> int:
+class Feed(Protocol):
+    """What takes a command's output as it comes (`feed`), bytes as they arrive."""
+
+    def feed(self, data: bytes) -> None: ...
+
+
+def copy_channel(channel, stream: Feed) -> int:
     """Copy an SSH channel's output (stderr merged in) into `stream` until the command exits; its exit
     status (-1 where the channel closed without one)."""
     while True:

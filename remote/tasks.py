@@ -7,13 +7,14 @@ import contextlib
 import json
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from invoke import Collection, task
 from invoke.exceptions import Exit
 from rich.table import Table
 
-from infra import inventory, state
-from infra.errors import UsageError
+from infra import inventory, runlog, state
+from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
 from node import calls, contract
 from remote import holders, job_command, node_paths, nodecall, options, protocol, runs, scheduled, workdir
@@ -427,9 +428,7 @@ def logs(c, run=None, node=None, lines=None, follow=False, stack=None):
         if not record.finished:
             report(cluster, holder.follow(folder, record))  # Ctrl-C stops the following only
             return
-        for path in sorted(folder.glob("node-*.log")):
-            for text in path.read_text(errors="replace").splitlines()[-count if count else None :]:
-                say(prefixed(path.stem, text))
+        show_logs(folder, None, count)
         report(cluster, holders.Ending(folder, record))
         return
     stack_name = state.resolve_stack(stack)
@@ -439,25 +438,41 @@ def logs(c, run=None, node=None, lines=None, follow=False, stack=None):
     run_dir = runs_root / run if run else runs.latest_run(runs_root)
     if run_dir is None or not run_dir.is_dir():
         raise Exit(f"error: no run {run!r} in {runs_root}" if run else f"error: no runs yet in {runs_root}", code=2)
-    logs_found = sorted(run_dir.glob("node-*.log"))
-    if node:
-        logs_found = [p for p in logs_found if p.stem == node]
-        if not logs_found:
-            raise Exit(f"error: run {run_dir.name} has no log for {node}", code=2)
+    held = runs.Run.load(run_dir)  # a run held by Slurm: its log comes here as it goes
+    if held is not None and held.job_id and not held.finished:
+        bring_log(stack_name, run_dir, held)
+    if node and not (run_dir / f"{node}.log").exists():
+        raise Exit(f"error: run {run_dir.name} has no log for {node}", code=2)
     say(f"run {run_dir.name} ({run_dir})")
-    for path in logs_found:
-        text = path.read_text().splitlines()
-        shown = text[-count:] if count > 0 else text
-        for line in shown:
-            say(prefixed(path.stem, line))
+    show_logs(run_dir, node, count)
     summary = run_dir / runs.SUMMARY
     if summary.exists():
         say(runs.summary_line(summary))
 
 
-def prefixed(node: str, line: str) -> str:
-    """A node's log line as shown: the nodes prefix their own lines; a line fab wrote before them gets one."""
-    return line if line.startswith(f"[{node}") else f"[{node}] {line}"
+def bring_log(stack: str, folder: Path, record: runs.Run) -> None:
+    """A run held by Slurm that is not finished: the rest of its log from the head node first, where the
+    cluster answers (after down, what is here is all there is)."""
+    try:
+        scheduled.bring_logs(inventory.load(stack), [(folder, record)])
+    except (UsageError, OperationError) as exc:
+        say(f"fab: showing the log as far as it is here ({exc})")
+
+
+def show_logs(run_dir: Path, node: str | None, count: int) -> None:
+    """The last `count` lines (0: all) of each node's log, then of the cluster's (Slurm's, srun's and the
+    batch script's lines, for a run held by Slurm), each line with its writer's prefix once."""
+    logs_found = sorted(run_dir.glob("node-*.log"))
+    if node:
+        logs_found = [p for p in logs_found if p.stem == node]
+    elif (run_dir / runlog.CLUSTER_LOG).exists():
+        logs_found.append(run_dir / runlog.CLUSTER_LOG)
+    for path in logs_found:
+        text = path.read_text(errors="replace").splitlines()
+        shown = text[-count:] if count > 0 else text
+        for line in shown:  # the nodes prefix their own lines; a line fab wrote before them gets one here
+            own = line.startswith(f"[{path.stem}") or path.name == runlog.CLUSTER_LOG
+            say(line if own else f"[{path.stem}] {line}")
 
 
 GPU_QUERY = (

@@ -3,12 +3,12 @@
 `deploy.py` picks a provider with `for_up`, `for_stack` or `for_cluster` and never asks which one it
 has; `bring_up` and `bring_down` wrap a provider's own `up` and `down` with the bookkeeping they all
 share: the flags it does not accept refused in one line, a stack of another kind refused, the ledger's
-cluster interval opened and closed, the guards saved, the run logs named.
+cluster interval opened and closed, the guards saved, the run logs brought home and named.
 """
 
 import json
 
-from infra import costs, inventory, report, state
+from infra import costs, inventory, report, runlog, state
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo
 from infra.providers.aws import AwsProvider
@@ -61,7 +61,10 @@ def bring_down(chosen: Provider, stack: str, say) -> int:
     was_current = _is_current(stack)
     if state.state_root().exists():  # with no state at all there is nothing to race over (and nothing is made)
         with state.stack_lock(stack, f"down of stack '{stack}'", say):
+            unfinished = runlog.before_down(stack, say)  # the logs live on the cluster until they are here
             done: DownReport = chosen.down(stack, say)
+            if done.code == 0 and done.ended:
+                runlog.after_down(unfinished, say)
     else:
         done = chosen.down(stack, say)
     if done.ended:

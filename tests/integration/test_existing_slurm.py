@@ -109,6 +109,7 @@ def test_runs_go_to_the_existing_slurm_under_its_names_and_down_leaves_it_runnin
         assert _queue(theirs).get(queued_id) == "PENDING", _queue(theirs)
         down = run_cli("down", "--stack", "hosts", **env)
         assert down.returncode == 0 and "cancelled Slurm job(s)" in down.stdout, down.stdout + down.stderr
+        assert f"run {queued_id}, queued, was cancelled with the cluster" in down.stdout, down.stdout
         deadline = time.monotonic() + slurm.DEADLINE_S
         while queued_id in _queue(theirs) and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -108,6 +108,7 @@ def test_a_detached_run_returns_at_once_and_is_followed_to_its_end_with_results(
     assert "rank 0 step 0" in (folder / "node-0.log").read_text()
     again = cluster.fab("logs", "-f", "--run", run_id)  # following again: the same end, the same code
     assert again.returncode == 0 and f"run {run_id} ok" in again.stdout
+    assert "\n[node-1] rank 1 step 2\n" in again.stdout and "[node-1] [node-1]" not in again.stdout  # one prefix
 
 
 def test_an_attached_run_whose_fab_is_killed_completes_and_is_priced(cluster, tmp_path):
@@ -228,4 +229,59 @@ def test_a_hung_run_is_found_and_stopped_on_the_cluster_while_no_fab_follows_it(
     summary = json.loads((cluster.state_dir / cluster.stack / "runs" / run_id / "summary.json").read_text())
     verdict = summary["hang"]["verdict"]
     assert "rank 1" in verdict and "never entered" in verdict and "all_reduce" in verdict, verdict
+    # the batch script's own lines (no node wrote them) are kept here too
+    cluster_log = (cluster.state_dir / cluster.stack / "runs" / run_id / "cluster.log").read_text()
+    assert f"[watch] {verdict}" in cluster_log and "[watch] stopping the hung run" in cluster_log, cluster_log
     slurm.wait_for(lambda: not run_processes(run_id), "no process of the run left")
+
+
+def test_two_ranks_progress_bars_stay_in_lines_and_logs_of_their_own(cluster, tmp_path):
+    work = script(  # tqdm's way: each redraw starts with `\r`; slower than a node holds an unfinished line
+        tmp_path,
+        "bar.py",
+        "for step in range(5):\n"
+        "    sys.stdout.write(f'\\rrank {rank} bar {step}'); sys.stdout.flush(); time.sleep(0.35)\n"
+        "sys.stdout.write('\\n')\n",
+    )
+    fab = cluster.popen_fab("run", "--script", str(work), text=False)
+    shown = fab.stdout.read()
+    assert fab.wait(timeout=120) == 0, shown
+    for line in shown.split(b"\n"):  # a redraw replaces only its own rank's bar
+        assert not (b"rank 0 bar" in line and b"rank 1 bar" in line), shown
+    folder = cluster.run_dir(shown.decode())
+    for node, rank in (("node-0", 0), ("node-1", 1)):
+        log = (folder / f"{node}.log").read_text()
+        assert f"[{node}] rank {rank} bar 4" in log and f"rank {1 - rank} bar" not in log, log
+        assert all(line.count(" bar ") <= 1 for line in log.splitlines()), log
+
+
+def test_down_mid_run_keeps_its_log_here_and_names_the_run_it_cancelled(cluster, tmp_path):
+    """Last: it takes the module's cluster down."""
+    work = script(
+        tmp_path,
+        "long2.py",
+        "print(f'rank {rank} started', flush=True)\n"
+        "time.sleep(3)\n"
+        "print(f'rank {rank} later', flush=True)\n"
+        "time.sleep(600)\n",
+    )
+    run_id = detached(cluster, "run", "--script", str(work))
+    on_cluster = cluster.state_dir / cluster.stack / "shared" / "runs" / run_id / "output.log"  # the local provider's
+
+    def cluster_log_has(text: str) -> bool:
+        return on_cluster.exists() and text in on_cluster.read_text()
+
+    slurm.wait_for(lambda: cluster_log_has("rank 1 started"), "the run's first lines")
+    shown = cluster.fab("logs", "--run", run_id)  # a running run nobody follows: its lines so far
+    assert shown.returncode == 0 and "[node-1] rank 1 started" in shown.stdout, shown.stdout + shown.stderr
+    assert "rank 1 later" not in shown.stdout
+    slurm.wait_for(lambda: cluster_log_has("rank 1 later"), "the run's later lines")
+    down = cluster.cli("down", "--stack", cluster.stack)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert f"run {run_id}, running, was cancelled with the cluster" in down.stdout, down.stdout
+    assert not on_cluster.exists()
+    folder = cluster.state_dir / cluster.stack / "runs" / run_id
+    assert "[node-1] rank 1 later" in (folder / "node-1.log").read_text()
+    kept = cluster.fab("logs", "--run", run_id, "--stack", cluster.stack)
+    assert kept.returncode == 0 and "[node-0] rank 0 later" in kept.stdout, kept.stdout + kept.stderr
+    assert json.loads((folder / "run.json").read_text())["state"] == "CANCELLED"

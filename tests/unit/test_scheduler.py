@@ -293,7 +293,56 @@ def test_a_nodes_output_goes_into_the_run_log_in_whole_lines_when_it_comes_in_pi
     slurm_run.copy_whole_lines(read_fd, slurm_run.Prefixer(b"[node-1] ", own=b"[node-1"), Out(), hold_s=1.0)
     writer.join()
     os.close(read_fd)
-    assert b"".join(writes) == b"[node-1] rank 1 step 0\n[node-1] 10%\r[node-1] 20%\n"
+    # The bar's last state, held past hold_s, went out as a redraw; its line end redrew it whole.
+    assert b"".join(writes) == b"[node-1] rank 1 step 0\n[node-1] 10%\r[node-1] 20%\r[node-1] 20%\n"
     assert any(w.endswith(b"[node-1] rank 1 step 0\n") for w in writes)  # its two pieces in one write
-    # Every write ends a line, but for the bar's last state, held only a moment for a line end to come.
-    assert all(w.endswith((b"\n", b"\r", b"20%")) for w in writes), writes
+    assert all(w.endswith((b"\n", b"\r")) for w in writes), writes  # no write leaves a line open
+
+
+def _copied(pieces: list[tuple[bytes, float]], hold_s: float = 0.2) -> list[bytes]:
+    """What copy_whole_lines writes of a node's output that comes as `pieces` (bytes, then a pause)."""
+    read_fd, write_fd = os.pipe()
+    writes: list[bytes] = []
+
+    class Out:
+        def write(self, data: bytes) -> None:
+            writes.append(data)
+
+        def flush(self) -> None:
+            pass
+
+    def node() -> None:
+        for piece, pause in pieces:
+            os.write(write_fd, piece)
+            time.sleep(pause)
+        os.close(write_fd)
+
+    writer = threading.Thread(target=node)
+    writer.start()
+    slurm_run.copy_whole_lines(read_fd, slurm_run.Prefixer(b"[node-1] ", own=b"[node-1"), Out(), hold_s=hold_s)
+    writer.join()
+    os.close(read_fd)
+    return writes
+
+
+def test_a_slow_bar_goes_into_the_run_log_as_whole_redraws_that_no_other_node_can_join():
+    """tqdm starts each redraw with \\r and writes nothing more until the next: each state, held past
+    hold_s, goes out ended by \\r, and the next redraw's own \\r is not doubled."""
+    bar = [(b"[node-1 rank 3] start\n", 0.01)] + [(b"\r[node-1 rank 3] %d%%" % n, 0.35) for n in (10, 20)]
+    writes = _copied([*bar, (b"\n", 0)])
+
+    assert b"".join(writes) == (
+        b"[node-1 rank 3] start\n[node-1 rank 3] 10%\r[node-1 rank 3] 20%\r[node-1 rank 3] 20%\n"
+    )
+    assert all(w.endswith((b"\n", b"\r")) for w in writes), writes
+
+
+def test_a_line_finished_late_goes_out_again_whole_with_its_prefix():
+    writes = _copied([(b"loading...", 0.35), (b" done\nnext\n", 0)])
+
+    assert b"".join(writes) == b"[node-1] loading...\r[node-1] loading... done\n[node-1] next\n"
+    assert all(w.endswith((b"\n", b"\r")) for w in writes), writes
+
+
+def test_the_last_words_without_a_line_end_still_end_a_line():
+    assert b"".join(_copied([(b"Killed", 0)])) == b"[node-1] Killed\n"

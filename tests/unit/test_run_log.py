@@ -1,0 +1,108 @@
+"""A scheduled run's log, copied here as it grows (infra/runlog.py) and shown (remote/scheduled.py's
+LogSplitter): every piece under its writer, the cluster's own lines kept, bars one line per writer."""
+
+from infra import runlog
+from remote import runs, scheduled
+
+LOG = (
+    b"[node-0] step 0\n"
+    b"[node-1 rank 3] 10%\r"
+    b"srun: error: node-1: task 1: Exited with exit code 3\n"
+    b"[node-0 rank 1] 10%\r"
+    b"[node-1 rank 3] 20%\r"
+    b"[cluster] node-1: lost: the run (exit 1) is requeued (restart 1)\n"
+    b"[node-1] __gpu_cluster_exit__ 3 1795000000.5\n"
+    b"\r"
+    b"[node-0] unfinish"
+)
+
+
+def test_each_piece_goes_to_its_writers_file_and_a_bare_one_to_the_clusters():
+    assert runlog.pieces("a\rb\nc") == (["a\r", "b\n"], "c")
+    assert runlog.writer_of("[node-1 rank 3] 20%\r") == ("node-1", "[node-1 rank 3]")
+    assert runlog.writer_of("srun: error: x\n") == (None, "")
+
+
+def test_the_copy_files_every_line_and_keeps_an_unfinished_one_for_its_rest(tmp_path):
+    shown: list[tuple[str, str]] = []
+    copy = runlog.LogCopy(tmp_path, echo=lambda writer, piece: shown.append((writer, piece)))
+    assert copy.hold()
+    for at in range(0, len(LOG), 7):  # however the bytes arrive
+        copy.add(LOG[at : at + 7])
+    copy.close()
+
+    assert (tmp_path / "node-0.log").read_text() == "[node-0] step 0\n[node-0 rank 1] 10%\n"
+    assert (tmp_path / "node-1.log").read_text() == "[node-1 rank 3] 10%\n[node-1 rank 3] 20%\n"
+    assert (tmp_path / "cluster.log").read_text() == (
+        "srun: error: node-1: task 1: Exited with exit code 3\n"
+        "[cluster] node-1: lost: the run (exit 1) is requeued (restart 1)\n"
+    )
+    assert copy.markers == {"node-1": {"__gpu_cluster_exit__": "__gpu_cluster_exit__ 3 1795000000.5"}}
+    assert [writer for writer, _ in shown] == [
+        "[node-0]",
+        "[node-1 rank 3]",
+        "",
+        "[node-0 rank 1]",
+        "[node-1 rank 3]",
+        "",
+    ]
+    assert copy.offset == len(LOG)
+
+    later = runlog.LogCopy(tmp_path)  # the next look: from where this one ended
+    assert later.hold()
+    later.resume()
+    end = b"\n" + f"__GPU_CLUSTER_RUN_END__ FAILED 1 {len(LOG) + 3}\n".encode()  # the follower's, not the log's
+    later.add(b"ed\n" + end)
+    later.close(ended=True)
+    assert (tmp_path / "node-0.log").read_text().endswith("[node-0] unfinished\n")
+    assert later.end == ("FAILED", 1) and later.offset == len(LOG) + 3
+    assert (tmp_path / "output.log").read_bytes() == LOG + b"ed\n"
+    assert runlog.read_markers(tmp_path)["node-1"]
+
+
+def test_a_copy_held_by_another_command_is_left_alone(tmp_path):
+    first = runlog.LogCopy(tmp_path)
+    assert first.hold()
+    assert not runlog.LogCopy(tmp_path).hold()
+    first.close()
+    assert runlog.LogCopy(tmp_path).hold()
+
+
+def test_the_terminal_ends_a_bar_before_another_writers_line(tmp_path, capsysbinary):
+    splitter = scheduled.LogSplitter(tmp_path, echo=True, write=False)
+    splitter.add(b"[node-0] 10%\r[node-1] 10%\r[node-0] 20%\r[node-0] 30%\rsrun: done\n")
+    splitter.close(ended=True)
+
+    out = capsysbinary.readouterr().out
+    assert out == b"[node-0] 10%\r\n[node-1] 10%\r\n[node-0] 20%\r[node-0] 30%\r\nsrun: done\n"
+    assert not list(tmp_path.iterdir())  # a replay writes nothing
+
+
+def test_down_records_the_runs_it_ended_from_the_records_fab_wrote(state_dir):
+    """infra reads remote's run.json (it may not import remote): the keys it needs are the ones Run writes."""
+    folders = {}
+    for run_id, state in (("running", "RUNNING"), ("queued", "PENDING"), ("ended", "RUNNING"), ("done", "COMPLETED")):
+        folders[run_id] = state_dir / "local" / "runs" / run_id
+        folders[run_id].mkdir(parents=True)
+        run = runs.Run(run_id, "run", "7", f"/shared/runs/{run_id}/output.log", ["node-0"], 1795000000.0, state)
+        run.finished = run_id == "done"
+        run.save(folders[run_id])
+
+    found = {run.folder.name: run for run in runlog.unfinished_runs("local")}
+    assert sorted(found) == ["ended", "queued", "running"]
+    found["running"].started = True
+    found["ended"].end = runlog._end_state(b'{"exit_code": 3, "at": 1795000100.0, "restarts": 0}')
+    said: list[str] = []
+    runlog.after_down(list(found.values()), said.append, at=1795000200.0)
+
+    assert said == [
+        f"run queued, queued, was cancelled with the cluster; its log is kept in {folders['queued']}",
+        f"run running, running, was cancelled with the cluster; its log is kept in {folders['running']}",
+    ]
+    records = {run_id: runs.Run.load(folder) for run_id, folder in folders.items()}
+    assert {run_id: (r.state, r.ended_at, r.finished) for run_id, r in records.items()} == {
+        "running": ("CANCELLED", 1795000200.0, True),
+        "queued": ("CANCELLED", 1795000200.0, True),
+        "ended": ("FAILED", 1795000100.0, True),
+        "done": ("COMPLETED", None, True),
+    }
