@@ -3,7 +3,8 @@
     python sync.py manifest CACHE                 # {path: sha256} of the cache's files, as JSON
     python sync.py apply CACHE BUNDLE             # apply a bundle that `fab` sent; prints {"sent", "removed"}
     python sync.py results RUN_DIR RESULTS_DIR    # what a launch fetches back: [{"remote", "name", "size"}]
-    python sync.py clean RUNS KEEP                # remove the node-local copies of all but the newest KEEP runs
+    python sync.py clean RUNS KEEP [NAME ...]     # remove the node-local copies of all but the newest KEEP runs
+                                                  # (NAME: which folders of a run; the stages in the shared runs)
 
 A cache (`~/.gpu-cluster/workdirs/<key>`, see contract.py) holds `files/` (the project as last synced),
 `manifest.json` and `digest`. `apply` removes the manifest and the digest before it changes any file
@@ -159,9 +160,9 @@ def folder_bytes(root: str) -> int:
     return sum(os.lstat(os.path.join(root, path)).st_size for path in regular_files(root))
 
 
-def clean(runs: str, keep: int) -> dict:
-    """Remove `workdir/` and `results/` of every run but the newest `keep` (run ids sort by time);
-    anything else in a run's folder (on clusters without shared storage, its checkpoints) stays."""
+def clean(runs: str, keep: int, names: tuple = contract.RUN_COPIES) -> dict:
+    """Remove `workdir/` and `results/` (or the folders `names`) of every run but the newest `keep` (run ids
+    sort by time); anything else in a run's folder (its checkpoints, on the shared folder or not) stays."""
     run_ids = (
         sorted(name for name in os.listdir(runs) if os.path.isdir(os.path.join(runs, name)))
         if os.path.isdir(runs)
@@ -169,7 +170,7 @@ def clean(runs: str, keep: int) -> dict:
     )
     removed, freed = 0, 0
     for run_id in run_ids[: max(0, len(run_ids) - keep)]:
-        copies = [os.path.join(runs, run_id, name) for name in contract.RUN_COPIES]
+        copies = [os.path.join(runs, run_id, name) for name in names]
         copies = [path for path in copies if os.path.isdir(path) and not os.path.islink(path)]
         for path in copies:
             freed += folder_bytes(path)
@@ -188,8 +189,8 @@ def main(argv: list) -> None:
         print(json.dumps(apply(*paths)))
     elif argv[:1] == ["results"] and len(paths) == 2:
         print(json.dumps({"files": results(*paths)}))
-    elif argv[:1] == ["clean"] and len(paths) == 2:
-        print(json.dumps(clean(paths[0], int(argv[2]))))
+    elif argv[:1] == ["clean"] and len(paths) >= 2:
+        print(json.dumps(clean(paths[0], int(argv[2]), tuple(argv[3:]) or contract.RUN_COPIES)))
     else:
         sys.exit(__doc__.split("\n\n")[1])
 

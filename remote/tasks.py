@@ -488,10 +488,12 @@ def clean_runs(c, keep=None, stack=None):
                     ).stdout
                 ),
             )
+            stages = _clean_stages(cluster, sessions[0], setup.python[cluster.head.name], count)
     finally:
         for session in sessions:
             session.close()
-    failed = False
+    stages_line, stages_ok = stages
+    failed = not stages_ok
     for result in outcomes:
         outcome = result.value
         if outcome is None:
@@ -502,8 +504,27 @@ def clean_runs(c, keep=None, stack=None):
             f"{result.name}: removed the copies of {outcome['removed']} of {outcome['runs']} runs "
             f"({workdir.human_bytes(outcome['freed_bytes'])}); the newest {count} kept"
         )
+    if stages_line:
+        say(stages_line)
     if failed:
         raise Exit(code=1)
+
+
+def _clean_stages(cluster, head, python: str, keep: int) -> tuple[str, bool]:
+    """The old runs' stages on the shared folder, removed once from the head node: the line that says so
+    ('' where the cluster has no shared folder), and whether it worked."""
+    if not cluster.shared_dir:
+        return "", True
+    runs = node_paths.shared_or_home(cluster, "runs")
+    command = node_paths.node_module(cluster, python, "sync", "clean", runs, str(keep), contract.RUN_STAGE)
+    try:
+        outcome = protocol.parse_last_json(head.run(f"cd && {command}", warn=False).stdout)
+    except Exception as exc:
+        return f"shared folder: could not remove old runs' stages: {describe(exc)}", False
+    return (
+        f"shared folder: removed the stages of {outcome['removed']} of {outcome['runs']} runs "
+        f"({workdir.human_bytes(outcome['freed_bytes'])}); the newest {keep} kept"
+    ), True
 
 
 @task(

@@ -234,6 +234,15 @@ def test_clean_removes_the_copies_of_all_but_the_newest_runs_and_keeps_the_rest(
     assert (tmp_path / "20260103-000000-run-c" / "workdir" / "train.py").exists()
 
 
+def test_clean_removes_the_stages_of_old_runs_on_the_shared_folder_and_nothing_else(tmp_path):
+    for run in ("20260101-000000-run-a", "20260102-000000-run-b"):
+        tree(tmp_path / run, {"stage/files/train.py": "x" * 10, "output.log": "log", "checkpoints/c.pt": "kept"})
+    outcome = sync.clean(str(tmp_path), keep=1, names=("stage",))
+    assert outcome == {"runs": 2, "removed": 1, "freed_bytes": 10}
+    assert sorted(p.name for p in (tmp_path / "20260101-000000-run-a").iterdir()) == ["checkpoints", "output.log"]
+    assert (tmp_path / "20260102-000000-run-b" / "stage" / "files" / "train.py").exists()
+
+
 @pytest.mark.parametrize(
     "pair,words",
     [
