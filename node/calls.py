@@ -119,11 +119,13 @@ class Cleaned:
 
 @dataclasses.dataclass(frozen=True)
 class CleanRuns(Request):
-    """Remove the node-local copies of all but the newest `keep` runs."""
+    """Remove the node-local copies (or `names`) of all but the newest `keep` runs."""
 
     runs: str
     keep: int
-    HANDLER: typing.ClassVar[str] = "sync:clean"
+    names: list = dataclasses.field(default_factory=list)
+    """Which folders of an old run go (none: its node-local copies, contract.RUN_COPIES)."""
+    HANDLER: typing.ClassVar[str] = "sync:clean_reply"
     REPLY: typing.ClassVar[type] = Cleaned
 
 

@@ -32,7 +32,7 @@ WORKDIRS = f"{HOME_DIR}/workdirs"
 """`fab run --workdir` caches, one per project folder: `<key>/files/`, `manifest.json` and `digest`."""
 ENVS = f"{HOME_DIR}/envs"
 """`fab run --requirements` environments, one per requirements file: `<digest>/` (a venv), with
-`<digest>.txt` (the file) and `<digest>.log` (pip's output) beside it."""
+`<digest>.txt` (the file), `<digest>.log` (pip's output) and `<digest>.lock` (held while it is made) beside it."""
 PROGRESS = f"{HOME_DIR}/progress"
 """`<run-id>/rank-<R>.json`: each rank's collective progress, for hang detection (always node-local)."""
 WATCHDOG_PID = f"{PIDS}/watchdog.pid"
@@ -156,8 +156,20 @@ RUN_WORKDIR = "workdir"
 """In a run's node-local folder: the job's working directory (a copy of the workdir cache, or empty)."""
 RUN_RESULTS = "results"
 """In a run's node-local folder: `$CLUSTER_RESULTS_DIR`."""
-RUN_COPIES = (RUN_WORKDIR, RUN_RESULTS)
+RUN_WORKDIR_PARTIAL = f"{RUN_WORKDIR}.partial"
+"""In a run's node-local folder: the job's working directory while it is copied from the run's stage (renamed
+to `RUN_WORKDIR` once whole, so a copy cut short is never taken for the project)."""
+RUN_COPIES = (RUN_WORKDIR, RUN_WORKDIR_PARTIAL, RUN_RESULTS)
 """What `fab clean-runs` removes from a run's node-local folder."""
+RUN_STAGE = "stage"
+"""In a queued run's folder on the shared folder: what a node needs to run it that is not on the shared folder
+otherwise, copied once at submit (a later sync does not change it): `STAGE_FILES` (the project of
+`--workdir`) and `STAGE_REQUIREMENTS` (the `--requirements` file). A node's job that lacks its workdir copy
+or its requirements environment (a replaced node) makes them from here. `fab clean-runs` removes old ones."""
+STAGE_FILES = "files"
+"""In a run's stage: the project's files, as the workdir cache held them at submit."""
+STAGE_REQUIREMENTS = "requirements.txt"
+"""In a run's stage: the requirements file, as sent at submit."""
 
 MARKER_START = "__gpu_cluster_"
 """How every line a launch prints for fab (never shown) starts, at the start of a line."""

@@ -1,18 +1,23 @@
 """A job's own packages (`fab run --requirements FILE`): one venv per requirements file, made once.
 
-    NODE_PYTHON job_env.py DEST REQUIREMENTS LOG [CWD]    # prints one JSON object; exit 1 if pip failed
+    NODE_PYTHON job_env.py DEST REQUIREMENTS LOG [CWD]          # prints one JSON object; exit 1 if pip failed
+    NODE_PYTHON job_env.py --job DEST REQUIREMENTS LOG [CWD]    # a job's own step: quiet where DEST is ready
 
 Run by the node venv's interpreter, it makes DEST a venv layered over that interpreter as bootstrap
 layers the node venv (python_env.py: `--system-site-packages` plus a `.pth` naming every folder the
 node venv sees), so torch and the rest are found, not installed again. pip installs REQUIREMENTS into
 it, from CWD (the synced workdir: relative paths in the file, such as `--find-links wheels`, are the
 project's), its output going to LOG. DEST/.installed is written only after pip succeeded, naming the
-interpreter it is layered over; where it is there and names this one, nothing is done. Standard
-library only.
+interpreter it is layered over; where it is there and names this one, nothing is done. One maker at a
+time per environment (`DEST.lock`): the launch that installs it and a queued run's job that finds it
+missing on a replaced node (`--job`, from the run's staged requirements) may meet. `--job` prints for
+the run's log: nothing where the environment is ready, else a line before and after pip (the error in
+one line, exit 1, where it failed). Standard library only.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -65,23 +70,40 @@ def install(dest: str, requirements: str, log: str, cwd: str) -> dict:
     return {"ok": True, "installed": True, "python": python}
 
 
+def ensure(dest: str, requirements: str, log: str, cwd: str) -> dict:
+    """The environment, made where it is not ready, under its lock."""
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    with open(f"{dest}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if ready(dest):
+            return {"ok": True, "installed": False, "python": os.path.join(dest, "bin", "python")}
+        started = time.monotonic()
+        try:
+            outcome = install(dest, requirements, log, cwd)
+        except SystemExit as exc:  # ensure_pip says why pip cannot be had
+            outcome = {"ok": False, "error": str(exc.code), "log": log}
+        except (OSError, subprocess.SubprocessError) as exc:
+            outcome = {"ok": False, "error": str(exc), "log": log}
+        outcome["seconds"] = round(time.monotonic() - started, 1)
+        return outcome
+
+
 def main(argv: list) -> int:
+    job = argv[:1] == ["--job"]
+    argv = argv[1:] if job else argv
     if len(argv) not in (3, 4):
-        sys.exit("usage: NODE_PYTHON job_env.py DEST REQUIREMENTS LOG [CWD]")
+        sys.exit("usage: NODE_PYTHON job_env.py [--job] DEST REQUIREMENTS LOG [CWD]")
     dest, requirements, log = (os.path.abspath(os.path.expanduser(arg)) for arg in argv[:3])
     cwd = os.path.expanduser(argv[3]) if len(argv) == 4 and os.path.isdir(os.path.expanduser(argv[3])) else None
-    if ready(dest):
-        print(json.dumps({"ok": True, "installed": False, "python": os.path.join(dest, "bin", "python")}))
-        return 0
-    started = time.monotonic()
-    try:
-        outcome = install(dest, requirements, log, cwd or os.path.expanduser("~"))
-    except SystemExit as exc:  # ensure_pip says why pip cannot be had
-        outcome = {"ok": False, "error": str(exc.code), "log": log}
-    except (OSError, subprocess.SubprocessError) as exc:
-        outcome = {"ok": False, "error": str(exc), "log": log}
-    outcome["seconds"] = round(time.monotonic() - started, 1)
-    print(json.dumps(outcome))
+    if job and not ready(dest):
+        print(f"gpu-cluster: installing the run's requirements into {dest} (pip's output in {log})", flush=True)
+    outcome = ensure(dest, requirements, log, cwd or os.path.expanduser("~"))
+    if not job:
+        print(json.dumps(outcome))
+    elif not outcome["ok"]:
+        print(f"error: the run's requirements could not be installed: {outcome['error']} (pip's log: {log})")
+    elif outcome["installed"]:
+        print(f"gpu-cluster: requirements installed in {outcome['seconds']} s", flush=True)
     return 0 if outcome["ok"] else 1
 
 

@@ -2,7 +2,8 @@
 
 Called through node/calls.py: WorkdirManifest ({path: sha256} of a cache's files), ApplyBundle (apply a
 bundle that `fab` sent), ListResults (what a launch fetches back: [{"remote", "name", "size"}]) and
-CleanRuns (remove the node-local copies of all but the newest KEEP runs).
+CleanRuns (remove the node-local copies of all but the newest KEEP runs; with names, those folders of
+each run: the stages in the shared runs).
 
 A cache (`~/.gpu-cluster/workdirs/<key>`, see contract.py) holds `files/` (the project as last synced),
 `manifest.json` and `digest`. `apply` removes the manifest and the digest before it changes any file
@@ -153,9 +154,9 @@ def folder_bytes(root: str) -> int:
     return sum(os.lstat(os.path.join(root, path)).st_size for path in regular_files(root))
 
 
-def clean(runs: str, keep: int) -> dict:
-    """Remove `workdir/` and `results/` of every run but the newest `keep` (run ids sort by time);
-    anything else in a run's folder (on clusters without shared storage, its checkpoints) stays."""
+def clean(runs: str, keep: int, names: tuple = contract.RUN_COPIES) -> dict:
+    """Remove `workdir/` and `results/` (or the folders `names`) of every run but the newest `keep` (run ids
+    sort by time); anything else in a run's folder (its checkpoints, on the shared folder or not) stays."""
     run_ids = (
         sorted(name for name in os.listdir(runs) if os.path.isdir(os.path.join(runs, name)))
         if os.path.isdir(runs)
@@ -163,7 +164,7 @@ def clean(runs: str, keep: int) -> dict:
     )
     removed, freed = 0, 0
     for run_id in run_ids[: max(0, len(run_ids) - keep)]:
-        copies = [os.path.join(runs, run_id, name) for name in contract.RUN_COPIES]
+        copies = [os.path.join(runs, run_id, name) for name in names]
         copies = [path for path in copies if os.path.isdir(path) and not os.path.islink(path)]
         for path in copies:
             freed += folder_bytes(path)
@@ -178,6 +179,11 @@ def manifest_reply(cache: str) -> dict:
     """node/calls.py's WorkdirManifest (the cache's folder made, for the bundle that follows)."""
     os.makedirs(os.path.expanduser(cache), mode=0o700, exist_ok=True)
     return {"files": manifest(os.path.expanduser(cache))}
+
+
+def clean_reply(runs: str, keep: int, names: list) -> dict:
+    """node/calls.py's CleanRuns: `names` of each old run's folders (none given: its node-local copies)."""
+    return clean(os.path.expanduser(runs), keep, tuple(names) or contract.RUN_COPIES)
 
 
 def results_reply(run_dir: str, results_dir: str) -> dict:

@@ -4,6 +4,7 @@ that reaches a shell goes through `shlex.quote` (or `shell_path`)."""
 
 import secrets
 import shlex
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from infra.inventory import ClusterInfo, NodeInfo
@@ -13,6 +14,7 @@ from remote.node_paths import (
     JOB_FILE,
     code_dir,
     job_workdir,
+    node_run_dir,
     python_path,
     remote_run_dir,
     results_dir,
@@ -137,6 +139,19 @@ def job_variables(
     return variables
 
 
+@dataclass(frozen=True)
+class Stage:
+    """What a queued run's job rebuilds from the run's stage on the shared folder where its node lacks it
+    (a replaced node): the job's copy of the workdir, the requirements environment."""
+
+    folder: str
+    """The run's stage (`node_paths.run_stage`)."""
+    files: bool = False
+    """The project of `--workdir` is staged (`contract.STAGE_FILES`)."""
+    env_dir: str | None = None
+    """The `--requirements` environment (relative to the home) that the staged file builds."""
+
+
 def reserved_variable(key: str) -> bool:
     """Whether `key` is set by the node environment, torchrun or the launch (not for --env)."""
     return key in contract.RESERVED_VARIABLES or key.startswith(contract.RESERVED_PREFIXES)
@@ -158,6 +173,7 @@ def launch_command(
     workdir_key: str | None = None,
     python: str | None = None,
     env: dict[str, str] | None = None,
+    stage: Stage | None = None,
 ) -> str:
     """Source the node environment, make the run's folders, record the job, run torchrun, then print
     the exit marker.
@@ -168,11 +184,13 @@ def launch_command(
     with `$HOME/` or `$CLUSTER_CODE_DIR/`; `python` (a --requirements environment) replaces the node's
     interpreter; `job_env` values (the hang watch's) are shell words (`$HOME`, `${X:-default}` expand)
     and `pythonpath_first` paths come first on PYTHONPATH; `env` (--env) values arrive literally, after
-    them, so they win. The hang watch's progress folder is made fresh, old runs' folders removed. The
-    pid recorded is the session leader's, so `stop` can signal the whole process group; torchrun's
-    workers (which start their own sessions) are found by CLUSTER_RUN_ID in their environment. The
-    marker carries the time this node saw torchrun end, by its own clock, so fail-fast can name the
-    node that failed first however late its SSH call returns.
+    them, so they win. A queued run's `stage` makes what the node lacks before torchrun starts: the job's
+    copy of the workdir, the requirements environment (the same command for a first start and a requeue,
+    on a node that kept them or on its replacement). The hang watch's progress folder is made fresh, old
+    runs' folders removed. The pid recorded is the session leader's, so `stop` can signal the whole
+    process group; torchrun's workers (which start their own sessions) are found by CLUSTER_RUN_ID in
+    their environment. The marker carries the time this node saw torchrun end, by its own clock, so
+    fail-fast can name the node that failed first however late its SSH call returns.
     """
     variables = job_variables(cluster, node, run_id, nproc, python)
     assignments = [f"{key}={shell_path(value)}" for key, value in variables.items()]
@@ -189,7 +207,8 @@ def launch_command(
             [
                 f". {ENV_FILE}",
                 f"mkdir -p {shell_path(remote_run_dir(cluster, run_id))} {shell_path(results_dir(run_id))}",
-                workdir_step(run_id, workdir_key),
+                workdir_step(run_id, workdir_key, stage),
+                *environment_step(stage),
                 f"cd {shell_path(job_workdir(run_id))}",
                 f"rm -rf {progress} && mkdir -p {progress}/{shlex.quote(run_id)}",
                 f'echo "$$ {shlex.quote(run_id)} {shlex.quote(task)}" > {JOB_FILE}',
@@ -200,12 +219,34 @@ def launch_command(
     )
 
 
-def workdir_step(run_id: str, workdir_key: str | None) -> str:
-    """The job's folder: a copy (never links: a job writing a file would change the cache) or empty."""
+def workdir_step(run_id: str, workdir_key: str | None, stage: Stage | None = None) -> str:
+    """The job's folder: a copy (never links: a job writing a file would change the cache) or empty. With
+    a staged project, the copy the node already has (made at submit, or by an earlier start), else one
+    from the stage, made under another name and renamed once whole."""
+    target = shell_path(job_workdir(run_id))
+    if stage is not None and stage.files:
+        partial = shell_path(f"{node_run_dir(run_id)}/{contract.RUN_WORKDIR_PARTIAL}")
+        staged = shell_path(f"{stage.folder}/{contract.STAGE_FILES}")
+        return (
+            f"{{ [ -d {target} ] || {{ rm -rf {partial} && cp -pR {staged} {partial} && mv {partial} {target}; }}; }}"
+        )
     if workdir_key is None:
-        return f"mkdir -p {shell_path(job_workdir(run_id))}"
+        return f"mkdir -p {target}"
     files = contract.in_home(f"{contract.workdir_cache(workdir_key)}/{contract.WORKDIR_FILES}")
-    return f"cp -pR {shell_path(files)} {shell_path(job_workdir(run_id))}"
+    return f"cp -pR {shell_path(files)} {target}"
+
+
+def environment_step(stage: Stage | None) -> list[str]:
+    """The requirements environment made from the staged file where the node has none ready (job_env.py
+    decides, by the node venv's interpreter, as the launch's install does); nothing without one."""
+    if stage is None or stage.env_dir is None:
+        return []
+    env_dir = contract.in_home(stage.env_dir)
+    arguments = [env_dir, f"{stage.folder}/{contract.STAGE_REQUIREMENTS}", f"{env_dir}.log"]
+    if stage.files:  # the file's relative paths (--find-links wheels) are the project's
+        arguments.append(f"{stage.folder}/{contract.STAGE_FILES}")
+    words = " ".join(shell_path(a) for a in arguments)
+    return [f'"$CLUSTER_PYTHON" {shell_path("$CLUSTER_CODE_DIR/node/job_env.py")} --job {words}']
 
 
 def parse_exit_marker(line: str) -> tuple[int, float | None] | None:

@@ -391,10 +391,18 @@ def run_job(
 
 
 def node_command(
-    cluster: ClusterInfo, node, spec: JobSpec, setup: NodeSetup, run_id: str, script: str, workdir_key: str | None
+    cluster: ClusterInfo,
+    node,
+    spec: JobSpec,
+    setup: NodeSetup,
+    run_id: str,
+    script: str,
+    workdir_key: str | None,
+    stage: job_command.Stage | None = None,
 ) -> str:
     """The job's whole command on one node (`job_command.launch_command`) for this launch's spec, the
-    hang watch's recorder and rank hook included; attached launches and Slurm's steps run the same."""
+    hang watch's recorder and rank hook included; attached launches and Slurm's steps run the same
+    (a queued run's with its `stage`)."""
     return job_command.launch_command(
         cluster,
         node,
@@ -410,6 +418,7 @@ def node_command(
         workdir_key=workdir_key,
         python=spec.requirements.python if spec.requirements else None,
         env=spec.env,
+        stage=stage,
     )
 
 

@@ -31,6 +31,11 @@ def remote_run_dir(cluster: ClusterInfo, run_id: str) -> str:
     return shared_or_home(cluster, f"runs/{run_id}")
 
 
+def run_stage(cluster: ClusterInfo, run_id: str) -> str | None:
+    """A queued run's stage on the shared folder (`contract.RUN_STAGE`); None where the cluster has none."""
+    return f"{remote_run_dir(cluster, run_id)}/{contract.RUN_STAGE}" if cluster.shared_dir else None
+
+
 def node_module(cluster: ClusterInfo, python: str, module: str, *args: str) -> str:
     """Run one of node/'s files with `python`, from the synced code folder."""
     path = shell_path(f"{code_dir(cluster)}/node/{module}.py")

@@ -1,8 +1,9 @@
 """Runs held by Slurm on the cluster (`fab bootstrap --scheduler slurm`): submit, follow, list, cancel, fetch.
 
 A launch prepares the nodes as an attached one does (workdir, requirements, script, each node's copy of
-the workdir made now, so a later sync cannot change a queued run), then submits one batch job
-(node/slurm_run.py) whose step runs the same `launch_command` on every node. From then on the run
+the workdir made now, so a later sync cannot change a queued run), stages the project and the requirements
+file once on the shared folder (a replaced node's job makes its own copy and environment from there), then
+submits one batch job (node/slurm_run.py) whose step runs the same `launch_command` on every node. From then on the run
 belongs to the cluster: fab follows its log on the head node (`slurm_run.py follow`), and a closed
 connection, a SIGHUP or a killed fab only stops the following. Ctrl-C cancels (an explicit choice).
 
@@ -13,6 +14,7 @@ written, the ledger row given Slurm's own start and end times, so a run that end
 connected is priced.
 """
 
+import io
 import json
 import signal
 import threading
@@ -96,8 +98,6 @@ def submit(
 
 
 def _text_file(text: str):
-    import io
-
     return io.StringIO(text)
 
 
@@ -295,9 +295,13 @@ def launch(cluster: ClusterInfo, spec, setup, runs_root: Path, detach: bool) -> 
                 if copied.failed:
                     why = "; ".join(f"{r.name}: {describe(r.error)}" for r in copied.failed)
                     raise OperationError(f"could not copy the workdir for run {run_id}: {why}")
+            staged = stage(cluster, sessions[0], spec, run_id)
         script = job_script(cluster, spec, run_id)
-        # The copy is made: each node's command only makes the job's folder (no workdir key).
-        commands = {node.name: node_command(cluster, node, spec, setup, run_id, script, None) for node in cluster.nodes}
+        # The copy is made: each node's command only makes the job's folder (no workdir key), or its copy and
+        # environment from the stage where its node has none (a replaced node).
+        commands = {
+            node.name: node_command(cluster, node, spec, setup, run_id, script, None, staged) for node in cluster.nodes
+        }
         watch = None
         if spec.hang.enabled:  # on the cluster: it holds while no fab follows the run
             watch = {
@@ -334,6 +338,39 @@ def launch(cluster: ClusterInfo, spec, setup, runs_root: Path, detach: bool) -> 
     if detach:
         return local_dir, run, None
     return local_dir, run, follow(cluster, run, local_dir)  # the hang watch runs on the cluster (supervise)
+
+
+def stage(cluster: ClusterInfo, head: NodeSession, spec, run_id: str) -> job_command.Stage | None:
+    """The run's stage on the shared folder (`contract.RUN_STAGE`), from which a node that lacks the job's
+    workdir copy or requirements environment (a replaced one) makes them: the project as the head node's
+    cache holds it now, the requirements file. None where the cluster has no shared folder (each node keeps
+    its own copy, and no node joins by itself), or the run needs neither; made whole or not at all."""
+    folder = node_paths.run_stage(cluster, run_id)
+    if folder is None or not (spec.workdir or spec.requirements):
+        return None
+    files = f"{folder}/{contract.STAGE_FILES}"
+    steps = [f"mkdir -p {node_paths.shell_path(folder)}"]
+    if spec.workdir:
+        cache = contract.in_home(f"{contract.workdir_cache(spec.workdir.key)}/{contract.WORKDIR_FILES}")
+        steps.append(f"cp -pR {node_paths.shell_path(cache)} {node_paths.shell_path(files)}")
+    try:
+        result = head.run(" && ".join(steps))
+        why = (result.stderr.strip() or f"exit {result.exited}").splitlines()[-1] if result.exited else ""
+        if not why and spec.requirements:
+            head.conn.put(io.BytesIO(spec.requirements.text), remote=f"{folder}/{contract.STAGE_REQUIREMENTS}")
+    except Exception as exc:
+        why = describe(exc)
+    if why:
+        try:
+            head.run(f"rm -rf {node_paths.shell_path(folder)}")
+        except Exception:  # the head does not answer: the error below says so already
+            pass
+        raise OperationError(
+            f"could not stage run {run_id} on the shared folder ({folder}): {why}; nothing was submitted"
+        )
+    return job_command.Stage(
+        folder, files=bool(spec.workdir), env_dir=spec.requirements.env_dir if spec.requirements else None
+    )
 
 
 def finish(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: Followed | None = None) -> None:
@@ -378,7 +415,6 @@ def finish(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: Follow
 
 def _cluster_hang(cluster: ClusterInfo, run: Run) -> dict | None:
     """The cluster-side hang watch's verdict (`hang.json` beside the run's log), where it found one."""
-    import io
 
     head = NodeSession(cluster, cluster.head)
     found = io.BytesIO()

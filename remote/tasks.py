@@ -390,10 +390,12 @@ def clean_runs(c, keep=None, stack=None):
             outcomes = on_all_nodes(
                 sessions, lambda s: nodecall.call(s, setup.python[s.node.name], calls.CleanRuns(contract.RUNS, count))
             )
+            stages = _clean_stages(cluster, sessions[0], setup.python[cluster.head.name], count)
     finally:
         for session in sessions:
             session.close()
-    failed = False
+    stages_line, stages_ok = stages
+    failed = not stages_ok
     for result in outcomes:
         outcome = result.value
         if outcome is None:
@@ -404,8 +406,26 @@ def clean_runs(c, keep=None, stack=None):
             f"{result.name}: removed the copies of {outcome.removed} of {outcome.runs} runs "
             f"({workdir.human_bytes(outcome.freed_bytes)}); the newest {count} kept"
         )
+    if stages_line:
+        say(stages_line)
     if failed:
         raise Exit(code=1)
+
+
+def _clean_stages(cluster, head, python: str, keep: int) -> tuple[str, bool]:
+    """The old runs' stages on the shared folder, removed once from the head node: the line that says so
+    ('' where the cluster has no shared folder), and whether it worked."""
+    if not cluster.shared_dir:
+        return "", True
+    runs = node_paths.shared_or_home(cluster, "runs")
+    try:
+        outcome = nodecall.call(head, python, calls.CleanRuns(runs, keep, [contract.RUN_STAGE]))
+    except Exception as exc:
+        return f"shared folder: could not remove old runs' stages: {describe(exc)}", False
+    return (
+        f"shared folder: removed the stages of {outcome.removed} of {outcome.runs} runs "
+        f"({workdir.human_bytes(outcome.freed_bytes)}); the newest {keep} kept"
+    ), True
 
 
 @task(

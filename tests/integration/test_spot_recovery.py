@@ -1,7 +1,9 @@
 """A spot cluster heals itself while nothing is connected (`up --local --spot`, runs held by Slurm): a notice
 ends a run at a checkpoint and requeues it, the reclaimed node is replaced and rejoins, the run resumes at
 the step it saved; a node killed without notice is replaced too, and the run resumes from its last
-periodic checkpoint. The training script is the course's own ddp_training, the drill the user's command."""
+periodic checkpoint. The training script is the course's own ddp_training, the drill the user's command.
+A whole project with its own requirements (`fab run --workdir --requirements`) is requeued onto a replaced
+node too: the new node makes its copy and environment from the run's stage on the shared folder."""
 
 import json
 import os
@@ -15,6 +17,7 @@ import pytest
 from node import contract, procfs
 from tests.support import slurm
 from tests.support.clusters import bootstrapped_cluster, node_server_processes
+from tests.support.packages import tiny_wheel
 
 pytestmark = pytest.mark.skipif(slurm.unavailable() is not None, reason=f"Slurm: {slurm.unavailable()}")
 
@@ -22,6 +25,39 @@ CHECKPOINT_EVERY = 200
 RESUMED = re.compile(r"\[node-0\] resuming from step (\d+) \(.*; restart (\d+)\)")
 PREEMPTED = re.compile(r"\[node-0\] preempted \(SIGUSR1\) at step (\d+): checkpoint at step \1 saved")
 STEP = re.compile(r"^\[node-0\]\s+(\d+)\s+\d", re.M)
+PROJECT_STEPS = 200
+PROJECT_TRAIN = """\
+import json, os, sys, time
+import torch, torch.distributed as dist
+import gc_tinypkg  # from the run's --requirements
+from harness.preemption import Preemption, restart_count
+
+steps = int(sys.argv[1])
+preemption = Preemption()
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+saved = os.path.join(os.environ["CLUSTER_RUN_DIR"], "step.json")
+start = json.load(open(saved))["step"] if os.path.exists(saved) else 0
+print(f"project at step {start} (restart {restart_count()}) with {gc_tinypkg.MESSAGE}", flush=True)
+
+
+def save(step):
+    if rank == 0:
+        with open(saved + ".tmp", "w") as f:
+            json.dump({"step": step}, f)
+        os.replace(saved + ".tmp", saved)
+
+
+for step in range(start + 1, steps + 1):
+    time.sleep(0.05)
+    if rank == 0 and step % 10 == 0:
+        print(f"project step {step}", flush=True)
+    if preemption.step_ended(step, step == steps, step % 50 == 0 or step == steps, save, torch.device("cpu")):
+        sys.exit(0)
+if rank == 0:
+    print(f"project done at step {steps}", flush=True)
+dist.destroy_process_group()
+"""
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +96,59 @@ def pinned_key(cluster, node: dict) -> str:
     return next(line for line in lines if line.split()[0] == host)
 
 
+def events_of(cluster) -> list[tuple[str, str]]:
+    """The stack's replacement events in the ledger, oldest first: (node, kind)."""
+    cost = json.loads(cluster.cli("cost", "--json").stdout)
+    return [(e["node"], e["kind"]) for e in cost["events"] if e["stack"] == cluster.stack]
+
+
+def test_a_project_with_its_requirements_resumes_on_a_replaced_node_and_completes(cluster, tmp_path):
+    # The replacement's home is empty: no copy of the project, no environment of the requirements. Its job
+    # makes both from the run's stage on the shared folder, copied at submit, and the run resumes there.
+    project = tmp_path / "project"
+    tiny_wheel(project / "wheels")
+    (project / "requirements.txt").write_text("--no-index\n--find-links wheels\ngc-tinypkg==0.1\n")
+    (project / "train.py").write_text(PROJECT_TRAIN)
+    submitted = cluster.fab(
+        *("run", "--workdir", str(project), "--script", "train.py", "--args", str(PROJECT_STEPS)),
+        *("--requirements", str(project / "requirements.txt"), "--detach"),
+    )
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    run_id = submitted.stdout.strip().splitlines()[-1]
+    stage = cluster.state_dir / cluster.stack / "shared" / "runs" / run_id / contract.RUN_STAGE
+    assert (stage / contract.STAGE_FILES / "train.py").read_text() == PROJECT_TRAIN
+    wait_for_log(cluster, run_id, re.compile(r"^\[node-0\] project step 60$", re.M))
+
+    pid_file = cluster.state_dir / cluster.stack / "nodes" / "node-1" / "sshd.pid"
+    os.kill(json.loads(pid_file.read_text())["pid"], signal.SIGKILL)
+    resumed = wait_for_log(
+        cluster, run_id, re.compile(r"^\[node-1\] project at step (\d+) \(restart 1\) with tiny", re.M)
+    )
+    step = int(resumed.group(1))
+    assert step >= 50 and step % 50 == 0, resumed.group(0)  # from its last checkpoint
+    wait_for_log(cluster, run_id, re.compile(f"^\\[node-0\\] project done at step {PROJECT_STEPS}$", re.M))
+    row: dict = {}
+
+    def ended() -> bool:
+        row.update(job(cluster, run_id))
+        return row["state"] not in ("PENDING", "RUNNING", "PREEMPTED")
+
+    slurm.wait_for(ended, "the run's end", lambda: json.dumps(row))
+    assert (row["state"], row["exit_code"], row["requeues"]) == ("COMPLETED", 0, 1), row
+    log = log_of(cluster, run_id)
+    after_death = log.split("(restart 0)")[-1]
+    assert "[node-1] gpu-cluster: requirements installed in" in after_death, log[-3000:]
+    assert "[node-0] gpu-cluster: installing" not in log, log[-3000:]  # node-0 kept its environment and copy
+    assert ("node-1", "node lost") in events_of(cluster)
+    cleaned = cluster.fab("clean-runs", "--keep", "0")  # the stage goes with the copies; the checkpoint stays
+    assert cleaned.returncode == 0, cleaned.stdout + cleaned.stderr
+    assert re.search(r"^shared folder: removed the stages of 1 of \d+ runs", cleaned.stdout, re.M), cleaned.stdout
+    assert not stage.exists() and (stage.parent / "step.json").exists()
+
+
 def test_a_notice_and_a_death_each_cost_at_most_the_steps_since_a_checkpoint_and_the_cluster_heals(cluster):
     node1 = cluster.info["nodes"][1]
+    earlier = len(events_of(cluster))
     args = f"--steps 10000000 --checkpoint-every {CHECKPOINT_EVERY} --log-every 50"
     submitted = cluster.fab("run-ddp", "--args", args, "--detach")
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
@@ -125,10 +212,9 @@ def test_a_notice_and_a_death_each_cost_at_most_the_steps_since_a_checkpoint_and
     both = wait_for_log(cluster, run_id, RESUMED, after=2)
     assert both.group(2) == "3" and int(both.group(1)) >= step, both.group(0)
 
-    cost = json.loads(cluster.cli("cost", "--json").stdout)
-    events = [(e["node"], e["kind"]) for e in cost["events"] if e["stack"] == cluster.stack]
-    assert events[:2] == [("node-1", "spot interruption"), ("node-1", "node lost")], cost["events"]
-    assert sorted(events[2:]) == [("node-0", "spot interruption"), ("node-1", "spot interruption")], cost["events"]
+    events = events_of(cluster)[earlier:]
+    assert events[:2] == [("node-1", "spot interruption"), ("node-1", "node lost")], events
+    assert sorted(events[2:]) == [("node-0", "spot interruption"), ("node-1", "spot interruption")], events
     assert cluster.fab("stop", "--run", run_id).returncode == 0
 
     # With no run going, a reclaimed node is replaced all the same: the cluster heals.

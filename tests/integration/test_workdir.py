@@ -1,13 +1,11 @@
 """`fab run --workdir`: a whole project, launched from its own folder, on a real 2-node local cluster."""
 
-import base64
 import hashlib
 import json
 import resource
 import stat
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ import torch
 from tests.support import REPO
 from tests.support.cli import assert_one_line_error, child_env
 from tests.support.clusters import Cluster, bootstrapped_cluster, run_id_in
+from tests.support.packages import tiny_wheel
 
 # A two-file project as pytorch/examples' ddp-tutorial-series/multinode.py is one (that code itself is
 # not copied here): the script imports its sibling datautils.py, and local rank 0 of every node saves
@@ -125,31 +124,6 @@ def exec_count(cluster: Cluster) -> dict[str, int]:
         node: (cluster.state_dir / cluster.stack / "nodes" / node / "sshd.log").read_text().count(" exec: ")
         for node in ("node-0", "node-1")
     }
-
-
-def tiny_wheel(folder: Path) -> Path:
-    """A wheel of a one-module package, built here with zipfile: no build backend, no network."""
-    files = {
-        "gc_tinypkg/__init__.py": "MESSAGE = 'tiny package 0.1'\n",
-        "gc_tinypkg-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: gc-tinypkg\nVersion: 0.1\n",
-        "gc_tinypkg-0.1.dist-info/WHEEL": (
-            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-        ),
-    }
-    record = (
-        "".join(
-            f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
-            f"{len(text)}\n"
-            for path, text in files.items()
-        )
-        + "gc_tinypkg-0.1.dist-info/RECORD,,\n"
-    )
-    folder.mkdir(parents=True, exist_ok=True)
-    wheel = folder / "gc_tinypkg-0.1-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as archive:
-        for path, text in {**files, "gc_tinypkg-0.1.dist-info/RECORD": record}.items():
-            archive.writestr(path, text)
-    return wheel
 
 
 @pytest.fixture(scope="module")

@@ -145,6 +145,57 @@ def test_a_workdir_job_runs_in_its_own_copy_with_its_variables_taken_literally(t
     assert (cache / "pkg" / "config.json").read_text() == "cached"  # a copy, not links into the cache
 
 
+def test_a_queued_job_makes_its_missing_copy_and_environment_from_the_stage_and_keeps_what_it_has(tmp_path):
+    """A replaced node's home lacks the run's workdir copy and requirements environment: the job's own command
+    (the same for a first start and a requeue) makes them from the run's stage on the shared folder."""
+    home, shared = tmp_path / "home", tmp_path / "shared"
+    stage = shared / "runs" / "r1" / contract.RUN_STAGE
+    (stage / contract.STAGE_FILES).mkdir(parents=True)
+    (stage / contract.STAGE_FILES / "train.py").write_text("submitted")
+    (stage / contract.STAGE_REQUIREMENTS).write_text("gc-tinypkg==0.1\n")
+    (home / ".gpu-cluster").mkdir(parents=True)
+    calls = tmp_path / "calls"
+    fake_python = tmp_path / "python"  # job_env.py's exit from $ENV_EXIT; as torchrun, shows the job's copy
+    fake_python.write_text(
+        f'#!/bin/bash\necho "$*" >> {calls}\ncase "$1" in */job_env.py) exit "${{ENV_EXIT:-0}}";; esac\ncat train.py\n'
+    )
+    fake_python.chmod(0o755)
+    (home / ".gpu-cluster" / "env").write_text(f"export CLUSTER_PYTHON={fake_python}\nexport CLUSTER_CODE_DIR=/code\n")
+    c = cluster(shared=str(shared))
+    staged = job_command.Stage(node_paths.run_stage(c, "r1") or "", files=True, env_dir=contract.job_env("abc"))
+    command = job_command.launch_command(
+        c, c.nodes[1], "r1", "run", "$HOME/.gpu-cluster/runs/r1/workdir/train.py", [], 0, 29500, stage=staged
+    )
+
+    def start(**env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["bash", "-c", command],
+            env={"HOME": str(home), "PATH": os.environ["PATH"], **env},
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+        )
+
+    node_run = home / ".gpu-cluster" / "runs" / "r1"
+    (node_run / contract.RUN_WORKDIR_PARTIAL).mkdir(parents=True)  # a copy cut short by an earlier start
+    (node_run / contract.RUN_WORKDIR_PARTIAL / "junk").write_text("")
+    first = start()
+    assert first.returncode == 0 and "submitted" in first.stdout, first.stdout + first.stderr
+    assert sorted(p.name for p in (node_run / contract.RUN_WORKDIR).iterdir()) == ["train.py"]
+    assert not (node_run / contract.RUN_WORKDIR_PARTIAL).exists()
+    env_dir = home / contract.job_env("abc")
+    made = f"/code/node/job_env.py --job {env_dir} {stage / contract.STAGE_REQUIREMENTS} {env_dir}.log "
+    assert calls.read_text().splitlines()[0] == made + str(stage / contract.STAGE_FILES)
+
+    (node_run / contract.RUN_WORKDIR / "train.py").write_text("written by the job")
+    again = start()  # a requeue on a node that kept its copy: the copy stays as the job left it
+    assert again.returncode == 0 and "written by the job" in again.stdout, again.stdout + again.stderr
+    calls.write_text("")
+    failed = start(ENV_EXIT="1")  # no environment: torchrun never starts, the exit marker says why
+    assert job_command.parse_exit_marker(failed.stdout.splitlines()[-1]) is not None and failed.returncode == 1
+    assert len(calls.read_text().splitlines()) == 1
+
+
 @pytest.mark.parametrize(
     "line,parsed",
     [

@@ -16,7 +16,8 @@ from tests.support import REPO
 from tests.support.inventories import cluster as aws_cluster
 
 sys.path.insert(0, str(REPO / "node"))
-import sync  # noqa: E402  (node/sync.py, as the nodes run it)
+import job_env  # noqa: E402  (node/job_env.py, as the nodes run it)
+import sync  # noqa: E402
 
 
 def tree(root: Path, files: dict[str, str]) -> Path:
@@ -232,6 +233,33 @@ def test_clean_removes_the_copies_of_all_but_the_newest_runs_and_keeps_the_rest(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["20260101-000000-run-a", "20260103-000000-run-c"]
     assert (tmp_path / "20260101-000000-run-a" / "checkpoints" / "c.pt").exists()
     assert (tmp_path / "20260103-000000-run-c" / "workdir" / "train.py").exists()
+
+
+def test_clean_removes_the_stages_of_old_runs_on_the_shared_folder_and_nothing_else(tmp_path):
+    for run in ("20260101-000000-run-a", "20260102-000000-run-b"):
+        tree(tmp_path / run, {"stage/files/train.py": "x" * 10, "output.log": "log", "checkpoints/c.pt": "kept"})
+    outcome = sync.clean(str(tmp_path), keep=1, names=("stage",))
+    assert outcome == {"runs": 2, "removed": 1, "freed_bytes": 10}
+    assert sorted(p.name for p in (tmp_path / "20260101-000000-run-a").iterdir()) == ["checkpoints", "output.log"]
+    assert (tmp_path / "20260102-000000-run-b" / "stage" / "files" / "train.py").exists()
+
+
+def test_a_jobs_own_environment_step_is_quiet_where_ready_and_one_line_where_pip_failed(tmp_path, capsys, monkeypatch):
+    dest = tmp_path / "envs" / "abc"
+    dest.mkdir(parents=True)
+    (dest / ".installed").write_text(sys.executable + "\n")
+    arguments = ["--job", str(dest), str(tmp_path / "req.txt"), str(tmp_path / "abc.log")]
+    assert job_env.main(arguments) == 0 and capsys.readouterr().out == ""  # every start of a job asks
+
+    (dest / ".installed").unlink()
+    monkeypatch.setattr(job_env, "install", lambda *a: {"ok": False, "error": "ERROR: No matching distribution"})
+    assert job_env.main(arguments) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("gpu-cluster: installing the run's requirements into ") and len(lines) == 2
+    assert (
+        lines[1] == f"error: the run's requirements could not be installed: ERROR: No matching distribution "
+        f"(pip's log: {tmp_path / 'abc.log'})"
+    )
 
 
 @pytest.mark.parametrize(
