@@ -217,13 +217,13 @@ def cmd_status(args) -> int:
 
 
 def _with_scheduler_states(cluster: inventory.ClusterInfo, rows: list) -> list:
-    """Each reachable node's Slurm state where bootstrap started Slurm (`node/scheduler.py state`)."""
+    """Each reachable node's Slurm state where bootstrap started Slurm (the AskScheduler node call)."""
     import asyncio
     import dataclasses
     import json
-    import shlex
 
-    from infra import ssh
+    from infra import nodecall
+    from node import calls
 
     try:
         setup = json.loads(state.stack_file(cluster.stack, state.BOOTSTRAP).read_text())
@@ -231,14 +231,12 @@ def _with_scheduler_states(cluster: inventory.ClusterInfo, rows: list) -> list:
         return rows
     if not isinstance(setup, dict) or setup.get("scheduler") != "slurm":
         return rows
-    script = f"{setup.get('code_dir', '')}/node/scheduler.py".replace("$HOME/", "")
+    code = str(setup.get("code_dir", ""))
 
     async def ask(node):
-        command = f"{shlex.quote(cluster.python)} {shlex.quote(script)} state --json --node {node.name}"
         try:
-            result = await ssh.run(cluster, node, command, timeout_s=15)
-            found = json.loads(result.stdout.strip().splitlines()[-1])
-            return found.get("node_state") or "daemons down"
+            found = await nodecall.call(cluster, node, cluster.python, code, calls.AskScheduler(node.name), 15)
+            return found.node_state or "daemons down"
         except Exception:  # an answer that did not come is shown as such
             return "no answer"
 

@@ -191,9 +191,141 @@ class ApplyKit(Request):
     REPLY: typing.ClassVar[type] = KitApplied
 
 
+@dataclasses.dataclass(frozen=True)
+class Said:
+    said: str
+    """What was done, in a few words (for a log line)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckScheduler(Request):
+    """BadInput naming the first of Slurm's or munge's programs this node lacks (`head`: slurmctld too), or
+    a Slurm of the host's own to adopt instead."""
+
+    head: bool = False
+    HANDLER: typing.ClassVar[str] = "scheduler:check_reply"
+    REPLY: typing.ClassVar[type] = Said
+
+
+@dataclasses.dataclass(frozen=True)
+class Identified:
+    name: str
+    state: str
+
+
+@dataclasses.dataclass(frozen=True)
+class IdentifyNode(Request):
+    """This host's node in a Slurm it already runs (`slurm: existing`)."""
+
+    partition: str
+    conf: str
+    name: str
+    addresses: list
+    HANDLER: typing.ClassVar[str] = "scheduler:identify"
+    REPLY: typing.ClassVar[type] = Identified
+
+
+@dataclasses.dataclass(frozen=True)
+class Adopted:
+    partition: str
+    conf: str
+    tag: str
+    names: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class AdoptSlurm(Request):
+    """Runs go to a Slurm the hosts already run: {partition, conf, tag, names: {node-i: NodeName}}."""
+
+    existing: dict
+    HANDLER: typing.ClassVar[str] = "scheduler:adopt_reply"
+    REPLY: typing.ClassVar[type] = Adopted
+
+
+@dataclasses.dataclass(frozen=True)
+class StopScheduler(Request):
+    """This node's daemons stopped (an existing Slurm: this stack's jobs there cancelled, its record gone)."""
+
+    HANDLER: typing.ClassVar[str] = "scheduler:stop_reply"
+    REPLY: typing.ClassVar[type] = Said
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerState:
+    node: str | None
+    configured: bool
+    existing: bool
+    daemons: dict
+    node_state: str | None
+    nodes: dict | None
+
+
+@dataclasses.dataclass(frozen=True)
+class AskScheduler(Request):
+    """This node's scheduler: configured or not, its daemons, Slurm's node states."""
+
+    node: str
+    HANDLER: typing.ClassVar[str] = "scheduler:state_reply"
+    REPLY: typing.ClassVar[type] = SchedulerState
+
+
+@dataclasses.dataclass(frozen=True)
+class MarkLost(Request):
+    """Tell Slurm (on the head node) that a node is gone: its run is requeued."""
+
+    node: str
+    why: str
+    HANDLER: typing.ClassVar[str] = "scheduler:lost_reply"
+    REPLY: typing.ClassVar[type] = Said
+
+
+@dataclasses.dataclass(frozen=True)
+class ForgetStaleJobs(Request):
+    """A node replaced while the head node was: the jobs Slurm still has on its old machine are requeued."""
+
+    node: str
+    HANDLER: typing.ClassVar[str] = "scheduler:replaced_reply"
+    REPLY: typing.ClassVar[type] = Said
+
+
+@dataclasses.dataclass(frozen=True)
+class Joined:
+    node: str
+    took_s: float
+    venv: dict
+    scheduler: str
+    slurm: str
+
+
+@dataclasses.dataclass(frozen=True)
+class JoinCluster(Request):
+    """A fresh node joins from the shared folder's kit alone (node/join.py)."""
+
+    node: str
+    HANDLER: typing.ClassVar[str] = "join:join_reply"
+    REPLY: typing.ClassVar[type] = Joined
+
+
 VERBS = {
     cls.__name__: cls
-    for cls in (WorkdirManifest, ApplyBundle, ListResults, CleanRuns, SubmitRun, RunStates, CancelRun, ApplyKit)
+    for cls in (
+        WorkdirManifest,
+        ApplyBundle,
+        ListResults,
+        CleanRuns,
+        SubmitRun,
+        RunStates,
+        CancelRun,
+        ApplyKit,
+        CheckScheduler,
+        IdentifyNode,
+        AdoptSlurm,
+        StopScheduler,
+        AskScheduler,
+        MarkLost,
+        ForgetStaleJobs,
+        JoinCluster,
+    )
 }
 """Every verb, by its request's name."""
 

@@ -110,6 +110,19 @@ def join(cluster_kit: dict, node: str, home: str, code: str, address: str | None
     }
 
 
+def join_reply(node: str) -> dict:
+    """node/calls.py's JoinCluster: from the kit in the shared folder this code lives in."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        return join(
+            read_kit(os.path.dirname(os.path.dirname(here))), node, os.path.expanduser("~"), os.path.dirname(here), None
+        )
+    except BadInput as exc:
+        raise calls.BadInput(str(exc)) from None
+    except JoinError as exc:
+        raise calls.Failed(f"{node} did not join: {exc}") from None
+
+
 def main(argv: list | None = None) -> int:
     here = os.path.dirname(os.path.abspath(__file__))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -982,6 +982,43 @@ def read_description(path: str | None) -> Cluster:
     return parse_cluster(data)
 
 
+def check_reply(head: bool) -> dict:
+    """node/calls.py's CheckScheduler."""
+    check(head)
+    return {"said": "ok"}
+
+
+def adopt_reply(existing: dict) -> dict:
+    """node/calls.py's AdoptSlurm."""
+    return adopt(Paths(os.path.expanduser("~")), existing)
+
+
+def stop_reply() -> dict:
+    """node/calls.py's StopScheduler: our daemons, or this stack's jobs in a Slurm the hosts already run."""
+    paths = Paths(os.path.expanduser("~"))
+    if existing(paths) is not None:  # none of the daemons is ours: this stack's jobs go
+        cancelled = cancel_tagged(paths)  # a DaemonError keeps the record: ask again later
+        os.unlink(paths.at(contract.SLURM_EXISTING))
+        return {"said": "cancelled " + " ".join(cancelled) if cancelled else "nothing of ours in the existing Slurm"}
+    stopped = stop(paths)
+    return {"said": "stopped " + " ".join(stopped) if stopped else "not running"}
+
+
+def state_reply(node: str) -> dict:
+    """node/calls.py's AskScheduler."""
+    return state(os.path.expanduser("~"), node)
+
+
+def lost_reply(node: str, why: str) -> dict:
+    """node/calls.py's MarkLost."""
+    return {"said": mark_lost(Paths(os.path.expanduser("~")), node, why)}
+
+
+def replaced_reply(node: str) -> dict:
+    """node/calls.py's ForgetStaleJobs."""
+    return {"said": forget_stale_jobs(Paths(os.path.expanduser("~")), node)}
+
+
 def main(argv: list | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -1026,13 +1063,7 @@ def main(argv: list | None = None) -> int:
         elif args.command == "lost":
             print(f"{args.node}: {mark_lost(Paths(home), args.node, args.why)}")
         elif args.command == "stop":
-            if existing(Paths(home)) is not None:  # none of the daemons is ours: this stack's jobs go
-                cancelled = cancel_tagged(Paths(home))  # a DaemonError keeps the record: ask again later
-                os.unlink(Paths(home).at(contract.SLURM_EXISTING))
-                print("cancelled " + " ".join(cancelled) if cancelled else "nothing of ours in the existing Slurm")
-            else:
-                stopped = stop(Paths(home))
-                print("stopped " + " ".join(stopped) if stopped else "not running")
+            print(stop_reply()["said"])
         elif args.command == "identify":
             print(json.dumps(identify(args.partition, args.conf, args.name, args.address)))
         elif args.command == "adopt":

@@ -382,7 +382,6 @@ class Bootstrap:
     def scheduler_stage(self) -> dict[str, Outcome]:
         """Slurm on every node (node/scheduler.py): slurmctld on the head node, slurmd everywhere, one munge
         key per cluster; with `--scheduler none`, whatever an earlier bootstrap started is stopped."""
-        stop = node_paths.node_module(self.cluster, self.cluster.python, "scheduler", "stop")
         users = self._users_differ() if self.scheduler_choice != "none" else ""
         if users and (self.cluster.slurm_existing or self.scheduler_choice == "slurm"):
             return {r.name: Outcome("failed", users) for r in self.records}
@@ -407,10 +406,10 @@ class Bootstrap:
                 return {r.name: Outcome("n/a", "none") for r in self.records}
 
             def stopped(record: NodeRecord) -> Outcome:
-                result = record.session.run(stop, timeout=120)
-                if result.exited != 0:  # an existing Slurm's jobs not cancelled: the record stays, ask again
-                    why = (result.stderr.strip() or f"exit {result.exited}").splitlines()[-1]
-                    return Outcome("failed", f"not stopped: {why.removeprefix('error: ')}"[:300], result.stderr)
+                try:
+                    self._call(record, calls.StopScheduler(), timeout=120)
+                except (UsageError, OperationError) as exc:  # an existing Slurm's jobs not cancelled: ask again
+                    return Outcome("failed", f"not stopped: {str(exc).split(': ', 1)[-1]}"[:300])
                 self._forget(record, "scheduler")
                 return Outcome("n/a", "none")
 
@@ -450,6 +449,10 @@ class Bootstrap:
             self._write_join_kit(description)
         return outcomes
 
+    def _call(self, record: NodeRecord, request: calls.Request, **run_options):
+        """A node call on `record`'s node, with the inventory's interpreter (the node venv may not be there)."""
+        return nodecall.call(record.session, self.cluster.python, request, **run_options)
+
     def _apply_kit(self, record: NodeRecord, part: str, recipe: kit.NodeKit) -> dict:
         """One part of the node's kit applied there (node/kit.py, the ApplyKit node call); its facts. The kit
         goes as a 0600 file in the private ~/.gpu-cluster (the scheduler's holds the munge key), which the
@@ -458,9 +461,7 @@ class Bootstrap:
         record.session.run(f"mkdir -p {contract.shell(contract.HOME_DIR)} && : > {contract.shell(sent)}", warn=False)
         record.session.conn.put(io.StringIO(json.dumps(dataclasses.asdict(recipe))), remote=sent)
         try:
-            return nodecall.call(record.session, self.cluster.python, calls.ApplyKit(sent, [part]), timeout=1800).facts[
-                part
-            ]
+            return self._call(record, calls.ApplyKit(sent, [part]), timeout=1800).facts[part]
         except (UsageError, OperationError) as exc:
             raise StageFailed(str(exc).split(": ", 1)[-1]) from None
 
@@ -473,15 +474,12 @@ class Bootstrap:
 
         def identify(record: NodeRecord) -> Outcome:
             node = self.cluster.node(record.name)
-            args = ["identify", "--partition", partition, "--conf", conf, "--name", node.slurm_name]
-            for address in dict.fromkeys((node.public_ip, node.private_ip)):
-                args += ["--address", address]
-            command = node_paths.node_module(self.cluster, self.cluster.python, "scheduler", *args)
-            result = record.session.run(command, timeout=60)
-            if result.exited != 0:
-                why = (result.stderr.strip() or result.stdout.strip() or f"exit {result.exited}").splitlines()
-                return Outcome("failed", why[-1].removeprefix("error: ")[-300:], result.stdout + result.stderr)
-            return Outcome("done", protocol.parse_last_json(result.stdout)["name"])
+            addresses = list(dict.fromkeys((node.public_ip, node.private_ip)))
+            try:
+                found = self._call(record, calls.IdentifyNode(partition, conf, node.slurm_name, addresses), timeout=60)
+            except (UsageError, OperationError) as exc:
+                return Outcome("failed", str(exc).split(": ", 1)[-1][-300:])
+            return Outcome("done", found.name)
 
         outcomes = self._on_every_record(identify)
         if any(o.status == "failed" for o in outcomes.values()):
@@ -503,10 +501,10 @@ class Bootstrap:
             where = f"existing Slurm: {names[record.name]}" + (f" ({partition})" if partition else "")
             if self._up_to_date(record, "scheduler", wanted):
                 return Outcome("up to date", where)
-            command = node_paths.node_module(self.cluster, self.cluster.python, "scheduler", "adopt")
-            result = record.session.run(f"printf %s {shlex.quote(text)} | {command}", timeout=60)
-            if result.exited != 0:
-                return Outcome("failed", (result.stderr.strip() or f"exit {result.exited}")[-300:], result.stderr)
+            try:
+                self._call(record, calls.AdoptSlurm({**existing, "names": names}), timeout=60)
+            except (UsageError, OperationError) as exc:
+                return Outcome("failed", str(exc).split(": ", 1)[-1][-300:])
             self._record(record, "scheduler", wanted, {"scheduler": "slurm", "existing": names[record.name]})
             return Outcome("done", where)
 
@@ -535,13 +533,11 @@ class Bootstrap:
         the nodes that could not be asked ({} where all were)."""
 
         def check(record: NodeRecord) -> str:
-            head = ["--head"] if record is self.records[0] else []
-            command = node_paths.node_module(self.cluster, self.cluster.python, "scheduler", "check", *head)
-            result = record.session.run(command, warn=True)
-            if result.exited == 0:
-                return ""
-            lines = (result.stderr.strip() or result.stdout.strip() or f"exit {result.exited}").splitlines()
-            return f"{record.name}: {lines[-1].removeprefix('error: ')}"[:300]
+            try:  # a node that answers no: its one line is the reason; one that does not answer raises
+                self._call(record, calls.CheckScheduler(head=record is self.records[0]))
+            except (UsageError, OperationError) as exc:
+                return str(exc)[:300]
+            return ""
 
         answers = on_all_nodes([r.session for r in self.records], lambda s: check(self._record_of(s)))
         if any(a.error is not None for a in answers):

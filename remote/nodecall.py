@@ -5,18 +5,11 @@ returns the reply dataclass; a node's refusal (bad input, other code than this f
 (exit 2), a failure an OperationError (exit 1), each the node's one line behind its name.
 """
 
-import functools
-
 from infra.errors import OperationError, UsageError
+from infra.nodecall import version
 from node import calls
 from remote import node_paths
 from remote.connect import NodeSession
-
-
-@functools.cache
-def version() -> str:
-    """The digest of the node code this fab speaks (and bootstrap sends)."""
-    return calls.code_version(str(node_paths.NODE_CODE))
 
 
 def command(session: NodeSession, python: str, request: calls.Request) -> str:

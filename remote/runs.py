@@ -86,7 +86,7 @@ class RunBook:
                 say(f"fab: warning: the ledger cannot be opened ({exc}); this run's end is not recorded in it")
                 self.ledger = None
         started, ended = run.started_at or run.submitted_at, run.ended_at or time.time()
-        scheduled = run.holder == "slurm"
+        scheduled = bool(run.job_id)  # held by Slurm: its times are Slurm's
 
         def record(ledger: Ledger) -> None:
             if ledger.run(run.run_id) is None:

@@ -25,8 +25,8 @@ cost` lists interruptions and replacements). A replacement that fails to bootstr
 
 import asyncio
 import dataclasses
+import json
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -34,11 +34,12 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from infra import inventory, keys, ssh, state
+from infra import inventory, keys, nodecall, ssh, state
+from infra.errors import OperationError
 from infra.inventory import ClusterInfo, NodeInfo
 from infra.ledger import Ledger
 from infra.providers.local import provider
-from node import contract
+from node import calls, contract
 
 POLL_S = 1.0
 RETRY_S = 5.0
@@ -66,13 +67,10 @@ def powered_off(stack: str) -> bool:
 def forget_stale_jobs(cluster: ClusterInfo, replaced: list[NodeInfo]) -> None:
     """After the head node was replaced with others: the runs Slurm's recovered queue still has running on
     the old machines are requeued now (node/scheduler.py replaced), not after SlurmdTimeout."""
-    script = f"{cluster.shared_dir}/code/node/scheduler.py"
     for node in replaced:
-        command = " ".join(shlex.quote(word) for word in [cluster.python, script, "replaced", "--node", node.name])
         try:
-            result = asyncio.run(ssh.run(cluster, cluster.head, f"cd && {command}", timeout_s=60))
-            answer = (result.stdout or result.stderr or "").strip().splitlines()
-            log(cluster.stack, f"{node.name}: {answer[-1] if answer else f'exit {result.exit_status}'}")
+            said = ask(cluster, cluster.head, calls.ForgetStaleJobs(node.name), 60).said
+            log(cluster.stack, f"{node.name}: {said}")
         except Exception as exc:  # Slurm finds out by itself after SlurmdTimeout
             log(cluster.stack, f"{node.name}: could not ask Slurm about its old jobs: {ssh.describe(exc)}")
 
@@ -82,16 +80,18 @@ def mark_lost(cluster: ClusterInfo, lost: list[NodeInfo], why: str = "its server
     is no controller to tell: the queue is on shared storage and the runs are requeued when it is back)."""
     if cluster.head in lost:
         return
-    script = f"{cluster.shared_dir}/code/node/scheduler.py"  # a local cluster always has its shared folder
     for node in lost:
-        argv = [cluster.python, script, "lost", "--node", node.name, "--why", why]
-        command = " ".join(shlex.quote(word) for word in argv)
         try:
-            result = asyncio.run(ssh.run(cluster, cluster.head, f"cd && {command}", timeout_s=30))
-            answer = (result.stdout or result.stderr or "").strip().splitlines()
-            log(cluster.stack, f"{node.name}: Slurm told it is lost: {answer[-1] if answer else result.exit_status}")
+            said = ask(cluster, cluster.head, calls.MarkLost(node.name, why), 30).said
+            log(cluster.stack, f"{node.name}: Slurm told it is lost: {said}")
         except Exception as exc:  # the head node may be gone too; the replacement goes on regardless
             log(cluster.stack, f"{node.name}: could not tell Slurm: {ssh.describe(exc)}")
+
+
+def ask(cluster: ClusterInfo, node: NodeInfo, request: calls.Request, timeout_s: float):
+    """A node call from the supervisor (node/calls.py, through the shared folder's code)."""
+    code = f"{cluster.shared_dir}/code"  # a local cluster always has its shared folder
+    return asyncio.run(nodecall.call(cluster, node, cluster.python, code, request, timeout_s))
 
 
 def fresh_node(stack: str, cluster: ClusterInfo, index: int) -> None:
@@ -136,19 +136,17 @@ def bootstrap(stack: str) -> tuple[bool, str]:
 def join(cluster: ClusterInfo, node: NodeInfo) -> tuple[bool, str]:
     """node/join.py on the fresh node, as a replacement's boot runs it on AWS: the venv, the env file and
     Slurm's daemons from the shared folder's join kit; whether it passed, and its last line."""
-    script = f"{cluster.shared_dir}/code/node/join.py"
-    command = " ".join(shlex.quote(word) for word in [cluster.python, script, "--node", node.name])
     try:
-        result = asyncio.run(ssh.run(cluster, node, f"cd && {command}", timeout_s=BOOTSTRAP_TIMEOUT_S))
+        joined = ask(cluster, node, calls.JoinCluster(node.name), BOOTSTRAP_TIMEOUT_S)
+    except OperationError as exc:
+        said = f"join failed: error: {str(exc).split(': ', 1)[-1]}"[:400]
     except Exception as exc:
         return False, f"join could not run: {ssh.describe(exc)}"
-    said = (result.stdout or "") + (result.stderr or "")
+    else:
+        said = f"join passed: {json.dumps(dataclasses.asdict(joined))}"
     with state.open_private(state.stack_file(cluster.stack, LOG_FILE), "a") as out:
-        out.write(said if said.endswith("\n") or not said else said + "\n")
-    lines = said.strip().splitlines()
-    return result.exit_status == 0, f"join {'passed' if result.exit_status == 0 else 'failed'}: " + (
-        lines[-1][-300:] if lines else f"exit {result.exit_status}"
-    )
+        out.write(said + "\n")
+    return said.startswith("join passed"), said
 
 
 def rejoin(stack: str, cluster: ClusterInfo, nodes: list[NodeInfo]) -> tuple[bool, str]:
