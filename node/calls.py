@@ -306,6 +306,44 @@ class JoinCluster(Request):
     REPLY: typing.ClassVar[type] = Joined
 
 
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    now: float
+    ranks: list
+    """Each of the run's ranks on this node: its collective progress and process state (node/hang.py)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HangStatus(Request):
+    """The hang watch's look at a run's ranks on this node (their progress folder, relative to the home)."""
+
+    folder: str
+    run_id: str
+    HANDLER: typing.ClassVar[str] = "hang:status_reply"
+    REPLY: typing.ClassVar[type] = Progress
+
+
+@dataclasses.dataclass(frozen=True)
+class Evidence:
+    now: float
+    ranks: list
+    dumps: dict
+    """Each rank's flight-recorder buffer, by rank."""
+    py_spy: dict
+    """Each rank's stacks as py-spy saw them, by rank."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HangCollect(Request):
+    """A hung run's evidence on this node: the ranks' recorder dumps (asked for, waited for) and stacks."""
+
+    folder: str
+    run_id: str
+    wait_s: float
+    HANDLER: typing.ClassVar[str] = "hang:collect_reply"
+    REPLY: typing.ClassVar[type] = Evidence
+
+
 VERBS = {
     cls.__name__: cls
     for cls in (
@@ -325,6 +363,8 @@ VERBS = {
         MarkLost,
         ForgetStaleJobs,
         JoinCluster,
+        HangStatus,
+        HangCollect,
     )
 }
 """Every verb, by its request's name."""

@@ -1,29 +1,23 @@
-"""On a node: what each rank of a running job is doing, for `fab`'s hang detection and diagnosis.
-
-    python hang.py status PROGRESS_DIR RUN_ID    # one JSON line: every rank's last progress record
-    python hang.py collect PROGRESS_DIR RUN_ID   # also the flight-recorder dumps and py-spy stacks
+"""On a node: what each rank of a running job is doing, for `fab`'s hang detection and diagnosis, asked
+through node/calls.py: HangStatus (every rank's last progress record) and HangCollect (also the
+flight-recorder dumps and py-spy stacks), each of a run's progress folder.
 
 The ranks' monitors (rankhook/gpu_cluster_rank_monitor.py) write `rank-<R>.json` into PROGRESS_DIR
 every second. `status` adds what only this node can tell: how old each record is by this node's
 clock, and whether the rank's process runs, is stopped (SIGSTOP) or is gone. `collect` asks every
 rank for its whole recorder buffer and thread stacks (the `dump.request` file), waits a few seconds
 for the ranks that can still answer, and runs `py-spy dump` on every rank, which works on a stopped
-process too. Standard library only; run as a file, it imports its siblings from the code folder.
+process too. Standard library only.
 """
 
-import argparse
 import glob
 import json
 import os
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
-
-from node import contract, procfs  # noqa: E402
+from node import contract, procfs
 
 PY_SPY_TIMEOUT_S = 20
 
@@ -149,21 +143,15 @@ def find_py_spy() -> str | None:
     return find_program("py-spy")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=("status", "collect"))
-    parser.add_argument("folder", help="the run's progress folder on this node")
-    parser.add_argument("run_id", help="the run's id (its workers carry it as CLUSTER_RUN_ID)")
-    parser.add_argument("--wait-s", type=float, default=5.0, help="collect: how long to wait for the ranks' dumps")
-    args = parser.parse_args(argv)
-    os.makedirs(args.folder, exist_ok=True)
-    if args.action == "status":
-        result = status(args.folder, args.run_id)
-    else:
-        result = collect(args.folder, args.run_id, args.wait_s, find_py_spy())
-    print(json.dumps(result))
-    return 0
+def status_reply(folder: str, run_id: str) -> dict:
+    """node/calls.py's HangStatus."""
+    folder = os.path.expanduser(folder)
+    os.makedirs(folder, exist_ok=True)
+    return status(folder, run_id)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def collect_reply(folder: str, run_id: str, wait_s: float) -> dict:
+    """node/calls.py's HangCollect."""
+    folder = os.path.expanduser(folder)
+    os.makedirs(folder, exist_ok=True)
+    return collect(folder, run_id, wait_s, find_py_spy())

@@ -9,8 +9,8 @@ every node the recorder dumps and the `py-spy dump` stacks of every rank, keeps 
 leaves it running for a person (`--on-hang wait`).
 """
 
+import dataclasses
 import json
-import shlex
 import threading
 import time
 from dataclasses import dataclass
@@ -18,9 +18,9 @@ from pathlib import Path
 
 from infra import state
 from infra.inventory import ClusterInfo
-from node import contract
+from node import calls, contract
 from node import hang_rule as hang
-from remote import node_paths, protocol
+from remote import node_paths, nodecall
 from remote.connect import NodeSession, describe, on_all_nodes
 from remote.stream import say
 
@@ -187,7 +187,11 @@ class HangWatch:
             except Exception:  # the node did not answer: a fresh connection for the next poll
                 session.reopen()
                 raise
-            return protocol.parse_last_json(result.stdout) if result.exited == 0 else {}
+            try:
+                request = hang_request(self.run_id, action)
+                return dataclasses.asdict(calls.reply_from(request, result.exited, result.stdout, result.stderr))
+            except calls.CallError:
+                return {}
 
         return [r.value for r in on_all_nodes(sessions, ask) if isinstance(r.value, dict)]
 
@@ -205,15 +209,16 @@ class HangWatch:
         return HangReport(line, hang.stalled_since(found), detected_at, folder)
 
 
+def hang_request(run_id: str, action: str) -> calls.HangStatus | calls.HangCollect:
+    """The node call that asks one node about the run's ranks: `status`, or `collect` the evidence."""
+    folder = contract.progress_dir(run_id)  # relative to the home the call starts in
+    return calls.HangStatus(folder, run_id) if action == "status" else calls.HangCollect(folder, run_id, COLLECT_WAIT_S)
+
+
 def ask_command(cluster: ClusterInfo, python: str, run_id: str, action: str) -> str:
-    """node/hang.py's `status` or `collect` of the run's ranks on one node, as a shell command."""
-    folder = node_paths.shell_path(contract.in_home(contract.progress_dir(run_id)))
-    script = node_paths.shell_path(f"{node_paths.code_dir(cluster)}/node/hang.py")
-    wait = f" --wait-s {COLLECT_WAIT_S}" if action == "collect" else ""
-    return (
-        f". {node_paths.ENV_FILE} 2>/dev/null; {shlex.quote(python)} {script} {action} {folder} "
-        f"{shlex.quote(run_id)}{wait}"
-    )
+    """That call as a shell command (the batch job's watch runs it on each node through srun)."""
+    words = calls.command_words(hang_request(run_id, action), nodecall.version())
+    return f". {node_paths.ENV_FILE} 2>/dev/null; cd && " + node_paths.node_module(cluster, python, "calls", *words)
 
 
 def keep_evidence(folder: Path, payloads: list[dict], line: str) -> Path:
