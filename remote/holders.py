@@ -163,10 +163,10 @@ def ended(run: runs.Run, spec: JobSpec, result: JobResult) -> None:
     run.first_failed = result.failed_node
     run.without_process_group = result.without_process_group
     failed = [c for c in result.exit_codes.values() if c not in (0, None)]
-    if result.interrupted or (failed and all(c in runs.STOPPED_CODES for c in failed)):
+    if result.hang and spec.hang.on_hang == "stop" and not result.interrupted:
+        outcome = "HUNG"  # the watch stopped it: every node ended on its signal
+    elif result.interrupted or (failed and all(c in runs.STOPPED_CODES for c in failed)):
         outcome = "CANCELLED"
-    elif result.hang and spec.hang.on_hang == "stop":
-        outcome = "HUNG"
     else:
         outcome = "COMPLETED" if result.ok else "FAILED"
     run.end(outcome, result.exit_codes, result.rank_exit_codes)
