@@ -40,11 +40,15 @@ import time
 if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
 
-from node import contract, hang_rule, scheduler  # noqa: E402
+from node import contract, scheduler  # noqa: E402
 
 TERMINATE_GRACE_S = 5.0
-FOLLOW_POLL_S = 0.2
+FOLLOW_POLL_S = 0.1
 STATE_POLL_S = 1.0
+ENDING_POLL_S = 0.05
+ENDING_WINDOW_S = 5.0
+"""For this long after the batch job's end record appears, `follow` asks Slurm every ENDING_POLL_S, not
+every STATE_POLL_S: the job's final state is then a moment away."""
 FINAL_STATES = frozenset(
     {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 )
@@ -103,6 +107,7 @@ def step_argv(spec: dict, srun: str, here: str, *options: str) -> list:
         f"--ntasks={count}",
         "--ntasks-per-node=1",
         "--unbuffered",
+        "--export=NONE",  # each node's step: Slurm's variables only (`step` sets HOME and PATH), not the head's
         spec["python"],
         "-u",
         here,
@@ -170,6 +175,8 @@ def requeue_if_preempted(spec: dict, code: int) -> int:
 
 def _watch(spec: dict, main: subprocess.Popen, srun: str, here: str) -> int:
     """The hang watch beside the running step; the step's exit status."""
+    from node import hang_rule  # here only: its imports would add 50 ms to every start of this file
+
     watch = spec["watch"]
     probe = {**spec, "nodes": [{**node, "command": watch["status"][node["name"]]} for node in spec["nodes"]]}
     probe.pop("watch", None)
@@ -244,11 +251,22 @@ def sbatch_argv(spec: dict, sbatch: str, script: str, adopted: dict | None = Non
         "--exclusive",
         "--requeue",
         "--open-mode=append",
-        "--export=NONE",
+        # The environment sbatch is given (`batch_environment`), whole: --export=NONE would have slurmd
+        # build a login environment (`su - USER -c env`) before every start, 0.3 to 1.3 s here.
+        "--export=ALL",
         f"--output={spec['log']}",
         f"--chdir={os.path.dirname(spec['log'])}",
         script,
     ]
+
+
+def batch_environment(paths: scheduler.Paths) -> dict:
+    """The batch job's environment: the submitting session's (what a launch held by fab's connections runs
+    with), less that session's own SSH_* and any other job's or option's SLURM_*, SBATCH_*, SRUN_* and
+    SALLOC_*, plus what Slurm's clients need (`step` sets each node's HOME and PATH itself)."""
+    own = ("SSH_", "SLURM_", "SBATCH_", "SRUN_", "SALLOC_")
+    kept = {name: value for name, value in os.environ.items() if not name.startswith(own)}
+    return {**kept, **scheduler.client_environment(paths)}
 
 
 def submit(spec: dict) -> str:
@@ -264,10 +282,9 @@ def submit(spec: dict) -> str:
     with open(script, "w") as f:
         f.write(batch_script(spec, scheduler.program("srun"), os.path.abspath(__file__)))
     os.chmod(script, 0o700)
-    environment = {**os.environ, **scheduler.client_environment(paths)}
     result = subprocess.run(
         sbatch_argv(spec, scheduler.program("sbatch"), script, scheduler.existing(paths)),
-        env=environment,
+        env=batch_environment(paths),
         capture_output=True,
         text=True,
     )
@@ -505,7 +522,8 @@ def follow(log: str, job_id: str, offset: int = 0) -> int:
     """Copy the log from `offset` as it grows, until the job has ended and all of it is copied; then
     the end marker: `END_MARKER STATE EXIT_CODE`. Stopping it (a closed connection) stops only it."""
     out = sys.stdout.buffer
-    position, checked, final = offset, 0.0, None
+    position, checked, final, ending = offset, 0.0, None, None
+    end_record = os.path.join(os.path.dirname(log), contract.END_RECORD)
     while True:
         try:
             with open(log, "rb") as f:
@@ -520,13 +538,16 @@ def follow(log: str, job_id: str, offset: int = 0) -> int:
             continue
         if final is not None:
             break
-        if time.monotonic() - checked >= STATE_POLL_S:
+        if ending is None and os.path.exists(end_record):  # the batch job's last act: its end is near
+            ending = time.monotonic()
+        quick = ending is not None and time.monotonic() - ending < ENDING_WINDOW_S
+        if time.monotonic() - checked >= (ENDING_POLL_S if quick else STATE_POLL_S):
             checked = time.monotonic()
             found = job_state(job_id, log)
             if found is None or found["state"] in FINAL_STATES:
                 final = found or {"state": "UNKNOWN", "exit_code": None}
                 continue  # one more read: what was written before the end
-        time.sleep(FOLLOW_POLL_S)
+        time.sleep(ENDING_POLL_S if quick else FOLLOW_POLL_S)
     code = final.get("exit_code")
     # on a line of its own, the log's size last: the follower keeps the log, not this line
     out.write(f"\n{contract.RUN_END_MARKER} {final['state']} {'-' if code is None else code} {position}\n".encode())

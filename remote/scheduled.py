@@ -14,6 +14,7 @@ written, the ledger row given Slurm's own start and end times, so a run that end
 connected is priced.
 """
 
+import contextlib
 import io
 import json
 import signal
@@ -284,7 +285,10 @@ def launch(cluster: ClusterInfo, spec, setup, runs_root: Path, detach: bool) -> 
     wanted, sessions, statuses, run_id = open_launch(cluster, spec)
     try:
         local_dir = runs_root / run_id
-        with owning(sessions, statuses, spec, run_id, queued=True):  # caches and environments: one launch at a time
+        # The lock keeps the workdir caches and environments to one launch at a time; a launch with neither
+        # writes only into its own run's folders, and skips the lock's round trip.
+        shared = spec.workdir is not None or spec.requirements is not None
+        with owning(sessions, statuses, spec, run_id, queued=True) if shared else contextlib.nullcontext():
             prepare(cluster, sessions, statuses, spec, setup, wanted)
             if spec.upload:
                 upload_script(cluster, sessions, run_id, spec.upload)
