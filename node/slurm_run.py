@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
@@ -192,9 +193,11 @@ def _watch(spec: dict, main: subprocess.Popen, srun: str, here: str) -> int:
         if found is None:
             continue
         collect = {**probe, "nodes": [{**n, "command": watch["collect"][n["name"]]} for n in probe["nodes"]]}
-        evidence = hang_rule.Evidence.from_collected(_ask(collect, srun, here)) if watch.get("collect") else None
+        collected = _ask(collect, srun, here, apart=True) if watch.get("collect") else []
+        evidence = hang_rule.Evidence.from_collected(collected) if collected else None
         line = hang_rule.verdict(spec["run_id"], found, evidence)
         record = {"verdict": line, "stalled_at": hang_rule.stalled_since(found), "detected_at": time.time()}
+        record["collected"] = collected  # each node's recorder dumps and stacks: fab keeps them in the run's hang/
         scheduler.write_private(
             os.path.join(os.path.dirname(spec["log"]), contract.HANG_RECORD), json.dumps(record).encode(), 0o600
         )
@@ -212,12 +215,20 @@ def _status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def _ask(probe: dict, srun: str, here: str) -> list:
-    """Every node's answer (node/hang.py status or collect, one JSON line each), through a step that
-    shares the run's allocation."""
-    argv = step_argv(probe, srun, here, "--overlap", f"--jobid={os.environ.get('SLURM_JOB_ID', '')}")
+def _ask(probe: dict, srun: str, here: str, apart: bool = False) -> list:
+    """Every node's answer (one JSON line each), through a step that shares the run's allocation; `apart`:
+    a step per node, at once (a collect's answers are large, and srun interleaves long lines of several
+    nodes' output)."""
+    job = f"--jobid={os.environ.get('SLURM_JOB_ID', '')}"
+    if apart and len(probe["nodes"]) > 1:
+        one_each = [{**probe, "nodes": [node]} for node in probe["nodes"]]
+        with ThreadPoolExecutor(max_workers=len(one_each)) as pool:
+            return [answer for answers in pool.map(lambda one: _ask(one, srun, here), one_each) for answer in answers]
+    options = ["--overlap", job]
+    if len(probe["nodes"]) == 1:
+        options.append(f"--nodelist={probe['nodes'][0].get('slurm_name') or probe['nodes'][0]['name']}")
     try:
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        result = subprocess.run(step_argv(probe, srun, here, *options), capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired):
         return []
     payloads = []

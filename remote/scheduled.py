@@ -394,7 +394,7 @@ def finish(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: Follow
     for node in run.nodes:  # a node that left no marker was ended from outside
         exit_codes.setdefault(node, 0 if run.state == "COMPLETED" else 128 + 15)
     if run.hang is None:
-        run.hang = _cluster_hang(cluster, run)
+        run.hang = _cluster_hang(cluster, run, folder)
     outcome = run.state
     if run.hang and run.state in ("CANCELLED", "FAILED"):
         outcome = "HUNG"
@@ -417,19 +417,27 @@ def finish(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: Follow
     run.save(folder)
 
 
-def _cluster_hang(cluster: ClusterInfo, run: Run) -> dict | None:
-    """The cluster-side hang watch's verdict (`hang.json` beside the run's log), where it found one."""
+def _cluster_hang(cluster: ClusterInfo, run: Run, folder: Path) -> dict | None:
+    """The cluster-side hang watch's verdict (`hang.json` beside the run's log), where it found one; the
+    evidence it collected goes into the run's local `hang/` folder."""
 
     head = NodeSession(cluster, cluster.head)
     found = io.BytesIO()
     try:
         head.conn.get(f"{run.log.rsplit('/', 1)[0]}/{contract.HANG_RECORD}", local=found)
         record = json.loads(found.getvalue())
-        return record if isinstance(record, dict) and "verdict" in record else None
     except Exception:  # none: the run did not hang (or the head does not answer; the logs say the rest)
         return None
     finally:
         head.close()
+    if not isinstance(record, dict) or "verdict" not in record:
+        return None
+    from remote.hangwatch import keep_evidence
+
+    collected = record.pop("collected", None) or []
+    if collected:  # the recorder dumps and stacks the cluster's watch collected, kept as fab's own watch keeps them
+        record["evidence"] = str(keep_evidence(folder / "hang", collected, record["verdict"]))
+    return record
 
 
 def bring_logs(cluster: ClusterInfo, runs: list[tuple[Path, Run]]) -> None:

@@ -232,6 +232,12 @@ def test_a_hung_run_is_found_and_stopped_on_the_cluster_while_no_fab_follows_it(
     # the batch script's own lines (no node wrote them) are kept here too
     cluster_log = (cluster.state_dir / cluster.stack / "runs" / run_id / "cluster.log").read_text()
     assert f"[watch] {verdict}" in cluster_log and "[watch] stopping the hung run" in cluster_log, cluster_log
+    evidence = cluster.state_dir / cluster.stack / "runs" / run_id / "hang"  # what the cluster's watch collected
+    assert summary["hang"]["evidence"] == str(evidence) and (evidence / "verdict.txt").read_text() == verdict + "\n"
+    assert sorted(p.name for p in evidence.glob("node-*.progress.json")) == [
+        "node-0.progress.json",
+        "node-1.progress.json",
+    ]
     slurm.wait_for(lambda: not run_processes(run_id), "no process of the run left")
 
 
