@@ -235,18 +235,20 @@ def _restore(handlers: dict) -> None:
 # ------------------------------------------------------------------------------------ states, cancel
 
 
-def refresh(cluster: ClusterInfo, runs: list[Run]) -> None:
-    """Ask Slurm (on the head node) for the runs not yet ended; their records are updated in place."""
+def refresh(cluster: ClusterInfo, runs: list[Run], head: NodeSession | None = None) -> None:
+    """Ask Slurm (on the head node; `head`: over that open session) for the runs not yet ended; their
+    records are updated in place."""
     pending = [r for r in runs if not r.ended]
     if not pending:
         return
-    head = NodeSession(cluster, cluster.head)
+    session = head or NodeSession(cluster, cluster.head)
     try:  # with each run's log: its end record lies beside it
-        found = nodecall.call(head, cluster.python, calls.RunStates({r.job_id: r.log for r in pending})).states
+        found = nodecall.call(session, cluster.python, calls.RunStates({r.job_id: r.log for r in pending})).states
     except CONNECTION_ERRORS as exc:
         raise OperationError(f"{cluster.head.name} does not answer: {describe(exc)}") from None
     finally:
-        head.close()
+        if head is None:
+            session.close()
     for run in pending:
         known = found.get(run.job_id)
         if known is None:
@@ -380,34 +382,12 @@ def stage(cluster: ClusterInfo, head: NodeSession, spec, run_id: str) -> job_com
 def finish(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: Followed | None = None) -> None:
     """A run seen ended: its state and times from Slurm, each node's and each failed rank's exit code,
     results fetched, summary.json written, the ledger's row given Slurm's times. Done once per run."""
-    from remote.launch import explain_failure, fetch_results, report_fetched
 
     if run.finished:
         return
-    refresh(cluster, [run])
-    exit_codes, ranks = dict(run.exit_codes), {}
-    if followed is not None and followed.exit_codes:
-        exit_codes, ranks = dict(followed.exit_codes), dict(followed.ranks)
-    if followed is None and run.log:  # ended unfollowed: its log (and each node's code) from the head
-        brought = _bring_log(cluster, run, folder)
-        exit_codes, ranks = (dict(brought.exit_codes), dict(brought.ranks)) if brought.exit_codes else (exit_codes, {})
-    for node in run.nodes:  # a node that left no marker was ended from outside
-        exit_codes.setdefault(node, 0 if run.state == "COMPLETED" else 128 + 15)
-    if run.hang is None:
-        run.hang = _cluster_hang(cluster, run, folder)
-    outcome = run.state
-    if run.hang and run.state in ("CANCELLED", "FAILED"):
-        outcome = "HUNG"
-    run.end(outcome, exit_codes, {n: RankOutcome.parse(text).exit_codes for n, text in ranks.items()})
-    if run.state != "COMPLETED":
-        explain_failure(folder)
-    head = NodeSession(cluster, cluster.head)
-    max_bytes = int(run.spec.get("max_result_bytes") or 50_000_000)
+    head = NodeSession(cluster, cluster.head)  # one connection for its state, hang record and results
     try:
-        fetched = fetch_results(cluster, head, setup.python[cluster.head.name], run.run_id, folder, max_bytes)
-        report_fetched(fetched, folder, cluster.head.name, max_bytes)
-    except Exception as exc:  # results are a convenience; the logs are local already
-        say(f"fab: could not fetch results from {cluster.head.name}: {describe(exc)}")
+        _finish_over(cluster, setup, folder, run, followed, head)
     finally:
         head.close()
     run.started_at, run.ended_at = run.started_at or run.submitted_at, run.ended_at or time.time()
@@ -417,19 +397,44 @@ def finish(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: Follow
     run.save(folder)
 
 
-def _cluster_hang(cluster: ClusterInfo, run: Run, folder: Path) -> dict | None:
+def _finish_over(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: Followed | None, head) -> None:
+    """`finish`'s questions to the head node, over one session."""
+    from remote.launch import explain_failure, fetch_results, report_fetched
+
+    refresh(cluster, [run], head)
+    exit_codes, ranks = dict(run.exit_codes), {}
+    if followed is not None and followed.exit_codes:
+        exit_codes, ranks = dict(followed.exit_codes), dict(followed.ranks)
+    if followed is None and run.log:  # ended unfollowed: its log (and each node's code) from the head
+        brought = _bring_log(cluster, run, folder)
+        exit_codes, ranks = (dict(brought.exit_codes), dict(brought.ranks)) if brought.exit_codes else (exit_codes, {})
+    for node in run.nodes:  # a node that left no marker was ended from outside
+        exit_codes.setdefault(node, 0 if run.state == "COMPLETED" else 128 + 15)
+    if run.hang is None:
+        run.hang = _cluster_hang(run, folder, head)
+    outcome = run.state
+    if run.hang and run.state in ("CANCELLED", "FAILED"):
+        outcome = "HUNG"
+    run.end(outcome, exit_codes, {n: RankOutcome.parse(text).exit_codes for n, text in ranks.items()})
+    if run.state != "COMPLETED":
+        explain_failure(folder)
+    max_bytes = int(run.spec.get("max_result_bytes") or 50_000_000)
+    try:
+        fetched = fetch_results(cluster, head, setup.python[cluster.head.name], run.run_id, folder, max_bytes)
+        report_fetched(fetched, folder, cluster.head.name, max_bytes)
+    except Exception as exc:  # results are a convenience; the logs are local already
+        say(f"fab: could not fetch results from {cluster.head.name}: {describe(exc)}")
+
+
+def _cluster_hang(run: Run, folder: Path, head: NodeSession) -> dict | None:
     """The cluster-side hang watch's verdict (`hang.json` beside the run's log), where it found one; the
     evidence it collected goes into the run's local `hang/` folder."""
-
-    head = NodeSession(cluster, cluster.head)
     found = io.BytesIO()
     try:
         head.conn.get(f"{run.log.rsplit('/', 1)[0]}/{contract.HANG_RECORD}", local=found)
         record = json.loads(found.getvalue())
     except Exception:  # none: the run did not hang (or the head does not answer; the logs say the rest)
         return None
-    finally:
-        head.close()
     if not isinstance(record, dict) or "verdict" not in record:
         return None
     from remote.hangwatch import keep_evidence
