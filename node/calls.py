@@ -2,14 +2,15 @@
 dispatcher that runs on the node, and one error rule.
 
     python node/calls.py REQUEST        # REQUEST: base64 of {"verb", "version", "args"}; prints the reply
+    python node/calls.py -              # the same, the request on stdin (one that carries a secret)
 
 The operator side (remote/nodecall.py for fab, the local provider's supervisor for itself) builds the
 command with `command_words`, and reads the answer with `reply_from`: the reply is one line of JSON on
 stdout, exit 0. The one error rule: `error: <one line>` on stderr, exit 2 where the request is bad (an
 unknown verb, arguments that do not fit, bad input the work refused) or the node runs other code than
 the caller speaks (`version`: the digest of node/, as bootstrap sent it: run fab bootstrap), exit 1
-where the work failed. A request travels on the command line, which other users of the host can read:
-no request carries a secret (those go in 0600 files the request names).
+where the work failed. A request travels on the command line, which other users of the host can read,
+unless it carries a secret (a Slurm run's spec holds --env values): then it goes on stdin.
 
 Standard library only; run as a file, it imports its siblings from the code folder.
 """
@@ -60,6 +61,8 @@ class Request:
 
     HANDLER: typing.ClassVar[str] = ""
     REPLY: typing.ClassVar[type] = dict
+    SECRET: typing.ClassVar[bool] = False
+    """It carries a secret: sent on stdin, never on the command line."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,10 +139,11 @@ class Submitted:
 
 @dataclasses.dataclass(frozen=True)
 class SubmitRun(Request):
-    """sbatch a run from its spec file (0600 on the head node: its commands carry --env values)."""
+    """sbatch a run from its spec (sent on stdin: its commands carry --env values)."""
 
-    spec_file: str
-    HANDLER: typing.ClassVar[str] = "slurm_run:submit_file"
+    spec: dict
+    SECRET: typing.ClassVar[bool] = True
+    HANDLER: typing.ClassVar[str] = "slurm_run:submit_reply"
     REPLY: typing.ClassVar[type] = Submitted
 
 
@@ -389,10 +393,16 @@ def code_version(folder: str = HERE) -> str:
 # ------------------------------------------------------------------------------------ the caller's side
 
 
-def command_words(request: Request, version: str) -> list:
-    """The words after `python node/calls.py` for `request`."""
+def encoded(request: Request, version: str) -> str:
+    """`request` as the node reads it."""
     message = {"verb": type(request).__name__, "version": version, "args": dataclasses.asdict(request)}
-    return [base64.b64encode(json.dumps(message).encode()).decode()]
+    return base64.b64encode(json.dumps(message).encode()).decode()
+
+
+def command_words(request: Request, version: str) -> list:
+    """The words after `python node/calls.py` for `request`, on the command line (`-` instead, with the
+    request on stdin, for one that carries a secret)."""
+    return [encoded(request, version)]
 
 
 def reply_from(request: Request, exit_code: int, stdout: str, stderr: str):
@@ -440,10 +450,11 @@ def dispatch(encoded: str, version: str) -> dict:
 
 def main(argv: list) -> int:
     if len(argv) != 1:
-        print("error: usage: calls.py REQUEST (fab sends it)", file=sys.stderr)
+        print("error: usage: calls.py REQUEST|- (fab sends it)", file=sys.stderr)
         return BAD_INPUT_EXIT
     try:
-        print(json.dumps(dispatch(argv[0], code_version())), flush=True)
+        request = sys.stdin.read().strip() if argv[0] == "-" else argv[0]  # `-`: a request with a secret
+        print(json.dumps(dispatch(request, code_version())), flush=True)
     except BadInput as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return BAD_INPUT_EXIT

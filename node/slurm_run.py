@@ -576,10 +576,9 @@ def cancel(job_id: str) -> dict:
     return {"before": before}
 
 
-def submit_file(spec_file: str) -> dict:
+def submit_reply(spec: dict) -> dict:
     """node/calls.py's SubmitRun."""
-    with open(os.path.expanduser(spec_file)) as f:
-        return {"job_id": submit(json.load(f))}
+    return {"job_id": submit(spec)}
 
 
 def states(logs: dict) -> dict:

@@ -13,15 +13,22 @@ from remote.connect import NodeSession
 
 
 def command(session: NodeSession, python: str, request: calls.Request) -> str:
-    """The shell command that makes `request` on `session`'s node (from its home, as paths are given)."""
-    return "cd && " + node_paths.node_module(session.cluster, python, "calls", *calls.command_words(request, version()))
+    """The shell command that makes `request` on `session`'s node (from its home, as paths are given);
+    one that carries a secret reads it from stdin (`call` sends it)."""
+    words = ["-"] if request.SECRET else calls.command_words(request, version())
+    return "cd && " + node_paths.node_module(session.cluster, python, "calls", *words)
 
 
 def call(session: NodeSession, python: str, request: calls.Request, **run_options):
     """`request`'s reply from `session`'s node."""
-    result = session.run(command(session, python, request), **run_options)
+    if request.SECRET:
+        sent = calls.encoded(request, version()).encode()
+        code, out, err = session.run_with_input(command(session, python, request), sent)
+    else:
+        result = session.run(command(session, python, request), **run_options)
+        code, out, err = result.exited, result.stdout, result.stderr
     try:
-        return calls.reply_from(request, result.exited, result.stdout, result.stderr)
+        return calls.reply_from(request, code, out, err)
     except calls.CallError as exc:
         error = UsageError if exc.bad_input else OperationError
         raise error(f"{session.node.name}: {exc.line}") from None

@@ -88,18 +88,10 @@ def submit(
     }
     if watch:
         spec["watch"] = watch
-    spec_path = f"{run_dir}/slurm-spec.json"
-    head.run(f"mkdir -p {node_paths.shell_path(run_dir)}", warn=False)
-    head.conn.put(_text_file(json.dumps(spec)), remote=spec_path)
-    head.run(f"chmod 600 {node_paths.shell_path(spec_path)}", warn=False)
-    try:
-        return nodecall.call(head, cluster.python, calls.SubmitRun(spec_path)).job_id
+    try:  # the spec on stdin (its commands carry --env values): `submit` makes the run's folder and script
+        return nodecall.call(head, cluster.python, calls.SubmitRun(spec)).job_id
     except OperationError as exc:
         raise OperationError(f"the run could not be submitted to Slurm: {exc}") from None
-
-
-def _text_file(text: str):
-    return io.StringIO(text)
 
 
 # ------------------------------------------------------------------------------------------- follow

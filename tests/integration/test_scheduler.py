@@ -262,11 +262,10 @@ def run_spec(cluster, folder, commands: list) -> dict:
     }
 
 
-def submit(cluster, spec: dict, folder) -> str:
+def submit(cluster, spec: dict) -> str:
     """The run's job id: submitted as fab does, through a node call."""
-    (folder / "spec.json").write_text(json.dumps(spec))
-    request = calls.SubmitRun(str(folder / "spec.json"))
-    result = cluster.scheduler(0, *calls.command_words(request, calls.code_version()), program=CALLS)
+    request = calls.SubmitRun(spec)  # on stdin, as a spec's commands may carry secrets
+    result = cluster.scheduler(0, "-", stdin=calls.encoded(request, calls.code_version()), program=CALLS)
     return calls.reply_from(request, result.returncode, result.stdout, result.stderr).job_id
 
 
@@ -304,7 +303,7 @@ def test_a_run_trains_on_every_node_with_its_output_prefixed_in_the_log(schedule
     port = network.free_port()
     spec = run_spec(scheduler, tmp_path, [hello_command(scheduler, i, f"run-{tmp_path.name}", port) for i in range(2)])
 
-    job = submit(scheduler, spec, tmp_path)
+    job = submit(scheduler, spec)
     final = wait_state(scheduler, job, "COMPLETED", "FAILED", "CANCELLED")
 
     log = (tmp_path / "output.log").read_bytes().decode()  # read_text would turn each \r into \n
@@ -321,7 +320,7 @@ def test_a_failing_node_ends_the_others(scheduler, tmp_path):
         scheduler, tmp_path, [f"touch {marker}; exec sleep 300", f"until [ -e {marker} ]; do sleep 0.1; done; exit 1"]
     )
 
-    job = submit(scheduler, spec, tmp_path)
+    job = submit(scheduler, spec)
     final = wait_state(scheduler, job, "FAILED", "COMPLETED", "CANCELLED")
 
     log = (tmp_path / "output.log").read_text()

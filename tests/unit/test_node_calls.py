@@ -63,3 +63,18 @@ def test_the_version_is_the_node_codes_and_changes_with_it(tmp_path):
     assert calls.code_version(str(copy)) == calls.code_version()  # what bootstrap sends is what fab speaks
     (copy / "sync.py").write_text((copy / "sync.py").read_text() + "\n# changed\n")
     assert calls.code_version(str(copy)) != calls.code_version()
+
+
+def test_a_request_with_a_secret_goes_on_stdin_never_on_the_command_line(tmp_path):
+    request = calls.SubmitRun({"run_id": "r", "nodes": [{"command": "env TOKEN=s3cret python train.py"}]})
+    words = ["-"] if request.SECRET else calls.command_words(request, calls.code_version())
+    assert words == ["-"] and "s3cret" not in " ".join(words)
+    result = subprocess.run(  # the dispatcher reads it from stdin (it fails later: no Slurm here)
+        [sys.executable, str(CALLS), "-"],
+        input=calls.encoded(request, calls.code_version()),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert result.returncode in (1, 2) and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert "not one fab sends" not in result.stderr  # read and understood; the work itself failed
