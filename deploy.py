@@ -229,7 +229,7 @@ def _with_scheduler_states(cluster: inventory.ClusterInfo, rows: list) -> list:
         setup = json.loads(state.stack_file(cluster.stack, state.BOOTSTRAP).read_text())
     except (OSError, ValueError):
         return rows
-    if not isinstance(setup, dict) or setup.get("scheduler") != "slurm":
+    if not isinstance(setup, dict) or setup.get("scheduler") != state.SLURM_HOLDS:
         return rows
     code = str(setup.get("code_dir", ""))
 

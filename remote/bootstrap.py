@@ -20,6 +20,7 @@ bootstrap stops there, showing the failing node's output.
 
 import base64
 import dataclasses
+import enum
 import hashlib
 import io
 import json
@@ -157,24 +158,32 @@ class ClusterStage:
 Stage = NodeStage | ClusterStage
 
 
+class Scheduler(str, enum.Enum):
+    """`fab bootstrap --scheduler`: who holds the runs."""
+
+    AUTO = "auto"
+    """Slurm where every node has it and one user, else fab's connections, saying why."""
+    SLURM = "slurm"
+    NONE = "none"
+
+
 class Bootstrap:
     """One `fab bootstrap` run over a cluster."""
 
     def __init__(self, cluster: ClusterInfo, force: bool, master_port: int, scheduler: str | None = None):
         self.cluster, self.force, self.master_port = cluster, force, master_port
         remembered = remembered_setup(cluster)
-        self.scheduler_choice = (
-            scheduler
-            or remembered.get("scheduler_choice")
-            or ("slurm" if remembered.get("scheduler") == "slurm" else "auto")
+        held_before = remembered.get("scheduler") == state.SLURM_HOLDS
+        self.scheduler_choice = Scheduler(
+            scheduler or remembered.get("scheduler_choice") or (Scheduler.SLURM if held_before else Scheduler.AUTO)
         )
         """auto (the default): Slurm where every node has it, else runs held by fab; slurm; none."""
-        self.scheduler = "" if self.scheduler_choice == "auto" else self.scheduler_choice
-        """What the scheduler stage settled on: slurm or none."""
+        self.slurm_holds = self.scheduler_choice is Scheduler.SLURM
+        """What the scheduler stage settled on: Slurm holds the runs, or fab's connections do."""
         self.scheduler_why = ""
         """Why `auto` settled on none (one line), for the launches to say."""
-        self.previous_scheduler = str(remembered.get("scheduler") or "")
-        """What held the runs after the last bootstrap: `slurm`, or '' (fab)."""
+        self.slurm_held_before = held_before
+        """Whether Slurm held the runs after the last bootstrap."""
         self.stack_dir = state.stack_dir(cluster.stack)
         self.manifest = local_manifest()
         self.records: list[NodeRecord] = []
@@ -382,26 +391,26 @@ class Bootstrap:
     def scheduler_stage(self) -> dict[str, Outcome]:
         """Slurm on every node (node/scheduler.py): slurmctld on the head node, slurmd everywhere, one munge
         key per cluster; with `--scheduler none`, whatever an earlier bootstrap started is stopped."""
-        users = self._users_differ() if self.scheduler_choice != "none" else ""
-        if users and (self.cluster.slurm_existing or self.scheduler_choice == "slurm"):
+        users = self._users_differ() if self.scheduler_choice is not Scheduler.NONE else ""
+        if users and (self.cluster.slurm_existing or self.scheduler_choice is Scheduler.SLURM):
             return {r.name: Outcome("failed", users) for r in self.records}
-        if self.cluster.slurm_existing and self.scheduler_choice != "none":
-            self.scheduler = "slurm"
+        if self.cluster.slurm_existing and self.scheduler_choice is not Scheduler.NONE:
+            self.slurm_holds = True
             return self._adopt_existing_slurm()
-        if self.scheduler_choice == "auto":
+        if self.scheduler_choice is Scheduler.AUTO:
             why, unasked = (users, {}) if users else self._slurm_missing()
             if unasked:  # a node that could not be asked decides nothing: Slurm is not turned off for it
                 return unasked
-            if why and self.previous_scheduler == "slurm":  # runs may be queued there: never stopped silently
+            if why and self.slurm_held_before:  # runs may be queued there: never stopped silently
                 why = (
                     f"{why}; Slurm held this cluster's runs at the last bootstrap: install it again, or "
                     "fab bootstrap --scheduler none to stop it and hold runs in fab's connections"
                 )
                 return {r.name: Outcome("failed", why) for r in self.records}
-            self.scheduler, self.scheduler_why = ("none" if why else "slurm"), why
+            self.slurm_holds, self.scheduler_why = not why, why
             if why:
                 say(f"bootstrap: runs stay in fab's connections, not in Slurm: {why}")
-        if self.scheduler != "slurm":
+        if not self.slurm_holds:
             if not any("scheduler" in r.stages for r in self.records):
                 return {r.name: Outcome("n/a", "none") for r in self.records}
 
@@ -753,8 +762,8 @@ class Bootstrap:
             "master_port": self.master_port,
             "python": {r.name: self.python_for(r) for r in self.records},
             "code_dir": node_paths.code_dir(self.cluster),
-            "scheduler": "slurm" if self.scheduler == "slurm" else "",
-            "scheduler_choice": self.scheduler_choice,
+            "scheduler": state.SLURM_HOLDS if self.slurm_holds else "",
+            "scheduler_choice": self.scheduler_choice.value,
             "scheduler_why": self.scheduler_why,
             "nodes": {r.name: {"probe": r.facts("probe"), "deps": r.facts("deps")} for r in self.records},
             "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

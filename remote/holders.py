@@ -245,7 +245,7 @@ def stop_all(cluster: ClusterInfo, holder: RunHolder) -> None:
         say(f"{node}: {outcome}")
 
 
-HOLDERS: dict[str, type] = {"slurm": SlurmHolder, "": FabHolder}
+HOLDERS: dict[str, type] = {state.SLURM_HOLDS: SlurmHolder, "": FabHolder}
 """The holder for each of bootstrap.json's `scheduler` values (`NodeSetup.scheduler`)."""
 
 
