@@ -92,10 +92,9 @@ class RunBook:
             if ledger.run(run.run_id) is None:
                 stack, nodes, hourly = self.cluster.stack, len(run.nodes), self.cluster.hourly_usd
                 ledger.run_started(run.run_id, stack, run.task, nodes, hourly, at=started, scheduled=scheduled)
-            if scheduled:
-                ledger.run_times(run.run_id, started, ended, run.exit_codes)
-            else:
-                ledger.run_ended(run.run_id, run.exit_codes, at=ended)
+            ledger.run_times(run.run_id, started, ended, run.exit_codes)  # the record's times, either holder's
+            if not scheduled:
+                ledger.run_ended(run.run_id, run.exit_codes, at=ended)  # and no longer abandoned
 
         self._safely(record)
         self.close()
