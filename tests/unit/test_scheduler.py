@@ -272,27 +272,8 @@ def test_a_job_ended_by_a_signal_has_the_shells_code_for_it():
 def test_a_nodes_output_goes_into_the_run_log_in_whole_lines_when_it_comes_in_pieces():
     """srun gathers every node's output into one log: an unbuffered print (its text, then its newline)
     must not let another node's line in between; a bar redrawn with \\r goes out at each \\r."""
-    read_fd, write_fd = os.pipe()
-    writes: list[bytes] = []
-
-    class Out:
-        def write(self, data: bytes) -> None:
-            writes.append(data)
-
-        def flush(self) -> None:
-            pass
-
-    def rank() -> None:
-        for piece, pause in ((b"rank 1 step 0", 0.05), (b"\n", 0.05), (b"10%\r", 0.05), (b"20%", 2.5), (b"\n", 0)):
-            os.write(write_fd, piece)
-            time.sleep(pause)
-        os.close(write_fd)
-
-    writer = threading.Thread(target=rank)
-    writer.start()
-    slurm_run.copy_whole_lines(read_fd, slurm_run.Prefixer(b"[node-1] ", own=b"[node-1"), Out(), hold_s=1.0)
-    writer.join()
-    os.close(read_fd)
+    pieces = [(b"rank 1 step 0", 0.05), (b"\n", 0.05), (b"10%\r", 0.05), (b"20%", 2.5), (b"\n", 0)]
+    writes = _copied(pieces, hold_s=1.0)
     # The bar's last state, held past hold_s, went out as a redraw; its line end redrew it whole.
     assert b"".join(writes) == b"[node-1] rank 1 step 0\n[node-1] 10%\r[node-1] 20%\r[node-1] 20%\n"
     assert any(w.endswith(b"[node-1] rank 1 step 0\n") for w in writes)  # its two pieces in one write
