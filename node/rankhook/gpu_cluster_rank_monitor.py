@@ -63,8 +63,9 @@ class RankMonitor:
 
     Each report asks the recorder only for its per-group counters (about 10 us). The whole buffer
     (about 0.5 ms per 1000 entries to dump, as much again to parse) is read only when a group
-    appears that has not been named yet, or when the rank has been inside the same collective for
-    a whole interval, to learn which collective that is: a healthy job pays it rarely."""
+    appears that has not been named yet, or when a report finds the rank inside a collective it has
+    not read yet, to learn which collective that is: at most once an interval, so a record never
+    names a collective without its op and sizes."""
 
     def __init__(self, folder: str, rank: int, main_thread: threading.Thread, interval_s: float = INTERVAL_S):
         self.folder, self.rank, self.main_thread, self.interval_s = folder, rank, main_thread, interval_s
@@ -75,12 +76,17 @@ class RankMonitor:
         """Group id -> (last completed collective, when this rank was first seen past it)."""
         self.details: dict[tuple, dict] = {}
         """(group id, sequence number) -> that collective as the recorder's buffer showed it."""
+        self.failure = ""
+        """Why the last report failed, said in the next one."""
 
     def run(self) -> None:
         while self.main_thread.is_alive():
             dist = _initialized_dist()
             if dist is not None:
-                self.report(dist)
+                try:
+                    self.report(dist)
+                except Exception as exc:  # one failed report (a full disk, a group torn down) must not end
+                    self.failure = f"{type(exc).__name__}: {exc}"  # the monitor: its last record would freeze
             # Until the group forms, look often: a rank can finish its first collectives quickly.
             time.sleep(self.interval_s if dist is not None else min(self.interval_s, 0.05))
 
@@ -121,7 +127,7 @@ class RankMonitor:
             counters = self.observe(recorder.counters(), time.time())
             if counters.pop("__full__", False):
                 self.learn(recorder.full())
-            error = ""
+            error, self.failure = self.failure, ""
         except Exception as exc:  # a recorder that cannot dump must never break the job
             counters, error = {}, f"{type(exc).__name__}: {exc}"
         _write_json(os.path.join(self.folder, contract.rank_progress(self.rank)), self.snapshot(dist, counters, error))
@@ -139,7 +145,7 @@ class RankMonitor:
             previous = self.inside.get(pg_id)
             if previous is None or previous[0] != completed:
                 self.inside[pg_id] = (completed, now)
-            elif (pg_id, completed + 1) not in self.details:
+            if (pg_id, completed + 1) not in self.details:
                 full = True
         return {**counters, "__full__": full}
 

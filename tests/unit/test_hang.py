@@ -202,3 +202,57 @@ def test_past_the_grace_a_member_that_left_the_collective_by_its_own_count_is_na
         "finished its script and is past it by its own count (entered #6) and inside no collective" in line
     ), line
     assert line.endswith("rank 1 was last seen in load_batch (train.py:14)"), line
+
+
+class FakeRecorder:
+    """torch's flight recorder as the monitor reads it: counters, and the buffer's entries."""
+
+    def __init__(self, enqueued, completed, entries=()):
+        self.state, self.entries, self.full_reads = (enqueued, completed), list(entries), 0
+
+    def counters(self):
+        return {"0": self.state}
+
+    def full(self):
+        self.full_reads += 1
+        return {"entries": self.entries}
+
+
+def test_the_first_record_inside_a_collective_names_it_and_a_failed_report_never_stops_the_monitor(
+    tmp_path, monkeypatch
+):
+    import json
+    import threading
+
+    from node.rankhook import gpu_cluster_rank_monitor as monitor_module
+
+    entry = {"pg_id": 0, "process_group": ["0", ""], "collective_seq_id": 4, "profiling_name": "gloo:all_reduce"}
+    entry |= {"input_sizes": [[1024]], "input_dtypes": ["Float"], "time_created_ns": 1, "retired": False}
+    recorder = FakeRecorder(4, 3, [entry])
+    monkeypatch.setattr(monitor_module, "_recorder", lambda: recorder)
+    monkeypatch.setattr(monitor_module, "group_ranks", lambda dist: {"0": [0, 1]})
+    monitor = monitor_module.RankMonitor(str(tmp_path), 0, threading.main_thread())
+    monitor.report(dist=None)
+    written = json.loads((tmp_path / "rank-0.json").read_text())
+    assert [(a["seq"], a["op"], a["sizes"]) for a in written["active"]] == [(4, "all_reduce", [[1024]])]
+    assert recorder.full_reads == 1
+
+    # A report that raises (here: the folder is gone) is said in the next one, and the loop goes on.
+    reports = []
+    fail_once = iter([OSError("No space left on device")])
+
+    def report(dist):
+        failure = next(fail_once, None)
+        if failure:
+            raise failure
+        reports.append(monitor.failure)
+        raise SystemExit  # end the loop after the second report
+
+    monkeypatch.setattr(monitor, "report", report)
+    monkeypatch.setattr(monitor_module, "_initialized_dist", lambda: object())
+    monitor.interval_s = 0
+    try:
+        monitor.run()
+    except SystemExit:
+        pass
+    assert reports == ["OSError: No space left on device"]
