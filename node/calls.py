@@ -196,6 +196,45 @@ class ApplyKit(Request):
 
 
 @dataclasses.dataclass(frozen=True)
+class NodeFacts:
+    facts: dict
+    """node/probe.py's facts: OS, CPUs, memory, Python, GPUs, home, the interface that reaches MASTER_ADDR."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeNode(Request):
+    """What a node is, for bootstrap's probe stage (run by the inventory's interpreter: no venv yet)."""
+
+    master_addr: str
+    HANDLER: typing.ClassVar[str] = "probe:probe_reply"
+    REPLY: typing.ClassVar[type] = NodeFacts
+
+
+@dataclasses.dataclass(frozen=True)
+class RequirementsEnv:
+    ok: bool
+    installed: bool = False
+    """pip ran (False: the environment was ready)."""
+    python: str = ""
+    error: str = ""
+    """pip's own summary of what went wrong, where it failed."""
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class InstallRequirements(Request):
+    """A run's `--requirements` environment (node/job_env.py), made where it is not ready; paths from home,
+    `cwd` the synced workdir (the file's relative paths are the project's) or empty."""
+
+    dest: str
+    requirements: str
+    log: str
+    cwd: str = ""
+    HANDLER: typing.ClassVar[str] = "job_env:ensure_reply"
+    REPLY: typing.ClassVar[type] = RequirementsEnv
+
+
+@dataclasses.dataclass(frozen=True)
 class Said:
     said: str
     """What was done, in a few words (for a log line)."""
@@ -348,29 +387,8 @@ class HangCollect(Request):
     REPLY: typing.ClassVar[type] = Evidence
 
 
-VERBS = {
-    cls.__name__: cls
-    for cls in (
-        WorkdirManifest,
-        ApplyBundle,
-        ListResults,
-        CleanRuns,
-        SubmitRun,
-        RunStates,
-        CancelRun,
-        ApplyKit,
-        CheckScheduler,
-        IdentifyNode,
-        AdoptSlurm,
-        StopScheduler,
-        AskScheduler,
-        MarkLost,
-        ForgetStaleJobs,
-        JoinCluster,
-        HangStatus,
-        HangCollect,
-    )
-}
+VERBS = {verb.__name__: verb for verb in Request.__subclasses__()}
+"""Every verb, by its name: each Request subclass above."""
 """Every verb, by its request's name."""
 
 

@@ -1,6 +1,6 @@
 """A job's own packages (`fab run --requirements FILE`): one venv per requirements file, made once.
 
-    NODE_PYTHON job_env.py DEST REQUIREMENTS LOG [CWD]          # prints one JSON object; exit 1 if pip failed
+    InstallRequirements (node/calls.py)                         # the launch asks, before any rank starts
     NODE_PYTHON job_env.py --job DEST REQUIREMENTS LOG [CWD]    # a job's own step: quiet where DEST is ready
 
 Run by the node venv's interpreter, it makes DEST a venv layered over that interpreter as bootstrap
@@ -18,7 +18,6 @@ one line, exit 1, where it failed). Standard library only.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import subprocess
 import sys
@@ -88,19 +87,26 @@ def ensure(dest: str, requirements: str, log: str, cwd: str) -> dict:
         return outcome
 
 
+def _paths(dest: str, requirements: str, log: str, cwd: str) -> tuple:
+    """Absolute paths (a relative one is from home); CWD where it is a folder, else home."""
+    dest, requirements, log = (os.path.abspath(os.path.expanduser(arg)) for arg in (dest, requirements, log))
+    cwd = os.path.expanduser(cwd) if cwd and os.path.isdir(os.path.expanduser(cwd)) else os.path.expanduser("~")
+    return dest, requirements, log, cwd
+
+
+def ensure_reply(dest: str, requirements: str, log: str, cwd: str = "") -> dict:
+    outcome = ensure(*_paths(dest, requirements, log, cwd))
+    return {key: outcome[key] for key in ("ok", "installed", "python", "error", "seconds") if key in outcome}
+
+
 def main(argv: list) -> int:
-    job = argv[:1] == ["--job"]
-    argv = argv[1:] if job else argv
-    if len(argv) not in (3, 4):
-        sys.exit("usage: NODE_PYTHON job_env.py [--job] DEST REQUIREMENTS LOG [CWD]")
-    dest, requirements, log = (os.path.abspath(os.path.expanduser(arg)) for arg in argv[:3])
-    cwd = os.path.expanduser(argv[3]) if len(argv) == 4 and os.path.isdir(os.path.expanduser(argv[3])) else None
-    if job and not ready(dest):
+    if argv[:1] != ["--job"] or len(argv) not in (4, 5):
+        sys.exit("usage: NODE_PYTHON job_env.py --job DEST REQUIREMENTS LOG [CWD]")
+    dest, requirements, log, cwd = _paths(*argv[1:4], argv[4] if len(argv) == 5 else "")
+    if not ready(dest):
         print(f"gpu-cluster: installing the run's requirements into {dest} (pip's output in {log})", flush=True)
-    outcome = ensure(dest, requirements, log, cwd or os.path.expanduser("~"))
-    if not job:
-        print(json.dumps(outcome))
-    elif not outcome["ok"]:
+    outcome = ensure(dest, requirements, log, cwd)
+    if not outcome["ok"]:
         print(f"error: the run's requirements could not be installed: {outcome['error']} (pip's log: {log})")
     elif outcome["installed"]:
         print(f"gpu-cluster: requirements installed in {outcome['seconds']} s", flush=True)

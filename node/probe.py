@@ -2,10 +2,11 @@
 
 Standard library only, and readable by old interpreters too (so a Python that is too old can still
 say which version it is). Self-contained (it is sent on stdin, and needs nothing of its siblings).
-Prints one JSON object. Two uses:
+Two uses:
 
-    python probe.py MASTER_ADDR                   # fab bootstrap's probe stage, from the synced code
-    python3 - --host OWN_ADDRESS HEAD_ADDRESS     # deploy.py up --hosts, sent on stdin: creates nothing
+    python3 - --host OWN_ADDRESS HEAD_ADDRESS     # deploy.py up --hosts, sent on stdin before any code is
+                                                  # on the host (creates nothing): prints one JSON object
+    ProbeNode (node/calls.py)                     # fab bootstrap's probe stage, from the synced code
 """
 
 from __future__ import annotations
@@ -155,14 +156,14 @@ def host_facts(own_address: str, head_address: str) -> dict:
     }
 
 
+def probe_reply(master_addr: str) -> dict:
+    return {"facts": node_facts(master_addr)}
+
+
 def main(argv: list) -> None:
-    if argv[:1] == ["--host"] and len(argv) == 3:
-        facts = host_facts(argv[1], argv[2])
-    elif len(argv) == 1:
-        facts = node_facts(argv[0])
-    else:
-        sys.exit("usage: probe.py MASTER_ADDR | probe.py --host OWN_ADDRESS HEAD_ADDRESS")
-    print(json.dumps(facts))
+    if argv[:1] != ["--host"] or len(argv) != 3:
+        sys.exit("usage: python3 - --host OWN_ADDRESS HEAD_ADDRESS (the probe stage asks with node/calls.py)")
+    print(json.dumps(host_facts(argv[1], argv[2])))
 
 
 if __name__ == "__main__":

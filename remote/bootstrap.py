@@ -334,10 +334,10 @@ class Bootstrap:
         wanted = digest(self.manifest.get("node/probe.py"), self.cluster.head.private_ip, python)
         if self._up_to_date(record, "probe", wanted):
             return Outcome("up to date", _hardware(record.facts("probe")))
-        result = record.session.run(node_paths.node_module(self.cluster, python, "probe", self.cluster.head.private_ip))
-        if result.exited != 0:
-            raise StageFailed(f"the probe failed (is {python} there?)", result.stdout + result.stderr)
-        facts = protocol.parse_last_json(result.stdout)
+        try:
+            facts = nodecall.call(record.session, python, calls.ProbeNode(self.cluster.head.private_ip)).facts
+        except (UsageError, OperationError) as exc:
+            raise StageFailed(f"the probe failed (is {python} there?)", str(exc)) from None
         if not facts.get("interface"):
             raise StageFailed(f"no route from this node to MASTER_ADDR {self.cluster.head.private_ip}")
         self._record(record, "probe", wanted, facts)

@@ -7,16 +7,17 @@ the others install at once, in parallel, before any rank starts. A failed instal
 (exit 2) naming the node, pip's error line and its log.
 """
 
+import dataclasses
 import hashlib
 import io
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.errors import UsageError
+from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
-from node import contract
-from remote import node_paths, protocol
+from node import calls, contract
+from remote import nodecall, protocol
 from remote.connect import NodeSession, describe, on_all_nodes
 from remote.stream import say
 
@@ -93,25 +94,18 @@ def ensure(
 def _install(
     cluster: ClusterInfo, session: NodeSession, python: str, requirements: Requirements, workdir_key: str | None
 ) -> dict:
-    """Send the file, then run job_env.py in the synced workdir, so the file's relative paths are the project's."""
+    """Send the file, then have the node make the environment in the synced workdir, so the file's relative
+    paths are the project's."""
     session.run(f"mkdir -p {contract.shell(contract.ENVS)}", warn=False)
     session.conn.put(io.BytesIO(requirements.text), remote=f"{requirements.env_dir}.txt")
-    where = [f"{contract.workdir_cache(workdir_key)}/{contract.WORKDIR_FILES}"] if workdir_key else []
-    command = node_paths.node_module(
-        cluster,
-        python,
-        "job_env",
-        requirements.env_dir,
-        f"{requirements.env_dir}.txt",
-        f"{requirements.env_dir}.log",
-        *where,
+    where = f"{contract.workdir_cache(workdir_key)}/{contract.WORKDIR_FILES}" if workdir_key else ""
+    request = calls.InstallRequirements(
+        requirements.env_dir, f"{requirements.env_dir}.txt", f"{requirements.env_dir}.log", where
     )
-    result = session.run(f"cd && {command}", timeout=INSTALL_TIMEOUT_S)
     try:
-        return protocol.parse_last_json(result.stdout)
-    except ValueError:
-        lines = (result.stderr.strip() or result.stdout.strip() or f"exit {result.exited}").splitlines()
-        return {"ok": False, "error": lines[-1]}
+        return dataclasses.asdict(nodecall.call(session, python, request, timeout=INSTALL_TIMEOUT_S))
+    except (UsageError, OperationError) as exc:
+        return {"ok": False, "error": str(exc).removeprefix(f"{session.node.name}: ")}
 
 
 def include_problem(text: bytes, path: str) -> str | None:

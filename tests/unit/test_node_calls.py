@@ -78,3 +78,17 @@ def test_a_request_with_a_secret_goes_on_stdin_never_on_the_command_line(tmp_pat
     )
     assert result.returncode in (1, 2) and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
     assert "not one fab sends" not in result.stderr  # read and understood; the work itself failed
+
+
+def test_every_verb_names_a_node_function_that_takes_its_fields_and_the_probe_answers_through_it(tmp_path):
+    import dataclasses
+    import importlib
+    import inspect
+
+    verbs = [v for v in vars(calls).values() if isinstance(v, type) and issubclass(v, calls.Request)]
+    for verb in (v for v in verbs if v is not calls.Request):
+        module, function = verb.HANDLER.split(":")
+        handler = getattr(importlib.import_module(f"node.{module}"), function)
+        inspect.signature(handler).bind(**{f.name: None for f in dataclasses.fields(verb)})  # raises if they differ
+    reply, _ = ask(calls.ProbeNode("127.0.0.1"), tmp_path)
+    assert reply.facts["interface"] == "lo" and reply.facts["home"]
