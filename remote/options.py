@@ -217,6 +217,19 @@ def _regular_file_text(path: Path, max_bytes: int) -> bytes:
     return data
 
 
+NODE_NAME = re.compile(r"node-(0|[1-9][0-9]*)")
+
+
+def node_name(flag: str, value: str | None) -> str | None:
+    """A node as `node-1` or `1` (its rank), as `node-1`; None when the flag was not given."""
+    if value is None:
+        return None
+    name = f"node-{value}" if WHOLE_NUMBER.fullmatch(str(value)) and not str(value).startswith("-") else str(value)
+    if not NODE_NAME.fullmatch(name):
+        raise refuse(f"{flag} must name a node as node-1 or 1, not {value!r}")
+    return name
+
+
 def megabytes(flag: str, value: str | None, default: int) -> int:
     """A size limit in MB (1 MB = 1,000,000 bytes), as bytes."""
     return integer(flag, value, default, minimum=1) * 1_000_000
