@@ -12,12 +12,8 @@
                                                                     # this host's node in a Slurm it already runs
     python node/scheduler.py adopt --conf-json FILE                 # runs go to that Slurm (contract.SLURM_EXISTING)
 
-`start` takes the cluster's description (node/slurm_conf.py: the same JSON on every node, built from the
-inventory), writes slurm.conf (and gres.conf where a node has GPUs) under `~/.gpu-cluster/slurm/` and
-starts what this node runs (node/slurm_daemons.py), then puts the node back in service where
-gpu-cluster's own reasons took it out and it is whole again (node/slurm_nodes.py). Where the hosts
-already run a Slurm of their own, `identify` and `adopt` send the runs to it and `stop` cancels this
-stack's jobs there (node/slurm_existing.py). This file is the CLI and the node calls' replies.
+The CLI and the node calls' replies; the work is done in node/slurm_conf.py (the description and its
+files), slurm_daemons.py, slurm_nodes.py (Slurm's node states) and slurm_existing.py (a host's own Slurm).
 
 Standard library only; run as a file, it imports its siblings from the code folder.
 """
@@ -90,7 +86,8 @@ def state_reply(node: str | None) -> dict:
     daemons = (
         {} if adopted else {name: slurm_daemons.running_daemon(paths, name) for name in contract.SCHEDULER_DAEMONS}
     )
-    nodes = slurm_nodes.node_states(paths) if adopted or (configured and daemons["munged"]) else None
+    reasons = slurm_nodes.node_reasons(paths) if adopted or (configured and daemons["munged"]) else {}
+    nodes = {name: node_state for name, (node_state, _) in reasons.items()} or None
     return {
         "node": node,
         "configured": configured,

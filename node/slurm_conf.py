@@ -8,10 +8,9 @@ The description is the same JSON on every node, head node first:
      "nodes": [{"name": "node-0", "address": "10.0.0.5", "cpus": 8, "memory_mb": 30000, "gpus": 1}, ...],
      "state_save": "/shared/.gpu-cluster/slurm-state"}
 
-Bootstrap's scheduler stage builds it from the inventory (remote/bootstrap.py `_scheduler_description`),
-which alone defines the nodes: their order, names, addresses and GPUs are the inventory's; what it adds is
-what Slurm needs besides (each node's CPUs and memory, as bootstrap's probe measured them there; the
-stack's name; ports above MASTER_PORT; the stack's munge key; the queue's place on the shared folder).
+Bootstrap builds it (remote/bootstrap.py `_scheduler_description`) from the inventory, whose nodes it is
+(order, names, addresses, GPUs), and what Slurm needs besides: each node's CPUs and memory (bootstrap's
+probe), the stack's name and munge key, ports above MASTER_PORT, the queue's place on the shared folder.
 
 Every socket listens on one address, never the wildcard: `CommunicationParameters=NoCtldInAddrAny,
 NoInAddrAny` makes each daemon (and srun, and the steps) bind the address the host's name resolves to.
@@ -20,9 +19,7 @@ loopback (one machine) it is that loopback address the nodes are reached at. A n
 own name instead (AWS spot workers come back at a new address): Slurm then looks every name up at each
 connection (`NoAddrCache`), and each node's /etc/hosts maps the names (cloud-init keeps it from the
 shared folder). Jobs run as the submitting user, on every node: this node's user runs the daemons
-(SlurmUser, SlurmdUser), root or not.
-
-Standard library only.
+(SlurmUser, SlurmdUser), root or not. Standard library only.
 """
 
 import base64

@@ -1,13 +1,8 @@
-"""This node's part of the cluster's Slurm: munged, slurmctld on the head node, slurmd (and the spot
-watch) on every node, started from the description's files (node/slurm_conf.py) and stopped with
-everything they left.
-
-Each daemon runs in a session of its own, registered in `~/.gpu-cluster/pids/` as the watchdog is, so
-that power-off (local) and `down` end them. Daemons running with an unchanged configuration are left
-alone; a changed one restarts them. Node i's slurmd listens on the `slurmd` port + i, so nodes that share
-one machine do not meet.
-
-Standard library only.
+"""This node's daemons of the cluster's Slurm: munged, slurmctld on the head node, slurmd (and the spot
+watch) on every node, each in a session of its own, registered in `~/.gpu-cluster/pids/` as the watchdog
+is, so that power-off (local) and `down` end them. Daemons running with an unchanged configuration
+(node/slurm_conf.py's files) are left alone; a changed one restarts them. Node i's slurmd listens on the
+`slurmd` port + i, so nodes that share one machine do not meet. Standard library only.
 """
 
 import os
@@ -19,18 +14,8 @@ import subprocess
 import sys
 import time
 
-from node import contract, procfs
-from node.slurm_conf import (
-    Cluster,
-    DaemonError,
-    Node,
-    Paths,
-    UsageError,
-    check_binding,
-    configuration,
-    daemon_address,
-    digest_of,
-)
+from node import contract, procfs, slurm_conf
+from node.slurm_conf import Cluster, DaemonError, Node, Paths, UsageError
 
 READY_TIMEOUT_S = 30.0
 STOP_GRACE_S = 5.0
@@ -232,11 +217,11 @@ def start(cluster: Cluster, node_name: str, home: str) -> dict:
     names = daemons_of(cluster, node)
     argvs = {name: daemon_argv(name, cluster, node, paths) for name in names}  # every program there
     program("sinfo")
-    bound = daemon_address()
-    check_binding(cluster, node, bound)
+    bound = slurm_conf.daemon_address()
+    slurm_conf.check_binding(cluster, node, bound)
     user = pwd.getpwuid(os.getuid()).pw_name
-    files = configuration(cluster, node, paths, bound, user)
-    digest = digest_of(files)
+    files = slurm_conf.configuration(cluster, node, paths, bound, user)
+    digest = slurm_conf.digest_of(files)
     running = {name: running_daemon(paths, name) for name in names}
     if read_text(paths.digest) == digest and all(running.values()):
         return {"node": node.name, "action": "unchanged", "daemons": running}

@@ -1,7 +1,6 @@
 """Which Slurm holds the runs, ours or the one the hosts already run (`slurm: existing` in the hosts
 file), and how Slurm's clients reach it; for the hosts' own: the node a host is there (`identify`), the
 record that sends runs to it (`adopt`, contract.SLURM_EXISTING), and this stack's jobs cancelled in it.
-
 Standard library only.
 """
 

@@ -1,8 +1,6 @@
 """The nodes as Slurm's controller sees them: their states, and gpu-cluster's two reasons for taking one
 out of service (a spot notice's drain, contract.SPOT_DRAIN_REASON; a node found gone, set DOWN,
-contract.NODE_LOST_REASON), set and lifted here.
-
-Standard library only.
+contract.NODE_LOST_REASON), set and lifted here. Standard library only.
 """
 
 import re
@@ -13,11 +11,6 @@ from node import contract
 from node.slurm_conf import DaemonError, Paths, UsageError
 from node.slurm_daemons import READY_TIMEOUT_S
 from node.slurm_existing import client, client_environment
-
-
-def node_states(paths: Paths) -> dict | None:
-    """{node: Slurm's state} as sinfo reports it, or None where the controller does not answer."""
-    return {name: node_state for name, (node_state, _) in node_reasons(paths).items()} or None
 
 
 def scontrol(paths: Paths, *args: str) -> subprocess.CompletedProcess:
@@ -45,18 +38,17 @@ def lost_or_noticed(reason: str) -> bool:
 
 def mark_lost(paths: Paths, node_name: str, why: str) -> str:
     """Tell Slurm a node is gone (DOWN: its run is requeued, JobRequeue=1); Slurm's answer."""
-    result = scontrol(
-        paths, "update", f"NodeName={node_name}", "State=DOWN", f"Reason={contract.NODE_LOST_REASON}: {why}"
-    )
-    return "down" if result.returncode == 0 else (result.stderr.strip() or f"scontrol exited {result.returncode}")
+    return _take_out(paths, node_name, "DOWN", f"{contract.NODE_LOST_REASON}: {why}", "down")
 
 
 def drain_for_notice(paths: Paths, node_name: str, notice: str) -> str:
     """Drain this node (no new run starts on it; the running one goes on until it ends); Slurm's answer."""
-    result = scontrol(
-        paths, "update", f"NodeName={node_name}", "State=DRAIN", f"Reason={contract.SPOT_DRAIN_REASON}: {notice}"
-    )
-    return "drained" if result.returncode == 0 else (result.stderr.strip() or f"scontrol exited {result.returncode}")
+    return _take_out(paths, node_name, "DRAIN", f"{contract.SPOT_DRAIN_REASON}: {notice}", "drained")
+
+
+def _take_out(paths: Paths, node_name: str, state: str, reason: str, done: str) -> str:
+    result = scontrol(paths, "update", f"NodeName={node_name}", f"State={state}", f"Reason={reason}")
+    return done if result.returncode == 0 else (result.stderr.strip() or f"scontrol exited {result.returncode}")
 
 
 def resume_if_ours(paths: Paths, node_name: str, fresh: bool, wait_s: float = READY_TIMEOUT_S) -> bool:
