@@ -264,7 +264,7 @@ class IdentifyNode(Request):
     conf: str
     name: str
     addresses: list
-    HANDLER: typing.ClassVar[str] = "scheduler:identify"
+    HANDLER: typing.ClassVar[str] = "slurm_existing:identify"
     REPLY: typing.ClassVar[type] = Identified
 
 

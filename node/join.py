@@ -30,7 +30,8 @@ import time
 if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
 
-from node import calls, contract, kit, scheduler  # noqa: E402
+from node import calls, contract, kit, slurm_nodes  # noqa: E402
+from node.slurm_conf import Paths  # noqa: E402
 
 
 class JoinError(Exception):
@@ -59,7 +60,7 @@ def read_kit(shared: str) -> dict:
 
 
 def well_formed(kit) -> bool:
-    """The kit's shape, as bootstrap writes it (scheduler.py checks the description's own fields)."""
+    """The kit's shape, as bootstrap writes it (node/slurm_conf.py checks the description's own fields)."""
     if not isinstance(kit, dict) or not {"python", "requirements", "env", "scheduler"} <= set(kit):
         return False
     env, nodes = kit["env"], kit["scheduler"].get("nodes") if isinstance(kit["scheduler"], dict) else None
@@ -97,7 +98,7 @@ def join(cluster_kit: dict, node: str, home: str, code: str, address: str | None
     # Started is not back in service: where the head node was being replaced at the same time, the controller
     # could not resume this node yet. Asked again here, and a failure fails the join (it is tried again).
     try:
-        in_slurm = scheduler.rejoined(scheduler.Paths(home), node)
+        in_slurm = slurm_nodes.rejoined(Paths(home), node)
     except (calls.BadInput, calls.Failed) as exc:
         raise JoinError(f"the scheduler's controller: {exc}") from None
     venv = done["deps"]

@@ -17,7 +17,7 @@ import os
 import subprocess
 import typing
 
-from node import calls, contract, scheduler
+from node import calls, contract, scheduler, slurm_conf
 
 PARTS = ("deps", "env", "scheduler")
 STEP_TIMEOUT_S = 1800
@@ -36,7 +36,7 @@ class NodeKit:
     env: str = ""
     """The node's environment file (`~/.gpu-cluster/env`)."""
     scheduler: dict | None = None
-    """node/scheduler.py's cluster description (nodes, ports, munge key); None: no Slurm of ours."""
+    """The scheduler's cluster description (node/slurm_conf.py: nodes, ports, munge key); None: no Slurm of ours."""
 
 
 def for_node(cluster_kit: dict, node: str) -> NodeKit:
@@ -89,7 +89,7 @@ def slurm(kit: NodeKit, home: str) -> dict:
     """Slurm's daemons for this node, from the kit's description (running ones of the same one stay)."""
     if kit.scheduler is None:
         raise calls.BadInput("the kit has no scheduler description")
-    return scheduler.start(scheduler.parse_cluster(kit.scheduler), kit.node, home)
+    return scheduler.start(slurm_conf.parse_cluster(kit.scheduler), kit.node, home)
 
 
 def apply(kit: NodeKit, home: str, code: str, parts: typing.Sequence[str] = PARTS) -> dict:

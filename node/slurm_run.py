@@ -41,7 +41,9 @@ from concurrent.futures import ThreadPoolExecutor
 if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
 
-from node import contract, scheduler  # noqa: E402
+from node import contract, slurm_existing, slurm_nodes  # noqa: E402
+from node.slurm_conf import DaemonError, Paths, UsageError  # noqa: E402
+from node.slurm_daemons import program, write_private  # noqa: E402
 
 TERMINATE_GRACE_S = 5.0
 FOLLOW_POLL_S = 0.1
@@ -128,19 +130,17 @@ def supervise(spec: dict) -> int:
     """In the batch job, on the head node: the run's step; the hang watch beside it where asked
     (`spec["watch"]`), so a hung run is found and stopped while no fab is connected (a verdict goes into
     the run's log and `hang.json`); and when the step has ended, the requeue of a run a spot notice ended."""
-    here, srun = os.path.abspath(__file__), scheduler.program("srun")
+    here, srun = os.path.abspath(__file__), program("srun")
     first_start = os.path.join(os.path.dirname(spec["log"]), contract.FIRST_START_RECORD)
     if not os.path.exists(first_start):
-        scheduler.write_private(first_start, json.dumps({"at": time.time()}).encode(), 0o600)
+        write_private(first_start, json.dumps({"at": time.time()}).encode(), 0o600)
     main = subprocess.Popen(step_argv(spec, srun, here, "--kill-on-bad-exit=1"))
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR1):
         signal.signal(signum, lambda number, frame: main.send_signal(number))
     code = _watch(spec, main, srun, here) if spec.get("watch") else _status(main.wait())
     code = requeue_if_preempted(spec, code)  # requeued: Slurm ends this script before it goes on
     record = {"exit_code": code, "at": time.time(), "restarts": int(os.environ.get("SLURM_RESTART_COUNT") or 0)}
-    scheduler.write_private(
-        os.path.join(os.path.dirname(spec["log"]), contract.END_RECORD), json.dumps(record).encode(), 0o600
-    )
+    write_private(os.path.join(os.path.dirname(spec["log"]), contract.END_RECORD), json.dumps(record).encode(), 0o600)
     return code
 
 
@@ -149,28 +149,28 @@ def requeue_if_preempted(spec: dict, code: int) -> int:
     goes back to the queue (its ranks were told to save and exit, or lost a peer) and starts again, with
     the same run id and folders, once every node is in service: `preempted.json` in the run's folder
     says why; else the step's exit status."""
-    paths = scheduler.Paths(spec["nodes"][0]["home"])  # the batch job's HOME is the user's, not the node's
-    reasons = scheduler.node_reasons(paths)
+    paths = Paths(spec["nodes"][0]["home"])  # the batch job's HOME is the user's, not the node's
+    reasons = slurm_nodes.node_reasons(paths)
     noticed = [
         (n["name"], reasons[n["name"]][1])
         for n in spec["nodes"]
-        if scheduler.lost_or_noticed(reasons.get(n["name"], ("", ""))[1])
+        if slurm_nodes.lost_or_noticed(reasons.get(n["name"], ("", ""))[1])
     ]
     job = os.environ.get("SLURM_JOB_ID", "")
     if not noticed or not job:
         return code
     restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0) + 1
     record = {"nodes": [n for n, _ in noticed], "reason": noticed[0][1], "at": time.time(), "restart": restart}
-    scheduler.write_private(
+    write_private(
         os.path.join(os.path.dirname(spec["log"]), contract.PREEMPTED_RECORD), json.dumps(record).encode(), 0o600
     )
     names = ", ".join(n for n, _ in noticed)
     print(f"[cluster] {names}: {noticed[0][1]}: the run (exit {code}) is requeued (restart {restart})", flush=True)
-    result = scheduler.scontrol(paths, "requeue", job)
+    result = slurm_nodes.scontrol(paths, "requeue", job)
     if result.returncode != 0:
         print(f"[cluster] could not requeue: {result.stderr.strip()}", flush=True)
         return code
-    time.sleep(scheduler.CLIENT_TIMEOUT_S)  # Slurm ends this script as it requeues the job
+    time.sleep(slurm_existing.CLIENT_TIMEOUT_S)  # Slurm ends this script as it requeues the job
     return code
 
 
@@ -198,7 +198,7 @@ def _watch(spec: dict, main: subprocess.Popen, srun: str, here: str) -> int:
         line = hang_rule.verdict(spec["run_id"], found, evidence)
         record = {"verdict": line, "stalled_at": hang_rule.stalled_since(found), "detected_at": time.time()}
         record["collected"] = collected  # each node's recorder dumps and stacks: fab keeps them in the run's hang/
-        scheduler.write_private(
+        write_private(
             os.path.join(os.path.dirname(spec["log"]), contract.HANG_RECORD), json.dumps(record).encode(), 0o600
         )
         print(f"[watch] {line}", flush=True)
@@ -271,36 +271,36 @@ def sbatch_argv(spec: dict, sbatch: str, script: str, adopted: dict | None = Non
     ]
 
 
-def batch_environment(paths: scheduler.Paths) -> dict:
+def batch_environment(paths: Paths) -> dict:
     """The batch job's environment: the submitting session's (what a launch held by fab's connections runs
     with), less that session's own SSH_* and any other job's or option's SLURM_*, SBATCH_*, SRUN_* and
     SALLOC_*, plus what Slurm's clients need (`step` sets each node's HOME and PATH itself)."""
     own = ("SSH_", "SLURM_", "SBATCH_", "SRUN_", "SALLOC_")
     kept = {name: value for name, value in os.environ.items() if not name.startswith(own)}
-    return {**kept, **scheduler.client_environment(paths)}
+    return {**kept, **slurm_existing.client_environment(paths)}
 
 
 def submit(spec: dict) -> str:
     """sbatch the run; its job id."""
     folder = os.path.dirname(spec["log"])
     os.makedirs(folder, exist_ok=True)
-    paths = scheduler.Paths(os.path.expanduser("~"))
+    paths = Paths(os.path.expanduser("~"))
     spec = {
         **spec,
-        "nodes": [{**node, "slurm_name": scheduler.slurm_name(paths, node["name"])} for node in spec["nodes"]],
+        "nodes": [{**node, "slurm_name": slurm_existing.slurm_name(paths, node["name"])} for node in spec["nodes"]],
     }
     script = os.path.join(folder, f"{spec['run_id']}.sbatch")
     with open(script, "w") as f:
-        f.write(batch_script(spec, scheduler.program("srun"), os.path.abspath(__file__)))
+        f.write(batch_script(spec, program("srun"), os.path.abspath(__file__)))
     os.chmod(script, 0o700)
     result = subprocess.run(
-        sbatch_argv(spec, scheduler.program("sbatch"), script, scheduler.existing(paths)),
+        sbatch_argv(spec, program("sbatch"), script, slurm_existing.existing(paths)),
         env=batch_environment(paths),
         capture_output=True,
         text=True,
     )
     if result.returncode != 0:
-        raise scheduler.DaemonError(f"sbatch failed: {result.stderr.strip()}")
+        raise DaemonError(f"sbatch failed: {result.stderr.strip()}")
     return result.stdout.strip().split(";")[0]
 
 
@@ -385,14 +385,7 @@ def step(spec: dict) -> int:
 
 
 def _client(argv: list) -> subprocess.CompletedProcess:
-    environment = {**os.environ, **scheduler.client_environment(scheduler.Paths(os.path.expanduser("~")))}
-    return subprocess.run(
-        [scheduler.program(argv[0]), *argv[1:]],
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=scheduler.CLIENT_TIMEOUT_S,
-    )
+    return slurm_existing.client(slurm_existing.client_environment(Paths(os.path.expanduser("~"))), *argv)
 
 
 def _epoch(value: str):
@@ -433,7 +426,7 @@ def job_state(job_id: str, log: str = "") -> dict | None:
     result = _client(["scontrol", "show", "job", "--oneliner", job_id])
     if result.returncode == 0 and "JobState=" in result.stdout:
         return job_fields(result.stdout)
-    if scheduler.existing(scheduler.Paths(os.path.expanduser("~"))) is not None:
+    if slurm_existing.existing(Paths(os.path.expanduser("~"))) is not None:
         return accounted_state(job_id) or ended_state(log)
     completions = os.path.join(os.path.expanduser("~"), contract.JOB_COMPLETIONS)
     try:
@@ -487,7 +480,7 @@ def accounted_state(job_id: str) -> dict | None:
                 "--format=State,ExitCode,Submit,Start,End",
             ]
         )
-    except (OSError, subprocess.TimeoutExpired, scheduler.UsageError):
+    except (OSError, subprocess.TimeoutExpired, UsageError):
         return None
     rows = [line.split("|") for line in result.stdout.splitlines() if line.count("|") == 4]
     if result.returncode != 0 or not rows:
@@ -513,8 +506,8 @@ def shown_state(job_id: str, log: str = "") -> dict | None:
         return found
     out = [
         f"{node}: {reason}"
-        for node, (_, reason) in sorted(scheduler.node_reasons(scheduler.Paths(os.path.expanduser("~"))).items())
-        if scheduler.lost_or_noticed(reason)
+        for node, (_, reason) in sorted(slurm_nodes.node_reasons(Paths(os.path.expanduser("~"))).items())
+        if slurm_nodes.lost_or_noticed(reason)
     ]
     found = {**found, "waiting_for": "; ".join(out) or None}
     if not found["requeues"] or not found.get("log"):
@@ -572,7 +565,7 @@ def cancel(job_id: str) -> dict:
     if before is not None and before["state"] not in FINAL_STATES:
         result = _client(["scancel", job_id])
         if result.returncode != 0:
-            raise scheduler.DaemonError(f"scancel failed: {result.stderr.strip()}")
+            raise DaemonError(f"scancel failed: {result.stderr.strip()}")
     return {"before": before}
 
 
@@ -608,7 +601,7 @@ def main(argv: list | None = None) -> int:
     except (OSError, ValueError, KeyError) as exc:
         print(f"error: {args.action}: {exc}", file=sys.stderr)
         return 2
-    except (scheduler.UsageError, scheduler.DaemonError) as exc:
+    except (UsageError, DaemonError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -11,7 +11,7 @@ with `SPOT_EVENT` (`interruption` or `rebalance`), `SPOT_ACTION` and `SPOT_TIME`
 With `--signal-ranks`, an interruption notice also sends SIGUSR1 (Slurm's and PyTorch Lightning's
 "save and requeue") to every rank of every run on this node: the torchrun workers, found in /proc by
 their CLUSTER_RUN_ID and RANK (and CLUSTER_NODE, where several nodes share one machine). `--preempt`
-(how the scheduler stage runs it on every node, node/scheduler.py) first drains this node in Slurm, its
+(how the scheduler stage runs it on every node, node/slurm_daemons.py) first drains this node in Slurm, its
 reason starting with `contract.SPOT_DRAIN_REASON`, then signals the ranks: the ranks save and exit, and
 the run's batch job (node/slurm_run.py) sees the drain and requeues the run. Where no service answers
 (not on EC2) it says so once and keeps looking. Standard library only.
@@ -32,7 +32,8 @@ from dataclasses import dataclass
 if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
 
-from node import contract, procfs, scheduler  # noqa: E402
+from node import contract, procfs, slurm_nodes  # noqa: E402
+from node.slurm_conf import Paths, UsageError  # noqa: E402
 
 DEFAULT_INTERVAL_S = 5.0
 DEFAULT_TOKEN_TTL_S = 21600
@@ -202,10 +203,10 @@ class SpotWatch:
     def drain(self, notice: Notice) -> None:
         """No new run on this node; the running one is requeued when it ends (node/slurm_run.py)."""
         try:
-            answer = scheduler.drain_for_notice(
-                scheduler.Paths(os.path.expanduser("~")), self.node, f"{notice.action} at {notice.time}"
+            answer = slurm_nodes.drain_for_notice(
+                Paths(os.path.expanduser("~")), self.node, f"{notice.action} at {notice.time}"
             )
-        except (OSError, subprocess.SubprocessError, scheduler.UsageError) as exc:
+        except (OSError, subprocess.SubprocessError, UsageError) as exc:
             answer = str(exc)
         self.out(f"spot-watch {self.node}: Slurm: {answer}")
 

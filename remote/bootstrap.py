@@ -46,6 +46,14 @@ from remote.stream import console, say
 REPO = Path(__file__).resolve().parent.parent
 SCHEDULER_PORTS = 60
 """Slurm's ports, just above MASTER_PORT: slurmctld, one slurmd per node, srun's range."""
+SCHEDULER_CODE = (
+    "node/scheduler.py",
+    "node/slurm_conf.py",
+    "node/slurm_daemons.py",
+    "node/slurm_nodes.py",
+    "node/slurm_existing.py",
+)
+"""The code the scheduler stage runs on a node (`scheduler.py start`, `adopt`): part of the stage's digest."""
 SYNCED = contract.SYNCED
 # The watchdog's code: a change to any of it restarts the watchdog.
 WATCHDOG_CODE = ("harness/watchdog.py", "node/contract.py", "node/procfs.py", "node/billing.py")
@@ -431,7 +439,7 @@ class Bootstrap:
         # Always asked: `start` leaves running daemons of an unchanged configuration alone (about 0.4 s), and
         # starts what is not running (a node restarted since), which no recorded digest can know.
         description = self._scheduler_description()
-        wanted = digest(description, self.manifest.get("node/scheduler.py"))
+        wanted = digest(description, [self.manifest.get(path) for path in SCHEDULER_CODE])
 
         def start(record: NodeRecord) -> Outcome:
             recipe = kit.NodeKit(record.name, self.cluster.python, scheduler=description)
@@ -504,7 +512,7 @@ class Bootstrap:
                 return {r.name: Outcome("failed", why) for r in self.records}
             taken[slurm_name] = node_name
         text = json.dumps({**existing, "names": names})
-        wanted = digest(text, self.manifest.get("node/scheduler.py"))
+        wanted = digest(text, [self.manifest.get(path) for path in SCHEDULER_CODE])
 
         def adopt(record: NodeRecord) -> Outcome:
             where = f"existing Slurm: {names[record.name]}" + (f" ({partition})" if partition else "")
@@ -577,7 +585,8 @@ class Bootstrap:
         head.run(f"mv {quoted}.tmp {quoted}", warn=False)
 
     def _scheduler_description(self) -> dict:
-        """node/scheduler.py's cluster description: the nodes, the ports (next to MASTER_PORT), the key."""
+        """The scheduler's cluster description (node/slurm_conf.py): the nodes, the ports (above MASTER_PORT), the
+        key."""
         first = self.master_port + 1
         if first + SCHEDULER_PORTS > 65535:
             raise UsageError(

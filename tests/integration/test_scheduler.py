@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from node import calls, procfs
-from node.scheduler import Paths
+from node.slurm_conf import Paths
 from tests.support import REPO, network, slurm
 
 CALLS = REPO / "node" / "calls.py"

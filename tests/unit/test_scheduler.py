@@ -1,4 +1,5 @@
-"""node/scheduler.py's pure parts: the description's checks, slurm.conf and gres.conf, the socket folder."""
+"""The scheduler's pure parts (node/scheduler.py and node/slurm_*.py): the description's checks, slurm.conf and
+gres.conf, the socket folder, the programs a node needs, a Slurm the hosts already run, a run's step."""
 
 import base64
 import json
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from node import scheduler, slurm_run
+from node import scheduler, slurm_conf, slurm_daemons, slurm_existing, slurm_run
 
 KEY = base64.b64encode(b"k" * 1024).decode()
 
@@ -29,12 +30,12 @@ def description(*addresses: str, gpus=(0, 0), **changes) -> dict:
 
 
 def conf_lines(cluster, node_index=0, home="/home/u", bound="127.0.0.1") -> list:
-    text = scheduler.slurm_conf(cluster, cluster.nodes[node_index], scheduler.Paths(home), bound, "u")
+    text = slurm_conf.slurm_conf(cluster, cluster.nodes[node_index], slurm_conf.Paths(home), bound, "u")
     return text.splitlines()
 
 
 def test_one_machine_nodes_are_reached_where_the_daemons_bind_each_on_its_own_port():
-    cluster = scheduler.parse_cluster(description("127.0.0.10", "127.0.0.11"))
+    cluster = slurm_conf.parse_cluster(description("127.0.0.10", "127.0.0.11"))
 
     lines = conf_lines(cluster)
 
@@ -48,7 +49,7 @@ def test_one_machine_nodes_are_reached_where_the_daemons_bind_each_on_its_own_po
 
 
 def test_nodes_on_several_machines_are_reached_at_their_own_addresses():
-    cluster = scheduler.parse_cluster(description("10.0.0.5", "10.0.0.6", gpus=(4, 0)))
+    cluster = slurm_conf.parse_cluster(description("10.0.0.5", "10.0.0.6", gpus=(4, 0)))
 
     lines = conf_lines(cluster, node_index=1, bound="10.0.0.6")
 
@@ -59,26 +60,26 @@ def test_nodes_on_several_machines_are_reached_at_their_own_addresses():
     ]
     assert "GresTypes=gpu" in lines
     assert "Gres=gpu:4" in next(line for line in lines if line.startswith("NodeName=node-0"))
-    assert scheduler.gres_conf(cluster).splitlines()[1:] == ["NodeName=node-0 Name=gpu Count=4"]
+    assert slurm_conf.gres_conf(cluster).splitlines()[1:] == ["NodeName=node-0 Name=gpu Count=4"]
 
 
 def test_nodes_known_by_name_are_looked_up_at_every_connection(monkeypatch):
     # AWS spot workers come back at a new address: Slurm knows them by name, each node's /etc/hosts maps it.
-    cluster = scheduler.parse_cluster(description("node-0", "node-1"))
+    cluster = slurm_conf.parse_cluster(description("node-0", "node-1"))
 
     lines = conf_lines(cluster, node_index=1, bound="10.0.0.9")
 
     assert "CommunicationParameters=NoCtldInAddrAny,NoInAddrAny,NoAddrCache" in lines
     assert "SlurmctldHost=node-0(node-0)" in lines
     assert [line.split()[2] for line in lines if line.startswith("NodeName=")] == ["NodeAddr=node-0", "NodeAddr=node-1"]
-    monkeypatch.setattr(scheduler.socket, "getaddrinfo", lambda *a, **k: [(0, 0, 0, "", ("10.0.0.7", 0))])
-    with pytest.raises(scheduler.UsageError, match=r"node-1 resolves to 10\.0\.0\.7, not to 10\.0\.0\.9"):
-        scheduler.check_binding(cluster, cluster.nodes[1], "10.0.0.9")
-    scheduler.check_binding(cluster, cluster.nodes[1], "10.0.0.7")
+    monkeypatch.setattr(slurm_conf.socket, "getaddrinfo", lambda *a, **k: [(0, 0, 0, "", ("10.0.0.7", 0))])
+    with pytest.raises(slurm_conf.UsageError, match=r"node-1 resolves to 10\.0\.0\.7, not to 10\.0\.0\.9"):
+        slurm_conf.check_binding(cluster, cluster.nodes[1], "10.0.0.9")
+    slurm_conf.check_binding(cluster, cluster.nodes[1], "10.0.0.7")
 
 
 def test_requeue_and_order_settings():
-    lines = conf_lines(scheduler.parse_cluster(description("127.0.0.10", "127.0.0.11")))
+    lines = conf_lines(slurm_conf.parse_cluster(description("127.0.0.10", "127.0.0.11")))
 
     assert f"AuthInfo=socket=/home/u/.gpu-cluster/slurm/munge.socket,cred_expire={10}" in lines
     for setting in ("SchedulerType=sched/builtin", "ReturnToService=2", "JobCompType=jobcomp/filetxt"):
@@ -99,16 +100,16 @@ def test_requeue_and_order_settings():
     ],
 )
 def test_a_bad_description_names_what_is_wrong(changes, words):
-    with pytest.raises(scheduler.UsageError, match=words):
-        scheduler.parse_cluster(description("127.0.0.10", "127.0.0.11", **changes))
+    with pytest.raises(slurm_conf.UsageError, match=words):
+        slurm_conf.parse_cluster(description("127.0.0.10", "127.0.0.11", **changes))
 
 
 def test_check_names_the_first_missing_program_and_its_package(tmp_path, monkeypatch, capsys):
     """What bootstrap's default (--scheduler auto) asks each node before choosing Slurm."""
-    monkeypatch.setattr(scheduler, "SBIN", (str(tmp_path),))
-    monkeypatch.setattr(scheduler, "SITE_CONFS", ())
+    monkeypatch.setattr(slurm_daemons, "SBIN", (str(tmp_path),))
+    monkeypatch.setattr(slurm_daemons, "SITE_CONFS", ())
     monkeypatch.setenv("PATH", str(tmp_path))
-    for name in scheduler.NEEDED:
+    for name in slurm_daemons.NEEDED:
         (tmp_path / name).write_text("#!/bin/sh\n")
         (tmp_path / name).chmod(0o755)
     assert scheduler.main(["check"]) == 0 and capsys.readouterr().out == "ok\n"
@@ -118,7 +119,7 @@ def test_check_names_the_first_missing_program_and_its_package(tmp_path, monkeyp
         "slurm-wlm munge)\n"
     )
     (tmp_path / "site.conf").write_text("ClusterName=theirs\n")  # a host that runs a Slurm of its own
-    monkeypatch.setattr(scheduler, "SITE_CONFS", ("/nonexistent/slurm.conf", str(tmp_path / "site.conf")))
+    monkeypatch.setattr(slurm_daemons, "SITE_CONFS", ("/nonexistent/slurm.conf", str(tmp_path / "site.conf")))
     assert scheduler.main(["check"]) == 2
     assert f"already runs Slurm ({tmp_path / 'site.conf'}): add slurm: existing" in capsys.readouterr().err
     (tmp_path / "munged").unlink()
@@ -127,33 +128,33 @@ def test_check_names_the_first_missing_program_and_its_package(tmp_path, monkeyp
 
 def fake_sinfo(folder, listing: str, monkeypatch) -> None:
     """An `sinfo` that prints `listing` (NodeName|NodeHostname|NodeAddr|state lines) whatever it is asked."""
-    monkeypatch.setattr(scheduler, "SBIN", (str(folder),))
+    monkeypatch.setattr(slurm_daemons, "SBIN", (str(folder),))
     monkeypatch.setenv("PATH", str(folder))
     (folder / "sinfo").write_text(f"#!/bin/sh\nprintf '%s' '{listing}'\n")  # a builtin: PATH has no cat
     (folder / "sinfo").chmod(0o755)
 
 
 def test_a_host_finds_its_node_in_an_existing_slurm_by_name_address_or_host_name(tmp_path, monkeypatch):
-    host = scheduler.socket.gethostname()
+    host = slurm_existing.socket.gethostname()
     fake_sinfo(tmp_path, f"gpu1|gpu1|10.0.0.5|idle\ngpu2|{host}|10.0.0.6|mixed\ngpu3|gpu3|10.0.0.7|idle\n", monkeypatch)
-    assert scheduler.identify("gpu", "", "gpu3", []) == {"name": "gpu3", "state": "idle"}  # the hosts file's
-    assert scheduler.identify("gpu", "", "", ["192.0.2.1", "10.0.0.5"])["name"] == "gpu1"  # its address
-    assert scheduler.identify("gpu", "", "", ["192.0.2.1"])["name"] == "gpu2"  # its host name
-    with pytest.raises(scheduler.UsageError, match="slurm_name 'gpu9' is not in partition gpu .*gpu1, gpu2, gpu3"):
-        scheduler.identify("gpu", "", "gpu9", [])
-    with pytest.raises(scheduler.UsageError, match="slurm_conf /nowhere is not a file"):
-        scheduler.identify("gpu", "/nowhere", "", [])
+    assert slurm_existing.identify("gpu", "", "gpu3", []) == {"name": "gpu3", "state": "idle"}  # the hosts file's
+    assert slurm_existing.identify("gpu", "", "", ["192.0.2.1", "10.0.0.5"])["name"] == "gpu1"  # its address
+    assert slurm_existing.identify("gpu", "", "", ["192.0.2.1"])["name"] == "gpu2"  # its host name
+    with pytest.raises(slurm_conf.UsageError, match="slurm_name 'gpu9' is not in partition gpu .*gpu1, gpu2, gpu3"):
+        slurm_existing.identify("gpu", "", "gpu9", [])
+    with pytest.raises(slurm_conf.UsageError, match="slurm_conf /nowhere is not a file"):
+        slurm_existing.identify("gpu", "/nowhere", "", [])
 
 
 def test_a_host_matching_no_node_or_two_is_told_to_name_its_node(tmp_path, monkeypatch):
     fake_sinfo(tmp_path, "a|h|10.0.0.5|idle\nb|h|10.0.0.5|idle\n", monkeypatch)
-    with pytest.raises(scheduler.UsageError, match="a, b all match it: one must be in the existing Slurm"):
-        scheduler.identify("", "", "", ["10.0.0.5"])
-    with pytest.raises(scheduler.UsageError, match="no node at its address or host name is in .*slurm_name:"):
-        scheduler.identify("", "", "", ["10.0.0.9"])
+    with pytest.raises(slurm_conf.UsageError, match="a, b all match it: one must be in the existing Slurm"):
+        slurm_existing.identify("", "", "", ["10.0.0.5"])
+    with pytest.raises(slurm_conf.UsageError, match="no node at its address or host name is in .*slurm_name:"):
+        slurm_existing.identify("", "", "", ["10.0.0.9"])
     fake_sinfo(tmp_path, "", monkeypatch)
-    with pytest.raises(scheduler.UsageError, match="partition nope has no nodes"):
-        scheduler.identify("nope", "", "", [])
+    with pytest.raises(slurm_conf.UsageError, match="partition nope has no nodes"):
+        slurm_existing.identify("nope", "", "", [])
 
 
 def adopted_home(tmp_path, monkeypatch, squeue: str) -> Path:
@@ -164,11 +165,11 @@ def adopted_home(tmp_path, monkeypatch, squeue: str) -> Path:
     for name, text in (("squeue", squeue), ("scancel", f'echo "$@" > {tmp_path}/cancelled')):
         (bin_dir / name).write_text(f"#!/bin/sh\n{text}\n")
         (bin_dir / name).chmod(0o755)
-    monkeypatch.setattr(scheduler, "SBIN", (str(bin_dir),))
+    monkeypatch.setattr(slurm_daemons, "SBIN", (str(bin_dir),))
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     monkeypatch.setenv("HOME", str(home))
     adopted = {"partition": "gpu", "conf": "", "tag": "gpu-cluster:hosts:abc", "names": {"node-0": "gpu1"}}
-    scheduler.adopt(scheduler.Paths(str(home)), adopted)
+    slurm_existing.adopt(slurm_conf.Paths(str(home)), adopted)
     return home
 
 
@@ -192,15 +193,15 @@ def test_stop_on_an_existing_slurm_that_does_not_answer_fails_and_keeps_the_reco
 
 
 def test_loopback_and_other_nodes_do_not_mix():
-    with pytest.raises(scheduler.UsageError, match="loopback"):
-        scheduler.parse_cluster(description("127.0.0.10", "10.0.0.6"))
+    with pytest.raises(slurm_conf.UsageError, match="loopback"):
+        slurm_conf.parse_cluster(description("127.0.0.10", "10.0.0.6"))
 
 
 def test_sockets_move_to_a_short_folder_where_the_home_is_deep():
-    assert scheduler.Paths("/home/u").sockets == "/home/u/.gpu-cluster/slurm"
-    deep = scheduler.Paths("/x" * 40).sockets
+    assert slurm_conf.Paths("/home/u").sockets == "/home/u/.gpu-cluster/slurm"
+    deep = slurm_conf.Paths("/x" * 40).sockets
 
-    assert deep.startswith("/tmp/gpu-cluster-") and len(deep) + scheduler.SOCKET_NAME_ROOM <= 107
+    assert deep.startswith("/tmp/gpu-cluster-") and len(deep) + slurm_conf.SOCKET_NAME_ROOM <= 107
 
 
 def test_the_step_prefixes_the_shells_lines_and_leaves_the_ranks_own_prefixes_alone():

@@ -1,0 +1,304 @@
+"""This node's daemons of the cluster's Slurm: munged, slurmctld on the head node, slurmd (and the spot
+watch) on every node, each in a session of its own, registered in `~/.gpu-cluster/pids/` as the watchdog
+is, so that power-off (local) and `down` end them. Daemons running with an unchanged configuration
+(node/slurm_conf.py's files) are left alone; a changed one restarts them. Node i's slurmd listens on the
+`slurmd` port + i, so nodes that share one machine do not meet. Standard library only.
+"""
+
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from node import contract, procfs, slurm_conf
+from node.slurm_conf import Cluster, DaemonError, Node, Paths, UsageError
+
+READY_TIMEOUT_S = 30.0
+STOP_GRACE_S = 5.0
+PROGRAMS = {
+    "munged": "munge",
+    "slurmctld": "slurm-wlm",
+    "slurmd": "slurm-wlm",
+    "sinfo": "slurm-wlm",
+    "scontrol": "slurm-wlm",
+    "srun": "slurm-wlm",
+    "sbatch": "slurm-wlm",
+    "squeue": "slurm-wlm",
+    "scancel": "slurm-wlm",
+    "sacct": "slurm-wlm",
+}
+SBIN = ("/usr/sbin", "/usr/local/sbin", "/sbin")
+
+
+def program(name: str) -> str:
+    """The absolute path of one of Slurm's or munge's programs; UsageError naming the package where missing."""
+    found = shutil.which(name) or next(
+        (os.path.join(d, name) for d in SBIN if os.access(os.path.join(d, name), os.X_OK)), None
+    )
+    if not found:
+        raise UsageError(
+            f"{name} is not installed on this node: install {PROGRAMS.get(name, name)} "
+            "(Debian/Ubuntu: apt-get install slurm-wlm munge)"
+        )
+    return found
+
+
+NEEDED = ("munged", "slurmd", "srun", "sbatch", "squeue", "scontrol", "sinfo")
+"""What every node runs and what the runs' commands call; the head node runs slurmctld too."""
+SITE_CONFS = ("/etc/slurm/slurm.conf", "/etc/slurm-llnl/slurm.conf")
+"""Where a host that runs a Slurm of its own keeps its configuration (Debian/Ubuntu, and their older path)."""
+
+
+def check(head: bool) -> None:
+    """UsageError naming the first of Slurm's or munge's programs this node lacks (and its package), or
+    the configuration of a Slurm the host already runs (adopt that one rather than start another)."""
+    for name in NEEDED + (("slurmctld",) if head else ()):
+        program(name)
+    site = next((path for path in SITE_CONFS if os.path.exists(path)), None)
+    if site:
+        raise UsageError(
+            f"this host already runs Slurm ({site}): add slurm: existing to the hosts file to send runs to it, "
+            "or fab bootstrap --scheduler slurm for one of gpu-cluster's own beside it"
+        )
+
+
+def daemons_of(cluster: Cluster, node: Node) -> list:
+    """What this node runs, in start order."""
+    return [name for name in contract.SCHEDULER_DAEMONS if name != "slurmctld" or node == cluster.head]
+
+
+def daemon_argv(name: str, cluster: Cluster, node: Node, paths: Paths) -> list:
+    if name == "munged":
+        munge = paths.munge
+        # -F: stay in the foreground (this session is its process group); -f: the folder is private (0700)
+        # where munged would want it world-searchable.
+        return [
+            program("munged"),
+            "-F",
+            "-f",
+            f"--socket={paths.munge_socket}",
+            f"--key-file={paths.munge_key}",
+            f"--log-file={paths.log('munged')}",
+            f"--pid-file={os.path.join(munge, 'munged.pid')}",
+            f"--seed-file={os.path.join(munge, 'munged.seed')}",
+        ]
+    if name == "slurmctld":
+        return [program("slurmctld"), "-D", "-i", "-f", paths.conf]
+    if name == "spot-watch":
+        here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "spot_watch.py")
+        return [sys.executable, "-u", here, "--preempt", "--node", node.name]
+    return [program("slurmd"), "-D", "-f", paths.conf, "-N", node.name]
+
+
+def listen_address(name: str, cluster: Cluster, node: Node, bound: str):
+    """(address, port) the daemon accepts on once it is ready; None for munged (a Unix socket)."""
+    if name == "slurmctld":
+        return bound, cluster.slurmctld_port
+    if name == "slurmd":
+        return bound, cluster.slurmd_port + cluster.nodes.index(node)
+    return None  # munged answers on a Unix socket; spot-watch listens on nothing
+
+
+def running_daemon(paths: Paths, name: str) -> int | None:
+    """The registered daemon's pid while it runs (and really is that daemon: pids are reused)."""
+    try:
+        with open(paths.pid(name)) as f:
+            pid = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    argv = procfs.command_line(pid)
+    if not (pid > 1 and procfs.alive(pid) and argv):
+        return None
+    if name == "spot-watch":  # a Python program
+        return pid if any(os.path.basename(word) == "spot_watch.py" for word in argv) else None
+    return pid if os.path.basename(argv[0]).startswith(name) else None
+
+
+def write_private(path: str, data: bytes, mode: int) -> None:
+    """Replace `path` with `data` at `mode` (a 0400 key cannot be opened for writing again)."""
+    temporary = f"{path}.new"
+    if os.path.exists(temporary):
+        os.unlink(temporary)
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(descriptor, "wb") as f:
+        f.write(data)
+    os.replace(temporary, path)
+
+
+def read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def spawn(name: str, argv: list, paths: Paths) -> int:
+    """Start a daemon in a session of its own (its pid is its process group) and register it."""
+    environment = {**os.environ, contract.SCHEDULER_VARIABLE: paths.folder, "SLURM_CONF": paths.conf}
+    with open(paths.log(name), "ab") as log:
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=environment,
+            cwd=paths.folder,
+            start_new_session=True,
+        )
+    write_private(paths.pid(name), f"{process.pid}\n".encode(), 0o600)
+    return process.pid
+
+
+def accepting(where) -> bool:
+    try:
+        with socket.create_connection(where, timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def munge_answers(paths: Paths) -> bool:
+    if not os.path.exists(paths.munge_socket):
+        return False
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(paths.munge_socket)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.close()
+
+
+def log_tail(path: str, lines: int = 5) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return " | ".join(line.strip() for line in f.read().splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def wait_ready(name: str, pid: int, paths: Paths, where) -> None:
+    """Until the daemon accepts connections; DaemonError if it exits or the deadline passes."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        if not procfs.alive(pid):
+            raise DaemonError(f"{name} exited at start; its log ({paths.log(name)}) ends: {log_tail(paths.log(name))}")
+        if name == "spot-watch":  # it opens nothing; alive is ready
+            return
+        if munge_answers(paths) if where is None else accepting(where):
+            return
+        if time.monotonic() > deadline:
+            raise DaemonError(
+                f"{name} did not accept connections within {READY_TIMEOUT_S:.0f} s; see {paths.log(name)}"
+            )
+        time.sleep(0.05)
+
+
+def make_folders(paths: Paths, cluster: Cluster | None = None) -> None:
+    extra = (cluster.state_save,) if cluster is not None and cluster.state_save else ()
+    for folder in (paths.folder, paths.munge, paths.sockets, paths.at(contract.PIDS), *extra):
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        if os.stat(folder).st_uid != os.getuid():
+            raise UsageError(f"{folder} belongs to another user: remove it, or start from a shallower home")
+        os.chmod(folder, 0o700)
+
+
+def start(cluster: Cluster, node_name: str, home: str) -> dict:
+    """This node's daemons running with this description; what was done (`started`: the daemons started
+    now, absent where every one ran with this configuration already)."""
+    node = cluster.node(node_name)
+    paths = Paths(home)
+    names = daemons_of(cluster, node)
+    argvs = {name: daemon_argv(name, cluster, node, paths) for name in names}  # every program there
+    program("sinfo")
+    bound = slurm_conf.daemon_address()
+    slurm_conf.check_binding(cluster, node, bound)
+    user = pwd.getpwuid(os.getuid()).pw_name
+    files = slurm_conf.configuration(cluster, node, paths, bound, user)
+    digest = slurm_conf.digest_of(files)
+    running = {name: running_daemon(paths, name) for name in names}
+    if read_text(paths.digest) == digest and all(running.values()):
+        return {"node": node.name, "action": "unchanged", "daemons": running}
+    changed = read_text(paths.digest) != digest
+    restarted = [name for name in stop(paths) if name in names] if changed else []
+    make_folders(paths, cluster if node == cluster.head else None)  # after stop, which removes a short socket folder
+    if changed:
+        for path, (data, mode) in files.items():
+            write_private(path, data, mode)
+        if paths.gres not in files and os.path.exists(paths.gres):
+            os.unlink(paths.gres)
+        write_private(paths.digest, f"{digest}\n".encode(), 0o600)
+    started = {}
+    for name in names:
+        pid = running_daemon(paths, name)
+        if pid is None:
+            pid = spawn(name, argvs[name], paths)
+            wait_ready(name, pid, paths, listen_address(name, cluster, node, bound))
+            started[name] = pid
+        running[name] = pid
+    action = "restarted" if restarted else ("started" if started else "unchanged")
+    return {"node": node.name, "action": action, "daemons": running, "started": sorted(started)}
+
+
+def _is_step(pid: int) -> bool:
+    return os.path.basename((procfs.command_line(pid) or [""])[0]).startswith("slurmstepd")
+
+
+def _is_srun(pid: int) -> bool:
+    return os.path.basename((procfs.command_line(pid) or [""])[0]) == "srun"
+
+
+def scheduler_processes(paths: Paths) -> list:
+    """Every live process of this node's scheduler: what carries its folder in its environment (the
+    daemons), the job steps' slurmstepd (started by slurmd with an empty environment, in sessions of
+    their own, but working in slurmd's folder) and everything below them (the jobs' tasks)."""
+    marked = procfs.pids_with_environment(f"{contract.SCHEDULER_VARIABLE}={paths.folder}")
+    steps = [
+        pid
+        for pid in procfs.pids()
+        if procfs.working_directory(pid) == paths.folder and _is_step(pid) and procfs.alive(pid)
+    ]
+    roots = list(dict.fromkeys(marked + steps))
+    return list(dict.fromkeys(roots + procfs.descendants(roots)))
+
+
+def signal_groups(groups: list, pids: list, sig: int) -> None:
+    for target, kill in [(g, os.killpg) for g in groups] + [(p, os.kill) for p in pids]:
+        try:
+            kill(target, sig)
+        except OSError:
+            pass
+
+
+def stop(paths: Paths, grace_s: float = STOP_GRACE_S) -> list:
+    """End this node's daemons (SIGTERM, SIGKILL after `grace_s`) and anything they left; the names that ran."""
+    registered = {name: running_daemon(paths, name) for name in contract.SCHEDULER_DAEMONS}
+    groups = [pid for pid in registered.values() if pid]
+    others = [pid for pid in scheduler_processes(paths) if pid not in groups]
+    signal_groups(groups, others, signal.SIGTERM)
+    # slurmstepd ignores SIGTERM and srun waits for a controller that may be gone: wait for the rest
+    # (the daemons, the jobs' own processes), then kill those two too.
+    waited = [pid for pid in others if not _is_step(pid) and not _is_srun(pid)]
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and (
+        any(procfs.group_alive(g) for g in groups) or any(procfs.alive(p) for p in waited)
+    ):
+        time.sleep(0.05)
+    signal_groups(groups, others + scheduler_processes(paths), signal.SIGKILL)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and scheduler_processes(paths):
+        time.sleep(0.05)
+    for name in contract.SCHEDULER_DAEMONS:
+        try:
+            os.unlink(paths.pid(name))
+        except OSError:
+            pass
+    if paths.sockets != paths.folder:  # the short folder outside the home holds only sockets and spool
+        shutil.rmtree(paths.sockets, ignore_errors=True)
+    return [name for name, pid in registered.items() if pid]

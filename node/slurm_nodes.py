@@ -1,0 +1,115 @@
+"""The nodes as Slurm's controller sees them: their states, and gpu-cluster's two reasons for taking one
+out of service (a spot notice's drain, contract.SPOT_DRAIN_REASON; a node found gone, set DOWN,
+contract.NODE_LOST_REASON), set and lifted here. Standard library only.
+"""
+
+import re
+import subprocess
+import time
+
+from node import contract
+from node.slurm_conf import DaemonError, Paths, UsageError
+from node.slurm_daemons import READY_TIMEOUT_S
+from node.slurm_existing import client, client_environment
+
+
+def scontrol(paths: Paths, *args: str) -> subprocess.CompletedProcess:
+    return client(client_environment(paths), "scontrol", *args)
+
+
+def node_reasons(paths: Paths) -> dict:
+    """{node: (Slurm's state, the reason it is drained or down, or "")}; {} where the controller is silent."""
+    try:
+        result = client(client_environment(paths), "sinfo", "--noheader", "--Node", "--format=%N|%T|%E")
+    except (subprocess.TimeoutExpired, OSError, UsageError):
+        return {}
+    found = {}
+    for line in result.stdout.splitlines() if result.returncode == 0 else []:
+        name, _, rest = line.partition("|")
+        node_state, _, reason = rest.partition("|")
+        found[name.strip()] = (node_state.strip(), "" if reason.strip() == "none" else reason.strip())
+    return found
+
+
+def lost_or_noticed(reason: str) -> bool:
+    """A reason gpu-cluster gave a node it took out of service: a spot notice, or a node found dead."""
+    return reason.startswith((contract.SPOT_DRAIN_REASON, contract.NODE_LOST_REASON))
+
+
+def mark_lost(paths: Paths, node_name: str, why: str) -> str:
+    """Tell Slurm a node is gone (DOWN: its run is requeued, JobRequeue=1); Slurm's answer."""
+    return _take_out(paths, node_name, "DOWN", f"{contract.NODE_LOST_REASON}: {why}", "down")
+
+
+def drain_for_notice(paths: Paths, node_name: str, notice: str) -> str:
+    """Drain this node (no new run starts on it; the running one goes on until it ends); Slurm's answer."""
+    return _take_out(paths, node_name, "DRAIN", f"{contract.SPOT_DRAIN_REASON}: {notice}", "drained")
+
+
+def _take_out(paths: Paths, node_name: str, state: str, reason: str, done: str) -> str:
+    result = scontrol(paths, "update", f"NodeName={node_name}", f"State={state}", f"Reason={reason}")
+    return done if result.returncode == 0 else (result.stderr.strip() or f"scontrol exited {result.returncode}")
+
+
+def resume_if_ours(paths: Paths, node_name: str, fresh: bool, wait_s: float = READY_TIMEOUT_S) -> bool:
+    """This node back in service where gpu-cluster took it out and it is whole again: set DOWN as lost
+    (it answers now), or drained for a spot notice when it is `fresh` (its slurmd just started: a
+    replacement; a node still waiting to be reclaimed keeps its drain). Waits for slurmd to register."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        node_state, reason = node_reasons(paths).get(node_name, ("", ""))
+        ours = reason.startswith(contract.NODE_LOST_REASON) or (fresh and reason.startswith(contract.SPOT_DRAIN_REASON))
+        if not ours:
+            return False
+        if "NOT_RESPONDING" not in node_state.upper() and not node_state.endswith("*"):
+            if scontrol(paths, "update", f"NodeName={node_name}", "State=RESUME").returncode == 0:
+                return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
+def rejoined(paths: Paths, node_name: str, wait_s: float = READY_TIMEOUT_S) -> str:
+    """A replacement (node/join.py) back in service: where gpu-cluster's reasons hold it out (a notice's
+    drain, or lost), it is resumed; it is a new machine, never the one waiting to be reclaimed. Slurm's state
+    of it; DaemonError when the controller does not answer (the head node may be being replaced too: the
+    join is tried again) or still holds it out, `wait_s` on."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        resume_if_ours(paths, node_name, fresh=True, wait_s=max(0.0, deadline - time.monotonic()))
+        node_state, reason = node_reasons(paths).get(node_name, ("", ""))
+        if node_state and not lost_or_noticed(reason):
+            return node_state
+        if time.monotonic() > deadline:
+            if not node_state:
+                raise DaemonError(f"the controller did not answer about {node_name} (is the head node up?)")
+            raise DaemonError(f"{node_name} is still out of service in Slurm ({node_state}: {reason})")
+        time.sleep(1.0)
+
+
+def forget_stale_jobs(paths: Paths, node_name: str) -> str:
+    """A node replaced by a new machine while no controller was there to see it go (the head node was
+    replaced too): a job Slurm still thinks runs on it, started before its new slurmd, went with the old
+    machine. The node is set DOWN as lost (the job is requeued, JobRequeue=1) and back in service at once.
+    What was done, in a few words. (A cloud instance's new boot time tells Slurm as much by itself; the
+    local provider's nodes share this machine's.)"""
+    shown = scontrol(paths, "show", "node", node_name, "--oneliner").stdout
+    slurmd_started = re.search(r"SlurmdStartTime=(\S+)", shown)
+    if not slurmd_started:
+        return "unknown to the controller"
+    listed = client(
+        client_environment(paths),
+        "squeue",
+        "--noheader",
+        f"--nodelist={node_name}",
+        "--states=RUNNING,COMPLETING,CONFIGURING",
+        "--format=%i|%S",
+    ).stdout
+    stale = [
+        job for job, _, started in (line.partition("|") for line in listed.split()) if started < slurmd_started.group(1)
+    ]
+    if not stale:
+        return "no job of the old machine"
+    mark_lost(paths, node_name, "replaced: its jobs went with the old machine")
+    rejoined(paths, node_name)
+    return f"requeued {', '.join(stale)}"
