@@ -102,7 +102,7 @@ def ensure_reply(dest: str, requirements: str, log: str, cwd: str = "") -> dict:
 def main(argv: list) -> int:
     if argv[:1] != ["--job"] or len(argv) not in (4, 5):
         sys.exit("usage: NODE_PYTHON job_env.py --job DEST REQUIREMENTS LOG [CWD]")
-    dest, requirements, log, cwd = _paths(*argv[1:4], argv[4] if len(argv) == 5 else "")
+    dest, requirements, log, cwd = _paths(argv[1], argv[2], argv[3], argv[4] if len(argv) == 5 else "")
     if not ready(dest):
         print(f"gpu-cluster: installing the run's requirements into {dest} (pip's output in {log})", flush=True)
     outcome = ensure(dest, requirements, log, cwd)
