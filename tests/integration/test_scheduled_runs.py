@@ -288,11 +288,12 @@ def test_two_ranks_progress_bars_stay_in_lines_and_logs_of_their_own(cluster, tm
 
 def test_down_mid_run_keeps_its_log_here_and_names_the_run_it_cancelled(cluster, tmp_path):
     """Last: it takes the module's cluster down."""
+    gate = tmp_path / "go"  # the later lines wait for the test, not for a time a loaded machine may overrun
     work = script(
         tmp_path,
         "long2.py",
         "print(f'rank {rank} started', flush=True)\n"
-        "time.sleep(3)\n"
+        f"while not os.path.exists({str(gate)!r}): time.sleep(0.1)\n"
         "print(f'rank {rank} later', flush=True)\n"
         "time.sleep(600)\n",
     )
@@ -306,6 +307,7 @@ def test_down_mid_run_keeps_its_log_here_and_names_the_run_it_cancelled(cluster,
     shown = cluster.fab("logs", "--run", run_id)  # a running run nobody follows: its lines so far
     assert shown.returncode == 0 and "[node-1] rank 1 started" in shown.stdout, shown.stdout + shown.stderr
     assert "rank 1 later" not in shown.stdout
+    gate.touch()
     slurm.wait_for(lambda: cluster_log_has("rank 1 later"), "the run's later lines")
     down = cluster.cli("down", "--stack", cluster.stack)
     assert down.returncode == 0, down.stdout + down.stderr
