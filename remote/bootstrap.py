@@ -4,7 +4,8 @@ code      harness/, examples/ and node/ into $CLUSTER_SHARED_DIR/code once (into
           ~/.gpu-cluster/code without shared storage), only files whose hash differs
 probe     OS, Python, GPUs, driver and CUDA, and the interface that routes to MASTER_ADDR
 deps      the node venv ~/.gpu-cluster/venv over the inventory's `python`, topped up from
-          requirements-node.txt only where torch (or nvidia-ml-py, matplotlib) is missing
+          requirements-node.txt only where torch (or nvidia-ml-py, matplotlib) is missing: with uv
+          (node/uv_env.py), pip-installed first where the node has none; with pip where uv cannot run
 env       ~/.gpu-cluster/env: the node environment every job sources
 health    every node reaches MASTER_ADDR:MASTER_PORT, then one all-reduce across all nodes
 watchdog  the budget and idle guard on the head node, as the inventory's `daemon` says
@@ -346,7 +347,8 @@ class Bootstrap:
     def deps(self, record: NodeRecord) -> Outcome:
         """The node venv over the inventory's `python`; pip runs only where something is missing."""
         requirements = (REPO / "requirements-node.txt").read_text()
-        wanted = digest(requirements, self.cluster.python, self.manifest.get("node/python_env.py"))
+        code = [self.manifest.get(f"node/{name}.py") for name in ("python_env", "uv_env")]
+        wanted = digest(requirements, self.cluster.python, *code)
         if self._up_to_date(record, "deps", wanted):
             return Outcome("up to date", _torch(record.facts("deps")))
         facts = self._apply_kit(record, "deps", kit.NodeKit(record.name, self.cluster.python, requirements))
@@ -831,9 +833,15 @@ def _hardware(facts: dict) -> str:
 
 
 def _torch(facts: dict) -> str:
-    if facts.get("nccl"):
-        return f"torch {facts.get('torch')}, NCCL {facts['nccl']}"
-    return f"torch {facts.get('torch')} (CPU)"
+    """`torch 2.13.0 (CPU)`, and how the venv was topped up where it was (`, with pip: no uv on this node`)."""
+    torch = (
+        f"torch {facts.get('torch')}, NCCL {facts['nccl']}"
+        if facts.get("nccl")
+        else f"torch {facts.get('torch')} (CPU)"
+    )
+    if facts.get("installer") == "pip" and facts.get("installer_why"):
+        return f"{torch}, with pip: {facts['installer_why']}"
+    return f"{torch}, with uv" if facts.get("installed") and facts.get("installer") == "uv" else torch
 
 
 def _sftp(destination: str, relative: str) -> str:
