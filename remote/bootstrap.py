@@ -38,6 +38,7 @@ from rich.table import Table
 from infra import state
 from infra.errors import OperationError, ReportedFailure, UsageError
 from infra.inventory import ClusterInfo
+from infra.timeline import Timeline
 from node import calls, contract, kit
 from remote import job_command, node_paths, nodecall, protocol
 from remote.connect import NodeSession, describe, on_all_nodes, open_sessions
@@ -86,6 +87,8 @@ class Outcome:
     """A short note for the table."""
     output: str = ""
     """What the node printed, kept for failures."""
+    seconds: float | None = None
+    """How long the stage took on this node (a stage done on every node at once)."""
 
 
 @dataclass
@@ -135,11 +138,13 @@ class NodeStage:
         by_session = {id(r.session): r for r in records}
 
         def on_node(session: NodeSession) -> Outcome:
-            record = by_session[id(session)]
+            record, started = by_session[id(session)], time.monotonic()
             try:
-                return session.retrying(lambda _: self.apply(record), on_retry=say)
+                outcome = session.retrying(lambda _: self.apply(record), on_retry=say)
             except StageFailed as exc:
-                return Outcome("failed", str(exc), exc.output)
+                outcome = Outcome("failed", str(exc), exc.output)
+            outcome.seconds = time.monotonic() - started
+            return outcome
 
         results = on_all_nodes([r.session for r in records], on_node)
         return {r.name: r.value if r.value is not None else Outcome("failed", describe(r.error)) for r in results}
@@ -171,8 +176,17 @@ class Scheduler(str, enum.Enum):
 class Bootstrap:
     """One `fab bootstrap` run over a cluster."""
 
-    def __init__(self, cluster: ClusterInfo, force: bool, master_port: int, scheduler: str | None = None):
+    def __init__(
+        self,
+        cluster: ClusterInfo,
+        force: bool,
+        master_port: int,
+        scheduler: str | None = None,
+        timeline: Timeline | None = None,
+    ):
         self.cluster, self.force, self.master_port = cluster, force, master_port
+        self.timeline = timeline or Timeline(time.time(), clock=time.monotonic())
+        """Connect, then each stage (per node in `nodes`), then the record: in bootstrap.json, one line at the end."""
         remembered = remembered_setup(cluster)
         held_before = remembered.get("scheduler") == state.SLURM_HOLDS
         self.scheduler_choice = Scheduler(
@@ -209,15 +223,21 @@ class Bootstrap:
         try:
             self._refuse_busy_port(sessions[0])
             self.records = [NodeRecord(s, _parse_state(text)) for s, text in zip(sessions, recorded, strict=True)]
+            self.timeline.mark("connect")
             for stage in self.stages():
                 name = stage.name
                 stage_started = time.monotonic()
                 self.outcomes[name] = stage.run(self.records)
+                self.timeline.mark(name)
+                for node, outcome in self.outcomes[name].items():
+                    if outcome.seconds is not None:
+                        self.timeline.nodes.setdefault(node, {})[name] = round(outcome.seconds, 3)
                 statuses = sorted({o.status for o in self.outcomes[name].values()})
                 say(f"bootstrap: {name:7s} {', '.join(statuses)} ({time.monotonic() - stage_started:.1f} s)")
                 if "failed" in statuses:
                     self._report(failed_stage=name)
                     raise ReportedFailure(1)
+            self.timeline.close("record")
             self._save_setup()
             self._report()
             fresh = all(
@@ -228,6 +248,7 @@ class Bootstrap:
                 f"in {time.monotonic() - started:.1f} s; "
                 "next: fab hello, fab run-ddp"
             )
+            say(f"bootstrap: {self.timeline.line()}")
         finally:
             for session in sessions:
                 session.close()
@@ -769,6 +790,7 @@ class Bootstrap:
             "scheduler_why": self.scheduler_why,
             "nodes": {r.name: {"probe": r.facts("probe"), "deps": r.facts("deps")} for r in self.records},
             "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "timeline": self.timeline.as_dict(),
         }
         state.write_atomic(self.stack_dir / state.BOOTSTRAP, json.dumps(setup, indent=2) + "\n")
 
