@@ -173,6 +173,11 @@ STAGE_FILES = "files"
 """In a run's stage: the project's files, as the workdir cache held them at submit."""
 STAGE_REQUIREMENTS = "requirements.txt"
 """In a run's stage: the requirements file, as sent at submit."""
+RUN_ENV_VALUES = "env-values"
+"""The run's `--env` and `--env-file` values (0600, `export KEY='value'` lines), which the job's command
+sources so that no value is on any command line: in a fab-held run's node-local folder, removed by the
+command once read; for a Slurm-held run in its stage (or, without a shared folder, each node's run folder),
+read at every start and removed when the run is seen ended."""
 
 MARKER_START = "__gpu_cluster_"
 """How every line a launch prints for fab (never shown) starts, at the start of a line."""

@@ -152,6 +152,31 @@ class Stage:
     """The `--requirements` environment (relative to the home) that the staged file builds."""
 
 
+@dataclass(frozen=True)
+class EnvValues:
+    """Where the job's command finds the `--env` values (`contract.RUN_ENV_VALUES`, written beforehand
+    by `env_values_text` over SSH stdin): never on the command line, which every local user can read
+    (/proc/PID/cmdline) and which Linux caps at 128 kB per argument."""
+
+    path: str
+    """The file on the node (`$HOME/...` or absolute)."""
+    once: bool
+    """Removed as soon as it is read (a fab-held run starts once); else read at every start (Slurm's requeues)."""
+
+
+def env_values_text(env: dict[str, str]) -> str:
+    """The file `EnvValues` names: one `export KEY='value'` per variable, sourced as written."""
+    return "".join(f"export {key}={shlex.quote(value)}\n" for key, value in env.items())
+
+
+def env_values_step(values: EnvValues) -> str:
+    """Source the values (a missing file is said, in one line, and fails the job before torchrun)."""
+    path = shell_path(values.path)
+    missing = f"echo 'error: the run'\\''s --env values are gone from {values.path}' >&2"
+    step = f"{{ [ -r {path} ] || {{ {missing}; false; }}; }} && . {path}"
+    return f"{step} && rm -f {path}" if values.once else step
+
+
 def reserved_variable(key: str) -> bool:
     """Whether `key` is set by the node environment, torchrun or the launch (not for --env)."""
     return key in contract.RESERVED_VARIABLES or key.startswith(contract.RESERVED_PREFIXES)
@@ -174,30 +199,33 @@ def launch_command(
     python: str | None = None,
     env: dict[str, str] | None = None,
     stage: Stage | None = None,
+    values: EnvValues | None = None,
 ) -> str:
     """Source the node environment, make the run's folders, record the job, run torchrun, then print
-    the exit marker.
+        the exit marker.
 
-    The job runs in its own folder on each node (`job_workdir`): a copy of the workdir cache
-    (`workdir_key`, from `fab run --workdir`) or an empty folder, so two nodes writing the same
-    relative file never meet. That folder and the synced code are on PYTHONPATH. `script` may start
-    with `$HOME/` or `$CLUSTER_CODE_DIR/`; `python` (a --requirements environment) replaces the node's
-    interpreter; `job_env` values (the hang watch's) are shell words (`$HOME`, `${X:-default}` expand)
-    and `pythonpath_first` paths come first on PYTHONPATH; `env` (--env) values arrive literally, after
-    them, so they win. A queued run's `stage` makes what the node lacks before torchrun starts: the job's
-    copy of the workdir, the requirements environment (the same command for a first start and a requeue,
-    on a node that kept them or on its replacement). The hang watch's progress folder is made fresh, old
-    runs' folders removed. The pid recorded is the session leader's, so `stop` can signal the whole
-    process group; torchrun's workers (which start their own sessions) are found by CLUSTER_RUN_ID in
-    their environment. The marker carries the time this node saw torchrun end, by its own clock, so
-    fail-fast can name the node that failed first however late its SSH call returns.
+        The job runs in its own folder on each node (`job_workdir`): a copy of the workdir cache
+        (`workdir_key`, from `fab run --workdir`) or an empty folder, so two nodes writing the same
+        relative file never meet. That folder and the synced code are on PYTHONPATH. `script` may start
+        with `$HOME/` or `$CLUSTER_CODE_DIR/`; `python` (a --requirements environment) replaces the node's
+        interpreter; `job_env` values (the hang watch's) are shell words (`$HOME`, `${X:-default}` expand)
+        and `pythonpath_first` paths come first on PYTHONPATH; `env` (--env) values arrive literally, after
+        them, so they win: they are sourced from `values` (required with `env`), never written into the
+    command. A queued run's `stage` makes what the node lacks before torchrun starts: the job's
+        copy of the workdir, the requirements environment (the same command for a first start and a requeue,
+        on a node that kept them or on its replacement). The hang watch's progress folder is made fresh, old
+        runs' folders removed. The pid recorded is the session leader's, so `stop` can signal the whole
+        process group; torchrun's workers (which start their own sessions) are found by CLUSTER_RUN_ID in
+        their environment. The marker carries the time this node saw torchrun end, by its own clock, so
+        fail-fast can name the node that failed first however late its SSH call returns.
     """
     variables = job_variables(cluster, node, run_id, nproc, python)
     assignments = [f"{key}={shell_path(value)}" for key, value in variables.items()]
     assignments += [f"{key}={value}" for key, value in (job_env or {}).items()]
     search_path = ":".join(shell_path(p) for p in python_path(run_id, pythonpath_first))
     assignments.append(f'PYTHONPATH={search_path}"${{PYTHONPATH:+:$PYTHONPATH}}"')
-    assignments += [f"{key}={shlex.quote(value)}" for key, value in (env or {}).items()]
+    if env and values is None:
+        raise ValueError("--env values go in a file (EnvValues), never on the job's command line")
     interpreter = shell_path(python) if python else '"$CLUSTER_PYTHON"'
     torchrun = " ".join(shell_path(a) for a in torchrun_argv(cluster, node, run_id, max_restarts, master_port, nproc))
     arguments = " ".join(shlex.quote(a) for a in script_args)
@@ -212,7 +240,9 @@ def launch_command(
                 f"cd {shell_path(job_workdir(run_id))}",
                 f"rm -rf {progress} && mkdir -p {progress}/{shlex.quote(run_id)}",
                 f'echo "$$ {shlex.quote(run_id)} {shlex.quote(task)}" > {JOB_FILE}',
-                f"env {' '.join(assignments)} {interpreter} {torchrun} {shell_path(script)} {arguments} 2>&1",
+                f"export {' '.join(assignments)}",
+                *([env_values_step(values)] if env and values else []),
+                f"{interpreter} {torchrun} {shell_path(script)} {arguments} 2>&1",
             ]
         )
         + f'; code=$?; echo "{EXIT_MARKER} $code ${{EPOCHREALTIME:-$(date +%s.%N)}}"; exit $code'

@@ -354,9 +354,11 @@ def run_job(
     returned: list[str] = []
     interrupted = False
 
+    values = fab_held_values(spec, run_id)
+
     def start(session: NodeSession) -> int:
         workdir_key = spec.workdir.key if spec.workdir else None
-        command = node_command(cluster, session.node, spec, setup, run_id, script, workdir_key)
+        command = node_command(cluster, session.node, spec, setup, run_id, script, workdir_key, values=values)
         stream = streams[session.node.name]
         try:
             return session.stream(command, stream)
@@ -416,6 +418,7 @@ def node_command(
     script: str,
     workdir_key: str | None,
     stage: job_command.Stage | None = None,
+    values: job_command.EnvValues | None = None,
 ) -> str:
     """The job's whole command on one node (`job_command.launch_command`) for this launch's spec, the
     hang watch's recorder and rank hook included; attached launches and Slurm's steps run the same
@@ -436,7 +439,29 @@ def node_command(
         python=spec.requirements.python if spec.requirements else None,
         env=spec.env,
         stage=stage,
+        values=values,
     )
+
+
+def fab_held_values(spec: JobSpec, run_id: str) -> job_command.EnvValues | None:
+    """A fab-held run's `--env` values: each node's run folder, removed by the job once read."""
+    if not spec.env:
+        return None
+    return job_command.EnvValues(f"{node_paths.node_run_dir(run_id)}/{contract.RUN_ENV_VALUES}", once=True)
+
+
+def send_env_values(sessions: list[NodeSession], values: job_command.EnvValues, env: dict[str, str]) -> None:
+    """Write the `--env` values where the job's command reads them, on SSH stdin (0600, umask 077):
+    they are on no command line, here or on the node."""
+    path = node_paths.shell_path(values.path)
+    folder = node_paths.shell_path(values.path.rsplit("/", 1)[0])
+    command = f"mkdir -p {folder} && cat > {path}"
+    data = job_command.env_values_text(env).encode()
+    sent = on_all_nodes(sessions, lambda s: s.run_with_input(command, data))
+    failed = [f"{r.name}: {describe(r.error)}" for r in sent.failed]
+    failed += [f"{r.name}: {r.value[2].strip() or f'exit {r.value[0]}'}" for r in sent if r.value and r.value[0]]
+    if failed:
+        raise OperationError(f"could not send the --env values: {'; '.join(failed)}")
 
 
 def job_script(cluster: ClusterInfo, spec: JobSpec, run_id: str) -> str:
@@ -671,6 +696,9 @@ def launch(
             if spec.upload:
                 upload_script(cluster, sessions, run_id, spec.upload)
                 timeline.mark("upload")
+            values = fab_held_values(spec, run_id)
+            if values:
+                send_env_values(sessions, values, spec.env)
             say(f"fab: run {run_id}: {spec.task} on {len(sessions)} nodes; logs in {local_dir}")
             if on_start:
                 on_start(run_id)

@@ -7,6 +7,7 @@ take them as text and read them here, where the message can name the flag and th
 import os
 import re
 import shlex
+import stat
 from pathlib import Path
 
 from infra.errors import UsageError
@@ -22,6 +23,9 @@ MAX_NPROC_PER_NODE = 256
 # `sh -c`: Linux refuses an argument over 128 kB (MAX_ARG_STRLEN, execve(2)) and the node exits 255 with
 # no log. Half of it for the user's text, as quoted, leaves the launch's own words room to spare.
 MAX_JOB_TEXT_BYTES = 65_536
+# An --env-file is read whole before anything runs; its values fit in MAX_JOB_TEXT_BYTES, so a file far
+# bigger is a wrong path (a log, a dataset), refused before it is read.
+MAX_ENV_FILE_BYTES = 1_048_576
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # a folder name: no '/', never '.' or '..'
 ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 WHOLE_NUMBER = re.compile(r"-?[0-9]+")  # what int() takes, less its leniency: ' 2', '2\n', '1_0', '٢'
@@ -148,21 +152,32 @@ def _add(found: dict[str, str], key: str, value: str, where: str) -> None:
             f"{where} {key}: the node environment, torchrun or the launch sets {key} itself "
             "(CLUSTER_* and TORCHELASTIC_* included); pick another name"
         )
+    if "\0" in value:  # no process can take it in its environment (execve ends a string at NUL)
+        raise refuse(f"{where} {key}: the value holds a NUL byte, which no environment variable can carry")
     if key in found:
         raise refuse(f"{where} {key} is given twice (--env and --env-file together count once each)")
     found[key] = value
 
 
 def _env_file(value: str) -> list[dotenv.Variable]:
+    """The file's assignments: a regular file only (a FIFO, /dev/zero or a terminal would never end or
+    never start), at most MAX_ENV_FILE_BYTES, UTF-8."""
     if not value:
         raise refuse("--env-file '' is empty: give a file of KEY=VALUE lines")
-    path = Path(value).expanduser()
     try:
-        text = path.read_text(encoding="utf-8")
+        text = _regular_file_text(Path(value).expanduser(), MAX_ENV_FILE_BYTES).decode("utf-8")
     except FileNotFoundError:
         raise refuse(f"no such env file: --env-file {value}") from None
     except IsADirectoryError:
         raise refuse(f"--env-file {value} is a folder: give a file of KEY=VALUE lines") from None
+    except NotARegularFile:
+        raise refuse(
+            f"--env-file {value} is not a regular file (a device, a pipe?): give a file of KEY=VALUE lines"
+        ) from None
+    except TooBig:
+        raise refuse(
+            f"--env-file {value} is over {MAX_ENV_FILE_BYTES:,} bytes: give a file of KEY=VALUE lines"
+        ) from None
     except UnicodeDecodeError:
         raise refuse(f"--env-file {value} is not UTF-8 text") from None
     except OSError as exc:
@@ -171,6 +186,48 @@ def _env_file(value: str) -> list[dotenv.Variable]:
         return dotenv.parse(text)
     except dotenv.DotenvError as exc:
         raise refuse(f"--env-file {value} {exc}") from None
+
+
+class NotARegularFile(OSError):
+    """A path that names a device, a pipe or a socket."""
+
+
+class TooBig(OSError):
+    """A file over the size asked for."""
+
+
+def _regular_file_text(path: Path, max_bytes: int) -> bytes:
+    """The bytes of a regular file of at most `max_bytes`. Opened without blocking (a FIFO's open waits
+    for a writer otherwise) and checked on the open file, so what is read is what was checked."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    try:
+        found = os.fstat(fd)
+        if stat.S_ISDIR(found.st_mode):
+            raise IsADirectoryError(path)
+        if not stat.S_ISREG(found.st_mode):
+            raise NotARegularFile(path)
+        if found.st_size > max_bytes:
+            raise TooBig(path)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(max_bytes + 1)
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:  # grew since fstat
+        raise TooBig(path)
+    return data
+
+
+NODE_NAME = re.compile(r"node-(0|[1-9][0-9]*)")
+
+
+def node_name(flag: str, value: str | None) -> str | None:
+    """A node as `node-1` or `1` (its rank), as `node-1`; None when the flag was not given."""
+    if value is None:
+        return None
+    name = f"node-{value}" if WHOLE_NUMBER.fullmatch(str(value)) and not str(value).startswith("-") else str(value)
+    if not NODE_NAME.fullmatch(name):
+        raise refuse(f"{flag} must name a node as node-1 or 1, not {value!r}")
+    return name
 
 
 def megabytes(flag: str, value: str | None, default: int) -> int:

@@ -400,7 +400,9 @@ def summary_line(path: Path) -> str:
     """A run's outcome from its summary.json; a damaged one is said so, after its logs were shown."""
     try:
         data = json.loads(path.read_text())
-        return f"exit codes {data['exit_codes']}, {float(data['duration_s']):.1f} s, ${float(data['cost_usd']):.4f}"
+        line = f"exit codes {data['exit_codes']}, {float(data['duration_s']):.1f} s, ${float(data['cost_usd']):.4f}"
+        verdict = (data.get("hang") or {}).get("verdict")
+        return f"{line}\n{verdict}" if verdict else line  # the hang watch's verdict, where it found one
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return (
             f"{path} is damaged ({type(exc).__name__}: {exc}); the logs above are complete, "

@@ -289,7 +289,7 @@ def launch(
     timeline up to the submit), and how following ended (None when detached at once)."""
     from remote.connect import on_all_nodes
     from remote.hangwatch import OVERDUE_GRACE_S, ask_command
-    from remote.launch import job_script, node_command, open_launch, owning, prepare, upload_script
+    from remote.launch import job_script, node_command, open_launch, owning, prepare, send_env_values, upload_script
 
     timeline = timeline or Timeline(time.time(), clock=time.monotonic())
     wanted, sessions, statuses, run_id = open_launch(cluster, spec, timeline)
@@ -315,11 +315,15 @@ def launch(
             staged = stage(cluster, sessions[0], spec, run_id)
             if staged is not None:
                 timeline.mark("stage")
+        values = slurm_held_values(cluster, spec, run_id)
+        if values:  # once on the shared folder (every node, a replaced one too, reads it there), else per node
+            send_env_values(sessions[:1] if cluster.shared_dir else sessions, values, spec.env)
         script = job_script(cluster, spec, run_id)
         # The copy is made: each node's command only makes the job's folder (no workdir key), or its copy and
         # environment from the stage where its node has none (a replaced node).
         commands = {
-            node.name: node_command(cluster, node, spec, setup, run_id, script, None, staged) for node in cluster.nodes
+            node.name: node_command(cluster, node, spec, setup, run_id, script, None, staged, values)
+            for node in cluster.nodes
         }
         watch = None
         if spec.hang.enabled:  # on the cluster: it holds while no fab follows the run
@@ -333,7 +337,12 @@ def launch(
                     for action in ("status", "collect")
                 },
             }
-        job_id = submit(cluster, sessions[0], setup, run_id, spec.task, commands, watch)
+        try:
+            job_id = submit(cluster, sessions[0], setup, run_id, spec.task, commands, watch)
+        except OperationError:
+            if values:  # nothing will read them
+                forget_env_values(cluster, run_id, values.path, sessions[0])
+            raise
         timeline.mark("submit")
     finally:
         for session in sessions:
@@ -345,7 +354,7 @@ def launch(
         f"{head_path(setup, cluster, node_paths.remote_run_dir(cluster, run_id))}/{contract.RUN_LOG}",
         [node.name for node in cluster.nodes],
         time.time(),
-        spec=spec_facts(spec),
+        spec={**spec_facts(spec), "env_values": values.path if values else None},
         timeline=timeline,
     )
     run.save(state.make_private_dir(local_dir))
@@ -359,6 +368,39 @@ def launch(
     if detach:
         return local_dir, run, None
     return local_dir, run, follow(cluster, run, local_dir)  # the hang watch runs on the cluster (supervise)
+
+
+def slurm_held_values(cluster: ClusterInfo, spec, run_id: str) -> job_command.EnvValues | None:
+    """A Slurm-held run's `--env` values: read at every start (a requeue starts the command again), from
+    the run's stage where the cluster has a shared folder, else each node's run folder; `finish` removes
+    them."""
+    if not spec.env:
+        return None
+    folder = node_paths.run_stage(cluster, run_id) or node_paths.node_run_dir(run_id)
+    return job_command.EnvValues(f"{folder}/{contract.RUN_ENV_VALUES}", once=False)
+
+
+def forget_env_values(cluster: ClusterInfo, run_id: str, path: str | None, head: NodeSession) -> None:
+    """Remove an ended run's `--env` values (at `path`) from the cluster: the shared folder, or every node."""
+    from remote.connect import on_all_nodes, open_sessions
+
+    if not path:
+        return
+    command = f"rm -f {node_paths.shell_path(path)}"
+    try:
+        if cluster.shared_dir:
+            head.run(command)
+            return
+        sessions, _ = open_sessions(cluster)
+        try:
+            removed = on_all_nodes(sessions, lambda s: s.run(command))
+        finally:
+            for session in sessions:
+                session.close()
+        if removed.failed:
+            raise OperationError("; ".join(f"{r.name}: {describe(r.error)}" for r in removed.failed))
+    except Exception as exc:
+        say(f"fab: could not remove run {run_id}'s --env values ({path}): {describe(exc)}; remove them by hand")
 
 
 def stage(cluster: ClusterInfo, head: NodeSession, spec, run_id: str) -> job_command.Stage | None:
@@ -419,6 +461,7 @@ def _finish_over(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: 
     from remote.launch import explain_failure, fetch_results, report_fetched
 
     refresh(cluster, [run], head)
+    forget_env_values(cluster, run.run_id, run.spec.get("env_values"), head)
     exit_codes, ranks = dict(run.exit_codes), {}
     if followed is not None and followed.exit_codes:
         exit_codes, ranks = dict(followed.exit_codes), dict(followed.ranks)

@@ -447,6 +447,7 @@ def logs(c, run=None, node=None, lines=None, follow=False, stack=None):
     run until it ends (exit 0 if it completed, else 1)."""
     count = options.integer("--lines", lines, 50, minimum=0)
     run = options.run_id(run) if run is not None else None
+    node = options.node_name("--node", node)
     if follow:
         cluster, holder = holder_of(stack)
         folder, record = runs.find(state.runs_dir(cluster.stack), run)

@@ -44,6 +44,8 @@ from tests.support.inventories import files_under, unreachable_stack
             ["run", "--script", "fabfile.py", "--env-file", "fabfile.py"],
             ["--env-file fabfile.py line 1 is not KEY=VALUE"],
         ),
+        (["run", "--script", "fabfile.py", "--env-file", "/dev/zero"], ["--env-file /dev/zero is not a regular file"]),
+        (["logs", "--node", ""], ["--node must name a node as node-1 or 1, not ''"]),
         (["hello", "--args", "x" * 130_000], ["--args", "130,00", "limit of 65,536"]),
         (["run", "--script", "fabfile.py", "--env", "BIG=" + "x" * 130_000], ["--env", "limit of 65,536"]),
     ],

@@ -111,6 +111,8 @@ def assert_hung_and_cleaned_up(cluster, result, run_id):
     assert run["usd_since_stall"] == 0.0  # a local cluster costs nothing; the figure is there
     evidence = cluster.state_dir / "local" / "runs" / run_id / "hang"
     assert (evidence / "verdict.txt").read_text().strip() == verdict_of(result)
+    shown = cluster.fab("logs", "--run", run_id, "--lines", "1")
+    assert shown.stdout.splitlines()[-1] == verdict_of(result), shown.stdout  # fab logs says why it ended
     assert {"rank-0.py-spy.txt", "rank-1.py-spy.txt"} <= {p.name for p in evidence.iterdir()}
     return evidence
 

@@ -2,16 +2,18 @@
 local cluster with real slurmctld and slurmd: a run outlives its fab, runs queue one at a time in order, a cancel leaves
 nothing, and a run that ended while nothing was connected is priced."""
 
+import hashlib
 import ipaddress
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
 from tests.support import slurm
 from tests.support.cli import assert_one_line_error
-from tests.support.clusters import bootstrapped_cluster, run_processes
+from tests.support.clusters import CMDLINE_LEAKS, bootstrapped_cluster, files_holding, run_processes
 
 pytestmark = pytest.mark.skipif(slurm.unavailable() is not None, reason=f"Slurm: {slurm.unavailable()}")
 
@@ -109,6 +111,29 @@ def test_a_detached_run_returns_at_once_and_is_followed_to_its_end_with_results(
     again = cluster.fab("logs", "-f", "--run", run_id)  # following again: the same end, the same code
     assert again.returncode == 0 and f"run {run_id} ok" in again.stdout
     assert "\n[node-1] rank 1 step 2\n" in again.stdout and "[node-1] [node-1]" not in again.stdout  # one prefix
+
+
+def test_env_values_reach_every_rank_on_no_command_line_and_leave_no_file_behind(cluster, tmp_path):
+    """A 60 kB --env value (under the 65,536-byte limit) runs; an --env-file value is in no process's
+    arguments (srun, the steps, bash) and, once the run is seen ended, in no file on the cluster."""
+    token, big = "tok-51c0e8-never-printed", "b" * 60_000
+    env_file = tmp_path / "job.env"
+    env_file.write_text(f"TOKEN={token}\n")
+    work = script(
+        tmp_path,
+        "env.py",
+        CMDLINE_LEAKS + "import hashlib\n"
+        "value = os.environ['TOKEN']\n"
+        "print('token', hashlib.sha256(value.encode()).hexdigest(), 'leaks', cmdline_leaks(value), flush=True)\n"
+        "print('big', len(os.environ['BIG']), flush=True)\n",
+    )
+    result = cluster.fab("run", "--script", str(work), "--env", f"BIG={big}", "--env-file", str(env_file))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+    digest = hashlib.sha256(token.encode()).hexdigest()
+    for node in ("node-0", "node-1"):
+        assert f"[{node}] token {digest} leaks 0" in result.stdout and f"[{node}] big 60000" in result.stdout
+    homes = [cluster.state_dir / cluster.stack / "nodes" / node for node in ("node-0", "node-1")]
+    assert not files_holding(token, *homes, Path(cluster.info["shared_dir"]))
 
 
 def test_an_attached_run_whose_fab_is_killed_completes_and_is_priced(cluster, tmp_path):

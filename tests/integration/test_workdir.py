@@ -13,7 +13,7 @@ import torch
 
 from tests.support import REPO
 from tests.support.cli import assert_one_line_error, child_env
-from tests.support.clusters import Cluster, bootstrapped_cluster, run_id_in
+from tests.support.clusters import CMDLINE_LEAKS, Cluster, bootstrapped_cluster, files_holding, run_id_in
 from tests.support.packages import tiny_wheel
 
 # A two-file project as pytorch/examples' ddp-tutorial-series/multinode.py is one (that code itself is
@@ -54,6 +54,8 @@ print(describe(rank, node, config["name"]), "GREETING=" + repr(os.environ.get("G
 big = os.environ["BIG"].encode()
 print("BIG", len(big), hashlib.sha256(big).hexdigest(), flush=True)
 print("FROM_FILE=" + repr(os.environ.get("FROM_FILE")), flush=True)
+token = os.environ["TOKEN"]
+print("TOKEN", hashlib.sha256(token.encode()).hexdigest(), "in arguments of", cmdline_leaks(token), flush=True)
 dist.destroy_process_group()
 """
 DATAUTILS = """\
@@ -77,6 +79,8 @@ GREETING = "hello world; $HOME \"double\" 'single' $(touch /tmp/gpu-cluster-neve
 FROM_FILE = "two\nlines, 'quoted' $HOME"  # from an --env-file's double-quoted value, its \\n an escape
 # Near the limit on --env and --args (65,536 bytes as quoted): a value this long reaches every rank whole.
 BIG = ("x" * 999 + "$ '\"\n") * 12 + "y" * 48_000
+TOKEN = "tok-9d2f7c-never-printed"  # an --env-file value: in no process's arguments, in no file left behind
+TRAIN = f"{CMDLINE_LEAKS}\n{TRAIN}"
 
 
 def make_project(root: Path) -> Path:
@@ -141,7 +145,9 @@ def project(tmp_path_factory):
 
 def test_a_project_launched_from_its_own_folder_runs_in_a_copy_of_its_own_on_each_node(cluster, project, tmp_path):
     env_file = tmp_path / "job.env"
-    env_file.write_text("# for the job\nexport FROM_FILE=\"two\\nlines, 'quoted' $HOME\"  # a comment\n")
+    env_file.write_text(
+        f"# for the job\nexport FROM_FILE=\"two\\nlines, 'quoted' $HOME\"  # a comment\nTOKEN={TOKEN}\n"
+    )
     result = fab_in(
         cluster,
         project,
@@ -166,6 +172,10 @@ def test_a_project_launched_from_its_own_folder_runs_in_a_copy_of_its_own_on_eac
         assert f"[{node}] rank {rank} on {node} trained tiny-linear GREETING={GREETING!r}" in result.stdout
         assert f"[{node}] BIG {len(BIG)} {hashlib.sha256(BIG.encode()).hexdigest()}" in result.stdout
         assert f"[{node}] FROM_FILE={FROM_FILE!r}" in result.stdout
+        assert f"[{node}] TOKEN {hashlib.sha256(TOKEN.encode()).hexdigest()} in arguments of 0" in result.stdout
+    assert not files_holding(
+        TOKEN, node_home(cluster, "node-0"), node_home(cluster, "node-1"), Path(cluster.info["shared_dir"])
+    )
     run_id = run_id_in(result.stdout)
     for node in ("node-0", "node-1"):  # the same file name written on both nodes, each in its own folder
         job_dir = node_home(cluster, node) / "runs" / run_id / "workdir"
@@ -188,7 +198,7 @@ def test_a_project_launched_from_its_own_folder_runs_in_a_copy_of_its_own_on_eac
         [".gitignore", "config.json", "data", "datautils.py", "helpers", "train.py", "weights.ckpt"]
     )
     summary = json.loads((local / "summary.json").read_text())
-    assert summary["workdir"] == str(project.resolve()) and summary["env"] == ["BIG", "FROM_FILE", "GREETING"]
+    assert summary["workdir"] == str(project.resolve()) and summary["env"] == ["BIG", "FROM_FILE", "GREETING", "TOKEN"]
 
 
 def test_an_unchanged_project_sends_nothing_and_costs_no_ssh_command_more_than_one_script(cluster, project, tmp_path):

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pytest
 
@@ -71,7 +72,7 @@ def test_launch_command_quotes_arguments_and_records_the_job():
     assert f'"$CLUSTER_CODE_DIR"/examples/x.py --msg {shlex.quote("a b; rm -rf /")} 2>&1;' in command
     assert 'cd "$HOME"/.gpu-cluster/runs/r1/workdir' in command  # each node's own folder, not the shared one
     assert command.startswith(f". {node_paths.ENV_FILE} && ")
-    assert "env CLUSTER_RUN_ID=r1 CLUSTER_RUN_DIR=/shared/runs/r1" in command
+    assert "export CLUSTER_RUN_ID=r1 CLUSTER_RUN_DIR=/shared/runs/r1" in command
     assert f"> {node_paths.JOB_FILE}" in command
 
 
@@ -116,6 +117,9 @@ def test_a_workdir_job_runs_in_its_own_copy_with_its_variables_taken_literally(t
     (home / ".gpu-cluster" / "env").write_text(f"export CLUSTER_PYTHON={fake_python}\nexport CLUSTER_CODE_DIR=/code\n")
     c = cluster(shared=str(tmp_path / "shared"))
     value = "a b; $HOME \"q\" 's' $(touch /tmp/never) `x`\nline two"
+    values = job_command.EnvValues(f"{home}/.gpu-cluster/runs/r1/{contract.RUN_ENV_VALUES}", once=True)
+    (home / ".gpu-cluster" / "runs" / "r1").mkdir(parents=True)
+    Path(values.path).write_text(job_command.env_values_text({"GREETING": value}))
     command = job_command.launch_command(
         c,
         c.nodes[0],
@@ -127,7 +131,9 @@ def test_a_workdir_job_runs_in_its_own_copy_with_its_variables_taken_literally(t
         29500,
         workdir_key="proj-1",
         env={"GREETING": value},
+        values=values,
     )
+    assert "a b;" not in command and "line two" not in command  # values are read from the file only
     result = subprocess.run(
         ["bash", "-c", command],
         env={"HOME": str(home), "PATH": os.environ["PATH"]},
@@ -143,6 +149,32 @@ def test_a_workdir_job_runs_in_its_own_copy_with_its_variables_taken_literally(t
     assert f"value={value}|" in result.stdout
     assert (job_dir / "workdir" / "pkg" / "config.json").read_text() == "changed\n"
     assert (cache / "pkg" / "config.json").read_text() == "cached"  # a copy, not links into the cache
+    assert not Path(values.path).exists()  # a fab-held run's values: gone once read
+
+
+@pytest.mark.parametrize("once", [True, False])
+def test_env_values_travel_in_a_file_never_on_the_command_line(tmp_path, once):
+    """A value of --env under the 65,536-byte limit: the command stays small (Slurm's spec and sh -c carry
+    it), the rank sees the value whole, and a Slurm-held run's file stays for its requeues."""
+    home = tmp_path / "home"
+    (home / ".gpu-cluster").mkdir(parents=True)
+    fake_python = tmp_path / "python"
+    fake_python.write_text('#!/bin/bash\nprintf "%s" "$BIG" > "$HOME/seen"\n')
+    fake_python.chmod(0o755)
+    (home / ".gpu-cluster" / "env").write_text(f"export CLUSTER_PYTHON={fake_python}\nexport CLUSTER_CODE_DIR=/code\n")
+    big = ("secret-" + "x" * 990 + " $HOME '\"\n") * 60
+    values = job_command.EnvValues(f"$HOME/.gpu-cluster/{contract.RUN_ENV_VALUES}", once=once)
+    (home / ".gpu-cluster" / contract.RUN_ENV_VALUES).write_text(job_command.env_values_text({"BIG": big}))
+    c = cluster(shared=str(tmp_path / "shared"))
+    command = job_command.launch_command(
+        c, c.nodes[0], "r1", "run", "x.py", [], 0, 29500, env={"BIG": big}, values=values
+    )
+    assert "secret-" not in command and len(command) < 4_000
+    result = subprocess.run(["bash", "-c", command], env={"HOME": str(home), "PATH": os.environ["PATH"]}, cwd=tmp_path)
+    assert result.returncode == 0 and (home / "seen").read_text() == big
+    assert (home / ".gpu-cluster" / contract.RUN_ENV_VALUES).exists() is not once
+    with pytest.raises(ValueError):  # --env without a file for it: never inline
+        job_command.launch_command(c, c.nodes[0], "r1", "run", "x.py", [], 0, 29500, env={"BIG": big})
 
 
 def test_a_queued_job_makes_its_missing_copy_and_environment_from_the_stage_and_keeps_what_it_has(tmp_path):

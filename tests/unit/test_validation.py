@@ -12,6 +12,7 @@ import pytest
 from infra import catalog, config, inventory, state
 from infra.errors import UsageError
 from infra.ledger import Ledger
+from remote import options
 from tests.support.ledgers import damage_ledger
 
 # ----------------------------------------------------------------------------------- config values
@@ -252,3 +253,14 @@ def test_a_node_server_never_signals_its_own_init_or_every_group_from_a_pid_file
     for name, text in {"a": "0", "b": "1", "c": "-1", "d": "abc", "e": str(os.getpid()), "f": "4242 x"}.items():
         (registry / f"{name}.pid").write_text(text)
     assert ProcessTable(tmp_path, "token").registered_daemons() == [4242]
+
+
+@pytest.mark.parametrize("given,name", [("1", "node-1"), ("node-1", "node-1"), ("0", "node-0"), (None, None)])
+def test_a_node_is_named_by_its_name_or_its_number(given, name):
+    assert options.node_name("--node", given) == name
+
+
+@pytest.mark.parametrize("given", ["", " 1", "node-", "node-01", "-1", "node-1\n", "head"])
+def test_a_node_that_names_no_node_is_one_line(given):
+    with pytest.raises(UsageError, match="--node must name a node as node-1 or 1"):
+        options.node_name("--node", given)

@@ -410,8 +410,10 @@ def test_an_env_file_reads_dotenv_syntax_and_takes_values_literally(tmp_path):
     "text,words",
     [
         ("A=1\nthe-secret-itself\n", ["line 2 is not KEY=VALUE"]),
-        ("A=1\nB='never closed secret\n", ["line 2", "never closed"]),
-        ('A="secret" tail\n', ["line 1", "after the closing"]),
+        ("A=1\nB='never closed secret\n", ["line 2 is not KEY=VALUE", "never closed"]),
+        ('A="secret" tail\n', ["line 1 is not KEY=VALUE", "after the closing"]),
+        ("A=1\n\n\nSECRET_ALONE\n", ["line 4 is not KEY=VALUE", "without '='"]),
+        ("A=1\n\n# c\n\nB=a\0secret\n", ["line 5:", "B", "NUL byte"]),
         ("export RANK=3\n", ["line 1:", "RANK", "pick another name"]),
         ("1X=secret\n", ["line 1:", "'1X'"]),
         ("A=1\nA=secret\n", ["line 2:", "A is given twice"]),
@@ -425,6 +427,22 @@ def test_a_bad_env_file_names_the_line_and_never_a_value(tmp_path, text, words):
     message = str(refused.value)
     assert refused.value.exit_code == 2 and all(word in message for word in words), message
     assert "secret" not in message
+
+
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "big"])
+def test_an_env_file_must_be_a_regular_file_of_bounded_size(tmp_path, kind):
+    """A FIFO or /dev/zero would hang the launch forever before a word is said; a huge file is a wrong path."""
+    path = tmp_path / "job.env"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "big":
+        path.write_text("A=" + "x" * options.MAX_ENV_FILE_BYTES + "\n")
+    else:
+        path = Path(kind)
+    words = ["over 1,048,576 bytes"] if kind == "big" else ["is not a regular file"]
+    with pytest.raises(UsageError) as refused:
+        options.environment([], str(path))
+    assert refused.value.exit_code == 2 and all(w in str(refused.value) for w in words), refused.value
 
 
 def test_a_name_in_the_env_file_and_in_env_is_given_twice(tmp_path):
