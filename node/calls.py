@@ -214,11 +214,15 @@ class ProbeNode(Request):
 class RequirementsEnv:
     ok: bool
     installed: bool = False
-    """pip ran (False: the environment was ready)."""
+    """The installer ran (False: the environment was ready)."""
     python: str = ""
     error: str = ""
-    """pip's own summary of what went wrong, where it failed."""
+    """The installer's own summary of what went wrong, where it failed."""
     seconds: float = 0.0
+    installer: str = ""
+    """`uv`, or `pip` where uv could not run (node/uv_env.py)."""
+    installer_why: str = ""
+    """Why not uv, where pip installed it."""
 
 
 @dataclasses.dataclass(frozen=True)

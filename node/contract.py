@@ -33,6 +33,9 @@ WORKDIRS = f"{HOME_DIR}/workdirs"
 ENVS = f"{HOME_DIR}/envs"
 """`fab run --requirements` environments, one per requirements file: `<digest>/` (a venv), with
 `<digest>.txt` (the file), `<digest>.log` (pip's output) and `<digest>.lock` (held while it is made) beside it."""
+UV_CACHE = f"{HOME_DIR}/uv-cache"
+"""uv's cache for the node venv and every `--requirements` env: in the home folder, on the venvs' own
+filesystem (uv hard-links from it; across filesystems, such as the shared folder, it copies every file)."""
 PROGRESS = f"{HOME_DIR}/progress"
 """`<run-id>/rank-<R>.json`: each rank's collective progress, for hang detection (always node-local)."""
 WATCHDOG_PID = f"{PIDS}/watchdog.pid"

@@ -5,13 +5,14 @@
 
 Run by the node venv's interpreter, it makes DEST a venv layered over that interpreter as bootstrap
 layers the node venv (python_env.py: `--system-site-packages` plus a `.pth` naming every folder the
-node venv sees), so torch and the rest are found, not installed again. pip installs REQUIREMENTS into
-it, from CWD (the synced workdir: relative paths in the file, such as `--find-links wheels`, are the
-project's), its output going to LOG. DEST/.installed is written only after pip succeeded, naming the
+node venv sees), so torch and the rest are found, not installed again. uv installs REQUIREMENTS into
+it (pip where uv cannot run, saying why: node/uv_env.py), from CWD (the synced workdir: relative paths
+in the file, such as `--find-links wheels`, are the project's), its output going to LOG, with the
+node-local uv cache. DEST/.installed is written only after the install succeeded, naming the
 interpreter it is layered over; where it is there and names this one, nothing is done. One maker at a
 time per environment (`DEST.lock`): the launch that installs it and a queued run's job that finds it
 missing on a replaced node (`--job`, from the run's staged requirements) may meet. `--job` prints for
-the run's log: nothing where the environment is ready, else a line before and after pip (the error in
+the run's log: nothing where the environment is ready, else a line before and after the install (the error in
 one line, exit 1, where it failed). Standard library only.
 """
 
@@ -26,7 +27,7 @@ import time
 if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
 
-from node import contract, python_env  # noqa: E402
+from node import contract, python_env, uv_env  # noqa: E402
 
 READY = contract.ENV_READY
 
@@ -54,19 +55,15 @@ def install(dest: str, requirements: str, log: str, cwd: str) -> dict:
     python_env.create(dest)
     python_env.write_layer(dest)
     python = os.path.join(dest, "bin", "python")
-    python_env.ensure_pip(python)
+    cache = os.path.join(os.path.expanduser("~"), contract.UV_CACHE)
     with open(log, "w") as out:
-        pip = subprocess.run(
-            [python, "-m", "pip", "install", "--disable-pip-version-check", "--no-input", "-r", requirements],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=cwd,
-        )
-    if pip.returncode != 0:
-        return {"ok": False, "error": error_line(log), "log": log}
+        try:
+            how = uv_env.install(python, requirements, cwd, out, cache, python_env.ensure_pip)
+        except subprocess.CalledProcessError:
+            return {"ok": False, "error": error_line(log), "log": log}
     with open(os.path.join(dest, READY), "w") as f:
         f.write(sys.executable + "\n")
-    return {"ok": True, "installed": True, "python": python}
+    return {"ok": True, "installed": True, "python": python, **how}
 
 
 def ensure(dest: str, requirements: str, log: str, cwd: str) -> dict:
@@ -96,7 +93,16 @@ def _paths(dest: str, requirements: str, log: str, cwd: str) -> tuple:
 
 def ensure_reply(dest: str, requirements: str, log: str, cwd: str = "") -> dict:
     outcome = ensure(*_paths(dest, requirements, log, cwd))
-    return {key: outcome[key] for key in ("ok", "installed", "python", "error", "seconds") if key in outcome}
+    keys = ("ok", "installed", "python", "error", "seconds", "installer", "installer_why")
+    return {key: outcome[key] for key in keys if key in outcome}
+
+
+def installer_note(outcome: dict) -> str:
+    """` with uv`, or ` with pip (no uv on this node)`: said beside an install."""
+    if not outcome.get("installer"):
+        return ""
+    why = outcome.get("installer_why")
+    return f" with {outcome['installer']}" + (f" ({why})" if why else "")
 
 
 def main(argv: list) -> int:
@@ -104,12 +110,14 @@ def main(argv: list) -> int:
         sys.exit("usage: NODE_PYTHON job_env.py --job DEST REQUIREMENTS LOG [CWD]")
     dest, requirements, log, cwd = _paths(argv[1], argv[2], argv[3], argv[4] if len(argv) == 5 else "")
     if not ready(dest):
-        print(f"gpu-cluster: installing the run's requirements into {dest} (pip's output in {log})", flush=True)
+        print(
+            f"gpu-cluster: installing the run's requirements into {dest} (the installer's output in {log})", flush=True
+        )
     outcome = ensure(dest, requirements, log, cwd)
     if not outcome["ok"]:
-        print(f"error: the run's requirements could not be installed: {outcome['error']} (pip's log: {log})")
+        print(f"error: the run's requirements could not be installed: {outcome['error']} (the installer's log: {log})")
     elif outcome["installed"]:
-        print(f"gpu-cluster: requirements installed in {outcome['seconds']} s", flush=True)
+        print(f"gpu-cluster: requirements installed in {outcome['seconds']} s{installer_note(outcome)}", flush=True)
     return 0 if outcome["ok"] else 1
 
 

@@ -19,7 +19,13 @@ import site
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import venv
+
+if not __package__:  # run as a file (`python node/python_env.py`): its siblings from the code folder
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from node import contract, uv_env  # noqa: E402
 
 LAYER_PTH = "_gpu_cluster_layer.pth"
 # requirement name -> the module it provides
@@ -164,18 +170,44 @@ def requirement_lines(path: str) -> list:
         return [line.split("#")[0].strip() for line in f if line.split("#")[0].strip()]
 
 
-def top_up(python: str, requirements: str, missing: list) -> list:
-    """Install what is missing: everything where torch is, else only the missing packages."""
-    if not missing:
-        return []
-    ensure_pip(python)
-    pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    if "torch" in missing:
-        subprocess.run(pip + ["-r", requirements], check=True, stdout=sys.stderr)
-        return requirement_lines(requirements)
-    wanted = [line for line in requirement_lines(requirements) if _name(line) in missing]
-    subprocess.run(pip + wanted, check=True, stdout=sys.stderr)
-    return wanted
+def top_up(python: str, requirements: str, missing: list) -> tuple:
+    """Install what is missing: everything where torch is, else only the missing packages; with uv (the
+    file's `uv` line pip-installed first where the node has none), else with pip, saying why uv could
+    not. (the lines installed, {installer, installer_why})."""
+    lines = requirement_lines(requirements)
+    wanted = lines if "torch" in missing else [line for line in lines if _name(line) in missing]
+    wanted = [line for line in wanted if _name(line) != "uv"]
+    uv, why = uv_env.find_uv(python)
+    installed = []
+    if uv is None and (uv_lines := [line for line in lines if _name(line) == "uv"]):
+        try:
+            ensure_pip(python)
+            subprocess.run(_pip(python) + uv_lines, check=True, stdout=sys.stderr)
+            installed += uv_lines
+            uv, why = uv_env.find_uv(python)
+        except subprocess.CalledProcessError as exc:
+            why = f"uv could not be installed with pip (exit {exc.returncode})"
+    how = {"installer": "uv" if uv else "pip", "installer_why": why}
+    if not wanted:
+        return installed, how
+    if uv is None:
+        print(f"gpu-cluster: {why}: installing with pip", file=sys.stderr, flush=True)
+        ensure_pip(python)
+        subprocess.run(_pip(python) + wanted, check=True, stdout=sys.stderr)
+        return installed + wanted, how
+    cache = os.path.join(os.path.expanduser("~"), contract.UV_CACHE)
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as listed:
+        listed.write("".join(line + "\n" for line in wanted))
+    try:
+        environ = uv_env.uv_environment(uv_env.pip_settings(), cache)
+        uv_env.uv_install(uv, python, listed.name, os.path.dirname(requirements), sys.stderr, environ)
+    finally:
+        os.unlink(listed.name)
+    return installed + wanted, how
+
+
+def _pip(python: str) -> list:
+    return [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
 
 
 def _name(requirement: str) -> str:
@@ -197,7 +229,7 @@ def main(argv: list) -> None:
     created = create(dest)
     write_layer(dest)
     python = os.path.join(dest, "bin", "python")
-    installed = top_up(python, requirements, in_venv(python, "--missing"))
+    installed, how = top_up(python, requirements, in_venv(python, "--missing"))
     found = in_venv(python, "--facts")
     if found["missing"]:
         sys.exit(f"{python} still lacks {', '.join(found['missing'])} after installing {requirements}")
@@ -210,6 +242,7 @@ def main(argv: list) -> None:
                 "created": created,
                 "layered": is_layered_env(),
                 "installed": installed,
+                **how,
             }
         )
     )

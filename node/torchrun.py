@@ -149,12 +149,28 @@ def formed_process_group(node: str) -> bool | None:
     return any(record.get("node", node) in ("", node) for record in progress_records(folder))
 
 
-def ranks_line(exit_codes: dict[str, int], process_group: bool | None) -> str:
+def rank_times(node: str, started: float) -> dict:
+    """For the launch's timeline: when this node's torchrun started, and the earliest of its ranks'
+    rendezvous and first step, by their monitors' records (absent where no monitor ran)."""
+    times: dict = {"started": started}
+    folder = os.environ.get(contract.PROGRESS_VARIABLE)
+    if folder and os.path.isdir(folder):
+        records = [r for r in progress_records(folder) if r.get("node", node) in ("", node)]
+        for key, name in (("group_at", "group"), ("first_step_at", "first_step")):
+            known = [r[key] for r in records if isinstance(r.get(key), (int, float))]
+            if known:
+                times[name] = min(known)
+    return times
+
+
+def ranks_line(exit_codes: dict[str, int], process_group: bool | None, times: dict | None = None) -> str:
     """The bare line the launch reads after torchrun returns."""
-    return f"{contract.RANKS_MARKER} " + json.dumps({"exit_codes": exit_codes, "process_group": process_group})
+    said = {"exit_codes": exit_codes, "process_group": process_group, "times": times or {}}
+    return f"{contract.RANKS_MARKER} " + json.dumps(said)
 
 
 def main(argv: list[str]) -> None:
+    started = time.time()
     node = os.environ.get(contract.NODE_VARIABLE) or f"node-{os.environ.get('NODE_RANK', '0')}"
     run_id = os.environ.get(contract.RUN_ID_VARIABLE)
     own = OwnOutput.start(node, os.path.expanduser(f"~/{contract.node_run(run_id)}") if run_id else None)
@@ -181,7 +197,8 @@ def main(argv: list[str]) -> None:
         for stop in STOP_SIGNALS:  # torch's handlers raise wherever a later stop lands: end at once instead
             signal.signal(stop, signal.SIG_DFL)
         own.restore()  # sends what the spool still holds
-    print(ranks_line(exit_codes, formed_process_group(node) if code == 0 else None), flush=True)
+    group = formed_process_group(node) if code == 0 else None
+    print(ranks_line(exit_codes, group, rank_times(node, started)), flush=True)
     sys.exit(code)
 
 

@@ -4,7 +4,8 @@ code      harness/, examples/ and node/ into $CLUSTER_SHARED_DIR/code once (into
           ~/.gpu-cluster/code without shared storage), only files whose hash differs
 probe     OS, Python, GPUs, driver and CUDA, and the interface that routes to MASTER_ADDR
 deps      the node venv ~/.gpu-cluster/venv over the inventory's `python`, topped up from
-          requirements-node.txt only where torch (or nvidia-ml-py, matplotlib) is missing
+          requirements-node.txt only where torch (or nvidia-ml-py, matplotlib) is missing: with uv
+          (node/uv_env.py), pip-installed first where the node has none; with pip where uv cannot run
 env       ~/.gpu-cluster/env: the node environment every job sources
 health    every node reaches MASTER_ADDR:MASTER_PORT, then one all-reduce across all nodes
 watchdog  the budget and idle guard on the head node, as the inventory's `daemon` says
@@ -37,6 +38,7 @@ from rich.table import Table
 from infra import state
 from infra.errors import OperationError, ReportedFailure, UsageError
 from infra.inventory import ClusterInfo
+from infra.timeline import Timeline
 from node import calls, contract, kit
 from remote import job_command, node_paths, nodecall, protocol
 from remote.connect import NodeSession, describe, on_all_nodes, open_sessions
@@ -93,6 +95,8 @@ class Outcome:
     """A short note for the table."""
     output: str = ""
     """What the node printed, kept for failures."""
+    seconds: float | None = None
+    """How long the stage took on this node (a stage done on every node at once)."""
 
 
 @dataclass
@@ -142,11 +146,13 @@ class NodeStage:
         by_session = {id(r.session): r for r in records}
 
         def on_node(session: NodeSession) -> Outcome:
-            record = by_session[id(session)]
+            record, started = by_session[id(session)], time.monotonic()
             try:
-                return session.retrying(lambda _: self.apply(record), on_retry=say)
+                outcome = session.retrying(lambda _: self.apply(record), on_retry=say)
             except StageFailed as exc:
-                return Outcome("failed", str(exc), exc.output)
+                outcome = Outcome("failed", str(exc), exc.output)
+            outcome.seconds = time.monotonic() - started
+            return outcome
 
         results = on_all_nodes([r.session for r in records], on_node)
         return {r.name: r.value if r.value is not None else Outcome("failed", describe(r.error)) for r in results}
@@ -178,8 +184,17 @@ class Scheduler(str, enum.Enum):
 class Bootstrap:
     """One `fab bootstrap` run over a cluster."""
 
-    def __init__(self, cluster: ClusterInfo, force: bool, master_port: int, scheduler: str | None = None):
+    def __init__(
+        self,
+        cluster: ClusterInfo,
+        force: bool,
+        master_port: int,
+        scheduler: str | None = None,
+        timeline: Timeline | None = None,
+    ):
         self.cluster, self.force, self.master_port = cluster, force, master_port
+        self.timeline = timeline or Timeline(time.time(), clock=time.monotonic())
+        """Connect, then each stage (per node in `nodes`), then the record: in bootstrap.json, one line at the end."""
         remembered = remembered_setup(cluster)
         held_before = remembered.get("scheduler") == state.SLURM_HOLDS
         self.scheduler_choice = Scheduler(
@@ -216,15 +231,21 @@ class Bootstrap:
         try:
             self._refuse_busy_port(sessions[0])
             self.records = [NodeRecord(s, _parse_state(text)) for s, text in zip(sessions, recorded, strict=True)]
+            self.timeline.mark("connect")
             for stage in self.stages():
                 name = stage.name
                 stage_started = time.monotonic()
                 self.outcomes[name] = stage.run(self.records)
+                self.timeline.mark(name)
+                for node, outcome in self.outcomes[name].items():
+                    if outcome.seconds is not None:
+                        self.timeline.nodes.setdefault(node, {})[name] = round(outcome.seconds, 3)
                 statuses = sorted({o.status for o in self.outcomes[name].values()})
                 say(f"bootstrap: {name:7s} {', '.join(statuses)} ({time.monotonic() - stage_started:.1f} s)")
                 if "failed" in statuses:
                     self._report(failed_stage=name)
                     raise ReportedFailure(1)
+            self.timeline.close("record")
             self._save_setup()
             self._report()
             fresh = all(
@@ -235,6 +256,7 @@ class Bootstrap:
                 f"in {time.monotonic() - started:.1f} s; "
                 "next: fab hello, fab run-ddp"
             )
+            say(f"bootstrap: {self.timeline.line()}")
         finally:
             for session in sessions:
                 session.close()
@@ -354,7 +376,8 @@ class Bootstrap:
     def deps(self, record: NodeRecord) -> Outcome:
         """The node venv over the inventory's `python`; pip runs only where something is missing."""
         requirements = (REPO / "requirements-node.txt").read_text()
-        wanted = digest(requirements, self.cluster.python, self.manifest.get("node/python_env.py"))
+        code = [self.manifest.get(f"node/{name}.py") for name in ("python_env", "uv_env")]
+        wanted = digest(requirements, self.cluster.python, *code)
         if self._up_to_date(record, "deps", wanted):
             return Outcome("up to date", _torch(record.facts("deps")))
         facts = self._apply_kit(record, "deps", kit.NodeKit(record.name, self.cluster.python, requirements))
@@ -776,6 +799,7 @@ class Bootstrap:
             "scheduler_why": self.scheduler_why,
             "nodes": {r.name: {"probe": r.facts("probe"), "deps": r.facts("deps")} for r in self.records},
             "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "timeline": self.timeline.as_dict(),
         }
         state.write_atomic(self.stack_dir / state.BOOTSTRAP, json.dumps(setup, indent=2) + "\n")
 
@@ -840,9 +864,15 @@ def _hardware(facts: dict) -> str:
 
 
 def _torch(facts: dict) -> str:
-    if facts.get("nccl"):
-        return f"torch {facts.get('torch')}, NCCL {facts['nccl']}"
-    return f"torch {facts.get('torch')} (CPU)"
+    """`torch 2.13.0 (CPU)`, and how the venv was topped up where it was (`, with pip: no uv on this node`)."""
+    torch = (
+        f"torch {facts.get('torch')}, NCCL {facts['nccl']}"
+        if facts.get("nccl")
+        else f"torch {facts.get('torch')} (CPU)"
+    )
+    if facts.get("installer") == "pip" and facts.get("installer_why"):
+        return f"{torch}, with pip: {facts['installer_why']}"
+    return f"{torch}, with uv" if facts.get("installed") and facts.get("installer") == "uv" else torch
 
 
 def _sftp(destination: str, relative: str) -> str:

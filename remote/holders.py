@@ -17,6 +17,7 @@ from typing import Protocol
 from infra import state
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo
+from infra.timeline import Timeline
 from remote import protocol, runs, scheduled
 from remote.connect import open_sessions
 from remote.launch import JobResult, JobSpec, NodeSetup, launch, stop_everywhere
@@ -45,7 +46,9 @@ class RunHolder(Protocol):
     why_not: str
     """Why the runs are not held on the cluster ('' where they are): said once per launch."""
 
-    def launch(self, spec: JobSpec, detach: bool) -> Ending: ...
+    def launch(self, spec: JobSpec, detach: bool, timeline: Timeline | None = None) -> Ending:
+        """Run `spec` (`detach`: submit only); `timeline` gets the launch's phases (one is started here
+        where none is given), kept in the run's record and its summary."""
 
     def refresh(self, found: list[tuple[Path, runs.Run]]) -> None:
         """Bring the records of runs not yet ended up to date (in place)."""
@@ -68,7 +71,7 @@ class FabHolder:
         self.cluster, self.setup = cluster, setup
         self.why_not = setup.scheduler_why or "bootstrapped with --scheduler none"
 
-    def launch(self, spec: JobSpec, detach: bool) -> Ending:
+    def launch(self, spec: JobSpec, detach: bool, timeline: Timeline | None = None) -> Ending:
         if detach:
             raise UsageError(
                 f"--detach needs runs held by Slurm on the cluster, which it does not run ({self.why_not}); "
@@ -77,6 +80,7 @@ class FabHolder:
         if self.setup.scheduler_why:
             say(f"fab: this run lives in fab's connections, not in Slurm on the cluster: {self.setup.scheduler_why}")
         runs_root = state.runs_dir(self.cluster.stack)
+        timeline = timeline or Timeline(time.time(), clock=time.monotonic())
         book = runs.RunBook(self.cluster)
         records: dict[str, runs.Run] = {}
 
@@ -95,18 +99,22 @@ class FabHolder:
                 holder="fab",
                 owner=f"{socket.gethostname()}:{os.getpid()}",
                 spec=runs.spec_facts(spec),
+                timeline=timeline,
             )
             run.save(state.make_private_dir(runs_root / run_id))
             records[run_id] = run
 
         try:
-            result, folder = launch(self.cluster, spec, self.setup, runs_root, on_start=started, on_hang=book.hung)
+            result, folder = launch(
+                self.cluster, spec, self.setup, runs_root, on_start=started, on_hang=book.hung, timeline=timeline
+            )
         except BaseException:
             book.close()  # a record written stays RUNNING until this fab is gone, then reads FAILED
             raise
         run = records[result.run_id]
         ended(run, spec, result)
         book.ended(run)
+        timeline.close("record")
         runs.write_summary(folder, runs.summary(self.cluster, run))
         run.finished = True
         run.save(folder)
@@ -202,9 +210,9 @@ class SlurmHolder:
     def __init__(self, cluster: ClusterInfo, setup: NodeSetup):
         self.cluster, self.setup = cluster, setup
 
-    def launch(self, spec: JobSpec, detach: bool) -> Ending:
+    def launch(self, spec: JobSpec, detach: bool, timeline: Timeline | None = None) -> Ending:
         runs_root = state.runs_dir(self.cluster.stack)
-        folder, run, followed = scheduled.launch(self.cluster, spec, self.setup, runs_root, detach)
+        folder, run, followed = scheduled.launch(self.cluster, spec, self.setup, runs_root, detach, timeline)
         if followed is None:
             return Ending(folder, run, submitted=True)
         return self._after(folder, run, followed)

@@ -24,6 +24,7 @@ import paramiko
 from infra import state
 from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
+from infra.timeline import Timeline, job_phases
 from node import calls, contract
 from node import hang_rule as hang
 from remote import job_command, node_paths, nodecall, protocol, workdir
@@ -95,6 +96,8 @@ class JobResult:
     """Per node, how its ranks ended, as its node/torchrun.py said."""
     watch: dict | None = None
     """What the hang watch did (polls, ranks seen); None where it was off."""
+    exited_at: dict[str, float | None] = field(default_factory=dict)
+    """Per node, when its job ended by its own clock (its exit marker)."""
 
     @property
     def ok(self) -> bool:
@@ -234,7 +237,9 @@ def first_failure(
     return ordered[0] if ordered else None
 
 
-def open_launch(cluster: ClusterInfo, spec: JobSpec) -> tuple[Manifest | None, list[NodeSession], list[str], str]:
+def open_launch(
+    cluster: ClusterInfo, spec: JobSpec, timeline: Timeline | None = None
+) -> tuple[Manifest | None, list[NodeSession], list[str], str]:
     """A launch's first steps, attached or held by Slurm: the workdir's manifest, one status round on
     every node (`launch_status`), the bootstrap check (UsageError before anything starts; the sessions
     closed), and the new run's id. The caller closes the sessions."""
@@ -248,6 +253,8 @@ def open_launch(cluster: ClusterInfo, spec: JobSpec) -> tuple[Manifest | None, l
         for session in sessions:
             session.close()
         raise
+    if timeline:
+        timeline.mark("connect")
     return wanted, sessions, statuses, job_command.new_run_id(spec.task)
 
 
@@ -258,7 +265,14 @@ def launch_status(spec: JobSpec) -> str:
 
 
 @contextlib.contextmanager
-def owning(sessions: list[NodeSession], statuses: list[str], spec: JobSpec, run_id: str, queued: bool = False):
+def owning(
+    sessions: list[NodeSession],
+    statuses: list[str],
+    spec: JobSpec,
+    run_id: str,
+    queued: bool = False,
+    timeline: Timeline | None = None,
+):
     """The head node's job lock for this launch, taken in its turn. Where another launch held it first,
     `statuses` are asked again (that launch may have synced, installed or run meanwhile); then a job
     still running is one no launch holds (its fab was killed), and unless the run is `queued` by the
@@ -271,6 +285,8 @@ def owning(sessions: list[NodeSession], statuses: list[str], spec: JobSpec, run_
                 raise OperationError(f"the nodes stopped answering while run {run_id} waited its turn: {why}")
             statuses[:] = [r.value.stdout for r in asked if r.value is not None]
         check_ready(sessions, statuses, queued=queued)
+        if timeline:
+            timeline.mark("lock")
         yield lock
 
 
@@ -389,6 +405,7 @@ def run_job(
         watch.report,
         {name: stream.ranks for name, stream in streams.items() if contract.RANKS_MARKER in stream.markers},
         watch.stats(),
+        exited_at,
     )
 
 
@@ -635,10 +652,13 @@ def prepare(
     spec: JobSpec,
     setup: NodeSetup,
     wanted: Manifest | None,
+    timeline: Timeline | None = None,
 ) -> None:
     """The workdir and the requirements on every node, from what the launch's first command found."""
     if spec.workdir and wanted is not None:
         workdir.sync(cluster, sessions, setup.python, spec.workdir, wanted, _tagged(sessions, statuses, "workdir"))
+        if timeline:
+            timeline.mark("sync")
     if spec.requirements:
         ensure_requirements(
             cluster,
@@ -648,6 +668,8 @@ def prepare(
             _tagged(sessions, statuses, "env"),
             spec.workdir.key if spec.workdir else None,
         )
+        if timeline:
+            timeline.mark("requirements")
 
 
 def _tagged(sessions: list[NodeSession], statuses: list[str], tag: str) -> dict[str, str | None]:
@@ -655,16 +677,25 @@ def _tagged(sessions: list[NodeSession], statuses: list[str], tag: str) -> dict[
 
 
 def launch(
-    cluster: ClusterInfo, spec: JobSpec, setup: NodeSetup, runs_root: Path, on_start=None, on_hang=None
+    cluster: ClusterInfo,
+    spec: JobSpec,
+    setup: NodeSetup,
+    runs_root: Path,
+    on_start=None,
+    on_hang=None,
+    timeline: Timeline | None = None,
 ) -> tuple[JobResult, Path]:
-    """The whole launch: checks, sync, upload, run, results. UsageError before anything starts if not ready."""
-    wanted, sessions, statuses, run_id = open_launch(cluster, spec)
+    """The whole launch: checks, sync, upload, run, results. UsageError before anything starts if not ready.
+    `timeline` gets each phase (infra/timeline.py) up to the end of the fetch."""
+    timeline = timeline or Timeline(time.time(), clock=time.monotonic())
+    wanted, sessions, statuses, run_id = open_launch(cluster, spec, timeline)
     try:
         local_dir = runs_root / run_id
-        with owning(sessions, statuses, spec, run_id):
-            prepare(cluster, sessions, statuses, spec, setup, wanted)
+        with owning(sessions, statuses, spec, run_id, timeline=timeline):
+            prepare(cluster, sessions, statuses, spec, setup, wanted, timeline)
             if spec.upload:
                 upload_script(cluster, sessions, run_id, spec.upload)
+                timeline.mark("upload")
             values = fab_held_values(spec, run_id)
             if values:
                 send_env_values(sessions, values, spec.env)
@@ -680,6 +711,8 @@ def launch(
                 local_dir,
                 on_hang=(lambda report: on_hang(run_id, report)) if on_hang else None,
             )
+            times = [outcome.times for outcome in result.ranks.values()]
+            job_phases(timeline, times, list(result.exited_at.values()))
             if not result.ok:
                 explain_failure(local_dir)
             head = sessions[0].node.name
@@ -690,6 +723,7 @@ def launch(
                 report_fetched(fetched, local_dir, head, spec.max_result_bytes)
             except Exception as exc:  # results are a convenience; the logs are already local
                 say(f"fab: could not fetch results from {head}: {describe(exc)}")
+            timeline.mark("fetch")
         return result, local_dir
     finally:
         for session in sessions:

@@ -73,22 +73,27 @@ def ensure(
     names = ", ".join(s.node.name for s in missing)
     say(
         f"fab: requirements: installing {requirements.path.name} on {names} (~/{requirements.env_dir}; "
-        f"pip's output in ~/{requirements.env_dir}.log)"
+        f"the installer's output in ~/{requirements.env_dir}.log)"
     )
     started = time.monotonic()
     outcomes = on_all_nodes(missing, lambda s: _install(cluster, s, python[s.node.name], requirements, workdir_key))
     failed: dict[str, list[str]] = {}
+    by: dict[str, list[str]] = {}
     for result in outcomes:
         outcome: dict = result.value if result.value is not None else {"ok": False, "error": describe(result.error)}
         if not outcome.get("ok"):
             failed.setdefault(protocol.with_stale_code_hint(str(outcome["error"])), []).append(result.name)
+        elif outcome.get("installer"):
+            why = outcome.get("installer_why")
+            by.setdefault(f"{outcome['installer']}" + (f" ({why})" if why else ""), []).append(result.name)
     if failed:
         why = "; ".join(f"on {', '.join(nodes)}: {error}" for error, nodes in failed.items())
         raise UsageError(
-            f"{requirements.path} could not be installed {why} (pip's log on each node: "
+            f"{requirements.path} could not be installed {why} (the installer's log on each node: "
             f"~/{requirements.env_dir}.log); no rank was started"
         )
-    say(f"fab: requirements: installed on {names} in {time.monotonic() - started:.1f} s")
+    how = "; ".join(f"with {installer} on {', '.join(nodes)}" for installer, nodes in by.items())
+    say(f"fab: requirements: installed on {names} in {time.monotonic() - started:.1f} s" + (f", {how}" if how else ""))
 
 
 def _install(

@@ -17,6 +17,7 @@ from infra import state
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo
 from infra.ledger import HEARTBEAT_S, Ledger
+from infra.timeline import Timeline
 from node import billing
 from remote.launch import JobSpec
 from remote.stream import RankOutcome, node_exited, say
@@ -195,18 +196,22 @@ class Run:
     """`host:pid` of the fab that holds a run in its connections."""
     extra: dict = field(default_factory=dict)
     """What only one holder knows, for the summary (fab's hang watch's counts)."""
+    timeline: Timeline | None = None
+    """The launch's phases (infra/timeline.py): up to the submit while Slurm holds it, whole once finished."""
 
     @property
     def ended(self) -> bool:
         return self.state in FINAL
 
     def save(self, folder: Path) -> None:
-        state.write_atomic(folder / RECORD, json.dumps(asdict(self), indent=2) + "\n")
+        data = {**asdict(self), "timeline": self.timeline.as_dict() if self.timeline else None}
+        state.write_atomic(folder / RECORD, json.dumps(data, indent=2) + "\n")
 
     @classmethod
     def load(cls, folder: Path) -> "Run | None":
         try:
             data = json.loads((folder / RECORD).read_text())
+            data["timeline"] = Timeline.from_dict(data.get("timeline"))
             return cls(**data)
         except (OSError, ValueError, TypeError):
             return None
@@ -251,6 +256,7 @@ class Run:
             "exit_codes": self.exit_codes,
             "rank_exit_codes": self.rank_exit_codes,
             "holder": self.holder,
+            "timeline": self.timeline.as_dict() if self.timeline else None,
         }
 
     def cost_usd(self, hourly_usd: float) -> float:
@@ -301,6 +307,8 @@ def summary(cluster: ClusterInfo, run: Run) -> dict:
     }
     if run.job_id:
         summary["slurm_job"] = run.job_id
+    if run.timeline:
+        summary["timeline"] = run.timeline.as_dict()
     if run.hang:
         summary["hang"] = {
             **run.hang,

@@ -26,6 +26,7 @@ from pathlib import Path
 from infra import runlog, state
 from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
+from infra.timeline import Timeline, job_phases
 from node import calls, contract
 from remote import job_command, node_paths, nodecall
 from remote.connect import CONNECTION_ERRORS, NodeSession, describe
@@ -118,6 +119,16 @@ class LogSplitter(runlog.LogCopy):
         return {node: found[marker][len(marker) :].strip() for node, found in self.markers.items() if marker in found}
 
     @property
+    def exited_at(self) -> dict[str, float | None]:
+        """When each node's job ended by its own clock, from its exit marker."""
+        found = {}
+        for node, markers in self.markers.items():
+            marker = job_command.parse_exit_marker(markers.get(contract.EXIT_MARKER, ""))
+            if marker is not None:
+                found[node] = marker[1]
+        return found
+
+    @property
     def exit_codes(self) -> dict[str, int]:
         """Each node's exit code, from its exit marker."""
         found = {}
@@ -145,6 +156,8 @@ class Followed:
     """Why following stopped before the end (a dropped connection, SIGHUP); '' when it did not."""
     interrupted: bool = False
     """Ctrl-C: the run was cancelled (or, `detached` too, only the following stopped)."""
+    exited_at: dict = field(default_factory=dict)
+    """When each node's job ended by its own clock (its exit marker), for the timeline."""
 
 
 def follow(
@@ -204,7 +217,7 @@ def follow(
         return Followed(None, codes, ranks, detached="the terminal hung up (SIGHUP)")
     if splitter.end is None and not interrupted:
         return Followed(None, codes, ranks, detached=outcome.get("lost", "the connection ended"))
-    return Followed(splitter.end, codes, ranks, interrupted=interrupted)
+    return Followed(splitter.end, codes, ranks, interrupted=interrupted, exited_at=splitter.exited_at)
 
 
 def _signals(hangup: threading.Event) -> dict:
@@ -269,23 +282,28 @@ def cancel(cluster: ClusterInfo, run: Run) -> dict | None:
 # ------------------------------------------------------------------------------------- a launch
 
 
-def launch(cluster: ClusterInfo, spec, setup, runs_root: Path, detach: bool) -> tuple[Path, Run, Followed | None]:
-    """Prepare, submit and (unless `detach`) follow one run; the run's local folder, its record, and how
-    following ended (None when detached at once)."""
+def launch(
+    cluster: ClusterInfo, spec, setup, runs_root: Path, detach: bool, timeline: Timeline | None = None
+) -> tuple[Path, Run, Followed | None]:
+    """Prepare, submit and (unless `detach`) follow one run; the run's local folder, its record (its
+    timeline up to the submit), and how following ended (None when detached at once)."""
     from remote.connect import on_all_nodes
     from remote.hangwatch import OVERDUE_GRACE_S, ask_command
     from remote.launch import job_script, node_command, open_launch, owning, prepare, send_env_values, upload_script
 
-    wanted, sessions, statuses, run_id = open_launch(cluster, spec)
+    timeline = timeline or Timeline(time.time(), clock=time.monotonic())
+    wanted, sessions, statuses, run_id = open_launch(cluster, spec, timeline)
     try:
         local_dir = runs_root / run_id
         # The lock keeps the workdir caches and environments to one launch at a time; a launch with neither
         # writes only into its own run's folders, and skips the lock's round trip.
         shared = spec.workdir is not None or spec.requirements is not None
-        with owning(sessions, statuses, spec, run_id, queued=True) if shared else contextlib.nullcontext():
-            prepare(cluster, sessions, statuses, spec, setup, wanted)
+        owned = owning(sessions, statuses, spec, run_id, queued=True, timeline=timeline)
+        with owned if shared else contextlib.nullcontext():
+            prepare(cluster, sessions, statuses, spec, setup, wanted, timeline)
             if spec.upload:
                 upload_script(cluster, sessions, run_id, spec.upload)
+                timeline.mark("upload")
             if spec.workdir:  # each node's copy now: a later sync must not change a run that waits in the queue
                 folder = node_paths.shell_path(node_paths.node_run_dir(run_id))
                 copy = f"mkdir -p {folder} && {job_command.workdir_step(run_id, spec.workdir.key)}"
@@ -293,7 +311,10 @@ def launch(cluster: ClusterInfo, spec, setup, runs_root: Path, detach: bool) -> 
                 if copied.failed:
                     why = "; ".join(f"{r.name}: {describe(r.error)}" for r in copied.failed)
                     raise OperationError(f"could not copy the workdir for run {run_id}: {why}")
+                timeline.mark("copy")
             staged = stage(cluster, sessions[0], spec, run_id)
+            if staged is not None:
+                timeline.mark("stage")
         values = slurm_held_values(cluster, spec, run_id)
         if values:  # once on the shared folder (every node, a replaced one too, reads it there), else per node
             send_env_values(sessions[:1] if cluster.shared_dir else sessions, values, spec.env)
@@ -322,6 +343,7 @@ def launch(cluster: ClusterInfo, spec, setup, runs_root: Path, detach: bool) -> 
             if values:  # nothing will read them
                 forget_env_values(cluster, run_id, values.path, sessions[0])
             raise
+        timeline.mark("submit")
     finally:
         for session in sessions:
             session.close()
@@ -333,6 +355,7 @@ def launch(cluster: ClusterInfo, spec, setup, runs_root: Path, detach: bool) -> 
         [node.name for node in cluster.nodes],
         time.time(),
         spec={**spec_facts(spec), "env_values": values.path if values else None},
+        timeline=timeline,
     )
     run.save(state.make_private_dir(local_dir))
     book = RunBook(cluster)
@@ -426,6 +449,8 @@ def finish(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: Follow
         head.close()
     run.started_at, run.ended_at = run.started_at or run.submitted_at, run.ended_at or time.time()
     RunBook(cluster).ended(run)
+    if run.timeline is not None and run.timeline.wall_s is None:
+        run.timeline.close("record")
     write_summary(folder, summary(cluster, run))
     run.finished = True
     run.save(folder)
@@ -443,6 +468,9 @@ def _finish_over(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: 
     if followed is None and run.log:  # ended unfollowed: its log (and each node's code) from the head
         brought = _bring_log(cluster, run, folder)
         exit_codes, ranks = (dict(brought.exit_codes), dict(brought.ranks)) if brought.exit_codes else (exit_codes, {})
+    exited_at = dict(followed.exited_at) if followed is not None else {}
+    if followed is None and run.log:
+        exited_at = dict(brought.exited_at)
     for node in run.nodes:  # a node that left no marker was ended from outside
         exit_codes.setdefault(node, 0 if run.state == "COMPLETED" else 128 + 15)
     if run.hang is None:
@@ -450,7 +478,11 @@ def _finish_over(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: 
     outcome = run.state
     if run.hang and run.state in ("CANCELLED", "FAILED"):
         outcome = "HUNG"
-    run.end(outcome, exit_codes, {n: RankOutcome.parse(text).exit_codes for n, text in ranks.items()})
+    said = {n: RankOutcome.parse(text) for n, text in ranks.items()}
+    run.end(outcome, exit_codes, {n: ranked.exit_codes for n, ranked in said.items()})
+    if run.timeline is not None:
+        times = [ranked.times for ranked in said.values()]
+        job_phases(run.timeline, times, list(exited_at.values()), queued_until=run.started_at)
     if run.state != "COMPLETED":
         explain_failure(folder)
     max_bytes = int(run.spec.get("max_result_bytes") or 50_000_000)
@@ -459,6 +491,8 @@ def _finish_over(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: 
         report_fetched(fetched, folder, cluster.head.name, max_bytes)
     except Exception as exc:  # results are a convenience; the logs are local already
         say(f"fab: could not fetch results from {cluster.head.name}: {describe(exc)}")
+    if run.timeline is not None:
+        run.timeline.mark("fetch")
 
 
 def _cluster_hang(run: Run, folder: Path, head: NodeSession) -> dict | None:

@@ -247,6 +247,8 @@ class RankOutcome:
     """The failed ranks' own exit codes by global rank, from torchrun's failure record (-N: signal N)."""
     process_group: bool | None = None
     """Whether any rank of the node formed a process group; None where unknown (no monitor, a failure)."""
+    times: dict = field(default_factory=dict)
+    """The node's clock for the timeline: `started` (its torchrun), `group`, `first_step` (its ranks')."""
 
     @classmethod
     def parse(cls, text: str | None) -> "RankOutcome":
@@ -254,7 +256,8 @@ class RankOutcome:
             data = json.loads(text or "")
             codes = {str(rank): int(code) for rank, code in dict(data.get("exit_codes") or {}).items()}
             group = data.get("process_group")
-            return cls(codes, group if isinstance(group, bool) else None)
+            times = {k: float(v) for k, v in dict(data.get("times") or {}).items() if isinstance(v, (int, float))}
+            return cls(codes, group if isinstance(group, bool) else None, times)
         except (ValueError, TypeError, AttributeError):
             return cls()
 

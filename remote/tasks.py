@@ -16,6 +16,7 @@ from rich.table import Table
 from infra import inventory, runlog, state
 from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
+from infra.timeline import Timeline
 from node import calls, contract
 from remote import holders, job_command, node_paths, nodecall, options, protocol, runs, scheduled, workdir
 from remote.bootstrap import Bootstrap, remembered_setup
@@ -52,6 +53,8 @@ def report(cluster: ClusterInfo, ending: holders.Ending) -> None:
     """How a launch or a follow ended, said the one way for both holders: submitted (its id last),
     detached (it goes on), cancelled by Ctrl-C (130), or its outcome (`runs.outcome`: 0 or 1)."""
     run, folder = ending.run, ending.folder
+    if run.timeline is not None and not ending.detached:  # the phases this command saw, in one line
+        say(f"fab: {run.timeline.line()}")
     if ending.submitted:
         say(f"fab: follow it with fab logs -f --run {run.run_id}; cancel it with fab stop --run {run.run_id}")
         print(run.run_id, flush=True)  # alone on the last line, for scripts
@@ -96,13 +99,14 @@ def holder_of(stack: str | None) -> tuple[ClusterInfo, holders.RunHolder]:
 
 def start_job(stack: str | None, spec: JobSpec, detach: bool = False) -> None:
     """Launch `spec` on every node, held as bootstrap chose; exit 1 naming the node that failed, 130 on
-    Ctrl-C (`detach`: submitted only, its id printed last)."""
+    Ctrl-C (`detach`: submitted only, its id printed last). The timeline starts with this process."""
+    timeline = Timeline.since_process_start()
     options.job_text(spec.args, spec.env)
     cluster = cluster_for(stack)
     problem = job_command.nproc_problem(cluster.nodes, spec.nproc_per_node)
     if problem:
         raise Exit(f"error: {problem}", code=2)
-    report(cluster, holders.holder_for(cluster, setup_for(cluster)).launch(spec, detach))
+    report(cluster, holders.holder_for(cluster, setup_for(cluster)).launch(spec, detach, timeline))
 
 
 @dataclass(frozen=True)
@@ -293,12 +297,13 @@ def processes(value: str | None) -> int | None:
 )
 def bootstrap(c, force=False, master_port=None, scheduler=None, stack=None):
     """Prepare every node: checks, Python deps, code sync, node environment, health check, scheduler."""
+    timeline = Timeline.since_process_start()
     cluster = cluster_for(stack)
     # Another bootstrap (yours, or the replacement of a lost node) keeps the port the last one chose.
     default = remembered_setup(cluster).get("master_port") or job_command.DEFAULT_MASTER_PORT
     port = options.port("--master-port", master_port, default)
     chosen = options.choice("--scheduler", scheduler, ("auto", "slurm", "none")) if scheduler is not None else None
-    Bootstrap(cluster, bool(force), port, chosen).run()
+    Bootstrap(cluster, bool(force), port, chosen, timeline).run()
 
 
 @task(help={"run": "cancel this run only (queued or running)", "stack": STACK_HELP})

@@ -78,17 +78,39 @@ class RankMonitor:
         """(group id, sequence number) -> that collective as the recorder's buffer showed it."""
         self.failure = ""
         """Why the last report failed, said in the next one."""
+        self.group_at: float | None = None
+        """When this rank was first seen in a formed process group (the rendezvous done)."""
+        self.first_step_at: float | None = None
+        """When its first collective was seen completed, or the harness's first step (the launch's timeline)."""
 
     def run(self) -> None:
+        reported = 0.0
         while self.main_thread.is_alive():
             dist = _initialized_dist()
             if dist is not None:
-                try:
-                    self.report(dist)
-                except Exception as exc:  # one failed report (a full disk, a group torn down) must not end
-                    self.failure = f"{type(exc).__name__}: {exc}"  # the monitor: its last record would freeze
-            # Until the group forms, look often: a rank can finish its first collectives quickly.
-            time.sleep(self.interval_s if dist is not None else min(self.interval_s, 0.05))
+                self.group_at = self.group_at or time.time()
+                if self.first_step_at is None:
+                    self.watch_first_step()
+                if time.monotonic() - reported >= self.interval_s or self.first_step_at and not reported:
+                    reported = time.monotonic()
+                    try:
+                        self.report(dist)
+                    except Exception as exc:  # one failed report (a full disk, a group torn down) must not end
+                        self.failure = f"{type(exc).__name__}: {exc}"  # the monitor: its last record would freeze
+            # Until the group forms and its first step is done, look often (the counters cost about 10 us):
+            # a rank can finish its first collectives quickly, and the timeline's first step wants the moment.
+            time.sleep(self.interval_s if self.first_step_at is not None else min(self.interval_s, 0.05))
+
+    def watch_first_step(self) -> None:
+        try:
+            done = any(completed > 0 for _, completed in _recorder().counters().values())
+        except Exception:
+            done = False
+        if done or _harness_step() is not None:
+            self.first_step_at = time.time()
+
+    def times(self) -> dict:
+        return {"group_at": self.group_at, "first_step_at": self.first_step_at}
 
     def finish(self) -> None:
         """At a normal exit (atexit, in the main thread): a last record saying the script finished, inside
@@ -118,7 +140,9 @@ class RankMonitor:
                         )
             except Exception:
                 pass
-        record.update(time=time.time(), active=[], stack=[], finished=True)
+        if self.first_step_at is None and dist is not None:
+            self.watch_first_step()
+        record.update(time=time.time(), active=[], stack=[], finished=True, **self.times())
         _write_json(path, record)
 
     def report(self, dist) -> None:
@@ -188,6 +212,7 @@ class RankMonitor:
             "stack": thread_stack(self.main_thread.ident),
             "step": _harness_step(),
             "error": error,
+            **self.times(),
         }
 
     def answer_dump_request(self, recorder) -> None:

@@ -61,6 +61,12 @@ def test_bootstrap_prepares_every_node_and_a_second_run_changes_nothing(cluster)
         line = next(t for t in second.stdout.splitlines() if t.startswith(f"bootstrap: {stage}"))
         assert "done" not in line and "up to date" in line, line
     assert "nodes up to date" in second.stdout
+    timeline = json.loads((cluster.state_dir / "local" / "bootstrap.json").read_text())["timeline"]
+    names = [phase["phase"] for phase in timeline["phases"]]
+    assert names == ["startup", "connect", "code", "probe", "deps", "env", "health", "scheduler", "watchdog", "record"]
+    assert abs(timeline["total_s"] - timeline["wall_s"]) <= 0.05 * timeline["wall_s"], timeline
+    assert set(timeline["nodes"]) == {"node-0", "node-1"} and "deps" in timeline["nodes"]["node-1"]
+    assert "bootstrap: timeline: " in second.stdout
 
 
 def test_every_node_gets_its_rank_and_the_same_master(cluster):
@@ -125,7 +131,9 @@ def test_a_master_port_in_use_or_an_ssh_port_is_refused_before_anything_is_writt
 
 
 def test_hello_runs_on_both_nodes_keeps_logs_and_a_summary_and_is_priced_in_the_ledger(cluster):
+    began = time.monotonic()
     result = cluster.fab("hello")
+    took = time.monotonic() - began
     assert result.returncode == 0, result.stdout + result.stderr
     assert "[node-0] hello from 2 ranks on 2 nodes" in result.stdout and "all correct" in result.stdout
     assert "rank 0/2 on node-0" in result.stdout and "rank 1/2 on node-1" in result.stdout
@@ -135,6 +143,14 @@ def test_hello_runs_on_both_nodes_keeps_logs_and_a_summary_and_is_priced_in_the_
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["task"] == "hello" and summary["exit_codes"] == {"node-0": 0, "node-1": 0}
     assert summary["cost_usd"] == 0 and summary["nodes"] == ["node-0", "node-1"]
+    timeline = summary["timeline"]  # each phase named, contiguous, summing to the command's wall time
+    names = [phase["phase"] for phase in timeline["phases"]]
+    assert names[:2] == ["startup", "connect"] and names[-2:] == ["fetch", "record"], names
+    assert "training" in names, names  # hello may end its collectives before its monitors first look
+    assert abs(timeline["total_s"] - timeline["wall_s"]) <= 0.05 * timeline["wall_s"], timeline
+    assert timeline["wall_s"] <= took and all(phase["s"] >= 0 for phase in timeline["phases"])
+    [line] = [t for t in result.stdout.splitlines() if t.startswith("fab: timeline: ")]
+    assert line.endswith(f"= {timeline['total_s']:.1f} s") and " · " in line, line
     assert "reporting in" in (run_dir / "node-0.log").read_text()
     assert (run_dir / "node-1.log").exists()
     logs = cluster.fab("logs", "--run", run_dir.name, "--lines", "5")
@@ -163,6 +179,8 @@ def test_run_ddp_trains_and_fetches_the_metrics_even_over_a_corrupt_ledger(clust
     assert "parameters identical on all 2 ranks" in result.stdout
     metrics = [json.loads(t) for t in (cluster.runs()[-1] / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if m["kind"] == "step"] == [5, 10, 15, 20]
+    names = [p["phase"] for p in json.loads((cluster.runs()[-1] / "summary.json").read_text())["timeline"]["phases"]]
+    assert names.index("start") < names.index("rendezvous") < names.index("training"), names
 
 
 def test_max_restarts_restarts_both_nodes_and_training_resumes(cluster):

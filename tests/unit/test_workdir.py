@@ -258,7 +258,7 @@ def test_a_jobs_own_environment_step_is_quiet_where_ready_and_one_line_where_pip
     assert lines[0].startswith("gpu-cluster: installing the run's requirements into ") and len(lines) == 2
     assert (
         lines[1] == f"error: the run's requirements could not be installed: ERROR: No matching distribution "
-        f"(pip's log: {tmp_path / 'abc.log'})"
+        f"(the installer's log: {tmp_path / 'abc.log'})"
     )
 
 
