@@ -136,6 +136,8 @@ def cmd_up(args) -> int:
     started = time.perf_counter()
     result = providers.bring_up(chosen, request, say=report.console.print)
     report.up_summary(result.cluster, result.created, time.perf_counter() - started, inventory.inventory_path(stack))
+    if result.created:
+        report.console.print(f"up: {request.timeline.line()}")
     return 0
 
 
@@ -209,6 +211,7 @@ def cmd_status(args) -> int:
                 "stopped_reason": reason,
                 "cost_so_far_usd": spent,
                 "nodes": [row.as_dict() for row in rows],
+                "up_timeline": cluster.timeline,  # how the up that made it spent its time (infra/timeline.py)
             }
         )
     else:

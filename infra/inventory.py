@@ -115,6 +115,8 @@ class ClusterInfo:
     """Own machines that already run Slurm (`slurm: existing` in the hosts file): its runs go there,
     {"partition": "" for Slurm's default, "conf": "" for Slurm's default slurm.conf, "tag": the comment this
     stack's jobs carry there, random per `up`}; {} otherwise."""
+    timeline: dict = field(default_factory=dict)
+    """How the `up` that created it spent its time (infra/timeline.py's record); {} where not recorded."""
 
     def __post_init__(self):
         # Every node names its login user, so no connection has to fall back to the cluster's.

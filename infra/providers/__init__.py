@@ -6,6 +6,7 @@ share: the flags it does not accept refused in one line, a stack of another kind
 cluster interval opened and closed, the guards saved, the run logs brought home and named.
 """
 
+import dataclasses
 import json
 
 from infra import costs, inventory, report, runlog, state
@@ -36,7 +37,9 @@ def bring_up(chosen: Provider, request: UpRequest, say) -> UpResult:
     if refused:
         raise UsageError(f"{', '.join(refused)} do(es) not apply to {chosen.flag or chosen.what}: {chosen.why_not}")
     chosen.check(request)
+    request.timeline.mark("checks")
     with state.stack_lock(request.stack, f"up of stack '{request.stack}'", say):  # two ups at once: one by one
+        request.timeline.mark("lock")
         return _bring_up(chosen, request, say)
 
 
@@ -47,11 +50,17 @@ def _bring_up(chosen: Provider, request: UpRequest, say) -> UpResult:
             f"stack {request.stack!r} is {PROVIDERS[other].what}, not {chosen.what}: pick another with --stack NAME"
         )
     result = chosen.up(request, say)
+    request.timeline.mark("nodes")  # what a provider did not mark itself
     if result.created:
         guarded, reference_usd = chosen.bookkeeping(request)
         if guarded is not None:
             costs.save_guards(request.stack, guarded)
         costs.record_up(result.cluster, reference_usd, say=say)
+        request.timeline.close("ledger")
+        cluster = dataclasses.replace(result.cluster, timeline=request.timeline.as_dict())
+        inventory.save(cluster)
+        return dataclasses.replace(result, cluster=cluster)
+    request.timeline.close("ledger")
     return result
 
 

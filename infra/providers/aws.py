@@ -23,6 +23,7 @@ from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo, NodeInfo, NodeStatus
 from infra.providers.base import DownReport, Provider, UpRequest, UpResult
 from infra.tags import NODE_TAG
+from infra.timeline import Timeline
 
 if TYPE_CHECKING:  # boto3 and Pulumi load only when AWS is used (about 2 s)
     from infra import automation, preflight, teardown
@@ -60,14 +61,19 @@ def up(
     # Without a problem, preflight has found the caller's address and priced the cluster.
     assert found.ssh_cidr is not None and found.estimate is not None
     _confirm_cost(config, found, request.yes, confirm, say)
+    timeline = request.timeline
+    timeline.mark("preflight")
     key_path = keys.ensure_client_key(state.stack_dir(request.stack))
     config = stack_config.with_ssh(config, found.ssh_cidr, keys.public_key_text(key_path))
     deployment = automation.Deployment(request.stack, command, on_output=lambda line: say(line.rstrip()))
     outputs = _up_with_zone_fallback(deployment, config, found.zones, say)
     found_nodes = _group_nodes_found(request.stack, outputs["nodes"], clients.ec2, say, autoscaling=clients.autoscaling)
     outputs = {**outputs, "nodes": found_nodes}
+    # EC2's launch time ends the API part (networks, EFS, the RunInstances); Pulumi returns once they run.
+    timeline.event("api", _launched_at(clients.ec2, [n.get("instance_id") for n in found_nodes]))
+    timeline.mark("pending to running")
     cluster = _cluster_from_outputs(request.stack, config, outputs, key_path, found.estimate.hourly_usd)
-    _pin_and_wait(cluster, outputs, clients.ec2, say)
+    _pin_and_wait(cluster, outputs, clients.ec2, say, timeline)
     inventory.save(cluster)
     state.set_current_stack(request.stack)
     return UpResult(cluster, True)
@@ -296,15 +302,31 @@ def _console_host_key(ec2, instance_id: str) -> str | None:
     return found[0] if found else None
 
 
-def _pin_and_wait(cluster: ClusterInfo, outputs: dict, ec2, say) -> None:
+def _launched_at(ec2, instance_ids: list) -> float | None:
+    """The latest EC2 LaunchTime of the instances (epoch seconds), None where EC2 does not say."""
+    ids = [i for i in instance_ids if i]
+    if not ids:
+        return None
+    try:
+        reservations = ec2.describe_instances(InstanceIds=ids)["Reservations"]
+        times = [i["LaunchTime"].timestamp() for r in reservations for i in r["Instances"] if i.get("LaunchTime")]
+    except Exception:  # the timeline's split is a nicety: never fail an up over it
+        return None
+    return max(times) if times else None
+
+
+def _pin_and_wait(cluster: ClusterInfo, outputs: dict, ec2, say, timeline: Timeline | None = None) -> None:
     """Pin each node's host key (from the console where it shows, else on first contact), then wait
     for SSH and cloud-init on every node at once."""
+    timeline = timeline or Timeline(time.time())
     instance_ids = {n["name"]: n.get("instance_id") for n in outputs["nodes"]}
     deadline = time.monotonic() + READY_TIMEOUT_S
     say(f"waiting for SSH and cloud-init on {len(cluster.nodes)} nodes (up to {READY_TIMEOUT_S // 60} min) ...")
     entries = asyncio.run(_host_keys(cluster, instance_ids, ec2, deadline, say))
     keys.write_known_hosts(Path(cluster.known_hosts), entries)
+    timeline.mark("ssh ready")
     asyncio.run(_wait_ready(cluster, deadline))
+    timeline.mark("cloud-init")
 
 
 async def _host_keys(cluster: ClusterInfo, instance_ids: dict, ec2, deadline: float, say) -> list[str]:

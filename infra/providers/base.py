@@ -6,11 +6,12 @@ A provider is a class in its own module (`local/provider.py`, `aws.py`, `hosts.p
 kept") is done once by `infra.providers.bring_up` / `bring_down`.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from infra.config import StackConfig
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo, NodeStatus
+from infra.timeline import Timeline
 
 # The config keys `up` takes from the command line, and the flag that sets each.
 CONFIG_FLAGS = {
@@ -41,6 +42,8 @@ class UpRequest:
     """local: node-0's SSH port."""
     hosts_file: str | None = None
     """ssh: the hosts file."""
+    timeline: Timeline = field(default_factory=lambda: Timeline.since_process_start(), compare=False)
+    """Where the provider marks its phases (infra/timeline.py): `up` prints it and keeps it in the inventory."""
 
     def given(self) -> dict[str, str]:
         """Every option given on the command line: config key or option name -> its flag."""

@@ -102,11 +102,16 @@ class RankMonitor:
             time.sleep(self.interval_s if self.first_step_at is not None else min(self.interval_s, 0.05))
 
     def watch_first_step(self) -> None:
-        try:
-            done = any(completed > 0 for _, completed in _recorder().counters().values())
-        except Exception:
-            done = False
-        if done or _harness_step() is not None:
+        """A script on the harness: its first step. Any other: its first collective done (a proxy: DDP's
+        start broadcasts, so that one is the end of the model's setup rather than of a step)."""
+        if "harness.metrics" in sys.modules:
+            done = _harness_step() is not None
+        else:
+            try:
+                done = any(completed > 0 for _, completed in _recorder().counters().values())
+            except Exception:
+                done = False
+        if done:
             self.first_step_at = time.time()
 
     def times(self) -> dict:

@@ -72,6 +72,13 @@ def test_up_falls_back_a_zone_pins_host_keys_and_writes_the_inventory(instances,
     real = sorted(line.split()[2] for line in open(instances.inventory["known_hosts"]))
     assert pinned == real  # the keys the servers really have
     assert state.current_stack() == "dev"
+    names = [name for name, _ in request.timeline.phases]  # the phases of an AWS up, in order
+    assert [n for n in names if n in ("preflight", "pending to running", "ssh ready", "cloud-init")] == [
+        "preflight",
+        "pending to running",
+        "ssh ready",
+        "cloud-init",
+    ], names
 
 
 def test_up_refuses_without_confirmation_and_creates_nothing(instances, monkeypatch, state_dir):

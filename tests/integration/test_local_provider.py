@@ -40,6 +40,10 @@ def test_up_writes_the_inventory_head_first_and_pins_host_keys(local_cluster, st
     known = open(inv["known_hosts"]).read().splitlines()
     assert [line.split()[0] for line in known] == [f"[{n['public_ip']}]:{n['ssh_port']}" for n in inv["nodes"]]
     assert (state_dir / "current").read_text().strip() == "local"
+    timeline = inv["timeline"]  # how the up spent its time, phase by phase, summing to its wall time
+    names = [phase["phase"] for phase in timeline["phases"]]
+    assert names[0] == "startup" and names.index("keys") < names.index("node servers") < names.index("ssh ready")
+    assert abs(timeline["total_s"] - timeline["wall_s"]) <= 0.05 * timeline["wall_s"], timeline
     for node in inv["nodes"]:  # bound to its own loopback address only: not 0.0.0.0, not another address
         same_port = [n["public_ip"] for n in inv["nodes"] if n["ssh_port"] == node["ssh_port"]]
         assert sorted(listening_addresses(node["ssh_port"])) == sorted(same_port)

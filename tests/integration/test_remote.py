@@ -179,8 +179,10 @@ def test_run_ddp_trains_and_fetches_the_metrics_even_over_a_corrupt_ledger(clust
     assert "parameters identical on all 2 ranks" in result.stdout
     metrics = [json.loads(t) for t in (cluster.runs()[-1] / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if m["kind"] == "step"] == [5, 10, 15, 20]
-    names = [p["phase"] for p in json.loads((cluster.runs()[-1] / "summary.json").read_text())["timeline"]["phases"]]
-    assert names.index("start") < names.index("rendezvous") < names.index("training"), names
+    phases = json.loads((cluster.runs()[-1] / "summary.json").read_text())["timeline"]["phases"]
+    names = [p["phase"] for p in phases]  # the harness's first step is its own phase, after the model's setup
+    assert names.index("start") < names.index("rendezvous") < names.index("first step") < names.index("training")
+    assert phases[names.index("first step")]["s"] > 0, phases
 
 
 def test_max_restarts_restarts_both_nodes_and_training_resumes(cluster):

@@ -34,6 +34,7 @@ from infra.inventory import ClusterInfo, NodeInfo, NodeStatus
 from infra.providers.base import DownReport, Provider, UpRequest, UpResult
 from infra.providers.local import metadata, procs
 from infra.providers.local.node_server import PID_REGISTRY, SERVER_MODULE, NodeConfig, token_entry
+from infra.timeline import Timeline
 from node import contract, procfs
 
 DEFAULT_FIRST_ADDRESS = "127.0.0.10"
@@ -88,15 +89,17 @@ def notice_path(stack: str, node_name: str) -> Path:
 # ---------------------------------------------------------------------------------------------- up
 
 
-def up(options: LocalOptions) -> tuple[ClusterInfo, bool]:
-    """Start the nodes and write the inventory; returns (cluster, created). Rolls back on failure."""
+def up(options: LocalOptions, timeline: Timeline | None = None) -> tuple[ClusterInfo, bool]:
+    """Start the nodes and write the inventory; returns (cluster, created). Rolls back on failure.
+    `timeline` gets the phases: keys, node servers, ssh ready."""
+    timeline = timeline or Timeline(time.time())
     existing = running_cluster(options.stack)
     if existing is not None:
         check_unchanged(existing, options)
         return existing, False
     addresses = plan_addresses(options)
     try:
-        cluster = _start(options, addresses)
+        cluster = _start(options, addresses, timeline)
     except BaseException:
         stop_nodes(options.stack)
         remove_state(options.stack)
@@ -236,7 +239,7 @@ def _check_port_free(address: str, port: int) -> None:
             raise UsageError(f"cannot bind {address}:{port}: {exc.strerror}") from None
 
 
-def _start(options: LocalOptions, addresses: list[tuple[str, int]]) -> ClusterInfo:
+def _start(options: LocalOptions, addresses: list[tuple[str, int]], timeline: Timeline) -> ClusterInfo:
     stack_path = state.make_private_dir(state.stack_dir(options.stack))
     shared = state.make_private_dir(shared_dir(options.stack))
     client_key = keys.ensure_client_key(stack_path)
@@ -248,8 +251,10 @@ def _start(options: LocalOptions, addresses: list[tuple[str, int]]) -> ClusterIn
         configs.append(config)
         entries.append(keys.known_hosts_entry(address, port, host_public))
     keys.write_known_hosts(known_hosts, entries)
+    timeline.mark("keys")
     procs = [_spawn(config) for config in configs]
     _wait_for_pid_files(configs, procs)
+    timeline.mark("node servers")
     cluster = ClusterInfo(
         stack=options.stack,
         provider="local",
@@ -272,6 +277,7 @@ def _start(options: LocalOptions, addresses: list[tuple[str, int]]) -> ClusterIn
         ssh.wait_for_ssh(cluster, READY_TIMEOUT_S)
     except TimeoutError as exc:
         raise OperationError(f"local nodes did not answer SSH within {READY_TIMEOUT_S:.0f} s: {exc}") from None
+    timeline.mark("ssh ready")
     return cluster
 
 
@@ -686,7 +692,7 @@ class LocalProvider(Provider):
             spot=wanted.spot,
             asked=frozenset(asked),
         )
-        cluster, created = up(options)
+        cluster, created = up(options, request.timeline)
         return UpResult(cluster, created)
 
     def bookkeeping(self, request: UpRequest) -> tuple[StackConfig | None, float | None]:
