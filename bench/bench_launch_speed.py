@@ -1,0 +1,134 @@
+"""Launch speed (issue 29): a launch's fixed cost against raw torchrun, on both run holders.
+
+Requirements, each the median of PAIRS alternated rounds (the order turns each round, so a load that
+grows or fades costs every side alike), wall clock, fab's start and exit included:
+- an attached `fab run --script` of a 10-second 2-node job against two raw `torchrun` processes started by
+  hand (bench_launch's): at most 1.15x, held by fab's connections (`--scheduler none`) and held by Slurm;
+- a Slurm-held attached run against the same run held by fab: at most 1.05x;
+- `fab run --detach` returns in at most 0.5 s (Slurm-held; the run then completes);
+- a `--requirements` env with one small package (a wheel from the project's own folder, new for every
+  launch), first launch against the same launch without it (fab-held): at most 1.3x.
+
+    python -m bench launch_speed
+"""
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from bench.bench_launch import raw_torchrun
+from bench.common import Check, deploy, fab, median, scratch_env
+
+PAIRS = 5
+SCRIPT = """
+import time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+assert t.item() == dist.get_world_size()
+time.sleep(10)
+dist.destroy_process_group()
+"""
+QUICK = "import gc_tinypkg\n"
+
+
+def _cluster(scheduler: str) -> dict[str, str]:
+    from tests.support import slurm
+    from tests.support.network import free_endpoint
+
+    env = scratch_env()
+    address, port = free_endpoint(2)
+    deploy("up", "--local", "--nodes", "2", "--bind", address, "--ssh-port", str(port), env=env)
+    fab("bootstrap", "--master-port", str(slurm.free_ports()), "--scheduler", scheduler, env=env)
+    return env
+
+
+def _timed(*args: str, env: dict[str, str]) -> float:
+    started = time.perf_counter()
+    fab(*args, env=env)
+    return time.perf_counter() - started
+
+
+def _detached(env: dict[str, str], script: Path) -> float:
+    """`fab run --detach`'s return time; the run is then followed to its end (not timed)."""
+    started = time.perf_counter()
+    result = fab("run", "--detach", "--script", str(script), env=env)
+    took = time.perf_counter() - started
+    run_id = result.stdout.strip().splitlines()[-1]  # the run id, the last line
+    fab("logs", "-f", "--run", run_id, env=env)
+    return took
+
+
+def _project(root: Path, index: int, requirements: bool) -> Path:
+    """A one-file project; with `requirements`, a requirements file new to the nodes (a comment makes it
+    another env) that installs the tiny wheel from the project's own folder."""
+    from tests.support.packages import tiny_wheel
+
+    project = root / f"project-{index}-{requirements}"
+    project.mkdir()
+    (project / "train.py").write_text(QUICK if requirements else "pass\n")
+    if requirements:
+        tiny_wheel(project / "wheels")
+        (project / "requirements.txt").write_text(
+            f"# round {index}\n--no-index\n--find-links wheels\ngc-tinypkg==0.1\n"
+        )
+    return project
+
+
+def _project_run(env: dict[str, str], project: Path) -> float:
+    extra = ["--requirements", str(project / "requirements.txt")] if (project / "requirements.txt").exists() else []
+    return _timed("run", "--workdir", str(project), "--script", "train.py", *extra, env=env)
+
+
+def run() -> list[Check]:
+    from tests.support import slurm
+    from tests.support.network import free_port
+
+    why = slurm.unavailable()
+    if why:
+        print(f"skipped: {why}")
+        return []
+    root = Path(tempfile.mkdtemp(prefix="gpu-cluster-bench-speed-"))
+    script = root / "ten_seconds.py"
+    script.write_text(SCRIPT)
+    envs: dict[str, dict[str, str]] = {}
+    walls: dict[str, list[float]] = {"raw": [], "fab": [], "slurm": [], "detach": [], "plain": [], "reqs": []}
+    try:
+        for holder, scheduler in (("slurm", "slurm"), ("fab", "none")):
+            envs[holder] = _cluster(scheduler)
+            fab("run", "--script", str(script), env=envs[holder])  # warm: the first run pays cold caches
+        sides = {
+            "raw": lambda: raw_torchrun(script, envs["fab"], free_port()),
+            "fab": lambda: _timed("run", "--script", str(script), env=envs["fab"]),
+            "slurm": lambda: _timed("run", "--script", str(script), env=envs["slurm"]),
+            "detach": lambda: _detached(envs["slurm"], script),
+        }
+        for pair in range(PAIRS):
+            order = list(sides)[pair % len(sides) :] + list(sides)[: pair % len(sides)]
+            for side in order:
+                walls[side].append(sides[side]())
+            for side in ("plain", "reqs") if pair % 2 == 0 else ("reqs", "plain"):
+                walls[side].append(_project_run(envs["fab"], _project(root, pair, side == "reqs")))
+    finally:
+        for env in envs.values():
+            deploy("down", "--stack", "local", env=env, check=False)
+    for side, times in walls.items():
+        print(f"{side:7s} (s): {' '.join(f'{t:.2f}' for t in times)}")
+
+    def ratio(a: str, b: str) -> float:
+        return median([x / y for x, y in zip(walls[a], walls[b], strict=True)])
+
+    checks = []
+    for name, a, b, limit in (
+        ("attached fab run held by fab / raw torchrun (2 nodes, 10-second job)", "fab", "raw", 1.15),
+        ("attached fab run held by Slurm / raw torchrun (2 nodes, 10-second job)", "slurm", "raw", 1.15),
+        ("attached run held by Slurm / held by fab", "slurm", "fab", 1.05),
+        ("first launch with a one-package --requirements / without", "reqs", "plain", 1.3),
+    ):
+        figure = ratio(a, b)
+        checks.append(Check(name, f"{figure:.2f}x (median of {PAIRS} rounds)", f"<= {limit}x", figure <= limit))
+    detach = median(walls["detach"])
+    checks.append(Check("fab run --detach returns (Slurm-held)", f"{detach:.2f} s (median)", "<= 0.5 s", detach <= 0.5))
+    print(json.dumps({side: [round(t, 3) for t in times] for side, times in walls.items()}))
+    return checks
