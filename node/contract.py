@@ -33,6 +33,9 @@ WORKDIRS = f"{HOME_DIR}/workdirs"
 ENVS = f"{HOME_DIR}/envs"
 """`fab run --requirements` environments, one per requirements file: `<digest>/` (a venv), with
 `<digest>.txt` (the file), `<digest>.log` (pip's output) and `<digest>.lock` (held while it is made) beside it."""
+HOME_CLAIMS = f"{HOME_DIR}/homes"
+"""Bootstrap's first step: each node leaves a file of its own here, then lists them; a node that finds
+another's shares its home with it (NFS `$HOME`), and bootstrap refuses the cluster."""
 PROGRESS = f"{HOME_DIR}/progress"
 """`<run-id>/rank-<R>.json`: each rank's collective progress, for hang detection (always node-local)."""
 WATCHDOG_PID = f"{PIDS}/watchdog.pid"
