@@ -57,8 +57,15 @@ def read_description(path: str | None) -> Cluster:
 
 
 def check_reply(head: bool) -> dict:
-    """node/calls.py's CheckScheduler."""
+    """node/calls.py's CheckScheduler: Slurm's programs are here, and no Slurm of the host's own runs
+    (adopt that one rather than start another beside it)."""
     slurm_daemons.check(head)
+    site = slurm_existing.site_conf()
+    if site:
+        raise UsageError(
+            f"this host already runs Slurm ({site}): add slurm: existing to the hosts file to send runs to it, "
+            "or fab bootstrap --scheduler slurm for one of gpu-cluster's own beside it"
+        )
     return {"said": "ok"}
 
 

@@ -107,7 +107,10 @@ def test_a_bad_description_names_what_is_wrong(changes, words):
 def test_check_names_the_first_missing_program_and_its_package(tmp_path, monkeypatch, capsys):
     """What bootstrap's default (--scheduler auto) asks each node before choosing Slurm."""
     monkeypatch.setattr(slurm_daemons, "SBIN", (str(tmp_path),))
-    monkeypatch.setattr(slurm_daemons, "SITE_CONFS", ())
+    monkeypatch.setattr(slurm_existing, "SITE_CONFS", ())
+    monkeypatch.setattr(slurm_existing, "PROC", str(tmp_path / "proc"))
+    (tmp_path / "proc").mkdir()
+    monkeypatch.delenv("SLURM_CONF", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
     for name in slurm_daemons.NEEDED:
         (tmp_path / name).write_text("#!/bin/sh\n")
@@ -119,11 +122,41 @@ def test_check_names_the_first_missing_program_and_its_package(tmp_path, monkeyp
         "slurm-wlm munge)\n"
     )
     (tmp_path / "site.conf").write_text("ClusterName=theirs\n")  # a host that runs a Slurm of its own
-    monkeypatch.setattr(slurm_daemons, "SITE_CONFS", ("/nonexistent/slurm.conf", str(tmp_path / "site.conf")))
+    monkeypatch.setattr(slurm_existing, "SITE_CONFS", ("/nonexistent/slurm.conf", str(tmp_path / "site.conf")))
     assert scheduler.main(["check"]) == 2
     assert f"already runs Slurm ({tmp_path / 'site.conf'}): add slurm: existing" in capsys.readouterr().err
+    monkeypatch.setattr(slurm_existing, "SITE_CONFS", ())
     (tmp_path / "munged").unlink()
     assert scheduler.main(["check"]) == 2 and "munged is not installed" in capsys.readouterr().err
+
+
+def test_check_finds_a_site_slurm_where_slurm_itself_looks(tmp_path, monkeypatch, capsys):
+    """Not only at /etc/slurm: SLURM_CONF, a running daemon's -f, what scontrol reads; never a conf of ours."""
+    monkeypatch.setattr(slurm_daemons, "SBIN", (str(tmp_path),))
+    monkeypatch.setattr(slurm_existing, "SITE_CONFS", ())
+    monkeypatch.setattr(slurm_existing, "PROC", str(tmp_path / "proc"))
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    for name in (*slurm_daemons.NEEDED, "scontrol"):
+        (tmp_path / name).write_text("#!/bin/sh\nexit 1\n")
+        (tmp_path / name).chmod(0o755)
+    site, ours = tmp_path / "site" / "slurm.conf", tmp_path / "ours.conf"
+    site.parent.mkdir()
+    site.write_text("ClusterName=theirs\n")
+    ours.write_text(slurm_existing.OURS + " (node/scheduler.py)\nClusterName=gc\n")
+    (tmp_path / "proc" / "4242").mkdir(parents=True)
+    (tmp_path / "proc" / "4243").mkdir(parents=True)
+    (tmp_path / "proc" / "4243" / "cmdline").write_bytes(b"/usr/sbin/slurmd\0-D\0-f\0" + bytes(ours) + b"\0")
+    assert scheduler.main(["check"]) == 0  # another stack's slurmd of ours is no site Slurm
+    capsys.readouterr()
+    monkeypatch.setenv("SLURM_CONF", str(site))
+    assert scheduler.main(["check"]) == 2 and f"already runs Slurm ({site})" in capsys.readouterr().err
+    monkeypatch.delenv("SLURM_CONF")
+    (tmp_path / "proc" / "4242" / "cmdline").write_bytes(b"/opt/slurm/sbin/slurmctld\0-f\0" + bytes(site) + b"\0")
+    assert scheduler.main(["check"]) == 2 and f"already runs Slurm ({site})" in capsys.readouterr().err
+    (tmp_path / "proc" / "4242" / "cmdline").unlink()
+    (tmp_path / "scontrol").write_text(f"#!/bin/sh\necho 'SLURM_CONF              = {site}'\n")
+    assert scheduler.main(["check"]) == 2 and f"already runs Slurm ({site})" in capsys.readouterr().err
 
 
 def fake_sinfo(folder, listing: str, monkeypatch) -> None:
