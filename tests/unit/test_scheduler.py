@@ -279,6 +279,27 @@ def test_a_waiting_job_has_no_start_and_a_running_one_no_end_or_exit_code():
     assert running["requeues"] == 1
 
 
+@pytest.mark.parametrize(
+    "reason, words",
+    [
+        ("Resources", "its nodes, busy with another job"),
+        ("ReqNodeNotAvail,_UnavailableNodes:beta", "node(s) beta to be available (down, drained or reserved in Slurm)"),
+        ("Priority", "jobs ahead of it in the queue"),
+        ("QOSMaxJobsPerUserLimit", "Slurm: QOSMaxJobsPerUserLimit"),
+    ],
+)
+def test_a_waiting_run_says_in_words_what_slurm_says_it_waits_for(monkeypatch, reason, words):
+    """Under an adopted Slurm none of the nodes is out of service by our reasons: Slurm's own reason tells."""
+    monkeypatch.setattr(
+        slurm_run, "job_state", lambda job, log="": slurm_run.job_fields(PENDING_JOB.replace("Resources", reason))
+    )
+    monkeypatch.setattr(
+        slurm_run.slurm_nodes, "node_reasons", lambda paths: {"alpha": ("idle", ""), "beta": ("down", "theirs")}
+    )
+    shown = slurm_run.shown_state("2")
+    assert (shown["state"], shown["waiting_for"]) == ("PENDING", words)
+
+
 def test_an_ended_job_has_its_times_and_exit_code_from_the_completion_log():
     ended = slurm_run.job_fields(COMPLETION)
     assert ended["state"] == "FAILED" and ended["exit_code"] == 3 and ended["signal"] == 0
