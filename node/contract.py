@@ -36,6 +36,9 @@ ENVS = f"{HOME_DIR}/envs"
 UV_CACHE = f"{HOME_DIR}/uv-cache"
 """uv's cache for the node venv and every `--requirements` env: in the home folder, on the venvs' own
 filesystem (uv hard-links from it; across filesystems, such as the shared folder, it copies every file)."""
+HOME_CLAIMS = f"{HOME_DIR}/homes"
+"""Bootstrap's first step: each node leaves a file of its own here, then lists them; a node that finds
+another's shares its home with it (NFS `$HOME`), and bootstrap refuses the cluster."""
 PROGRESS = f"{HOME_DIR}/progress"
 """`<run-id>/rank-<R>.json`: each rank's collective progress, for hang detection (always node-local)."""
 WATCHDOG_PID = f"{PIDS}/watchdog.pid"

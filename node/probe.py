@@ -4,8 +4,10 @@ Standard library only, and readable by old interpreters too (so a Python that is
 say which version it is). Self-contained (it is sent on stdin, and needs nothing of its siblings).
 Two uses:
 
-    python3 - --host OWN_ADDRESS HEAD_ADDRESS     # deploy.py up --hosts, sent on stdin before any code is
-                                                  # on the host (creates nothing): prints one JSON object
+    python3 - --host OWN_ADDRESS HEAD_ADDRESS [SLURM_JSON]   # deploy.py up --hosts, sent on stdin before
+                                                  # any code is on the host (creates nothing): prints one JSON
+                                                  # object; SLURM_JSON ({"partition", "conf", "name"}, with
+                                                  # `slurm: existing`): the host's Slurm is asked for them
     ProbeNode (node/calls.py)                     # fab bootstrap's probe stage, from the synced code
 """
 
@@ -156,14 +158,56 @@ def host_facts(own_address: str, head_address: str) -> dict:
     }
 
 
+def slurm_problem(partition: str, conf: str, name: str) -> str:
+    """Why the Slurm this host runs cannot take runs as the hosts file says (`slurm: existing`): its
+    slurm_conf missing or unreadable, its clients missing or not answering, no such partition, no such
+    node there; '' where it can."""
+    if conf and not os.path.isfile(conf):
+        return "slurm_conf %s is not a file on this host" % conf
+    if conf and not os.access(conf, os.R_OK):
+        return "slurm_conf %s is not readable by this login" % conf
+    sinfo = tool("sinfo")
+    if not sinfo:
+        return "Slurm's clients (sinfo) are not on this login's PATH"
+    env = dict(os.environ, SLURM_CONF=conf) if conf else None
+    try:
+        result = subprocess.run(
+            [sinfo, "--noheader", "--Node", "--format=%N|%P"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            universal_newlines=True,
+            timeout=15,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "sinfo did not answer in 15 s (is slurmctld up? is slurm_conf right?)"
+    if result.returncode != 0:
+        return "sinfo failed: %s" % " ".join((result.stderr or result.stdout).split())[-200:]
+    rows = [line.strip().split("|") for line in result.stdout.splitlines() if line.count("|") == 1]
+    partitions = sorted({part.rstrip("*") for _, part in rows})
+    if partition and partition not in partitions:
+        return "partition %s is not in its Slurm (its partitions: %s)" % (partition, ", ".join(partitions) or "none")
+    nodes = sorted({node for node, part in rows if not partition or part.rstrip("*") == partition})
+    if name and name not in nodes:
+        where = "partition %s" % partition if partition else "its Slurm"
+        return "slurm_name %s is not a node of %s (its nodes: %s)" % (name, where, ", ".join(nodes[:8]) or "none")
+    return ""
+
+
 def probe_reply(master_addr: str) -> dict:
     return {"facts": node_facts(master_addr)}
 
 
 def main(argv: list) -> None:
-    if argv[:1] != ["--host"] or len(argv) != 3:
-        sys.exit("usage: python3 - --host OWN_ADDRESS HEAD_ADDRESS (the probe stage asks with node/calls.py)")
-    print(json.dumps(host_facts(argv[1], argv[2])))
+    if argv[:1] != ["--host"] or len(argv) not in (3, 4):
+        sys.exit(
+            "usage: python3 - --host OWN_ADDRESS HEAD_ADDRESS [SLURM_JSON] (the probe stage asks with node/calls.py)"
+        )
+    facts = host_facts(argv[1], argv[2])
+    if len(argv) == 4:
+        slurm = json.loads(argv[3])
+        facts["slurm_problem"] = slurm_problem(slurm["partition"], slurm["conf"], slurm["name"])
+    print(json.dumps(facts))
 
 
 if __name__ == "__main__":

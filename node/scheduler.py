@@ -56,9 +56,30 @@ def read_description(path: str | None) -> Cluster:
     return parse_cluster(data)
 
 
+SQUEUE_FORMAT = "%.10i %.9P %.32j %.8u %.2t %.10M %.6D %R"
+"""squeue's default with a NAME column wide enough for a run id (the default's 8 show only its date)."""
+
+
+def client_environment(paths: Paths) -> dict:
+    """What `env` prints: how Slurm's clients reach the Slurm that holds this cluster's runs, and squeue
+    showing whole run ids. UsageError where no Slurm holds them, rather than nothing for `eval`."""
+    environment = slurm_existing.client_environment(paths)
+    conf = environment.get("SLURM_CONF")
+    if slurm_existing.existing(paths) is None and not (conf and os.path.exists(conf)):
+        raise UsageError("Slurm does not hold this cluster's runs here (fab bootstrap chose fab's connections)")
+    return {**environment, "SQUEUE_FORMAT": SQUEUE_FORMAT}
+
+
 def check_reply(head: bool) -> dict:
-    """node/calls.py's CheckScheduler."""
+    """node/calls.py's CheckScheduler: Slurm's programs are here, and no Slurm of the host's own runs
+    (adopt that one rather than start another beside it)."""
     slurm_daemons.check(head)
+    site = slurm_existing.site_conf()
+    if site:
+        raise UsageError(
+            f"this host already runs Slurm ({site}): add slurm: existing to the hosts file to send runs to it, "
+            "or fab bootstrap --scheduler slurm for one of gpu-cluster's own beside it"
+        )
     return {"said": "ok"}
 
 
@@ -172,7 +193,7 @@ def main(argv: list | None = None) -> int:
                 alive = " ".join(f"{name}={'up' if pid else 'down'}" for name, pid in result["daemons"].items())
                 print(f"{result['node'] or '?'}: {alive} slurm={result['node_state'] or 'unknown'}")
         else:
-            for key, value in slurm_existing.client_environment(Paths(home)).items():
+            for key, value in client_environment(Paths(home)).items():
                 print(f"export {key}={shlex.quote(value)}")
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -49,21 +49,12 @@ def program(name: str) -> str:
 
 NEEDED = ("munged", "slurmd", "srun", "sbatch", "squeue", "scontrol", "sinfo")
 """What every node runs and what the runs' commands call; the head node runs slurmctld too."""
-SITE_CONFS = ("/etc/slurm/slurm.conf", "/etc/slurm-llnl/slurm.conf")
-"""Where a host that runs a Slurm of its own keeps its configuration (Debian/Ubuntu, and their older path)."""
 
 
 def check(head: bool) -> None:
-    """UsageError naming the first of Slurm's or munge's programs this node lacks (and its package), or
-    the configuration of a Slurm the host already runs (adopt that one rather than start another)."""
+    """UsageError naming the first of Slurm's or munge's programs this node lacks (and its package)."""
     for name in NEEDED + (("slurmctld",) if head else ()):
         program(name)
-    site = next((path for path in SITE_CONFS if os.path.exists(path)), None)
-    if site:
-        raise UsageError(
-            f"this host already runs Slurm ({site}): add slurm: existing to the hosts file to send runs to it, "
-            "or fab bootstrap --scheduler slurm for one of gpu-cluster's own beside it"
-        )
 
 
 def daemons_of(cluster: Cluster, node: Node) -> list:

@@ -15,6 +15,12 @@ from node.slurm_conf import DaemonError, Paths, UsageError
 from node.slurm_daemons import program, write_private
 
 CLIENT_TIMEOUT_S = 15.0
+SITE_CONFS = ("/etc/slurm/slurm.conf", "/etc/slurm-llnl/slurm.conf")
+"""Where Slurm's packages put slurm.conf (Debian's 22.05 and older ones)."""
+PROC = "/proc"
+OURS = "# Written by gpu-cluster"
+"""The first words of every slurm.conf of ours (node/slurm_conf.py), a stack's on this host or another's."""
+DAEMONS = ("slurmctld", "slurmd")
 
 
 def existing(paths: Paths) -> dict | None:
@@ -33,6 +39,49 @@ def client_environment(paths: Paths) -> dict:
     if adopted is None:
         return {"SLURM_CONF": paths.conf}
     return {"SLURM_CONF": adopted["conf"]} if adopted.get("conf") else {}
+
+
+def site_conf() -> str | None:
+    """The configuration of a Slurm this host already runs, looked for where Slurm itself looks:
+    `SLURM_CONF`, the `-f` of a running slurmctld or slurmd, the packages' default paths, then what
+    `scontrol show config` reads (a configless node's copy); None where there is none. A slurm.conf of
+    ours (any stack's) is never one."""
+    for found in (os.environ.get("SLURM_CONF"), *_daemon_confs(), *SITE_CONFS):
+        if found and os.path.exists(found) and not _ours(found):
+            return found
+    try:
+        shown = client({}, "scontrol", "show", "config")
+    except (OSError, subprocess.TimeoutExpired, UsageError):
+        return None
+    conf = next(
+        (line.split("=", 1)[1].strip() for line in shown.stdout.splitlines() if line.startswith("SLURM_CONF ")), ""
+    )
+    return conf if shown.returncode == 0 and conf and not _ours(conf) else None
+
+
+def _ours(conf: str) -> bool:
+    try:
+        with open(conf) as f:
+            return f.read(len(OURS)) == OURS
+    except OSError:
+        return False
+
+
+def _daemon_confs() -> list:
+    """The slurm.conf each running slurmctld and slurmd was started with (`-f`)."""
+    found = []
+    for entry in os.listdir(PROC):
+        try:
+            with open(os.path.join(PROC, entry, "cmdline"), "rb") as f:
+                argv = [word.decode(errors="replace") for word in f.read().split(b"\0") if word]
+        except OSError:
+            continue
+        if not argv or os.path.basename(argv[0]) not in DAEMONS:
+            continue
+        given = [argv[i + 1] for i, word in enumerate(argv[:-1]) if word == "-f"]
+        given += [word[2:] for word in argv if word.startswith("-f") and len(word) > 2]
+        found.extend(given)  # none: Slurm's default path, or a configless copy (scontrol finds both)
+    return found
 
 
 def slurm_name(paths: Paths, node_name: str) -> str:

@@ -417,7 +417,34 @@ def job_fields(text: str) -> dict:
         "signal": int(signal_number) if ended and signal_number.isdigit() else None,
         "requeues": int(fields["Restarts"]) if fields.get("Restarts", "").isdigit() else 0,
         "log": fields.get("StdOut") or None,
+        "reason": fields.get("Reason")
+        if state in WAITING_STATES and fields.get("Reason") not in ("", "None")
+        else None,
     }
+
+
+REASONS = {
+    "Resources": "its nodes, busy with another job",
+    "Priority": "jobs ahead of it in the queue",
+    "Dependency": "a job it depends on",
+    "BeginTime": "its start time",
+    "JobHeldUser": "a release (held by its user: scontrol release)",
+    "JobHeldAdmin": "a release (held by an administrator)",
+    "PartitionDown": "its partition, which is down",
+    "PartitionInactive": "its partition, which is inactive",
+    "NodeDown": "a node of it, which is down",
+    "Reservation": "a reservation",
+}
+
+
+def reason_words(reason: str) -> str:
+    """Slurm's reason for a waiting job (`Reason=` of scontrol, spaces written `_`), in words."""
+    text = reason.replace("_", " ")
+    head, _, rest = text.partition(",")
+    if head == "ReqNodeNotAvail":
+        nodes = rest.strip().partition("UnavailableNodes:")[2].strip()
+        return f"node(s) {nodes or 'it asked for'} to be available (down, drained or reserved in Slurm)"
+    return REASONS.get(head, f"Slurm: {text}")
 
 
 def job_state(job_id: str, log: str = "") -> dict | None:
@@ -509,6 +536,8 @@ def shown_state(job_id: str, log: str = "") -> dict | None:
         for node, (_, reason) in sorted(slurm_nodes.node_reasons(Paths(os.path.expanduser("~"))).items())
         if slurm_nodes.lost_or_noticed(reason)
     ]
+    if not out and found.get("reason"):  # none of ours out of service: what Slurm says it waits for
+        out = [reason_words(found["reason"])]
     found = {**found, "waiting_for": "; ".join(out) or None}
     if not found["requeues"] or not found.get("log"):
         return found

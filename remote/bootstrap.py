@@ -229,6 +229,7 @@ class Bootstrap:
             self.cluster, f"{private}; cat {node_paths.STATE_FILE} 2>/dev/null || echo '{{}}'"
         )
         try:
+            self._refuse_shared_home(sessions)
             self._refuse_busy_port(sessions[0])
             self.records = [NodeRecord(s, _parse_state(text)) for s, text in zip(sessions, recorded, strict=True)]
             self.timeline.mark("connect")
@@ -268,6 +269,35 @@ class Bootstrap:
                 raise UsageError(
                     f"--master-port {self.master_port} is the SSH port of {node.name}: "
                     "pick another, e.g. --master-port 29500"
+                )
+
+    def _refuse_shared_home(self, sessions: list[NodeSession]) -> None:
+        """Every node needs a ~/.gpu-cluster of its own: where two share one home (an NFS `$HOME`) one
+        would run as the other. Each node leaves a file in contract.HOME_CLAIMS, then (once all have)
+        lists them: a node that finds another's shares its home. Checked before any stage writes."""
+        claims = contract.shell(contract.HOME_CLAIMS)
+        made = on_all_nodes(
+            sessions,
+            lambda s: s.run(f'umask 077 && mkdir -p {claims} && basename "$(mktemp {claims}/XXXXXXXXXX)"').stdout,
+        )
+        owner = {(r.value or "").strip(): r.name for r in made if (r.value or "").strip()}
+        own = {name: token for token, name in owner.items()}
+        found = on_all_nodes(
+            sessions,
+            lambda s: (
+                s.run(
+                    f"ls {claims}; rm -f {claims}/{own.get(s.node.name, '-')}; rmdir {claims} 2>/dev/null; echo $HOME"
+                ).stdout
+            ),
+        )
+        for answer in found:
+            *listed, home = (answer.value or "").split() or [""]
+            others = sorted({owner[t] for t in listed if owner.get(t, answer.name) != answer.name})
+            if others:
+                raise UsageError(
+                    f"{' and '.join([answer.name, *others])} share one home ({home}, an NFS $HOME?): each node needs "
+                    "a ~/.gpu-cluster of its own; log in to each host as a user whose home is its own "
+                    "(user: per host in the hosts file)"
                 )
 
     def _refuse_busy_port(self, head: NodeSession) -> None:

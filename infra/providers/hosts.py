@@ -296,6 +296,9 @@ async def check_host(hosts_file: HostsFile, host: Host, head_address: str) -> Ho
             command = (
                 f"{shlex.quote(hosts_file.python)} - --host {shlex.quote(host.address)} {shlex.quote(head_address)}"
             )
+            if hosts_file.slurm_existing:  # its Slurm asked now, not at bootstrap's sixth stage
+                slurm = {**hosts_file.slurm_existing, "name": host.slurm_name}
+                command += " " + shlex.quote(json.dumps(slurm))
             result = await asyncio.wait_for(conn.run(command, input=probe, check=False), CHECK_TIMEOUT_S)
     except (OSError, asyncssh.Error, asyncio.TimeoutError) as exc:
         return HostCheck(host, _connect_problem(exc, hosts_file))
@@ -304,6 +307,8 @@ async def check_host(hosts_file: HostsFile, host: Host, head_address: str) -> Ho
     host_key = server_key.export_public_key().decode().strip()
     fingerprint = server_key.get_fingerprint("sha256")
     problem, facts = _probe_problem(result, hosts_file.python)
+    if not problem and facts.get("slurm_problem"):
+        problem = facts["slurm_problem"]
     if not problem and not (host.private_ip or facts.get("private_ip")):
         problem = "cannot tell which address it uses towards the head node: set its private_ip"
     return HostCheck(host, problem, host_key, fingerprint, facts)

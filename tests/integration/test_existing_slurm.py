@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from tests.support import slurm
-from tests.support.cli import run_cli, run_fab
+from tests.support.cli import assert_one_line_error, run_cli, run_fab
 from tests.support.clusters import start_local_cluster_in
 
 pytestmark = pytest.mark.skipif(slurm.unavailable() is not None, reason=f"Slurm: {slurm.unavailable()}")
@@ -119,6 +119,38 @@ def test_runs_go_to_the_existing_slurm_under_its_names_and_down_leaves_it_runnin
         theirs.client("scancel", blocker, check=False)
     for index in range(2):  # their Slurm goes on
         assert all(pid for pid in theirs.state(index)["daemons"].values()), theirs.state(index)
+
+
+@pytest.mark.parametrize(
+    "wrong, words",
+    [
+        ({"partition": "nosuch"}, ["partition nosuch is not in its Slurm (its partitions: main)"]),
+        ({"slurm_name": "gamma"}, ["slurm_name gamma is not a node of partition main (its nodes: alpha, beta)"]),
+        ({"slurm_conf": "/nonexistent/slurm.conf"}, ["slurm_conf /nonexistent/slurm.conf is not a file"]),
+    ],
+)
+def test_adoption_mistakes_are_refused_at_up_in_one_line(machines, tmp_path, wrong, words):
+    inventory, theirs = machines
+    hosts = [
+        {"address": n["public_ip"], "port": n["ssh_port"], "slurm_name": name}
+        for n, name in zip(inventory["nodes"], NAMES, strict=True)
+    ]
+    if "slurm_name" in wrong:
+        hosts[1]["slurm_name"] = wrong["slurm_name"]
+    data = {
+        "key": inventory["ssh_key"],
+        "user": inventory["ssh_user"],
+        "python": inventory["python"],
+        "slurm": "existing",
+        "partition": wrong.get("partition", "main"),
+        "slurm_conf": wrong.get("slurm_conf", str(theirs.conf)),
+        "hosts": hosts,
+    }
+    hosts_file = tmp_path / "hosts.yaml"
+    hosts_file.write_text(yaml.safe_dump(data))
+    env = {"CLUSTER_STATE_DIR": str(tmp_path / "state")}
+    assert_one_line_error(run_cli("up", "--hosts", str(hosts_file), **env), *words)
+    assert not (tmp_path / "state" / "hosts").exists()
 
 
 def _queue(theirs) -> dict:

@@ -6,6 +6,7 @@ import hashlib
 import ipaddress
 import json
 import os
+import shlex
 import signal
 from pathlib import Path
 
@@ -71,6 +72,20 @@ def test_bootstrap_starts_slurm_on_every_node_on_loopback_only(cluster):
     assert all(ipaddress.ip_address(address).is_loopback for address, _, _ in sockets), sockets
     status = json.loads(cluster.cli("status", "--json").stdout)  # each node's Slurm state
     assert [n["scheduler"] for n in status["nodes"]] == ["idle", "idle"], status
+
+
+def test_the_readmes_slurm_commands_work_on_node_0_as_written(cluster):
+    """README "For those who know Slurm": the environment, then Slurm's own clients; a job's NAME (a run
+    id) is shown whole, not cut to its date."""
+    commands = (
+        'source ~/.gpu-cluster/env && eval "$("$CLUSTER_PYTHON" "$CLUSTER_CODE_DIR/node/scheduler.py" env)" && '
+        "sbatch --job-name=20990101-000000-hello-abcd --wrap 'sleep 20' >/dev/null && squeue && sinfo --noheader "
+        "--format=%T && scancel --name=20990101-000000-hello-abcd"
+    )
+    result = cluster.cli("ssh", "node-0", "--", "bash", "-c", shlex.quote(commands))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "20990101-000000-hello-abcd" in result.stdout, result.stdout
+    assert result.stdout.splitlines()[-1].strip() in ("idle", "allocated", "mixed"), result.stdout
 
 
 def _slurm_pids(cluster) -> list[int]:

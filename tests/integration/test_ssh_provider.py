@@ -20,7 +20,7 @@ import yaml
 from tests.support import REPO
 from tests.support.cli import assert_one_line_error, child_env, run_cli, run_fab
 from tests.support.network import CuttingProxy, free_port
-from tests.support.openssh import processes_of
+from tests.support.openssh import Sshd, processes_of
 
 # Every test here logs in as the same Unix users (gcnode0, gcnode1): under xdist they run on one worker.
 pytestmark = pytest.mark.xdist_group("openssh")
@@ -190,6 +190,32 @@ def test_up_again_reads_the_file_and_a_second_stack_may_not_share_a_login(cluste
         f"{server.user}@{server.address}:{server.port} is in use by stack '{STACK}'",
     )
     assert not (cluster.state_dir / "second").exists()
+
+
+def test_hosts_that_share_one_home_are_refused_before_bootstrap_writes(cluster, tmp_path):
+    """Two hosts, one home (an NFS $HOME): here a second sshd that logs in the first host's user."""
+    first = cluster.hosts.servers[0]
+    prefix, last = first.address.rsplit(".", 1)
+    twin = Sshd(first.user, f"{prefix}.{int(last) + 2}", first.port, tmp_path / "sshd-twin")
+    twin.start()
+    try:
+        data = yaml.safe_load(cluster.hosts_file.read_text())
+        data["hosts"] = [{"address": s.address, "port": s.port, "user": s.user} for s in (first, twin)]
+        hosts_file = tmp_path / "hosts.yaml"
+        hosts_file.write_text(yaml.safe_dump(data))
+        env = {"CLUSTER_STATE_DIR": str(tmp_path / "state")}
+        up = run_cli("up", "--hosts", str(hosts_file), "--stack", "twins", **env)
+        assert up.returncode == 0, up.stdout + up.stderr
+        folder = cluster.home(first.user) / ".gpu-cluster"
+        listed = sorted(folder.iterdir()) if folder.exists() else []
+        assert_one_line_error(
+            run_fab("bootstrap", "--master-port", str(free_port()), **env),
+            "node-0 and node-1 share one home",
+            str(cluster.home(first.user)),
+        )
+        assert sorted(folder.iterdir()) == listed  # nothing written, the claims removed
+    finally:
+        twin.stop()
 
 
 def test_a_malformed_hosts_file_lists_every_problem(state_dir, tmp_path):

@@ -107,7 +107,10 @@ def test_a_bad_description_names_what_is_wrong(changes, words):
 def test_check_names_the_first_missing_program_and_its_package(tmp_path, monkeypatch, capsys):
     """What bootstrap's default (--scheduler auto) asks each node before choosing Slurm."""
     monkeypatch.setattr(slurm_daemons, "SBIN", (str(tmp_path),))
-    monkeypatch.setattr(slurm_daemons, "SITE_CONFS", ())
+    monkeypatch.setattr(slurm_existing, "SITE_CONFS", ())
+    monkeypatch.setattr(slurm_existing, "PROC", str(tmp_path / "proc"))
+    (tmp_path / "proc").mkdir()
+    monkeypatch.delenv("SLURM_CONF", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
     for name in slurm_daemons.NEEDED:
         (tmp_path / name).write_text("#!/bin/sh\n")
@@ -119,11 +122,41 @@ def test_check_names_the_first_missing_program_and_its_package(tmp_path, monkeyp
         "slurm-wlm munge)\n"
     )
     (tmp_path / "site.conf").write_text("ClusterName=theirs\n")  # a host that runs a Slurm of its own
-    monkeypatch.setattr(slurm_daemons, "SITE_CONFS", ("/nonexistent/slurm.conf", str(tmp_path / "site.conf")))
+    monkeypatch.setattr(slurm_existing, "SITE_CONFS", ("/nonexistent/slurm.conf", str(tmp_path / "site.conf")))
     assert scheduler.main(["check"]) == 2
     assert f"already runs Slurm ({tmp_path / 'site.conf'}): add slurm: existing" in capsys.readouterr().err
+    monkeypatch.setattr(slurm_existing, "SITE_CONFS", ())
     (tmp_path / "munged").unlink()
     assert scheduler.main(["check"]) == 2 and "munged is not installed" in capsys.readouterr().err
+
+
+def test_check_finds_a_site_slurm_where_slurm_itself_looks(tmp_path, monkeypatch, capsys):
+    """Not only at /etc/slurm: SLURM_CONF, a running daemon's -f, what scontrol reads; never a conf of ours."""
+    monkeypatch.setattr(slurm_daemons, "SBIN", (str(tmp_path),))
+    monkeypatch.setattr(slurm_existing, "SITE_CONFS", ())
+    monkeypatch.setattr(slurm_existing, "PROC", str(tmp_path / "proc"))
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    for name in (*slurm_daemons.NEEDED, "scontrol"):
+        (tmp_path / name).write_text("#!/bin/sh\nexit 1\n")
+        (tmp_path / name).chmod(0o755)
+    site, ours = tmp_path / "site" / "slurm.conf", tmp_path / "ours.conf"
+    site.parent.mkdir()
+    site.write_text("ClusterName=theirs\n")
+    ours.write_text(slurm_existing.OURS + " (node/scheduler.py)\nClusterName=gc\n")
+    (tmp_path / "proc" / "4242").mkdir(parents=True)
+    (tmp_path / "proc" / "4243").mkdir(parents=True)
+    (tmp_path / "proc" / "4243" / "cmdline").write_bytes(b"/usr/sbin/slurmd\0-D\0-f\0" + bytes(ours) + b"\0")
+    assert scheduler.main(["check"]) == 0  # another stack's slurmd of ours is no site Slurm
+    capsys.readouterr()
+    monkeypatch.setenv("SLURM_CONF", str(site))
+    assert scheduler.main(["check"]) == 2 and f"already runs Slurm ({site})" in capsys.readouterr().err
+    monkeypatch.delenv("SLURM_CONF")
+    (tmp_path / "proc" / "4242" / "cmdline").write_bytes(b"/opt/slurm/sbin/slurmctld\0-f\0" + bytes(site) + b"\0")
+    assert scheduler.main(["check"]) == 2 and f"already runs Slurm ({site})" in capsys.readouterr().err
+    (tmp_path / "proc" / "4242" / "cmdline").unlink()
+    (tmp_path / "scontrol").write_text(f"#!/bin/sh\necho 'SLURM_CONF              = {site}'\n")
+    assert scheduler.main(["check"]) == 2 and f"already runs Slurm ({site})" in capsys.readouterr().err
 
 
 def fake_sinfo(folder, listing: str, monkeypatch) -> None:
@@ -244,6 +277,27 @@ def test_a_waiting_job_has_no_start_and_a_running_one_no_end_or_exit_code():
     running = slurm_run.job_fields(RUNNING_JOB)
     assert running["started_at"] is not None and (running["ended_at"], running["exit_code"]) == (None, None)
     assert running["requeues"] == 1
+
+
+@pytest.mark.parametrize(
+    "reason, words",
+    [
+        ("Resources", "its nodes, busy with another job"),
+        ("ReqNodeNotAvail,_UnavailableNodes:beta", "node(s) beta to be available (down, drained or reserved in Slurm)"),
+        ("Priority", "jobs ahead of it in the queue"),
+        ("QOSMaxJobsPerUserLimit", "Slurm: QOSMaxJobsPerUserLimit"),
+    ],
+)
+def test_a_waiting_run_says_in_words_what_slurm_says_it_waits_for(monkeypatch, reason, words):
+    """Under an adopted Slurm none of the nodes is out of service by our reasons: Slurm's own reason tells."""
+    monkeypatch.setattr(
+        slurm_run, "job_state", lambda job, log="": slurm_run.job_fields(PENDING_JOB.replace("Resources", reason))
+    )
+    monkeypatch.setattr(
+        slurm_run.slurm_nodes, "node_reasons", lambda paths: {"alpha": ("idle", ""), "beta": ("down", "theirs")}
+    )
+    shown = slurm_run.shown_state("2")
+    assert (shown["state"], shown["waiting_for"]) == ("PENDING", words)
 
 
 def test_an_ended_job_has_its_times_and_exit_code_from_the_completion_log():
