@@ -5,6 +5,7 @@
     python deploy.py up --hosts hosts.yaml     # on your own machines, over SSH (stack: hosts)
     python deploy.py up                        # on AWS, from Pulumi.<stack>.yaml (default stack: dev)
     python deploy.py status | plan | cost | ssh [NODE] | ssh-config | down
+    python deploy.py image create | list | delete AMI_ID   # AWS: a baked AMI; up --image AMI_ID boots it
 
 Exit codes: 0 success; 1 a step failed; 2 bad input or a missing prerequisite (nothing was created).
 """
@@ -48,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="spot instances instead of on-demand (local: a reclaimed or dead node is replaced and rejoins)",
     )
     up.add_argument("--yes", action="store_true", help="AWS: do not ask to confirm the hourly cost")
+    up.add_argument(
+        "--image", metavar="AMI_ID", help="AWS: boot the nodes from this AMI (e.g. from `image create`), not the DLAMI"
+    )
     up.add_argument("--ssh-cidr", help="AWS: who may SSH in (default: your public IP /32)")
     up.add_argument("--max-total-usd", help="guard: power the cluster off before it has cost this much")
     up.add_argument("--idle-minutes", help="guard: power the cluster off after this long with no job and idle GPUs")
@@ -104,7 +108,30 @@ def build_parser() -> argparse.ArgumentParser:
     drill.add_argument("--notice", type=float, default=120.0, metavar="S", help="seconds from notice to reclaim (120)")
     drill.add_argument("--fis-role", metavar="ARN", help="AWS: the IAM role AWS FIS assumes to interrupt the instance")
     drill.add_argument("--stack", help=stack_help)
+    _image_parser(commands, stack_help)
     return parser
+
+
+def _image_parser(commands, stack_help: str) -> None:
+    image = commands.add_parser(
+        "image", help="AWS: bake an AMI from a bootstrapped node (`up --image` boots from it), list, delete"
+    )
+    actions = image.add_subparsers(dest="image_command", metavar="ACTION", required=True, parser_class=Parser)
+    create = actions.add_parser("create", help="CreateImage of a node's instance; prints the AMI id and its cost")
+    create.add_argument("--stack", help=stack_help)
+    create.add_argument("--node", default="node-0", help="the node to image (default node-0)")
+    create.add_argument("--name", help="the image's name (default gpu-cluster-STACK-NODE-TIME)")
+    create.add_argument(
+        "--reboot", action="store_true", help="let EC2 reboot the instance first (a consistent file system)"
+    )
+    listing = actions.add_parser("list", help="this project's images: id, name, stack, created, size, state")
+    listing.add_argument("--stack", help="only this stack's images (default: all, in the current stack's region)")
+    listing.add_argument("--region", help="the region to list (default: the stack's, else us-east-1)")
+    listing.add_argument("--json", action="store_true", help="machine-readable: a list of images")
+    delete = actions.add_parser("delete", help="deregister one of our images and delete its snapshots")
+    delete.add_argument("image_id", metavar="AMI_ID", help="the image, e.g. ami-0123456789abcdef0")
+    delete.add_argument("--stack", help="a stack whose region to use (default: the current stack's)")
+    delete.add_argument("--region", help="the image's region (default: the stack's, else us-east-1)")
 
 
 def _whole_number(text: str) -> int:
@@ -137,7 +164,8 @@ def cmd_up(args) -> int:
     result = providers.bring_up(chosen, request, say=report.console.print)
     report.up_summary(result.cluster, result.created, time.perf_counter() - started, inventory.inventory_path(stack))
     if result.created:
-        report.console.print(f"up: {request.timeline.line()}")
+        image = f" (nodes from image {result.cluster.image})" if result.cluster.image else ""
+        report.console.print(f"up: {request.timeline.line()}{image}")
     return 0
 
 
@@ -149,6 +177,7 @@ def _overrides(args) -> dict:
         "sshCidr": args.ssh_cidr,
         "maxTotalUsd": args.max_total_usd,
         "idleMinutes": args.idle_minutes,
+        "amiId": args.image,
     }
 
 
@@ -212,6 +241,7 @@ def cmd_status(args) -> int:
                 "cost_so_far_usd": spent,
                 "nodes": [row.as_dict() for row in rows],
                 "up_timeline": cluster.timeline,  # how the up that made it spent its time (infra/timeline.py)
+                "image": cluster.image,
             }
         )
     else:
@@ -337,6 +367,73 @@ def cmd_drill(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------- image
+
+
+def cmd_image(args) -> int:
+    """Baked AMIs (infra/images.py): they outlive clusters, so they are listed and deleted by region."""
+    return {"create": _image_create, "list": _image_list, "delete": _image_delete}[args.image_command](args)
+
+
+def _image_create(args) -> int:
+    from infra import images, preflight
+    from infra.timeline import Timeline
+
+    timeline = Timeline.since_process_start()
+    stack = state.resolve_stack(args.stack, default=providers.AWS.default_stack)
+    kind = providers.for_stack(stack)
+    if kind is not providers.AWS:
+        raise UsageError(f"image create makes an AWS AMI; stack '{stack}' is {kind.what}, whose nodes boot no image")
+    name = images.check_name(args.name) if args.name is not None else images.default_name(stack, args.node)
+    cluster = inventory.load(stack)
+    ec2 = preflight.AwsClients.for_region(cluster.region).ec2
+    request = images.BakeRequest(args.node, name, args.reboot)
+    with preflight.aws_answers(f"image create of {args.node}"):
+        made = images.bake(cluster, request, ec2, report.console.print, timeline)
+    timeline.close("done")
+    report.console.print(f"{made.id}  {made.name}  ({cluster.region}): python deploy.py up --image {made.id}")
+    report.console.print(images.cost_line(made))
+    report.console.print(f"image: {timeline.line()}")
+    return 0
+
+
+def _image_region(args) -> str:
+    if args.region:
+        return config.check_region(args.region)
+    stack = state.resolve_stack(args.stack, default=providers.AWS.default_stack)
+    try:
+        return inventory.load(stack).region
+    except UsageError:
+        return config.load_stack(stack).region
+
+
+def _image_list(args) -> int:
+    from infra import images, preflight
+
+    region = _image_region(args)
+    stack = None if args.stack is None else state.check_stack_name(args.stack)
+    with preflight.aws_answers("image list"):
+        found = images.ours(preflight.AwsClients.for_region(region).ec2, stack)
+    if args.json:
+        report.print_json([i.as_dict() for i in found])
+    else:
+        report.image_table(region, found)
+    return 0
+
+
+def _image_delete(args) -> int:
+    from infra import config as stack_config
+    from infra import images, preflight
+
+    if not stack_config.AMI_ID.fullmatch(args.image_id):
+        raise UsageError(f"{args.image_id!r} is not an AMI id like ami-0123456789abcdef0")
+    region = _image_region(args)
+    with preflight.aws_answers(f"image delete {args.image_id}"):
+        gone = images.delete(preflight.AwsClients.for_region(region).ec2, args.image_id)
+    report.console.print(f"deleted {gone.id} ({gone.name}) and {len(gone.snapshots)} snapshot(s) in {region}")
+    return 0
+
+
 COMMANDS = {
     "up": cmd_up,
     "down": cmd_down,
@@ -346,6 +443,7 @@ COMMANDS = {
     "ssh": cmd_ssh,
     "ssh-config": cmd_ssh_config,
     "drill": cmd_drill,
+    "image": cmd_image,
 }
 
 

@@ -11,6 +11,8 @@ from node import contract
 SHARED_DIR = "/shared"
 SSH_USER = "ubuntu"  # the login of the AMI (the Deep Learning Base AMI on Ubuntu)
 READY_MARKER = "/var/lib/gpu-cluster/ready"
+INSTANCE_ID_FILE = "/var/lib/cloud/data/instance-id"
+"""cloud-init's record of the instance it runs on (written at every boot of a new instance)."""
 STOP_MARKER = f"{SHARED_DIR}/{contract.STOP_MARKER}"
 MOUNT_OPTIONS = "nfsvers=4.1,rsize=1048576,wsize=1048576,hard,timeo=600,retrans=2,noresvport"
 SCHEDULER_PACKAGES = ("slurm-wlm", "munge")
@@ -185,6 +187,9 @@ def user_data(
 set -euo pipefail
 exec >>/var/log/gpu-cluster-init.log 2>&1
 echo "gpu-cluster init start $(date -Is)"
+# A node booted from an image of another cluster's head node must not run that cluster's watchdog
+# (bootstrap starts this cluster's own on node-0).
+systemctl disable --now {contract.WATCHDOG_UNIT} >/dev/null 2>&1 || true
 
 command -v mount.nfs4 >/dev/null || {{ apt-get update -qq && apt-get install -y -qq nfs-common; }}
 mkdir -p {SHARED_DIR}
@@ -195,7 +200,11 @@ for attempt in $(seq 1 60); do
   echo "EFS not ready (attempt $attempt), retrying in 10 s"; sleep 10
 done
 mountpoint -q {SHARED_DIR}
-grep -q " {SHARED_DIR} " /etc/fstab || echo "{efs_dns_name}:/ {SHARED_DIR} nfs4 {MOUNT_OPTIONS},_netdev,nofail 0 0" >> /etc/fstab
+# This cluster's EFS, in place of any other: an image of another cluster's node carries that one's line.
+grep -qF "{efs_dns_name}:/ {SHARED_DIR} " /etc/fstab || {{
+  sed -i '\\| {SHARED_DIR} nfs4 |d' /etc/fstab
+  echo "{efs_dns_name}:/ {SHARED_DIR} nfs4 {MOUNT_OPTIONS},_netdev,nofail 0 0" >> /etc/fstab
+}}
 chown {ssh_user}:{ssh_user} {SHARED_DIR}
 {named}{groups}
 cat > /usr/local/sbin/gpu-cluster-guard <<'GUARD'
@@ -229,6 +238,7 @@ systemctl enable --now gpu-cluster-guard.timer
 
 {SCHEDULER_SETUP}
 mkdir -p "$(dirname {READY_MARKER})"
-date -Is > {READY_MARKER}
+# The marker names this instance: one booted from an image of another node finds that node's marker here.
+{{ cat {INSTANCE_ID_FILE}; date -Is; }} > {READY_MARKER}
 {joins}echo "gpu-cluster init done $(date -Is)"
 """

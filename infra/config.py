@@ -167,6 +167,11 @@ def validate(stack: str, raw: Mapping[str, object]) -> StackConfig:
     return config
 
 
+def check_region(value) -> str:
+    """An AWS region name, or UsageError in one line."""
+    return _region(value)
+
+
 def _region(value) -> str:
     if not isinstance(value, str) or not REGION.fullmatch(value):
         raise UsageError(f"aws:region {value!r} is not a region name like us-east-1")

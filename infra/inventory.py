@@ -117,6 +117,9 @@ class ClusterInfo:
     stack's jobs carry there, random per `up`}; {} otherwise."""
     timeline: dict = field(default_factory=dict)
     """How the `up` that created it spent its time (infra/timeline.py's record); {} where not recorded."""
+    image: str = ""
+    """AWS: the AMI the nodes booted from where the stack pinned one (`amiId`, `up --image`, e.g. an image
+    of `deploy.py image create`); empty for the newest Deep Learning AMI, and off AWS."""
 
     def __post_init__(self):
         # Every node names its login user, so no connection has to fall back to the cluster's.

@@ -2,7 +2,8 @@
 
 The Pulumi CLI is there; AWS credentials work (STS); the instance type exists and which zones of the
 region offer it; the running-instance vCPU quota (G and VT, or P; on-demand or spot) covers what is
-already running plus the request; the Deep Learning AMI exists in the region; sshCidr (default: your
+already running plus the request; the Deep Learning AMI exists in the region (or the pinned
+image, `amiId` or `up --image`, exists there and is available); sshCidr (default: your
 public IP /32); and what it will cost per hour, refused above maxHourlyUsd.
 """
 
@@ -102,7 +103,9 @@ def run(
         vcpus = _check_instance_type(config, clients, result)
         if vcpus:
             _check_quota(config, clients, result, vcpus)
-        if not config.ami_id:
+        if config.ami_id:
+            _check_pinned_image(config, clients, result)
+        else:
             _check_ami(config, clients, result)
     _check_ssh_cidr(config, lookup_ip, result)
     _estimate(config, clients, result)
@@ -224,6 +227,19 @@ def _check_ami(config: StackConfig, clients: AwsClients, result: PreflightResult
             f"no Deep Learning Base GPU AMI found in {config.region} ({_brief(exc)}): "
             "set gpu-cluster:amiId to an Ubuntu 22.04 image with the NVIDIA driver"
         )
+
+
+def _check_pinned_image(config: StackConfig, clients: AwsClients, result: PreflightResult) -> None:
+    """amiId (or `up --image`): the image exists in the region and is available, ours or another."""
+    from infra import images
+
+    assert config.ami_id is not None
+    try:
+        problem = images.usable_problem(clients.ec2, config.ami_id, config.region)
+    except AWS_ERRORS as exc:
+        problem = f"could not describe image {config.ami_id}: {_brief(exc)}"
+    if problem:
+        result.problems.append(problem)
 
 
 def _check_ssh_cidr(config: StackConfig, lookup_ip: Callable[[], str], result: PreflightResult) -> None:

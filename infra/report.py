@@ -159,5 +159,29 @@ def cost_tables(data: dict) -> None:
     console.print(f"total: ${data['total_usd']:.4f}{extra}")
 
 
+def image_table(region: str, images: list) -> None:
+    """`deploy.py image list`: this project's AMIs in the region (infra/images.py's Image rows)."""
+    if not images:
+        console.print(f"no gpu-cluster images in {region}")
+        return
+    table = Table(show_edge=False, pad_edge=False, title=f"gpu-cluster images in {region}")
+    for column in ("id", "name", "stack", "node", "created", "size", "state", "$/month at most"):
+        table.add_column(column)
+    for image in images:
+        table.add_row(
+            image.id,
+            image.name,
+            image.stack,
+            image.node,
+            image.created,
+            f"{image.size_gb} GB",
+            image.state,
+            f"${image.monthly_usd:.2f}",
+        )
+    console.print(table)
+    total = sum(i.monthly_usd for i in images)
+    console.print(f"snapshot storage: at most ${total:.2f}/month together, until python deploy.py image delete AMI_ID")
+
+
 def print_json(data) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")

@@ -3,6 +3,9 @@
 Auto Scaling groups, instances, volumes, network interfaces, security groups, EFS file systems and mount targets,
 placement groups, key pairs and VPCs carrying `gpu-cluster:stack = <stack>` (network interfaces also
 by the stack's VPC, since AWS does not tag the ones it makes for instances and mount targets).
+
+The stack's baked images (infra/images.py) are not leftovers: they outlive the cluster on purpose, so
+`down` keeps them and names them with what their snapshots cost (`kept_image_lines`).
 """
 
 from dataclasses import dataclass
@@ -99,4 +102,18 @@ def report_lines(leftovers: list[Leftover]) -> list[str]:
     for item in leftovers:
         mark = "$" if item.billable else " "
         lines.append(f"  {mark} {item.kind:18s} {item.id}  {item.detail}".rstrip())
+    return lines
+
+
+def kept_image_lines(stack: str, images: list) -> list[str]:
+    """What `down` says about the stack's images (infra/images.py's Image rows): kept, and what they cost."""
+    if not images:
+        return []
+    monthly = sum(i.monthly_usd for i in images)
+    lines = [
+        f"kept {len(images)} image(s) of stack '{stack}': their EBS snapshots still cost storage, at most "
+        f"${monthly:.2f}/month together:"
+    ]
+    lines += [f"  $ image {i.id}  {i.name}  {i.size_gb} GB" for i in images]
+    lines.append("  python deploy.py image delete AMI_ID removes one")
     return lines

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -141,6 +142,7 @@ def _cluster_from_outputs(stack: str, config, outputs: dict, key_path, hourly_us
         python="python3",
         daemon="systemd",  # the DLAMI runs systemd and the user has sudo
         nodes_move=any("group" in n for n in outputs["nodes"]),
+        image=config.ami_id or "",
     )
 
 
@@ -325,7 +327,7 @@ def _pin_and_wait(cluster: ClusterInfo, outputs: dict, ec2, say, timeline: Timel
     entries = asyncio.run(_host_keys(cluster, instance_ids, ec2, deadline, say))
     keys.write_known_hosts(Path(cluster.known_hosts), entries)
     timeline.mark("ssh ready")
-    asyncio.run(_wait_ready(cluster, deadline))
+    asyncio.run(_wait_ready(cluster, deadline, instance_ids))
     timeline.mark("cloud-init")
 
 
@@ -351,11 +353,20 @@ async def _host_keys(cluster: ClusterInfo, instance_ids: dict, ec2, deadline: fl
     return list(await asyncio.gather(*(one(n) for n in cluster.nodes)))
 
 
-async def _wait_ready(cluster: ClusterInfo, deadline: float) -> None:
+def ready_command(instance_id: str | None) -> str:
+    """Is cloud-init done on this instance? Its marker names the instance that wrote it: a node booted from
+    an image of another node (`deploy.py image`) carries that node's marker until its own cloud-init ends."""
+    if not instance_id:
+        return f"test -f {READY_MARKER}"
+    return f"grep -qsx {shlex.quote(instance_id)} {READY_MARKER}"
+
+
+async def _wait_ready(cluster: ClusterInfo, deadline: float, instance_ids: dict | None = None) -> None:
     async def one(node: NodeInfo) -> None:
+        command = ready_command((instance_ids or {}).get(node.name))
         while True:
             try:
-                result = await ssh.run(cluster, node, f"test -f {READY_MARKER}")
+                result = await ssh.run(cluster, node, command)
                 if result.exit_status == 0:
                     return
             except (OSError, asyncssh.Error, asyncio.TimeoutError):
@@ -380,8 +391,9 @@ def down(
     placement_ec2=None,
     say: Callable[[str], None] = print,
 ) -> list[teardown.Leftover]:
-    """Destroy the stack, then sweep by tag; returns what is left (empty: nothing)."""
-    from infra import automation, preflight, teardown
+    """Destroy the stack, then sweep by tag; returns what is left (empty: nothing). The stack's images
+    are kept, and said so with their cost."""
+    from infra import automation, images, preflight, teardown
 
     region = _region_of(stack)
     clients = clients or preflight.AwsClients.for_region(region)
@@ -395,6 +407,9 @@ def down(
         ) from None
     with preflight.aws_answers("after destroy, looking for leftovers"):
         leftovers = teardown.sweep(stack, clients.ec2, clients.efs, placement_ec2, clients.autoscaling)
+        kept = images.ours(clients.ec2, stack)
+    for line in teardown.kept_image_lines(stack, kept):
+        say(line)
     if not leftovers:
         state.forget(stack)
     return leftovers
@@ -473,7 +488,7 @@ class AwsProvider(Provider):
     """EC2 instances, EFS and a VPC of their own, through Pulumi (the program: infra/cluster.py)."""
 
     name = "aws"
-    accepts = frozenset({"nodes", "instanceType", "spot", "sshCidr", "maxTotalUsd", "idleMinutes", "yes"})
+    accepts = frozenset({"nodes", "instanceType", "spot", "sshCidr", "maxTotalUsd", "idleMinutes", "amiId", "yes"})
     cloud_plan = True
     what = "AWS"
     why_not = "they are for --local (the nodes' loopback addresses and ports)"

@@ -21,6 +21,7 @@ CONFIG_FLAGS = {
     "sshCidr": "--ssh-cidr",
     "maxTotalUsd": "--max-total-usd",
     "idleMinutes": "--idle-minutes",
+    "amiId": "--image",
 }
 # `up` flags that are not stack-config keys.
 OPTION_FLAGS = {"bind": "--bind", "ssh_port": "--ssh-port", "yes": "--yes", "hosts_file": "--hosts"}

@@ -27,8 +27,8 @@ def instances(make_cluster, state_dir, monkeypatch):
     stack_dir.mkdir(parents=True)
     for name in ("id_ed25519", "id_ed25519.pub"):  # the key deploy.py would make, already authorized there
         shutil.copy(local.stack_dir / name, stack_dir / name)
-    for node in local.inventory["nodes"]:  # cloud-init's ready marker, in each stand-in's home
-        (local.stack_dir / "nodes" / node["name"] / "ready").write_text("ok\n")
+    for i, node in enumerate(local.inventory["nodes"]):  # cloud-init's ready marker, in each stand-in's home
+        (local.stack_dir / "nodes" / node["name"] / "ready").write_text(f"i-{i:017x}\n2026-11-21T00:00:00+00:00\n")
     monkeypatch.setattr(aws_provider, "READY_MARKER", "ready")
     return local
 
@@ -104,8 +104,20 @@ def test_down_destroys_sweeps_and_removes_the_local_state(monkeypatch, state_dir
         stub = Stubber(placement)
         stub.add_response("describe_placement_groups", {"PlacementGroups": []}, {"Filters": teardown.tag_filter("dev")})
         stub.activate()
-        left = aws_provider.down("dev", clients=clients(), command=fake, placement_ec2=placement, say=lambda s: None)
-    assert left == []
+        ec2 = boto3.client("ec2", region_name="us-east-1")
+        tags = [{"Key": "gpu-cluster:stack", "Value": "dev"}, {"Key": "gpu-cluster:image", "Value": "node-0"}]
+        instance = ec2.run_instances(ImageId="ami-12c6146b", MinCount=1, MaxCount=1, InstanceType="t3.large")
+        instance_id = instance["Instances"][0]["InstanceId"]
+        image = ec2.create_image(
+            InstanceId=instance_id, Name="baked", TagSpecifications=[{"ResourceType": "image", "Tags": tags}]
+        )["ImageId"]
+        ec2.terminate_instances(InstanceIds=[instance_id])
+        said: list[str] = []
+        left = aws_provider.down("dev", clients=clients(), command=fake, placement_ec2=placement, say=said.append)
+        assert [i["ImageId"] for i in ec2.describe_images(Owners=["self"])["Images"]] == [image]  # kept
+    assert left == []  # an image outlives the cluster on purpose: no leftover, but said, with its cost
+    assert any(line.startswith("kept 1 image(s) of stack 'dev'") for line in said), said
+    assert any(image in line for line in said)
     assert [c[0] for c in fake.calls if c[0] in ("refresh", "destroy")] == ["refresh", "destroy"]
     assert fake.imported["deployment"]["pending_operations"] == []
     assert not (stack_dir / "inventory.json").exists() and (stack_dir / "runs").exists()

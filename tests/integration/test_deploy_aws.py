@@ -86,6 +86,17 @@ def test_plan_refuses_a_bad_stack_name_and_stacks_that_are_no_cloud_program(offl
     assert_one_line_error(run_cli("plan", "--stack", "hosts", **offline), "your own machines) creates no cloud")
 
 
+def test_image_commands_refuse_bad_input_in_one_line(offline, state_dir):
+    assert_one_line_error(run_cli("image", "create", "--stack", "local", **offline), "stack 'local' is the local")
+    assert_one_line_error(run_cli("image", "create", "--stack", "hosts", **offline), "whose nodes boot no image")
+    assert_one_line_error(run_cli("image", "create", "--name", "x", **offline), "an image name is 3 to 128")
+    assert_one_line_error(run_cli("image", "delete", "ubuntu", **offline), "not an AMI id")
+    assert_one_line_error(run_cli("image", **offline), "required: ACTION")
+    assert_one_line_error(run_cli("up", "--local", "--image", "ami-0123456789abcdef0", **offline), "--image")
+    assert_one_line_error(run_cli("up", "--yes", "--image", "ubuntu", **offline), "not an AMI id")
+    assert nothing_created(state_dir)
+
+
 def test_down_of_an_aws_stack_needs_the_cli(offline, state_dir):
     (state_dir / "dev").mkdir(parents=True)
     assert_one_line_error(run_cli("down", "--stack", "dev", **offline), "Pulumi CLI is not installed")

@@ -80,7 +80,17 @@ def test_the_quota_family_and_vcpus_come_from_the_catalog(aws):
 def test_a_missing_ami_is_refused(aws):
     result = check(ami_found=False)
     assert any("no Deep Learning Base GPU AMI" in p for p in result.problems)
-    assert check({"amiId": "ami-0123456789abcdef0"}, ami_found=False).problems == []
+
+
+def test_a_pinned_image_must_exist_in_the_region_and_be_available(aws):
+    missing = check({"amiId": "ami-0123456789abcdef0"}, ami_found=False).problems
+    assert missing == [
+        "image ami-0123456789abcdef0 does not exist in us-east-1: python deploy.py image list shows ours"
+    ]
+    ec2 = boto3.client("ec2", region_name="us-east-1")
+    instance = ec2.run_instances(ImageId="ami-12c6146b", MinCount=1, MaxCount=1, InstanceType="g4dn.xlarge")
+    image = ec2.create_image(InstanceId=instance["Instances"][0]["InstanceId"], Name="baked")["ImageId"]
+    assert check({"amiId": image}, ami_found=False).problems == []  # the DLAMI parameter is not asked
 
 
 def test_missing_cli_credentials_and_ip_are_all_reported_at_once(monkeypatch, state_dir):

@@ -168,6 +168,11 @@ def test_the_ami_and_zone_are_looked_up_unless_pinned():
     assert pinned.calls == []
     assert {i.inputs["ami"] for i in of_type(pinned, "Instance")} == {"ami-0123456789abcdef0"}
     assert named(pinned, "dev-net-subnet").inputs["availabilityZone"] == "us-east-1c"
+    # A baked image (deploy.py image create; up --image) boots spot workers too, from their launch templates.
+    spot = program(amiId="ami-0123456789abcdef0", availabilityZone="us-east-1c", spot=True, nodes=3)
+    assert spot.calls == []
+    assert {t.inputs["imageId"] for t in of_type(spot, "LaunchTemplate")} == {"ami-0123456789abcdef0"}
+    assert {i.inputs["ami"] for i in of_type(spot, "Instance")} == {"ami-0123456789abcdef0"}
 
 
 def test_the_mocks_refuse_calls_the_program_is_not_known_to_make():
