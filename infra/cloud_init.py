@@ -161,6 +161,18 @@ def scale_in_first(groups_file: str, region: str) -> str:
 WORKER_GROUPS_FILE = "/etc/gpu-cluster/worker-groups"
 
 
+ONLY_THIS_KEY = (
+    'token=$(curl -sf -X PUT -H "X-aws-ec2-metadata-token-ttl-seconds: 60" http://169.254.169.254/latest/api/token)'
+    ' && key=$(curl -sf -H "X-aws-ec2-metadata-token: $token"'
+    " http://169.254.169.254/latest/meta-data/public-keys/0/openssh-key)"
+    ' && [ -n "$key" ] && install -d -o {user} -g {user} -m 700 {home}/.ssh'
+    " && printf '%s\\n' \"$key\" > {home}/.ssh/authorized_keys.new"
+    " && chown {user}:{user} {home}/.ssh/authorized_keys.new && chmod 600 {home}/.ssh/authorized_keys.new"
+    " && mv {home}/.ssh/authorized_keys.new {home}/.ssh/authorized_keys || true"
+)
+"""This instance's key (IMDSv2) as the login's only authorized key; left as it is where IMDS does not say."""
+
+
 def user_data(
     efs_dns_name: str,
     ssh_user: str = "ubuntu",
@@ -190,6 +202,9 @@ echo "gpu-cluster init start $(date -Is)"
 # A node booted from an image of another cluster's head node must not run that cluster's watchdog
 # (bootstrap starts this cluster's own on node-0).
 systemctl disable --now {contract.WATCHDOG_UNIT} >/dev/null 2>&1 || true
+# Only this cluster's key logs in: an image carries the keys of the node it was made from, and cloud-init
+# adds this instance's key (IMDSv2's public-keys/0) beside them rather than in their place.
+{ONLY_THIS_KEY.format(home=f"/home/{ssh_user}", user=ssh_user)}
 
 command -v mount.nfs4 >/dev/null || {{ apt-get update -qq && apt-get install -y -qq nfs-common; }}
 mkdir -p {SHARED_DIR}

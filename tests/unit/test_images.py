@@ -170,3 +170,25 @@ def test_a_node_from_an_image_is_ready_only_once_its_own_cloud_init_is_done():
     # Another cluster's EFS line in the image's fstab is replaced, and its watchdog never starts here.
     assert "sed -i '\\| /shared nfs4 |d' /etc/fstab" in script
     assert script.index("systemctl disable --now gpu-cluster-watchdog") < script.index("mount -t nfs4")
+
+
+def test_a_node_from_an_image_lets_in_only_this_clusters_key(tmp_path):
+    """The image's authorized_keys (the old stack's key) is replaced by this instance's key from IMDS."""
+    import getpass
+    import subprocess
+
+    from infra import cloud_init
+
+    home, shims = tmp_path / "home", tmp_path / "bin"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "authorized_keys").write_text("ssh-ed25519 AAAAold old-stack\n")
+    shims.mkdir()
+    (shims / "curl").write_text(  # IMDSv2 as EC2 answers: a token, then the instance's key
+        '#!/bin/sh\ncase "$*" in *api/token*) echo tok;; *openssh-key*) echo "ssh-ed25519 AAAAnew this-stack";; esac\n'
+    )
+    (shims / "curl").chmod(0o755)
+    user = getpass.getuser()
+    script = cloud_init.ONLY_THIS_KEY.format(home=home, user=user)
+    subprocess.run(["bash", "-c", script], check=True, env={"PATH": f"{shims}:/usr/bin:/bin"})
+    keys = home / ".ssh" / "authorized_keys"
+    assert keys.read_text() == "ssh-ed25519 AAAAnew this-stack\n" and keys.stat().st_mode & 0o777 == 0o600
