@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     drill.add_argument("node", help="node name, e.g. node-1")
     drill.add_argument("--notice", type=float, default=120.0, metavar="S", help="seconds from notice to reclaim (120)")
     drill.add_argument("--fis-role", metavar="ARN", help="AWS: the IAM role AWS FIS assumes to interrupt the instance")
+    drill.add_argument(
+        "--yes", action="store_true", help="drill a cluster started without --spot, whose node nothing replaces"
+    )
     drill.add_argument("--stack", help=stack_help)
     _image_parser(commands, stack_help)
     return parser
@@ -363,7 +366,7 @@ def cmd_drill(args) -> int:
         raise UsageError(f"--notice {args.notice:g}: give the seconds from notice to reclaim, 0..3600 (EC2 gives 120)")
     cluster = providers.current(inventory.load_current(args.stack), say_on_stderr)
     chosen = providers.for_cluster(cluster)
-    chosen.spot_drill(cluster, args.node, args.notice, say=report.console.print, fis_role=args.fis_role)
+    chosen.spot_drill(cluster, args.node, args.notice, say=report.console.print, fis_role=args.fis_role, yes=args.yes)
     return 0
 
 

@@ -508,7 +508,9 @@ class AwsProvider(Provider):
     def bookkeeping(self, request: UpRequest) -> tuple[StackConfig | None, float | None]:
         return stack_config.load_stack(request.stack, request.overrides), None
 
-    def spot_drill(self, cluster: ClusterInfo, node: str, notice_s: float, say, fis_role: str | None = None) -> None:
+    def spot_drill(
+        self, cluster: ClusterInfo, node: str, notice_s: float, say, fis_role: str | None = None, yes: bool = False
+    ) -> None:
         import boto3
 
         from infra import preflight, spot_fis

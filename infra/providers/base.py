@@ -127,7 +127,10 @@ class Provider:
         addresses, their host keys pinned); the cluster as it is now."""
         return cluster
 
-    def spot_drill(self, cluster: ClusterInfo, node: str, notice_s: float, say, fis_role: str | None = None) -> None:
+    def spot_drill(
+        self, cluster: ClusterInfo, node: str, notice_s: float, say, fis_role: str | None = None, yes: bool = False
+    ) -> None:
         """`deploy.py drill spot`: post a spot interruption notice on `node`, reclaimed `notice_s` later
-        (`fis_role`: the IAM role AWS FIS assumes to do it, where AWS does it)."""
+        (`fis_role`: the IAM role AWS FIS assumes to do it, where AWS does it; `yes`: a node that nothing
+        will replace may be reclaimed for good)."""
         raise UsageError(f"drill spot rehearses a spot interruption: {self.what} has no spot instances")

@@ -15,6 +15,7 @@ from tests.support import REPO
 from tests.support.cli import assert_one_line_error, child_env, run_cli
 from tests.support.clusters import node_server_processes
 from tests.support.inventories import cluster as aws_cluster
+from tests.support.network import free_endpoint
 
 
 def accepts(address: str, port: int) -> bool:
@@ -82,7 +83,11 @@ def test_drill_spot_notice_reaches_the_watcher_then_the_node_is_reclaimed(make_c
         lines = lines_of(watcher)
         wait_for_line(lines, "spot-watch node-1: watching http://", 30)
 
-        drilled = run_cli("drill", "spot", "node-1", "--notice", "3", "--stack", "spot")
+        # Without --spot nothing replaces the node: refused in one line, no notice posted, unless --yes
+        refused = run_cli("drill", "spot", "node-1", "--notice", "3", "--stack", "spot")
+        assert_one_line_error(refused, "without --spot", "nothing will replace node-1", "--yes")
+        assert not (state_dir / "spot" / "notices").exists() and accepts(node1["public_ip"], node1["ssh_port"])
+        drilled = run_cli("drill", "spot", "node-1", "--notice", "3", "--stack", "spot", "--yes")
         assert drilled.returncode == 0, drilled.stderr
         assert "node-1: spot interruption notice posted" in drilled.stdout
 
@@ -105,10 +110,28 @@ def test_drill_spot_notice_reaches_the_watcher_then_the_node_is_reclaimed(make_c
     assert not (state_dir / "spot").exists() or [p.name for p in (state_dir / "spot").iterdir()] == ["runs"]
 
 
-def test_drill_of_an_unknown_node_is_one_line(make_cluster):
-    make_cluster("spot", 1)
-    assert_one_line_error(run_cli("drill", "spot", "node-7", "--stack", "spot"), "no node 'node-7'")
-    assert_one_line_error(run_cli("drill", "spot", "node-0", "--notice", "-1", "--stack", "spot"), "--notice")
+def test_two_spot_ups_at_once_find_one_stack_and_a_bad_drill_is_one_line(state_dir):
+    """The `up` that waits on the stack lock finds the stack up, with --spot, as a later `up --spot` does."""
+    address, port = free_endpoint(1)
+    up = [sys.executable, "deploy.py", "up", "--local", "--spot", "--stack", "spot", "--nodes", "1"]
+    up += ["--bind", address, "--ssh-port", str(port)]
+    env = child_env(CLUSTER_STATE_DIR=str(state_dir))
+    ups = [subprocess.Popen(up, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+    ups.append(subprocess.Popen(up, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        ended = [(job.wait(timeout=120), *job.communicate()) for job in ups]
+        assert [code for code, _, _ in ended] == [0, 0], ended
+        assert len(node_server_processes(state_dir)) == 1
+        assert_one_line_error(run_cli("drill", "spot", "node-7", "--stack", "spot"), "no node 'node-7'")
+        assert_one_line_error(run_cli("drill", "spot", "node-0", "--notice", "-1", "--stack", "spot"), "--notice")
+        role = ["--fis-role", "arn:aws:iam::123456789012:role/fis-spot"]
+        assert_one_line_error(run_cli("drill", "spot", "node-0", *role, "--stack", "spot"), "--fis-role is for AWS")
+        assert not (state_dir / "spot" / "notices").exists()
+    finally:
+        for job in ups:
+            if job.poll() is None:
+                job.kill()
+        run_cli("down", "--stack", "spot")
 
 
 def test_drill_on_aws_says_what_it_would_need(state_dir, tmp_path):

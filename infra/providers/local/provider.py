@@ -365,6 +365,9 @@ def start_supervisor(stack: str) -> int:
             stderr=out,
             start_new_session=True,
         )
+    # Written here, before `up` lets go of the stack lock, not by the supervisor once it runs: an `up` that
+    # waited on the lock finds the stack supervised (`--spot`), and a `down` right after finds what to end.
+    state.write_atomic(state.stack_file(stack, SUPERVISOR_PID), f"{process.pid}\n")
     return process.pid
 
 
@@ -735,10 +738,23 @@ class LocalProvider(Provider):
     def interrupted_stacks(self) -> list[str]:
         return stacks_without_inventory()
 
-    def spot_drill(self, cluster: ClusterInfo, node: str, notice_s: float, say, fis_role: str | None = None) -> None:
+    def spot_drill(
+        self, cluster: ClusterInfo, node: str, notice_s: float, say, fis_role: str | None = None, yes: bool = False
+    ) -> None:
+        if fis_role:
+            raise UsageError(
+                f"--fis-role is for AWS (FIS interrupts an EC2 instance); stack {cluster.stack!r} is local: "
+                "leave it out and the drill posts the notice on the node's own metadata service"
+            )
         name = cluster.node(node).name
         if name not in _server_start_times(cluster.stack):
             raise UsageError(f"{name} is not running (reclaimed already?): python deploy.py status shows the nodes")
+        if not yes and not supervised(cluster.stack):
+            raise UsageError(
+                f"stack {cluster.stack!r} was started without --spot: nothing will replace {name} once it is "
+                "reclaimed, and a run that needs it waits for good; pass --yes to reclaim it anyway, or drill "
+                "a stack started with up --local --spot"
+            )
         notice = metadata.post_notice(notice_path(cluster.stack, name), notice_s)
         say(
             f"{name}: spot interruption notice posted on its metadata service; "

@@ -197,7 +197,6 @@ def replace(stack: str, cluster: ClusterInfo, dead: list[tuple[int, NodeInfo]]) 
 
 
 def run(stack: str) -> int:
-    state.write_atomic(state.stack_file(stack, PID_FILE), f"{os.getpid()}\n")
     log(stack, f"supervising stack {stack!r} (pid {os.getpid()})")
     unjoined: list[NodeInfo] = []  # replaced, but their bootstrap failed: tried again every RETRY_S
     retry_at = 0.0
