@@ -108,11 +108,34 @@ class HostCheck:
 # ---------------------------------------------------------------------------------- hosts file
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (at any level), which PyYAML would
+    take silently, the last one winning; a merge (`<<:`) may still override what it brings in."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    first = seen.get(key)
+                except TypeError:  # an unhashable key: the safe loader's own error names it
+                    continue
+                if first is not None:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice (first at line {first + 1})", key_node.start_mark
+                    )
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_hosts_file(path: str) -> HostsFile:
     """The checked hosts file; one UsageError naming every problem in it."""
     where = f"hosts file {path}"
     try:
-        data = yaml.safe_load(Path(path).expanduser().read_text())
+        data = yaml.load(Path(path).expanduser().read_text(), Loader=UniqueKeyLoader)
     except FileNotFoundError:
         raise UsageError(f"no {where}: write one (see README, 'Your own machines')") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -166,10 +189,10 @@ def _slurm_existing(data: dict, hosts: tuple[Host, ...], problems: list[str]) ->
             "(leave it out and fab bootstrap sets up Slurm of its own)"
         )
         return {}
-    partition = _text(data.get("partition", ""), "partition", problems, required=False)
+    partition = _given_text(data, "partition", "partition", problems)
     if partition and not PARTITION.match(partition):
         problems.append(f"partition {partition!r} is not a Slurm partition name")
-    conf = _text(data.get("slurm_conf", ""), "slurm_conf", problems, required=False)
+    conf = _given_text(data, "slurm_conf", "slurm_conf", problems)
     if conf and not conf.startswith("/"):
         problems.append(f"slurm_conf {conf!r} must be an absolute path on the hosts")
     names = [h.slurm_name for h in hosts if h.slurm_name]
@@ -273,7 +296,7 @@ def _host(index: int, entry, default_user: str, problems: list[str]) -> Host | N
             private_ip = str(ipaddress.ip_address(str(private_ip)))
         except ValueError:
             problems.append(f"{where}: private_ip {private_ip!r} is not an IP address")
-    slurm_name = _text(entry.get("slurm_name", ""), f"{where} slurm_name", problems, required=False)
+    slurm_name = _given_text(entry, "slurm_name", f"{where} slurm_name", problems)
     if slurm_name and not SLURM_NAME.match(slurm_name):
         problems.append(f"{where}: slurm_name {slurm_name!r} is not a Slurm node name")
     return Host(address, port, user, private_ip, slurm_name) if len(problems) == before else None

@@ -262,6 +262,16 @@ def test_a_malformed_hosts_file_lists_every_problem(state_dir, tmp_path):
         "slurm_conf 'etc/slurm.conf' must be an absolute path",
         "two hosts name the same Slurm node",
     )
+    empty = {**base, "slurm": "existing", "partition": "", "slurm_conf": ""}  # as an empty user: is refused
+    hosts_file.write_text(yaml.safe_dump({**empty, "hosts": [{"address": "h", "slurm_name": ""}]}))
+    assert_one_line_error(
+        run_cli("up", "--hosts", str(hosts_file)),
+        "partition: is empty",
+        "slurm_conf: is empty",
+        "hosts[0] slurm_name: is empty",
+    )
+    hosts_file.write_text(f"key: {tmp_path / 'k'}\nuser: u\nhosts:\n  - address: h\n    port: 22\n    port: 23\n")
+    assert_one_line_error(run_cli("up", "--hosts", str(hosts_file)), "at line 6: key 'port' is given twice")
     assert not state_dir.exists() or not any(state_dir.iterdir())
 
 

@@ -8,10 +8,12 @@ import sqlite3
 from dataclasses import replace
 
 import pytest
+import yaml
 
 from infra import catalog, config, inventory, state
 from infra.errors import UsageError
 from infra.ledger import Ledger
+from infra.providers import hosts
 from remote import options
 from tests.support.ledgers import damage_ledger
 
@@ -264,3 +266,22 @@ def test_a_node_is_named_by_its_name_or_its_number(given, name):
 def test_a_node_that_names_no_node_is_one_line(given):
     with pytest.raises(UsageError, match="--node must name a node as node-1 or 1"):
         options.node_name("--node", given)
+
+
+@pytest.mark.parametrize(
+    "text, line, key",
+    [
+        ("key: /k\nuser: a\nhosts: [h]\nuser: b\n", 4, "user"),
+        ("key: /k\nhosts:\n  - address: h\n    port: 22\n    port: 23\n", 5, "port"),
+        ("key: /k\nhosts:\n  - {address: h, slurm_name: a, slurm_name: b}\n", 3, "slurm_name"),
+    ],
+)
+def test_a_hosts_file_key_given_twice_at_any_level_is_named_with_its_line(tmp_path, text, line, key):
+    path = tmp_path / "hosts.yaml"
+    path.write_text(text)
+    with pytest.raises(UsageError, match=rf"at line {line}: key '{key}' is given twice \(first at line "):
+        hosts.read_hosts_file(str(path))
+
+
+def test_a_yaml_merge_may_still_override_what_it_brings_in():
+    assert yaml.load("a: &x {k: 1, j: 2}\nb: {<<: *x, k: 3}\n", Loader=hosts.UniqueKeyLoader)["b"] == {"k": 3, "j": 2}
