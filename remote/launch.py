@@ -629,7 +629,7 @@ def report_fetched(fetched: Fetched, local_dir: Path, head: str, max_bytes: int)
             f"fab: fetched {count_files(len(fetched.names))} ({human_bytes(fetched.total_bytes)}) "
             f"into {local_dir}: {shown}"
         )
-    elif not fetched.refused:
+    elif not fetched.refused and not fetched.failed:
         say(f"fab: nothing to fetch: {head}'s $CLUSTER_RESULTS_DIR is empty and the run wrote no metrics.jsonl")
     if fetched.failed:
         name, why = fetched.failed

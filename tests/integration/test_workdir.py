@@ -301,15 +301,19 @@ def test_a_full_disk_while_fetching_leaves_no_partial_result_and_the_run_still_s
         "open(os.path.join(out, 'b-big.bin'), 'wb').write(os.urandom(5_000_000))\n"
     )
     limit = 4_000_000
-    result = subprocess.run(
-        [str(Path(sys.executable).with_name("fab")), "run", "--script", str(script), "--max-result-mb", "10"],
-        cwd=REPO,
-        env=child_env(**cluster.env),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
-    )
+
+    def run_limited(script: Path) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(Path(sys.executable).with_name("fab")), "run", "--script", str(script), "--max-result-mb", "10"],
+            cwd=REPO,
+            env=child_env(**cluster.env),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
+        )
+
+    result = run_limited(script)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     assert "could not fetch results/b-big.bin from node-0: File too large" in result.stdout
@@ -319,3 +323,13 @@ def test_a_full_disk_while_fetching_leaves_no_partial_result_and_the_run_still_s
     assert [p.name for p in local.rglob(".*")] == []  # no partial copy, no temporary summary
     assert json.loads((local / "summary.json").read_text())["exit_codes"] == {"node-0": 0, "node-1": 0}
     assert stat.S_IMODE((local / "results" / "a-small.txt").stat().st_mode) == 0o600
+    # The first result cut short: said so, and never first "nothing to fetch"
+    only_big = tmp_path / "only_big.py"
+    only_big.write_text(
+        "import os\n"
+        "open(os.path.join(os.environ['CLUSTER_RESULTS_DIR'], 'big.bin'), 'wb').write(os.urandom(5_000_000))\n"
+    )
+    result = run_limited(only_big)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr
+    assert "could not fetch results/big.bin from node-0: File too large" in result.stdout
+    assert "nothing to fetch" not in result.stdout
