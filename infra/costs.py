@@ -166,7 +166,7 @@ def _run_row(r, now: float) -> dict:
         "nodes": r.nodes,
         "started_at": _iso(r.started_at),
         "ended_at": _iso(r.ended_at),
-        "seconds": round((r.ended_at or now) - r.started_at, 1),
+        "seconds": round(r.seconds(now), 1),
         "exit_codes": r.exit_codes,
         "cost_usd": round(r.cost_usd(now), 6),
         "end_reason": r.end_reason,

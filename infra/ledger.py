@@ -44,6 +44,8 @@ RUN_OWNER_COLUMNS = {
     "hang_verdict": "TEXT",
     "stalled_at": "REAL",
     "hang_detected_at": "REAL",
+    # 1 for a run that ended before it ever started (cancelled while it waited): no start, no exit codes
+    "never_started": "INTEGER",
 }
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS clusters (
@@ -145,7 +147,8 @@ class RunRecord:
     task: str
     nodes: int
     hourly_usd: float
-    started_at: float
+    started_at: float | None
+    """None: it never started (cancelled while it waited in the queue); it cost nothing."""
     ended_at: float | None
     exit_codes: dict | None
     end_reason: str | None = None
@@ -155,8 +158,11 @@ class RunRecord:
     stalled_at: float | None = None
     """When a hung run's progress stopped."""
 
+    def seconds(self, now: float) -> float:
+        return 0.0 if self.started_at is None else (self.ended_at or now) - self.started_at
+
     def cost_usd(self, now: float) -> float:
-        return cost_usd(self.hourly_usd, (self.ended_at or now) - self.started_at)
+        return cost_usd(self.hourly_usd, self.seconds(now))
 
     def usd_since_stall(self, now: float) -> float | None:
         """What the cluster cost from the moment a hung run stopped making progress to its end."""
@@ -438,10 +444,18 @@ class Ledger:
         run = self.run(run_id)
         return run.cost_usd(at) if run else 0.0
 
-    def run_times(self, run_id: str, started_at: float, ended_at: float | None, exit_codes: dict | None) -> None:
+    def run_times(self, run_id: str, started_at: float | None, ended_at: float | None, exit_codes: dict | None) -> None:
         """A scheduled run's times as Slurm has them (it may have queued, or ended while nothing was
-        connected); `ended_at` None while it runs."""
+        connected); `ended_at` None while it runs; `started_at` None: it ended without ever starting
+        (no start, no exit codes, no cost; its row keeps the submission time to sort by)."""
         with self._transaction():
+            if started_at is None:
+                self.db.execute(
+                    "UPDATE runs SET never_started = 1, last_seen_at = ?, ended_at = ?, exit_codes = NULL "
+                    "WHERE run_id = ?",
+                    (ended_at, ended_at, run_id),
+                )
+                return
             self.db.execute(
                 "UPDATE runs SET started_at = ?, last_seen_at = ?, ended_at = ?, exit_codes = ? WHERE run_id = ?",
                 (started_at, started_at, ended_at, json.dumps(exit_codes) if exit_codes is not None else None, run_id),
@@ -460,8 +474,10 @@ class Ledger:
             where.append("run_id = ?")
             args.append(run_id)
         rows = self.db.execute(
-            "SELECT run_id, stack, task, nodes, hourly_usd, started_at, ended_at, exit_codes, end_reason, hang_verdict,"
-            " stalled_at FROM runs" + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY started_at",
+            "SELECT run_id, stack, task, nodes, hourly_usd, CASE WHEN never_started = 1 THEN NULL ELSE started_at END,"
+            " ended_at, exit_codes, end_reason, hang_verdict, stalled_at FROM runs"
+            + (" WHERE " + " AND ".join(where) if where else "")
+            + " ORDER BY started_at",
             args,
         ).fetchall()
         return [

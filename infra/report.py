@@ -127,7 +127,7 @@ def cost_tables(data: dict) -> None:
         codes = (
             ", ".join(f"{k}={v}" for k, v in sorted((r["exit_codes"] or {}).items()))
             or r.get("end_reason")
-            or "running"
+            or ("never started" if r["started_at"] is None and r["ended_at"] else "running")
         )
         if r.get("hung"):
             stalled = (r["stalled_at"] or "")[11:19]

@@ -86,13 +86,14 @@ class RunBook:
             except (sqlite3.Error, OSError) as exc:
                 say(f"fab: warning: the ledger cannot be opened ({exc}); this run's end is not recorded in it")
                 self.ledger = None
-        started, ended = run.started_at or run.submitted_at, run.ended_at or time.time()
+        started, ended = run.started_at, run.ended_at or time.time()  # no start: it ended while it waited
         scheduled = bool(run.job_id)  # held by Slurm: its times are Slurm's
 
         def record(ledger: Ledger) -> None:
             if ledger.run(run.run_id) is None:
                 stack, nodes, hourly = self.cluster.stack, len(run.nodes), self.cluster.hourly_usd
-                ledger.run_started(run.run_id, stack, run.task, nodes, hourly, at=started, scheduled=scheduled)
+                at = run.submitted_at if started is None else started
+                ledger.run_started(run.run_id, stack, run.task, nodes, hourly, at=at, scheduled=scheduled)
             ledger.run_times(run.run_id, started, ended, run.exit_codes)  # the record's times, either holder's
             if not scheduled:
                 ledger.run_ended(run.run_id, run.exit_codes, at=ended)  # and no longer abandoned
@@ -284,8 +285,8 @@ def spec_facts(spec: JobSpec) -> dict:
 
 def summary(cluster: ClusterInfo, run: Run) -> dict:
     """What `summary.json` says of a finished run, whichever holder held it."""
-    started = run.started_at or run.submitted_at
     ended = run.ended_at or time.time()
+    started = ended if run.started_at is None else run.started_at  # none: it never started
     summary: dict = {
         "task": run.task,
         "run_id": run.run_id,
@@ -293,7 +294,7 @@ def summary(cluster: ClusterInfo, run: Run) -> dict:
         "state": run.state,
         "holder": run.holder,
         "submitted_at": iso(run.submitted_at),
-        "started_at": iso(started),
+        "started_at": iso(run.started_at),
         "ended_at": iso(ended),
         "duration_s": round(ended - started, 3),
         "exit_code": run.exit_code,

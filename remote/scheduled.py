@@ -444,10 +444,11 @@ def finish(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: Follow
         return
     head = NodeSession(cluster, cluster.head)  # one connection for its state, hang record and results
     try:
-        _finish_over(cluster, setup, folder, run, followed, head)
+        started = _finish_over(cluster, setup, folder, run, followed, head)
     finally:
         head.close()
-    run.started_at, run.ended_at = run.started_at or run.submitted_at, run.ended_at or time.time()
+    run.started_at = (run.started_at or run.submitted_at) if started else None
+    run.ended_at = run.ended_at or time.time()
     RunBook(cluster).ended(run)
     if run.timeline is not None and run.timeline.wall_s is None:
         run.timeline.close("record")
@@ -456,12 +457,19 @@ def finish(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: Follow
     run.save(folder)
 
 
-def _finish_over(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: Followed | None, head) -> None:
-    """`finish`'s questions to the head node, over one session."""
+def _finish_over(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: Followed | None, head) -> bool:
+    """`finish`'s questions to the head node, over one session; whether the run ever started."""
     from remote.launch import explain_failure, fetch_results, report_fetched
 
     refresh(cluster, [run], head)
     forget_env_values(cluster, run.run_id, run.spec.get("env_values"), head)
+    if run.state != "COMPLETED" and not _ever_started(run, head):
+        # Cancelled while it waited: Slurm gives such a job a start (the cancel's time) and exit 0, but
+        # nothing ran, so it has no start, no exit code, no node's code and no results.
+        run.started_at, run.exit_code, run.exit_codes, run.rank_exit_codes = None, None, {}, {}
+        if run.timeline is not None:
+            run.timeline.mark("queue wait")  # to its end: it did nothing else
+        return False
     exit_codes, ranks = dict(run.exit_codes), {}
     if followed is not None and followed.exit_codes:
         exit_codes, ranks = dict(followed.exit_codes), dict(followed.ranks)
@@ -493,6 +501,19 @@ def _finish_over(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: 
         say(f"fab: could not fetch results from {cluster.head.name}: {describe(exc)}")
     if run.timeline is not None:
         run.timeline.mark("fetch")
+    return True
+
+
+def _ever_started(run: Run, head: NodeSession) -> bool:
+    """Whether the run's batch job ever started: it writes its first start record beside the run's log as
+    it starts (node/slurm_run.py `supervise`). Where the head node cannot tell, it did."""
+    try:
+        head.conn.sftp().stat(f"{run.log.rsplit('/', 1)[0]}/{contract.FIRST_START_RECORD}")
+    except FileNotFoundError:
+        return False
+    except Exception:  # the head does not answer: the times and codes stand as Slurm gave them
+        return True
+    return True
 
 
 def _cluster_hang(run: Run, folder: Path, head: NodeSession) -> dict | None:

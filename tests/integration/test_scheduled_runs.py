@@ -212,6 +212,14 @@ def test_a_cancel_leaves_nothing_and_bad_run_ids_are_one_line(cluster, tmp_path)
     running = wait_for_state(cluster, run_id, "RUNNING")
     assert running["exit_code"] is None and running["ended_at"] is None, running  # null until known
     slurm.wait_for(lambda: run_processes(run_id), "the run's processes")
+    # One cancelled while it waits behind it never started: no start, no exit code, here and in the ledger
+    queued = detached(cluster, "run", "--script", str(work))
+    assert wait_for_state(cluster, queued, "PENDING")["started_at"] is None
+    assert cluster.fab("stop", "--run", queued).returncode == 0
+    row = wait_for_state(cluster, queued, "CANCELLED")
+    assert (row["started_at"], row["exit_code"], row["exit_codes"], row["cost_usd"]) == (None, None, {}, 0.0), row
+    priced = {r["run_id"]: r for r in json.loads(cluster.cli("cost", "--json").stdout)["runs"]}[queued]
+    assert (priced["started_at"], priced["exit_codes"], priced["cost_usd"]) == (None, None, 0.0), priced
     stopped = cluster.fab("stop", "--run", run_id)
     assert stopped.returncode == 0 and f"run {run_id} cancelled" in stopped.stdout, stopped.stdout + stopped.stderr
     wait_for_state(cluster, run_id, "CANCELLED")

@@ -106,3 +106,22 @@ def test_a_ledger_damaged_during_a_run_keeps_the_run_and_the_clusters_still_up(s
     cluster = ledger.open_cluster(up.stack)  # still priced, from when it was made, not from the damage
     assert cluster is not None and cluster.created_at == created
     assert len(list(path.parent.glob("ledger.sqlite.corrupt-*"))) == 1
+
+
+def test_a_scheduled_run_cancelled_while_it_waited_has_no_start_no_exit_codes_and_no_cost(state_dir):
+    from infra import costs
+
+    up = inventories.cluster(provider="aws")
+    inventory.save(up)
+    Ledger().cluster_up(up.stack, up.provider, up.instance_type, 2, up.hourly_usd)
+    book = RunBook(up)
+    book.started("queued", "hello", scheduled=True)
+    now = time.time()
+    record = Run("queued", "hello", "7", "/log", ["node-0", "node-1"], now - 60, state="CANCELLED", ended_at=now)
+    book.ended(record)  # as `finish` leaves a run that never started: no start, no codes
+
+    run = Ledger().run("queued")
+    assert run is not None and run.started_at is None and run.exit_codes is None and run.cost_usd(now + 99) == 0.0
+    row = next(r for r in costs.report()["runs"] if r["run_id"] == "queued")
+    assert (row["started_at"], row["exit_codes"], row["seconds"], row["cost_usd"]) == (None, None, 0.0, 0.0), row
+    assert row["ended_at"] is not None
