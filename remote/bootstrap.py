@@ -294,8 +294,9 @@ class Bootstrap:
             *listed, home = (answer.value or "").split() or [""]
             others = sorted({owner[t] for t in listed if owner.get(t, answer.name) != answer.name})
             if others:
+                sharing = " and ".join(sorted([answer.name, *others]))
                 raise UsageError(
-                    f"{' and '.join(sorted([answer.name, *others]))} share one home ({home}, an NFS $HOME?): each node needs "
+                    f"{sharing} share one home ({home}, an NFS $HOME?): each node needs "
                     "a ~/.gpu-cluster of its own; log in to each host as a user whose home is its own "
                     "(user: per host in the hosts file)"
                 )
