@@ -16,6 +16,7 @@ supervising `fab` records its host and pid and a heartbeat, and whoever opens th
 the runs whose owner is gone, at the time the owner was last seen.
 """
 
+import fcntl
 import json
 import os
 import socket
@@ -200,8 +201,16 @@ class Ledger:
         state.make_private_dir(self.path.parent)
         try:
             self._open()
-        except sqlite3.DatabaseError as exc:
-            self._start_over(exc)
+        except sqlite3.DatabaseError:
+            self._close_quietly()
+            # One repairer at a time (two fab commands, a run's heartbeat): the one that waited finds the
+            # ledger started over already and opens it, instead of putting the new one aside as corrupt too.
+            with open(self.path.with_name(f"{self.path.name}.repair.lock"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                try:
+                    self._open()
+                except sqlite3.DatabaseError as exc:
+                    self._start_over(exc)
 
     @classmethod
     def if_exists(cls, path: Path | None = None, clock=time.time) -> "Ledger | None":
@@ -232,12 +241,15 @@ class Ledger:
             if name not in present:
                 self.db.execute(f"ALTER TABLE runs ADD COLUMN {name} {kind}")
 
-    def _start_over(self, exc: Exception) -> None:
-        backup = self.path.with_name(f"{self.path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+    def _close_quietly(self) -> None:
         try:
             self.db.close()
         except Exception:  # the connection may never have opened
             pass
+
+    def _start_over(self, exc: Exception) -> None:
+        backup = self.path.with_name(f"{self.path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+        self._close_quietly()
         os.replace(self.path, backup)
         os.chmod(backup, 0o600)  # kept in the state folder, private like the rest of it
         for suffix in ("-wal", "-shm"):

@@ -125,3 +125,27 @@ def test_a_scheduled_run_cancelled_while_it_waited_has_no_start_no_exit_codes_an
     row = next(r for r in costs.report()["runs"] if r["run_id"] == "queued")
     assert (row["started_at"], row["exit_codes"], row["seconds"], row["cost_usd"]) == (None, None, 0.0, 0.0), row
     assert row["ended_at"] is not None
+
+
+def test_two_openers_of_a_damaged_ledger_start_it_over_once_and_keep_what_the_first_wrote(state_dir, monkeypatch):
+    """A run's heartbeat and its end (or two fab commands) both find the ledger damaged: the second to get
+    the repair finds it started over already and opens it, instead of setting the new one aside too."""
+    path = state.ledger_path()
+    Ledger().close()
+    path.write_bytes(b"not a database any more" * 200)
+    first = Ledger()  # starts it over
+    first.cluster_up("kept", "aws", "g6.xlarge", 2, 1.0)
+    first.close()
+    opens = {"n": 0}
+    real_open = Ledger._open
+
+    def saw_the_damage_first(self):  # the second opener looked while the file was still the damaged one
+        opens["n"] += 1
+        if opens["n"] == 1:
+            raise sqlite3.DatabaseError("file is not a database")
+        real_open(self)
+
+    monkeypatch.setattr(Ledger, "_open", saw_the_damage_first)
+    second = Ledger()
+    assert second.open_cluster("kept") is not None and not second.warnings
+    assert len(list(path.parent.glob("ledger.sqlite.corrupt-*"))) == 1
