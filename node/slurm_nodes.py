@@ -31,6 +31,25 @@ def node_reasons(paths: Paths) -> dict:
     return found
 
 
+SLURM_NOT_RESPONDING = "Not responding"
+"""The reason slurmctld gives a node it set DOWN for not answering (SlurmdTimeout)."""
+
+
+def out_of_service(node_state: str, reason: str = "") -> bool:
+    """Slurm's state of a node no run can start on: down, drained, failing, or not responding (`*`)."""
+    lowered = node_state.lower()
+    return lowered.endswith("*") or any(word in lowered for word in ("down", "drain", "fail", "not_responding"))
+
+
+def responding(paths: Paths, node_name: str) -> bool:
+    """The controller hears from this node's slurmd (True where the controller does not answer: that is
+    for the head node's start to mend, not this node's slurmd)."""
+    node_state, reason = node_reasons(paths).get(node_name, ("", ""))
+    lowered = node_state.lower()
+    silent = lowered.endswith("*") or "not_responding" in lowered
+    return not (silent or (lowered.startswith("down") and reason.startswith(SLURM_NOT_RESPONDING)))
+
+
 def lost_or_noticed(reason: str) -> bool:
     """A reason gpu-cluster gave a node it took out of service: a spot notice, or a node found dead."""
     return reason.startswith((contract.SPOT_DRAIN_REASON, contract.NODE_LOST_REASON))
