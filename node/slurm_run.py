@@ -572,11 +572,11 @@ def shown_state(job_id: str, log: str = "", found: dict | None = None) -> dict |
         pass
     if record.get("restart") == found["requeues"]:
         return {**found, "state": "PREEMPTED", "preempted": record}
-    # requeued by Slurm itself as a node went (DOWN as lost: no batch script was left to write the record),
-    # or the record is of an earlier restart: the run waits to start again all the same, for the same cause
+    # requeued with no record of this restart (a node Slurm found dead by itself): the run waits to start
+    # again all the same; the nodes gpu-cluster took out say why, where they still are out
     taken = [(node, reason) for node, (_, reason) in sorted(reasons.items()) if slurm_nodes.lost_or_noticed(reason)]
-    why = taken[0][1] if taken else record.get("reason") or "a node of the run was lost"
-    nodes = [n for n, _ in taken] or record.get("nodes") or []
+    why = taken[0][1] if taken else "a node of the run failed"
+    nodes = [n for n, _ in taken]
     return {**found, "state": "PREEMPTED", "preempted": {"nodes": nodes, "reason": why, "restart": found["requeues"]}}
 
 
