@@ -249,7 +249,17 @@ def cmd_status(args) -> int:
         )
     else:
         report.status_table(cluster, rows, reason, spent)
-    return 0 if all(r.reachable for r in rows) else 1
+    if not all(r.reachable for r in rows):
+        return 1
+    down = [r for r in rows if r.scheduler is not None and not r.scheduler_serves]
+    if down:  # the runs are held by Slurm, which cannot start, follow or end one now
+        say_on_stderr(
+            "the scheduler that holds the runs is down ("
+            + "; ".join(f"{r.name}: {r.scheduler}" for r in down)
+            + "): fab bootstrap restarts it"
+        )
+        return 1
+    return 0
 
 
 def _with_scheduler_states(cluster: inventory.ClusterInfo, rows: list) -> list:
@@ -260,6 +270,7 @@ def _with_scheduler_states(cluster: inventory.ClusterInfo, rows: list) -> list:
 
     from infra import nodecall
     from node import calls
+    from node.slurm_nodes import out_of_service
 
     try:
         setup = json.loads(state.stack_file(cluster.stack, state.BOOTSTRAP).read_text())
@@ -272,16 +283,31 @@ def _with_scheduler_states(cluster: inventory.ClusterInfo, rows: list) -> list:
     async def ask(node):
         try:
             found = await nodecall.call(cluster, node, cluster.python, code, calls.AskScheduler(node.name), 15)
-            return found.node_state or "daemons down"
         except Exception:  # an answer that did not come is shown as such
-            return "no answer"
+            return "no answer", {}, False
+        down = [name for name, pid in found.daemons.items() if not pid]
+        serves = bool(found.node_state) and not down and not out_of_service(found.node_state)
+        shown = found.node_state or ("no answer from the controller" if found.daemons else "daemons down")
+        if down:
+            shown += f" ({', '.join(down)} down)"
+        return shown, {name: "up" if pid else "down" for name, pid in found.daemons.items()}, serves
 
     async def every():
         up = [n for n, row in zip(cluster.nodes, rows, strict=True) if row.reachable]
         return dict(zip([n.name for n in up], await asyncio.gather(*(ask(n) for n in up)), strict=True))
 
     states = asyncio.run(every())
-    return [dataclasses.replace(row, scheduler=states.get(row.name, "-")) for row in rows]
+    return [
+        dataclasses.replace(
+            row,
+            scheduler=states[row.name][0],
+            scheduler_daemons=states[row.name][1],
+            scheduler_serves=states[row.name][2],
+        )
+        if row.name in states
+        else dataclasses.replace(row, scheduler="-")
+        for row in rows
+    ]
 
 
 # ------------------------------------------------------------------------------------ plan, cost

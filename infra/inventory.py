@@ -46,12 +46,19 @@ class NodeStatus:
     scheduler: str | None = None
     """Where Slurm holds the runs (`fab bootstrap --scheduler slurm`): Slurm's state of the node (idle,
     allocated, down, ...), or what is wrong with its daemons; None where there is no scheduler."""
+    scheduler_daemons: dict | None = None
+    """With `scheduler`: this node's daemons of it (munged, slurmctld on the head, slurmd, spot-watch), each
+    `up` or `down`."""
+    scheduler_serves: bool = True
+    """With `scheduler`: its daemons run, the controller answers, and the node can take a run."""
 
     def as_dict(self) -> dict:
         row = asdict(self)
-        for optional in ("instance_id", "scheduler"):
+        for optional in ("instance_id", "scheduler", "scheduler_daemons"):
             if row[optional] is None:
                 del row[optional]
+        if self.scheduler is None:
+            del row["scheduler_serves"]
         return row
 
 

@@ -31,6 +31,9 @@ from infra.errors import UsageError
 from node import procfs
 from node.billing import cost_usd
 
+IDLE_LOOKBACK_S = 900.0
+"""How long before a run's restart an interruption may have begun to be the one that held it (`run_idle`)."""
+
 MINIMUM_BILLED_S = 60
 HEARTBEAT_S = 5
 """How often a supervising fab records that its run is alive."""
@@ -295,6 +298,25 @@ class Ledger:
                 "INSERT INTO events (stack, kind, node, detail, at, seconds) VALUES (?, ?, ?, ?, ?, ?)",
                 (stack, kind, node, detail, at, seconds),
             )
+
+    def run_idle(self, stack: str, node: str, stopped_at: float | None, restarted_at: float) -> bool:
+        """A run that stood idle from `stopped_at` (its requeue; None: when the node was found gone) until it
+        started again at `restarted_at`: the interruption of `node` before that restart (found gone at most
+        IDLE_LOOKBACK_S earlier) is widened to that whole wait (the cluster paid
+        for the run's idle time, not only for the replacement). False where no such interruption is recorded."""
+        with self._transaction() as db:
+            row = db.execute(
+                "SELECT id, at, seconds FROM events WHERE stack = ? AND node = ? AND at <= ? AND at >= ?"
+                " ORDER BY at DESC LIMIT 1",
+                (stack, node, restarted_at, restarted_at - IDLE_LOOKBACK_S),
+            ).fetchone()
+            if row is None:
+                return False
+            event_id, at, seconds = row
+            start = min(at, stopped_at) if stopped_at is not None else at
+            end = max(at + seconds, restarted_at)
+            db.execute("UPDATE events SET at = ?, seconds = ? WHERE id = ?", (start, end - start, event_id))
+        return True
 
     def events(self, stack: str | None = None) -> list[Event]:
         rows = self.db.execute(

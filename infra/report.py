@@ -70,11 +70,13 @@ def status_table(cluster: ClusterInfo, rows: list[NodeStatus], stopped_reason: s
         console.print(f"the cluster stopped itself: {stopped_reason}")
     table = Table(show_edge=False, pad_edge=False)
     scheduled = any(row.scheduler is not None for row in rows)
-    for column in ("node", "address", "state", "ssh", "uptime", *(("slurm",) if scheduled else ()), "detail"):
+    slurm_columns = ("slurm", "daemons") if scheduled else ()
+    for column in ("node", "address", "state", "ssh", "uptime", *slurm_columns, "detail"):
         table.add_column(column)
     for row in rows:
         ssh_cell = f"{row.round_trip_ms:.0f} ms" if row.reachable and row.round_trip_ms is not None else "unreachable"
-        slurm = (row.scheduler or "-",) if scheduled else ()
+        daemons = " ".join(n if up == "up" else f"{n}:down" for n, up in (row.scheduler_daemons or {}).items())
+        slurm = (row.scheduler or "-", daemons or "-") if scheduled else ()
         table.add_row(row.name, row.address, row.state, ssh_cell, format_duration(row.uptime_s), *slurm, row.error)
     console.print(table)
 

@@ -72,6 +72,9 @@ deep for them: a socket's path is at most 108 bytes. `key` is a digest of the sc
 RUN_END_MARKER = "__GPU_CLUSTER_RUN_END__"
 """The line `slurm_run.py follow` ends with, after a newline of its own: `RUN_END_MARKER STATE EXIT_CODE
 LOG_BYTES` (Slurm's job state; the log's size, where the log ends and this line begins)."""
+FOLLOW_FAILED_MARKER = "__GPU_CLUSTER_FOLLOW_FAILED__"
+"""The last line `slurm_run.py follow` writes on its stderr where it cannot learn the run's end (the
+controller does not answer): `FOLLOW_FAILED_MARKER WHY`."""
 HANG_RECORD = "hang.json"
 """In a scheduled run's folder on the head node: the cluster-side hang watch's verdict, where it found one."""
 RUN_LOG = "output.log"
@@ -82,6 +85,10 @@ node/spot_watch.py, which drains this node and tells its ranks on a spot interru
 PREEMPTED_RECORD = "preempted.json"
 """In a scheduled run's folder on the head node: the last spot notice that requeued the run (node, reason,
 the restart it began)."""
+RESTARTS_RECORD = "restarts.jsonl"
+"""In a scheduled run's folder on the head node: one line per restart after a requeue (`restart`, `at`: when
+it started again, `stopped_at`: when it was requeued where its batch job said, `nodes`: the nodes that went),
+so `deploy.py cost` prices the time the run stood idle."""
 END_RECORD = "ended.json"
 """In a scheduled run's folder on the head node: the batch job's own end (the step's exit status, when), for
 a Slurm that forgets an ended job (MinJobAge) and keeps no accounting (an existing one without slurmdbd)."""

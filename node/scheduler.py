@@ -32,12 +32,22 @@ from node.slurm_conf import Cluster, DaemonError, Paths, UsageError, parse_clust
 
 
 def start(cluster: Cluster, node_name: str, home: str) -> dict:
-    """This node's daemons running with this description (slurm_daemons.start), and the node back in
-    service where gpu-cluster took it out and it is whole again: set DOWN as lost (it answers now), or
-    drained for a spot notice where its slurmd just started (a replacement); what was done."""
+    """This node's daemons running with this description and serving (slurm_daemons.start); a slurmd the
+    controller finds not responding (a munged that died took it out) restarted, so that it registers
+    again; and the node back in service where gpu-cluster took it out and it is whole again: set DOWN as
+    lost (it answers now), or drained for a spot notice where its slurmd just started (a replacement);
+    what was done."""
     done = slurm_daemons.start(cluster, node_name, home)
+    paths = Paths(home)
+    if "slurmd" not in done.get("started", ()) and not slurm_nodes.responding(paths, done["node"]):
+        again = slurm_daemons.start(cluster, node_name, home, renew=("slurmd",))
+        done = {
+            **again,
+            "started": sorted({*done.get("started", ()), *again.get("started", ())}),
+            "restarted": sorted({*done.get("restarted", ()), *again.get("restarted", ())}),
+        }
     fresh = "slurmd" in done.get("started", ())
-    return {**done, "resumed": slurm_nodes.resume_if_ours(Paths(home), done["node"], fresh=fresh)}
+    return {**done, "resumed": slurm_nodes.resume_if_ours(paths, done["node"], fresh=fresh)}
 
 
 def read_description(path: str | None) -> Cluster:
@@ -113,7 +123,10 @@ def state_reply(node: str | None) -> dict:
         "node": node,
         "configured": configured,
         "existing": adopted is not None,
-        "daemons": {name: pid for name, pid in daemons.items() if pid or name != "slurmctld"},
+        # the controller where this node runs it: running, or registered (its pid file) and gone
+        "daemons": {
+            name: pid for name, pid in daemons.items() if pid or name != "slurmctld" or os.path.exists(paths.pid(name))
+        },
         "node_state": (nodes or {}).get(slurm_existing.slurm_name(paths, node)) if node else None,
         "nodes": nodes,
     }

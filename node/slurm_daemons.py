@@ -153,6 +153,48 @@ def accepting(where) -> bool:
         return False
 
 
+def munge_round_trip(paths: Paths) -> bool:
+    """A credential encoded and decoded through this node's munged: it serves (a live munged may not, and
+    without it every Slurm daemon and client fails, and nodes go DOWN+NOT_RESPONDING)."""
+    try:
+        encode, decode = program("munge"), program("unmunge")
+    except UsageError:  # munge's clients are not installed: its socket answering is all we can ask
+        return munge_answers(paths)
+    socket_option = f"--socket={paths.munge_socket}"
+    try:
+        encoded = subprocess.run([encode, "-n", socket_option], capture_output=True, timeout=10)
+        if encoded.returncode != 0:
+            return False
+        decoded = subprocess.run([decode, socket_option], input=encoded.stdout, capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return decoded.returncode == 0
+
+
+def controller_answers(paths: Paths) -> bool:
+    """`scontrol ping` says this cluster's slurmctld is UP."""
+    try:
+        result = subprocess.run(
+            [program("scontrol"), "ping"],
+            env={**os.environ, "SLURM_CONF": paths.conf},
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return result.returncode == 0 and "is UP" in result.stdout
+
+
+def serves(name: str, paths: Paths, where) -> bool:
+    """A running daemon does its work: munged a credential round trip, slurmctld a ping, slurmd accepts."""
+    if name == "munged":
+        return munge_round_trip(paths)
+    if where is not None and not accepting(where):
+        return False
+    return controller_answers(paths) if name == "slurmctld" else True
+
+
 def munge_answers(paths: Paths) -> bool:
     if not os.path.exists(paths.munge_socket):
         return False
@@ -200,9 +242,10 @@ def make_folders(paths: Paths, cluster: Cluster | None = None) -> None:
         os.chmod(folder, 0o700)
 
 
-def start(cluster: Cluster, node_name: str, home: str) -> dict:
-    """This node's daemons running with this description; what was done (`started`: the daemons started
-    now, absent where every one ran with this configuration already)."""
+def start(cluster: Cluster, node_name: str, home: str, renew: tuple = ()) -> dict:
+    """This node's daemons running with this description, and serving (`serves`: one that runs but does
+    not is restarted, as is each name in `renew`); what was done (`started`: the daemons started now,
+    `restarted`: those that ran before; both absent where every one ran and served already)."""
     node = cluster.node(node_name)
     paths = Paths(home)
     names = daemons_of(cluster, node)
@@ -213,9 +256,6 @@ def start(cluster: Cluster, node_name: str, home: str) -> dict:
     user = pwd.getpwuid(os.getuid()).pw_name
     files = slurm_conf.configuration(cluster, node, paths, bound, user)
     digest = slurm_conf.digest_of(files)
-    running = {name: running_daemon(paths, name) for name in names}
-    if read_text(paths.digest) == digest and all(running.values()):
-        return {"node": node.name, "action": "unchanged", "daemons": running}
     changed = read_text(paths.digest) != digest
     restarted = [name for name in stop(paths) if name in names] if changed else []
     make_folders(paths, cluster if node == cluster.head else None)  # after stop, which removes a short socket folder
@@ -225,16 +265,39 @@ def start(cluster: Cluster, node_name: str, home: str) -> dict:
         if paths.gres not in files and os.path.exists(paths.gres):
             os.unlink(paths.gres)
         write_private(paths.digest, f"{digest}\n".encode(), 0o600)
-    started = {}
-    for name in names:
+    running, started = {}, {}
+    for name in names:  # in start order: a controller is asked only once munge serves
+        where = listen_address(name, cluster, node, bound)
         pid = running_daemon(paths, name)
+        if pid is not None and (name in renew or not serves(name, paths, where)):
+            stop_daemon(paths, name)
+            restarted.append(name)
+            pid = None
         if pid is None:
             pid = spawn(name, argvs[name], paths)
-            wait_ready(name, pid, paths, listen_address(name, cluster, node, bound))
+            wait_ready(name, pid, paths, where)
             started[name] = pid
         running[name] = pid
-    action = "restarted" if restarted else ("started" if started else "unchanged")
-    return {"node": node.name, "action": action, "daemons": running, "started": sorted(started)}
+    if not started:
+        return {"node": node.name, "action": "unchanged", "daemons": running}
+    action = "restarted" if restarted else "started"
+    return {"node": node.name, "action": action, "daemons": running, "started": sorted(started), "restarted": restarted}
+
+
+def stop_daemon(paths: Paths, name: str, grace_s: float = STOP_GRACE_S) -> None:
+    """End one registered daemon (SIGTERM to its session, SIGKILL after `grace_s`): it runs but does not serve."""
+    pid = running_daemon(paths, name)
+    if pid is None:
+        return
+    signal_groups([pid], [], signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and procfs.group_alive(pid):
+        time.sleep(0.05)
+    signal_groups([pid], [], signal.SIGKILL)
+    try:
+        os.unlink(paths.pid(name))
+    except OSError:
+        pass
 
 
 def _is_step(pid: int) -> bool:

@@ -3,13 +3,15 @@ out of service (a spot notice's drain, contract.SPOT_DRAIN_REASON; a node found 
 contract.NODE_LOST_REASON), set and lifted here. Standard library only.
 """
 
+import json
+import os
 import re
 import subprocess
 import time
 
 from node import contract
 from node.slurm_conf import DaemonError, Paths, UsageError
-from node.slurm_daemons import READY_TIMEOUT_S
+from node.slurm_daemons import READY_TIMEOUT_S, write_private
 from node.slurm_existing import client, client_environment
 
 
@@ -31,14 +33,61 @@ def node_reasons(paths: Paths) -> dict:
     return found
 
 
+SLURM_NOT_RESPONDING = "Not responding"
+"""The reason slurmctld gives a node it set DOWN for not answering (SlurmdTimeout)."""
+
+
+def out_of_service(node_state: str, reason: str = "") -> bool:
+    """Slurm's state of a node no run can start on: down, drained, failing, or not responding (`*`)."""
+    lowered = node_state.lower()
+    return lowered.endswith("*") or any(word in lowered for word in ("down", "drain", "fail", "not_responding"))
+
+
+def responding(paths: Paths, node_name: str) -> bool:
+    """The controller hears from this node's slurmd (True where the controller does not answer: that is
+    for the head node's start to mend, not this node's slurmd)."""
+    node_state, reason = node_reasons(paths).get(node_name, ("", ""))
+    lowered = node_state.lower()
+    silent = lowered.endswith("*") or "not_responding" in lowered
+    return not (silent or (lowered.startswith("down") and reason.startswith(SLURM_NOT_RESPONDING)))
+
+
 def lost_or_noticed(reason: str) -> bool:
     """A reason gpu-cluster gave a node it took out of service: a spot notice, or a node found dead."""
     return reason.startswith((contract.SPOT_DRAIN_REASON, contract.NODE_LOST_REASON))
 
 
 def mark_lost(paths: Paths, node_name: str, why: str) -> str:
-    """Tell Slurm a node is gone (DOWN: its run is requeued, JobRequeue=1); Slurm's answer."""
-    return _take_out(paths, node_name, "DOWN", f"{contract.NODE_LOST_REASON}: {why}", "down")
+    """Tell Slurm a node is gone (DOWN: its run is requeued, JobRequeue=1); Slurm's answer. Each run on it
+    gets its PREEMPTED_RECORD first, as a notice's requeue writes one: Slurm ends its batch script at once,
+    and the node's reason is gone once its replacement has joined, while the run still waits."""
+    reason = f"{contract.NODE_LOST_REASON}: {why}"
+    for folder, restart in _runs_on(paths, node_name):
+        record = {"nodes": [node_name], "reason": reason, "at": time.time(), "restart": restart + 1}
+        try:
+            write_private(os.path.join(folder, contract.PREEMPTED_RECORD), json.dumps(record).encode(), 0o600)
+        except OSError:  # the run's folder is gone: nothing waits to read it
+            pass
+    return _take_out(paths, node_name, "DOWN", reason, "down")
+
+
+def _runs_on(paths: Paths, node_name: str) -> list:
+    """[(the run's folder, its restarts so far)] of gpu-cluster's runs on `node_name` (their batch job's
+    output is the run's log, beside its FIRST_START_RECORD)."""
+    try:
+        listed = client(
+            client_environment(paths), "squeue", "--noheader", f"--nodelist={node_name}", "--format=%i"
+        ).stdout.split()
+        found = []
+        for job in listed:
+            shown = scontrol(paths, "show", "job", "--oneliner", job).stdout
+            log, restarts = re.search(r"StdOut=(\S+)", shown), re.search(r"Restarts=(\d+)", shown)
+            folder = os.path.dirname(log.group(1)) if log else ""
+            if folder and restarts and os.path.exists(os.path.join(folder, contract.FIRST_START_RECORD)):
+                found.append((folder, int(restarts.group(1))))
+        return found
+    except (subprocess.TimeoutExpired, OSError, UsageError):
+        return []
 
 
 def drain_for_notice(paths: Paths, node_name: str, notice: str) -> str:

@@ -31,6 +31,7 @@ import os
 import re
 import select
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,6 +50,7 @@ TERMINATE_GRACE_S = 5.0
 FOLLOW_POLL_S = 0.1
 STATE_POLL_S = 1.0
 ENDING_POLL_S = 0.05
+SUBMIT_TIMEOUT_S = 30.0
 ENDING_WINDOW_S = 5.0
 """For this long after the batch job's end record appears, `follow` asks Slurm every ENDING_POLL_S, not
 every STATE_POLL_S: the job's final state is then a moment away."""
@@ -134,6 +136,9 @@ def supervise(spec: dict) -> int:
     first_start = os.path.join(os.path.dirname(spec["log"]), contract.FIRST_START_RECORD)
     if not os.path.exists(first_start):
         write_private(first_start, json.dumps({"at": time.time()}).encode(), 0o600)
+    restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    if restart:
+        note_restart(os.path.dirname(spec["log"]), restart)
     main = subprocess.Popen(step_argv(spec, srun, here, "--kill-on-bad-exit=1"))
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR1):
         signal.signal(signum, lambda number, frame: main.send_signal(number))
@@ -142,6 +147,26 @@ def supervise(spec: dict) -> int:
     record = {"exit_code": code, "at": time.time(), "restarts": int(os.environ.get("SLURM_RESTART_COUNT") or 0)}
     write_private(os.path.join(os.path.dirname(spec["log"]), contract.END_RECORD), json.dumps(record).encode(), 0o600)
     return code
+
+
+def note_restart(folder: str, restart: int) -> None:
+    """A line in the run's RESTARTS_RECORD: this start after a requeue, and when the run was requeued where
+    its batch job recorded it (`preempted.json` of this restart; a node lost outright leaves none)."""
+    try:
+        with open(os.path.join(folder, contract.PREEMPTED_RECORD)) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        record = {}
+    mine = isinstance(record, dict) and record.get("restart") == restart
+    line = {
+        "restart": restart,
+        "at": time.time(),
+        "stopped_at": record.get("at") if mine else None,
+        "nodes": record.get("nodes") if mine else [],
+    }
+    descriptor = os.open(os.path.join(folder, contract.RESTARTS_RECORD), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(descriptor, "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 def requeue_if_preempted(spec: dict, code: int) -> int:
@@ -293,14 +318,20 @@ def submit(spec: dict) -> str:
     with open(script, "w") as f:
         f.write(batch_script(spec, program("srun"), os.path.abspath(__file__)))
     os.chmod(script, 0o700)
-    result = subprocess.run(
-        sbatch_argv(spec, program("sbatch"), script, slurm_existing.existing(paths)),
-        env=batch_environment(paths),
-        capture_output=True,
-        text=True,
-    )
-    if result.returncode != 0:
-        raise DaemonError(f"sbatch failed: {result.stderr.strip()}")
+    try:
+        result = subprocess.run(
+            sbatch_argv(spec, program("sbatch"), script, slurm_existing.existing(paths)),
+            env=batch_environment(paths),
+            capture_output=True,
+            text=True,
+            timeout=SUBMIT_TIMEOUT_S,
+        )
+        why = "" if result.returncode == 0 else " ".join(result.stderr.split()[-40:]) or f"exit {result.returncode}"
+    except subprocess.TimeoutExpired:
+        why = f"no answer in {SUBMIT_TIMEOUT_S:g} s (slurmctld or munged down on the head node?)"
+    if why:  # the run's folder (its script, its stage) would be an orphan no `fab jobs` lists
+        shutil.rmtree(folder, ignore_errors=True)
+        raise DaemonError(f"sbatch failed: {why}; nothing was queued (fab bootstrap restarts Slurm's daemons)")
     return result.stdout.strip().split(";")[0]
 
 
@@ -385,7 +416,14 @@ def step(spec: dict) -> int:
 
 
 def _client(argv: list) -> subprocess.CompletedProcess:
-    return slurm_existing.client(slurm_existing.client_environment(Paths(os.path.expanduser("~"))), *argv)
+    """One of Slurm's clients; DaemonError, one line, where the controller does not answer in time."""
+    try:
+        return slurm_existing.client(slurm_existing.client_environment(Paths(os.path.expanduser("~"))), *argv)
+    except subprocess.TimeoutExpired:
+        raise DaemonError(
+            f"Slurm's controller did not answer {argv[0]} in {slurm_existing.CLIENT_TIMEOUT_S:g} s "
+            "(slurmctld or munged down on the head node?): fab bootstrap restarts them"
+        ) from None
 
 
 def _epoch(value: str):
@@ -519,10 +557,12 @@ def accounted_state(job_id: str) -> dict | None:
     )
 
 
-def shown_state(job_id: str, log: str = "") -> dict | None:
+def shown_state(job_id: str, log: str = "", found: dict | None = None) -> dict | None:
     """`job_state`, its `started_at` the first start; PREEMPTED for a run waiting to start again after a
-    spot notice requeued it; and for a waiting run the nodes it waits for (out of service, and why)."""
-    found = job_state(job_id, log)
+    requeue (a node of it drained for a spot notice or lost: `preempted` says why, from `preempted.json`
+    or the node's reason); and for a waiting run what it waits for (`waiting_for`: the nodes out of service and
+    why, else Slurm's own reason where it names a fault). `found`: `job_state`'s answer, where asked already."""
+    found = found or job_state(job_id, log)
     if found is not None and found.get("log") and found["requeues"]:
         try:
             with open(os.path.join(os.path.dirname(found["log"]), contract.FIRST_START_RECORD)) as f:
@@ -531,31 +571,59 @@ def shown_state(job_id: str, log: str = "") -> dict | None:
             pass
     if found is None or found["state"] not in WAITING_STATES:
         return found
+    paths = Paths(os.path.expanduser("~"))
+    reasons = slurm_nodes.node_reasons(paths)
+    ours = slurm_existing.existing(paths) is None  # a site's Slurm: its nodes' states are the site's business
     out = [
-        f"{node}: {reason}"
-        for node, (_, reason) in sorted(slurm_nodes.node_reasons(Paths(os.path.expanduser("~"))).items())
-        if slurm_nodes.lost_or_noticed(reason)
+        f"{node}: {reason or node_state}"
+        for node, (node_state, reason) in sorted(reasons.items())
+        if slurm_nodes.lost_or_noticed(reason) or (ours and slurm_nodes.out_of_service(node_state))
     ]
-    if not out and found.get("reason"):  # none of ours out of service: what Slurm says it waits for
+    if not out and not reasons:
+        out = ["Slurm's controller, which does not answer"]
+    elif not out and found.get("reason"):  # none of ours out of service: what Slurm says it waits for
         out = [reason_words(found["reason"])]
     found = {**found, "waiting_for": "; ".join(out) or None}
-    if not found["requeues"] or not found.get("log"):
+    if not found["requeues"]:
         return found
+    record: dict = {}
     try:
-        with open(os.path.join(os.path.dirname(found["log"]), contract.PREEMPTED_RECORD)) as f:
-            record = json.load(f)
+        with open(os.path.join(os.path.dirname(found.get("log") or log), contract.PREEMPTED_RECORD)) as f:
+            loaded = json.load(f)
+        record = loaded if isinstance(loaded, dict) else {}
     except (OSError, ValueError):
-        return found
+        pass
     if record.get("restart") == found["requeues"]:
         return {**found, "state": "PREEMPTED", "preempted": record}
-    return found
+    # requeued with no record of this restart (a node Slurm found dead by itself): the run waits to start
+    # again all the same; the nodes gpu-cluster took out say why, where they still are out
+    taken = [(node, reason) for node, (_, reason) in sorted(reasons.items()) if slurm_nodes.lost_or_noticed(reason)]
+    why = taken[0][1] if taken else "a node of the run failed"
+    nodes = [n for n, _ in taken]
+    return {**found, "state": "PREEMPTED", "preempted": {"nodes": nodes, "reason": why, "restart": found["requeues"]}}
+
+
+def waiting_line(found: dict) -> str:
+    """What `follow` says when the run waits (to start, or again after a requeue), and for what."""
+    why = f": waits for {found['waiting_for']}" if found.get("waiting_for") else ": waits its turn in the queue"
+    if found.get("state") == "PREEMPTED":
+        record = found.get("preempted") or {}
+        nodes = ", ".join(record.get("nodes") or []) or "a node"
+        return (
+            f"[cluster] the run was requeued (restart {found.get('requeues')}): {nodes}: {record.get('reason', '?')}; "
+            f"it starts again, from its last checkpoint, once every node is in service{why}"
+        )
+    return f"[cluster] the run is pending{why}"
 
 
 def follow(log: str, job_id: str, offset: int = 0) -> int:
-    """Copy the log from `offset` as it grows, until the job has ended and all of it is copied; then
-    the end marker: `END_MARKER STATE EXIT_CODE`. Stopping it (a closed connection) stops only it."""
-    out = sys.stdout.buffer
-    position, checked, final, ending = offset, 0.0, None, None
+    """Copy the log from `offset` as it grows, until Slurm says the job has ended and all of it is copied;
+    then the end marker: `END_MARKER STATE EXIT_CODE LOG_BYTES`, Slurm's state and code (the log only
+    shows what it can: one that cannot be read is not the run's end). On stderr, never in the log's copy:
+    while the run waits, a `[cluster]` line says for what, each time that changes; where Slurm does not
+    answer, FOLLOW_FAILED_MARKER WHY, and exit 1. Stopping it (a closed connection) stops only it."""
+    out, notes = sys.stdout.buffer, sys.stderr
+    position, checked, final, ending, said, unreadable = offset, 0.0, None, None, "", ""
     end_record = os.path.join(os.path.dirname(log), contract.END_RECORD)
     while True:
         try:
@@ -564,6 +632,11 @@ def follow(log: str, job_id: str, offset: int = 0) -> int:
                 chunk = f.read(1 << 20)
         except FileNotFoundError:
             chunk = b""  # not started yet (pending)
+        except OSError as exc:  # the log cannot be read (a full or failing disk): Slurm still says the end
+            chunk = b""
+            if not unreadable:
+                unreadable = f"[cluster] the run's log cannot be read ({exc.strerror or exc}); waiting for its end"
+                print(unreadable, file=notes, flush=True)
         if chunk:
             out.write(chunk)
             out.flush()
@@ -576,10 +649,20 @@ def follow(log: str, job_id: str, offset: int = 0) -> int:
         quick = ending is not None and time.monotonic() - ending < ENDING_WINDOW_S
         if time.monotonic() - checked >= (ENDING_POLL_S if quick else STATE_POLL_S):
             checked = time.monotonic()
-            found = job_state(job_id, log)
+            try:
+                found = job_state(job_id, log)
+                waiting = found is not None and found["state"] in WAITING_STATES
+                shown = shown_state(job_id, log, found) if waiting else None
+            except DaemonError as exc:
+                print(f"{contract.FOLLOW_FAILED_MARKER} {exc}", file=notes, flush=True)
+                return 1
             if found is None or found["state"] in FINAL_STATES:
                 final = found or {"state": "UNKNOWN", "exit_code": None}
                 continue  # one more read: what was written before the end
+            line = waiting_line(shown) if shown else ""
+            if line and line != said:
+                print(line, file=notes, flush=True)
+            said = line
         time.sleep(ENDING_POLL_S if quick else FOLLOW_POLL_S)
     code = final.get("exit_code")
     # on a line of its own, the log's size last: the follower keeps the log, not this line

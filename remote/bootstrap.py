@@ -505,6 +505,8 @@ class Bootstrap:
             if not fresh:
                 self._record(record, "scheduler", wanted, {"scheduler": "slurm"})
             daemons = "slurmctld, slurmd" if record is self.records[0] else "slurmd"
+            if started.get("started"):  # what had died, or did not serve (a munged killed), or a new configuration
+                daemons = f"{daemons}; started {', '.join(started['started'])}"
             return Outcome("up to date" if fresh else "done", daemons)
 
         outcomes = {

@@ -108,15 +108,16 @@ class NodeSession:
             raise UnexpectedExit(result)
         return result
 
-    def stream(self, command: str, stream: Feed) -> int:
-        """Run a command, its output (stderr merged in) copied into `stream` as it comes, in large reads
-        straight from the channel (`copy_channel`); its exit code. ConnectionResetError as for `run`."""
+    def stream(self, command: str, stream: Feed, errors: Feed | None = None) -> int:
+        """Run a command, its output (stderr merged in, or into `errors` where given) copied into `stream`
+        as it comes, in large reads straight from the channel (`copy_channel`); its exit code.
+        ConnectionResetError as for `run`."""
         self.conn.open()
         channel = self.conn.client.get_transport().open_session()
         try:
-            channel.set_combine_stderr(True)
+            channel.set_combine_stderr(errors is None)
             channel.exec_command(command)
-            code = copy_channel(channel, stream)
+            code = copy_channel(channel, stream, errors)
         finally:
             channel.close()
         if code == NO_EXIT_STATUS:

@@ -43,6 +43,8 @@ SLURM_STATES = {
 """Slurm's job states onto a run's (`runs.STATES`); None: the same name. COMPLETING (a slurmctld restart
 shows it for a while) is still running; TIMEOUT, NODE_FAIL and the like are failures."""
 CANCEL_WAIT_S = 30
+STATE_WAIT_S = 2.0
+"""How often a launch whose log's copy failed asks Slurm whether its run has ended."""
 HOLD_WAIT_S = 2.0
 """How long a follower waits for a command that is adding to the run's local copy (`fab jobs`)."""
 
@@ -143,6 +145,25 @@ class LogSplitter(runlog.LogCopy):
         self.add(data)
 
 
+class FollowerNotes:
+    """The follower's stderr: its `[cluster]` lines (what a waiting run waits for, a requeue) shown on the
+    terminal and kept out of the log's copy; why it could not follow (`failed`), where it says."""
+
+    def __init__(self, echo: bool = True):
+        self.echo, self.partial, self.failed = echo, b"", ""
+
+    def feed(self, data: bytes) -> None:
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        for raw in lines:
+            line = raw.decode(errors="replace").rstrip("\r")
+            if line.startswith(contract.FOLLOW_FAILED_MARKER):
+                self.failed = line[len(contract.FOLLOW_FAILED_MARKER) :].strip()
+            elif line.startswith("error: "):
+                self.failed = line[len("error: ") :].strip()
+            elif line.strip() and self.echo:
+                say(line)
+
+
 @dataclass
 class Followed:
     """How following a run ended."""
@@ -172,17 +193,18 @@ def follow(
         splitter = LogSplitter(local_dir, echo, write=False)
     head = NodeSession(cluster, cluster.head)
     outcome: dict = {}
+    notes = FollowerNotes(echo)
 
     def reader() -> None:
         command = node_paths.node_module(
             cluster, cluster.python, "slurm_run", "follow", run.log, run.job_id, str(splitter.offset)
         )
         try:
-            head.stream(f"cd && {command}", splitter)
+            head.stream(f"cd && {command}", splitter, notes)
         except CONNECTION_ERRORS as exc:
             outcome["lost"] = describe(exc)
-        except Exception as exc:  # whatever ended the connection: the run goes on
-            outcome["lost"] = describe(exc)
+        except Exception as exc:  # not the connection (the local copy could not be written): the run goes on
+            outcome["lost"], outcome["here"] = describe(exc), True
 
     hangup = threading.Event()
     handlers = _signals(hangup)
@@ -216,8 +238,29 @@ def follow(
     if hangup.is_set() and not splitter.end:
         return Followed(None, codes, ranks, detached="the terminal hung up (SIGHUP)")
     if splitter.end is None and not interrupted:
+        if notes.failed:
+            raise OperationError(f"cannot follow run {run.run_id}: {notes.failed}")
+        end = ended_in_slurm(cluster, run, wait=bool(outcome.get("here")))
+        if end is not None:  # the run's end is Slurm's, whatever became of its log or of this copy
+            return Followed(end, codes, ranks)
         return Followed(None, codes, ranks, detached=outcome.get("lost", "the connection ended"))
     return Followed(splitter.end, codes, ranks, interrupted=interrupted, exited_at=splitter.exited_at)
+
+
+def ended_in_slurm(cluster: ClusterInfo, run: Run, wait: bool = False) -> tuple[str, int | None] | None:
+    """The run's end as Slurm knows it (its state, its exit code), where following stopped without one;
+    `wait`: the connection is fine (only the local copy failed), so wait for the end. None where the run
+    goes on, or the head node does not answer."""
+    try:
+        while True:
+            refresh(cluster, [run])
+            if run.ended:
+                return run.state, run.exit_code
+            if not wait:
+                return None
+            time.sleep(STATE_WAIT_S)
+    except (OperationError, KeyboardInterrupt):
+        return None
 
 
 def _signals(hangup: threading.Event) -> dict:
@@ -483,6 +526,8 @@ def _finish_over(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: 
         exit_codes.setdefault(node, 0 if run.state == "COMPLETED" else 128 + 15)
     if run.hang is None:
         run.hang = _cluster_hang(run, folder, head)
+    if run.requeues:
+        _price_idle(cluster, run, head)
     outcome = run.state
     if run.hang and run.state in ("CANCELLED", "FAILED"):
         outcome = "HUNG"
@@ -514,6 +559,30 @@ def _ever_started(run: Run, head: NodeSession) -> bool:
     except Exception:  # the head does not answer: the times and codes stand as Slurm gave them
         return True
     return True
+
+
+def _price_idle(cluster: ClusterInfo, run: Run, head: NodeSession) -> None:
+    """Each restart of a requeued run (`contract.RESTARTS_RECORD` beside its log) into the ledger: the
+    interruption that held it lasts until the run started again, not only until the node was replaced."""
+    found = io.BytesIO()
+    try:
+        head.conn.get(f"{run.log.rsplit('/', 1)[0]}/{contract.RESTARTS_RECORD}", local=found)
+    except Exception:  # none (a run requeued but never started again), or the head does not answer
+        return
+    from infra.ledger import Ledger
+
+    ledger = Ledger()
+    try:
+        for line in found.getvalue().decode(errors="replace").splitlines():
+            try:
+                restart = json.loads(line)
+                at, stopped_at = float(restart["at"]), restart.get("stopped_at")
+            except (ValueError, KeyError, TypeError):
+                continue
+            for node in restart.get("nodes") or run.nodes:
+                ledger.run_idle(cluster.stack, node, float(stopped_at) if stopped_at else None, at)
+    finally:
+        ledger.close()
 
 
 def _cluster_hang(run: Run, folder: Path, head: NodeSession) -> dict | None:

@@ -10,6 +10,7 @@ that another node's output or fab's own line would otherwise continue.
 """
 
 import json
+import select
 import signal
 import sys
 import threading
@@ -287,10 +288,27 @@ class Feed(Protocol):
     def feed(self, data: bytes) -> None: ...
 
 
-def copy_channel(channel, stream: Feed) -> int:
-    """Copy an SSH channel's output (stderr merged in) into `stream` until the command exits; its exit
-    status (-1 where the channel closed without one)."""
-    while True:
+def copy_channel(channel, stream: Feed, errors: Feed | None = None) -> int:
+    """Copy an SSH channel's output (stderr merged in, or into `errors` where given) into `stream` until
+    the command exits; its exit status (-1 where the channel closed without one)."""
+    while errors is not None:
+        moved = False
+        for ready, receive, feed in (
+            (channel.recv_ready, channel.recv, stream),
+            (channel.recv_stderr_ready, channel.recv_stderr, errors),
+        ):
+            if ready():
+                data = receive(READ_BYTES)
+                if data:
+                    feed.feed(data)
+                    moved = True
+        if moved:
+            continue
+        if channel.closed or (channel.exit_status_ready() and channel.eof_received):
+            if not (channel.recv_ready() or channel.recv_stderr_ready()):
+                break
+        select.select([channel], [], [], 0.2)
+    while errors is None:
         data = channel.recv(READ_BYTES)
         if not data:
             break

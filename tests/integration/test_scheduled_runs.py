@@ -8,10 +8,13 @@ import json
 import os
 import shlex
 import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
+from node.slurm_conf import Paths
 from tests.support import slurm
 from tests.support.cli import assert_one_line_error
 from tests.support.clusters import CMDLINE_LEAKS, bootstrapped_cluster, files_holding, run_processes
@@ -307,6 +310,99 @@ def test_two_ranks_progress_bars_stay_in_lines_and_logs_of_their_own(cluster, tm
         log = (folder / f"{node}.log").read_text()
         assert f"[{node}] rank {rank} bar 4" in log and f"rank {1 - rank} bar" not in log, log
         assert all(line.count(" bar ") <= 1 for line in log.splitlines()), log
+
+
+def _kill_daemon(cluster, node: str, name: str) -> None:
+    pid_file = Path(Paths(str(cluster.state_dir / cluster.stack / "nodes" / node)).pid(name))
+    os.kill(int(pid_file.read_text().split()[0]), signal.SIGKILL)
+
+
+def _slurm_client(cluster, *argv: str) -> str:
+    """One of Slurm's clients against the cluster's controller, as node-0's user; its output."""
+    conf = Paths(str(cluster.state_dir / cluster.stack / "nodes" / "node-0")).conf
+    result = subprocess.run(argv, env={**os.environ, "SLURM_CONF": conf}, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout.strip()
+
+
+def _one_line_failure(result, *words: str) -> None:
+    """Exit 1 and one `error: ...` line naming `words`: no traceback, nothing else on stderr."""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1, (result.returncode, result.stdout, result.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr and "TimeoutExpired" not in result.stderr
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+
+
+def test_a_dead_controller_or_munged_is_one_line_and_bootstrap_brings_slurm_back(cluster, tmp_path):
+    """slurmctld killed while a run waits: fab jobs, stop and logs -f say so in one line, exit 1; a submit
+    fails leaving no run folder; status exits 1 naming the daemon; bootstrap restarts it, the queue kept.
+    Then munged killed: status names it, bootstrap (--force too) restarts it and a run completes."""
+    blocker = _slurm_client(
+        cluster, "sbatch", "--parsable", "--exclusive", "--nodes=2", "--output=/dev/null", "--wrap", "sleep 600"
+    )
+    work = script(tmp_path, "sleep3.py", "print('sleeping', flush=True)\ntime.sleep(600)\n")
+    run_id = detached(cluster, "run", "--script", str(work))  # waits behind the blocker: it holds no port
+    waits = wait_for_state(cluster, run_id, "PENDING")["waiting_for"]  # its turn, in Slurm's words
+    assert waits in ("its nodes, busy with another job", "jobs ahead of it in the queue"), waits
+    shared_runs = cluster.state_dir / cluster.stack / "shared" / "runs"
+    folders = set(os.listdir(shared_runs))
+    time.sleep(5)  # slurmctld saves its queue a moment after a submit: what it had not saved, a kill loses
+    _kill_daemon(cluster, "node-0", "slurmctld")
+    try:
+        for args in (("jobs",), ("stop", "--run", run_id), ("logs", "-f", "--run", run_id)):
+            _one_line_failure(cluster.fab(*args), "controller")
+        _one_line_failure(cluster.fab("run", "--script", str(work), "--detach"), "sbatch failed")
+        assert set(os.listdir(shared_runs)) == folders  # no orphan run folder
+        status = cluster.cli("status")
+        assert status.returncode == 1 and "slurmctld down" in status.stdout, status.stdout + status.stderr
+    finally:
+        healed = cluster.fab("bootstrap", "--master-port", str(cluster.master_port))
+    try:
+        assert healed.returncode == 0 and "scheduler done" in healed.stdout, healed.stdout + healed.stderr
+        assert wait_for_state(cluster, run_id, "PENDING")["state"] == "PENDING"  # the queue outlived its controller
+    finally:
+        _slurm_client(cluster, "scancel", blocker.split(";")[0])
+        cluster.fab("stop", "--run", run_id)
+    wait_for_state(cluster, run_id, "CANCELLED")
+
+    _kill_daemon(cluster, "node-0", "munged")
+    try:
+        status = cluster.cli("status", "--json")
+        assert status.returncode == 1, status.stdout + status.stderr
+        head = json.loads(status.stdout)["nodes"][0]
+        assert head["scheduler_daemons"]["munged"] == "down" and not head["scheduler_serves"], head
+    finally:
+        healed = cluster.fab("bootstrap", "--force", "--master-port", str(cluster.master_port))
+    assert healed.returncode == 0 and "scheduler done" in healed.stdout, healed.stdout + healed.stderr
+    quick = script(tmp_path, "quick.py", "print('ok', flush=True)\n")
+    assert cluster.fab("run", "--script", str(quick)).returncode == 0
+    # a node the controller could not ping while munged was down may read `idle*` until its next ping
+    slurm.wait_for(lambda: cluster.cli("status").returncode == 0, "status exit 0 once Slurm serves again")
+    status = cluster.cli("status", "--json")
+    assert all(set(n["scheduler_daemons"].values()) == {"up"} for n in json.loads(status.stdout)["nodes"])
+    assert "spot-watch" in json.loads(status.stdout)["nodes"][1]["scheduler_daemons"]
+
+
+def test_a_failed_run_whose_log_cannot_be_read_ends_with_slurms_state_not_exit_0(cluster, tmp_path):
+    """The run's log on the shared folder goes unreadable mid-run (as on a full or failing disk): the
+    follower cannot see the run's end in it, and the launch ends with Slurm's end of the run all the same."""
+    work = script(
+        tmp_path,
+        "cut.py",
+        "log = os.path.join(os.environ['CLUSTER_SHARED_DIR'], 'runs', os.environ['CLUSTER_RUN_ID'], 'output.log')\n"
+        "print('cutting', flush=True); time.sleep(1)\n"
+        "if rank == 0:\n"
+        "    os.rename(log, log + '.moved'); os.mkdir(log)\n"
+        "time.sleep(2)\n"
+        "sys.exit(3 if rank == 1 else 0)\n",
+    )
+    result = cluster.fab("run", "--script", str(work))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "the run's log cannot be read" in result.stdout + result.stderr
+    run_id = result.stdout.split("fab: run ")[1].split(":")[0]
+    assert jobs(cluster)[run_id]["state"] == "FAILED"
 
 
 def test_down_mid_run_keeps_its_log_here_and_names_the_run_it_cancelled(cluster, tmp_path):

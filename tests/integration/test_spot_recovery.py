@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import threading
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -71,6 +72,10 @@ def cluster(tmp_path_factory):
 def log_of(cluster, run_id: str) -> str:
     path = cluster.state_dir / cluster.stack / "shared" / "runs" / run_id / contract.RUN_LOG
     return path.read_text(errors="replace") if path.exists() else ""
+
+
+def log_of_folder(cluster, run_id: str) -> Path:
+    return cluster.state_dir / cluster.stack / "shared" / "runs" / run_id
 
 
 def wait_for_log(cluster, run_id: str, pattern: re.Pattern, after: int = 0) -> re.Match:
@@ -195,8 +200,19 @@ def test_a_notice_and_a_death_each_cost_at_most_the_steps_since_a_checkpoint_and
     # and it resumes from its last periodic checkpoint (or the notice's, if none was taken since).
     pid_file = cluster.state_dir / cluster.stack / "nodes" / "node-1" / "sshd.pid"
     slurm.wait_for(lambda: len(STEP.findall(log_of(cluster, run_id).split(resumed.group(0))[-1])) > 0, "a step")
+    follower = cluster.popen_fab("logs", "-f", "--run", run_id)  # what a user following it reads
+    followed: list[str] = []
+    reading = threading.Thread(target=lambda: followed.append(follower.stdout.read()), daemon=True)
+    reading.start()
     os.kill(json.loads(pid_file.read_text())["pid"], signal.SIGKILL)
     again = wait_for_log(cluster, run_id, RESUMED, after=1)
+    follower.send_signal(signal.SIGINT)  # only stops the following
+    follower.wait(timeout=60)
+    reading.join(timeout=10)
+    # Slurm's `CANCELLED ... DUE TO NODE FAILURE` is followed by what happened and what comes next, as a
+    # notice's requeue is: the run waits PREEMPTED, for the node, and starts again by itself
+    assert "[cluster] the run was requeued (restart 2): node-1: node lost" in followed[0], followed[0][-3000:]
+    assert "once every node is in service" in followed[0]
     before_death = [
         int(s) for s in STEP.findall(log_of(cluster, run_id).split(resumed.group(0))[-1].split(again.group(0))[0])
     ]
@@ -216,6 +232,16 @@ def test_a_notice_and_a_death_each_cost_at_most_the_steps_since_a_checkpoint_and
     assert events[:2] == [("node-1", "spot interruption"), ("node-1", "node lost")], events
     assert sorted(events[2:]) == [("node-0", "spot interruption"), ("node-1", "spot interruption")], events
     assert cluster.fab("stop", "--run", run_id).returncode == 0
+    slurm.wait_for(lambda: job(cluster, run_id)["state"] == "CANCELLED", "the run cancelled and finished")
+    # Each interruption lasts, in `cost`, until the run it held started again, not only until the node's
+    # replacement rejoined (the run then waits for Slurm to start it again)
+    restarts = [json.loads(line) for line in (log_of_folder(cluster, run_id) / contract.RESTARTS_RECORD).open()]
+    assert [r["restart"] for r in restarts][:2] == [1, 2], restarts
+    cost = json.loads(cluster.cli("cost", "--json").stdout)
+    held = [e for e in cost["events"] if e["stack"] == cluster.stack][earlier:]
+    for event, restart in zip(held[:2], restarts[:2], strict=True):
+        ends = datetime.fromisoformat(event["at"]).timestamp() + event["seconds"]
+        assert ends >= restart["at"] - 1, (event, restart)
 
     # With no run going, a reclaimed node is replaced all the same: the cluster heals.
     supervisor_lines = len(supervisor_log.read_text().splitlines())

@@ -389,3 +389,19 @@ def test_the_check_interval_keeps_the_idle_guard_prompt():
     assert watchdog.check_interval_s(None) == 30
     assert watchdog.check_interval_s(30) == 30
     assert watchdog.check_interval_s(0.05) == 1
+
+
+def test_an_interruption_lasts_until_the_run_it_held_started_again(state_dir):
+    """The supervisor records the wait for the replacement; the run stood idle from its requeue (a notice,
+    before the node went) until Slurm started it again, after the replacement: the interruption covers it."""
+    ledger = Ledger()
+    try:
+        ledger.event("s", "spot interruption", "node-1", "replaced; rejoined in 20 s", at=1000.0, seconds=20.0)
+        ledger.event("s", "node lost", "node-0", "replaced", at=1010.0, seconds=5.0)
+        assert not ledger.run_idle("s", "node-1", stopped_at=None, restarted_at=999.0)  # none before it
+        assert not ledger.run_idle("s", "node-1", stopped_at=None, restarted_at=5000.0)  # too long after
+        assert ledger.run_idle("s", "node-1", stopped_at=990.0, restarted_at=1035.0)
+        events = {e.node: (e.at, e.seconds) for e in ledger.events("s")}
+    finally:
+        ledger.close()
+    assert events == {"node-1": (990.0, 45.0), "node-0": (1010.0, 5.0)}

@@ -296,6 +296,7 @@ def test_a_waiting_run_says_in_words_what_slurm_says_it_waits_for(monkeypatch, r
     monkeypatch.setattr(
         slurm_run.slurm_nodes, "node_reasons", lambda paths: {"alpha": ("idle", ""), "beta": ("down", "theirs")}
     )
+    monkeypatch.setattr(slurm_run.slurm_existing, "existing", lambda paths: {"partition": "gpu"})  # the site's
     shown = slurm_run.shown_state("2")
     assert (shown["state"], shown["waiting_for"]) == ("PENDING", words)
 
@@ -382,3 +383,27 @@ def test_a_line_finished_late_goes_out_again_whole_with_its_prefix():
 
 def test_the_last_words_without_a_line_end_still_end_a_line():
     assert b"".join(_copied([(b"Killed", 0)])) == b"[node-1] Killed\n"
+
+
+def test_a_waiting_run_says_what_it_waits_for_and_a_requeue_says_what_happens_next():
+    from node.slurm_nodes import out_of_service
+
+    assert [out_of_service(s) for s in ("idle", "allocated", "down*", "idle*", "drained", "mixed")] == [
+        False,
+        False,
+        True,
+        True,
+        True,
+        False,
+    ]
+    waiting = slurm_run.waiting_line({"state": "PENDING", "waiting_for": "node-1: Not responding"})
+    assert waiting == "[cluster] the run is pending: waits for node-1: Not responding"
+    requeued = slurm_run.waiting_line(
+        {
+            "state": "PREEMPTED",
+            "requeues": 2,
+            "waiting_for": "node-1: node lost: gone",
+            "preempted": {"nodes": ["node-1"], "reason": "node lost: gone", "restart": 2},
+        }
+    )
+    assert requeued.startswith("[cluster] the run was requeued (restart 2): node-1: node lost: gone; it starts again")
