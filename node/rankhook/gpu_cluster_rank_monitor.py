@@ -89,9 +89,8 @@ class RankMonitor:
             dist = _initialized_dist()
             if dist is not None:
                 self.group_at = self.group_at or time.time()
-                if self.first_step_at is None:
-                    self.watch_first_step()
-                if time.monotonic() - reported >= self.interval_s or self.first_step_at and not reported:
+                stepped = self.first_step_at is None and self.watch_first_step()
+                if stepped or time.monotonic() - reported >= self.interval_s:  # the first step said at once
                     reported = time.monotonic()
                     try:
                         self.report(dist)
@@ -101,7 +100,7 @@ class RankMonitor:
             # a rank can finish its first collectives quickly, and the timeline's first step wants the moment.
             time.sleep(self.interval_s if self.first_step_at is not None else min(self.interval_s, 0.05))
 
-    def watch_first_step(self) -> None:
+    def watch_first_step(self) -> bool:
         """A script on the harness: its first step. Any other: its first collective done (a proxy: DDP's
         start broadcasts, so that one is the end of the model's setup rather than of a step)."""
         if "harness.metrics" in sys.modules:
@@ -113,6 +112,7 @@ class RankMonitor:
                 done = False
         if done:
             self.first_step_at = time.time()
+        return done
 
     def times(self) -> dict:
         return {"group_at": self.group_at, "first_step_at": self.first_step_at}

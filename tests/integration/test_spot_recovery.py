@@ -78,14 +78,14 @@ def log_of_folder(cluster, run_id: str) -> Path:
     return cluster.state_dir / cluster.stack / "shared" / "runs" / run_id
 
 
-def wait_for_log(cluster, run_id: str, pattern: re.Pattern, after: int = 0) -> re.Match:
+def wait_for_log(cluster, run_id: str, pattern: re.Pattern, after: int = 0, deadline_s: float = 180) -> re.Match:
     found: list[re.Match] = []
 
     def seen() -> bool:
         found[:] = list(pattern.finditer(log_of(cluster, run_id)))[after:]
         return bool(found)
 
-    slurm.wait_for(seen, f"{pattern.pattern} in the run's log", lambda: log_of(cluster, run_id)[-3000:], 180)
+    slurm.wait_for(seen, f"{pattern.pattern} in the run's log", lambda: log_of(cluster, run_id)[-3000:], deadline_s)
     return found[0]
 
 
@@ -151,6 +151,7 @@ def test_a_project_with_its_requirements_resumes_on_a_replaced_node_and_complete
     assert not stage.exists() and (stage.parent / "step.json").exists()
 
 
+@pytest.mark.timeout(600)  # three interruptions and their replacements, on a machine that may be busy
 def test_a_notice_and_a_death_each_cost_at_most_the_steps_since_a_checkpoint_and_the_cluster_heals(cluster):
     node1 = cluster.info["nodes"][1]
     earlier = len(events_of(cluster))
@@ -225,7 +226,7 @@ def test_a_notice_and_a_death_each_cost_at_most_the_steps_since_a_checkpoint_and
     slurm.wait_for(lambda: len(STEP.findall(log_of(cluster, run_id).split(again.group(0))[-1])) > 0, "a step")
     for node in ("node-0", "node-1"):
         assert cluster.cli("drill", "spot", node, "--notice", "5").returncode == 0
-    both = wait_for_log(cluster, run_id, RESUMED, after=2)
+    both = wait_for_log(cluster, run_id, RESUMED, after=2, deadline_s=300)  # both replaced, the head re-bootstrapped
     assert both.group(2) == "3" and int(both.group(1)) >= step, both.group(0)
 
     events = events_of(cluster)[earlier:]
