@@ -77,6 +77,25 @@ def replica_groups(nodes: tuple[NodeInfo, ...], replicas: int) -> list[tuple[Nod
     return [tuple(nodes[i * size : (i + 1) * size]) for i in range(count)]
 
 
+def surviving_group(groups: list[list[str]], exit_codes: dict) -> bool:
+    """The one rule for a fault-tolerant run's end, for both holders: it completed where every node of
+    at least one replica group exited 0."""
+    return any(all(exit_codes.get(name) == 0 for name in group) for group in groups)
+
+
+def dropped_nodes(groups: list[list[str]], exit_codes: dict) -> list[str]:
+    """The nodes of the replica groups that failed while another went on to the end."""
+    if not surviving_group(groups, exit_codes):
+        return []
+    return [name for group in groups if any(exit_codes.get(n) != 0 for n in group) for name in group]
+
+
+def group_names(nodes: list[str], replicas: int) -> list[list[str]]:
+    """`replica_groups` by node name (a run's record keeps names)."""
+    size = len(nodes) // max(replicas, 1)
+    return [nodes[i * size : (i + 1) * size] for i in range(max(replicas, 1))]
+
+
 def group_of(cluster: ClusterInfo, node: NodeInfo, replicas: int) -> tuple[int, tuple[NodeInfo, ...]]:
     """(the replica group's number, its nodes) for `node`."""
     for number, members in enumerate(replica_groups(cluster.nodes, replicas)):

@@ -110,15 +110,13 @@ class JobResult:
         if self.interrupted:
             return False
         if self.groups:
-            return any(all(self.exit_codes.get(n) == 0 for n in group) for group in self.groups)
+            return job_command.surviving_group(self.groups, self.exit_codes)
         return all(code == 0 for code in self.exit_codes.values())
 
     @property
     def dropped(self) -> list[str]:
         """The nodes of the replica groups that failed while others went on (fault-tolerant runs)."""
-        if not self.ok:
-            return []
-        return [n for group in self.groups if any(self.exit_codes.get(m) != 0 for m in group) for n in group]
+        return [] if self.interrupted else job_command.dropped_nodes(self.groups, self.exit_codes)
 
     def exited(self, node: str) -> str:
         """`node-1 exited 1 (rank 1 exited 3)`: the node's code, and its failed ranks' own."""

@@ -279,6 +279,7 @@ def spec_facts(spec: JobSpec) -> dict:
         "env": sorted(spec.env),
         "max_result_bytes": spec.max_result_bytes,
         "hang": {"timeout_s": spec.hang.timeout_s, "on_hang": spec.hang.on_hang},
+        "replicas": spec.replicas,
     }
 
 

@@ -98,6 +98,16 @@ def test_replicas_that_do_not_fit_the_nodes_are_refused(nodes, replicas, said):
     assert job_command.replicas_problem(4, 2) is None and job_command.replicas_problem(2, 0) is None
 
 
+def test_a_fault_tolerant_run_completes_while_one_replica_group_trained_to_the_end():
+    groups = job_command.group_names(["node-0", "node-1", "node-2", "node-3"], 2)
+    assert groups == [["node-0", "node-1"], ["node-2", "node-3"]]
+    one_dropped = {"node-0": 0, "node-1": 0, "node-2": 1, "node-3": 143}
+    assert job_command.surviving_group(groups, one_dropped)
+    assert job_command.dropped_nodes(groups, one_dropped) == ["node-2", "node-3"]
+    both_hit = {"node-0": 0, "node-1": 1, "node-2": 1, "node-3": 0}
+    assert not job_command.surviving_group(groups, both_hit) and job_command.dropped_nodes(groups, both_hit) == []
+
+
 def test_launch_command_quotes_arguments_and_records_the_job():
     c = cluster()
     command = job_command.launch_command(
