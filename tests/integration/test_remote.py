@@ -633,38 +633,6 @@ def test_a_missing_script_is_refused_before_anything_starts(cluster):
     assert cluster.runs() == before
 
 
-# ------------------------------------------------------------------------------------- private state
-
-
-def test_every_file_of_the_state_folder_stays_private_through_the_runs_and_down(cluster, tmp_path):
-    """Last in this module: the launches above wrote runs, logs, results and the ledger; this one writes a
-    result and passes an argument that lands in the nodes' logs."""
-    script = tmp_path / "job.py"
-    script.write_text('import os\nopen(os.environ["CLUSTER_RESULTS_DIR"] + "/result.txt", "w").write("ok")\n')
-    run = cluster.fab("run", "--script", str(script), "--args", "--secret-looking-argument")
-    assert run.returncode == 0, run.stdout + run.stderr
-    run_dir = cluster.run_dir(run.stdout)
-    assert (run_dir / "results" / "result.txt").read_text() == "ok" and (run_dir / "summary.json").exists()
-    assert not_private(cluster.state_dir) == []
-    assert cluster.cli("down", "--stack", cluster.stack).returncode == 0
-    assert (run_dir / "node-0.log").exists() and (cluster.state_dir / "ledger.sqlite").exists()
-    assert not_private(cluster.state_dir) == []
-
-
-def not_private(root) -> list[str]:
-    """Everything under `root` (itself included) that its group or others may read, write or enter."""
-    found = []
-    for folder, dirs, files in os.walk(root):
-        if os.path.basename(folder) == "venv" and os.path.basename(os.path.dirname(folder)) == ".gpu-cluster":
-            dirs[:] = []  # a node's venv is what `python -m venv` makes on any machine; the home around it is 0700
-            files = []
-        for path in [folder, *(os.path.join(folder, name) for name in files)]:
-            mode = os.lstat(path).st_mode
-            if not stat.S_ISLNK(mode) and mode & 0o077:
-                found.append(f"{stat.S_IMODE(mode):04o} {path}")
-    return found
-
-
 # ------------------------------------------------------------------------ fault tolerance (torchft)
 
 FT_SCRIPT = str(REPO / "examples" / "ft_training.py")
@@ -737,6 +705,7 @@ def test_replicas_a_restarted_group_heals_live_from_its_peer_and_rejoins_with_eq
     )
     try:
         run_id = run_id_in(wait_for_output(job, "replica 1 step   10", timeout_s=120))
+        killed_at = time.time()
         assert kill_ranks_of(run_id, "node-1")
         out, _ = job.communicate(timeout=180)
     finally:
@@ -758,4 +727,37 @@ def test_replicas_a_restarted_group_heals_live_from_its_peer_and_rejoins_with_eq
     assert back["params_sha"] == by_step[back["step"]]  # the peer's weights, exactly, at its first step back
     shared = [line for line in healed if line["step"] in by_step]
     assert all(line["params_sha"] == by_step[line["step"]] for line in shared), "weights differ from the peer's"
-    print(f"healed group: back at step {back['step']} having missed {max(missed) - 1} step(s); weights equal")
+    took = back["time"] - killed_at
+    print(f"healed group: back at step {back['step']} {took:.1f} s after the kill, {max(missed) - 1} steps missed")
+
+
+# ------------------------------------------------------------------------------------- private state
+
+
+def test_every_file_of_the_state_folder_stays_private_through_the_runs_and_down(cluster, tmp_path):
+    """Last in this module: the launches above wrote runs, logs, results and the ledger; this one writes a
+    result and passes an argument that lands in the nodes' logs."""
+    script = tmp_path / "job.py"
+    script.write_text('import os\nopen(os.environ["CLUSTER_RESULTS_DIR"] + "/result.txt", "w").write("ok")\n')
+    run = cluster.fab("run", "--script", str(script), "--args", "--secret-looking-argument")
+    assert run.returncode == 0, run.stdout + run.stderr
+    run_dir = cluster.run_dir(run.stdout)
+    assert (run_dir / "results" / "result.txt").read_text() == "ok" and (run_dir / "summary.json").exists()
+    assert not_private(cluster.state_dir) == []
+    assert cluster.cli("down", "--stack", cluster.stack).returncode == 0
+    assert (run_dir / "node-0.log").exists() and (cluster.state_dir / "ledger.sqlite").exists()
+    assert not_private(cluster.state_dir) == []
+
+
+def not_private(root) -> list[str]:
+    """Everything under `root` (itself included) that its group or others may read, write or enter."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        if os.path.basename(folder) == "venv" and os.path.basename(os.path.dirname(folder)) == ".gpu-cluster":
+            dirs[:] = []  # a node's venv is what `python -m venv` makes on any machine; the home around it is 0700
+            files = []
+        for path in [folder, *(os.path.join(folder, name) for name in files)]:
+            mode = os.lstat(path).st_mode
+            if not stat.S_ISLNK(mode) and mode & 0o077:
+                found.append(f"{stat.S_IMODE(mode):04o} {path}")
+    return found
