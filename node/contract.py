@@ -215,6 +215,18 @@ TORCHRUN_VARIABLES = (
     "ROLE_NAME",
 )
 """What torchrun gives every worker, beside what the node environment and the launch set."""
+LIGHTHOUSE_BIND_VARIABLE = "CLUSTER_LIGHTHOUSE_BIND"
+"""Set on the head node of a fault-tolerant run (`--replicas`): the address:port its node/torchrun.py
+serves torchft's Lighthouse on, for as long as its torchrun runs."""
+LIGHTHOUSE_VARIABLE = "TORCHFT_LIGHTHOUSE"
+"""torchft's own: the Lighthouse's URL, which every replica group's Manager reads."""
+REPLICA_VARIABLE = "REPLICA_GROUP_ID"
+"""torchft's examples' name: this node's replica group, 0..N-1."""
+REPLICAS_VARIABLE = "NUM_REPLICA_GROUPS"
+"""torchft's examples' name: how many replica groups the run started with."""
+LIGHTHOUSE_PORT_ABOVE_MASTER = 61
+"""The Lighthouse listens on MASTER_PORT + this on the head node: above the 60 ports Slurm's daemons take
+(remote/bootstrap.py SCHEDULER_PORTS)."""
 RESERVED_PREFIXES = ("CLUSTER_", "TORCHELASTIC_")
 """Variables a user's --env may not set: any of these prefixes, and `RESERVED_VARIABLES`."""
 RESERVED_VARIABLES = (
@@ -227,6 +239,9 @@ RESERVED_VARIABLES = (
     "GLOO_SOCKET_IFNAME",
     "PYTHONPATH",
     "PYTHONUNBUFFERED",
+    LIGHTHOUSE_VARIABLE,
+    REPLICA_VARIABLE,
+    REPLICAS_VARIABLE,
     *TORCHRUN_VARIABLES,
 )
 """The node environment's, torchrun's and the launch's own variables."""

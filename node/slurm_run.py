@@ -14,12 +14,15 @@ the log) carries the spec, and srun hands it to every node's `step` on its comma
 
 The batch job takes every node, exclusively, so runs start one at a time in submission order, and
 appends to its log across requeues. Its one step is `srun --ntasks-per-node=1 --kill-on-bad-exit=1`:
-a node whose command fails ends the others at once. `step` runs this node's command (found by
-SLURMD_NODENAME) with the node's own HOME (jobs run with the submitter's environment otherwise, whose
-HOME is the head node's where nodes share a machine) and writes its output, as it comes, with a
-`[node-i] ` prefix after every newline and carriage return, so progress bars stay live; srun gathers
-every node's into the log, one writer. On SIGTERM or SIGHUP it passes the signal to the command's
-session and ends it after a grace period; it exits with the command's status (128 + signal if killed).
+a node whose command fails ends the others at once. A fault-tolerant run's (spec `replicas`: torchft
+replica groups) is `--kill-on-bad-exit=0 --no-kill` in a `--no-kill` job instead: a group's node that
+fails or dies ends only that group, and the others train on in the same allocation. `step` runs this
+node's command (found by SLURMD_NODENAME) with the node's own HOME (jobs run with the submitter's
+environment otherwise, whose HOME is the head node's where nodes share a machine) and writes its
+output, as it comes, with a `[node-i] ` prefix after every newline and carriage return, so progress
+bars stay live; srun gathers every node's into the log, one writer. On SIGTERM or SIGHUP it passes the
+signal to the command's session and ends it after a grace period; it exits with the command's status
+(128 + signal if killed).
 
 Standard library only; run as a file, it imports its siblings from the code folder.
 """
@@ -121,6 +124,14 @@ def step_argv(spec: dict, srun: str, here: str, *options: str) -> list:
     ]
 
 
+def step_options(spec: dict) -> tuple[str, ...]:
+    """The run's step: one node's failure ends every node's task, except in a fault-tolerant run
+    (`replicas`), where each node's task is a replica group of its own that the others outlive."""
+    if spec.get("replicas"):
+        return ("--kill-on-bad-exit=0", "--no-kill")
+    return ("--kill-on-bad-exit=1",)
+
+
 def batch_script(spec: dict, srun: str, here: str) -> str:
     """The job's script: this file's `supervise`, on the head node, which runs the one step (one task per
     node, this file's `step` in each)."""
@@ -139,7 +150,7 @@ def supervise(spec: dict) -> int:
     restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
     if restart:
         note_restart(os.path.dirname(spec["log"]), restart)
-    main = subprocess.Popen(step_argv(spec, srun, here, "--kill-on-bad-exit=1"))
+    main = subprocess.Popen(step_argv(spec, srun, here, *step_options(spec)))
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR1):
         signal.signal(signum, lambda number, frame: main.send_signal(number))
     code = _watch(spec, main, srun, here) if spec.get("watch") else _status(main.wait())
@@ -285,6 +296,7 @@ def sbatch_argv(spec: dict, sbatch: str, script: str, adopted: dict | None = Non
         f"--nodes={len(spec['nodes'])}",
         f"--nodelist={names}",
         "--exclusive",
+        *(["--no-kill"] if spec.get("replicas") else []),  # a node that fails leaves the others the allocation
         "--requeue",
         "--open-mode=append",
         # The environment sbatch is given (`batch_environment`), whole: --export=NONE would have slurmd

@@ -25,6 +25,10 @@ each rank that failed exited, by torchrun's failure record (a script's `sys.exit
 torchrun itself exits 1), and whether any rank of this node formed a process group, as the rank
 monitors' progress records show (`null` where the launch started no monitor). Nothing here runs on the
 operator side.
+
+In a fault-tolerant run (`--replicas`), the head node's torchrun also serves torchft's Lighthouse, bound
+to the address `contract.LIGHTHOUSE_BIND_VARIABLE` names (torchft's own default is every interface), for
+as long as its torchrun runs.
 """
 
 import json
@@ -51,6 +55,28 @@ FALLBACK = (
     "gpu-cluster: this torch cannot bind the {what} to one address; it listens on every interface "
     "for this job (see the README, 'What a job exposes')"
 )
+
+
+LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS = 1000
+"""A replica group silent this long is dropped at the next quorum: the survivors' stall when one dies
+(torchft's default, 5 s, would stall them five times longer)."""
+LIGHTHOUSE_JOIN_TIMEOUT_MS = 1000
+"""How long a quorum waits for a group that heartbeats but has not asked to join (one restarting)."""
+
+
+def serve_lighthouse():
+    """torchft's Lighthouse on this node's private address, where the launch asks for one; else None."""
+    bind = os.environ.get(contract.LIGHTHOUSE_BIND_VARIABLE)
+    if not bind:
+        return None
+    from torchft._torchft import LighthouseServer
+
+    return LighthouseServer(
+        bind=bind,
+        min_replicas=1,  # the last group standing goes on alone
+        join_timeout_ms=LIGHTHOUSE_JOIN_TIMEOUT_MS,
+        heartbeat_timeout_ms=LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS,
+    )
 
 
 def listening_socket(address: str, port: int) -> socket.socket:
@@ -216,7 +242,17 @@ def serve(argv: list[str]) -> int:
             sys.exit(f"gpu-cluster: cannot listen on MASTER_ADDR {address}:{port}: {exc.strerror or exc}")
     from torch.distributed.run import main as torchrun
 
-    torchrun(argv)
+    try:
+        lighthouse = serve_lighthouse()
+    except Exception as exc:  # a port taken, torchft missing: one line, not a Rust or import traceback
+        sys.exit(
+            f"gpu-cluster: cannot serve torchft's Lighthouse on {os.environ[contract.LIGHTHOUSE_BIND_VARIABLE]}: {exc}"
+        )
+    try:
+        torchrun(argv)
+    finally:
+        if lighthouse is not None:
+            lighthouse.shutdown()
     if rendezvous_store is not None:
         wait_for_the_other_agents(rendezvous_store, node_count(argv) - 1)
     elif os.environ.get("NODE_RANK") != "0":

@@ -187,6 +187,8 @@ def ended(run: runs.Run, spec: JobSpec, result: JobResult) -> None:
         }
     if result.watch:
         run.extra = {**run.extra, "hang_watch": result.watch}
+    if result.dropped:
+        run.extra = {**run.extra, "dropped": result.dropped}
 
 
 def _alive(pid: int) -> bool:

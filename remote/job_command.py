@@ -51,6 +51,64 @@ def nproc_problem(nodes: tuple[NodeInfo, ...], requested: int | None) -> str | N
     return None
 
 
+def replicas_problem(node_count: int, replicas: int) -> str | None:
+    """Why `--replicas replicas` cannot run on `node_count` nodes, or None where it can (0: not asked)."""
+    if replicas == 0:
+        return None
+    if replicas < 2:
+        return f"--replicas must be at least 2 (one group is plain DDP: leave --replicas out), not {replicas}"
+    if replicas > node_count:
+        return (
+            f"--replicas {replicas} is more than the cluster's {node_count} node(s): one replica group per node at most"
+        )
+    if node_count % replicas:
+        return (
+            f"--replicas {replicas} does not split the cluster's {node_count} nodes into equal groups: "
+            f"use a divisor of {node_count}"
+        )
+    return None
+
+
+def replica_groups(nodes: tuple[NodeInfo, ...], replicas: int) -> list[tuple[NodeInfo, ...]]:
+    """Each replica group's nodes, consecutive in the inventory's order (one node each by default); one
+    group of every node where the run is not fault tolerant (`replicas` 0)."""
+    count = max(replicas, 1)
+    size = len(nodes) // count
+    return [tuple(nodes[i * size : (i + 1) * size]) for i in range(count)]
+
+
+def surviving_group(groups: list[list[str]], exit_codes: dict) -> bool:
+    """The one rule for a fault-tolerant run's end, for both holders: it completed where every node of
+    at least one replica group exited 0."""
+    return any(all(exit_codes.get(name) == 0 for name in group) for group in groups)
+
+
+def dropped_nodes(groups: list[list[str]], exit_codes: dict) -> list[str]:
+    """The nodes of the replica groups that failed while another went on to the end."""
+    if not surviving_group(groups, exit_codes):
+        return []
+    return [name for group in groups if any(exit_codes.get(n) != 0 for n in group) for name in group]
+
+
+def group_names(nodes: list[str], replicas: int) -> list[list[str]]:
+    """`replica_groups` by node name (a run's record keeps names)."""
+    size = len(nodes) // max(replicas, 1)
+    return [nodes[i * size : (i + 1) * size] for i in range(max(replicas, 1))]
+
+
+def group_of(cluster: ClusterInfo, node: NodeInfo, replicas: int) -> tuple[int, tuple[NodeInfo, ...]]:
+    """(the replica group's number, its nodes) for `node`."""
+    for number, members in enumerate(replica_groups(cluster.nodes, replicas)):
+        if node in members:
+            return number, members
+    raise ValueError(f"{node.name} is not a node of {cluster.stack}")
+
+
+def lighthouse_address(cluster: ClusterInfo, master_port: int) -> str:
+    """Where torchft's Lighthouse listens: the head node's private address, never every interface."""
+    return f"{cluster.head.private_ip}:{master_port + contract.LIGHTHOUSE_PORT_ABOVE_MASTER}"
+
+
 def new_run_id(task: str, now: datetime | None = None) -> str:
     stamp = (now or datetime.now(timezone.utc)).strftime("%Y%m%d-%H%M%S")
     return f"{stamp}-{task}-{secrets.token_hex(2)}"
@@ -94,7 +152,13 @@ TORCHRUN = "$CLUSTER_CODE_DIR/node/torchrun.py"
 
 
 def torchrun_argv(
-    cluster: ClusterInfo, node: NodeInfo, run_id: str, max_restarts: int, master_port: int, nproc: int | None = None
+    cluster: ClusterInfo,
+    node: NodeInfo,
+    run_id: str,
+    max_restarts: int,
+    master_port: int,
+    nproc: int | None = None,
+    replicas: int = 0,
 ) -> list[str]:
     """torchrun with c10d rendezvous on node-0 and a fresh rendezvous id per run (the script follows).
 
@@ -104,22 +168,32 @@ def torchrun_argv(
     `is_host` says that node-0 hosts the rendezvous (every local node would think itself the host).
     It is started by its path, not as a module, so a project folder of the user's (the working
     directory, whose own `node/` would come first for `-m`) cannot hide it.
+
+    With `replicas` (torchft replica groups), each group is a torchrun job of its own, its rendezvous on
+    its first node: a group that fails ends only its own torchrun.
     """
+    number, members = group_of(cluster, node, replicas)
     return [
         TORCHRUN,
-        f"--nnodes={len(cluster.nodes)}",
+        f"--nnodes={len(members)}",
         f"--nproc-per-node={nproc_per_node(node.gpus, nproc)}",
         "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={cluster.head.private_ip}:{master_port}",
-        f"--rdzv-conf=is_host={int(node == cluster.head)}",
-        f"--rdzv-id={run_id}",
+        f"--rdzv-endpoint={members[0].private_ip}:{master_port}",
+        f"--rdzv-conf=is_host={int(node == members[0])}",
+        f"--rdzv-id={run_id}-replica-{number}" if replicas else f"--rdzv-id={run_id}",
         f"--local-addr={node.private_ip}",
         f"--max-restarts={max_restarts}",
     ]
 
 
 def job_variables(
-    cluster: ClusterInfo, node: NodeInfo, run_id: str, nproc: int | None = None, python: str | None = None
+    cluster: ClusterInfo,
+    node: NodeInfo,
+    run_id: str,
+    nproc: int | None = None,
+    python: str | None = None,
+    replicas: int = 0,
+    master_port: int = DEFAULT_MASTER_PORT,
 ) -> dict[str, str]:
     """What the launch sets on top of the node environment; each value a word or a path (`shell_path`).
 
@@ -136,6 +210,27 @@ def job_variables(
         variables["NPROC_PER_NODE"] = str(nproc_per_node(node.gpus, nproc))
     if python:
         variables["CLUSTER_PYTHON"] = python  # the job's own environment (--requirements), for its children
+    if replicas:
+        variables.update(replica_variables(cluster, node, replicas, master_port))
+    return variables
+
+
+def replica_variables(cluster: ClusterInfo, node: NodeInfo, replicas: int, master_port: int) -> dict[str, str]:
+    """A fault-tolerant run's: the group's own MASTER_ADDR, NODE_RANK and NNODES (over the node
+    environment's, which name the whole cluster), torchft's Lighthouse and group number; on the head node,
+    where node/torchrun.py serves the Lighthouse."""
+    number, members = group_of(cluster, node, replicas)
+    lighthouse = lighthouse_address(cluster, master_port)
+    variables = {
+        "MASTER_ADDR": members[0].private_ip,
+        "NODE_RANK": str(members.index(node)),
+        "NNODES": str(len(members)),
+        contract.LIGHTHOUSE_VARIABLE: f"http://{lighthouse}",
+        contract.REPLICA_VARIABLE: str(number),
+        contract.REPLICAS_VARIABLE: str(replicas),
+    }
+    if node == cluster.head:
+        variables[contract.LIGHTHOUSE_BIND_VARIABLE] = lighthouse
     return variables
 
 
@@ -200,6 +295,7 @@ def launch_command(
     env: dict[str, str] | None = None,
     stage: Stage | None = None,
     values: EnvValues | None = None,
+    replicas: int = 0,
 ) -> str:
     """Source the node environment, make the run's folders, record the job, run torchrun, then print
         the exit marker.
@@ -219,7 +315,7 @@ def launch_command(
         their environment. The marker carries the time this node saw torchrun end, by its own clock, so
         fail-fast can name the node that failed first however late its SSH call returns.
     """
-    variables = job_variables(cluster, node, run_id, nproc, python)
+    variables = job_variables(cluster, node, run_id, nproc, python, replicas, master_port)
     assignments = [f"{key}={shell_path(value)}" for key, value in variables.items()]
     assignments += [f"{key}={value}" for key, value in (job_env or {}).items()]
     search_path = ":".join(shell_path(p) for p in python_path(run_id, pythonpath_first))
@@ -227,7 +323,9 @@ def launch_command(
     if env and values is None:
         raise ValueError("--env values go in a file (EnvValues), never on the job's command line")
     interpreter = shell_path(python) if python else '"$CLUSTER_PYTHON"'
-    torchrun = " ".join(shell_path(a) for a in torchrun_argv(cluster, node, run_id, max_restarts, master_port, nproc))
+    torchrun = " ".join(
+        shell_path(a) for a in torchrun_argv(cluster, node, run_id, max_restarts, master_port, nproc, replicas)
+    )
     arguments = " ".join(shlex.quote(a) for a in script_args)
     progress = f"~/{contract.PROGRESS}"
     return (

@@ -68,6 +68,9 @@ class JobSpec:
     """Variables for every rank, taken literally (`fab run --env`)."""
     max_result_bytes: int = DEFAULT_MAX_RESULT_MB * 1_000_000
     """A fetched file bigger than this stays on the head node (`--max-result-mb`)."""
+    replicas: int = 0
+    """torchft replica groups (`--replicas`): each a torchrun job of its own, so one that fails leaves the
+    others training; 0: one job over every node, stopped everywhere at the first failure."""
 
 
 @dataclass
@@ -98,10 +101,22 @@ class JobResult:
     """What the hang watch did (polls, ranks seen); None where it was off."""
     exited_at: dict[str, float | None] = field(default_factory=dict)
     """Per node, when its job ended by its own clock (its exit marker)."""
+    groups: list[list[str]] = field(default_factory=list)
+    """A fault-tolerant run's replica groups (their nodes); empty for one job over every node."""
 
     @property
     def ok(self) -> bool:
-        return not self.interrupted and all(code == 0 for code in self.exit_codes.values())
+        """Every node exited 0; in a fault-tolerant run, every node of at least one replica group."""
+        if self.interrupted:
+            return False
+        if self.groups:
+            return job_command.surviving_group(self.groups, self.exit_codes)
+        return all(code == 0 for code in self.exit_codes.values())
+
+    @property
+    def dropped(self) -> list[str]:
+        """The nodes of the replica groups that failed while others went on (fault-tolerant runs)."""
+        return [] if self.interrupted else job_command.dropped_nodes(self.groups, self.exit_codes)
 
     def exited(self, node: str) -> str:
         """`node-1 exited 1 (rank 1 exited 3)`: the node's code, and its failed ranks' own."""
@@ -366,6 +381,7 @@ def run_job(
             stream.write(f"fab: connection lost during the job: {describe(exc)}\n")
             return LOST
 
+    groups = [[n.name for n in g] for g in job_command.replica_groups(cluster.nodes, spec.replicas)]
     pool = ThreadPoolExecutor(max_workers=len(sessions))
     futures: dict[Future, NodeSession] = {pool.submit(start, s): s for s in sessions}
     watch = HangWatch(
@@ -380,6 +396,7 @@ def run_job(
             returned,
             quiet=watch.stopping.is_set,
             exited=lambda name: node_exited(name, exit_codes[name], streams[name].ranks),
+            groups=groups if spec.replicas else None,
         )
     except KeyboardInterrupt:
         interrupted = True
@@ -406,6 +423,7 @@ def run_job(
         {name: stream.ranks for name, stream in streams.items() if contract.RANKS_MARKER in stream.markers},
         watch.stats(),
         exited_at,
+        groups if spec.replicas else [],
     )
 
 
@@ -440,6 +458,7 @@ def node_command(
         env=spec.env,
         stage=stage,
         values=values,
+        replicas=spec.replicas,
     )
 
 
@@ -497,12 +516,15 @@ def _supervise(
     returned: list,
     quiet=lambda: False,
     exited=lambda name: name,
+    groups: list[list[str]] | None = None,
 ) -> None:
     """Wait for every node (`returned` says in which order they did); at the first failure stop the
     others, and wherever a connection dropped, reconnect and stop that node's part too. `quiet()` is
     true once the hang watch is stopping the job: the failures that follow are its doing; `exited(name)`
-    says how a node's job ended (`JobResult.exited`)."""
+    says how a node's job ended (`JobResult.exited`). With replica `groups` (a fault-tolerant run), a
+    failure stops only its own group: the others go on without it (`_drop_group`)."""
     pending, stopping, stoppers = set(futures), False, []
+    dropped: set[str] = set()
     while pending:
         done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
         for future in done:
@@ -511,7 +533,10 @@ def _supervise(
             returned.append(name)
             if exit_codes[name] == LOST:
                 stoppers.append((_stop_in_background(cluster, [name], _report_lost_node), [name]))
-            if exit_codes[name] != 0 and not stopping:
+            if exit_codes[name] != 0 and groups is not None and name not in dropped:
+                stoppers += _drop_group(cluster, groups, name, {futures[f].node.name for f in pending}, exited)
+                dropped.update(next(g for g in groups if name in g))
+            elif exit_codes[name] != 0 and not stopping:
                 stopping = True
                 others = [futures[f].node.name for f in pending]
                 if others and not quiet():
@@ -525,6 +550,18 @@ def _supervise(
                 f"fab: could not stop the job on {', '.join(nodes)} within {STOP_WAIT_S} s; "
                 "it may still run there: fab stop"
             )
+
+
+def _drop_group(cluster: ClusterInfo, groups: list[list[str]], name: str, running: set[str], exited) -> list:
+    """A fault-tolerant run's failed node: its replica group is dropped (torchft's next quorum goes on
+    without it), the rest of that group stopped; the other groups keep training."""
+    group = next(g for g in groups if name in g)
+    number = groups.index(group)
+    others = [n for g in groups if g is not group for n in g if n in running]
+    rest = [n for n in group if n in running]
+    going_on = f"replica group(s) on {', '.join(others)} go on" if others else "no replica group is left"
+    say(f"fab: {exited(name)}: replica group {number} ({', '.join(group)}) dropped; {going_on}")
+    return [(_stop_in_background(cluster, rest), rest)] if rest else []
 
 
 def _stop_in_background(cluster: ClusterInfo, nodes: list[str], report=None) -> threading.Thread:

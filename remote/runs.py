@@ -280,6 +280,7 @@ def spec_facts(spec: JobSpec) -> dict:
         "env": sorted(spec.env),
         "max_result_bytes": spec.max_result_bytes,
         "hang": {"timeout_s": spec.hang.timeout_s, "on_hang": spec.hang.on_hang},
+        "replicas": spec.replicas,
     }
 
 
@@ -327,7 +328,10 @@ def outcome(cluster: ClusterInfo, run: Run, folder: Path) -> tuple[int, str]:
         took = (run.ended_at or time.time()) - (run.started_at or run.submitted_at)
         cost = run.cost_usd(cluster.hourly_usd)
         rate = f"${cluster.hourly_usd:.3f}/h"
-        return 0, f"fab: run {run.run_id} ok in {took:.1f} s, cost ${cost:.4f} ({rate}){alone(run)}; {where}"
+        return (
+            0,
+            f"fab: run {run.run_id} ok in {took:.1f} s, cost ${cost:.4f} ({rate}){alone(run)}{dropped(run)}; {where}",
+        )
     failed = [n for n in run.nodes if run.exit_codes.get(n) not in (0, None)]
     codes = ", ".join(run.exited(n) for n in failed)
     if run.state == "HUNG" and run.hang:
@@ -359,6 +363,12 @@ def alone(run: Run) -> str:
     if len(nodes) == len(run.nodes):
         return ", but no rank joined a process group"
     return f", but no rank on {', '.join(nodes)} joined a process group"
+
+
+def dropped(run: Run) -> str:
+    """Beside "ok": the nodes of the replica groups a fault-tolerant run went on without."""
+    nodes = run.extra.get("dropped") or []
+    return f", without the replica group(s) on {', '.join(nodes)} (dropped)" if nodes else ""
 
 
 def runs_of(runs_root: Path) -> list[tuple[Path, Run]]:

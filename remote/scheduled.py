@@ -76,9 +76,11 @@ def submit(
     task: str,
     commands: dict[str, str],
     watch: dict | None = None,
+    replicas: int = 0,
 ) -> str:
     """sbatch the run (one task per node, each running its command; `watch`: the hang watch that runs
-    beside it on the head node); the Slurm job id."""
+    beside it on the head node; `replicas`: torchft replica groups, so one node's end ends no other's);
+    the Slurm job id."""
     run_dir = head_path(setup, cluster, node_paths.remote_run_dir(cluster, run_id))
     spec: dict = {
         "run_id": run_id,
@@ -91,6 +93,8 @@ def submit(
     }
     if watch:
         spec["watch"] = watch
+    if replicas:
+        spec["replicas"] = replicas
     try:  # the spec on stdin (its commands carry --env values): `submit` makes the run's folder and script
         return nodecall.call(head, cluster.python, calls.SubmitRun(spec)).job_id
     except OperationError as exc:
@@ -381,7 +385,7 @@ def launch(
                 },
             }
         try:
-            job_id = submit(cluster, sessions[0], setup, run_id, spec.task, commands, watch)
+            job_id = submit(cluster, sessions[0], setup, run_id, spec.task, commands, watch, spec.replicas)
         except OperationError:
             if values:  # nothing will read them
                 forget_env_values(cluster, run_id, values.path, sessions[0])
@@ -531,6 +535,10 @@ def _finish_over(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: 
     outcome = run.state
     if run.hang and run.state in ("CANCELLED", "FAILED"):
         outcome = "HUNG"
+    groups = job_command.group_names(run.nodes, int(run.spec.get("replicas") or 0))
+    if run.spec.get("replicas") and outcome == "FAILED" and job_command.surviving_group(groups, exit_codes):
+        outcome = "COMPLETED"  # a replica group was dropped; another trained to the end
+        run.extra = {**run.extra, "dropped": job_command.dropped_nodes(groups, exit_codes)}
     said = {n: RankOutcome.parse(text) for n, text in ranks.items()}
     run.end(outcome, exit_codes, {n: ranked.exit_codes for n, ranked in said.items()})
     if run.timeline is not None:

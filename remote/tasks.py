@@ -38,6 +38,10 @@ HANG_HELP = {
     "on-hang": "stop (default): name the culprit, keep the evidence and stop the job; wait: name it and leave "
     "the job running for you",
 }
+REPLICAS_HELP = (
+    "run as N torchft replica groups (N >= 2, at most the node count; one group per node when N is the "
+    "node count): a group that fails is dropped and the others go on; your script uses torchft (README)"
+)
 RESTARTS_HELP = "torchrun --max-restarts: restart a failed worker group this many times, >= 0 (default 0)"
 DETACH_HELP = (
     "submit and return (the run id is the last line): the run is held by Slurm on the cluster, which "
@@ -103,7 +107,9 @@ def start_job(stack: str | None, spec: JobSpec, detach: bool = False) -> None:
     timeline = Timeline.since_process_start()
     options.job_text(spec.args, spec.env)
     cluster = cluster_for(stack)
-    problem = job_command.nproc_problem(cluster.nodes, spec.nproc_per_node)
+    problem = job_command.nproc_problem(cluster.nodes, spec.nproc_per_node) or job_command.replicas_problem(
+        len(cluster.nodes), spec.replicas
+    )
     if problem:
         raise Exit(f"error: {problem}", code=2)
     report(cluster, holders.holder_for(cluster, setup_for(cluster)).launch(spec, detach, timeline))
@@ -174,7 +180,15 @@ def example_task(example: ExampleTask):
     """The fab task that launches `example.script`."""
 
     def body(
-        c, args="", max_restarts=None, nproc_per_node=None, hang_timeout=None, on_hang=None, detach=False, stack=None
+        c,
+        args="",
+        max_restarts=None,
+        nproc_per_node=None,
+        hang_timeout=None,
+        on_hang=None,
+        replicas=None,
+        detach=False,
+        stack=None,
     ):
         start_job(
             stack,
@@ -184,7 +198,7 @@ def example_task(example: ExampleTask):
                 options.script_arguments(args),
                 restarts(max_restarts),
                 nproc_per_node=processes(nproc_per_node),
-                hang=options.hang_policy(hang_timeout, on_hang),
+                **fault_tolerance(replicas, hang_timeout, on_hang),
             ),
             detach=bool(detach),
         )
@@ -199,6 +213,7 @@ def example_task(example: ExampleTask):
             "max-restarts": RESTARTS_HELP,
             "nproc-per-node": NPROC_HELP,
             **HANG_HELP,
+            "replicas": REPLICAS_HELP,
             "detach": DETACH_HELP,
             "stack": STACK_HELP,
         },
@@ -219,6 +234,7 @@ RUN_HELP = {
     "max-restarts": RESTARTS_HELP,
     "nproc-per-node": NPROC_HELP,
     **HANG_HELP,
+    "replicas": REPLICAS_HELP,
     "detach": DETACH_HELP,
     "stack": STACK_HELP,
 }
@@ -239,6 +255,7 @@ def run(
     nproc_per_node=None,
     hang_timeout=None,
     on_hang=None,
+    replicas=None,
     detach=False,
     stack=None,
 ):
@@ -247,7 +264,7 @@ def run(
         args=options.script_arguments(args),
         max_restarts=restarts(max_restarts),
         nproc_per_node=processes(nproc_per_node),
-        hang=options.hang_policy(hang_timeout, on_hang),
+        **fault_tolerance(replicas, hang_timeout, on_hang),
     )
     launch_options["env"] = options.environment(env or [], env_file)
     spec = run_spec(script, workdir, requirements, max_sync_mb, max_result_mb, launch_options)
@@ -271,6 +288,20 @@ def run_spec(script, folder, requirements, max_sync_mb, max_result_mb, launch_op
     max_bytes = options.megabytes("--max-sync-mb", max_sync_mb, workdir.DEFAULT_MAX_SYNC_MB)
     project, relative = workdir.checked_project(root, path, max_bytes)
     return JobSpec("run", relative, workdir=project, **common)
+
+
+def fault_tolerance(replicas: str | None, hang_timeout: str | None, on_hang: str | None) -> dict:
+    """`--replicas` and the hang watch, as JobSpec fields. A fault-tolerant run has no hang watch: a group
+    that stops answering is torchft's to drop (its heartbeat timeout), and a watch would stop every group."""
+    if replicas is None:
+        return {"hang": options.hang_policy(hang_timeout, on_hang)}
+    if hang_timeout is not None or on_hang is not None:
+        raise options.refuse(
+            "--replicas runs without the hang watch (torchft drops a group that stops answering): "
+            "leave out --hang-timeout and --on-hang"
+        )
+    count = options.integer("--replicas", replicas, 0, minimum=2)  # at most the node count: checked at launch
+    return {"replicas": count, "hang": options.hang_policy("0", None)}
 
 
 def restarts(value: str | None) -> int:

@@ -345,6 +345,15 @@ def test_fab_refuses_a_process_count_below_1_before_anything_runs(cluster):
     assert cluster.runs() == before
 
 
+def test_fab_refuses_replicas_that_do_not_fit_before_anything_runs(cluster):
+    before = cluster.runs()
+    assert_one_line_error(cluster.fab("run", "--script", FT_SCRIPT, "--replicas", "1"), "--replicas", ">= 2")
+    assert_one_line_error(cluster.fab("run", "--script", FT_SCRIPT, "--replicas", "3"), "--replicas 3", "2 node(s)")
+    conflict = cluster.fab("hello", "--replicas", "2", "--hang-timeout", "60")
+    assert_one_line_error(conflict, "--replicas runs without the hang watch", "--hang-timeout")
+    assert cluster.runs() == before
+
+
 def test_a_plain_torchrun_script_sees_distinct_node_ranks_and_one_master(cluster, tmp_path):
     script = tmp_path / "report.py"
     script.write_text(PLAIN_SCRIPT)
@@ -622,6 +631,104 @@ def test_a_missing_script_is_refused_before_anything_starts(cluster):
     before = cluster.runs()
     assert_one_line_error(cluster.fab("run", "--script", "/no/such/script.py"), "no such script")
     assert cluster.runs() == before
+
+
+# ------------------------------------------------------------------------ fault tolerance (torchft)
+
+FT_SCRIPT = str(REPO / "examples" / "ft_training.py")
+
+
+def ft_steps(cluster, run_id: str) -> dict[int, list[dict]]:
+    """Each replica group's lines of the contract (`$CLUSTER_RUN_DIR/metrics.jsonl`), by replica."""
+    path = Path(cluster.info["shared_dir"]) / "runs" / run_id / "metrics.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    by_replica: dict[int, list[dict]] = {}
+    for line in lines:
+        if line.get("kind") == "ft_step":
+            by_replica.setdefault(line["replica"], []).append(line)
+    return by_replica
+
+
+def kill_ranks_of(run_id: str, node: str) -> list[int]:
+    """SIGKILL the ranks (not torchrun's agent) that `node` runs for the run."""
+    killed = []
+    for pid in run_processes(run_id):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"CLUSTER_NODE={node}".encode() in environ and any(v.startswith(b"LOCAL_RANK=") for v in environ):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+    return killed
+
+
+def test_replicas_a_group_whose_ranks_are_killed_is_dropped_and_the_other_goes_on_without_redoing_a_step(cluster):
+    from tests.support.slurm import listening_sockets
+
+    job = cluster.popen_fab("run", "--script", FT_SCRIPT, "--replicas", "2", "--args", "--steps 60 --step-sleep 0.1")
+    try:
+        run_id = run_id_in(wait_for_output(job, "replica 1 step   10", timeout_s=120))
+        pids = set(run_processes(run_id))
+        sockets = [(address, port) for address, port, pid in listening_sockets() if pid in pids]
+        nodes = {node["private_ip"] for node in cluster.info["nodes"]}
+        lighthouse = (
+            cluster.info["nodes"][0]["private_ip"],
+            cluster.master_port + contract.LIGHTHOUSE_PORT_ABOVE_MASTER,
+        )
+        assert lighthouse in sockets, sockets
+        assert len(sockets) >= 6, sockets  # per group: rendezvous, workers' store, Manager, checkpoint server
+        assert {address for address, _ in sockets} <= nodes, [s for s in listening_sockets() if s[2] in pids]
+        killed_at = time.time()
+        assert kill_ranks_of(run_id, "node-1")
+        out, _ = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == 0, out[-3000:]
+    assert "replica group 1 (node-1) dropped; replica group(s) on node-0 go on" in out, out[-3000:]
+    assert "without the replica group(s) on node-1 (dropped)" in out
+    survivor = ft_steps(cluster, run_id)[0]
+    first = survivor[0]["step"]  # a group that joins the first quorum late heals to its peer's step
+    assert [line["step"] for line in survivor] == list(range(first, 61))  # every step once: none repeated
+    after = [line for line in survivor if line["time"] > killed_at]
+    assert after and after[-1]["participants"] == 1 and any(line["participants"] == 2 for line in survivor)
+    gaps = [b["time"] - a["time"] for a, b in zip(survivor, survivor[1:], strict=False)]
+    print(f"survivor's longest step gap: {max(gaps):.2f} s (steps {len(survivor)}, none repeated)")
+    assert max(gaps) < 15, gaps
+    summary = json.loads((cluster.runs()[-1] / "summary.json").read_text())
+    assert summary["exit_codes"]["node-0"] == 0 and summary["exit_codes"]["node-1"] != 0
+
+
+def test_replicas_a_restarted_group_heals_live_from_its_peer_and_rejoins_with_equal_weights(cluster):
+    job = cluster.popen_fab(
+        "run", "--script", FT_SCRIPT, "--replicas", "2", "--max-restarts", "1", "--args", "--steps 150 --step-sleep 0.1"
+    )
+    try:
+        run_id = run_id_in(wait_for_output(job, "replica 1 step   10", timeout_s=120))
+        killed_at = time.time()
+        assert kill_ranks_of(run_id, "node-1")
+        out, _ = job.communicate(timeout=180)
+    finally:
+        job.kill()
+    assert job.returncode == 0, out[-3000:]
+    assert "dropped" not in out and "resumed from" not in out  # no checkpoint read: healed from the peer
+    steps = ft_steps(cluster, run_id)
+    survivor, healed = steps[0], steps[1]
+    assert [line["step"] for line in survivor] == list(range(survivor[0]["step"], 151))
+    healed_steps = [line["step"] for line in healed]
+    assert healed_steps == sorted(set(healed_steps)), healed_steps  # it redid no step either
+    missed = [b - a for a, b in zip(healed_steps, healed_steps[1:], strict=False) if b - a > 1]
+    assert missed, healed_steps  # it rejoined at its peer's step, not where it had died
+    assert healed[-1]["participants"] == 2 and healed_steps[-1] == 150
+    by_step = {line["step"]: line["params_sha"] for line in survivor}
+    back = next(
+        b for a, b in zip(healed, healed[1:], strict=False) if b["step"] - a["step"] > 1
+    )  # its first step healed
+    assert back["params_sha"] == by_step[back["step"]]  # the peer's weights, exactly, at its first step back
+    shared = [line for line in healed if line["step"] in by_step]
+    assert all(line["params_sha"] == by_step[line["step"]] for line in shared), "weights differ from the peer's"
+    took = back["time"] - killed_at
+    print(f"healed group: back at step {back['step']} {took:.1f} s after the kill, {max(missed) - 1} steps missed")
 
 
 # ------------------------------------------------------------------------------------- private state

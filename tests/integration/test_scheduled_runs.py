@@ -405,6 +405,36 @@ def test_a_failed_run_whose_log_cannot_be_read_ends_with_slurms_state_not_exit_0
     assert jobs(cluster)[run_id]["state"] == "FAILED"
 
 
+def test_replicas_under_slurm_a_group_whose_ranks_are_killed_is_dropped_and_the_other_trains_to_the_end(cluster):
+    """One Slurm job, --no-kill, one task per replica group: a group's failure ends no other."""
+    from tests.support import REPO
+
+    ft_script = str(REPO / "examples" / "ft_training.py")
+    run_id = detached(cluster, "run", "--script", ft_script, "--replicas", "2", "--args", "--steps 60 --step-sleep 0.1")
+    metrics = Path(cluster.info["shared_dir"]) / "runs" / run_id / "metrics.jsonl"
+
+    def steps_of(replica: int) -> list[int]:
+        if not metrics.exists():
+            return []
+        lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+        return [line["step"] for line in lines if line["replica"] == replica]
+
+    slurm.wait_for(lambda: len(steps_of(1)) >= 5, "replica 1's fifth step")
+    killed = []
+    for pid in run_processes(run_id):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if b"CLUSTER_NODE=node-1" in environ and any(v.startswith(b"LOCAL_RANK=") for v in environ):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+    assert killed
+    row = wait_for_state(cluster, run_id, "COMPLETED", "FAILED")
+    assert row["state"] == "COMPLETED", row
+    survivor = steps_of(0)
+    assert survivor == list(range(survivor[0], 61))  # none repeated, none skipped, to the end
+    summary = json.loads((cluster.state_dir / cluster.stack / "runs" / run_id / "summary.json").read_text())
+    assert summary["dropped"] == ["node-1"] and summary["exit_codes"]["node-0"] == 0, summary
+
+
 def test_down_mid_run_keeps_its_log_here_and_names_the_run_it_cancelled(cluster, tmp_path):
     """Last: it takes the module's cluster down."""
     gate = tmp_path / "go"  # the later lines wait for the test, not for a time a loaded machine may overrun

@@ -170,14 +170,15 @@ def _imported_modules(path: Path) -> set[str]:
 
 
 def test_harness_imports_only_torch_nvml_the_node_contract_and_the_standard_library():
-    allowed = {"torch", "pynvml", "harness", "node"} | set(sys.stdlib_module_names)
+    allowed = {"torch", "torchft", "pynvml", "harness", "node"} | set(sys.stdlib_module_names)
     for path in (REPO / "harness").glob("*.py"):
         assert _imported_modules(path) <= allowed, path.name
 
 
 def test_the_node_side_imports_only_the_standard_library_and_itself():
-    """It runs before bootstrap has installed anything (torch only where a rank has imported it)."""
-    allowed = {"node", "torch", "sitecustomize", "gpu_cluster_rank_monitor"} | set(sys.stdlib_module_names)
+    """It runs before bootstrap has installed anything (torch only where a rank has imported it, torchft
+    only where a fault-tolerant run's head node serves the Lighthouse)."""
+    allowed = {"node", "torch", "torchft", "sitecustomize", "gpu_cluster_rank_monitor"} | set(sys.stdlib_module_names)
     for path in (REPO / "node").rglob("*.py"):
         assert _imported_modules(path) <= allowed, path.relative_to(REPO)
 
@@ -188,7 +189,7 @@ def test_infra_never_imports_remote():
 
 
 def test_examples_build_only_on_the_harness():
-    allowed = {"torch", "harness", "examples", "matplotlib", "rich"} | set(sys.stdlib_module_names)
+    allowed = {"torch", "torchft", "harness", "examples", "matplotlib", "rich"} | set(sys.stdlib_module_names)
     for path in (REPO / "examples").glob("*.py"):
         assert _imported_modules(path) <= allowed, path.name
         if path.name.startswith("_"):

@@ -27,6 +27,7 @@ BAD_ARGUMENTS = {
     "tensor_parallel.py": (["--d-model", "30", "--n-heads", "4"], "does not split into --n-heads 4"),
     "hybrid_parallel.py": (["--tp", "0"], "--tp"),
     "compare_strategies.py": (["--strategies", "ddp,zero4"], "unknown --strategies zero4"),
+    "ft_training.py": (["--checkpoint-every", "0"], "--checkpoint-every"),
 }
 
 

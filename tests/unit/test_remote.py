@@ -64,6 +64,50 @@ def test_torchrun_uses_c10d_on_the_head_with_a_fresh_id_and_node_addresses():
     assert "--rdzv-id=run-1" in argv and "--local-addr=10.0.1.11" in argv and "--max-restarts=2" in argv
 
 
+def test_replica_groups_are_torchrun_jobs_of_their_own_with_the_lighthouse_on_the_head_node():
+    c = cluster(gpus=(0, 0, 0, 0))
+    assert [[n.name for n in g] for g in job_command.replica_groups(c.nodes, 2)] == [
+        ["node-0", "node-1"],
+        ["node-2", "node-3"],
+    ]
+    argv = job_command.torchrun_argv(c, c.nodes[3], "run-1", 1, 29500, replicas=2)
+    assert "--nnodes=2" in argv and "--rdzv-endpoint=10.0.1.12:29500" in argv  # the group's first node
+    assert "--rdzv-conf=is_host=0" in argv and "--rdzv-id=run-1-replica-1" in argv
+    assert "--rdzv-conf=is_host=1" in job_command.torchrun_argv(c, c.nodes[2], "run-1", 1, 29500, replicas=2)
+    variables = job_command.job_variables(c, c.nodes[3], "run-1", replicas=2, master_port=29500)
+    assert (variables["MASTER_ADDR"], variables["NODE_RANK"], variables["NNODES"]) == ("10.0.1.12", "1", "2")
+    assert variables[contract.LIGHTHOUSE_VARIABLE] == "http://10.0.1.10:29561"  # the head node's private address
+    assert (variables[contract.REPLICA_VARIABLE], variables[contract.REPLICAS_VARIABLE]) == ("1", "2")
+    assert contract.LIGHTHOUSE_BIND_VARIABLE not in variables
+    head = job_command.job_variables(c, c.nodes[0], "run-1", replicas=2, master_port=29500)
+    assert head[contract.LIGHTHOUSE_BIND_VARIABLE] == "10.0.1.10:29561"  # never [::] or 0.0.0.0
+    plain = job_command.job_variables(c, c.nodes[3], "run-1")
+    assert "MASTER_ADDR" not in plain and contract.LIGHTHOUSE_VARIABLE not in plain
+
+
+@pytest.mark.parametrize(
+    ("nodes", "replicas", "said"),
+    [
+        (2, 1, "--replicas must be at least 2"),
+        (2, 3, "more than the cluster's 2 node(s)"),
+        (4, 3, "does not split the cluster's 4 nodes"),
+    ],
+)
+def test_replicas_that_do_not_fit_the_nodes_are_refused(nodes, replicas, said):
+    assert said in job_command.replicas_problem(nodes, replicas)
+    assert job_command.replicas_problem(4, 2) is None and job_command.replicas_problem(2, 0) is None
+
+
+def test_a_fault_tolerant_run_completes_while_one_replica_group_trained_to_the_end():
+    groups = job_command.group_names(["node-0", "node-1", "node-2", "node-3"], 2)
+    assert groups == [["node-0", "node-1"], ["node-2", "node-3"]]
+    one_dropped = {"node-0": 0, "node-1": 0, "node-2": 1, "node-3": 143}
+    assert job_command.surviving_group(groups, one_dropped)
+    assert job_command.dropped_nodes(groups, one_dropped) == ["node-2", "node-3"]
+    both_hit = {"node-0": 0, "node-1": 1, "node-2": 1, "node-3": 0}
+    assert not job_command.surviving_group(groups, both_hit) and job_command.dropped_nodes(groups, both_hit) == []
+
+
 def test_launch_command_quotes_arguments_and_records_the_job():
     c = cluster()
     command = job_command.launch_command(

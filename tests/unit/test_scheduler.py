@@ -407,3 +407,16 @@ def test_a_waiting_run_says_what_it_waits_for_and_a_requeue_says_what_happens_ne
         }
     )
     assert requeued.startswith("[cluster] the run was requeued (restart 2): node-1: node lost: gone; it starts again")
+
+
+def test_a_fault_tolerant_runs_step_and_job_outlive_a_failed_node_and_a_plain_runs_do_not():
+    """One node's death must not end the other replica groups: the job and its step are --no-kill,
+    and a task that fails ends no other (--kill-on-bad-exit=0)."""
+    nodes = [{"name": "node-0", "home": "/h", "command": "true"}, {"name": "node-1", "home": "/h", "command": "true"}]
+    plain = {"run_id": "r", "log": "/l/run.log", "python": "py", "nodes": nodes}
+    replicated = {**plain, "replicas": 2}
+    assert slurm_run.step_options(plain) == ("--kill-on-bad-exit=1",)
+    assert slurm_run.step_options(replicated) == ("--kill-on-bad-exit=0", "--no-kill")
+    assert "--no-kill" not in slurm_run.sbatch_argv(plain, "sbatch", "s")
+    assert "--no-kill" in slurm_run.sbatch_argv(replicated, "sbatch", "s")
+    assert "--requeue" in slurm_run.sbatch_argv(replicated, "sbatch", "s")  # every group lost: the checkpoint
