@@ -105,7 +105,9 @@ def test_a_ledger_damaged_during_a_run_keeps_the_run_and_the_clusters_still_up(s
     assert run.cost_usd(now) == pytest.approx(up.hourly_usd * 36 / 3600, rel=0.05)
     cluster = ledger.open_cluster(up.stack)  # still priced, from when it was made, not from the damage
     assert cluster is not None and cluster.created_at == created
-    assert len(list(path.parent.glob("ledger.sqlite.corrupt-*"))) == 1
+    # Set aside once at most: where the run's heartbeat still had the ledger open, sqlite's checkpoint at
+    # its close may write the file whole again before anyone finds it damaged.
+    assert len(list(path.parent.glob("ledger.sqlite.corrupt-*"))) <= 1
 
 
 def test_a_scheduled_run_cancelled_while_it_waited_has_no_start_no_exit_codes_and_no_cost(state_dir):
