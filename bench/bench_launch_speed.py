@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from bench.bench_launch import raw_torchrun
-from bench.common import Check, deploy, fab, median, scratch_env
+from bench.common import Check, bootstrapped_local_cluster, deploy, fab, median
 
 PAIRS = 5
 SCRIPT = """
@@ -31,17 +31,6 @@ time.sleep(10)
 dist.destroy_process_group()
 """
 QUICK = "import gc_tinypkg\n"
-
-
-def _cluster(scheduler: str) -> dict[str, str]:
-    from tests.support import slurm
-    from tests.support.network import free_endpoint
-
-    env = scratch_env()
-    address, port = free_endpoint(2)
-    deploy("up", "--local", "--nodes", "2", "--bind", address, "--ssh-port", str(port), env=env)
-    fab("bootstrap", "--master-port", str(slurm.free_ports()), "--scheduler", scheduler, env=env)
-    return env
 
 
 def _timed(*args: str, env: dict[str, str]) -> float:
@@ -96,7 +85,7 @@ def run() -> list[Check]:
     walls: dict[str, list[float]] = {"raw": [], "fab": [], "slurm": [], "detach": [], "plain": [], "reqs": []}
     try:
         for holder, scheduler in (("slurm", "slurm"), ("fab", "none")):
-            envs[holder] = _cluster(scheduler)
+            envs[holder] = bootstrapped_local_cluster(scheduler)
             fab("run", "--script", str(script), env=envs[holder])  # warm: the first run pays cold caches
         sides = {
             "raw": lambda: raw_torchrun(script, envs["fab"], free_port()),

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import Check, deploy, fab, median, scratch_env
+from bench.common import Check, bootstrapped_local_cluster, deploy, fab, median
 
 PAIRS = 8
 LIMIT = 1.1
@@ -31,18 +31,6 @@ assert t.item() == dist.get_world_size()
 time.sleep(3)
 dist.destroy_process_group()
 """
-
-
-def _cluster(scheduler: str) -> dict[str, str]:
-    """A bootstrapped 2-node local cluster in a scratch state folder; its environment for the CLIs."""
-    from tests.support import slurm
-    from tests.support.network import free_endpoint
-
-    env = scratch_env()
-    address, port = free_endpoint(2)
-    deploy("up", "--local", "--nodes", "2", "--bind", address, "--ssh-port", str(port), env=env)
-    fab("bootstrap", "--master-port", str(slurm.free_ports()), "--scheduler", scheduler, env=env)
-    return env
 
 
 def _timed_run(env: dict[str, str], script: Path) -> tuple[float, float]:
@@ -71,7 +59,7 @@ def run() -> list[Check]:
     envs: dict[str, dict[str, str]] = {}
     try:
         for holder, scheduler in (("slurm", "slurm"), ("fab", "none")):
-            envs[holder] = _cluster(scheduler)
+            envs[holder] = bootstrapped_local_cluster(scheduler)
             _timed_run(envs[holder], script)  # warm: the first run after a bootstrap pays cold caches
         walls: dict[str, list[float]] = {"slurm": [], "fab": []}
         held: dict[str, list[float]] = {"slurm": [], "fab": []}

@@ -68,3 +68,16 @@ def summary(run_dir: Path, kind: str = "summary") -> dict:
 
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == kind][-1]
+
+
+def bootstrapped_local_cluster(scheduler: str) -> dict[str, str]:
+    """A bootstrapped 2-node local cluster in a scratch state folder, its runs held as `scheduler` says
+    (`slurm` or `none`); its environment for the CLIs."""
+    from tests.support import slurm
+    from tests.support.network import free_endpoint
+
+    env = scratch_env()
+    address, port = free_endpoint(2)
+    deploy("up", "--local", "--nodes", "2", "--bind", address, "--ssh-port", str(port), env=env)
+    fab("bootstrap", "--master-port", str(slurm.free_ports()), "--scheduler", scheduler, env=env)
+    return env
