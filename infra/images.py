@@ -11,7 +11,7 @@ purpose) and names them, since their snapshots cost storage every month.
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from infra.errors import OperationError, UsageError
 from infra.tags import NODE_TAG, STACK_TAG
@@ -55,18 +55,7 @@ class Image:
         return self.size_gb * SNAPSHOT_USD_PER_GB_MONTH
 
     def as_dict(self) -> dict:
-        return {
-            "id": self.id,
-            "name": self.name,
-            "stack": self.stack,
-            "node": self.node,
-            "created": self.created,
-            "size_gb": self.size_gb,
-            "state": self.state,
-            "snapshots": list(self.snapshots),
-            "deps_digest": self.deps_digest,
-            "monthly_usd_at_most": round(self.monthly_usd, 2),
-        }
+        return {**asdict(self), "snapshots": list(self.snapshots), "monthly_usd_at_most": round(self.monthly_usd, 2)}
 
 
 def from_described(image: dict) -> Image:
