@@ -287,7 +287,12 @@ def _with_scheduler_states(cluster: inventory.ClusterInfo, rows: list) -> list:
             return "no answer", {}, False
         down = [name for name, pid in found.daemons.items() if not pid]
         serves = bool(found.node_state) and not down and not out_of_service(found.node_state)
-        shown = found.node_state or ("no answer from the controller" if found.daemons else "daemons down")
+        if found.node_state:
+            shown = found.node_state
+        elif found.existing:  # a site's Slurm: no daemon of ours runs, so what failed is their controller
+            shown = "their Slurm controller does not answer"
+        else:
+            shown = "no answer from the controller" if found.daemons else "daemons down"
         if down:
             shown += f" ({', '.join(down)} down)"
         return shown, {name: "up" if pid else "down" for name, pid in found.daemons.items()}, serves

@@ -343,7 +343,12 @@ def submit(spec: dict) -> str:
         why = f"no answer in {SUBMIT_TIMEOUT_S:g} s (slurmctld or munged down on the head node?)"
     if why:  # the run's folder (its script, its stage) would be an orphan no `fab jobs` lists
         shutil.rmtree(folder, ignore_errors=True)
-        raise DaemonError(f"sbatch failed: {why}; nothing was queued (fab bootstrap restarts Slurm's daemons)")
+        fix = (
+            "its administrator runs that Slurm: fab bootstrap starts none of its daemons"
+            if slurm_existing.existing(paths)
+            else "fab bootstrap restarts Slurm's daemons"
+        )
+        raise DaemonError(f"sbatch failed: {why}; nothing was queued ({fix})")
     return result.stdout.strip().split(";")[0]
 
 

@@ -524,14 +524,16 @@ def down(stack: str, say=print) -> bool:
         return await asyncio.gather(*(_clean_node(cluster, n) for n in cluster.nodes))
 
     reports = asyncio.run(all_nodes())
-    failed = []
+    failed, said = [], set()
     for node, report in zip(cluster.nodes, reports, strict=True):
         if "error" in report:
             failed.append(node.name)
             say(f"{node.name} ({node.ssh_user}@{node.public_ip}): not cleaned: {report['error']}")
             continue
         daemons = f", ended {', '.join(report['daemons'])}" if report["daemons"] else ""
-        cancelled = report.get("cancelled") or []
+        # A site's one controller answers every node's scancel with the same jobs: each is said once.
+        cancelled = [job for job in report.get("cancelled") or [] if job not in said]
+        said.update(cancelled)
         slurm = f", cancelled Slurm job(s) {', '.join(cancelled)}" if cancelled else ""
         removed = ", ".join(report["removed"]) or "nothing to remove"
         say(f"{node.name} ({node.ssh_user}@{node.public_ip}): job {report['job']}{daemons}{slurm}; removed {removed}")

@@ -6,11 +6,14 @@ under its own names with our `[node-i]` output, and down cancels this stack's qu
 leaves that Slurm running."""
 
 import json
+import os
+import signal
 import time
 
 import pytest
 import yaml
 
+from node import procfs
 from tests.support import slurm
 from tests.support.cli import assert_one_line_error, run_cli, run_fab
 from tests.support.clusters import start_local_cluster_in
@@ -77,6 +80,36 @@ def adopted(machines, tmp_path_factory):
         run_cli("down", "--stack", "hosts", **env)
 
 
+def test_a_held_hello_is_clean_and_their_stopped_controller_is_named_as_such(machines, adopted):
+    """Item 22 of issue 28: a plain attached hello on their Slurm prints no stray Slurm line and no false
+    warning; with their controller stopped, status says that (not "daemons down") and exits 1, and a launch
+    is refused in one line that does not offer to restart daemons that are not ours."""
+    _, theirs = machines
+    env, _ = adopted
+    hello = run_fab("hello", **env)
+    assert hello.returncode == 0, hello.stdout + hello.stderr
+    assert "couldn't chdir" not in hello.stdout + hello.stderr, hello.stdout + hello.stderr
+    assert "joined a process group" not in hello.stdout + hello.stderr, hello.stdout + hello.stderr
+
+    controller = theirs.state(0)["daemons"]["slurmctld"]
+    os.kill(controller, signal.SIGTERM)
+    slurm.wait_for(lambda: not procfs.alive(controller), "their controller gone")
+    try:
+        status = run_cli("status", **env)
+        assert status.returncode == 1, status.stdout + status.stderr
+        assert "daemons down" not in status.stdout, status.stdout
+        assert "their Slurm controller does not answer" in status.stdout, status.stdout
+        # A launch meanwhile: one line, exit 1, nothing queued, and no advice to restart daemons not ours.
+        refused = run_fab("hello", timeout=120, **env)
+        assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+        assert "Unable to contact slurm controller" in refused.stderr, refused.stderr
+        assert "its administrator runs that Slurm" in refused.stderr, refused.stderr
+    finally:
+        started = theirs.scheduler(0, "start", "--node", NAMES[0], stdin=json.dumps(theirs.description))
+        assert started.returncode == 0, (started.stdout, started.stderr, theirs.logs(0))
+        theirs.wait_idle()
+
+
 def test_runs_go_to_the_existing_slurm_under_its_names_and_down_leaves_it_running(machines, adopted, tmp_path):
     _, theirs = machines
     env, bootstrap = adopted
@@ -110,6 +143,7 @@ def test_runs_go_to_the_existing_slurm_under_its_names_and_down_leaves_it_runnin
         down = run_cli("down", "--stack", "hosts", **env)
         assert down.returncode == 0 and "cancelled Slurm job(s)" in down.stdout, down.stdout + down.stderr
         assert f"run {queued_id}, queued, was cancelled with the cluster" in down.stdout, down.stdout
+        assert down.stdout.count("cancelled Slurm job(s)") == 1, down.stdout  # their one controller: said once
         deadline = time.monotonic() + slurm.DEADLINE_S
         while queued_id in _queue(theirs) and time.monotonic() < deadline:
             time.sleep(0.2)
