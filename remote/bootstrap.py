@@ -231,6 +231,7 @@ class Bootstrap:
         try:
             self._refuse_shared_home(sessions)
             self._refuse_busy_port(sessions[0])
+            self._refuse_busy_slurm_ports(sessions)
             self.records = [NodeRecord(s, _parse_state(text)) for s, text in zip(sessions, recorded, strict=True)]
             self.timeline.mark("connect")
             for stage in self.stages():
@@ -321,6 +322,34 @@ class Bootstrap:
             else f"{verdict}: pick another with --master-port"
         )
         raise UsageError(f"MASTER_PORT {port} is not free on {head.node.name} ({address}): {why}")
+
+    def _refuse_busy_slurm_ports(self, sessions: list[NodeSession]) -> None:
+        """The ports our Slurm's daemons will listen on (the controller on the head node, each node's slurmd)
+        must be free on every node, checked before any stage writes: another stack's Slurm on this machine
+        with the same --master-port would otherwise take this one's nodes without a word. Not where Slurm
+        is the site's or not wanted, nor where our own daemons already hold these very ports."""
+        remembered = remembered_setup(self.cluster)
+        ours_already = self.slurm_held_before and remembered.get("master_port") == self.master_port
+        if self.cluster.slurm_existing or self.scheduler_choice is Scheduler.NONE or ours_already:
+            return
+        first = self.master_port + 1
+        source = (REPO / "node" / "port_free.py").read_text()
+
+        def check(session: NodeSession) -> str:
+            index = sessions.index(session)
+            ports = [first, first + 1 + index] if index == 0 else [first + 1 + index]
+            command = protocol.python_json_command(self.cluster.python, source, "@host", *map(str, ports))
+            return session.run(command).stdout.strip()
+
+        for session, answer in zip(sessions, on_all_nodes(sessions, check), strict=True):
+            verdict = answer.value or ""
+            if verdict.startswith("in use"):
+                raise UsageError(
+                    f"a port Slurm's daemons need on {session.node.name} is taken "
+                    f"({verdict.removeprefix('in use: ')}): "
+                    f"another stack's Slurm with the same --master-port? pick another --master-port "
+                    f"(Slurm uses {first} to {first + SCHEDULER_PORTS} above it)"
+                )
 
     def stages(self) -> list[Stage]:
         """The stages in order: each runs on every node at once, or (health) once across the cluster."""

@@ -17,7 +17,7 @@ import pytest
 from node.slurm_conf import Paths
 from tests.support import slurm
 from tests.support.cli import assert_one_line_error
-from tests.support.clusters import CMDLINE_LEAKS, bootstrapped_cluster, files_holding, run_processes
+from tests.support.clusters import CMDLINE_LEAKS, Cluster, bootstrapped_cluster, files_holding, run_processes
 
 pytestmark = pytest.mark.skipif(slurm.unavailable() is not None, reason=f"Slurm: {slurm.unavailable()}")
 
@@ -75,6 +75,20 @@ def test_bootstrap_starts_slurm_on_every_node_on_loopback_only(cluster):
     assert all(ipaddress.ip_address(address).is_loopback for address, _, _ in sockets), sockets
     status = json.loads(cluster.cli("status", "--json").stdout)  # each node's Slurm state
     assert [n["scheduler"] for n in status["nodes"]] == ["idle", "idle"], status
+
+
+def test_a_second_stack_with_the_same_master_port_is_refused_before_it_writes(cluster, tmp_path):
+    """Another stack on other loopback addresses, same --master-port: its MASTER_ADDR port is free, but
+    Slurm's daemons listen at the host name's address, where this stack's already do."""
+    other = Cluster(tmp_path / "state", stack="other")
+    try:
+        refused = other.fab("bootstrap", "--master-port", str(cluster.master_port))
+        assert_one_line_error(refused, "a port Slurm's daemons need on node-0 is taken", "--master-port")
+        assert not (other.state_dir / "other" / "bootstrap.json").exists()
+        written = [p for p in other.state_dir.rglob("code") if p.parent.name == ".gpu-cluster"]
+        assert not written, written  # no stage ran: no code synced to its nodes
+    finally:
+        other.down()
 
 
 def test_the_readmes_slurm_commands_work_on_node_0_as_written(cluster):
