@@ -355,6 +355,10 @@ def slurm_conf(cluster: Cluster, node: Node, paths: Paths, bound: str, user: str
         "KillOnBadExit=1",
         "KillWait=10",
         "InactiveLimit=0",
+        # How long a client or daemon waits on a message (and retries a controller that refuses): 10 s by
+        # default, so each client took 9 to 18 s to say that a dead controller does not answer. On one
+        # machine a message over loopback arrives in milliseconds or not at all: 5 s.
+        f"MessageTimeout={5 if cluster.one_machine else 10}",
         "MailProg=/bin/true",
     ]
     if gpus:

@@ -432,15 +432,26 @@ def step(spec: dict) -> int:
 # ----------------------------------------------------------------------------- the job, from the head
 
 
+UNREACHABLE = ("Unable to contact slurm controller", "Socket timed out", "Zero Bytes were transmitted")
+"""What Slurm's clients say, exiting non-zero, when the controller (or munged) does not answer: it gives up
+after MessageTimeout (5 s on one machine) rather than outlasting our own timeout."""
+
+
 def _client(argv: list) -> subprocess.CompletedProcess:
     """One of Slurm's clients; DaemonError, one line, where the controller does not answer in time."""
     try:
-        return slurm_existing.client(slurm_existing.client_environment(Paths(os.path.expanduser("~"))), *argv)
+        result = slurm_existing.client(slurm_existing.client_environment(Paths(os.path.expanduser("~"))), *argv)
     except subprocess.TimeoutExpired:
         raise DaemonError(
             f"Slurm's controller did not answer {argv[0]} in {slurm_existing.CLIENT_TIMEOUT_S:g} s "
             "(slurmctld or munged down on the head node?): fab bootstrap restarts them"
         ) from None
+    if result.returncode != 0 and any(words in result.stderr for words in UNREACHABLE):
+        raise DaemonError(
+            f"Slurm's controller did not answer {argv[0]} ({' '.join(result.stderr.split()[-12:])}; slurmctld "
+            "or munged down on the head node?): fab bootstrap restarts them"
+        )
+    return result
 
 
 def _epoch(value: str):
