@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 from node.billing import cost_usd
 
 STEP_LINE = re.compile(
-    r"^\[node-\d+ rank 0\]\s+(?P<step>\d+)\s+(?P<loss>-?[\d.]+(?:e-?\d+)?|nan|inf)\s+(?P<step_ms>[\d.]+)"
+    r"^\[node-0(?: rank 0)?\]\s+(?P<step>\d+)\s+(?P<loss>-?[\d.]+(?:e-?\d+)?|nan|inf)\s+(?P<step_ms>[\d.]+)"
     r"\s+(?P<samples_per_s>[\d.]+)\s"
 )
-"""Rank 0's step line in a node's log (harness/metrics.py `format_step`, under `STEP_HEADER`): the live
+"""Rank 0's step line in node-0's log (harness/metrics.py `format_step`, under `STEP_HEADER`; `[node-0] `
+where the node runs one rank, node/output.py): the live
 source of a running run's curves, since metrics.jsonl comes to this machine when the run ends."""
 VERDICT_KEYS = ("hang", "stragglers", "participants", "waiting_for")
 """What a run's row carries beyond `fab jobs`'s columns where the run has it (None/absent otherwise)."""

@@ -38,7 +38,9 @@ def synthetic_stack(state_dir: Path, stack: str = "big", nodes: int = 16, runs: 
         run_dir = folder / "runs" / run_id
         run_dir.mkdir()
         record.save(run_dir)
-        steps = [{"kind": "step", "time": started + s, "step": s, "loss": 1 / (s + 1), "step_ms": 50.0} for s in range(20)]
+        steps = [
+            {"kind": "step", "time": started + s, "step": s, "loss": 1 / (s + 1), "step_ms": 50.0} for s in range(20)
+        ]
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in steps))
         ledger.run_started(run_id, stack, "run", nodes, info.hourly_usd, at=started, scheduled=True)
         ledger.run_times(run_id, started, started + 300, dict.fromkeys(names, 0))
