@@ -121,9 +121,10 @@ def log_delays(browser) -> tuple[list[float], list[float]]:
         follower.wait(timeout=60)
         reader.join(timeout=5)
         page_ticks = page.evaluate("window.ticks")
-        page.wait_for_function("Number(document.querySelector('#plot-loss').dataset.points) > 0")
-        page.set_viewport_size({"width": 1300, "height": 900})
-        page.screenshot(path=str(SCREENSHOT))
+        page.wait_for_function("document.querySelector('#run-state').textContent === 'COMPLETED'", timeout=30_000)
+        page.set_viewport_size({"width": 1400, "height": 900})
+        page.evaluate("document.querySelector('#log').scrollTop = 1e9")
+        page.screenshot(path=str(SCREENSHOT), full_page=True)
         page.close()
         return (
             [shown - written for written, shown in page_ticks if written >= both_follow],
