@@ -141,7 +141,8 @@ def listen(port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise UsageError(
-            f"cannot listen on {ADDRESS}:{port} ({exc.strerror or exc}): pass another --port (0 picks a free one)"
+            f"cannot listen on {ADDRESS}:{port} ({exc.strerror or exc}): "
+            "pass another --port, or --port 0 for any free one"
         ) from None
     sock.listen(64)
     sock.set_inheritable(True)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import REPO, slurm
-from tests.support.cli import child_env
+from tests.support.cli import assert_one_line_error, child_env, run_cli
 from tests.support.clusters import bootstrapped_cluster
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -89,7 +89,21 @@ def status_of(url: str, headers: dict | None = None) -> int:
         return exc.code
 
 
-def test_no_token_or_a_wrong_one_gets_no_page_and_it_listens_on_loopback_only(dashboard):
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--port", "70000"], ["--port", "0..65535"]),
+        (["--port", " 80"], ["--port", "whole number"]),
+        (["--stack", ""], ["bad stack name ''"]),
+        (["--stack", "nosuch"], ["no stack 'nosuch'", "--stack"]),
+    ],
+)
+def test_bad_flags_are_one_line_and_create_nothing(state_dir, args, words):
+    assert_one_line_error(run_cli("dashboard", *args), *words)
+    assert not state_dir.exists()
+
+
+def test_no_token_or_a_wrong_one_gets_no_page_and_it_listens_on_loopback_only(dashboard, cluster):
     process, url = dashboard
     base, token = url.split("/?token=")
     assert status_of(url) == 200
@@ -98,6 +112,8 @@ def test_no_token_or_a_wrong_one_gets_no_page_and_it_listens_on_loopback_only(da
     assert status_of(url, {"Host": "evil.example:80"}) == 400  # a DNS name rebound to 127.0.0.1 reaches nothing
     sockets = [s for s in slurm.listening_sockets() if s[2] == process.pid]
     assert sockets and all(address == "127.0.0.1" for address, _, _ in sockets), sockets
+    taken = base.rsplit(":", 1)[1]
+    assert_one_line_error(cluster.cli("dashboard", "--port", taken), f"127.0.0.1:{taken}", "--port 0")
 
 
 def test_the_page_shows_the_running_and_the_queued_run_a_live_plot_and_a_growing_log(dashboard, runs, page):

@@ -116,3 +116,17 @@ def test_the_ledger_read_only_reads_without_writing_and_creates_nothing(tmp_path
     writer.db.execute("COMMIT")
     reader.close()
     writer.close()
+
+
+def test_nothing_below_the_cli_imports_the_dashboard():
+    """It is a reader on top of infra and remote: `deploy.py dashboard` alone loads it (and Starlette)."""
+    import ast
+
+    from tests.support import REPO
+
+    for folder in ("infra", "remote", "node", "harness", "examples"):
+        for path in (REPO / folder).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            imported = {alias.name for n in ast.walk(tree) if isinstance(n, ast.Import) for alias in n.names}
+            imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+            assert not {m for m in imported if m.split(".")[0] in ("dashboard", "starlette", "uvicorn")}, path
