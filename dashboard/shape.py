@@ -161,22 +161,35 @@ def node_rows(nodes: list[dict], statuses: dict[str, dict], node_hourly_usd: flo
 
 @dataclass
 class LogTail:
-    """The last `keep` pieces of a run's log as the follow brings them, numbered so a reader asks only for
-    what it has not seen (`since`)."""
+    """The last `keep` lines of a run's log as the follow brings them, numbered so a reader asks only for
+    what it has not seen (`since`). A writer's unfinished line waits for its rest (the fab holder passes
+    the logs' growth as it reads it); a redraw ended by `\\r` is a line of its own, as in the log's copy."""
 
     keep: int = 2000
     pieces: list[tuple[int, float, str]] = field(default_factory=list)
-    """(number, when seen, the piece with its writer's prefix)."""
+    """(number, when seen, the line with its writer's prefix)."""
     count: int = 0
+    partial: dict[str, str] = field(default_factory=dict)
+    """Each writer's unfinished line."""
     ended: bool = False
 
-    def add(self, prefix: str, piece: str, at: float) -> None:
-        """A piece from the follow (`runlog.Echo`'s arguments): the prefix is already in the piece."""
-        for line in piece.splitlines():
-            if line.strip():
-                self.count += 1
-                self.pieces.append((self.count, at, line))
-        del self.pieces[: max(0, len(self.pieces) - self.keep)]
+    def add(self, writer: str, piece: str, at: float) -> None:
+        """Text from the follow (`runlog.Echo`'s arguments: its writer, the text with its prefix in it)."""
+        *lines, self.partial[writer] = re.split(r"\r\n|[\r\n]", self.partial.get(writer, "") + piece)
+        for line in lines:
+            self._line(line, at)
+
+    def end(self, at: float) -> None:
+        """The follow is over: unfinished lines are lines too."""
+        for writer in list(self.partial):
+            self._line(self.partial.pop(writer), at)
+        self.ended = True
+
+    def _line(self, line: str, at: float) -> None:
+        if line.strip():
+            self.count += 1
+            self.pieces.append((self.count, at, line))
+            del self.pieces[: max(0, len(self.pieces) - self.keep)]
 
     def since(self, seen: int) -> list[tuple[int, float, str]]:
         return [p for p in self.pieces if p[0] > seen]

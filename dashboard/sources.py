@@ -165,8 +165,10 @@ def finished_log(folder: Path, tail: shape.LogTail) -> None:
             continue
         own = path.name == runlog.CLUSTER_LOG
         for line in lines:
-            tail.add("", line if own or line.startswith(f"[{path.stem}") else f"[{path.stem}] {line}", at)
-    tail.ended = True
+            tail.add(
+                path.stem, (line if own or line.startswith(f"[{path.stem}") else f"[{path.stem}] {line}") + "\n", at
+            )
+    tail.end(at)
 
 
 def holder_of(stack: str) -> tuple[inventory.ClusterInfo, holders.RunHolder]:
@@ -250,8 +252,8 @@ class Live:
             _, holder = holder_of(stack)
             holder.follow(folder, record, show=lambda prefix, piece: tail.add(prefix, piece, time.time()))
         except (ClusterError, UsageError) as exc:
-            tail.add("", f"[dashboard] cannot follow the run: {exc}", time.time())
+            tail.add("dashboard", f"[dashboard] cannot follow the run: {exc}\n", time.time())
         except Exception as exc:
-            tail.add("", f"[dashboard] following stopped: {type(exc).__name__}: {exc}", time.time())
+            tail.add("dashboard", f"[dashboard] following stopped: {type(exc).__name__}: {exc}\n", time.time())
         finally:
-            tail.ended = True
+            tail.end(time.time())

@@ -102,6 +102,16 @@ def test_the_log_tail_keeps_the_newest_lines_numbered_for_readers():
     assert [n for n, _, _ in tail.since(3)] == [4]
 
 
+def test_a_writers_unfinished_line_waits_for_its_rest_and_a_redraw_is_a_line():
+    tail = shape.LogTail()
+    tail.add("node-0", "[node-0] ste", 1.0)
+    tail.add("node-1", "[node-1] other\n", 1.0)
+    tail.add("node-0", "p 1\r[node-0] step 2\r\n[node-0] las", 2.0)
+    assert [line for _, _, line in tail.since(0)] == ["[node-1] other", "[node-0] step 1", "[node-0] step 2"]
+    tail.end(3.0)
+    assert tail.ended and tail.since(3)[0][2] == "[node-0] las"
+
+
 def test_the_ledger_read_only_reads_without_writing_and_creates_nothing(tmp_path):
     path = tmp_path / "ledger.sqlite"
     assert Ledger.read_only(path) is None and not path.exists()
@@ -130,3 +140,22 @@ def test_nothing_below_the_cli_imports_the_dashboard():
             imported = {alias.name for n in ast.walk(tree) if isinstance(n, ast.Import) for alias in n.names}
             imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
             assert not {m for m in imported if m.split(".")[0] in ("dashboard", "starlette", "uvicorn")}, path
+
+
+def test_a_fab_held_runs_follow_gives_the_page_its_logs_and_writes_nothing_to_the_terminal(tmp_path, capfd):
+    """`holder.follow(show=...)` for a run held by fab's connections: the node logs as they are here."""
+    from remote.holders import FabHolder
+    from remote.launch import NodeSetup
+    from remote.runs import Run
+    from tests.support import inventories
+
+    (tmp_path / "node-0.log").write_text("[node-0] hello\n[node-0] half")
+    (tmp_path / "node-1.log").write_text("[node-1] there\n")
+    Run("r", "run", "", "", ["node-0", "node-1"], 1.0, state="COMPLETED", holder="fab").save(tmp_path)
+    tail = shape.LogTail()
+    FabHolder(inventories.cluster(), NodeSetup(29500, {})).follow(
+        tmp_path, Run.load(tmp_path), show=lambda writer, text: tail.add(writer, text, 1.0)
+    )
+    tail.end(2.0)
+    assert [line for _, _, line in tail.since(0)] == ["[node-0] hello", "[node-1] there", "[node-0] half"]
+    assert capfd.readouterr().out == ""
