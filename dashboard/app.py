@@ -70,7 +70,8 @@ def build_app(live: sources.Live, token: str, port: int) -> Starlette:
     def overview(request: Request) -> Response:
         now = time.time()
         stacks = [
-            sources.stack_view(s, live.statuses.get(s, {}), live.problems, now) for s in sources.shown_stacks(live.only)
+            sources.stack_view(s, live.statuses.get(s, {}), live.problem(s), now)
+            for s in sources.shown_stacks(live.only)
         ]
         return JSONResponse({"stacks": stacks, "now": now})
 

@@ -82,7 +82,7 @@ def _ledger_facts(stack: str, now: float) -> tuple[list[dict], dict[str, str], l
     return clusters, verdicts, events
 
 
-def stack_view(stack: str, statuses: dict[str, dict], problems: dict[str, str], now: float) -> dict:
+def stack_view(stack: str, statuses: dict[str, dict], problem: str, now: float) -> dict:
     """One stack as the overview shows it, from its files alone (fast: no cluster is asked here)."""
     cluster = read_json(state.stack_file(stack, state.INVENTORY)) or {}
     nodes = cluster.get("nodes") or []
@@ -109,7 +109,7 @@ def stack_view(stack: str, statuses: dict[str, dict], problems: dict[str, str], 
             bootstrap.get("timeline"),
             [(f"launch {r.run_id}", r.timeline.as_dict() if r.timeline else None) for _, r in found[-5:]],
         ),
-        "problem": problems.get(stack, ""),
+        "problem": problem,
     }
 
 
@@ -182,6 +182,10 @@ def cancel(stack: str, run_id: str) -> str:
     return holders.cancel_run(cluster, holder, run_id)
 
 
+def _problem(exc: Exception) -> str:
+    return str(exc) if isinstance(exc, ClusterError) else f"{type(exc).__name__}: {exc}"
+
+
 class Live:
     """The threads that talk to the cluster: the runs' refresh, node states, and one follow per run page
     open on a run not finished. Daemon threads: Ctrl-C of the dashboard ends them with the process."""
@@ -189,7 +193,8 @@ class Live:
     def __init__(self, only: str | None, status: StatusFn | None):
         self.only, self.status = only, status
         self.statuses: dict[str, dict[str, dict]] = {}
-        self.problems: dict[str, str] = {}
+        self.run_problems: dict[str, str] = {}
+        self.status_problems: dict[str, str] = {}
         self.tails: dict[tuple[str, str], shape.LogTail] = {}
         self.followers: dict[tuple[str, str], threading.Thread] = {}
         self.lock = threading.Lock()
@@ -211,19 +216,31 @@ class Live:
             self.stopping.wait(REFRESH_S)
 
     def refresh_once(self, stack: str, ask_status: bool) -> None:
-        """`fab jobs`'s refresh of the runs not yet ended; with `ask_status`, each node's state too."""
-        problem = ""
+        """`fab jobs`'s refresh of the runs not yet ended; with `ask_status`, each node's state too (asked
+        of a cluster not bootstrapped as well: `status` needs only the inventory)."""
         try:
             cluster, holder = holder_of(stack)
             pending = [(f, r) for f, r in runs.runs_of(state.runs_dir(stack)) if not r.ended]
             holder.refresh(pending)  # a log a follower here holds is skipped (runlog's lock): it is coming
-            if ask_status and self.status is not None:
-                self.statuses[stack] = {row["name"]: row for row in self.status(cluster)}
-        except ClusterError as exc:
-            problem = str(exc)
+            self.run_problems[stack] = ""
         except Exception as exc:  # the page says so; the next pass tries again
-            problem = f"{type(exc).__name__}: {exc}"
-        self.problems[stack] = problem
+            self.run_problems[stack] = _problem(exc)
+        if ask_status and self.status is not None:
+            try:
+                cluster = inventory.load(stack)
+            except Exception as exc:
+                self.status_problems[stack] = _problem(exc)
+                return
+            try:
+                self.statuses[stack] = {row["name"]: row for row in self.status(cluster)}
+                self.status_problems[stack] = ""
+            except Exception as exc:
+                problem = self.status_problems[stack] = f"status: {_problem(exc)}"
+                self.statuses[stack] = {n.name: {"state": "unknown", "error": problem} for n in cluster.nodes}
+
+    def problem(self, stack: str) -> str:
+        """What went wrong the last time the cluster was asked, for the stack's box ('' where nothing)."""
+        return "; ".join(p for p in (self.run_problems.get(stack), self.status_problems.get(stack)) if p)
 
     def tail(self, stack: str, run_id: str) -> shape.LogTail:
         """The run's log tail: followed by its holder while it is not finished (started on first ask),

@@ -121,7 +121,11 @@ def test_the_page_shows_the_running_and_the_queued_run_a_live_plot_and_a_growing
     page.goto(dashboard[1])
     page.wait_for_selector(f'tr.run[data-run="{running}"][data-state="RUNNING"]', timeout=60_000)
     page.wait_for_selector(f'tr.run[data-run="{queued}"][data-state="PENDING"]')
-    assert page.locator("tr.node").count() == 2
+    assert page.locator("tr.node").count() == 2  # each up, with its Slurm state (status's SSH round trip)
+    page.wait_for_function(
+        "[...document.querySelectorAll('tr.node')].every(row =>"
+        " row.children[2].textContent === 'up' && ['idle', 'allocated', 'mixed'].includes(row.children[3].textContent))"
+    )
     page.click(f'a[href="#run/local/{running}"]')
     page.wait_for_function("Number(document.querySelector('#plot-loss').dataset.points) > 0", timeout=30_000)
     seen = page.evaluate("window.dashboard.logLines")
