@@ -192,7 +192,8 @@ class LogTail:
             del self.pieces[: max(0, len(self.pieces) - self.keep)]
 
     def since(self, seen: int) -> list[tuple[int, float, str]]:
-        return [p for p in self.pieces if p[0] > seen]
+        """The lines after number `seen` (read from another thread than the follow's: a copy first)."""
+        return [p for p in list(self.pieces) if p[0] > seen]
 
 
 def _number(value) -> float | None:
