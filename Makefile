@@ -24,7 +24,7 @@ demo: setup
 
 # ruff (format and lint) checks the code and the tests; mypy the code (the tests assert on what they get,
 # unannotated). A folder with no Python file (scripts/ holds only shell) or none at all is skipped.
-CODE_PATHS ?= $(foreach d,infra remote node harness examples bench scripts,$(if $(wildcard $(d)/*.py),$(d))) \
+CODE_PATHS ?= $(foreach d,infra remote node harness examples bench scripts dashboard,$(if $(wildcard $(d)/*.py),$(d))) \
 	deploy.py fabfile.py
 LINT_PATHS ?= $(CODE_PATHS) tests
 # All three run, so one pass shows every finding; any of them failing fails the target.

@@ -112,6 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     drill.add_argument("--stack", help=stack_help)
     _image_parser(commands, stack_help)
+    dashboard = commands.add_parser(
+        "dashboard", help="a local web page (127.0.0.1 only, a token in its URL): stacks, runs, logs, plots, cost"
+    )
+    dashboard.add_argument(
+        "--port", type=_port, default=8787, metavar="P", help="the port on 127.0.0.1 (default 8787; 0: any free one)"
+    )
+    dashboard.add_argument("--stack", help="only this stack (default: every stack with an inventory here)")
     return parser
 
 
@@ -142,6 +149,13 @@ def _whole_number(text: str) -> int:
     if not text.isascii() or not text.isdigit():
         raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}")
     return int(text)
+
+
+def _port(text: str) -> int:
+    port = _whole_number(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port, 0..65535, not {text}")
+    return port
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -354,6 +368,23 @@ def cmd_cost(args) -> int:
     return 0
 
 
+def cmd_dashboard(args) -> int:
+    """Serve the dashboard until Ctrl-C (dashboard/: Starlette and uvicorn, loaded only here)."""
+    from dashboard import app
+
+    stack = None if args.stack is None else state.check_stack_name(args.stack)
+    if stack is not None and not state.stack_file(stack, state.INVENTORY).exists():
+        raise UsageError(f"no stack '{stack}' here (python deploy.py up --stack {stack}), or leave --stack out")
+    app.serve(args.port, stack, _node_rows, say=report.console.print)
+    return 0
+
+
+def _node_rows(cluster: inventory.ClusterInfo) -> list[dict]:
+    """`status --json`'s node rows, for the dashboard: each node's state, uptime and Slurm state."""
+    rows, _ = providers.for_cluster(cluster).status(cluster)
+    return [row.as_dict() for row in _with_scheduler_states(cluster, rows)]
+
+
 # ------------------------------------------------------------------------------------------ ssh
 
 
@@ -478,6 +509,7 @@ COMMANDS = {
     "ssh-config": cmd_ssh_config,
     "drill": cmd_drill,
     "image": cmd_image,
+    "dashboard": cmd_dashboard,
 }
 
 

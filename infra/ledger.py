@@ -221,6 +221,19 @@ class Ledger:
         path = path or state.ledger_path()
         return cls(path, clock) if path.exists() else None
 
+    @classmethod
+    def read_only(cls, path: Path | None = None, clock=time.time) -> "Ledger | None":
+        """The ledger for a reader that must never hold up or change it (the dashboard): SQLite's read-only
+        mode, no schema, repair or abandoned-run sweep, no lock file (a WAL reader blocks no writer); None
+        where there is none yet."""
+        path = path or state.ledger_path()
+        if not path.exists():
+            return None
+        ledger = cls.__new__(cls)
+        ledger.path, ledger.clock, ledger.warnings = path, clock, []
+        ledger.db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=5, isolation_level=None)
+        return ledger
+
     def _open(self) -> None:
         if not self.path.exists():
             os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT, state.PRIVATE_FILE_MODE))

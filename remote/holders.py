@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from infra import state
+from infra import runlog, state
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo
 from infra.timeline import Timeline
@@ -56,8 +56,9 @@ class RunHolder(Protocol):
     def cancel(self, run: runs.Run) -> str | None:
         """Stop one run, queued or running; the state it had, or None where it was not running."""
 
-    def follow(self, folder: Path, run: runs.Run) -> Ending:
-        """Show a run's output from its start until it ends (Ctrl-C stops the following only)."""
+    def follow(self, folder: Path, run: runs.Run, show: runlog.Echo | None = None) -> Ending:
+        """Show a run's output from its start until it ends (Ctrl-C stops the following only); `show`
+        gets each piece (its writer's prefix, the piece) instead of the terminal (the dashboard)."""
 
 
 class FabHolder:
@@ -142,7 +143,7 @@ class FabHolder:
             say(f"{node}: {outcome}")
         return "RUNNING"
 
-    def follow(self, folder: Path, run: runs.Run) -> Ending:
+    def follow(self, folder: Path, run: runs.Run, show: runlog.Echo | None = None) -> Ending:
         """The launching fab writes each node's log here as it streams: show them as they grow until its
         record says the run ended."""
         shown: dict[Path, int] = {}
@@ -155,7 +156,9 @@ class FabHolder:
                         f.seek(shown.get(path, 0))
                         text = f.read()
                     shown[path] = shown.get(path, 0) + len(text)
-                    if text:
+                    if text and show:
+                        show(path.stem, text.decode(errors="replace"))
+                    elif text:
                         os.write(1, text)
                 if record.ended:
                     return Ending(folder, record)
@@ -232,14 +235,29 @@ class SlurmHolder:
         before = scheduled.cancel(self.cluster, run)
         return (before or {}).get("state") or run.state
 
-    def follow(self, folder: Path, run: runs.Run) -> Ending:
-        return self._after(folder, run, scheduled.follow(self.cluster, run, folder, cancel_on_interrupt=False))
+    def follow(self, folder: Path, run: runs.Run, show: runlog.Echo | None = None) -> Ending:
+        followed = scheduled.follow(self.cluster, run, folder, cancel_on_interrupt=False, show=show)
+        return self._after(folder, run, followed)
 
     def _after(self, folder: Path, run: runs.Run, followed: scheduled.Followed) -> Ending:
         if followed.detached:
             return Ending(folder, run, detached=followed.detached, interrupted=followed.interrupted)
         scheduled.finish(self.cluster, self.setup, folder, run, followed)
         return Ending(folder, run, interrupted=followed.interrupted)
+
+
+def cancel_run(cluster: ClusterInfo, holder: RunHolder, run_id: str) -> str:
+    """`fab stop --run ID` (and the dashboard's cancel): cancel one run, queued or running; the line that
+    says what became of it. UsageError where there is no such run, or it is not on the cluster."""
+    folder, record = runs.find(state.runs_dir(cluster.stack), run_id)
+    holder.refresh([(folder, record)])
+    if record.ended:
+        record.save(folder)
+        return f"fab: run {record.run_id} had already ended ({record.state}); nothing to cancel"
+    before = holder.cancel(record)
+    if before is None:
+        raise UsageError(f"run {record.run_id} is not running on the cluster; fab jobs lists the runs")
+    return f"fab: run {record.run_id} cancelled (it was {before})"
 
 
 def stop_all(cluster: ClusterInfo, holder: RunHolder) -> None:

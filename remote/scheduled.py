@@ -111,8 +111,8 @@ class LogSplitter(runlog.LogCopy):
     are: a progress bar one rank redraws with `\\r` is ended before another's line starts. The launch's
     markers are kept apart (`exit_codes`), and the follower's end marker noted (`end`)."""
 
-    def __init__(self, local_dir: Path, echo: bool = True, write: bool = True):
-        super().__init__(local_dir, self._show if echo else None, write)
+    def __init__(self, local_dir: Path, echo: bool = True, write: bool = True, show: runlog.Echo | None = None):
+        super().__init__(local_dir, show or (self._show if echo else None), write)
         self.writers: dict[str, LogWriter] = {}
 
     def _show(self, prefix: str, piece: str) -> None:
@@ -186,18 +186,24 @@ class Followed:
 
 
 def follow(
-    cluster: ClusterInfo, run: Run, local_dir: Path, stop_hang=None, echo: bool = True, cancel_on_interrupt=True
+    cluster: ClusterInfo,
+    run: Run,
+    local_dir: Path,
+    stop_hang=None,
+    echo: bool = True,
+    cancel_on_interrupt=True,
+    show: runlog.Echo | None = None,
 ) -> Followed:
     """Show the run's log from its start until it ends. Ctrl-C (or SIGTERM) cancels the run and follows
     it to its end, or with `cancel_on_interrupt` False (`fab logs -f`) only stops the following, as
-    SIGHUP or a lost connection do."""
+    SIGHUP or a lost connection do. `show`: where each piece goes instead of the terminal (the dashboard)."""
     local_dir.mkdir(parents=True, exist_ok=True)
-    splitter = LogSplitter(local_dir, echo)
+    splitter = LogSplitter(local_dir, echo, show=show)
     if not splitter.hold(wait_s=HOLD_WAIT_S):  # another fab follows it and keeps its copy: only shown here
-        splitter = LogSplitter(local_dir, echo, write=False)
+        splitter = LogSplitter(local_dir, echo, write=False, show=show)
     head = NodeSession(cluster, cluster.head)
     outcome: dict = {}
-    notes = FollowerNotes(echo)
+    notes = FollowerNotes(echo and show is None)
 
     def reader() -> None:
         command = node_paths.node_module(

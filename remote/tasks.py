@@ -345,16 +345,7 @@ def stop(c, run=None, stack=None):
     if run is None:
         holders.stop_all(cluster, holder)
         return
-    folder, record = runs.find(state.runs_dir(cluster.stack), options.run_id(run))
-    holder.refresh([(folder, record)])
-    if record.ended:
-        record.save(folder)
-        say(f"fab: run {record.run_id} had already ended ({record.state}); nothing to cancel")
-        return
-    before = holder.cancel(record)
-    if before is None:
-        raise Exit(f"error: run {record.run_id} is not running on the cluster; fab jobs lists the runs", code=2)
-    say(f"fab: run {record.run_id} cancelled (it was {before})")
+    say(holders.cancel_run(cluster, holder, options.run_id(run)))
 
 
 @task(help={"json": "machine-readable: a list of runs", "stack": STACK_HELP})

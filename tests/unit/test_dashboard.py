@@ -1,0 +1,161 @@
+"""The dashboard's pure shaping (dashboard/shape.py) and its read-only ledger."""
+
+import sqlite3
+
+import pytest
+
+from dashboard import shape
+from infra.ledger import Event, Interval, Ledger
+
+
+def test_step_records_become_loss_throughput_and_step_time_per_rank():
+    records = [
+        {"kind": "step", "time": 10.0, "step": 1, "loss": 2.0, "step_ms": 100.0, "samples_per_s": 80.0},
+        {"kind": "summary", "time": 11.0},
+        {"kind": "step", "time": 12.0, "step": 2, "loss": float("nan"), "step_ms": 90.0, "samples_per_s": 88.0},
+        {"kind": "step", "time": 12.0, "step": 2, "rank": 1, "step_ms": 95.0},
+    ]
+    plots = shape.step_series(records)
+    assert plots["loss"].x == [10.0, 12.0, 12.0]
+    assert plots["loss"].ys["loss"] == [2.0, None, None]  # NaN is no point, not a broken plot
+    assert plots["step_ms"].ys == {"rank 0": [100.0, 90.0, None], "rank 1": [None, None, 95.0]}
+    assert plots["throughput"].ys["samples_per_s"] == [80.0, 88.0, None]
+
+
+def test_rank_0s_step_lines_in_the_log_are_a_running_runs_curves():
+    lines = [
+        "[node-0]   step      loss   ms/step   samples/s  mem GiB      $/h   $ so far",
+        "[node-0]      1    0.5000     200.0        10.0     0.10    0.000     0.0000",
+        "[node-0 rank 0]      2    0.2500     180.5        11.0     0.10    0.000     0.0000",
+        "[node-1]      3    0.1000     100.0        10.0     0.10    0.000     0.0000",
+        "[node-0 rank 1]      3    0.1000     100.0        10.0     0.10    0.000     0.0000",
+        "[node-0] epoch 1 done",
+    ]
+    found = shape.steps_from_log(lines, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    assert [(r["step"], r["loss"], r["step_ms"], r["time"]) for r in found] == [
+        (1, 0.5, 200.0, 2.0),
+        (2, 0.25, 180.5, 3.0),
+    ]
+
+
+def test_participants_over_time_per_replica_group():
+    series = shape.participants_series(
+        [
+            {"kind": "ft_step", "time": 1.0, "replica": 0, "participants": 2},
+            {"kind": "ft_step", "time": 2.0, "replica": 1, "participants": 1},
+            {"kind": "step", "time": 3.0},
+        ]
+    )
+    assert series.x == [1.0, 2.0] and series.ys == {"replica 0": [2, None], "replica 1": [None, 1]}
+
+
+def test_cost_rises_while_up_and_stays_flat_while_down():
+    intervals = [Interval(3600.0, None, None), Interval(0.0, 1800.0, "down")]
+    series = shape.cost_series(intervals, 3.6, now=5400.0)
+    assert series.x == [0.0, 1800.0, 3600.0, 5400.0]
+    assert series.ys["usd"] == [0.0, 1.8, 1.8, 3.6]
+
+
+def test_a_runs_verdicts_come_from_its_record_its_summary_or_the_ledger():
+    row = {"run_id": "r", "state": "HUNG", "hang": None}
+    assert shape.run_row(row, None, "rank 1 never entered all_reduce")["hang"] == "rank 1 never entered all_reduce"
+    summary = {
+        "hang": {"verdict": "from the summary"},
+        "stragglers": [{"rank": 3, "why": "slow"}],
+        "participants": "1/2",
+    }
+    shaped = shape.run_row(row, summary, "from the ledger")
+    assert (shaped["hang"], shaped["stragglers"], shaped["participants"]) == (
+        "from the summary",
+        [{"rank": 3, "why": "slow"}],
+        "1/2",
+    )
+    assert shape.run_row({"run_id": "r", "state": "COMPLETED"}, None, None)["hang"] is None
+
+
+def test_interruptions_are_those_within_the_runs_time():
+    events = [Event("s", "spot interruption", "node-1", "replaced", at, 9.0) for at in (5.0, 15.0, 30.0)]
+    assert [e["at"] for e in shape.interruptions(events, 10.0, 20.0, now=100.0)] == [15.0]
+    assert [e["at"] for e in shape.interruptions(events, 10.0, None, now=100.0)] == [15.0, 30.0]
+    assert shape.interruptions(events, None, None, now=100.0) == []  # never started
+
+
+def test_timelines_leave_out_what_was_not_recorded():
+    phases = {"started_at": 1.0, "phases": [{"phase": "connect", "s": 0.5}], "total_s": 0.5}
+    found = shape.timelines(phases, None, [("launch a", None), ("launch b", phases)])
+    assert [t["what"] for t in found] == ["up", "launch b"]
+
+
+def test_node_rows_say_asking_until_status_answers_and_split_the_hourly_price():
+    nodes = [{"name": "node-0", "public_ip": "127.0.0.10", "ssh_port": 2222}, {"name": "node-1"}]
+    statuses = {"node-0": {"address": "127.0.0.10:2222", "state": "up", "scheduler": "idle", "uptime_s": 60}}
+    rows = shape.node_rows(nodes, statuses, 0.526)
+    assert [(r["state"], r["slurm"], r["hourly_usd"]) for r in rows] == [("up", "idle", 0.526), ("asking", "-", 0.526)]
+
+
+def test_the_log_tail_keeps_the_newest_lines_numbered_for_readers():
+    tail = shape.LogTail(keep=3)
+    tail.add("[node-0]", "[node-0] a\n[node-0] b\n", 1.0)
+    tail.add("", "\n", 2.0)  # nothing to show
+    tail.add("[node-1]", "[node-1] c\n[node-1] d\n", 3.0)
+    assert [line for _, _, line in tail.since(0)] == ["[node-0] b", "[node-1] c", "[node-1] d"]
+    assert [n for n, _, _ in tail.since(3)] == [4]
+
+
+def test_a_writers_unfinished_line_waits_for_its_rest_and_a_redraw_is_a_line():
+    tail = shape.LogTail()
+    tail.add("node-0", "[node-0] ste", 1.0)
+    tail.add("node-1", "[node-1] other\n", 1.0)
+    tail.add("node-0", "p 1\r[node-0] step 2\r\n[node-0] las", 2.0)
+    assert [line for _, _, line in tail.since(0)] == ["[node-1] other", "[node-0] step 1", "[node-0] step 2"]
+    tail.end(3.0)
+    assert tail.ended and tail.since(3)[0][2] == "[node-0] las"
+
+
+def test_the_ledger_read_only_reads_without_writing_and_creates_nothing(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    assert Ledger.read_only(path) is None and not path.exists()
+    writer = Ledger(path)
+    writer.cluster_up("s", "local", "g4dn.xlarge", 2, 1.0, at=0.0)
+    writer.db.execute("BEGIN IMMEDIATE")  # a command in the middle of writing
+    reader = Ledger.read_only(path)
+    assert reader is not None
+    assert [c.stack for c in reader.clusters("s")] == ["s"]
+    with pytest.raises(sqlite3.OperationalError, match="readonly"):
+        reader.db.execute("DELETE FROM clusters")
+    writer.db.execute("COMMIT")
+    reader.close()
+    writer.close()
+
+
+def test_nothing_below_the_cli_imports_the_dashboard():
+    """It is a reader on top of infra and remote: `deploy.py dashboard` alone loads it (and Starlette)."""
+    import ast
+
+    from tests.support import REPO
+
+    for folder in ("infra", "remote", "node", "harness", "examples"):
+        for path in (REPO / folder).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            imported = {alias.name for n in ast.walk(tree) if isinstance(n, ast.Import) for alias in n.names}
+            imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+            assert not {m for m in imported if m.split(".")[0] in ("dashboard", "starlette", "uvicorn")}, path
+
+
+def test_a_fab_held_runs_follow_gives_the_page_its_logs_and_writes_nothing_to_the_terminal(tmp_path, capfd):
+    """`holder.follow(show=...)` for a run held by fab's connections: the node logs as they are here."""
+    from remote.holders import FabHolder
+    from remote.launch import NodeSetup
+    from remote.runs import Run
+    from tests.support import inventories
+
+    (tmp_path / "node-0.log").write_text("[node-0] hello\n[node-0] half")
+    (tmp_path / "node-1.log").write_text("[node-1] there\n")
+    Run("r", "run", "", "", ["node-0", "node-1"], 1.0, state="COMPLETED", holder="fab").save(tmp_path)
+    tail = shape.LogTail()
+    FabHolder(inventories.cluster(), NodeSetup(29500, {})).follow(
+        tmp_path, Run.load(tmp_path), show=lambda writer, text: tail.add(writer, text, 1.0)
+    )
+    tail.end(2.0)
+    assert [line for _, _, line in tail.since(0)] == ["[node-0] hello", "[node-1] there", "[node-0] half"]
+    assert capfd.readouterr().out == ""
