@@ -55,12 +55,15 @@ def record_up(cluster: ClusterInfo, reference_usd: float | None, say=print, line
             cluster.hourly_usd,
             reference_usd,
             at=created,
-            lines=tuple(
-                LineRecord(x.kind, x.usage_type, x.quantity, x.unit, x.unit_usd, x.hourly_usd, x.exact) for x in lines
-            ),
+            lines=line_records(lines),
         )
     finally:
         ledger.close()
+
+
+def line_records(lines) -> tuple[LineRecord, ...]:
+    """`pricing.BilledLine`s as the ledger keeps them."""
+    return tuple(LineRecord(x.kind, x.usage_type, x.quantity, x.unit, x.unit_usd, x.hourly_usd, x.exact) for x in lines)
 
 
 def record_down(stack: str, reason: str = "down", at: float | None = None, say=print) -> None:

@@ -428,8 +428,8 @@ class Ledger:
                 )
             ]
             record.lines = [
-                LineRecord(*row[:6], bool(row[6]))
-                for row in self.db.execute(
+                LineRecord(kind, usage, quantity, unit, unit_usd, hourly, bool(exact))
+                for kind, usage, quantity, unit, unit_usd, hourly, exact in self.db.execute(
                     "SELECT kind, usage_type, quantity, unit, unit_usd, hourly_usd, exact FROM billed_lines"
                     " WHERE cluster_id = ? ORDER BY id",
                     (record.id,),

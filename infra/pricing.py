@@ -47,7 +47,8 @@ class BilledLine:
     usage_type: str
     """The AWS usage type it bills under, without the region's prefix (`BoxUsage:g4dn.xlarge`)."""
     quantity: float
-    """How much of it exists while the cluster is up: instances, GB, addresses, GB per hour moved."""
+    """How much of it exists while the cluster is up: instances, GB stored, addresses; for a line billed
+    per GB moved (`unit` GB), the GB per hour assumed."""
     unit: str
     """What `unit_usd` is per: `instance-hour`, `GB-month`, `address-hour`, `GB`."""
     unit_usd: float
@@ -62,9 +63,18 @@ class BilledLine:
     def as_dict(self) -> dict:
         return {**asdict(self), "hourly_usd": round(self.hourly_usd, 6)}
 
+    def describe(self) -> str:
+        return describe_quantity(self.quantity, self.unit, self.unit_usd)
 
-LINE_KINDS = ("instances", "ebs", "efs storage", "efs throughput", "public ipv4", "data transfer")
-"""Every line a cluster is billed for, in the order they are shown."""
+
+def describe_quantity(quantity: float, unit: str, unit_usd: float) -> str:
+    """`2 x $0.526/instance-hour`; a line billed per GB moved has a quantity per hour: `0.2 GB/h x $0.04/GB`."""
+    per_hour = " GB/h" if unit == "GB" else ""
+    return f"{quantity:g}{per_hour} x ${unit_usd:g}/{unit}"
+
+
+LINE_KINDS = ("instances", "ebs", "public ipv4", "efs storage", "efs throughput", "data transfer")
+"""Every line a cluster is billed for, in the order they are shown: the exact ones, then the estimates."""
 
 
 @dataclass(frozen=True)
@@ -168,8 +178,8 @@ class Estimate:
         """The estimate as a person reads it: one row per billed line, then their sum."""
         per_day, per_month = self.hourly_usd * 24, self.hourly_usd * HOURS_PER_MONTH
         rows = [
-            f"{'+' if index else ' '} ${line.hourly_usd:.4f}/h  {line.kind:<15} {line.quantity:g} x "
-            f"${line.unit_usd:g}/{line.unit}{'' if line.exact else ' (estimate)'}  ({line.source})"
+            f"{'+' if index else ' '} ${line.hourly_usd:.4f}/h  {line.kind:<15} {line.describe()}"
+            f"{'' if line.exact else ' (estimate)'}  ({line.source})"
             for index, line in enumerate(self.lines)
         ]
         return [

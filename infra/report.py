@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from infra.inventory import ClusterInfo, NodeStatus
+from infra.pricing import describe_quantity
 
 # The terminal's width, or a wide page when piped (logs, CI), so tables are not wrapped into columns.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -180,7 +181,7 @@ def _billed_lines_table(clusters: list[dict]) -> None:
                 start,
                 line["kind"],
                 line["usage_type"],
-                f"{line['quantity']:g} x ${line['unit_usd']:g}/{line['unit']}",
+                describe_quantity(line["quantity"], line["unit"], line["unit_usd"]),
                 f"{line['hours']:.3f}",
                 f"${line['cost_usd']:.4f}",
                 "exact" if line["exact"] else "estimate",
