@@ -82,6 +82,8 @@ class Bill:
     requests: int = 0
     """Cost Explorer requests made (each one billed)."""
     notes: list[str] = field(default_factory=list)
+    forecast: dict | None = None
+    """Cost Explorer's forecast to the month's end beside the ledger's, where a cluster is up."""
 
 
 # ---------------------------------------------------------------------------------- Cost Explorer
@@ -115,6 +117,23 @@ class CostExplorer:
             if not token:
                 return rows
 
+    def forecast_usd(self, start: date, end: date, where: dict) -> float | None:
+        """Cost Explorer's forecast of UnblendedCost in [start, end); None where it has too little history."""
+        try:
+            answer = self.client.get_cost_forecast(
+                TimePeriod={"Start": start.isoformat(), "End": end.isoformat()},
+                Metric="UNBLENDED_COST",
+                Granularity="MONTHLY",
+                Filter=where,
+            )
+        except Exception as exc:
+            if getattr(exc, "response", {}).get("Error", {}).get("Code") != "DataUnavailableException":
+                raise
+            return None  # too little history under the tag for a forecast
+        finally:
+            self.requests += 1
+        return float(answer["Total"]["Amount"])
+
     def tag_activated_at(self) -> datetime | None:
         """When the stack tag was last made Active as a cost-allocation tag; None where it is not active."""
         answer = self.client.list_cost_allocation_tags(TagKeys=[STACK_TAG], Type="UserDefined")
@@ -137,8 +156,9 @@ def ce_client():
     return boto3.client("ce", region_name=CE_REGION)
 
 
-def from_cost_explorer(client, stack: str, start: date, end: date, now: datetime) -> Bill:
-    """The stack's tagged spend and the account's untagged spend, daily by usage type."""
+def from_cost_explorer(client, stack: str, start: date, end: date, now: datetime, up_hourly_usd: float = 0.0) -> Bill:
+    """The stack's tagged spend and the account's untagged spend, daily by usage type; with a cluster up
+    (`up_hourly_usd`), Cost Explorer's forecast for the rest of the month beside the ledger's."""
     ce = CostExplorer(client)
     notes = []
     activated = ce.tag_activated_at()
@@ -155,7 +175,21 @@ def from_cost_explorer(client, stack: str, start: date, end: date, now: datetime
     tag = {"Tags": {"Key": STACK_TAG, "Values": [stack], "MatchOptions": ["EQUALS"]}}
     untagged = {"Tags": {"Key": STACK_TAG, "MatchOptions": ["ABSENT"]}}
     rows = ce.cost_and_usage(start, end, tag, True) + ce.cost_and_usage(start, end, untagged, False)
-    return Bill(f"Cost Explorer, {start} to {end - timedelta(days=1)}", rows, ce.requests, notes)
+    forecast = _forecast(ce, tag, now, up_hourly_usd) if up_hourly_usd else None
+    return Bill(f"Cost Explorer, {start} to {end - timedelta(days=1)}", rows, ce.requests, notes, forecast)
+
+
+def _forecast(ce: CostExplorer, tag: dict, now: datetime, hourly_usd: float) -> dict:
+    """From now to the month's end: what Cost Explorer forecasts under the tag, and what the ledger would
+    charge if the cluster stays up that long."""
+    month_end = (now.replace(day=1) + timedelta(days=32)).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    forecast = ce.forecast_usd(now.date(), month_end.date(), tag)
+    hours = (month_end - now).total_seconds() / 3600
+    return {
+        "until": month_end.date().isoformat(),
+        "ce_usd": None if forecast is None else round(forecast, 2),
+        "ledger_usd": round(hourly_usd * hours, 2),
+    }
 
 
 # --------------------------------------------------------------------------------------- CUR 2.0
@@ -178,7 +212,13 @@ def from_cur(path: Path, stack: str) -> Bill:
     except (UnicodeDecodeError, csv.Error) as exc:
         raise UsageError(f"--bill {path.name} is not a readable CSV ({exc}): give the CUR 2.0 export's CSV") from None
     final = "invoiced" if all(not r.estimated for r in rows) else "rows of a month not yet invoiced are estimated"
-    return Bill(f"{path.name} (CUR 2.0; {final})", rows)
+    notes = []
+    if not any(r.tagged for r in rows):
+        notes.append(
+            f"no row of {path.name} carries {STACK_TAG} = {stack}: CUR 2.0 has only activated cost-allocation tags "
+            "(see costAllocationTag), from the day they were activated"
+        )
+    return Bill(f"{path.name} (CUR 2.0; {final})", rows, notes=notes)
 
 
 def _cur_row(item: dict, stack: str, path: Path) -> BillRow | None:
@@ -264,6 +304,7 @@ def compare(stack: str, clusters: list[ClusterRecord], bill: Bill, now: float, s
             for r in bill.rows
             if not r.tagged and r.day in in_window and r.cost_usd > 0 and kind_of(r.usage_type) is not None
         ],
+        "forecast": bill.forecast,
         "ce_requests": bill.requests,
         "ce_cost_usd": round(bill.requests * CE_USD_PER_REQUEST, 2),
         "notes": bill.notes,
@@ -339,9 +380,9 @@ def reconcile(ledger, stack: str, days: int | None, bill_path: Path | None, ce_c
         bill = from_cur(bill_path, stack)
     else:
         start = today - timedelta(days=days or DEFAULT_DAYS)
-        bill = from_cost_explorer(
-            ce_client(), stack, start, today + timedelta(days=1), datetime.fromtimestamp(now, timezone.utc)
-        )
+        up_hourly = sum(c.hourly_usd for c in clusters if c.is_up)
+        moment = datetime.fromtimestamp(now, timezone.utc)
+        bill = from_cost_explorer(ce_client(), stack, start, today + timedelta(days=1), moment, up_hourly)
         since = start.isoformat()
     return compare(stack, clusters, bill, now, since)
 

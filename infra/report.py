@@ -226,6 +226,12 @@ def reconcile_tables(data: dict) -> None:
             f"leak suspect: {leak['day']} {leak['usage_type']} {named} ${leak['cost_usd']:.4f}, no stack tag",
             markup=False,
         )
+    forecast = data.get("forecast")
+    if forecast:
+        said = "no forecast (too little history)" if forecast["ce_usd"] is None else f"${forecast['ce_usd']:.2f}"
+        console.print(
+            f"to {forecast['until']}, if it stays up: the ledger ${forecast['ledger_usd']:.2f}, Cost Explorer {said}"
+        )
     for note in data["notes"]:
         console.print(f"note: {note}", markup=False)
     console.print(f"Cost Explorer requests: {data['ce_requests']} (${data['ce_cost_usd']:.2f})")

@@ -207,7 +207,8 @@ def queue_ce_results(*results: dict) -> None:
 class CostExplorerClient:
     """moto's Cost Explorer for GetCostAndUsage; botocore's Stubber for the tag status, which moto lacks."""
 
-    def __init__(self, tag_status: str | None, activated: str = "2026-11-01T00:00:00Z"):
+    def __init__(self, tag_status: str | None, activated: str = "2026-11-01T00:00:00Z", forecast: str | None = ""):
+        """`forecast`: GetCostForecast's answer where a cluster is up ("": not asked; None: too little history)."""
         self.moto = boto3.client("ce", region_name="us-east-1")
         self.stubbed, stub = stubbed("ce")
         tags = [] if tag_status is None else [
@@ -216,11 +217,20 @@ class CostExplorerClient:
         stub.add_response(
             "list_cost_allocation_tags", {"CostAllocationTags": tags}, {"TagKeys": [STACK_TAG], "Type": "UserDefined"}
         )
+        if forecast is None:
+            stub.add_client_error("get_cost_forecast", "DataUnavailableException", "Insufficient amount of data")
+        elif forecast:
+            stub.add_response(
+                "get_cost_forecast", {"Total": {"Amount": forecast, "Unit": "USD"}, "ForecastResultsByTime": []}
+            )
         stub.activate()
         self.stub = stub
 
     def get_cost_and_usage(self, **request):
         return self.moto.get_cost_and_usage(**request)
+
+    def get_cost_forecast(self, **request):
+        return self.stubbed.get_cost_forecast(**request)
 
     def list_cost_allocation_tags(self, **request):
         return self.stubbed.list_cost_allocation_tags(**request)

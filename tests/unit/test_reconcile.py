@@ -139,6 +139,25 @@ def test_an_inactive_tag_is_said_and_nothing_is_billed_under_it(ledger, monkeypa
     assert all(d["bill_usd"] == 0 and not d["within_2pct"] for d in data["days"])
 
 
+def test_with_a_cluster_up_cost_explorers_forecast_to_the_months_end_is_beside_the_ledgers(ledger, monkeypatch):
+    estimate = billed_cluster(ledger, "dev", UP, None)
+    now = epoch("2026-11-21T00:00:00")
+    with moto_aws(monkeypatch):
+        told = CostExplorerClient("Active", forecast="240.00")
+        data = reconcile.reconcile(ledger, "dev", 3, None, lambda: told, now=now)
+        told.stub.assert_no_pending_responses()
+        unknown = reconcile.reconcile(
+            ledger, "dev", 3, None, lambda: CostExplorerClient("Active", forecast=None), now=now
+        )
+    assert data["forecast"] == {
+        "until": "2026-12-01",
+        "ce_usd": 240.0,
+        "ledger_usd": round(240 * estimate.hourly_usd, 2),
+    }
+    assert (data["ce_requests"], data["ce_cost_usd"]) == (4, 0.04)
+    assert unknown["forecast"]["ce_usd"] is None and unknown["ce_requests"] == 4
+
+
 def test_a_file_that_is_not_a_cur_export_is_one_clear_line(ledger, tmp_path):
     billed_cluster(ledger, "dev", UP, DOWN)
     wrong = tmp_path / "bill.csv"
@@ -149,6 +168,9 @@ def test_a_file_that_is_not_a_cur_export_is_one_clear_line(ledger, tmp_path):
     wrong.write_text(text)
     with pytest.raises(UsageError, match="line_item_unblended_cost 'lots' is not a number"):
         reconcile.reconcile(ledger, "dev", None, wrong, None, now=UP)
+    wrong.write_text(CUR_FIXTURE.read_text().replace("user_gpu-cluster:stack", "user_team"))  # tag not activated
+    untagged = reconcile.reconcile(ledger, "dev", None, wrong, None, now=UP)
+    assert any("no row of bill.csv carries gpu-cluster:stack = dev" in note for note in untagged["notes"])
     with pytest.raises(UsageError, match="no AWS cluster of stack 'other'"):
         reconcile.reconcile(ledger, "other", None, CUR_FIXTURE, None, now=UP)
     with pytest.raises(UsageError, match="--days 0: give the days to compare, 1..365"):
