@@ -181,8 +181,8 @@ def tag_notes(clusters: list, now: float) -> list[str]:
     if first is None or now - first >= TAG_DELAY_S:
         return []
     return [
-        f"the cost-allocation tag {STACK_TAG} was activated by the first AWS up, {(now - first) / 3600:.1f} h ago: "
-        f"Cost Explorer and the bill may show its spend only from {_iso(first + TAG_DELAY_S)} (up to 24 h)"
+        f"the first AWS cluster came up {(now - first) / 3600:.1f} h ago, activating the cost-allocation tag "
+        f"{STACK_TAG}: Cost Explorer and the bill may show spend under it only from {_iso(first + TAG_DELAY_S)}"
     ]
 
 

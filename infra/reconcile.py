@@ -140,12 +140,8 @@ class CostExplorer:
         self.requests += 1
         for tag in answer.get("CostAllocationTags", []):
             if tag.get("TagKey") == STACK_TAG and tag.get("Status") == "Active":
-                when = tag.get("LastUpdatedDate")
-                return (
-                    datetime.fromisoformat(when.replace("Z", "+00:00"))
-                    if when
-                    else datetime.min.replace(tzinfo=timezone.utc)
-                )
+                when = tag.get("LastUpdatedDate") or "0001-01-01T00:00:00Z"  # active, since when unknown
+                return datetime.fromisoformat(when.replace("Z", "+00:00"))
         return None
 
 
@@ -170,7 +166,7 @@ def from_cost_explorer(client, stack: str, start: date, end: date, now: datetime
     elif now - activated < timedelta(hours=24):
         notes.append(
             f"the cost-allocation tag {STACK_TAG} was activated at {activated.isoformat(timespec='minutes')}: "
-            "spend before it shows up to 24 h later may still count as untagged"
+            "the bill may show spend under it only from 24 h after that, and count the stack's as untagged until then"
         )
     tag = {"Tags": {"Key": STACK_TAG, "Values": [stack], "MatchOptions": ["EQUALS"]}}
     untagged = {"Tags": {"Key": STACK_TAG, "MatchOptions": ["ABSENT"]}}
