@@ -78,8 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help='machine-readable: {"hourly_usd", "resources"}')
 
     cost = commands.add_parser("cost", help="what each cluster and run has cost, from the ledger")
-    cost.add_argument("--stack", help="only this stack (default: all)")
+    cost.add_argument("--stack", help="only this stack (default: all; with --reconcile: the current stack)")
     cost.add_argument("--json", action="store_true", help='machine-readable: {"clusters", "runs", "total_usd"}')
+    cost.add_argument(
+        "--reconcile",
+        action="store_true",
+        help="AWS: the ledger beside Cost Explorer's bill for the stack, by usage type and day ($0.01 a request)",
+    )
+    cost.add_argument("--days", type=_whole_number, metavar="N", help="with --reconcile: the last N days (14)")
+    cost.add_argument(
+        "--bill", metavar="FILE", help="reconcile with a Data Exports (CUR 2.0) CSV instead of Cost Explorer"
+    )
 
     ssh = commands.add_parser(
         "ssh",
@@ -358,6 +367,8 @@ def cmd_plan(args) -> int:
 
 def cmd_cost(args) -> int:
     """Per cluster and per run, from the ledger; local clusters also show what AWS would have charged."""
+    if args.reconcile or args.bill is not None or args.days is not None:
+        return _cost_reconcile(args)
     stack = None if args.stack is None else state.check_stack_name(args.stack)
     providers.note_self_stops(report.console.print)
     data = costs.report(stack, say=report.console.print)
@@ -383,6 +394,40 @@ def _node_rows(cluster: inventory.ClusterInfo) -> list[dict]:
     """`status --json`'s node rows, for the dashboard: each node's state, uptime and Slurm state."""
     rows, _ = providers.for_cluster(cluster).status(cluster)
     return [row.as_dict() for row in _with_scheduler_states(cluster, rows)]
+
+
+def _cost_reconcile(args) -> int:
+    """The ledger beside the bill (infra/reconcile.py): Cost Explorer, or a CUR 2.0 CSV with --bill."""
+    import time
+    from pathlib import Path
+
+    from infra import preflight, reconcile
+
+    if not args.reconcile and args.bill is None:
+        raise UsageError("--days goes with --reconcile: python deploy.py cost --reconcile --days N")
+    days = None if args.days is None else reconcile.check_days(args.days)
+    stack = state.resolve_stack(args.stack, default=providers.AWS.default_stack)
+    kind = providers.for_stack(stack)
+    if kind is not providers.AWS:
+        raise UsageError(
+            f"stack '{stack}' is {kind.what}: AWS bills nothing for it, so there is no bill to compare "
+            "(python deploy.py cost shows its ledger)"
+        )
+    bill = None if args.bill is None else Path(args.bill)
+    if bill is not None and not bill.is_file():
+        raise UsageError(f"--bill {bill}: no such file; download the CUR 2.0 export's CSV (gunzip it first)")
+    ledger = costs.open_ledger(say_on_stderr, create=False)
+    try:
+        with preflight.aws_answers("cost --reconcile"):
+            data = reconcile.reconcile(ledger, stack, days, bill, reconcile.ce_client, time.time())
+    finally:
+        if ledger is not None:
+            ledger.close()
+    if args.json:
+        report.print_json(data)
+    else:
+        report.reconcile_tables(data)
+    return 0
 
 
 # ------------------------------------------------------------------------------------------ ssh

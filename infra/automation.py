@@ -80,6 +80,7 @@ def config_values(config: StackConfig) -> dict[str, auto.ConfigValue]:
         "gpu-cluster:amiId": config.ami_id,
         "gpu-cluster:availabilityZone": config.availability_zone,
         "gpu-cluster:shutdownBehavior": config.shutdown_behavior,
+        "gpu-cluster:costAllocationTag": config.cost_allocation_tag,
     }
     return {key: auto.ConfigValue(_text(value)) for key, value in values.items() if value is not None}
 

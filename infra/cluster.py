@@ -4,7 +4,8 @@
     SharedStorage    encrypted EFS (elastic throughput), its mount target, NFS only from the nodes
     GpuCluster       both of the above, the node security group, a cluster placement group, the key
                      pair and the instances (IMDSv2, encrypted gp3 root, optional spot); with spot, each
-                     worker is an Auto Scaling group of one (replaced by EC2 when reclaimed or dead)
+                     worker is an Auto Scaling group of one (replaced by EC2 when reclaimed or dead); the
+                     stack tag activated as a cost-allocation tag (kept at destroy: the account's, shared)
 
 Every resource that takes tags is tagged `gpu-cluster:stack` = the stack and `Name`, which is how
 `deploy.py down` proves nothing is left behind. No resource is created inside `apply()`.
@@ -182,6 +183,15 @@ class GpuCluster(pulumi.ComponentResource):
         self.key_pair = aws.ec2.KeyPair(
             f"{name}-key", public_key=config.ssh_public_key, tags=tags_for(config.stack, f"{name}-key"), opts=child
         )
+        if config.cost_allocation_tag:
+            # The stack tag as a cost-allocation tag, so the bill can be filtered by stack (`cost --reconcile`).
+            # The key is the account's, shared by every stack: `down` leaves it active for the others.
+            aws.costexplorer.CostAllocationTag(
+                f"{name}-cost-tag",
+                tag_key=STACK_TAG,
+                status="Active",
+                opts=pulumi.ResourceOptions(parent=self, retain_on_delete=True),
+            )
         dns_name = self.storage.file_system.dns_name
         self.worker_groups: list[aws.autoscaling.Group] = []
         if config.spot:

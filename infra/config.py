@@ -43,6 +43,7 @@ CONFIG_KEYS = (
     "amiId",
     "availabilityZone",
     "shutdownBehavior",
+    "costAllocationTag",
 )
 
 
@@ -80,6 +81,9 @@ class StackConfig:
     """Pin the zone; otherwise the first zone (sorted) that offers the type, with fallback on capacity."""
     shutdown_behavior: str = "terminate"
     """What a watchdog power-off does to the instances: `terminate` or `stop`."""
+    cost_allocation_tag: bool = True
+    """The program activates `gpu-cluster:stack` as a cost-allocation tag (the bill's side of `cost --reconcile`);
+    false where the account cannot (a member account of an organization: its payer account activates it)."""
 
     @property
     def gpus_per_node(self) -> int:
@@ -152,6 +156,7 @@ def validate(stack: str, raw: Mapping[str, object]) -> StackConfig:
     take("amiId", "ami_id", _ami)
     take("availabilityZone", "availability_zone", _zone)
     take("shutdownBehavior", "shutdown_behavior", _shutdown_behavior)
+    take("costAllocationTag", "cost_allocation_tag", _boolean)
     config = StackConfig(**values) if not problems else None
     if config and config.ssh_cidr in WORLD and not config.allow_world_ssh:
         problems.append(

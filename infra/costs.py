@@ -12,8 +12,9 @@ from datetime import datetime, timezone
 from infra import state
 from infra.config import StackConfig
 from infra.inventory import ClusterInfo
-from infra.ledger import Ledger
+from infra.ledger import Ledger, LineRecord, billed_seconds
 from infra.pricing import PriceSource
+from infra.tags import STACK_TAG
 from node import billing
 
 
@@ -40,7 +41,8 @@ def reference_hourly_usd(instance_type: str, region: str, nodes: int) -> float |
         return None
 
 
-def record_up(cluster: ClusterInfo, reference_usd: float | None, say=print) -> None:
+def record_up(cluster: ClusterInfo, reference_usd: float | None, say=print, lines=()) -> None:
+    """The cluster into the ledger, with the lines it is billed for (`pricing.BilledLine`s)."""
     ledger = open_ledger(say)
     assert ledger is not None  # create=True always opens one
     try:
@@ -53,9 +55,15 @@ def record_up(cluster: ClusterInfo, reference_usd: float | None, say=print) -> N
             cluster.hourly_usd,
             reference_usd,
             at=created,
+            lines=line_records(lines),
         )
     finally:
         ledger.close()
+
+
+def line_records(lines) -> tuple[LineRecord, ...]:
+    """`pricing.BilledLine`s as the ledger keeps them."""
+    return tuple(LineRecord(x.kind, x.usage_type, x.quantity, x.unit, x.unit_usd, x.hourly_usd, x.exact) for x in lines)
 
 
 def record_down(stack: str, reason: str = "down", at: float | None = None, say=print) -> None:
@@ -95,9 +103,10 @@ def report(stack: str | None = None, say=print) -> dict:
     """`deploy.py cost --json`: every cluster and run, with totals."""
     ledger = open_ledger(say, create=False)
     now = time.time()
-    clusters, runs, events = [], [], []
+    clusters, runs, events, notes = [], [], [], []
     if ledger is not None:
         try:
+            notes = tag_notes(ledger.clusters(), now)
             records = ledger.clusters(stack)
             clusters = [_cluster_row(c, now) for c in records]
             runs = [_run_row(r, now) for r in ledger.runs(stack)]
@@ -111,6 +120,7 @@ def report(stack: str | None = None, say=print) -> dict:
         "events": events,
         "total_usd": round(sum(c["cost_usd"] for c in clusters), 6),
         "local_would_have_cost_usd": round(sum(would), 6) if would else None,
+        "notes": notes,
     }
 
 
@@ -140,7 +150,40 @@ def _cluster_row(c, now: float) -> dict:
         "hours": round(billing.hours(c.seconds(now)), 4),
         "cost_usd": round(c.cost_usd(now), 6),
         "would_have_cost_usd": round(reference, 6) if reference is not None else None,
+        "lines": [_line_row(line, c, now) for line in c.lines],
     }
+
+
+def _line_row(line, c, now: float) -> dict:
+    """A billed line of a cluster: how long it was billed (the cluster's intervals) and what that cost."""
+    seconds = sum(billed_seconds(i.seconds(now)) for i in c.intervals)
+    return {
+        "kind": line.kind,
+        "usage_type": line.usage_type,
+        "quantity": line.quantity,
+        "unit": line.unit,
+        "unit_usd": line.unit_usd,
+        "hours": round(billing.hours(seconds), 4),
+        "cost_usd": round(line.cost_usd(seconds), 6),
+        "exact": line.exact,
+    }
+
+
+TAG_DELAY_S = 24 * 3600
+"""How long AWS may take to show spend under a newly activated cost-allocation tag."""
+
+
+def tag_notes(clusters: list, now: float) -> list[str]:
+    """Where the cost-allocation tag is younger than a day (the first AWS cluster `up` activated it):
+    the bill may not carry it yet."""
+    billed = [c for c in clusters if c.lines]
+    first = min((c.created_at for c in billed), default=None)
+    if first is None or now - first >= TAG_DELAY_S:
+        return []
+    return [
+        f"the first AWS cluster came up {(now - first) / 3600:.1f} h ago, activating the cost-allocation tag "
+        f"{STACK_TAG}: Cost Explorer and the bill may show spend under it only from {_iso(first + TAG_DELAY_S)}"
+    ]
 
 
 def _event_row(e, clusters) -> dict:

@@ -1,4 +1,5 @@
-"""The cost ledger, `.cluster/ledger.sqlite`: every cluster's up/down intervals and every run.
+"""The cost ledger, `.cluster/ledger.sqlite`: every cluster's up/down intervals, the lines it is billed
+for (instances, volumes, addresses, EFS, transfer: their hours are the intervals), and every run.
 
 Written by `deploy.py` (up, down, and when it notices a cluster stopped itself) and by every `fab`
 launch. Each write is one transaction (BEGIN IMMEDIATE), so a crash mid-write leaves the ledger as it
@@ -80,6 +81,17 @@ CREATE TABLE IF NOT EXISTS runs (
     ended_at REAL,
     exit_codes TEXT
 );
+CREATE TABLE IF NOT EXISTS billed_lines (
+    id INTEGER PRIMARY KEY,
+    cluster_id INTEGER NOT NULL REFERENCES clusters(id),
+    kind TEXT NOT NULL,
+    usage_type TEXT NOT NULL,
+    quantity REAL NOT NULL,
+    unit TEXT NOT NULL,
+    unit_usd REAL NOT NULL,
+    hourly_usd REAL NOT NULL,
+    exact INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY,
     stack TEXT NOT NULL,
@@ -111,6 +123,26 @@ class Interval:
         return (self.ended_at or now) - self.started_at
 
 
+@dataclass(frozen=True)
+class LineRecord:
+    """One billed line of a cluster (`infra.pricing.BilledLine` as recorded): it is billed while the
+    cluster is up, so its hours are the cluster's intervals."""
+
+    kind: str
+    usage_type: str
+    """The AWS usage type, without the region's prefix."""
+    quantity: float
+    """Instances, GB, addresses, or GB moved per hour."""
+    unit: str
+    unit_usd: float
+    hourly_usd: float
+    exact: bool
+    """False: an estimate (EFS, data transfer), whose quantity was assumed."""
+
+    def cost_usd(self, seconds: float) -> float:
+        return cost_usd(self.hourly_usd, seconds)
+
+
 @dataclass
 class ClusterRecord:
     """A cluster as the ledger knows it, with its cost."""
@@ -124,6 +156,8 @@ class ClusterRecord:
     reference_hourly_usd: float | None
     created_at: float
     intervals: list[Interval] = field(default_factory=list)
+    lines: list[LineRecord] = field(default_factory=list)
+    """What it is billed for, line by line; empty for clusters that AWS does not bill (local, hosts)."""
 
     def seconds(self, now: float) -> float:
         return sum(i.seconds(now) for i in self.intervals)
@@ -352,7 +386,9 @@ class Ledger:
         hourly_usd: float,
         reference_hourly_usd: float | None = None,
         at: float | None = None,
+        lines: tuple[LineRecord, ...] = (),
     ) -> int:
+        """A cluster came up at `at`, billed for `lines` (which sum to `hourly_usd` on AWS)."""
         at = self.clock() if at is None else at
         with self._transaction():
             cursor = self.db.execute(
@@ -363,6 +399,14 @@ class Ledger:
             )
             cluster_id = int(cursor.lastrowid or 0)  # set after every INSERT
             self.db.execute("INSERT INTO intervals (cluster_id, started_at) VALUES (?, ?)", (cluster_id, at))
+            self.db.executemany(
+                "INSERT INTO billed_lines (cluster_id, kind, usage_type, quantity, unit, unit_usd, hourly_usd, exact)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [
+                    (cluster_id, x.kind, x.usage_type, x.quantity, x.unit, x.unit_usd, x.hourly_usd, int(x.exact))
+                    for x in lines
+                ],
+            )
         return cluster_id
 
     def cluster_down(self, stack: str, reason: str = "down", at: float | None = None) -> bool:
@@ -393,6 +437,14 @@ class Ledger:
                 Interval(*row)
                 for row in self.db.execute(
                     "SELECT started_at, ended_at, end_reason FROM intervals WHERE cluster_id = ? ORDER BY started_at",
+                    (record.id,),
+                )
+            ]
+            record.lines = [
+                LineRecord(kind, usage, quantity, unit, unit_usd, hourly, bool(exact))
+                for kind, usage, quantity, unit, unit_usd, hourly, exact in self.db.execute(
+                    "SELECT kind, usage_type, quantity, unit, unit_usd, hourly_usd, exact FROM billed_lines"
+                    " WHERE cluster_id = ? ORDER BY id",
                     (record.id,),
                 )
             ]

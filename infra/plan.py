@@ -136,6 +136,7 @@ ORDER = (
     "MountTarget",
     "PlacementGroup",
     "KeyPair",
+    "CostAllocationTag",
     "Role",
     "RolePolicy",
     "InstanceProfile",
@@ -193,6 +194,8 @@ def describe(resource: PlannedResource) -> dict[str, object]:
         return {"in": ports, "from": source}
     if short == "FileSystem":
         return {"encrypted": i.get("encrypted"), "throughput": i.get("throughputMode")}
+    if short == "CostAllocationTag":
+        return {"tag": i.get("tagKey"), "status": i.get("status"), "at down": "kept (the account's, for every stack)"}
     if short == "PlacementGroup":
         return {"strategy": i.get("strategy")}
     if short in ("Vpc", "Subnet"):

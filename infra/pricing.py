@@ -1,4 +1,5 @@
-"""What a cluster costs: on-demand and spot instance prices, gp3 root volumes and EFS storage.
+"""What a cluster costs, line by line as AWS bills it: on-demand or spot instance hours, gp3 root volumes,
+public IPv4 addresses (exact), and EFS storage and throughput and data transfer out (estimates).
 
 Prices come from the AWS Price List API (on-demand, storage) and the spot price history of the
 cluster's zone when AWS answers, else from the bundled, dated table `infra/prices.json`. Every figure
@@ -38,8 +39,47 @@ class Price:
 
 
 @dataclass(frozen=True)
+class BilledLine:
+    """One line of the bill a cluster runs up while it is up: what AWS charges, at what rate."""
+
+    kind: str
+    """One of LINE_KINDS: how `cost --reconcile` matches it with the bill's usage types."""
+    usage_type: str
+    """The AWS usage type it bills under, without the region's prefix (`BoxUsage:g4dn.xlarge`)."""
+    quantity: float
+    """How much of it exists while the cluster is up: instances, GB stored, addresses; for a line billed
+    per GB moved (`unit` GB), the GB per hour assumed."""
+    unit: str
+    """What `unit_usd` is per: `instance-hour`, `GB-month`, `address-hour`, `GB`."""
+    unit_usd: float
+    """The price per unit, in force when the cluster came up."""
+    hourly_usd: float
+    """What the line costs per hour the cluster is up."""
+    exact: bool
+    """True where the quantity and the price are both known (the bill will match); False: an estimate."""
+    source: str
+    """Where the price came from, and for an estimate what was assumed."""
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "hourly_usd": round(self.hourly_usd, 6)}
+
+    def describe(self) -> str:
+        return describe_quantity(self.quantity, self.unit, self.unit_usd)
+
+
+def describe_quantity(quantity: float, unit: str, unit_usd: float) -> str:
+    """`2 x $0.526/instance-hour`; a line billed per GB moved has a quantity per hour: `0.2 GB/h x $0.04/GB`."""
+    per_hour = " GB/h" if unit == "GB" else ""
+    return f"{quantity:g}{per_hour} x ${unit_usd:g}/{unit}"
+
+
+LINE_KINDS = ("instances", "ebs", "public ipv4", "efs storage", "efs throughput", "data transfer")
+"""Every line a cluster is billed for, in the order they are shown: the exact ones, then the estimates."""
+
+
+@dataclass(frozen=True)
 class Estimate:
-    """The cost of a whole cluster."""
+    """The cost of a whole cluster, line by line."""
 
     instance: Price
     """Per instance-hour."""
@@ -51,6 +91,12 @@ class Estimate:
     """gp3 per GB-month."""
     efs: Price
     """EFS Standard per GB-month (charged for what is stored)."""
+    spot: bool = False
+    """Spot instances (`SpotUsage`), else on-demand (`BoxUsage`)."""
+    instance_type: str = ""
+    """The EC2 type, which names the instances' usage type."""
+    region: str = "us-east-1"
+    """Where the flat prices (addresses, transfer, EFS throughput) are looked up."""
 
     @property
     def instances_hourly_usd(self) -> float:
@@ -58,35 +104,103 @@ class Estimate:
 
     @property
     def storage_hourly_usd(self) -> float:
-        """Root volumes only: EFS is charged for what is stored, which starts near zero."""
+        """Root volumes only (EFS is charged for what is stored: its own, estimated, line)."""
         return self.ebs.usd * self.root_volume_gb * self.nodes / HOURS_PER_MONTH
 
     @property
+    def lines(self) -> list[BilledLine]:
+        """Every billed line, exact ones first: instances, root volumes, public addresses; then the
+        estimates (EFS storage and elastic throughput, data transfer out), at the bundled usage assumed."""
+        assumed, table = BUNDLED["assumed_usage"], f"bundled table, {BUNDLED['as_of']}"
+        market = "SpotUsage" if self.spot else "BoxUsage"
+        gb = self.root_volume_gb * self.nodes
+        efs_gb, efs_moved = assumed["efs_stored_gb"], assumed["efs_transferred_gb_per_node_hour"] * self.nodes
+        out_gb = assumed["transfer_out_gb_per_node_hour"] * self.nodes
+        ipv4 = _flat("public_ipv4_usd_per_hour", self.region)
+        elastic = _flat("efs_elastic_usd_per_gb_transferred", self.region)
+        transfer = _flat("transfer_out_usd_per_gb", self.region)
+        return [
+            BilledLine(
+                "instances",
+                f"{market}:{self.instance_type}",
+                self.nodes,
+                "instance-hour",
+                self.instance.usd,
+                self.instances_hourly_usd,
+                True,
+                _short(self.instance) if not self.spot else self.instance.describe(),
+            ),
+            BilledLine(
+                "ebs", "EBS:VolumeUsage.gp3", gb, "GB-month", self.ebs.usd, self.storage_hourly_usd, True,
+                f"{self.nodes} x {self.root_volume_gb} GB gp3, baseline IOPS and throughput; {_short(self.ebs)}",
+            ),
+            BilledLine(
+                "public ipv4", "PublicIPv4:InUseAddress", self.nodes, "address-hour", ipv4, ipv4 * self.nodes, True,
+                f"one public address per node; {table}",
+            ),
+            BilledLine(
+                "efs storage", "TimedStorage-ByteHrs", efs_gb, "GB-month", self.efs.usd,
+                self.efs.usd * efs_gb / HOURS_PER_MONTH, False,
+                f"assumes {efs_gb} GB stored on /shared; {_short(self.efs)}",
+            ),
+            BilledLine(
+                "efs throughput", "ElasticThroughput", efs_moved, "GB", elastic, elastic * efs_moved, False,
+                f"elastic: assumes {efs_moved:g} GB/h read and written; reads $0.03, writes $0.06 per GB",
+            ),
+            BilledLine(
+                "data transfer", "DataTransfer-Out-Bytes", out_gb, "GB", transfer, transfer * out_gb, False,
+                f"assumes {out_gb:g} GB/h out to the internet; in, and within the zone, free",
+            ),
+        ]  # fmt: skip
+
+    @property
     def hourly_usd(self) -> float:
-        return self.instances_hourly_usd + self.storage_hourly_usd
+        return sum(line.hourly_usd for line in self.lines)
 
     def as_dict(self) -> dict:
+        exact = sum(line.hourly_usd for line in self.lines if line.exact)
         return {
             "hourly_usd": round(self.hourly_usd, 6),
             "daily_usd": round(self.hourly_usd * 24, 4),
             "monthly_usd": round(self.hourly_usd * HOURS_PER_MONTH, 2),
+            "exact_hourly_usd": round(exact, 6),
+            "estimated_hourly_usd": round(self.hourly_usd - exact, 6),
             "instances_hourly_usd": round(self.instances_hourly_usd, 6),
             "storage_hourly_usd": round(self.storage_hourly_usd, 6),
             "nodes": self.nodes,
+            "lines": [line.as_dict() for line in self.lines],
             "instance": asdict(self.instance),
             "ebs_gp3": asdict(self.ebs),
             "efs_standard": asdict(self.efs),
         }
 
-    def lines(self) -> list[str]:
+    def text_lines(self) -> list[str]:
+        """The estimate as a person reads it: one row per billed line, then their sum."""
         per_day, per_month = self.hourly_usd * 24, self.hourly_usd * HOURS_PER_MONTH
+        rows = [
+            f"{'+' if index else ' '} ${line.hourly_usd:.4f}/h  {line.kind:<15} {line.describe()}"
+            f"{'' if line.exact else ' (estimate)'}  ({line.source})"
+            for index, line in enumerate(self.lines)
+        ]
         return [
-            f"{self.nodes} x ${self.instance.usd:.4f}/h = ${self.instances_hourly_usd:.3f}/h instances "
-            f"({self.instance.describe()})",
-            f"+ ${self.storage_hourly_usd:.4f}/h for {self.nodes} x {self.root_volume_gb} GB gp3 at "
-            f"${self.ebs.usd:.3f}/GB-month; EFS ${self.efs.usd:.2f}/GB-month as used",
+            *rows,
             f"= ${self.hourly_usd:.3f}/h, ${per_day:.2f}/day, ${per_month:.0f}/month if left running",
         ]
+
+
+def _short(price: Price) -> str:
+    """A price's source in few words (the bundled table's long name is in `infra/prices.json`)."""
+    source = "bundled table" if price.source.startswith("bundled table") else price.source
+    return f"{source}, {price.as_of}"
+
+
+def _flat(key: str, region: str = "us-east-1") -> float:
+    """A bundled price that is one number, or one per region (us-east-1's where the region has none)."""
+    value = BUNDLED[key]
+    if isinstance(value, dict):
+        found = _region_table(value, region)
+        return float(found if isinstance(found, (int, float)) else value["us-east-1"])
+    return float(value)
 
 
 # ---------------------------------------------------------------------------------------- bundled
@@ -254,7 +368,8 @@ class PriceSource:
         self, instance_type: str, region: str, nodes: int, root_volume_gb: int, spot_zone: str | None = None
     ) -> Estimate:
         instance = self.spot(instance_type, spot_zone) if spot_zone else self.on_demand(instance_type, region)
-        return Estimate(instance, nodes, root_volume_gb, self.ebs_gp3(region), self.efs_standard(region))
+        ebs, efs = self.ebs_gp3(region), self.efs_standard(region)
+        return Estimate(instance, nodes, root_volume_gb, ebs, efs, spot_zone is not None, instance_type, region)
 
     def _cached(self, key: str, ask_api, ask_table) -> Price:
         cache = self._read_cache()

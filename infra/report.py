@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from infra.inventory import ClusterInfo, NodeStatus
+from infra.pricing import describe_quantity
 
 # The terminal's width, or a wide page when piped (logs, CI), so tables are not wrapped into columns.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -96,8 +97,8 @@ def plan_table(stack: str, config, resources: list[dict], estimate, price_note: 
     if estimate is None:
         console.print(f"{len(resources)} resources; cost not estimated offline: {price_note}")
         return
-    console.print(f"{len(resources)} resources; estimated cost:")
-    for line in estimate.lines():
+    console.print(f"{len(resources)} resources; estimated cost, line by line as AWS bills it:")
+    for line in estimate.text_lines():
         console.print(f"  {line}")
 
 
@@ -156,9 +157,84 @@ def cost_tables(data: dict) -> None:
                 e["detail"],
             )
         console.print(events)
+    _billed_lines_table(data["clusters"])
     would = data["local_would_have_cost_usd"]
     extra = f"; local clusters would have cost ${would:.4f} on their instance types" if would is not None else ""
     console.print(f"total: ${data['total_usd']:.4f}{extra}")
+    for note in data.get("notes", []):
+        console.print(f"note: {note}", markup=False)
+
+
+def _billed_lines_table(clusters: list[dict]) -> None:
+    """Each AWS cluster's billed lines: what was billed, for how many hours, at what price, and their sum."""
+    billed = [c for c in clusters if c.get("lines")]
+    if not billed:
+        return
+    table = Table(title="billed lines (AWS clusters)", show_edge=False, pad_edge=False)
+    for column in ("stack", "from", "line", "usage type", "quantity", "hours", "cost", ""):
+        table.add_column(column)
+    for c in billed:
+        start = (c["intervals"][0]["started_at"] or "")[:16] if c["intervals"] else ""
+        for line in c["lines"]:
+            table.add_row(
+                c["stack"],
+                start,
+                line["kind"],
+                line["usage_type"],
+                describe_quantity(line["quantity"], line["unit"], line["unit_usd"]),
+                f"{line['hours']:.3f}",
+                f"${line['cost_usd']:.4f}",
+                "exact" if line["exact"] else "estimate",
+            )
+        total = sum(line["cost_usd"] for line in c["lines"])
+        table.add_row(c["stack"], start, "= sum", "", "", f"{c['hours']:.3f}", f"${total:.4f}", "")
+    console.print(table)
+
+
+def reconcile_tables(data: dict) -> None:
+    """`cost --reconcile`: the ledger beside the bill, per cluster-day and per usage type; estimated rows,
+    unmatched usage types, leak suspects, and what the comparison itself cost."""
+    console.print(f"stack '{data['stack']}': the ledger beside {data['source']}", markup=False)
+    days = Table(title="per cluster-day", show_edge=False, pad_edge=False)
+    for column in ("day", "ledger", "bill", "difference", "%", "rows"):
+        days.add_column(column)
+    for d in data["days"]:
+        pct = "-" if d["difference_pct"] is None else f"{d['difference_pct']:+.2f}%"
+        days.add_row(
+            d["day"], f"${d['ledger_usd']:.4f}", f"${d['bill_usd']:.4f}", f"${d['difference_usd']:+.4f}", pct,
+            "final" if d["final"] else "estimated (may change)",
+        )  # fmt: skip
+    console.print(days)
+    kinds = Table(title="per usage type", show_edge=False, pad_edge=False)
+    for column in ("line", "AWS usage types", "ledger", "bill", "difference", ""):
+        kinds.add_column(column)
+    for k in data["usage_types"]:
+        kinds.add_row(
+            k["kind"], ", ".join(k["usage_types"]) or "-", f"${k['ledger_usd']:.4f}", f"${k['bill_usd']:.4f}",
+            f"${k['difference_usd']:+.4f}", "exact" if k["exact"] else "estimate",
+        )  # fmt: skip
+    for u in data["unmatched"]:
+        kinds.add_row("unmatched", u["usage_type"], "-", f"${u['bill_usd']:.4f}", "", "no ledger line")
+    console.print(kinds)
+    if data["estimated_rows"]:
+        console.print(
+            f"{plural(len(data['estimated_rows']), 'row')} of the bill still Estimated: those days may change"
+        )
+    for leak in data["leak_suspects"]:
+        named = leak["resource_id"] or "(no resource id in this source)"
+        console.print(
+            f"leak suspect: {leak['day']} {leak['usage_type']} {named} ${leak['cost_usd']:.4f}, no stack tag",
+            markup=False,
+        )
+    forecast = data.get("forecast")
+    if forecast:
+        said = "no forecast (too little history)" if forecast["ce_usd"] is None else f"${forecast['ce_usd']:.2f}"
+        console.print(
+            f"to {forecast['until']}, if it stays up: the ledger ${forecast['ledger_usd']:.2f}, Cost Explorer {said}"
+        )
+    for note in data["notes"]:
+        console.print(f"note: {note}", markup=False)
+    console.print(f"Cost Explorer requests: {data['ce_requests']} (${data['ce_cost_usd']:.2f})")
 
 
 def image_table(region: str, images: list) -> None:

@@ -55,7 +55,7 @@ def _bring_up(chosen: Provider, request: UpRequest, say) -> UpResult:
         guarded, reference_usd = chosen.bookkeeping(request)
         if guarded is not None:
             costs.save_guards(request.stack, guarded)
-        costs.record_up(result.cluster, reference_usd, say=say)
+        costs.record_up(result.cluster, reference_usd, say=say, lines=result.billed_lines)
         request.timeline.close("ledger")
         cluster = dataclasses.replace(result.cluster, timeline=request.timeline.as_dict())
         inventory.save(cluster)

@@ -77,7 +77,7 @@ def up(
     _pin_and_wait(cluster, outputs, clients.ec2, say, timeline)
     inventory.save(cluster)
     state.set_current_stack(request.stack)
-    return UpResult(cluster, True)
+    return UpResult(cluster, True, tuple(found.estimate.lines))
 
 
 def _confirm_cost(config, found: preflight.PreflightResult, yes: bool, confirm, say) -> None:
@@ -86,7 +86,7 @@ def _confirm_cost(config, found: preflight.PreflightResult, yes: bool, confirm, 
         f"{', '.join(found.zones)}; SSH from {found.ssh_cidr}"
     )
     assert found.estimate is not None  # checked by up() before asking
-    for line in found.estimate.lines():
+    for line in found.estimate.text_lines():
         say(f"  {line}")
     if yes:
         return

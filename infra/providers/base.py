@@ -62,6 +62,8 @@ class UpResult:
     """The cluster, as its inventory now says."""
     created: bool
     """False when the stack was up already (and matches the request)."""
+    billed_lines: tuple = ()
+    """What the cluster is billed for while up (`infra.pricing.BilledLine`s); empty where AWS bills nothing."""
 
 
 @dataclass(frozen=True)

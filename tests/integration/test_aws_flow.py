@@ -65,7 +65,8 @@ def test_up_falls_back_a_zone_pins_host_keys_and_writes_the_inventory(instances,
     assert any("no g4dn.2xlarge capacity in us-east-1a" in line for line in said)
     assert sum("host key pinned on first contact" in line for line in said) == 2
     saved = inventory.load("dev")
-    assert saved.provider == "aws" and saved.hourly_usd == pytest.approx(1.537, abs=1e-3)
+    assert saved.provider == "aws" and saved.hourly_usd == pytest.approx(1.568, abs=1e-3)
+    assert sum(line.hourly_usd for line in result.billed_lines) == pytest.approx(saved.hourly_usd)  # for the ledger
     assert [n.private_ip for n in saved.nodes] == [n["private_ip"] for n in instances.inventory["nodes"]]
     assert saved.nodes[0].gpus == 1 and saved.shared_dir == "/shared"
     pinned = sorted(line.split()[2] for line in open(saved.known_hosts))

@@ -3,13 +3,17 @@ exit 2, nothing created; `plan` still works offline."""
 
 import json
 import os
+import secrets
 import subprocess
 
 import pytest
 
 from infra.cloud_init import SCHEDULER_SETUP, STOP_MARKER, user_data
 from infra.providers.aws import host_keys_from_console
+from tests.support import REPO
+from tests.support.aws_fakes import CUR_FIXTURE
 from tests.support.cli import assert_one_line_error, run_cli
+from tests.support.ledgers import billed_cluster
 
 
 @pytest.fixture
@@ -206,3 +210,89 @@ def test_cloud_init_installs_slurm_with_its_system_services_masked_first_and_a_f
     assert lines[0] == "systemctl mask munge slurmctld slurmd"
     assert any(line.startswith("apt-get") for line in lines[1:])
     assert SCHEDULER_SETUP in user_data("fs-1234.efs.us-east-1.amazonaws.com")
+
+
+# ------------------------------------------------------------------------------ every billed line
+
+
+@pytest.fixture
+def small_stack():
+    """`Pulumi.<name>.yaml` of 2 x g4dn.xlarge (EFS, as every AWS cluster has), written in the repository
+    where deploy.py reads it; removed afterwards."""
+    name = f"t-{secrets.token_hex(4)}"
+    path = REPO / f"Pulumi.{name}.yaml"
+    path.write_text("config:\n  gpu-cluster:nodes: 2\n  gpu-cluster:instanceType: g4dn.xlarge\n")
+    yield name
+    path.unlink(missing_ok=True)
+
+
+def test_plan_of_two_g4dn_xlarge_shows_each_billed_line_and_their_sum(offline, state_dir, small_stack):
+    text = run_cli("plan", "--stack", small_stack, **offline)
+    assert text.returncode == 0, text.stderr
+    rows = text.stdout[text.stdout.index("line by line") :].splitlines()[1:]
+    kinds = ["instances", "ebs", "public ipv4", "efs storage", "efs throughput", "data transfer"]
+    assert [row.split("/h", 1)[1].split()[0] for row in rows[:6]] == [k.split()[0] for k in kinds]
+    assert "2 x $0.526/instance-hour" in rows[0] and "2 x $0.005/address-hour" in rows[2]
+    assert [("(estimate)" in row) for row in rows[:6]] == [False, False, False, True, True, True]
+    assert rows[6].strip().startswith("= $1.116/h")
+    plan = json.loads(run_cli("plan", "--stack", small_stack, "--json", **offline).stdout)
+    assert [line["kind"] for line in plan["lines"]] == kinds
+    assert plan["hourly_usd"] == pytest.approx(sum(line["hourly_usd"] for line in plan["lines"]), abs=1e-5)
+    assert any(r["type"].endswith("CostAllocationTag") for r in plan["resources"])
+    assert nothing_created(state_dir)
+
+
+def test_cost_reconcile_refuses_what_has_no_bill_or_is_not_one_in_one_line(
+    offline, state_dir, tmp_path, monkeypatch, capsys
+):
+    assert_one_line_error(run_cli("cost", "--reconcile", "--stack", "local", **offline), "no bill to compare")
+    assert_one_line_error(run_cli("cost", "--reconcile", "--days", "0", **offline), "--days 0", "1..365")
+    # the rest in this process (each deploy.py started costs seconds): the same main(), the same one line
+    for key, value in offline.items():
+        monkeypatch.setenv(key, value)
+    not_cur = tmp_path / "costs.csv"
+    not_cur.write_text("date,cost\n2026-11-20,1.0\n")
+
+    def refused(*args: str) -> str:
+        from deploy import main
+
+        umask = os.umask(0o077)  # main() makes this process's files private: put the test's umask back after
+        try:
+            assert main(["cost", *args]) == 2
+        finally:
+            os.umask(umask)
+        said = capsys.readouterr()
+        assert said.out == "" and said.err.startswith("error: ") and said.err.count("\n") == 1, said
+        return said.err
+
+    assert "no bill to compare" in refused("--reconcile", "--stack", "hosts")
+    assert "--days goes with --reconcile" in refused("--days", "3")
+    assert "no such file" in refused("--bill", str(tmp_path / "none.csv"))
+    assert not state_dir.exists() or not any(state_dir.iterdir())  # nothing created, not even a ledger
+    billed_cluster_in(state_dir)
+    assert "not a CUR 2.0 export" in refused("--bill", str(not_cur), "--stack", "dev")
+    assert "AWS credentials do not work" in refused("--reconcile", "--stack", "dev")
+
+
+def test_cost_bill_sets_a_cur_export_beside_the_ledger(offline, state_dir):
+    billed_cluster_in(state_dir)
+    result = run_cli("cost", "--bill", str(CUR_FIXTURE), "--stack", "dev", "--json", **offline)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert [(d["day"], d["within_2pct"]) for d in data["days"]] == [("2026-11-20", True), ("2026-11-21", True)]
+    assert {s["resource_id"] for s in data["leak_suspects"]} == {"vol-0dead0beef0000001"}
+    text = run_cli("cost", "--bill", str(CUR_FIXTURE), "--stack", "dev", **offline).stdout
+    assert "leak suspect: 2026-11-20 EBS:VolumeUsage.gp3 vol-0dead0beef0000001" in text
+    assert "unmatched" in text and "EBS:SnapshotUsage" in text and "Cost Explorer requests: 0" in text
+
+
+def billed_cluster_in(state_dir) -> None:
+    """The fixture's cluster (2 x g4dn.xlarge, 2026-11-20 06:00 to 2026-11-21 18:00 UTC) in the ledger."""
+    from datetime import datetime, timezone
+
+    from infra.ledger import Ledger
+
+    ledger = Ledger(state_dir / "ledger.sqlite")
+    start, end = (datetime(2026, 11, d, h, tzinfo=timezone.utc).timestamp() for d, h in ((20, 6), (21, 18)))
+    billed_cluster(ledger, "dev", start, end)
+    ledger.close()

@@ -1,8 +1,12 @@
 """AWS for tests: moto where it implements the API, botocore's Stubber where it does not (Service
-Quotas, the DLAMI SSM parameter, the Price List API, placement groups, spot prices)."""
+Quotas, the DLAMI SSM parameter, the Price List API, placement groups, spot prices, Cost Explorer's
+cost-allocation tags)."""
 
+import csv
 import json
 from contextlib import contextmanager
+from datetime import date, timedelta
+from pathlib import Path
 
 import boto3
 from botocore.stub import ANY, Stubber
@@ -10,6 +14,7 @@ from moto import mock_aws
 
 from infra.cluster import DLAMI_PARAMETER
 from infra.preflight import AwsClients
+from infra.tags import STACK_TAG
 
 FAKE_CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -151,3 +156,81 @@ def clients(region: str = "us-east-1", quota_vcpus: float = 64, ami_found: bool 
         efs=boto3.client("efs", region_name=region),
         autoscaling=boto3.client("autoscaling", region_name=region),
     )
+
+
+# -------------------------------------------------------------------------------- Cost Explorer
+
+CUR_FIXTURE = Path(__file__).parent.parent / "fixtures" / "cur2-dev-2026-11.csv"
+"""A CUR 2.0 export (its column layout, built by hand) of stack dev: 2 x g4dn.xlarge up from 2026-11-20
+06:00 to 2026-11-21 18:00 UTC, with their gp3 roots, public addresses, EFS, transfer out, a snapshot,
+one volume left behind with no stack tag, another stack's instance and the month's tax."""
+
+
+def ce_daily(stack: str | None, estimated: dict[str, float] | None = None) -> dict:
+    """Cost Explorer's GetCostAndUsage answer (daily, grouped by usage type) for the fixture's usage
+    tagged `stack`, or with no stack tag (None). `estimated`: day -> the share of that day billed so far,
+    its rows marked Estimated (as CE has them until the day's figures are final)."""
+    totals: dict[str, dict[str, float]] = {}
+    with CUR_FIXTURE.open(newline="") as handle:
+        for item in csv.DictReader(handle):
+            tags = json.loads(item["resource_tags"]) if item["resource_tags"] else {}
+            if item["line_item_line_item_type"] != "Usage" or tags.get("user_gpu-cluster:stack") != stack:
+                continue
+            day = totals.setdefault(item["line_item_usage_start_date"][:10], {})
+            usage = item["line_item_usage_type"]
+            day[usage] = day.get(usage, 0.0) + float(item["line_item_unblended_cost"])
+    estimated = estimated or {}
+    periods = []
+    for day, by_usage in sorted(totals.items()):
+        share = estimated.get(day, 1.0)
+        groups = [
+            {"Keys": [usage], "Metrics": {"UnblendedCost": {"Amount": f"{usd * share:.10f}", "Unit": "USD"}}}
+            for usage, usd in sorted(by_usage.items())
+        ]
+        end = (date.fromisoformat(day) + timedelta(days=1)).isoformat()
+        periods.append(
+            {"TimePeriod": {"Start": day, "End": end}, "Total": {}, "Groups": groups, "Estimated": day in estimated}
+        )
+    return {"ResultsByTime": periods, "DimensionValueAttributes": []}
+
+
+def queue_ce_results(*results: dict) -> None:
+    """Queue GetCostAndUsage answers in moto (its API: each new request takes the next one in turn)."""
+    import requests
+
+    answer = requests.post(
+        "http://motoapi.amazonaws.com/moto-api/static/ce/cost-and-usage-results", json={"results": list(results)}
+    )
+    assert answer.status_code == 201
+
+
+class CostExplorerClient:
+    """moto's Cost Explorer for GetCostAndUsage; botocore's Stubber for the tag status, which moto lacks."""
+
+    def __init__(self, tag_status: str | None, activated: str = "2026-11-01T00:00:00Z", forecast: str | None = ""):
+        """`forecast`: GetCostForecast's answer where a cluster is up ("": not asked; None: too little history)."""
+        self.moto = boto3.client("ce", region_name="us-east-1")
+        self.stubbed, stub = stubbed("ce")
+        tags = [] if tag_status is None else [
+            {"TagKey": STACK_TAG, "Type": "UserDefined", "Status": tag_status, "LastUpdatedDate": activated}
+        ]  # fmt: skip
+        stub.add_response(
+            "list_cost_allocation_tags", {"CostAllocationTags": tags}, {"TagKeys": [STACK_TAG], "Type": "UserDefined"}
+        )
+        if forecast is None:
+            stub.add_client_error("get_cost_forecast", "DataUnavailableException", "Insufficient amount of data")
+        elif forecast:
+            stub.add_response(
+                "get_cost_forecast", {"Total": {"Amount": forecast, "Unit": "USD"}, "ForecastResultsByTime": []}
+            )
+        stub.activate()
+        self.stub = stub
+
+    def get_cost_and_usage(self, **request):
+        return self.moto.get_cost_and_usage(**request)
+
+    def get_cost_forecast(self, **request):
+        return self.stubbed.get_cost_forecast(**request)
+
+    def list_cost_allocation_tags(self, **request):
+        return self.stubbed.list_cost_allocation_tags(**request)

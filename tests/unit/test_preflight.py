@@ -109,5 +109,5 @@ def test_missing_cli_credentials_and_ip_are_all_reported_at_once(monkeypatch, st
 
 def test_an_estimate_above_max_hourly_usd_is_refused(aws):
     result = check({"maxHourlyUsd": 1.0})
-    assert any("would cost $1.537/h, above maxHourlyUsd $1" in p for p in result.problems)
+    assert any("would cost $1.568/h, above maxHourlyUsd $1" in p for p in result.problems)
     assert check({"maxHourlyUsd": 2.0}).problems == []

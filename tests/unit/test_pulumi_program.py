@@ -209,3 +209,9 @@ def test_the_job_ports_are_open_to_the_node_group_only():
         admitting = [rule for rule in rules if admits(rule, port)]
         assert admitting and all(rule.get("referencedSecurityGroupId") == "dev-nodes-id" for rule in admitting), port
         assert not any(rule.get("cidrIpv4") or rule.get("cidrIpv6") for rule in admitting), port
+
+
+def test_the_stack_tag_is_activated_for_cost_allocation_unless_the_stack_says_not_to():
+    [tag] = of_type(program(), "CostAllocationTag")
+    assert (tag.inputs["tagKey"], tag.inputs["status"]) == (STACK_TAG, "Active")
+    assert of_type(program(costAllocationTag="false"), "CostAllocationTag") == []
