@@ -32,7 +32,7 @@ def main() -> None:
             print("free")
             return
         try:
-            address = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+            address = str(socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
         except (OSError, IndexError):
             print("free")  # the scheduler stage names a host name that resolves to nothing
             return
