@@ -208,11 +208,13 @@ systemctl disable --now {contract.WATCHDOG_UNIT} >/dev/null 2>&1 || true
 
 command -v mount.nfs4 >/dev/null || {{ apt-get update -qq && apt-get install -y -qq nfs-common; }}
 mkdir -p {SHARED_DIR}
-# The mount target may take a minute to resolve and answer after the instance boots.
-for attempt in $(seq 1 60); do
+# The instance boots while its mount target is still being created (a minute or more): mount it as soon as
+# it resolves and answers, trying every 2 s for up to 10 minutes.
+for attempt in $(seq 1 300); do
   mountpoint -q {SHARED_DIR} && break
-  mount -t nfs4 -o {MOUNT_OPTIONS} {efs_dns_name}:/ {SHARED_DIR} && break
-  echo "EFS not ready (attempt $attempt), retrying in 10 s"; sleep 10
+  mount -t nfs4 -o {MOUNT_OPTIONS} {efs_dns_name}:/ {SHARED_DIR} 2>/dev/null && break
+  [ $((attempt % 15)) -eq 0 ] && echo "EFS not ready after $((attempt * 2)) s, still trying"
+  sleep 2
 done
 mountpoint -q {SHARED_DIR}
 # This cluster's EFS, in place of any other: an image of another cluster's node carries that one's line.

@@ -389,7 +389,9 @@ class GpuCluster(pulumi.ComponentResource):
                 aws.autoscaling.GroupTagArgs(key=key, value=value, propagate_at_launch=False)
                 for key, value in node_tags.items()
             ],
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.storage.mount_target]),
+            # No wait for the mount target (a minute or more to become available): the instance boots
+            # meanwhile, and cloud-init mounts EFS as soon as it answers.
+            opts=pulumi.ResourceOptions(parent=self),
         )
 
     def _node(self, name: str, index: int, ami_id, user_data, profile=None) -> aws.ec2.Instance:
@@ -427,7 +429,8 @@ class GpuCluster(pulumi.ComponentResource):
             tags=node_tags,
             volume_tags=node_tags,
             # A newer AMI published later must not replace a running node.
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.storage.mount_target], ignore_changes=["ami"]),
+            # No wait for the mount target either (cloud-init mounts EFS once it answers).
+            opts=pulumi.ResourceOptions(parent=self, ignore_changes=["ami"]),
         )
 
 

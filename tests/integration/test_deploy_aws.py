@@ -127,10 +127,25 @@ def test_host_keys_are_read_from_the_console_ed25519_first():
     assert host_keys_from_console("booting...") == []
 
 
-def test_cloud_init_mounts_efs_with_retries_and_installs_the_guard():
+def test_cloud_init_mounts_efs_with_retries_and_installs_the_guard(tmp_path):
     script = user_data("fs-1234.efs.us-east-1.amazonaws.com")
     assert script.startswith("#!/bin/bash")
-    assert "fs-1234.efs.us-east-1.amazonaws.com:/ /shared" in script and "seq 1 60" in script
+    # The instance boots while its mount target is created: the mount loop, run by bash with a `mount` that
+    # fails until the target answers (the third try), mounts on that try, without a long wait between.
+    loop = script[script.index("for attempt in") : script.index("\ndone\n") + len("\ndone\n")]
+    fakes = tmp_path / "bin"
+    fakes.mkdir()
+    for name, body in {
+        "mountpoint": f'[ -f {tmp_path}/mounted ]',
+        "mount": f'echo "$@" >> {tmp_path}/tries; [ $(wc -l < {tmp_path}/tries) -ge 3 ] && touch {tmp_path}/mounted',
+        "sleep": f'echo "$1" >> {tmp_path}/slept',
+    }.items():
+        (fakes / name).write_text(f"#!/bin/bash\n{body}\n")
+        (fakes / name).chmod(0o755)
+    subprocess.run(["bash", "-c", loop], env={"PATH": f"{fakes}:/usr/bin:/bin"}, check=True, timeout=30)
+    tries = (tmp_path / "tries").read_text().splitlines()
+    assert len(tries) == 3 and "fs-1234.efs.us-east-1.amazonaws.com:/ /shared" in tries[0], tries
+    assert (tmp_path / "slept").read_text().split() == ["2", "2"]
     assert f"[ -f {STOP_MARKER} ]" in script and "systemctl poweroff" in script
     assert "systemctl enable --now gpu-cluster-guard.timer" in script
 
