@@ -262,18 +262,19 @@ def _check_cost_tag(config: StackConfig, clients: AwsClients, result: PreflightR
     try:
         result.cost_tag_seen = reconcile.CostExplorer(clients.ce).stack_tag() is not None
     except AWS_ERRORS as exc:
-        code = exc.response.get("Error", {}).get("Code", "") if isinstance(exc, botocore.exceptions.ClientError) else ""
-        if code.startswith("AccessDenied"):
+        error = exc.response.get("Error", {}) if isinstance(exc, botocore.exceptions.ClientError) else {}
+        message = (str(error.get("Message") or "").splitlines() or [""])[0][:200]
+        said = f"{error.get('Code')}: {message}" if error else _brief(exc)
+        if str(error.get("Code", "")).startswith("AccessDenied"):
             result.notes.append(
-                f"{skipped}: Cost Explorer refused to list cost-allocation tags ({_brief(exc)}); in a member "
-                "account of an organization the payer account activates it (Billing > Cost allocation tags), "
-                "elsewhere allow ce:ListCostAllocationTags and ce:UpdateCostAllocationTagsStatus; "
+                f"{skipped}: Cost Explorer refused to list cost-allocation tags ({said}); in a member account of "
+                "an organization the payer account activates it (Billing > Cost allocation tags), elsewhere "
+                "allow ce:ListCostAllocationTags and ce:UpdateCostAllocationTagsStatus; "
                 "gpu-cluster:costAllocationTag false stops asking"
             )
         else:
             result.notes.append(
-                f"{skipped}: could not ask Cost Explorer whether billing lists it ({_brief(exc)}); "
-                "the next up asks again"
+                f"{skipped}: could not ask Cost Explorer whether billing lists it ({said}); the next up asks again"
             )
         return
     if not result.cost_tag_seen:
