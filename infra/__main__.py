@@ -2,7 +2,9 @@
 
 Run through `deploy.py`, sshCidr and sshPublicKey are filled in for you (your IP /32, the cluster's own
 key); with plain `pulumi up`, set them: `pulumi config set gpu-cluster:sshCidr 203.0.113.7/32` and
-`pulumi config set gpu-cluster:sshPublicKey "$(cat ~/.ssh/id_ed25519.pub)"`.
+`pulumi config set gpu-cluster:sshPublicKey "$(cat ~/.ssh/id_ed25519.pub)"`. The cost-allocation tag is
+activated only with `gpu-cluster:costAllocationTagSeen true`, which `deploy.py up` sets once Cost Explorer
+lists the key (set it yourself once Billing > Cost allocation tags lists `gpu-cluster:stack`).
 """
 
 import sys

@@ -81,6 +81,7 @@ def config_values(config: StackConfig) -> dict[str, auto.ConfigValue]:
         "gpu-cluster:availabilityZone": config.availability_zone,
         "gpu-cluster:shutdownBehavior": config.shutdown_behavior,
         "gpu-cluster:costAllocationTag": config.cost_allocation_tag,
+        "gpu-cluster:costAllocationTagSeen": config.cost_allocation_tag_seen,
     }
     return {key: auto.ConfigValue(_text(value)) for key, value in values.items() if value is not None}
 

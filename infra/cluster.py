@@ -5,7 +5,8 @@
     GpuCluster       both of the above, the node security group, a cluster placement group, the key
                      pair and the instances (IMDSv2, encrypted gp3 root, optional spot); with spot, each
                      worker is an Auto Scaling group of one (replaced by EC2 when reclaimed or dead); the
-                     stack tag activated as a cost-allocation tag (kept at destroy: the account's, shared)
+                     stack tag activated as a cost-allocation tag once billing lists it (kept at destroy: the
+                     account's, shared)
 
 Every resource that takes tags is tagged `gpu-cluster:stack` = the stack and `Name`, which is how
 `deploy.py down` proves nothing is left behind. No resource is created inside `apply()`.
@@ -183,8 +184,10 @@ class GpuCluster(pulumi.ComponentResource):
         self.key_pair = aws.ec2.KeyPair(
             f"{name}-key", public_key=config.ssh_public_key, tags=tags_for(config.stack, f"{name}-key"), opts=child
         )
-        if config.cost_allocation_tag:
+        if config.cost_allocation_tag and config.cost_allocation_tag_seen:
             # The stack tag as a cost-allocation tag, so the bill can be filtered by stack (`cost --reconcile`).
+            # Only once billing lists the key (preflight asked): AWS refuses to activate one it has not seen
+            # yet, which would fail the `up` half-way (hashicorp/terraform-provider-aws#29068).
             # The key is the account's, shared by every stack: `down` leaves it active for the others.
             aws.costexplorer.CostAllocationTag(
                 f"{name}-cost-tag",

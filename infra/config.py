@@ -44,6 +44,7 @@ CONFIG_KEYS = (
     "availabilityZone",
     "shutdownBehavior",
     "costAllocationTag",
+    "costAllocationTagSeen",
 )
 
 
@@ -84,6 +85,10 @@ class StackConfig:
     cost_allocation_tag: bool = True
     """The program activates `gpu-cluster:stack` as a cost-allocation tag (the bill's side of `cost --reconcile`);
     false where the account cannot (a member account of an organization: its payer account activates it)."""
+    cost_allocation_tag_seen: bool = False
+    """AWS billing lists `gpu-cluster:stack` (Cost Explorer's ListCostAllocationTags), so it can be activated:
+    `up`'s preflight asks and sets this; only then does the program activate the tag (AWS refuses a key
+    billing has not seen yet, up to 24 h after the first tagged resource)."""
 
     @property
     def gpus_per_node(self) -> int:
@@ -157,6 +162,7 @@ def validate(stack: str, raw: Mapping[str, object]) -> StackConfig:
     take("availabilityZone", "availability_zone", _zone)
     take("shutdownBehavior", "shutdown_behavior", _shutdown_behavior)
     take("costAllocationTag", "cost_allocation_tag", _boolean)
+    take("costAllocationTagSeen", "cost_allocation_tag_seen", _boolean)
     config = StackConfig(**values) if not problems else None
     if config and config.ssh_cidr in WORLD and not config.allow_world_ssh:
         problems.append(

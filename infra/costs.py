@@ -170,19 +170,21 @@ def _line_row(line, c, now: float) -> dict:
 
 
 TAG_DELAY_S = 24 * 3600
-"""How long AWS may take to show spend under a newly activated cost-allocation tag."""
+"""How long AWS billing may take to list a tag key after its first tagged resource, and to show spend under
+a newly activated cost-allocation tag."""
 
 
 def tag_notes(clusters: list, now: float) -> list[str]:
-    """Where the cost-allocation tag is younger than a day (the first AWS cluster `up` activated it):
-    the bill may not carry it yet."""
+    """Where the first AWS cluster is younger than a day: billing may not list the stack tag yet, so no `up`
+    has activated it as a cost-allocation tag, and the bill does not carry it."""
     billed = [c for c in clusters if c.lines]
     first = min((c.created_at for c in billed), default=None)
     if first is None or now - first >= TAG_DELAY_S:
         return []
     return [
-        f"the first AWS cluster came up {(now - first) / 3600:.1f} h ago, activating the cost-allocation tag "
-        f"{STACK_TAG}: Cost Explorer and the bill may show spend under it only from {_iso(first + TAG_DELAY_S)}"
+        f"the first AWS cluster came up {(now - first) / 3600:.1f} h ago: AWS billing lists the tag {STACK_TAG} "
+        "up to 24 h after its first tagged resource, the first `up` after that activates it as a cost-allocation "
+        f"tag, and Cost Explorer and the bill show spend under it from then on, not before {_iso(first + TAG_DELAY_S)}"
     ]
 
 

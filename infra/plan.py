@@ -117,9 +117,13 @@ def estimate(config: StackConfig) -> tuple[Estimate | None, str]:
 
 
 def plan_config(config: StackConfig) -> StackConfig:
-    """The config with placeholders where `up` would look things up or make a key."""
+    """The config with placeholders where `up` would look things up or make a key; the cost-allocation tag
+    as billing would list it (preflight asks at `up`; `describe` says so)."""
     return replace(
-        config, ssh_cidr=config.ssh_cidr or PLACEHOLDER_CIDR, ssh_public_key=config.ssh_public_key or PLACEHOLDER_KEY
+        config,
+        ssh_cidr=config.ssh_cidr or PLACEHOLDER_CIDR,
+        ssh_public_key=config.ssh_public_key or PLACEHOLDER_KEY,
+        cost_allocation_tag_seen=True,
     )
 
 
@@ -195,7 +199,12 @@ def describe(resource: PlannedResource) -> dict[str, object]:
     if short == "FileSystem":
         return {"encrypted": i.get("encrypted"), "throughput": i.get("throughputMode")}
     if short == "CostAllocationTag":
-        return {"tag": i.get("tagKey"), "status": i.get("status"), "at down": "kept (the account's, for every stack)"}
+        return {
+            "tag": i.get("tagKey"),
+            "status": i.get("status"),
+            "at up": "activated once billing lists the key (up to 24 h after the first tagged resource)",
+            "at down": "kept (the account's, for every stack)",
+        }
     if short == "PlacementGroup":
         return {"strategy": i.get("strategy")}
     if short in ("Vpc", "Subnet"):

@@ -5,6 +5,9 @@ region offer it; the running-instance vCPU quota (G and VT, or P; on-demand or s
 already running plus the request; the Deep Learning AMI exists in the region (or the pinned
 image, `amiId` or `up --image`, exists there and is available); sshCidr (default: your
 public IP /32); and what it will cost per hour, refused above maxHourlyUsd.
+
+It also asks Cost Explorer whether billing lists the stack tag yet (`costAllocationTag`): that decides
+whether the program activates it this time, and never stops `up`.
 """
 
 import urllib.request
@@ -16,12 +19,13 @@ from typing import Any
 import boto3
 import botocore.exceptions
 
-from infra import catalog
+from infra import catalog, reconcile
 from infra.automation import INSTALL_HINT
 from infra.cluster import DLAMI_PARAMETER
 from infra.config import StackConfig
 from infra.errors import OperationError, UsageError
 from infra.pricing import PRICING_API_REGION, Estimate, PriceSource
+from infra.tags import STACK_TAG
 
 # Service Quotas codes for running-instance vCPUs (https://docs.aws.amazon.com/ec2/latest/instancetypes/ec2-instance-quotas.html).
 QUOTAS = {
@@ -46,6 +50,8 @@ class AwsClients:
     pricing: Any
     efs: Any
     autoscaling: Any = None
+    ce: Any = None
+    """Cost Explorer (its one endpoint): whether billing lists the stack tag."""
 
     @classmethod
     def for_region(cls, region: str) -> "AwsClients":
@@ -58,6 +64,7 @@ class AwsClients:
             pricing=session.client("pricing", region_name=PRICING_API_REGION),
             efs=session.client("efs"),
             autoscaling=session.client("autoscaling"),
+            ce=session.client("ce", region_name=reconcile.CE_REGION),
         )
 
 
@@ -81,6 +88,8 @@ class PreflightResult:
     """The cost per hour."""
     notes: list[str] = field(default_factory=list)
     """Things worth saying that stop nothing (a fallback price source, say)."""
+    cost_tag_seen: bool = False
+    """Billing lists the stack tag, so the program may activate it as a cost-allocation tag."""
 
 
 def lookup_public_ip(timeout_s: float = 5.0) -> str:
@@ -107,6 +116,7 @@ def run(
             _check_pinned_image(config, clients, result)
         else:
             _check_ami(config, clients, result)
+        _check_cost_tag(config, clients, result)
     _check_ssh_cidr(config, lookup_ip, result)
     _estimate(config, clients, result)
     return result
@@ -240,6 +250,38 @@ def _check_pinned_image(config: StackConfig, clients: AwsClients, result: Prefli
         problem = f"could not describe image {config.ami_id}: {_brief(exc)}"
     if problem:
         result.problems.append(problem)
+
+
+def _check_cost_tag(config: StackConfig, clients: AwsClients, result: PreflightResult) -> None:
+    """Does billing list the stack tag yet? AWS activates a key only once it has seen it on a resource (up
+    to 24 h after the first: hashicorp/terraform-provider-aws#29068), and only in an organization's payer
+    account. Any answer but "listed" skips the activation this time, said once; none stops `up`."""
+    if not config.cost_allocation_tag:
+        return
+    skipped = f"{STACK_TAG} is not activated as a cost-allocation tag by this up"
+    try:
+        result.cost_tag_seen = reconcile.CostExplorer(clients.ce).stack_tag() is not None
+    except AWS_ERRORS as exc:
+        error = exc.response.get("Error", {}) if isinstance(exc, botocore.exceptions.ClientError) else {}
+        message = (str(error.get("Message") or "").splitlines() or [""])[0][:200]
+        said = f"{error.get('Code')}: {message}" if error else _brief(exc)
+        if str(error.get("Code", "")).startswith("AccessDenied"):
+            result.notes.append(
+                f"{skipped}: Cost Explorer refused to list cost-allocation tags ({said}); in a member account of "
+                "an organization the payer account activates it (Billing > Cost allocation tags), elsewhere "
+                "allow ce:ListCostAllocationTags and ce:UpdateCostAllocationTagsStatus; "
+                "gpu-cluster:costAllocationTag false stops asking"
+            )
+        else:
+            result.notes.append(
+                f"{skipped}: could not ask Cost Explorer whether billing lists it ({said}); the next up asks again"
+            )
+        return
+    if not result.cost_tag_seen:
+        result.notes.append(
+            f"{skipped}: AWS billing does not list the key yet (it does up to 24 h after the first resource tagged "
+            "with it); the first up after that activates it, or Billing > Cost allocation tags does"
+        )
 
 
 def _check_ssh_cidr(config: StackConfig, lookup_ip: Callable[[], str], result: PreflightResult) -> None:

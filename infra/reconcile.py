@@ -134,15 +134,20 @@ class CostExplorer:
             self.requests += 1
         return float(answer["Total"]["Amount"])
 
-    def tag_activated_at(self) -> datetime | None:
-        """When the stack tag was last made Active as a cost-allocation tag; None where it is not active."""
+    def stack_tag(self) -> dict | None:
+        """The stack tag as billing lists it among cost-allocation tags (`TagKey`, `Status` Active or
+        Inactive, `LastUpdatedDate`); None where billing has not seen the key on a resource yet."""
         answer = self.client.list_cost_allocation_tags(TagKeys=[STACK_TAG], Type="UserDefined")
         self.requests += 1
-        for tag in answer.get("CostAllocationTags", []):
-            if tag.get("TagKey") == STACK_TAG and tag.get("Status") == "Active":
-                when = tag.get("LastUpdatedDate") or "0001-01-01T00:00:00Z"  # active, since when unknown
-                return datetime.fromisoformat(when.replace("Z", "+00:00"))
-        return None
+        return next((tag for tag in answer.get("CostAllocationTags", []) if tag.get("TagKey") == STACK_TAG), None)
+
+    def tag_activated_at(self) -> datetime | None:
+        """When the stack tag was last made Active as a cost-allocation tag; None where it is not active."""
+        tag = self.stack_tag()
+        if tag is None or tag.get("Status") != "Active":
+            return None
+        when = tag.get("LastUpdatedDate") or "0001-01-01T00:00:00Z"  # active, since when unknown
+        return datetime.fromisoformat(when.replace("Z", "+00:00"))
 
 
 def ce_client():
@@ -160,8 +165,9 @@ def from_cost_explorer(client, stack: str, start: date, end: date, now: datetime
     activated = ce.tag_activated_at()
     if activated is None:
         notes.append(
-            f"the cost-allocation tag {STACK_TAG} is not active: nothing is billed under it; `up` activates it "
-            "(or Billing > Cost allocation tags), and spend shows under it from then on"
+            f"the cost-allocation tag {STACK_TAG} is not active: nothing is billed under it; the first `up` once "
+            "billing lists the key (up to 24 h after the first tagged resource) activates it, or Billing > Cost "
+            "allocation tags (the payer account's, in an organization); spend shows under it from then on"
         )
     elif now - activated < timedelta(hours=24):
         notes.append(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import shlex
@@ -65,7 +66,7 @@ def up(
     timeline = request.timeline
     timeline.mark("preflight")
     key_path = keys.ensure_client_key(state.stack_dir(request.stack))
-    config = stack_config.with_ssh(config, found.ssh_cidr, keys.public_key_text(key_path))
+    config = program_config(config, found, keys.public_key_text(key_path))
     deployment = automation.Deployment(request.stack, command, on_output=lambda line: say(line.rstrip()))
     outputs = _up_with_zone_fallback(deployment, config, found.zones, say)
     found_nodes = _group_nodes_found(request.stack, outputs["nodes"], clients.ec2, say, autoscaling=clients.autoscaling)
@@ -78,6 +79,14 @@ def up(
     inventory.save(cluster)
     state.set_current_stack(request.stack)
     return UpResult(cluster, True, tuple(found.estimate.lines))
+
+
+def program_config(config: StackConfig, found: preflight.PreflightResult, public_key: str) -> StackConfig:
+    """The config the program runs with: what preflight found (the caller's address, whether billing lists
+    the stack tag, so that it is activated now) and the cluster's key."""
+    assert found.ssh_cidr is not None  # preflight found no problem
+    config = stack_config.with_ssh(config, found.ssh_cidr, public_key)
+    return dataclasses.replace(config, cost_allocation_tag_seen=found.cost_tag_seen)
 
 
 def _confirm_cost(config, found: preflight.PreflightResult, yes: bool, confirm, say) -> None:

@@ -62,6 +62,7 @@ def test_up_falls_back_a_zone_pins_host_keys_and_writes_the_inventory(instances,
     assert fake.config["gpu-cluster:availabilityZone"] == "us-east-1b"
     assert fake.config["gpu-cluster:sshCidr"] == "203.0.113.7/32"
     assert fake.config["gpu-cluster:sshPublicKey"] == (state_dir / "dev" / "id_ed25519.pub").read_text().strip()
+    assert fake.config["gpu-cluster:costAllocationTagSeen"] == "true"  # billing lists the tag: the program activates it
     assert any("no g4dn.2xlarge capacity in us-east-1a" in line for line in said)
     assert sum("host key pinned on first contact" in line for line in said) == 2
     saved = inventory.load("dev")

@@ -137,6 +137,27 @@ def pricing_client(instance_usd: str = "0.7520000000", instance_type: str = "g4d
     return client
 
 
+LINKED_ACCOUNT = "Failed to list Cost Allocation Tags: Linked account doesn't have access to cost allocation tags."
+"""What Cost Explorer answers a member account of an organization (aws/aws-parallelcluster-ui#242)."""
+
+
+def cost_tags_client(status: str | None = "Active", error: tuple[str, str] | None = None):
+    """Cost Explorer's ListCostAllocationTags for the stack tag: listed with `status` (Active or Inactive),
+    not listed yet (None), or refused with `error` (code, message)."""
+    client, stub = stubbed("ce")
+    if error:
+        stub.add_client_error("list_cost_allocation_tags", error[0], error[1], 400)
+    else:
+        listed = [] if status is None else [
+            {"TagKey": STACK_TAG, "Type": "UserDefined", "Status": status, "LastUpdatedDate": "2026-11-01T00:00:00Z"}
+        ]  # fmt: skip
+        stub.add_response(
+            "list_cost_allocation_tags", {"CostAllocationTags": listed}, {"TagKeys": [STACK_TAG], "Type": "UserDefined"}
+        )
+    stub.activate()
+    return client
+
+
 @contextmanager
 def moto_aws(monkeypatch):
     for key, value in FAKE_CREDENTIALS.items():
@@ -145,8 +166,10 @@ def moto_aws(monkeypatch):
         yield
 
 
-def clients(region: str = "us-east-1", quota_vcpus: float = 64, ami_found: bool = True, pricing=None) -> AwsClients:
-    """moto for STS, EC2, EFS and Auto Scaling; Stubber for the rest."""
+def clients(
+    region: str = "us-east-1", quota_vcpus: float = 64, ami_found: bool = True, pricing=None, ce=None
+) -> AwsClients:
+    """moto for STS, EC2, EFS and Auto Scaling; Stubber for the rest (Cost Explorer: the stack tag listed)."""
     return AwsClients(
         sts=boto3.client("sts", region_name=region),
         ec2=boto3.client("ec2", region_name=region),
@@ -155,6 +178,7 @@ def clients(region: str = "us-east-1", quota_vcpus: float = 64, ami_found: bool 
         pricing=pricing or pricing_client(),
         efs=boto3.client("efs", region_name=region),
         autoscaling=boto3.client("autoscaling", region_name=region),
+        ce=ce or cost_tags_client(),
     )
 
 

@@ -5,7 +5,7 @@ import stat
 
 import pytest
 
-from infra import automation
+from infra import automation, preflight
 from infra import config as stack_config
 from infra.errors import OperationError, UsageError
 from infra.providers import aws as aws_provider
@@ -30,6 +30,18 @@ def test_up_selects_the_stack_writes_its_config_and_returns_outputs(state_dir):
     assert "gpu-cluster:amiId" not in fake.config  # unset keys are left out, not written as "None"
     up = next(c for c in fake.calls if c[0] == "up")
     assert "--yes" in up and "--skip-preview" in up and up[up.index("--stack") + 1] == "dev"
+
+
+@pytest.mark.parametrize("seen", [True, False])
+def test_up_hands_the_program_preflights_answer_on_the_cost_allocation_tag(state_dir, seen):
+    found = preflight.PreflightResult(ssh_cidr="203.0.113.7/32", cost_tag_seen=seen)
+    wanted = aws_provider.program_config(stack_config.validate("dev", {"nodes": 2}), found, "ssh-ed25519 AAAAC3Nza t")
+    fake = FakePulumi()
+    automation.Deployment("dev", fake, on_output=lambda line: None).configure(wanted)
+    assert fake.config["gpu-cluster:costAllocationTagSeen"] == ("true" if seen else "false")
+    # What the program reads back (infra/__main__.py: every key of CONFIG_KEYS) is the config up decided on.
+    read_back = {key: fake.config.get(f"gpu-cluster:{key}") for key in stack_config.CONFIG_KEYS}
+    assert stack_config.validate("dev", {**read_back, "region": fake.config["aws:region"]}) == wanted
 
 
 def test_destroy_clears_pending_operations_refreshes_destroys_and_forgets_the_stack(state_dir):

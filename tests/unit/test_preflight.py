@@ -7,7 +7,8 @@ import pytest
 
 from infra import catalog, preflight
 from infra import config as stack_config
-from tests.support.aws_fakes import clients, moto_aws
+from infra.tags import STACK_TAG
+from tests.support.aws_fakes import LINKED_ACCOUNT, clients, cost_tags_client, moto_aws
 
 
 @pytest.fixture
@@ -36,6 +37,7 @@ def test_a_good_request_passes_with_zones_cidr_and_a_price(aws):
     assert result.vcpus_needed == 16 and result.vcpus_free == 64
     assert result.estimate.instance.source == "AWS Price List API"
     assert result.estimate.instances_hourly_usd == pytest.approx(1.504)
+    assert result.cost_tag_seen and result.notes == []  # billing lists the stack tag (Active): activated, no word
 
 
 def test_a_quota_too_low_is_refused_with_its_name_and_numbers(aws):
@@ -111,3 +113,31 @@ def test_an_estimate_above_max_hourly_usd_is_refused(aws):
     result = check({"maxHourlyUsd": 1.0})
     assert any("would cost $1.568/h, above maxHourlyUsd $1" in p for p in result.problems)
     assert check({"maxHourlyUsd": 2.0}).problems == []
+
+
+@pytest.mark.parametrize(
+    "answer, seen, said",
+    [
+        ({"status": "Inactive"}, True, None),
+        ({"status": None}, False, "billing does not list the key yet"),
+        ({"error": ("AccessDeniedException", LINKED_ACCOUNT)}, False, "the payer account activates it"),
+        ({"error": ("ThrottlingException", "Rate exceeded")}, False, "the next up asks again"),
+    ],
+    ids=["inactive", "not-listed-yet", "member-account", "throttled"],
+)
+def test_whether_billing_lists_the_stack_tag_decides_its_activation_and_never_stops_up(aws, answer, seen, said):
+    result = check(ce=cost_tags_client(**answer))
+    assert result.problems == []
+    assert result.cost_tag_seen is seen
+    about_tag = [note for note in result.notes if STACK_TAG in note]
+    if said is None:
+        assert about_tag == []
+    else:
+        assert len(about_tag) == 1 and "not activated as a cost-allocation tag by this up" in about_tag[0]
+        assert said in about_tag[0]
+
+
+def test_cost_explorer_is_not_asked_when_the_stack_turns_the_tag_off(aws):
+    result = check({"costAllocationTag": "false"}, ce=object())  # any call to it would fail the test
+    assert result.problems == [] and result.cost_tag_seen is False
+    assert not any(STACK_TAG in note for note in result.notes)

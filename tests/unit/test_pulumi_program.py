@@ -211,7 +211,9 @@ def test_the_job_ports_are_open_to_the_node_group_only():
         assert not any(rule.get("cidrIpv4") or rule.get("cidrIpv6") for rule in admitting), port
 
 
-def test_the_stack_tag_is_activated_for_cost_allocation_unless_the_stack_says_not_to():
-    [tag] = of_type(program(), "CostAllocationTag")
+def test_the_stack_tag_is_activated_for_cost_allocation_only_once_billing_lists_it_and_the_stack_wants_it():
+    [tag] = of_type(program(costAllocationTagSeen="true"), "CostAllocationTag")
     assert (tag.inputs["tagKey"], tag.inputs["status"]) == (STACK_TAG, "Active")
-    assert of_type(program(costAllocationTag="false"), "CostAllocationTag") == []
+    assert of_type(program(costAllocationTagSeen="false"), "CostAllocationTag") == []
+    assert of_type(program(), "CostAllocationTag") == []  # plain `pulumi up`, no preflight: never a failing up
+    assert of_type(program(costAllocationTag="false", costAllocationTagSeen="true"), "CostAllocationTag") == []
