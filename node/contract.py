@@ -89,6 +89,14 @@ RESTARTS_RECORD = "restarts.jsonl"
 """In a scheduled run's folder on the head node: one line per restart after a requeue (`restart`, `at`: when
 it started again, `stopped_at`: when it was requeued where its batch job said, `nodes`: the nodes that went),
 so `deploy.py cost` prices the time the run stood idle."""
+HEALS_RECORD = "heals.jsonl"
+"""In a fault-tolerant run's folder on the head node: one line per replica group started again on a replaced
+node (`group`, `nodes`, `stopped_at`: when its batch job saw the group's nodes leave, `at`: when the group's
+first step back was written, else when it started), so `deploy.py cost` prices the group's interruption
+as a requeue's restart is priced."""
+METRICS_FILE = "metrics.jsonl"
+"""In a run's folder (`CLUSTER_RUN_DIR`): the metrics lines, among them a fault-tolerant run's per-step
+contract lines (`participants`), which `fab jobs` reads for a running run."""
 END_RECORD = "ended.json"
 """In a scheduled run's folder on the head node: the batch job's own end (the step's exit status, when), for
 a Slurm that forgets an ended job (MinJobAge) and keeps no accounting (an existing one without slurmdbd)."""

@@ -68,6 +68,12 @@ DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 SEPARATOR = re.compile(rb"([\r\n])")
 HOLD_S = 0.2
 """How long a node's unfinished line waits for its rest before it goes into the run's log as it is."""
+HEAL_POLL_S = 1.0
+"""How often a fault-tolerant run's batch job looks for replica groups whose nodes were replaced."""
+HEAL_END_GRACE_S = 60.0
+"""How long a group started again may go on after the run's own step ended (it ends at the peers' step)."""
+MAX_HEALS = 5
+"""Starts of one replica group that failed, after which it is not started again (a fault of its own)."""
 
 
 class Prefixer:
@@ -151,9 +157,15 @@ def supervise(spec: dict) -> int:
     if restart:
         note_restart(os.path.dirname(spec["log"]), restart)
     main = subprocess.Popen(step_argv(spec, srun, here, *step_options(spec)))
+    heals: dict = {}  # a fault-tolerant run's replica groups started again on replaced nodes: {group: Popen}
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR1):
-        signal.signal(signum, lambda number, frame: main.send_signal(number))
-    code = _watch(spec, main, srun, here) if spec.get("watch") else _status(main.wait())
+        signal.signal(signum, lambda number, frame: [p.send_signal(number) for p in (main, *heals.values())])
+    if spec.get("watch"):
+        code = _watch(spec, main, srun, here)
+    elif spec.get("replicas"):
+        code = _heal_replaced_groups(spec, main, srun, here, heals)
+    else:
+        code = _status(main.wait())
     code = requeue_if_preempted(spec, code)  # requeued: Slurm ends this script before it goes on
     record = {"exit_code": code, "at": time.time(), "restarts": int(os.environ.get("SLURM_RESTART_COUNT") or 0)}
     write_private(os.path.join(os.path.dirname(spec["log"]), contract.END_RECORD), json.dumps(record).encode(), 0o600)
@@ -208,6 +220,138 @@ def requeue_if_preempted(spec: dict, code: int) -> int:
         return code
     time.sleep(slurm_existing.CLIENT_TIMEOUT_S)  # Slurm ends this script as it requeues the job
     return code
+
+
+def replica_groups(spec: dict) -> list:
+    """The spec's nodes in its replica groups (consecutive, equal; remote/job_command.py `replica_groups`)."""
+    nodes, count = spec["nodes"], max(int(spec.get("replicas") or 1), 1)
+    size = len(nodes) // count
+    return [nodes[i * size : (i + 1) * size] for i in range(count)]
+
+
+def groups_to_heal(groups: list, node_states: dict, heals: dict, ended: dict) -> list:
+    """The replica groups to start again now: every node of the group is `idle` in Slurm (the run's job
+    holds all its nodes exclusively, so an idle one has left it: Slurm took a lost node out of the --no-kill
+    allocation, and its replacement is back in service), none is held out for a notice or as lost, no start
+    of the group runs (`heals`: {group: still running}), and its last start did not end 0 (`ended`: {group:
+    exit codes}) nor has failed MAX_HEALS times. Group 0 never: it holds the Lighthouse and this job."""
+    due = []
+    for number, members in enumerate(groups):
+        if number == 0 or heals.get(number) or 0 in ended.get(number, []) or len(ended.get(number, [])) >= MAX_HEALS:
+            continue
+        states = [node_states.get(node.get("slurm_name") or node["name"], ("", "")) for node in members]
+        if all(state == "idle" and not slurm_nodes.lost_or_noticed(reason) for state, reason in states):
+            due.append(number)
+    return due
+
+
+def _heal_replaced_groups(spec: dict, main: subprocess.Popen, srun: str, here: str, heals: dict) -> int:
+    """A fault-tolerant run's step, and beside it: each replica group whose nodes were replaced (a node lost
+    or reclaimed leaves the --no-kill allocation; node/join.py brings its replacement back in service) is
+    started again there, as a one-group step of an allocation of its own (Slurm cannot grow the run's), with
+    CLUSTER_RESTART_COUNT 0: it heals from a live peer, reads no checkpoint, and rejoins the quorum. A line in
+    HEALS_RECORD prices its interruption. The step's exit status, once it and the groups started again end."""
+    paths, groups = Paths(spec["nodes"][0]["home"]), replica_groups(spec)
+    folder = os.path.dirname(spec["log"])
+    left_at: dict = {}  # group: when its nodes were first seen out of the run's allocation
+    ended: dict = {}
+    started: dict = {}
+    while True:
+        try:
+            code = _status(main.wait(timeout=HEAL_POLL_S))
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        for number, process in list(heals.items()):
+            if process.poll() is not None:
+                ended.setdefault(number, []).append(_status(process.returncode))
+                del heals[number]
+        node_states = slurm_nodes.node_reasons(paths)
+        for number, members in enumerate(groups):
+            names = [node.get("slurm_name") or node["name"] for node in members]
+            if number not in heals and any(node_states.get(n, ("", ""))[0] != "allocated" for n in names):
+                left_at.setdefault(number, time.time())
+        for number in groups_to_heal(groups, node_states, {n: True for n in heals}, ended):
+            names = ", ".join(node["name"] for node in groups[number])
+            print(
+                f"[cluster] replica group {number} ({names}): back in service after a replacement; it starts "
+                "again and heals from a live peer",
+                flush=True,
+            )
+            heals[number] = subprocess.Popen(
+                _heal_argv(spec, groups[number], number, srun, here), env=_own_allocation()
+            )
+            started[number] = (left_at.pop(number, None), time.time())
+        _note_heals(folder, groups, started)
+    for process in heals.values():
+        try:
+            process.wait(timeout=HEAL_END_GRACE_S)  # a group healed trains to the same end as its peers
+        except subprocess.TimeoutExpired:
+            process.terminate()
+            process.wait()
+    _note_heals(folder, groups, started, last=True)
+    return code
+
+
+def _heal_argv(spec: dict, members: list, number: int, srun: str, here: str) -> list:
+    group = {**spec, "nodes": members}
+    names = ",".join(node.get("slurm_name") or node["name"] for node in members)
+    return step_argv(group, srun, here, f"--job-name={spec['run_id']}-replica-{number}", f"--nodelist={names}")
+
+
+def _own_allocation() -> dict:
+    """The batch job's environment less its SLURM_* (but Slurm's configuration): an srun with it asks for an
+    allocation of its own rather than a step of this job's, whose nodes Slurm cannot add back."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+
+
+def _note_heals(folder: str, groups: list, started: dict, last: bool = False) -> None:
+    """HEALS_RECORD's line for each group started again, once its first step back is in the metrics (or, at
+    the end, its start): from when its nodes left until it was back in the quorum."""
+    for number, (left, at) in list(started.items()):
+        back = first_step_after(os.path.join(folder, contract.METRICS_FILE), number, at)
+        if back is None and not last:
+            continue
+        line = {"group": number, "nodes": [n["name"] for n in groups[number]], "stopped_at": left, "at": back or at}
+        descriptor = os.open(os.path.join(folder, contract.HEALS_RECORD), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with os.fdopen(descriptor, "a") as f:
+            f.write(json.dumps(line) + "\n")
+        del started[number]
+
+
+def contract_lines(path: str, tail_bytes: int = 0) -> list:
+    """The fault-tolerant contract's lines (those with `participants`) of a metrics file, oldest first;
+    `tail_bytes`: only its last bytes (a running run's file grows a line per group per step)."""
+    try:
+        with open(path, "rb") as f:
+            start = max(0, os.fstat(f.fileno()).st_size - tail_bytes) if tail_bytes else 0
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    lines = text.splitlines()[1:] if start else text.splitlines()  # a line cut by the seek is no line
+    found = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "participants" in record and "replica" in record:
+            found.append(record)
+    return found
+
+
+def first_step_after(path: str, replica: int, at: float):
+    """When replica group `replica` wrote its first step line after `at` (epoch s); None if not yet."""
+    times = [r["time"] for r in contract_lines(path, 1 << 16) if r["replica"] == replica and r["time"] >= at]
+    return min(times) if times else None
+
+
+def participants(log: str):
+    """A running fault-tolerant run's participants now: the newest contract line's (in the metrics beside
+    the run's log); None where it has none."""
+    lines = contract_lines(os.path.join(os.path.dirname(log), contract.METRICS_FILE), 1 << 14)
+    return max(lines, key=lambda r: r["time"])["participants"] if lines else None
 
 
 def _watch(spec: dict, main: subprocess.Popen, srun: str, here: str) -> int:
@@ -699,8 +843,15 @@ def submit_reply(spec: dict) -> dict:
 
 
 def states(logs: dict) -> dict:
-    """node/calls.py's RunStates: each job's `shown_state`, with its run's log."""
-    return {"states": {job: shown_state(job, log) for job, log in logs.items()}}
+    """node/calls.py's RunStates: each job's `shown_state`, with its run's log; a running fault-tolerant
+    run's also with its `participants` now (the newest contract line beside the log)."""
+    found = {}
+    for job, log in logs.items():
+        shown = shown_state(job, log)
+        if shown is not None and shown.get("state") == "RUNNING":
+            shown = {**shown, "participants": participants(log)}
+        found[job] = shown
+    return {"states": found}
 
 
 def _kill_group(pgid: int) -> None:

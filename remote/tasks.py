@@ -378,7 +378,7 @@ def jobs(c, json_=False, stack=None):
         table.add_row(
             row["run_id"],
             row["task"],
-            row["state"],
+            f"{row['state']} {row['participants']}" if row.get("participants") else row["state"],
             *(str(row[k] or "-").replace("+00:00", "Z") for k in ("submitted_at", "started_at", "ended_at")),
             "-" if row["exit_code"] is None else str(row["exit_code"]),
             str(row["requeues"]),
