@@ -158,12 +158,20 @@ def supervise(spec: dict) -> int:
         note_restart(os.path.dirname(spec["log"]), restart)
     main = subprocess.Popen(step_argv(spec, srun, here, *step_options(spec)))
     heals: dict = {}  # a fault-tolerant run's replica groups started again on replaced nodes: {group: Popen}
+    stopping = threading.Event()  # signalled (a cancel, a requeue): no group is started again
+
+    def forward(number, _frame):
+        if number != signal.SIGUSR1:
+            stopping.set()
+        for process in (main, *heals.values()):
+            process.send_signal(number)
+
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR1):
-        signal.signal(signum, lambda number, frame: [p.send_signal(number) for p in (main, *heals.values())])
+        signal.signal(signum, forward)
     if spec.get("watch"):
         code = _watch(spec, main, srun, here)
     elif spec.get("replicas"):
-        code = _heal_replaced_groups(spec, main, srun, here, heals)
+        code = _heal_replaced_groups(spec, main, srun, here, heals, stopping)
     else:
         code = _status(main.wait())
     code = requeue_if_preempted(spec, code)  # requeued: Slurm ends this script before it goes on
@@ -245,7 +253,9 @@ def groups_to_heal(groups: list, node_states: dict, heals: dict, ended: dict) ->
     return due
 
 
-def _heal_replaced_groups(spec: dict, main: subprocess.Popen, srun: str, here: str, heals: dict) -> int:
+def _heal_replaced_groups(
+    spec: dict, main: subprocess.Popen, srun: str, here: str, heals: dict, stopping: threading.Event
+) -> int:
     """A fault-tolerant run's step, and beside it: each replica group whose nodes were replaced (a node lost
     or reclaimed leaves the --no-kill allocation; node/join.py brings its replacement back in service) is
     started again there, as a one-group step of an allocation of its own (Slurm cannot grow the run's), with
@@ -271,7 +281,7 @@ def _heal_replaced_groups(spec: dict, main: subprocess.Popen, srun: str, here: s
             names = [node.get("slurm_name") or node["name"] for node in members]
             if number not in heals and any(node_states.get(n, ("", ""))[0] != "allocated" for n in names):
                 left_at.setdefault(number, time.time())
-        for number in groups_to_heal(groups, node_states, {n: True for n in heals}, ended):
+        for number in [] if stopping.is_set() else groups_to_heal(groups, node_states, {n: True for n in heals}, ended):
             names = ", ".join(node["name"] for node in groups[number])
             print(
                 f"[cluster] replica group {number} ({names}): back in service after a replacement; it starts "
@@ -284,8 +294,8 @@ def _heal_replaced_groups(spec: dict, main: subprocess.Popen, srun: str, here: s
             started[number] = (left_at.pop(number, None), time.time())
         _note_heals(folder, groups, started)
     for process in heals.values():
-        try:
-            process.wait(timeout=HEAL_END_GRACE_S)  # a group healed trains to the same end as its peers
+        try:  # a group healed trains to the same end as its peers; a stopped one ends with the step
+            process.wait(timeout=TERMINATE_GRACE_S * 2 if stopping.is_set() else HEAL_END_GRACE_S)
         except subprocess.TimeoutExpired:
             process.terminate()
             process.wait()
