@@ -16,7 +16,8 @@ The batch job takes every node, exclusively, so runs start one at a time in subm
 appends to its log across requeues. Its one step is `srun --ntasks-per-node=1 --kill-on-bad-exit=1`:
 a node whose command fails ends the others at once. A fault-tolerant run's (spec `replicas`: torchft
 replica groups) is `--kill-on-bad-exit=0 --no-kill` in a `--no-kill` job instead: a group's node that
-fails or dies ends only that group, and the others train on in the same allocation. `step` runs this
+fails or dies ends only that group, and the others train on in the same allocation; a group whose nodes
+were replaced is started again on them, beside the step, by the batch job (GroupRestarts). `step` runs this
 node's command (found by SLURMD_NODENAME) with the node's own HOME (jobs run with the submitter's
 environment otherwise, whose HOME is the head node's where nodes share a machine) and writes its
 output, as it comes, with a `[node-i] ` prefix after every newline and carriage return, so progress
@@ -148,7 +149,8 @@ def batch_script(spec: dict, srun: str, here: str) -> str:
 def supervise(spec: dict) -> int:
     """In the batch job, on the head node: the run's step; the hang watch beside it where asked
     (`spec["watch"]`), so a hung run is found and stopped while no fab is connected (a verdict goes into
-    the run's log and `hang.json`); and when the step has ended, the requeue of a run a spot notice ended."""
+    the run's log and `hang.json`), or a fault-tolerant run's groups started again on replaced nodes
+    (`GroupRestarts`); and when the step has ended, the requeue of a run a spot notice ended."""
     here, srun = os.path.abspath(__file__), program("srun")
     first_start = os.path.join(os.path.dirname(spec["log"]), contract.FIRST_START_RECORD)
     if not os.path.exists(first_start):
@@ -157,21 +159,19 @@ def supervise(spec: dict) -> int:
     if restart:
         note_restart(os.path.dirname(spec["log"]), restart)
     main = subprocess.Popen(step_argv(spec, srun, here, *step_options(spec)))
-    heals: dict = {}  # a fault-tolerant run's replica groups started again on replaced nodes: {group: Popen}
-    stopping = threading.Event()  # signalled (a cancel, a requeue): no group is started again
+    restarts = GroupRestarts(spec, srun, here) if spec.get("replicas") else None
 
     def forward(number, _frame):
-        if number != signal.SIGUSR1:
-            stopping.set()
-        for process in (main, *heals.values()):
-            process.send_signal(number)
+        main.send_signal(number)
+        if restarts is not None:
+            restarts.signal(number)
 
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR1):
         signal.signal(signum, forward)
     if spec.get("watch"):
         code = _watch(spec, main, srun, here)
-    elif spec.get("replicas"):
-        code = _heal_replaced_groups(spec, main, srun, here, heals, stopping)
+    elif restarts is not None:
+        code = _beside(main, restarts)
     else:
         code = _status(main.wait())
     code = requeue_if_preempted(spec, code)  # requeued: Slurm ends this script before it goes on
@@ -253,80 +253,102 @@ def groups_to_heal(groups: list, node_states: dict, heals: dict, ended: dict) ->
     return due
 
 
-def _heal_replaced_groups(
-    spec: dict, main: subprocess.Popen, srun: str, here: str, heals: dict, stopping: threading.Event
-) -> int:
-    """A fault-tolerant run's step, and beside it: each replica group whose nodes were replaced (a node lost
-    or reclaimed leaves the --no-kill allocation; node/join.py brings its replacement back in service) is
-    started again there, as a one-group step of an allocation of its own (Slurm cannot grow the run's), with
-    CLUSTER_RESTART_COUNT 0: it heals from a live peer, reads no checkpoint, and rejoins the quorum. A line in
-    HEALS_RECORD prices its interruption. The step's exit status, once it and the groups started again end."""
-    paths, groups = Paths(spec["nodes"][0]["home"]), replica_groups(spec)
-    folder = os.path.dirname(spec["log"])
-    left_at: dict = {}  # group: when its nodes were first seen out of the run's allocation
-    ended: dict = {}
-    started: dict = {}
+class GroupRestarts:
+    """Beside a fault-tolerant run's step, in its batch job: each replica group whose nodes were replaced (a
+    node lost or reclaimed leaves the --no-kill allocation; node/join.py brings its replacement back in
+    service) is started again there, as a one-group step of an allocation of its own (Slurm cannot grow the
+    run's), with CLUSTER_RESTART_COUNT 0: it heals from a live peer, reads no checkpoint, and rejoins the
+    quorum. A line in HEALS_RECORD prices its interruption."""
+
+    def __init__(self, spec: dict, srun: str, here: str):
+        self.spec, self.srun, self.here = spec, srun, here
+        self.paths, self.groups = Paths(spec["nodes"][0]["home"]), replica_groups(spec)
+        self.folder = os.path.dirname(spec["log"])
+        self.running: dict = {}  # group: its start's srun
+        self.ended: dict = {}  # group: its starts' exit statuses
+        self.left_at: dict = {}  # group: when its nodes were first seen out of the run's allocation
+        self.unrecorded: dict = {}  # group: (left_at, started at), until its HEALS_RECORD line
+        self.stopping = threading.Event()  # signalled (a cancel, a requeue): no group is started again
+
+    def signal(self, number: int) -> None:
+        if number != signal.SIGUSR1:
+            self.stopping.set()
+        for process in list(self.running.values()):
+            process.send_signal(number)
+
+    def look(self) -> None:
+        """One look, every HEAL_POLL_S: the starts that ended, the groups that left, the groups due."""
+        for number, process in list(self.running.items()):
+            if process.poll() is not None:
+                self.ended.setdefault(number, []).append(_status(process.returncode))
+                del self.running[number]
+        node_states = slurm_nodes.node_reasons(self.paths)
+        for number, members in enumerate(self.groups):
+            names = [node.get("slurm_name") or node["name"] for node in members]
+            if number not in self.running and any(node_states.get(n, ("", ""))[0] != "allocated" for n in names):
+                self.left_at.setdefault(number, time.time())
+        if not self.stopping.is_set():
+            running = {number: True for number in self.running}
+            for number in groups_to_heal(self.groups, node_states, running, self.ended):
+                self._start(number)
+        self._record()
+
+    def finish(self) -> None:
+        """After the run's step: each group started again ends at the peers' step (a stopped one with it)."""
+        for process in self.running.values():
+            try:
+                process.wait(timeout=TERMINATE_GRACE_S * 2 if self.stopping.is_set() else HEAL_END_GRACE_S)
+            except subprocess.TimeoutExpired:
+                process.terminate()
+                process.wait()
+        self._record(last=True)
+
+    def _start(self, number: int) -> None:
+        members = self.groups[number]
+        print(
+            f"[cluster] replica group {number} ({', '.join(n['name'] for n in members)}): back in service after "
+            "a replacement; it starts again and heals from a live peer",
+            flush=True,
+        )
+        names = ",".join(node.get("slurm_name") or node["name"] for node in members)
+        argv = step_argv(
+            {**self.spec, "nodes": members},
+            self.srun,
+            self.here,
+            f"--job-name={self.spec['run_id']}-replica-{number}",
+            f"--nodelist={names}",
+        )
+        # without the batch job's SLURM_* (but Slurm's configuration), srun asks for an allocation of its own
+        # rather than a step of this job's, whose nodes Slurm cannot add back
+        own = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+        self.running[number] = subprocess.Popen(argv, env=own)
+        self.unrecorded[number] = (self.left_at.pop(number, None), time.time())
+
+    def _record(self, last: bool = False) -> None:
+        """HEALS_RECORD's line for each group started again, once its first step back is in the metrics (or,
+        at the end, its start): from when its nodes left until it was back in the quorum."""
+        for number, (left, at) in list(self.unrecorded.items()):
+            back = first_step_after(os.path.join(self.folder, contract.METRICS_FILE), number, at)
+            if back is None and not last:
+                continue
+            nodes = [node["name"] for node in self.groups[number]]
+            line = {"group": number, "nodes": nodes, "stopped_at": left, "at": back or at}
+            path = os.path.join(self.folder, contract.HEALS_RECORD)
+            with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a") as f:
+                f.write(json.dumps(line) + "\n")
+            del self.unrecorded[number]
+
+
+def _beside(main: subprocess.Popen, restarts: GroupRestarts) -> int:
+    """The step's exit status, once it and the groups started again beside it have ended."""
     while True:
         try:
             code = _status(main.wait(timeout=HEAL_POLL_S))
             break
         except subprocess.TimeoutExpired:
-            pass
-        for number, process in list(heals.items()):
-            if process.poll() is not None:
-                ended.setdefault(number, []).append(_status(process.returncode))
-                del heals[number]
-        node_states = slurm_nodes.node_reasons(paths)
-        for number, members in enumerate(groups):
-            names = [node.get("slurm_name") or node["name"] for node in members]
-            if number not in heals and any(node_states.get(n, ("", ""))[0] != "allocated" for n in names):
-                left_at.setdefault(number, time.time())
-        for number in [] if stopping.is_set() else groups_to_heal(groups, node_states, {n: True for n in heals}, ended):
-            names = ", ".join(node["name"] for node in groups[number])
-            print(
-                f"[cluster] replica group {number} ({names}): back in service after a replacement; it starts "
-                "again and heals from a live peer",
-                flush=True,
-            )
-            heals[number] = subprocess.Popen(
-                _heal_argv(spec, groups[number], number, srun, here), env=_own_allocation()
-            )
-            started[number] = (left_at.pop(number, None), time.time())
-        _note_heals(folder, groups, started)
-    for process in heals.values():
-        try:  # a group healed trains to the same end as its peers; a stopped one ends with the step
-            process.wait(timeout=TERMINATE_GRACE_S * 2 if stopping.is_set() else HEAL_END_GRACE_S)
-        except subprocess.TimeoutExpired:
-            process.terminate()
-            process.wait()
-    _note_heals(folder, groups, started, last=True)
+            restarts.look()
+    restarts.finish()
     return code
-
-
-def _heal_argv(spec: dict, members: list, number: int, srun: str, here: str) -> list:
-    group = {**spec, "nodes": members}
-    names = ",".join(node.get("slurm_name") or node["name"] for node in members)
-    return step_argv(group, srun, here, f"--job-name={spec['run_id']}-replica-{number}", f"--nodelist={names}")
-
-
-def _own_allocation() -> dict:
-    """The batch job's environment less its SLURM_* (but Slurm's configuration): an srun with it asks for an
-    allocation of its own rather than a step of this job's, whose nodes Slurm cannot add back."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
-
-
-def _note_heals(folder: str, groups: list, started: dict, last: bool = False) -> None:
-    """HEALS_RECORD's line for each group started again, once its first step back is in the metrics (or, at
-    the end, its start): from when its nodes left until it was back in the quorum."""
-    for number, (left, at) in list(started.items()):
-        back = first_step_after(os.path.join(folder, contract.METRICS_FILE), number, at)
-        if back is None and not last:
-            continue
-        line = {"group": number, "nodes": [n["name"] for n in groups[number]], "stopped_at": left, "at": back or at}
-        descriptor = os.open(os.path.join(folder, contract.HEALS_RECORD), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        with os.fdopen(descriptor, "a") as f:
-            f.write(json.dumps(line) + "\n")
-        del started[number]
 
 
 def contract_lines(path: str, tail_bytes: int = 0) -> list:

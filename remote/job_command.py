@@ -228,6 +228,9 @@ def replica_variables(cluster: ClusterInfo, node: NodeInfo, replicas: int, maste
         contract.LIGHTHOUSE_VARIABLE: f"http://{lighthouse}",
         contract.REPLICA_VARIABLE: str(number),
         contract.REPLICAS_VARIABLE: str(replicas),
+        # torchft's Rust side logs several INFO lines per step (every quorum), Lighthouse and Managers alike:
+        # on a busy node that costs steps. Its warnings stay; `--env RUST_LOG=info` (set after) brings them back.
+        "RUST_LOG": "warn",
     }
     if node == cluster.head:
         variables[contract.LIGHTHOUSE_BIND_VARIABLE] = lighthouse

@@ -244,7 +244,8 @@ class Run:
 
     def as_row(self, hourly_usd: float) -> dict:
         """`fab jobs --json`'s object: the contract's keys, then `waiting_for` (null unless it waits for
-        nodes out of service: a notice, a lost node, a replacement that failed to join) and `holder`."""
+        nodes out of service: a notice, a lost node, a replacement that failed to join), `holder`, and
+        `participants` (a running fault-tolerant run's, e.g. `1/2`; null otherwise)."""
         return {
             "run_id": self.run_id,
             "task": self.task,

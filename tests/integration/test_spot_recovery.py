@@ -182,7 +182,10 @@ def test_a_replica_group_whose_node_dies_starts_again_on_its_replacement_and_hea
     killed_at = time.time()
     slurm.wait_for(lambda: participants("1/2"), "group 1 dropped, 1/2", lambda: str(shown[-5:]))
     slurm.wait_for(lambda: participants("2/2"), "group 1 back in the quorum, 2/2", lambda: str(shown[-5:]))
-    healed = [line for line in lines() if line["replica"] == 1 and line["time"] > killed_at]
+    heals = log_of_folder(cluster, run_id) / contract.HEALS_RECORD  # when group 1 was back: its old ranks
+    slurm.wait_for(heals.exists, "the heal's record")  # wrote on until the replacement ended them
+    back_at = json.loads(heals.read_text().splitlines()[0])["at"]
+    healed = [line for line in lines() if line["replica"] == 1 and line["time"] >= back_at > killed_at]
     assert healed, lines()[-4:]
     peer = {line["step"]: line["params_sha"] for line in lines() if line["replica"] == 0}
     assert healed[0]["params_sha"] == peer[healed[0]["step"]], (healed[0], peer.get(healed[0]["step"]))
