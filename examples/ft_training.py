@@ -106,11 +106,16 @@ def resume_when_every_group_was_lost(manager, load_state_dict) -> None:
 
 
 def average_gradients(manager, model: torch.nn.Module) -> None:
-    """The gradients averaged over the groups in the quorum (torchft 0.2.0's DistributedDataParallel
-    fails its comm hook when a peer dies mid-step, README); an error here makes the step uncommitted."""
-    works = [manager.allreduce(p.grad) for p in model.parameters() if p.grad is not None]
-    for work in works:
-        work.wait()
+    """The gradients averaged over the groups in the quorum, in one all-reduce of them all flattened (as
+    DDP's buckets do: one round trip, not one per parameter); torchft 0.2.0's DistributedDataParallel fails
+    its comm hook when a peer dies mid-step (README). An error here makes the step uncommitted."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    manager.allreduce(flat).wait()
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
 
 
 def train(args, manager, model, optimizer, replica: int, log: StepLog | None, preemption: Preemption) -> None:
