@@ -114,6 +114,12 @@ SCHEDULER_VARIABLE = "CLUSTER_SCHEDULER_DIR"
 finds them all where several nodes share one machine."""
 
 
+def surviving_group(groups: list, exit_codes: dict) -> bool:
+    """The one rule for a fault-tolerant run's end, for both holders and the batch job that holds it under
+    Slurm: it completed where every node of at least one replica group (node names) exited 0."""
+    return any(all(exit_codes.get(name) == 0 for name in group) for group in groups)
+
+
 def daemon_pid(name: str) -> str:
     """The registered process group of a detached daemon (`PIDS`), which power-off and `down` end."""
     return f"{PIDS}/{name}.pid"

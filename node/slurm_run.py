@@ -174,7 +174,10 @@ def supervise(spec: dict) -> int:
         code = _beside(main, restarts)
     else:
         code = _status(main.wait())
-    code = requeue_if_preempted(spec, code)  # requeued: Slurm ends this script before it goes on
+    if spec.get("replicas") and survived(spec):
+        code = 0  # a replica group trained to the end: the run completed, whatever another group's node did
+    else:
+        code = requeue_if_preempted(spec, code)  # requeued: Slurm ends this script before it goes on
     record = {"exit_code": code, "at": time.time(), "restarts": int(os.environ.get("SLURM_RESTART_COUNT") or 0)}
     write_private(os.path.join(os.path.dirname(spec["log"]), contract.END_RECORD), json.dumps(record).encode(), 0o600)
     return code
@@ -337,6 +340,20 @@ class GroupRestarts:
             with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a") as f:
                 f.write(json.dumps(line) + "\n")
             del self.unrecorded[number]
+
+
+def survived(spec: dict, tail_bytes: int = 1 << 18) -> bool:
+    """Whether a fault-tolerant run completed (contract.surviving_group), from each node's last exit marker
+    in the end of the run's log (a group started again writes its node's marker after the first)."""
+    try:
+        with open(spec["log"], "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - tail_bytes))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return False
+    marker = re.compile(rf"^\[([^\]\s]+)\] {re.escape(contract.EXIT_MARKER)} (-?\d+)", re.M)
+    codes = {name: int(code) for name, code in marker.findall(text)}
+    return contract.surviving_group([[n["name"] for n in members] for members in replica_groups(spec)], codes)
 
 
 def _beside(main: subprocess.Popen, restarts: GroupRestarts) -> int:

@@ -77,10 +77,8 @@ def replica_groups(nodes: tuple[NodeInfo, ...], replicas: int) -> list[tuple[Nod
     return [tuple(nodes[i * size : (i + 1) * size]) for i in range(count)]
 
 
-def surviving_group(groups: list[list[str]], exit_codes: dict) -> bool:
-    """The one rule for a fault-tolerant run's end, for both holders: it completed where every node of
-    at least one replica group exited 0."""
-    return any(all(exit_codes.get(name) == 0 for name in group) for group in groups)
+surviving_group = contract.surviving_group
+"""The one rule for a fault-tolerant run's end (node/contract.py: the batch job applies it too)."""
 
 
 def dropped_nodes(groups: list[list[str]], exit_codes: dict) -> list[str]:

@@ -457,3 +457,17 @@ def test_a_running_fault_tolerant_runs_participants_are_its_newest_contract_line
     assert slurm_run.participants(str(log)) == 1
     assert slurm_run.first_step_after(str(metrics), 1, 99.0) == 100.0
     assert slurm_run.first_step_after(str(metrics), 1, 100.5) is None
+
+
+def test_a_fault_tolerant_run_completed_where_a_groups_every_node_last_exited_0(tmp_path):
+    """The batch job's end (and so Slurm's state, and no requeue) follows the one rule, from each node's
+    last exit marker in the run's log: a group started again on a replaced node writes one after its first."""
+    log = tmp_path / "output.log"
+    nodes = [{"name": f"node-{i}", "home": "/h", "command": "true"} for i in range(2)]
+    spec = {"log": str(log), "nodes": nodes, "replicas": 2}
+    assert not slurm_run.survived(spec)  # no log
+    log.write_text(f"[node-0] step 1\n[node-1] {contract.EXIT_MARKER} 137 1.0\n[node-0] {contract.EXIT_MARKER} 1 2.0\n")
+    assert not slurm_run.survived(spec)
+    with log.open("a") as f:
+        f.write(f"[node-1] {contract.EXIT_MARKER} 0 3.0\n")  # its group, started again, trained to the end
+    assert slurm_run.survived(spec)
