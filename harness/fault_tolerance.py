@@ -22,9 +22,11 @@ from pathlib import Path
 
 import torch
 
+from node import contract
+
 PRIVATE_ADDRESS_VARIABLE = "CLUSTER_PRIVATE_IP"
 """The node's private address, from the node environment (remote/job_command.py `node_environment`)."""
-METRICS_FILE = "metrics.jsonl"
+METRICS_FILE = contract.METRICS_FILE
 """In `$CLUSTER_RUN_DIR` (on the shared folder, so every group's lines are in one file): each replica
 group's first rank appends one line per committed step, in one write."""
 

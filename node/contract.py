@@ -89,6 +89,14 @@ RESTARTS_RECORD = "restarts.jsonl"
 """In a scheduled run's folder on the head node: one line per restart after a requeue (`restart`, `at`: when
 it started again, `stopped_at`: when it was requeued where its batch job said, `nodes`: the nodes that went),
 so `deploy.py cost` prices the time the run stood idle."""
+HEALS_RECORD = "heals.jsonl"
+"""In a fault-tolerant run's folder on the head node: one line per replica group started again on a replaced
+node (`group`, `nodes`, `stopped_at`: when its batch job saw the group's nodes leave, `at`: when the group's
+first step back was written, else when it started), so `deploy.py cost` prices the group's interruption
+as a requeue's restart is priced."""
+METRICS_FILE = "metrics.jsonl"
+"""In a run's folder (`CLUSTER_RUN_DIR`): the metrics lines, among them a fault-tolerant run's per-step
+contract lines (`participants`), which `fab jobs` reads for a running run."""
 END_RECORD = "ended.json"
 """In a scheduled run's folder on the head node: the batch job's own end (the step's exit status, when), for
 a Slurm that forgets an ended job (MinJobAge) and keeps no accounting (an existing one without slurmdbd)."""
@@ -104,6 +112,12 @@ RESTART_COUNT_VARIABLE = "CLUSTER_RESTART_COUNT"
 SCHEDULER_VARIABLE = "CLUSTER_SCHEDULER_DIR"
 """Carried by the scheduler's daemons (and what they fork): this node's scheduler folder, so `stop`
 finds them all where several nodes share one machine."""
+
+
+def surviving_group(groups: list, exit_codes: dict) -> bool:
+    """The one rule for a fault-tolerant run's end, for both holders and the batch job that holds it under
+    Slurm: it completed where every node of at least one replica group (node names) exited 0."""
+    return any(all(exit_codes.get(name) == 0 for name in group) for group in groups)
 
 
 def daemon_pid(name: str) -> str:

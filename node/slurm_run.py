@@ -16,7 +16,8 @@ The batch job takes every node, exclusively, so runs start one at a time in subm
 appends to its log across requeues. Its one step is `srun --ntasks-per-node=1 --kill-on-bad-exit=1`:
 a node whose command fails ends the others at once. A fault-tolerant run's (spec `replicas`: torchft
 replica groups) is `--kill-on-bad-exit=0 --no-kill` in a `--no-kill` job instead: a group's node that
-fails or dies ends only that group, and the others train on in the same allocation. `step` runs this
+fails or dies ends only that group, and the others train on in the same allocation; a group whose nodes
+were replaced is started again on them, beside the step, by the batch job (GroupRestarts). `step` runs this
 node's command (found by SLURMD_NODENAME) with the node's own HOME (jobs run with the submitter's
 environment otherwise, whose HOME is the head node's where nodes share a machine) and writes its
 output, as it comes, with a `[node-i] ` prefix after every newline and carriage return, so progress
@@ -68,6 +69,12 @@ DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 SEPARATOR = re.compile(rb"([\r\n])")
 HOLD_S = 0.2
 """How long a node's unfinished line waits for its rest before it goes into the run's log as it is."""
+HEAL_POLL_S = 1.0
+"""How often a fault-tolerant run's batch job looks for replica groups whose nodes were replaced."""
+HEAL_END_GRACE_S = 60.0
+"""How long a group started again may go on after the run's own step ended (it ends at the peers' step)."""
+MAX_HEALS = 5
+"""Starts of one replica group that failed, after which it is not started again (a fault of its own)."""
 
 
 class Prefixer:
@@ -142,7 +149,8 @@ def batch_script(spec: dict, srun: str, here: str) -> str:
 def supervise(spec: dict) -> int:
     """In the batch job, on the head node: the run's step; the hang watch beside it where asked
     (`spec["watch"]`), so a hung run is found and stopped while no fab is connected (a verdict goes into
-    the run's log and `hang.json`); and when the step has ended, the requeue of a run a spot notice ended."""
+    the run's log and `hang.json`), or a fault-tolerant run's groups started again on replaced nodes
+    (`GroupRestarts`); and when the step has ended, the requeue of a run a spot notice ended."""
     here, srun = os.path.abspath(__file__), program("srun")
     first_start = os.path.join(os.path.dirname(spec["log"]), contract.FIRST_START_RECORD)
     if not os.path.exists(first_start):
@@ -151,10 +159,25 @@ def supervise(spec: dict) -> int:
     if restart:
         note_restart(os.path.dirname(spec["log"]), restart)
     main = subprocess.Popen(step_argv(spec, srun, here, *step_options(spec)))
+    restarts = GroupRestarts(spec, srun, here) if spec.get("replicas") else None
+
+    def forward(number, _frame):
+        main.send_signal(number)
+        if restarts is not None:
+            restarts.signal(number)
+
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR1):
-        signal.signal(signum, lambda number, frame: main.send_signal(number))
-    code = _watch(spec, main, srun, here) if spec.get("watch") else _status(main.wait())
-    code = requeue_if_preempted(spec, code)  # requeued: Slurm ends this script before it goes on
+        signal.signal(signum, forward)
+    if spec.get("watch"):
+        code = _watch(spec, main, srun, here)
+    elif restarts is not None:
+        code = _beside(main, restarts)
+    else:
+        code = _status(main.wait())
+    if spec.get("replicas") and survived(spec):
+        code = 0  # a replica group trained to the end: the run completed, whatever another group's node did
+    else:
+        code = requeue_if_preempted(spec, code)  # requeued: Slurm ends this script before it goes on
     record = {"exit_code": code, "at": time.time(), "restarts": int(os.environ.get("SLURM_RESTART_COUNT") or 0)}
     write_private(os.path.join(os.path.dirname(spec["log"]), contract.END_RECORD), json.dumps(record).encode(), 0o600)
     return code
@@ -208,6 +231,176 @@ def requeue_if_preempted(spec: dict, code: int) -> int:
         return code
     time.sleep(slurm_existing.CLIENT_TIMEOUT_S)  # Slurm ends this script as it requeues the job
     return code
+
+
+def replica_groups(spec: dict) -> list:
+    """The spec's nodes in its replica groups (consecutive, equal; remote/job_command.py `replica_groups`)."""
+    nodes, count = spec["nodes"], max(int(spec.get("replicas") or 1), 1)
+    size = len(nodes) // count
+    return [nodes[i * size : (i + 1) * size] for i in range(count)]
+
+
+def groups_to_heal(groups: list, node_states: dict, heals: dict, ended: dict) -> list:
+    """The replica groups to start again now: every node of the group is `idle` in Slurm (the run's job
+    holds all its nodes exclusively, so an idle one has left it: Slurm took a lost node out of the --no-kill
+    allocation, and its replacement is back in service), none is held out for a notice or as lost, no start
+    of the group runs (`heals`: {group: still running}), and its last start did not end 0 (`ended`: {group:
+    exit codes}) nor has failed MAX_HEALS times. Group 0 never: it holds the Lighthouse and this job."""
+    due = []
+    for number, members in enumerate(groups):
+        if number == 0 or heals.get(number) or 0 in ended.get(number, []) or len(ended.get(number, [])) >= MAX_HEALS:
+            continue
+        states = [node_states.get(node.get("slurm_name") or node["name"], ("", "")) for node in members]
+        if all(state == "idle" and not slurm_nodes.lost_or_noticed(reason) for state, reason in states):
+            due.append(number)
+    return due
+
+
+class GroupRestarts:
+    """Beside a fault-tolerant run's step, in its batch job: each replica group whose nodes were replaced (a
+    node lost or reclaimed leaves the --no-kill allocation; node/join.py brings its replacement back in
+    service) is started again there, as a one-group step of an allocation of its own (Slurm cannot grow the
+    run's), with CLUSTER_RESTART_COUNT 0: it heals from a live peer, reads no checkpoint, and rejoins the
+    quorum. A line in HEALS_RECORD prices its interruption."""
+
+    def __init__(self, spec: dict, srun: str, here: str):
+        self.spec, self.srun, self.here = spec, srun, here
+        self.paths, self.groups = Paths(spec["nodes"][0]["home"]), replica_groups(spec)
+        self.folder = os.path.dirname(spec["log"])
+        self.running: dict = {}  # group: its start's srun
+        self.ended: dict = {}  # group: its starts' exit statuses
+        self.left_at: dict = {}  # group: when its nodes were first seen out of the run's allocation
+        self.unrecorded: dict = {}  # group: (left_at, started at), until its HEALS_RECORD line
+        self.stopping = threading.Event()  # signalled (a cancel, a requeue): no group is started again
+
+    def signal(self, number: int) -> None:
+        if number != signal.SIGUSR1:
+            self.stopping.set()
+        for process in list(self.running.values()):
+            process.send_signal(number)
+
+    def look(self) -> None:
+        """One look, every HEAL_POLL_S: the starts that ended, the groups that left, the groups due."""
+        for number, process in list(self.running.items()):
+            if process.poll() is not None:
+                self.ended.setdefault(number, []).append(_status(process.returncode))
+                del self.running[number]
+        node_states = slurm_nodes.node_reasons(self.paths)
+        for number, members in enumerate(self.groups):
+            names = [node.get("slurm_name") or node["name"] for node in members]
+            if number not in self.running and any(node_states.get(n, ("", ""))[0] != "allocated" for n in names):
+                self.left_at.setdefault(number, time.time())
+        if not self.stopping.is_set():
+            running = {number: True for number in self.running}
+            for number in groups_to_heal(self.groups, node_states, running, self.ended):
+                self._start(number)
+        self._record()
+
+    def finish(self) -> None:
+        """After the run's step: each group started again ends at the peers' step (a stopped one with it)."""
+        for process in self.running.values():
+            try:
+                process.wait(timeout=TERMINATE_GRACE_S * 2 if self.stopping.is_set() else HEAL_END_GRACE_S)
+            except subprocess.TimeoutExpired:
+                process.terminate()
+                process.wait()
+        self._record(last=True)
+
+    def _start(self, number: int) -> None:
+        members = self.groups[number]
+        print(
+            f"[cluster] replica group {number} ({', '.join(n['name'] for n in members)}): back in service after "
+            "a replacement; it starts again and heals from a live peer",
+            flush=True,
+        )
+        names = ",".join(node.get("slurm_name") or node["name"] for node in members)
+        argv = step_argv(
+            {**self.spec, "nodes": members},
+            self.srun,
+            self.here,
+            f"--job-name={self.spec['run_id']}-replica-{number}",
+            f"--nodelist={names}",
+        )
+        # without the batch job's SLURM_* (but Slurm's configuration), srun asks for an allocation of its own
+        # rather than a step of this job's, whose nodes Slurm cannot add back
+        own = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+        self.running[number] = subprocess.Popen(argv, env=own)
+        self.unrecorded[number] = (self.left_at.pop(number, None), time.time())
+
+    def _record(self, last: bool = False) -> None:
+        """HEALS_RECORD's line for each group started again, once its first step back is in the metrics (or,
+        at the end, its start): from when its nodes left until it was back in the quorum."""
+        for number, (left, at) in list(self.unrecorded.items()):
+            back = first_step_after(os.path.join(self.folder, contract.METRICS_FILE), number, at)
+            if back is None and not last:
+                continue
+            nodes = [node["name"] for node in self.groups[number]]
+            line = {"group": number, "nodes": nodes, "stopped_at": left, "at": back or at}
+            path = os.path.join(self.folder, contract.HEALS_RECORD)
+            with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a") as f:
+                f.write(json.dumps(line) + "\n")
+            del self.unrecorded[number]
+
+
+def survived(spec: dict, tail_bytes: int = 1 << 18) -> bool:
+    """Whether a fault-tolerant run completed (contract.surviving_group), from each node's last exit marker
+    in the end of the run's log (a group started again writes its node's marker after the first)."""
+    try:
+        with open(spec["log"], "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - tail_bytes))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return False
+    marker = re.compile(rf"^\[([^\]\s]+)\] {re.escape(contract.EXIT_MARKER)} (-?\d+)", re.M)
+    codes = {name: int(code) for name, code in marker.findall(text)}
+    return contract.surviving_group([[n["name"] for n in members] for members in replica_groups(spec)], codes)
+
+
+def _beside(main: subprocess.Popen, restarts: GroupRestarts) -> int:
+    """The step's exit status, once it and the groups started again beside it have ended."""
+    while True:
+        try:
+            code = _status(main.wait(timeout=HEAL_POLL_S))
+            break
+        except subprocess.TimeoutExpired:
+            restarts.look()
+    restarts.finish()
+    return code
+
+
+def contract_lines(path: str, tail_bytes: int = 0) -> list:
+    """The fault-tolerant contract's lines (those with `participants`) of a metrics file, oldest first;
+    `tail_bytes`: only its last bytes (a running run's file grows a line per group per step)."""
+    try:
+        with open(path, "rb") as f:
+            start = max(0, os.fstat(f.fileno()).st_size - tail_bytes) if tail_bytes else 0
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    lines = text.splitlines()[1:] if start else text.splitlines()  # a line cut by the seek is no line
+    found = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "participants" in record and "replica" in record:
+            found.append(record)
+    return found
+
+
+def first_step_after(path: str, replica: int, at: float):
+    """When replica group `replica` wrote its first step line after `at` (epoch s); None if not yet."""
+    times = [r["time"] for r in contract_lines(path, 1 << 16) if r["replica"] == replica and r["time"] >= at]
+    return min(times) if times else None
+
+
+def participants(log: str):
+    """A running fault-tolerant run's participants now: the newest contract line's (in the metrics beside
+    the run's log); None where it has none."""
+    lines = contract_lines(os.path.join(os.path.dirname(log), contract.METRICS_FILE), 1 << 14)
+    return max(lines, key=lambda r: r["time"])["participants"] if lines else None
 
 
 def _watch(spec: dict, main: subprocess.Popen, srun: str, here: str) -> int:
@@ -715,8 +908,15 @@ def submit_reply(spec: dict) -> dict:
 
 
 def states(logs: dict) -> dict:
-    """node/calls.py's RunStates: each job's `shown_state`, with its run's log."""
-    return {"states": {job: shown_state(job, log) for job, log in logs.items()}}
+    """node/calls.py's RunStates: each job's `shown_state`, with its run's log; a running fault-tolerant
+    run's also with its `participants` now (the newest contract line beside the log)."""
+    found = {}
+    for job, log in logs.items():
+        shown = shown_state(job, log)
+        if shown is not None and shown.get("state") == "RUNNING":
+            shown = {**shown, "participants": participants(log)}
+        found[job] = shown
+    return {"states": found}
 
 
 def _kill_group(pgid: int) -> None:

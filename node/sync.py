@@ -26,7 +26,7 @@ from node import contract
 
 FILES, MANIFEST, DIGEST = contract.WORKDIR_FILES, contract.WORKDIR_MANIFEST, contract.WORKDIR_DIGEST
 PLAN = "plan.json"
-RESULT_FILES = ("metrics.jsonl",)  # besides the results folder, what a launch fetches from the run folder
+RESULT_FILES = (contract.METRICS_FILE,)  # besides the results folder, what a launch fetches from the run folder
 
 
 def file_sha256(path: str) -> str:

@@ -77,10 +77,8 @@ def replica_groups(nodes: tuple[NodeInfo, ...], replicas: int) -> list[tuple[Nod
     return [tuple(nodes[i * size : (i + 1) * size]) for i in range(count)]
 
 
-def surviving_group(groups: list[list[str]], exit_codes: dict) -> bool:
-    """The one rule for a fault-tolerant run's end, for both holders: it completed where every node of
-    at least one replica group exited 0."""
-    return any(all(exit_codes.get(name) == 0 for name in group) for group in groups)
+surviving_group = contract.surviving_group
+"""The one rule for a fault-tolerant run's end (node/contract.py: the batch job applies it too)."""
 
 
 def dropped_nodes(groups: list[list[str]], exit_codes: dict) -> list[str]:
@@ -228,6 +226,9 @@ def replica_variables(cluster: ClusterInfo, node: NodeInfo, replicas: int, maste
         contract.LIGHTHOUSE_VARIABLE: f"http://{lighthouse}",
         contract.REPLICA_VARIABLE: str(number),
         contract.REPLICAS_VARIABLE: str(replicas),
+        # torchft's Rust side logs several INFO lines per step (every quorum), Lighthouse and Managers alike:
+        # on a busy node that costs steps. Its warnings stay; `--env RUST_LOG=info` (set after) brings them back.
+        "RUST_LOG": "warn",
     }
     if node == cluster.head:
         variables[contract.LIGHTHOUSE_BIND_VARIABLE] = lighthouse

@@ -197,6 +197,9 @@ class Run:
     """`host:pid` of the fab that holds a run in its connections."""
     extra: dict = field(default_factory=dict)
     """What only one holder knows, for the summary (fab's hang watch's counts)."""
+    participants: str | None = None
+    """A running fault-tolerant run's replica groups in its quorum now, of all (`1/2`), from its newest
+    contract line in metrics.jsonl."""
     timeline: Timeline | None = None
     """The launch's phases (infra/timeline.py): up to the submit while Slurm holds it, whole once finished."""
 
@@ -241,7 +244,8 @@ class Run:
 
     def as_row(self, hourly_usd: float) -> dict:
         """`fab jobs --json`'s object: the contract's keys, then `waiting_for` (null unless it waits for
-        nodes out of service: a notice, a lost node, a replacement that failed to join) and `holder`."""
+        nodes out of service: a notice, a lost node, a replacement that failed to join), `holder`, and
+        `participants` (a running fault-tolerant run's, e.g. `1/2`; null otherwise)."""
         return {
             "run_id": self.run_id,
             "task": self.task,
@@ -254,6 +258,7 @@ class Run:
             "requeues": self.requeues,
             "cost_usd": round(self.cost_usd(hourly_usd), 6),
             "waiting_for": None if self.ended else self.waiting_for,
+            "participants": self.participants if self.state == "RUNNING" else None,
             "exit_codes": self.exit_codes,
             "rank_exit_codes": self.rank_exit_codes,
             "holder": self.holder,

@@ -317,6 +317,9 @@ def refresh(cluster: ClusterInfo, runs: list[Run], head: NodeSession | None = No
         run.exit_code = known.get("exit_code") if run.state in FINAL else None
         run.requeues = int(known.get("requeues") or 0)
         run.waiting_for = known.get("waiting_for")
+        replicas = int(run.spec.get("replicas") or 0)
+        shown = known.get("participants")
+        run.participants = f"{shown}/{replicas}" if replicas and shown is not None else None
 
 
 def cancel(cluster: ClusterInfo, run: Run) -> dict | None:
@@ -536,15 +539,22 @@ def _finish_over(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: 
         exit_codes.setdefault(node, 0 if run.state == "COMPLETED" else 128 + 15)
     if run.hang is None:
         run.hang = _cluster_hang(run, folder, head)
-    if run.requeues:
+    if run.requeues or run.spec.get("replicas"):
         _price_idle(cluster, run, head)
     outcome = run.state
     if run.hang and run.state in ("CANCELLED", "FAILED"):
         outcome = "HUNG"
     groups = job_command.group_names(run.nodes, int(run.spec.get("replicas") or 0))
-    if run.spec.get("replicas") and outcome == "FAILED" and job_command.surviving_group(groups, exit_codes):
-        outcome = "COMPLETED"  # a replica group was dropped; another trained to the end
-        run.extra = {**run.extra, "dropped": job_command.dropped_nodes(groups, exit_codes)}
+    if (
+        run.spec.get("replicas")
+        and outcome in ("FAILED", "COMPLETED")
+        and job_command.surviving_group(groups, exit_codes)
+    ):
+        # a replica group was dropped, another trained to the end; or a group started again on a replaced node
+        # did (its node's code is the new start's): Slurm's code is the run's first step's, which lost a node
+        outcome, run.exit_code = "COMPLETED", None
+        dropped = job_command.dropped_nodes(groups, exit_codes)
+        run.extra = {**run.extra, "dropped": dropped} if dropped else run.extra
     said = {n: RankOutcome.parse(text) for n, text in ranks.items()}
     run.end(outcome, exit_codes, {n: ranked.exit_codes for n, ranked in said.items()})
     if run.timeline is not None:
@@ -576,25 +586,28 @@ def _ever_started(run: Run, head: NodeSession) -> bool:
 
 
 def _price_idle(cluster: ClusterInfo, run: Run, head: NodeSession) -> None:
-    """Each restart of a requeued run (`contract.RESTARTS_RECORD` beside its log) into the ledger: the
-    interruption that held it lasts until the run started again, not only until the node was replaced."""
-    found = io.BytesIO()
-    try:
-        head.conn.get(f"{run.log.rsplit('/', 1)[0]}/{contract.RESTARTS_RECORD}", local=found)
-    except Exception:  # none (a run requeued but never started again), or the head does not answer
-        return
+    """Each restart of a requeued run (`contract.RESTARTS_RECORD` beside its log), and each replica group of a
+    fault-tolerant run started again on a replaced node (`contract.HEALS_RECORD`), into the ledger: the
+    interruption that held it lasts until the run (the group) started again, not only until the node was
+    replaced."""
     from infra.ledger import Ledger
 
     ledger = Ledger()
     try:
-        for line in found.getvalue().decode(errors="replace").splitlines():
+        for record in (contract.RESTARTS_RECORD, contract.HEALS_RECORD):
+            found = io.BytesIO()
             try:
-                restart = json.loads(line)
-                at, stopped_at = float(restart["at"]), restart.get("stopped_at")
-            except (ValueError, KeyError, TypeError):
+                head.conn.get(f"{run.log.rsplit('/', 1)[0]}/{record}", local=found)
+            except Exception:  # none (never started again), or the head does not answer
                 continue
-            for node in restart.get("nodes") or run.nodes:
-                ledger.run_idle(cluster.stack, node, float(stopped_at) if stopped_at else None, at)
+            for line in found.getvalue().decode(errors="replace").splitlines():
+                try:
+                    restart = json.loads(line)
+                    at, stopped_at = float(restart["at"]), restart.get("stopped_at")
+                except (ValueError, KeyError, TypeError):
+                    continue
+                for node in restart.get("nodes") or run.nodes:
+                    ledger.run_idle(cluster.stack, node, float(stopped_at) if stopped_at else None, at)
     finally:
         ledger.close()
 

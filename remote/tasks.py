@@ -125,6 +125,8 @@ class ExampleTask:
     """The example it runs, relative to the synced code folder."""
     help: str
     """One line for `fab --list`."""
+    fault_tolerant: bool = False
+    """Whether the example follows the fault-tolerant contract (README): only then does it take --replicas."""
 
 
 # Adding an example task is one line here: the table registers the tasks and the collection.
@@ -190,6 +192,12 @@ def example_task(example: ExampleTask):
         detach=False,
         stack=None,
     ):
+        if replicas is not None and not example.fault_tolerant:
+            raise options.refuse(
+                f"--replicas needs a script that follows torchft's contract (README, Fault-tolerant runs); "
+                f"{example.name} runs {example.script}, which does not (each group would train alone): "
+                "fab run --script examples/ft_training.py --replicas N"
+            )
         start_job(
             stack,
             JobSpec(
@@ -369,7 +377,7 @@ def jobs(c, json_=False, stack=None):
         table.add_row(
             row["run_id"],
             row["task"],
-            row["state"],
+            f"{row['state']} {row['participants']}" if row.get("participants") else row["state"],
             *(str(row[k] or "-").replace("+00:00", "Z") for k in ("submitted_at", "started_at", "ended_at")),
             "-" if row["exit_code"] is None else str(row["exit_code"]),
             str(row["requeues"]),

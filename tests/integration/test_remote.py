@@ -349,8 +349,11 @@ def test_fab_refuses_replicas_that_do_not_fit_before_anything_runs(cluster):
     before = cluster.runs()
     assert_one_line_error(cluster.fab("run", "--script", FT_SCRIPT, "--replicas", "1"), "--replicas", ">= 2")
     assert_one_line_error(cluster.fab("run", "--script", FT_SCRIPT, "--replicas", "3"), "--replicas 3", "2 node(s)")
-    conflict = cluster.fab("hello", "--replicas", "2", "--hang-timeout", "60")
+    conflict = cluster.fab("run", "--script", FT_SCRIPT, "--replicas", "2", "--hang-timeout", "60")
     assert_one_line_error(conflict, "--replicas runs without the hang watch", "--hang-timeout")
+    # an example that does not follow the contract would train each group alone: refused, with the one that does
+    alone = cluster.fab("run-ddp", "--replicas", "2")
+    assert_one_line_error(alone, "--replicas needs a script that follows torchft's contract", "ft_training.py")
     assert cluster.runs() == before
 
 

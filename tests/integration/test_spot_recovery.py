@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import threading
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -149,6 +150,58 @@ def test_a_project_with_its_requirements_resumes_on_a_replaced_node_and_complete
     assert cleaned.returncode == 0, cleaned.stdout + cleaned.stderr
     assert re.search(r"^shared folder: removed the stages of 1 of \d+ runs", cleaned.stdout, re.M), cleaned.stdout
     assert not stage.exists() and (stage.parent / "step.json").exists()
+
+
+def test_a_replica_group_whose_node_dies_starts_again_on_its_replacement_and_heals_from_its_peer(cluster):
+    # kill -9 of node-1's server in a `--replicas 2` run: the survivor goes on (no step redone), the
+    # replacement joins, and the run's batch job starts group 1 there: it heals live (no checkpoint, restart
+    # count 0) and is back in the quorum with its peer's parameters. fab jobs shows 2/2, 1/2, 2/2.
+    from tests.support import REPO
+
+    earlier = len(events_of(cluster))
+    ft_script = str(REPO / "examples" / "ft_training.py")
+    submitted = cluster.fab(
+        *("run", "--script", ft_script, "--replicas", "2", "--args", "--steps 100000 --step-sleep 0.05", "--detach")
+    )
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    run_id = submitted.stdout.strip().splitlines()[-1]
+    metrics = log_of_folder(cluster, run_id) / contract.METRICS_FILE
+
+    def lines() -> list[dict]:
+        return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+
+    shown: list[str | None] = []
+
+    def participants(wanted: str) -> bool:
+        shown.append(job(cluster, run_id).get("participants"))
+        return shown[-1] == wanted
+
+    slurm.wait_for(lambda: participants("2/2"), "the run in its quorum, 2/2", lambda: str(shown[-5:]))
+    pid_file = cluster.state_dir / cluster.stack / "nodes" / "node-1" / "sshd.pid"
+    os.kill(json.loads(pid_file.read_text())["pid"], signal.SIGKILL)
+    killed_at = time.time()
+    slurm.wait_for(lambda: participants("1/2"), "group 1 dropped, 1/2", lambda: str(shown[-5:]))
+    slurm.wait_for(lambda: participants("2/2"), "group 1 back in the quorum, 2/2", lambda: str(shown[-5:]))
+    heals = log_of_folder(cluster, run_id) / contract.HEALS_RECORD  # when group 1 was back: its old ranks
+    slurm.wait_for(heals.exists, "the heal's record")  # wrote on until the replacement ended them
+    back_at = json.loads(heals.read_text().splitlines()[0])["at"]
+    healed = [line for line in lines() if line["replica"] == 1 and line["time"] >= back_at > killed_at]
+    assert healed, lines()[-4:]
+    peer = {line["step"]: line["params_sha"] for line in lines() if line["replica"] == 0}
+    assert healed[0]["params_sha"] == peer[healed[0]["step"]], (healed[0], peer.get(healed[0]["step"]))
+    survivor = [line["step"] for line in lines() if line["replica"] == 0]
+    assert survivor == list(range(survivor[0], survivor[-1] + 1)), survivor  # no step redone, none skipped
+    log = log_of(cluster, run_id)
+    assert "[cluster] replica group 1 (node-1): back in service after a replacement" in log, log[-3000:]
+    assert "resumed from" not in log  # healed from its peer, not from a checkpoint
+    assert cluster.fab("stop", "--run", run_id).returncode == 0
+    slurm.wait_for(lambda: job(cluster, run_id)["state"] == "CANCELLED", "the run cancelled and finished")
+    # the interruption is priced until the group was back in the quorum, not only until the node rejoined
+    cost = json.loads(cluster.cli("cost", "--json").stdout)
+    lost = [e for e in cost["events"] if e["stack"] == cluster.stack][earlier:]
+    assert [(e["node"], e["kind"]) for e in lost] == [("node-1", "node lost")], lost
+    ends = datetime.fromisoformat(lost[0]["at"]).timestamp() + lost[0]["seconds"]
+    assert ends >= healed[0]["time"] - 1, (lost[0], healed[0])
 
 
 @pytest.mark.timeout(600)  # three interruptions and their replacements, on a machine that may be busy
