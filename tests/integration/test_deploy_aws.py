@@ -136,7 +136,7 @@ def test_cloud_init_mounts_efs_with_retries_and_installs_the_guard(tmp_path):
     fakes = tmp_path / "bin"
     fakes.mkdir()
     for name, body in {
-        "mountpoint": f'[ -f {tmp_path}/mounted ]',
+        "mountpoint": f"[ -f {tmp_path}/mounted ]",
         "mount": f'echo "$@" >> {tmp_path}/tries; [ $(wc -l < {tmp_path}/tries) -ge 3 ] && touch {tmp_path}/mounted',
         "sleep": f'echo "$1" >> {tmp_path}/slept',
     }.items():
