@@ -909,12 +909,17 @@ def submit_reply(spec: dict) -> dict:
 
 def states(logs: dict) -> dict:
     """node/calls.py's RunStates: each job's `shown_state`, with its run's log; a running fault-tolerant
-    run's also with its `participants` now (the newest contract line beside the log)."""
+    run's also with its `participants` now (the newest contract line beside the log); and `ever_started`,
+    whether its batch job ever started (its first start record beside the log), where the run's folder is
+    here to tell (Slurm gives a job cancelled while it waited a start and exit 0)."""
     found = {}
     for job, log in logs.items():
         shown = shown_state(job, log)
         if shown is not None and shown.get("state") == "RUNNING":
             shown = {**shown, "participants": participants(log)}
+        folder = os.path.dirname(log) if log else ""
+        if shown is not None and folder and os.path.isdir(folder):
+            shown = {**shown, "ever_started": os.path.exists(os.path.join(folder, contract.FIRST_START_RECORD))}
         found[job] = shown
     return {"states": found}
 

@@ -293,12 +293,13 @@ def _restore(handlers: dict) -> None:
 # ------------------------------------------------------------------------------------ states, cancel
 
 
-def refresh(cluster: ClusterInfo, runs: list[Run], head: NodeSession | None = None) -> None:
-    """Ask Slurm (on the head node; `head`: over that open session) for the runs not yet ended; their
-    records are updated in place."""
-    pending = [r for r in runs if not r.ended]
+def refresh(cluster: ClusterInfo, runs: list[Run], head: NodeSession | None = None, ended_too: bool = False) -> dict:
+    """Ask Slurm (on the head node; `head`: over that open session) for the runs not yet ended (`ended_too`:
+    and those seen ended); their records are updated in place. What the head node said of each ({job id:
+    its state})."""
+    pending = [r for r in runs if ended_too or not r.ended]
     if not pending:
-        return
+        return {}
     session = head or NodeSession(cluster, cluster.head)
     try:  # with each run's log: its end record lies beside it
         found = nodecall.call(session, cluster.python, calls.RunStates({r.job_id: r.log for r in pending})).states
@@ -320,6 +321,7 @@ def refresh(cluster: ClusterInfo, runs: list[Run], head: NodeSession | None = No
         replicas = int(run.spec.get("replicas") or 0)
         shown = known.get("participants")
         run.participants = f"{shown}/{replicas}" if replicas and shown is not None else None
+    return found
 
 
 def cancel(cluster: ClusterInfo, run: Run) -> dict | None:
@@ -517,9 +519,9 @@ def _finish_over(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: 
     """`finish`'s questions to the head node, over one session; whether the run ever started."""
     from remote.launch import explain_failure, fetch_results, report_fetched
 
-    refresh(cluster, [run], head)
+    known = refresh(cluster, [run], head, ended_too=True).get(run.job_id) or {}
     forget_env_values(cluster, run.run_id, run.spec.get("env_values"), head)
-    if run.state != "COMPLETED" and not _ever_started(run, head):
+    if run.state != "COMPLETED" and not known.get("ever_started", True):  # where the head cannot tell, it did
         # Cancelled while it waited: Slurm gives such a job a start (the cancel's time) and exit 0, but
         # nothing ran, so it has no start, no exit code, no node's code and no results.
         run.started_at, run.exit_code, run.exit_codes, run.rank_exit_codes = None, None, {}, {}
@@ -570,18 +572,6 @@ def _finish_over(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: 
         say(f"fab: could not fetch results from {cluster.head.name}: {describe(exc)}")
     if run.timeline is not None:
         run.timeline.mark("fetch")
-    return True
-
-
-def _ever_started(run: Run, head: NodeSession) -> bool:
-    """Whether the run's batch job ever started: it writes its first start record beside the run's log as
-    it starts (node/slurm_run.py `supervise`). Where the head node cannot tell, it did."""
-    try:
-        head.conn.sftp().stat(f"{run.log.rsplit('/', 1)[0]}/{contract.FIRST_START_RECORD}")
-    except FileNotFoundError:
-        return False
-    except Exception:  # the head does not answer: the times and codes stand as Slurm gave them
-        return True
     return True
 
 
