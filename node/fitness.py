@@ -24,7 +24,8 @@ OK, WARN, CRITICAL = "OK", "WARN", "CRITICAL"
 LEVELS = (OK, WARN, CRITICAL)
 
 SLOW_FRACTION = 0.8
-"""A node whose compute, or whose pairs' bandwidth, is under this fraction of the cluster's median is named."""
+"""A node whose compute, or whose pairs' bandwidth, is under this fraction of the other nodes' (pairs')
+median is named."""
 VERY_SLOW_FRACTION = 0.5
 """Under this fraction it is CRITICAL: a node at half speed halves the whole job (every step waits for it)."""
 MIN_FREE_DISK_GB = 1.0
@@ -272,16 +273,19 @@ def judge(report: dict) -> dict:
 
 
 def _judge_compute(nodes: list, verdicts: dict) -> None:
-    rates = [n["gflops"] for n in nodes if n.get("gflops")]
+    """A node under 80% of the median of the other nodes' compute is named (the others': with two
+    nodes, a median that counted the slow node itself would halve the difference)."""
+    rates = {n["node"]: n["gflops"] for n in nodes if n.get("gflops")}
     if len(rates) < 2:
         return
-    median = statistics.median(rates)
     for facts in nodes:
+        median = statistics.median(rate for node, rate in rates.items() if node != facts["node"])
         share = (facts.get("gflops") or 0) / median
         if share < SLOW_FRACTION:
             level = CRITICAL if share < VERY_SLOW_FRACTION else WARN
             verdicts[facts["node"]].add(
-                level, f"compute {facts.get('gflops', 0):.1f} GFLOP/s is {share:.0%} of the median {median:.1f}"
+                level,
+                f"compute {facts.get('gflops', 0):.1f} GFLOP/s is {share:.0%} of the other nodes' median {median:.1f}",
             )
 
 

@@ -128,21 +128,21 @@ def node(name: str, gflops: float = 30.0, **facts) -> dict:
 
 
 def test_a_node_under_80_percent_of_the_median_compute_is_named_and_under_half_critical():
-    rates = {"node-0": 30, "node-1": 20, "node-2": 31, "node-3": 9, "node-4": 26}  # the median: 26
+    rates = {"node-0": 30, "node-1": 22, "node-2": 31, "node-3": 9, "node-4": 26}  # node-1's others: 28
     verdicts = fitness.judge({"nodes": [node(name, rate) for name, rate in rates.items()]})
     assert verdicts["node-0"].level == verdicts["node-2"].level == verdicts["node-4"].level == fitness.OK
     assert verdicts["node-1"].level == fitness.WARN
-    assert verdicts["node-1"].why() == "compute 20.0 GFLOP/s is 77% of the median 26.0"
-    rates["node-1"] = 21  # 81%
+    assert verdicts["node-1"].why() == "compute 22.0 GFLOP/s is 79% of the other nodes' median 28.0"
+    rates["node-1"] = 23  # 82%
     assert fitness.judge({"nodes": [node(n, r) for n, r in rates.items()]})["node-1"].level == fitness.OK
     assert verdicts["node-3"].level == fitness.CRITICAL
     assert [v.node for v in fitness.named(verdicts)] == ["node-3", "node-1"]
 
 
 def test_two_nodes_one_throttled_names_the_throttled_one_only():
-    verdicts = fitness.judge({"nodes": [node("node-0", 30), node("node-1", 3)]})
+    verdicts = fitness.judge({"nodes": [node("node-0", 30), node("node-1", 13)]})
     assert verdicts["node-0"].level == fitness.OK
-    assert verdicts["node-1"].level == fitness.CRITICAL
+    assert verdicts["node-1"].level == fitness.CRITICAL  # 43% of node-0 (of the two's median, it would be 61%)
 
 
 def pairs_with(slow: set, count: int = 4, fast: float = 1.0, slow_gbps: float = 0.3) -> list:
