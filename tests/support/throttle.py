@@ -49,8 +49,8 @@ def throttled(home: Path, percent: int):
             _move(pid, group)
         yield pids
     finally:
-        for pid in (group / "cgroup.procs").read_text().split():
-            _move(int(pid), CPU_CGROUP)
+        for left in (group / "cgroup.procs").read_text().split():
+            _move(int(left), CPU_CGROUP)
         group.rmdir()
 
 
