@@ -724,7 +724,11 @@ class Bootstrap:
             if why is None and not found.failed:
                 outcomes[record.name] = Outcome("done", f"all-reduce ok ({world} ranks)")
             else:
-                outcomes[record.name] = Outcome("failed", f"all-reduce failed: {why or 'on another node'}")
+                outcomes[record.name] = Outcome(
+                    "failed",
+                    f"all-reduce failed: {why or 'on another node'}",
+                    "\n".join(found.tails.get(record.name, [])),
+                )
         if not found.failed:
             self.fitness = found
             fitness.save(self.cluster, found)

@@ -35,6 +35,8 @@ class Fitness:
     seconds: float
     failed: dict = field(default_factory=dict)
     """{node: why} where the job itself failed on a node (no report: each such node is CRITICAL)."""
+    tails: dict = field(default_factory=dict)
+    """{node: the last lines of its output}, where the job failed."""
 
     @property
     def named(self) -> list:
@@ -89,14 +91,12 @@ def check(cluster: ClusterInfo, sessions: list[NodeSession], setup: NodeSetup, l
     seconds = time.monotonic() - started
     if report is None or any(code != 0 for code in result.exit_codes.values()):
         failed = {
-            name: f"the preflight job failed (exit {code}): " + " / ".join(result.tails.get(name, [])[-2:])
-            for name, code in result.exit_codes.items()
-            if code != 0
+            name: f"the preflight job failed (exit {code})" for name, code in result.exit_codes.items() if code != 0
         } or {sessions[0].node.name: "the preflight job printed no report"}
         verdicts = {s.node.name: fitness.Verdict(s.node.name) for s in sessions}
         for name, why in failed.items():
             verdicts[name].add(fitness.CRITICAL, why)
-        return Fitness(report or {}, verdicts, seconds, failed)
+        return Fitness(report or {}, verdicts, seconds, failed, result.tails)
     return Fitness(report, fitness.judge(report), seconds)
 
 

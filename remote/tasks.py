@@ -158,6 +158,9 @@ def run_preflight(cluster: ClusterInfo, setup: NodeSetup, shown: bool = True) ->
         fitness.show(found)
         for verdict in found.named:
             say(f"preflight: {verdict.node} {verdict.level}: {verdict.why()}")
+        for node in found.failed:
+            for line in found.tails.get(node, [])[-10:]:
+                say(f"  [{node}] {line}")
     return found
 
 
