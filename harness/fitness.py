@@ -4,7 +4,8 @@ fab preflight
 The preflight's job, one process per node: each node's compute (a matmul, one node at a time, so that
 nodes sharing a machine do not measure each other), memory, free disk, GPU health (node/fitness.py
 reads nvidia-smi, dcgmi and the kernel log), then a pairwise all-reduce bandwidth matrix (rounds of
-disjoint pairs) and each node's clock against the head node's. Rank 0 prints the whole report on one
+disjoint pairs, or one pair at a time where nodes share a machine) and each node's clock against the
+head node's. Rank 0 prints the whole report on one
 line after `node.fitness.REPORT_MARKER`; the verdicts are fab's (`node.fitness.judge`). Any rank that
 cannot take part fails the job, as the all-reduce check of bootstrap's health stage did.
 """
@@ -12,6 +13,8 @@ cannot take part fails the job, as the all-reduce check of bootstrap's health st
 import argparse
 import json
 import os
+import socket
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -73,9 +76,12 @@ def compute_in_turn(ctx: Distributed, seconds: float, rounds: int) -> float:
     return best
 
 
-def pair_bandwidth(ctx: Distributed, megabytes: float, iterations: int) -> list[dict]:
-    """All-reduce bus bandwidth of every pair of ranks (one per node), rounds of disjoint pairs at once."""
+def pair_bandwidth(ctx: Distributed, megabytes: float, iterations: int, one_at_a_time: bool) -> list[dict]:
+    """All-reduce bus bandwidth of every pair of ranks (one per node): in rounds of disjoint pairs at once,
+    or one pair at a time where nodes share a machine (pairs measured at once would share its cores)."""
     rounds = fitness.pair_rounds(ctx.world_size)
+    if one_at_a_time:
+        rounds = [[pair] for pairs in rounds for pair in pairs]
     groups = {pair: dist.new_group(list(pair)) for pairs in rounds for pair in pairs}  # every rank, same order
     tensor = torch.ones(int(megabytes * 1e6 / 4), device=ctx.device)
     measured = []
@@ -87,15 +93,26 @@ def pair_bandwidth(ctx: Distributed, megabytes: float, iterations: int) -> list[
         group = groups[mine]
         dist.all_reduce(tensor, group=group)  # the connection is made by the first one
         _sync(ctx.device)
-        started = time.perf_counter()
+        times = []
         for _ in range(iterations):
+            started = time.perf_counter()
             dist.all_reduce(tensor, group=group)
-        _sync(ctx.device)
-        seconds = (time.perf_counter() - started) / iterations
-        if ctx.rank == mine[0]:  # busbw = algbw * 2(n-1)/n, n = 2: algbw
+            _sync(ctx.device)
+            times.append(time.perf_counter() - started)
+        if ctx.rank == mine[0]:  # busbw = algbw * 2(n-1)/n, n = 2: algbw; the median all-reduce, so that one
+            seconds = statistics.median(times)  # hiccup of a busy host does not name a link
             measured.append({"a": mine[0], "b": mine[1], "gbps": round(tensor.numel() * 4 / seconds / 1e9, 4)})
     dist.barrier()
     return measured
+
+
+def machine_id() -> str:
+    """What tells machines apart: nodes that share one (the local provider's) share their boot id."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
 
 
 def clock_offset_s() -> float:
@@ -141,7 +158,9 @@ def main() -> int:
     facts = {"node": node, **fitness.host_facts(os.path.expanduser("~")), "gpu": fitness.gpu_facts()}
     facts["clock_offset_s"] = round(clock_offset_s(), 4)
     facts["gflops"] = round(compute_in_turn(ctx, args.compute_s, args.rounds), 2)
-    pairs = pair_bandwidth(ctx, args.pair_mb, args.pair_iterations)
+    machines: list = [None] * ctx.world_size
+    dist.all_gather_object(machines, machine_id(), group=_cpu_group())
+    pairs = pair_bandwidth(ctx, args.pair_mb, args.pair_iterations, len(set(machines)) < ctx.world_size)
     gathered: list = [None] * ctx.world_size
     dist.all_gather_object(gathered, {"facts": facts, "pairs": pairs}, group=_cpu_group())
     if ctx.is_rank0:

@@ -161,11 +161,13 @@ def test_a_node_slow_with_every_peer_is_named_not_its_peers(count):
     assert "bandwidth with its peers is 30% of the other pairs' median" in verdicts["node-2"].why()
 
 
-def test_one_slow_link_names_both_its_ends():
+def test_one_slow_link_names_both_its_ends_and_a_noisy_one_nobody():
     report = {"nodes": [node(f"node-{i}") for i in range(4)], "pairs": pairs_with({"node-0", "node-3"})}
     verdicts = fitness.judge(report)
     assert {v.node: v.level for v in fitness.named(verdicts)} == {"node-0": fitness.WARN, "node-3": fitness.WARN}
     assert "pair with node-3 at 30% of the median pair" in verdicts["node-0"].why()
+    noisy = {**report, "pairs": pairs_with({"node-0", "node-3"}, slow_gbps=0.6)}
+    assert fitness.named(fitness.judge(noisy)) == []
 
 
 @pytest.mark.parametrize(
