@@ -15,10 +15,10 @@ from pathlib import Path
 from rich.table import Table
 
 from infra import state
-from infra.errors import OperationError
+from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
 from node import fitness
-from remote import job_command, node_paths, options
+from remote import job_command, node_paths, options, protocol
 from remote.connect import NodeSession
 from remote.launch import JobSpec, NodeSetup, run_job
 from remote.stream import console
@@ -71,6 +71,18 @@ def thresholds() -> dict:
         "clock_skew_critical_s": fitness.CLOCK_SKEW_CRITICAL_S,
         "critical_xids": sorted(fitness.CRITICAL_XIDS),
     }
+
+
+def refuse_busy(cluster: ClusterInfo, head: NodeSession, port: int) -> None:
+    """UsageError where MASTER_PORT is taken on the head node: a job runs (its rendezvous holds it), and a
+    preflight beside it would measure the job, not the nodes, and could not form its own group."""
+    source = (Path(__file__).resolve().parent.parent / "node" / "port_free.py").read_text()
+    verdict = head.run(protocol.python_json_command(cluster.python, source, cluster.head.private_ip, str(port)))
+    if verdict.stdout.strip().startswith("in use"):
+        raise UsageError(
+            f"a job holds MASTER_PORT {port} on {head.node.name}: the preflight measures an idle cluster; "
+            "wait for the job (fab jobs) or stop it (fab stop), then run it again"
+        )
 
 
 def check(cluster: ClusterInfo, sessions: list[NodeSession], setup: NodeSetup, log_dir: Path) -> Fitness:

@@ -149,6 +149,7 @@ def run_preflight(cluster: ClusterInfo, setup: NodeSetup, shown: bool = True) ->
     """The preflight job on every node, judged, kept (`.cluster/<stack>/preflight.json`) and shown."""
     sessions, _ = open_sessions(cluster)
     try:
+        fitness.refuse_busy(cluster, sessions[0], setup.master_port)
         found = fitness.check(cluster, sessions, setup, state.stack_dir(cluster.stack) / "preflight")
     finally:
         for session in sessions:

@@ -8,6 +8,7 @@ fab's output and `fab jobs --json`); throttle lifted, the preflight passes again
 """
 
 import json
+import signal
 
 import pytest
 
@@ -79,3 +80,25 @@ def test_once_the_node_is_well_the_preflight_passes_and_a_run_names_nobody(clust
     assert healthy.returncode == 0, healthy.stdout + healthy.stderr
     assert "STRAGGLER" not in healthy.stdout
     assert stragglers_of(cluster, run_id_in(healthy.stdout)) == []
+
+
+def test_a_preflight_beside_a_running_job_is_refused(cluster, tmp_path):
+    script = tmp_path / "sleepy.py"
+    script.write_text(
+        "import time, torch.distributed as dist\ndist.init_process_group('gloo')\nprint('joined', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    job = cluster.popen_fab("run", "--script", str(script), "--hang-timeout", "0")
+    try:
+        seen = []
+        for line in job.stdout:  # the job's group is formed: its rendezvous holds MASTER_PORT on node-0
+            seen.append(line)
+            if "joined" in line:
+                break
+        assert any("joined" in line for line in seen), "".join(seen)
+        refused = cluster.fab("preflight")
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert refused.stderr.strip().startswith("error: a job holds MASTER_PORT") and "fab stop" in refused.stderr
+    finally:
+        job.send_signal(signal.SIGINT)  # Ctrl-C: the run is cancelled on every node
+        job.communicate(timeout=120)
