@@ -461,6 +461,8 @@ def jobs(c, json_=False, stack=None):
     for _, record in found:
         if record.waiting_for and not record.ended:
             say(f"{record.run_id} waits for {record.waiting_for}")
+        for slow in record.stragglers:
+            say(f"{record.run_id}: straggler rank {slow['rank']} on {slow['node']}: {slow['why']}")
 
 
 @task(help={"run": "the run (default: the newest)", "stack": STACK_HELP})

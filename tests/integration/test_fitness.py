@@ -68,7 +68,10 @@ def test_a_throttled_node_is_named_refused_and_named_as_the_straggler(cluster):
     assert slowed.returncode == 0, slowed.stdout + slowed.stderr
     named = [line for line in slowed.stdout.splitlines() if line.startswith("STRAGGLER ")]
     assert len(named) == 1 and ": rank 1 on node-1: compute " in named[0], slowed.stdout
-    (found,) = stragglers_of(cluster, run_id_in(slowed.stdout))
+    run_id = run_id_in(slowed.stdout)
+    (found,) = stragglers_of(cluster, run_id)
+    listed = cluster.fab("jobs").stdout
+    assert f"{run_id}: straggler rank 1 on node-1: compute " in listed, listed
     assert (found["rank"], found["node"]) == (1, "node-1")
     assert found["ratio"] > 1.3 and found["steps"][1] - found["steps"][0] + 1 >= 20
 
