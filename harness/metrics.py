@@ -1,5 +1,6 @@
 """Rank 0's step lines, fixed width, and the metrics file (`$CLUSTER_RUN_DIR/metrics.jsonl`)."""
 
+import collections
 import json
 import resource
 import sys
@@ -51,6 +52,43 @@ last_step: int | None = None
 (node/rankhook/) reports it, so the head node's watchdog can tell a stalled job from a slow one."""
 
 
+step_compute: collections.deque = collections.deque(maxlen=40)
+"""(step, seconds) of this rank's own compute in its last steps (the forward pass, which no collective
+waits in): the rank monitor reports them, and node/straggler.py names a rank that stays slower than the
+others. Its length is node.straggler.KEPT_STEPS."""
+forward_s: float | None = None
+"""The last step's forward pass (train.train_step sets it; StepLogger.step files it under its step)."""
+
+
+class ForwardTimer:
+    """Times a forward pass: wall time on CPU, CUDA events on a GPU (read once the step has synchronized,
+    as `loss.item()` does, so timing adds no synchronization)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.events: tuple | None = None
+        self.started = 0.0
+        self.ended = 0.0
+
+    def __enter__(self) -> "ForwardTimer":
+        if self.device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+        self.started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.ended = time.perf_counter()
+        if self.events is not None:
+            self.events[1].record()
+
+    def seconds(self) -> float:
+        """After the step synchronized."""
+        if self.events is not None:
+            return self.events[0].elapsed_time(self.events[1]) / 1000
+        return self.ended - self.started
+
+
 class StepLogger:
     """One line per logged step from rank 0 (the header first), each also kept in the metrics."""
 
@@ -68,6 +106,8 @@ class StepLogger:
     def step(self, step: int, loss: float, step_s: float, log: bool) -> None:
         global last_step
         last_step = step
+        if forward_s is not None:
+            step_compute.append((step, round(forward_s, 6)))
         self.samples += self.global_batch
         if not (log and self.is_rank0):
             return

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from harness import metrics
 from harness.dist import Distributed
 from harness.metrics import StepLogger
 from harness.models import loss_fn, unwrap
@@ -217,12 +218,14 @@ def train_step(
     inputs = inputs.to(ctx.device, non_blocking=True)
     targets = targets.to(ctx.device, non_blocking=True)
     optimizer.zero_grad(set_to_none=True)
-    with precision.autocast(ctx.device):
+    with metrics.ForwardTimer(ctx.device) as forward, precision.autocast(ctx.device):
         loss = loss_fn(model(inputs), targets)
     scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update()
-    return loss.item()
+    value = loss.item()
+    metrics.forward_s = forward.seconds()  # the rank's own compute, for the straggler verdict
+    return value
 
 
 def _maybe_checkpoint(ctx, config: LoopConfig, step: int, done: bool, model, optimizer, scaler) -> bool:

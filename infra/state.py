@@ -44,7 +44,9 @@ RUNS = "runs"
 """Each run's logs and results, kept when the stack is taken down."""
 MUNGE_KEY = "munge.key"
 """The cluster's munge key (base64), which bootstrap's scheduler stage gives every node."""
-FACTS = (INVENTORY, KNOWN_HOSTS, BOOTSTRAP, GUARDS, MUNGE_KEY)
+PREFLIGHT = "preflight.json"
+"""The last preflight's measurements and verdicts (remote/fitness.py): launches refuse its CRITICAL nodes."""
+FACTS = (INVENTORY, KNOWN_HOSTS, BOOTSTRAP, GUARDS, MUNGE_KEY, PREFLIGHT)
 """What `forget` removes: what was true of the nodes while they were up."""
 
 

@@ -77,6 +77,8 @@ FOLLOW_FAILED_MARKER = "__GPU_CLUSTER_FOLLOW_FAILED__"
 controller does not answer): `FOLLOW_FAILED_MARKER WHY`."""
 HANG_RECORD = "hang.json"
 """In a scheduled run's folder on the head node: the cluster-side hang watch's verdict, where it found one."""
+STRAGGLER_RECORD = "stragglers.json"
+"""In a run's local folder: the ranks the straggler verdict named (node/straggler.py), as the hang watch found them."""
 RUN_LOG = "output.log"
 """A scheduled run's log in its run folder on the head node: every node's output, `[node-i] `-prefixed."""
 SCHEDULER_DAEMONS = ("munged", "slurmctld", "slurmd", "spot-watch")

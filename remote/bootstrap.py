@@ -7,8 +7,12 @@ deps      the node venv ~/.gpu-cluster/venv over the inventory's `python`, toppe
           requirements-node.txt only where torch (or nvidia-ml-py, matplotlib) is missing: with uv
           (node/uv_env.py), pip-installed first where the node has none; with pip where uv cannot run
 env       ~/.gpu-cluster/env: the node environment every job sources
-health    every node reaches MASTER_ADDR:MASTER_PORT, then one all-reduce across all nodes
+health    every node reaches MASTER_ADDR:MASTER_PORT, then the preflight job (harness/fitness.py: one
+          process per node, all-reduces across all of them, each node's compute, memory, disk, GPUs,
+          every pair's bandwidth, clocks)
 watchdog  the budget and idle guard on the head node, as the inventory's `daemon` says
+preflight the health stage's measurements judged per node (OK / WARN / CRITICAL, remote/fitness.py):
+          a CRITICAL node does not fail bootstrap, but launches refuse it until a preflight passes
 
 The same path for every provider: what differs (the interpreter, the shared folder, systemd or not)
 is a fact of the inventory. What runs on a node runs from a file of node/, synced first.
@@ -40,9 +44,9 @@ from infra.errors import OperationError, ReportedFailure, UsageError
 from infra.inventory import ClusterInfo
 from infra.timeline import Timeline
 from node import calls, contract, kit
-from remote import job_command, node_paths, nodecall, protocol
+from remote import fitness, job_command, node_paths, nodecall, protocol
 from remote.connect import NodeSession, describe, on_all_nodes, open_sessions
-from remote.launch import JobSpec, NodeSetup, run_job
+from remote.launch import NodeSetup
 from remote.stream import console, say
 
 REPO = Path(__file__).resolve().parent.parent
@@ -210,6 +214,8 @@ class Bootstrap:
         self.stack_dir = state.stack_dir(cluster.stack)
         self.manifest = local_manifest()
         self.records: list[NodeRecord] = []
+        self.fitness: fitness.Fitness | None = None
+        """The preflight the health stage ran (None where health was up to date)."""
         self.outcomes: dict[str, dict[str, Outcome]] = {}
         self.write_lock = threading.Lock()
 
@@ -361,6 +367,7 @@ class Bootstrap:
             ClusterStage("health", self.health),
             ClusterStage("scheduler", self.scheduler_stage),
             NodeStage("watchdog", self.watchdog),
+            ClusterStage("preflight", self.preflight),
         ]
 
     def _record_of(self, session: NodeSession) -> NodeRecord:
@@ -735,31 +742,43 @@ class Bootstrap:
         return outcomes
 
     def _check_all_reduce(self) -> dict[str, Outcome]:
-        world = sum(job_command.nproc_per_node(n.gpus) for n in self.cluster.nodes)
-        spec = JobSpec(
-            "health", "examples/distributed_hello.py", ["--expect-world-size", str(world), "--timeout", "60"]
-        )
+        """The preflight job (all-reduces across every node, and the fitness measurements the preflight
+        stage judges): one job, so that a bootstrap starts torch on the nodes once."""
         setup = NodeSetup(self.master_port, {r.name: self.python_for(r) for r in self.records})
-        run_id = job_command.new_run_id("health")
-        result = run_job(
-            self.cluster,
-            [r.session for r in self.records],
-            spec,
-            setup,
-            run_id,
-            self.stack_dir / "bootstrap",
-            echo=False,
-        )
-        self.records[0].session.run(f"rm -rf {node_paths.shell_path(node_paths.remote_run_dir(self.cluster, run_id))}")
+        found = fitness.check(self.cluster, [r.session for r in self.records], setup, self.stack_dir / "bootstrap")
+        world = len(self.records)
         outcomes = {}
         for record in self.records:
-            code = result.exit_codes.get(record.name)
-            if code == 0:
+            why = found.failed.get(record.name)
+            if why is None and not found.failed:
                 outcomes[record.name] = Outcome("done", f"all-reduce ok ({world} ranks)")
             else:
                 outcomes[record.name] = Outcome(
-                    "failed", f"all-reduce failed (exit {code})", "\n".join(result.tails[record.name])
+                    "failed",
+                    f"all-reduce failed: {why or 'on another node'}",
+                    "\n".join(found.tails.get(record.name, [])),
                 )
+        if not found.failed:
+            self.fitness = found
+            fitness.save(self.cluster, found)
+        return outcomes
+
+    def preflight(self) -> dict[str, Outcome]:
+        """Each node's verdict from the health stage's measurements (remote/fitness.py); a CRITICAL node is
+        shown, and refused by launches, but bootstrap completes (--skip-preflight can still use it)."""
+        found = self.fitness
+        if found is None:
+            recorded = fitness.recorded(self.cluster)
+            return {r.name: Outcome("up to date", recorded.get(r.name, "")) for r in self.records}
+        outcomes = {}
+        for record in self.records:
+            verdict = found.verdicts[record.name]
+            gflops = next((n.get("gflops") for n in found.report["nodes"] if n["node"] == record.name), None)
+            detail = f"{gflops:.1f} GFLOP/s" if gflops else ""
+            status = "done" if verdict.level == "OK" else verdict.level
+            outcomes[record.name] = Outcome(status, f"{detail}; {verdict.why()}" if verdict.level != "OK" else detail)
+        for verdict in found.critical:
+            say(f"bootstrap: preflight: {verdict.node} is CRITICAL ({verdict.why()}): launches refuse it")
         return outcomes
 
     def watchdog(self, record: NodeRecord) -> Outcome:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from infra import state
 from infra.inventory import ClusterInfo
-from node import calls, contract
+from node import calls, contract, straggler
 from node import hang_rule as hang
 from remote import node_paths, nodecall
 from remote.connect import NodeSession, describe, on_all_nodes
@@ -111,6 +111,8 @@ class HangWatch:
         """Polls answered: every rank's progress read, no hang found."""
         self.ranks_seen = 0
         """The most ranks one poll found reporting (the job's ranks, once all have started)."""
+        self.stragglers: dict[int, dict] = {}
+        """The ranks named slow (node/straggler.py), by rank, each once."""
         self.finished = threading.Event()
         self.stopping = threading.Event()
         """Set once the watch is stopping the job (fail-fast then has nothing to add)."""
@@ -157,8 +159,10 @@ class HangWatch:
         overdue_s = self.policy.timeout_s + OVERDUE_GRACE_S
         while not self.finished.wait(self.policy.poll_s):
             try:
-                views = self._ask(sessions, "status")
+                payloads = self._payloads(sessions, "status")
+                views = [view for payload in payloads for view in hang.parse_ranks(payload)]
                 found = hang.find_hang(views, self.policy.timeout_s, overdue_s)
+                self._name_stragglers(payloads)
             except Exception as exc:  # noqa: BLE001 - the next poll tries again
                 say(f"fab: hang watch: a poll failed ({describe(exc)}); trying again")
                 continue
@@ -167,6 +171,19 @@ class HangWatch:
             if found is not None and not self.finished.is_set():
                 return found
         return None
+
+    def _name_stragglers(self, payloads: list[dict]) -> None:
+        """Say each rank the straggler rule names, once, and keep them in the run folder (`fab jobs`)."""
+        records = [record for payload in payloads for record in payload.get("ranks", [])]
+        fresh = [s for s in straggler.find_stragglers(records) if s.rank not in self.stragglers]
+        if not fresh:
+            return
+        for found in fresh:
+            self.stragglers[found.rank] = {**found.as_dict(), "named_at": round(time.time(), 3)}
+            say(found.line(self.run_id))
+        state.make_private_dir(self.local_dir)
+        named = list(self.stragglers.values())
+        state.write_atomic(self.local_dir / contract.STRAGGLER_RECORD, json.dumps(named, indent=2) + "\n")
 
     def _stop_until_ended(self) -> None:
         """Stop the job everywhere, and again while it has not ended (a node that missed the first stop)."""

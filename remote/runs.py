@@ -18,7 +18,7 @@ from infra.errors import UsageError
 from infra.inventory import ClusterInfo
 from infra.ledger import HEARTBEAT_S, Ledger
 from infra.timeline import Timeline
-from node import billing
+from node import billing, contract
 from remote.launch import JobSpec
 from remote.stream import RankOutcome, node_exited, say
 
@@ -157,6 +157,14 @@ RECORD = "run.json"
 """A run's record in its local run folder."""
 
 
+def _read_list(path: Path) -> list:
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return found if isinstance(found, list) else []
+
+
 @dataclass
 class Run:
     """What this machine knows of one run, whichever holder holds it (`run.json` in its run folder)."""
@@ -202,6 +210,9 @@ class Run:
     contract line in metrics.jsonl."""
     timeline: Timeline | None = None
     """The launch's phases (infra/timeline.py): up to the submit while Slurm holds it, whole once finished."""
+    stragglers: list = field(default_factory=list)
+    """The ranks the straggler verdict named, with their nodes and why (the hang watch's
+    `contract.STRAGGLER_RECORD` in the run folder, read with the record)."""
 
     @property
     def ended(self) -> bool:
@@ -216,6 +227,7 @@ class Run:
         try:
             data = json.loads((folder / RECORD).read_text())
             data["timeline"] = Timeline.from_dict(data.get("timeline"))
+            data["stragglers"] = _read_list(folder / contract.STRAGGLER_RECORD) or data.get("stragglers") or []
             return cls(**data)
         except (OSError, ValueError, TypeError):
             return None
@@ -263,6 +275,7 @@ class Run:
             "rank_exit_codes": self.rank_exit_codes,
             "holder": self.holder,
             "timeline": self.timeline.as_dict() if self.timeline else None,
+            "stragglers": self.stragglers,
         }
 
     def cost_usd(self, hourly_usd: float) -> float:

@@ -18,7 +18,18 @@ from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
 from infra.timeline import Timeline
 from node import calls, contract
-from remote import holders, job_command, node_paths, nodecall, options, protocol, runs, scheduled, workdir
+from remote import (
+    fitness,
+    holders,
+    job_command,
+    node_paths,
+    nodecall,
+    options,
+    protocol,
+    runs,
+    scheduled,
+    workdir,
+)
 from remote.bootstrap import Bootstrap, remembered_setup
 from remote.connect import describe, on_all_nodes, open_sessions
 from remote.launch import (
@@ -47,6 +58,11 @@ DETACH_HELP = (
     "submit and return (the run id is the last line): the run is held by Slurm on the cluster, which "
     "bootstrap sets up wherever Slurm is installed on the nodes"
 )
+PREFLIGHT_HELP = {
+    "preflight": "run fab preflight's checks first (about 10 s on 2 nodes) and refuse a CRITICAL node",
+    "skip-preflight": "launch even where the last preflight found a node CRITICAL (without it, such a launch "
+    "is refused, exit 1)",
+}
 NPROC_HELP = (
     f"processes per node, 1..{options.MAX_NPROC_PER_NODE} (default: one per GPU, one on CPU nodes); "
     "at most the GPU count on GPU nodes"
@@ -101,9 +117,11 @@ def holder_of(stack: str | None) -> tuple[ClusterInfo, holders.RunHolder]:
     return cluster, holders.holder_for(cluster, setup_for(cluster))
 
 
-def start_job(stack: str | None, spec: JobSpec, detach: bool = False) -> None:
+def start_job(stack: str | None, spec: JobSpec, detach: bool = False, preflight: str = "gate") -> None:
     """Launch `spec` on every node, held as bootstrap chose; exit 1 naming the node that failed, 130 on
-    Ctrl-C (`detach`: submitted only, its id printed last). The timeline starts with this process."""
+    Ctrl-C (`detach`: submitted only, its id printed last). The timeline starts with this process.
+    `preflight`: gate (refuse a node the last preflight found CRITICAL), run (a fresh preflight first,
+    then the gate), skip."""
     timeline = Timeline.since_process_start()
     options.job_text(spec.args, spec.env)
     cluster = cluster_for(stack)
@@ -112,7 +130,39 @@ def start_job(stack: str | None, spec: JobSpec, detach: bool = False) -> None:
     )
     if problem:
         raise Exit(f"error: {problem}", code=2)
-    report(cluster, holders.holder_for(cluster, setup_for(cluster)).launch(spec, detach, timeline))
+    setup = setup_for(cluster)
+    if preflight == "run":
+        run_preflight(cluster, setup)
+    if preflight != "skip":
+        fitness.gate(cluster)
+    report(cluster, holders.holder_for(cluster, setup).launch(spec, detach, timeline))
+
+
+def preflight_mode(preflight: bool, skip_preflight: bool) -> str:
+    """`--preflight` / `--skip-preflight` as start_job's `preflight`; both at once is bad input."""
+    if preflight and skip_preflight:
+        raise options.refuse("--preflight runs the checks and --skip-preflight ignores them: give one")
+    return "run" if preflight else "skip" if skip_preflight else "gate"
+
+
+def run_preflight(cluster: ClusterInfo, setup: NodeSetup, shown: bool = True) -> fitness.Fitness:
+    """The preflight job on every node, judged, kept (`.cluster/<stack>/preflight.json`) and shown."""
+    sessions, _ = open_sessions(cluster)
+    try:
+        fitness.refuse_busy(cluster, sessions[0], setup.master_port)
+        found = fitness.check(cluster, sessions, setup, state.stack_dir(cluster.stack) / "preflight")
+    finally:
+        for session in sessions:
+            session.close()
+    fitness.save(cluster, found)
+    if shown:
+        fitness.show(found)
+        for verdict in found.named:
+            say(f"preflight: {verdict.node} {verdict.level}: {verdict.why()}")
+        for node in found.failed:
+            for line in found.tails.get(node, [])[-10:]:
+                say(f"  [{node}] {line}")
+    return found
 
 
 @dataclass(frozen=True)
@@ -190,6 +240,8 @@ def example_task(example: ExampleTask):
         on_hang=None,
         replicas=None,
         detach=False,
+        preflight=False,
+        skip_preflight=False,
         stack=None,
     ):
         if replicas is not None and not example.fault_tolerant:
@@ -198,6 +250,7 @@ def example_task(example: ExampleTask):
                 f"{example.name} runs {example.script}, which does not (each group would train alone): "
                 "fab run --script examples/ft_training.py --replicas N"
             )
+        mode = preflight_mode(bool(preflight), bool(skip_preflight))
         start_job(
             stack,
             JobSpec(
@@ -209,6 +262,7 @@ def example_task(example: ExampleTask):
                 **fault_tolerance(replicas, hang_timeout, on_hang),
             ),
             detach=bool(detach),
+            preflight=mode,
         )
 
     body.__name__ = example.name.replace("-", "_")
@@ -223,6 +277,7 @@ def example_task(example: ExampleTask):
             **HANG_HELP,
             "replicas": REPLICAS_HELP,
             "detach": DETACH_HELP,
+            **PREFLIGHT_HELP,
             "stack": STACK_HELP,
         },
     )
@@ -244,6 +299,7 @@ RUN_HELP = {
     **HANG_HELP,
     "replicas": REPLICAS_HELP,
     "detach": DETACH_HELP,
+    **PREFLIGHT_HELP,
     "stack": STACK_HELP,
 }
 
@@ -265,6 +321,8 @@ def run(
     on_hang=None,
     replicas=None,
     detach=False,
+    preflight=False,
+    skip_preflight=False,
     stack=None,
 ):
     """Run a torchrun script of yours on every node: one file, or a whole project folder (--workdir)."""
@@ -275,8 +333,9 @@ def run(
         **fault_tolerance(replicas, hang_timeout, on_hang),
     )
     launch_options["env"] = options.environment(env or [], env_file)
+    mode = preflight_mode(bool(preflight), bool(skip_preflight))
     spec = run_spec(script, workdir, requirements, max_sync_mb, max_result_mb, launch_options)
-    start_job(stack, spec, detach=bool(detach))
+    start_job(stack, spec, detach=bool(detach), preflight=mode)
 
 
 def run_spec(script, folder, requirements, max_sync_mb, max_result_mb, launch_options: dict) -> JobSpec:
@@ -345,6 +404,20 @@ def bootstrap(c, force=False, master_port=None, scheduler=None, stack=None):
     Bootstrap(cluster, bool(force), port, chosen, timeline).run()
 
 
+@task(help={"json": "machine-readable: every node's measurements, verdict and why; the pairs", "stack": STACK_HELP})
+def preflight(c, json_=False, stack=None):
+    """Check every node before a job: compute, memory, disk, GPUs (ECC, retired pages, throttling, PCIe,
+    DCGM, Xids), each pair's all-reduce bandwidth, clocks; OK / WARN / CRITICAL per node (exit 1 on CRITICAL)."""
+    cluster = cluster_for(stack)
+    setup = setup_for(cluster)
+    with contextlib.redirect_stdout(sys.stderr if json_ else sys.stdout):  # --json: stdout is the JSON alone
+        found = run_preflight(cluster, setup, shown=not json_)
+    if json_:
+        print(json.dumps(found.as_dict(), indent=2))
+    if found.critical:
+        raise Exit(code=1)
+
+
 @task(help={"run": "cancel this run only (queued or running)", "stack": STACK_HELP})
 def stop(c, run=None, stack=None):
     """Stop whatever job runs on the cluster, on every node (where Slurm holds the runs, queued runs too);
@@ -387,6 +460,8 @@ def jobs(c, json_=False, stack=None):
     for _, record in found:
         if record.waiting_for and not record.ended:
             say(f"{record.run_id} waits for {record.waiting_for}")
+        for slow in record.stragglers:
+            say(f"{record.run_id}: straggler rank {slow['rank']} on {slow['node']}: {slow['why']}")
 
 
 @task(help={"run": "the run (default: the newest)", "stack": STACK_HELP})
@@ -588,5 +663,14 @@ def gpus(c, stack=None):
 
 
 ns = Collection(
-    bootstrap, *(example_task(example) for example in EXAMPLE_TASKS), run, gpus, logs, stop, clean_runs, jobs, results
+    bootstrap,
+    *(example_task(example) for example in EXAMPLE_TASKS),
+    run,
+    preflight,
+    gpus,
+    logs,
+    stop,
+    clean_runs,
+    jobs,
+    results,
 )

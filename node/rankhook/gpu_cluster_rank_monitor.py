@@ -9,7 +9,8 @@ process group, then every `CLUSTER_PROGRESS_INTERVAL_S` (default 1 s) writes `ra
   flight recorder (enabled by `TORCH_FR_BUFFER_SIZE`, which the launch sets);
 - the collective it is inside, per group: sequence number, op, sizes, dtypes, and since when;
 - the main thread's Python stack, innermost frame last;
-- the harness's training step, when the script uses the harness.
+- the harness's training step, when the script uses the harness, and its last steps' compute times
+  (`compute`, for the straggler verdict: node/straggler.py).
 
 When `dump.request` appears in that folder (`node/hang.py collect` writes it) the thread also
 writes the recorder's whole buffer (`rank-<RANK>.fr.json`) and every thread's stack. Reading the
@@ -216,6 +217,7 @@ class RankMonitor:
             "active": active,
             "stack": thread_stack(self.main_thread.ident),
             "step": _harness_step(),
+            "compute": _harness_compute(),
             "error": error,
             **self.times(),
         }
@@ -360,6 +362,15 @@ def all_thread_stacks() -> dict:
 def _harness_step():
     metrics = sys.modules.get("harness.metrics")
     return getattr(metrics, "last_step", None)
+
+
+def _harness_compute() -> list:
+    """[[step, seconds]] of the rank's own compute in its last steps (node/straggler.py reads them)."""
+    metrics = sys.modules.get("harness.metrics")
+    try:
+        return [list(entry) for entry in list(getattr(metrics, "step_compute", ()))]
+    except Exception:  # the training thread appended while this one copied: the next report has them
+        return []
 
 
 def _write_json(path: str, data: dict) -> None:

@@ -30,6 +30,7 @@ from tests.support.inventories import files_under, unreachable_stack
         (["run-ddp", "--hang-timeout", "soon"], ["--hang-timeout", "seconds >= 0", "'soon'"]),
         (["hello", "--hang-timeout", "-3"], ["--hang-timeout", "'-3'"]),
         (["hello", "--on-hang", "panic"], ["--on-hang", "stop or wait", "'panic'"]),
+        (["run-ddp", "--preflight", "--skip-preflight"], ["--preflight", "--skip-preflight", "give one"]),
         (["run", "--script", "x.py", "--env"], ["--env needs a value"]),
         (["run", "--script", "x.py", "--env", "A=1", "--env"], ["--env needs a value"]),
         (["run", "--script", "x.py", "--workdir", ""], ["--workdir ''", "--workdir ."]),

@@ -63,7 +63,19 @@ def test_bootstrap_prepares_every_node_and_a_second_run_changes_nothing(cluster)
     assert "nodes up to date" in second.stdout
     timeline = json.loads((cluster.state_dir / "local" / "bootstrap.json").read_text())["timeline"]
     names = [phase["phase"] for phase in timeline["phases"]]
-    assert names == ["startup", "connect", "code", "probe", "deps", "env", "health", "scheduler", "watchdog", "record"]
+    assert names == [
+        "startup",
+        "connect",
+        "code",
+        "probe",
+        "deps",
+        "env",
+        "health",
+        "scheduler",
+        "watchdog",
+        "preflight",
+        "record",
+    ]
     assert abs(timeline["total_s"] - timeline["wall_s"]) <= 0.05 * timeline["wall_s"], timeline
     assert set(timeline["nodes"]) == {"node-0", "node-1"} and "deps" in timeline["nodes"]["node-1"]
     assert "bootstrap: timeline: " in second.stdout
