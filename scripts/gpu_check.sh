@@ -1,0 +1,26 @@
+#!/bin/bash
+# The GPU paths on a machine with an NVIDIA GPU: the preflight job, the GPU tests, the mixed-precision
+# bench. Run from the repository root with a Python that has torch with CUDA: PY=python3 OUT=/tmp/gpu-check
+# bash scripts/gpu_check.sh (writes nvidia-smi -q -x and the preflight log into $OUT).
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 OMP_NUM_THREADS=4
+PY=${PY:-python3}
+OUT=${OUT:-/tmp/devout}; mkdir -p $OUT
+date -u; nvidia-smi -L 2>&1; $PY -c "import torch; print('torch', torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name(0))"
+nvidia-smi -q -x > $OUT/nvidia-smi-q-x.xml 2>/dev/null; which dcgmi || echo "no dcgmi"
+echo "== preflight job, 1 node"
+SECONDS=0
+timeout 120 $PY -m torch.distributed.run --nproc-per-node 1 --standalone harness/fitness.py --expect-world-size 1 > $OUT/preflight.log 2>&1; echo "rc=$? in ${SECONDS}s"
+tail -3 $OUT/preflight.log | cut -c1-300
+$PY - <<'PYEOF'
+import json, os
+from node import fitness
+report = fitness.report_line(open(os.environ.get("OUT", "/tmp/devout") + "/preflight.log").read())
+print("report:", json.dumps(report)[:2500] if report else None)
+print("verdicts:", json.dumps({k: (v.__dict__ if hasattr(v, "__dict__") else str(v)) for k, v in fitness.judge(report).items()} if report else None, default=str)[:1500])
+PYEOF
+echo "== GPU tests"
+SECONDS=0
+timeout 170 $PY -m pytest -m gpu tests/integration/test_harness.py tests/integration/test_lab.py -q -p no:cacheprovider -o addopts="-ra" 2>&1 | tail -12; echo "in ${SECONDS}s"
+echo "== bench gpu"
+SECONDS=0
+timeout 170 $PY -m bench gpu 2>&1 | tail -20; echo "in ${SECONDS}s"
