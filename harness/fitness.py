@@ -38,7 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--compute-s", type=positive_float, default=0.25, help="seconds of matmul per node per round (default 0.25)"
     )
-    parser.add_argument("--rounds", type=positive_int, default=2, help="compute rounds per node, best kept (default 2)")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="compute rounds per node, best kept (default 3)")
     parser.add_argument("--pair-mb", type=positive_float, default=1.0, help="all-reduce size per pair in MB")
     parser.add_argument("--pair-iterations", type=positive_int, default=10, help="timed all-reduces per pair")
     parser.add_argument("--timeout", type=positive_float, default=120.0, help="rendezvous timeout in seconds")
@@ -169,6 +169,7 @@ def main() -> int:
             "nodes": [g["facts"] for g in gathered],
             "pairs": [{**p, "a": names[p["a"]], "b": names[p["b"]]} for g in gathered for p in g["pairs"]],
             "backend": ctx.backend,
+            "shared_machine": len(set(machines)) < ctx.world_size,
             "seconds": round(time.monotonic() - started, 2),
         }
         print(fitness.REPORT_MARKER + json.dumps(report), flush=True)

@@ -28,6 +28,10 @@ SLOW_FRACTION = 0.8
 median is named."""
 VERY_SLOW_FRACTION = 0.5
 """Under this fraction it is CRITICAL: a node at half speed halves the whole job (every step waits for it)."""
+SHARED_SLOW_FRACTION, SHARED_VERY_SLOW_FRACTION = 0.5, 0.25
+"""The same, where nodes share one machine (the local provider: one boot id): each measures while the
+machine's other work takes its cores, so a healthy node read 43 to 53% of its neighbour on a busy 2-core
+machine; a node throttled to a tenth of a core reads under 10%."""
 MIN_FREE_DISK_GB = 1.0
 """CRITICAL under this: checkpoints and logs fail to write."""
 LOW_FREE_DISK_GB = 5.0
@@ -263,8 +267,13 @@ def judge(report: dict) -> dict:
     memory_*, disk_free_gb, clock_offset_s, gpu: {...}}], "pairs": [{a, b, gbps}]}."""
     nodes = report.get("nodes", [])
     verdicts = {n["node"]: Verdict(n["node"]) for n in nodes}
-    _judge_compute(nodes, verdicts)
-    _judge_pairs(report.get("pairs", []), verdicts)
+    limits = (
+        (SHARED_SLOW_FRACTION, SHARED_VERY_SLOW_FRACTION)
+        if report.get("shared_machine")
+        else (SLOW_FRACTION, VERY_SLOW_FRACTION)
+    )
+    _judge_compute(nodes, verdicts, limits)
+    _judge_pairs(report.get("pairs", []), verdicts, limits)
     for facts in nodes:
         verdict = verdicts[facts["node"]]
         _judge_host(facts, verdict)
@@ -272,27 +281,30 @@ def judge(report: dict) -> dict:
     return verdicts
 
 
-def _judge_compute(nodes: list, verdicts: dict) -> None:
-    """A node under 80% of the median of the other nodes' compute is named (the others': with two
-    nodes, a median that counted the slow node itself would halve the difference)."""
+def _judge_compute(nodes: list, verdicts: dict, limits: tuple) -> None:
+    """A node under 80% of the median of the other nodes' compute is named, under 50% CRITICAL (`limits`;
+    half that on one machine); the others' median: with two nodes, a median that counted the slow node
+    itself would halve the difference."""
+    slow, very_slow = limits
     rates = {n["node"]: n["gflops"] for n in nodes if n.get("gflops")}
     if len(rates) < 2:
         return
     for facts in nodes:
         median = statistics.median(rate for node, rate in rates.items() if node != facts["node"])
         share = (facts.get("gflops") or 0) / median
-        if share < SLOW_FRACTION:
-            level = CRITICAL if share < VERY_SLOW_FRACTION else WARN
+        if share < slow:
+            level = CRITICAL if share < very_slow else WARN
             verdicts[facts["node"]].add(
                 level,
                 f"compute {facts.get('gflops', 0):.1f} GFLOP/s is {share:.0%} of the other nodes' median {median:.1f}",
             )
 
 
-def _judge_pairs(pairs: list, verdicts: dict) -> None:
+def _judge_pairs(pairs: list, verdicts: dict, limits: tuple) -> None:
     """A node whose pairs are slow (their median under 80% of the median of the pairs it is not in) is
     named; a pair under half the median pair whose two ends are both fast elsewhere names both ends (a
     bad link between them; a pair at 60% is within what a busy host's measurement varies)."""
+    slow, very_slow = limits
     measured = [p for p in pairs if p.get("gbps") is not None]
     if len(measured) < 2:
         return
@@ -304,14 +316,14 @@ def _judge_pairs(pairs: list, verdicts: dict) -> None:
             continue
         reference = statistics.median(others)
         share = statistics.median(own) / reference if reference else 1.0
-        if share < SLOW_FRACTION:
+        if share < slow:
             named.add(node)
-            level = CRITICAL if share < VERY_SLOW_FRACTION else WARN
+            level = CRITICAL if share < very_slow else WARN
             verdict.add(level, f"all-reduce bandwidth with its peers is {share:.0%} of the other pairs' median")
     median = statistics.median(p["gbps"] for p in measured)
     for pair in measured:
         share = pair["gbps"] / median if median else 1.0
-        if share < VERY_SLOW_FRACTION and not named & {pair["a"], pair["b"]}:
+        if share < very_slow and not named & {pair["a"], pair["b"]}:
             for end, other in ((pair["a"], pair["b"]), (pair["b"], pair["a"])):
                 verdicts[end].add(WARN, f"pair with {other} at {share:.0%} of the median pair")
 

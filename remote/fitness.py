@@ -64,6 +64,8 @@ def thresholds() -> dict:
     return {
         "slow_fraction": fitness.SLOW_FRACTION,
         "very_slow_fraction": fitness.VERY_SLOW_FRACTION,
+        "shared_machine_slow_fraction": fitness.SHARED_SLOW_FRACTION,
+        "shared_machine_very_slow_fraction": fitness.SHARED_VERY_SLOW_FRACTION,
         "min_free_disk_gb": fitness.MIN_FREE_DISK_GB,
         "low_free_disk_gb": fitness.LOW_FREE_DISK_GB,
         "min_available_memory_gb": fitness.MIN_AVAILABLE_MEMORY_GB,

@@ -139,6 +139,20 @@ def test_a_node_under_80_percent_of_the_median_compute_is_named_and_under_half_c
     assert [v.node for v in fitness.named(verdicts)] == ["node-3", "node-1"]
 
 
+def test_nodes_sharing_one_machine_are_judged_against_its_noise_and_a_throttled_one_still_critical():
+    """On one machine (the local provider) a healthy node read 43% of its neighbour under load: not named
+    there, where separate machines would be CRITICAL; a node throttled to a tenth reads under 10%."""
+    noisy = {"nodes": [node("node-0", 7.3), node("node-1", 17.2)]}
+    assert fitness.judge(noisy)["node-0"].level == fitness.CRITICAL
+    assert fitness.judge({**noisy, "shared_machine": True})["node-0"].level == fitness.WARN  # 42%: said, not refused
+    assert (
+        fitness.judge({"nodes": [node("node-0", 9.0), node("node-1", 17.2)], "shared_machine": True})["node-0"].level
+        == fitness.OK
+    )  # 52%
+    throttled = {"nodes": [node("node-0", 1.5), node("node-1", 17.2)], "shared_machine": True}
+    assert fitness.judge(throttled)["node-0"].level == fitness.CRITICAL
+
+
 def test_two_nodes_one_throttled_names_the_throttled_one_only():
     verdicts = fitness.judge({"nodes": [node("node-0", 30), node("node-1", 13)]})
     assert verdicts["node-0"].level == fitness.OK
