@@ -36,9 +36,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = ExampleParser(__doc__)
     parser.add_argument("--expect-world-size", type=positive_int, help="fail unless the job has this many ranks")
     parser.add_argument(
-        "--compute-s", type=positive_float, default=0.25, help="seconds of matmul per node per round (default 0.25)"
+        "--compute-s", type=positive_float, default=0.1, help="seconds of matmul per node per round (default 0.1)"
     )
-    parser.add_argument("--rounds", type=positive_int, default=3, help="compute rounds per node, best kept (default 3)")
+    parser.add_argument("--rounds", type=positive_int, default=6, help="compute rounds per node, best kept (default 6)")
     parser.add_argument("--pair-mb", type=positive_float, default=1.0, help="all-reduce size per pair in MB")
     parser.add_argument("--pair-iterations", type=positive_int, default=10, help="timed all-reduces per pair")
     parser.add_argument("--timeout", type=positive_float, default=120.0, help="rendezvous timeout in seconds")

@@ -9,11 +9,12 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import yaml
 
-from node import procfs
+from node import contract, procfs
 from tests.support import slurm
 from tests.support.cli import assert_one_line_error, run_cli, run_fab
 from tests.support.clusters import start_local_cluster_in
@@ -113,7 +114,12 @@ def test_a_held_hello_is_clean_and_their_stopped_controller_is_named_as_such(mac
 def test_runs_go_to_the_existing_slurm_under_its_names_and_down_leaves_it_running(machines, adopted, tmp_path):
     _, theirs = machines
     env, bootstrap = adopted
-    assert "existing Slurm: alpha (main)" in bootstrap.stdout and "existing Slurm: beta (main)" in bootstrap.stdout
+    # Each host recorded its node's name in their Slurm (the bootstrap table says `existing Slurm: alpha (main)`)
+    setup = json.loads((Path(env["CLUSTER_STATE_DIR"]) / "hosts" / "bootstrap.json").read_text())
+    for node in ("node-0", "node-1"):
+        record = json.loads((Path(setup["nodes"][node]["probe"]["home"]) / contract.SLURM_EXISTING).read_text())
+        assert record["names"] == dict(zip(("node-0", "node-1"), NAMES, strict=True)), record
+        assert record["partition"] == "main", record
     assert "slurmctld" not in bootstrap.stdout  # nothing of ours started
     status = json.loads(run_cli("status", "--json", **env).stdout)
     assert [n["scheduler"] for n in status["nodes"]] == ["idle", "idle"], status
