@@ -404,10 +404,12 @@ def participants(log: str):
 
 
 def _watch(spec: dict, main: subprocess.Popen, srun: str, here: str) -> int:
-    """The hang watch beside the running step; the step's exit status."""
-    from node import hang_rule  # here only: its imports would add 50 ms to every start of this file
+    """The hang watch beside the running step, and the straggler verdict on the same polls; the step's
+    exit status."""
+    from node import hang_rule, straggler  # here only: their imports would add 50 ms to every start of this file
 
     watch = spec["watch"]
+    named = straggler.Named()
     probe = {**spec, "nodes": [{**node, "command": watch["status"][node["name"]]} for node in spec["nodes"]]}
     probe.pop("watch", None)
     overdue = watch["timeout_s"] + watch.get("overdue_grace_s", 30)
@@ -417,7 +419,9 @@ def _watch(spec: dict, main: subprocess.Popen, srun: str, here: str) -> int:
             break
         except subprocess.TimeoutExpired:
             pass
-        views = [v for payload in _ask(probe, srun, here) for v in hang_rule.parse_ranks(payload)]
+        payloads = _ask(probe, srun, here)
+        _name_stragglers(spec, named, payloads)
+        views = [v for payload in payloads for v in hang_rule.parse_ranks(payload)]
         found = hang_rule.find_hang(views, watch["timeout_s"], overdue) if views else None
         if found is None:
             continue
@@ -438,6 +442,17 @@ def _watch(spec: dict, main: subprocess.Popen, srun: str, here: str) -> int:
         main.send_signal(signal.SIGTERM)
         break
     return _status(main.wait())
+
+
+def _name_stragglers(spec: dict, named, payloads: list) -> None:
+    """Say each rank the straggler rule names (node/straggler.py), once, in the run's log, and keep them
+    beside it (`states` hands them to `fab jobs`)."""
+    fresh = named.update([record for payload in payloads for record in payload.get("ranks", [])])
+    for found in fresh:
+        print(f"[watch] {found.line(spec['run_id'])}", flush=True)
+    if fresh:
+        folder = os.path.dirname(spec["log"])
+        write_private(os.path.join(folder, contract.STRAGGLER_RECORD), named.record().encode(), 0o600)
 
 
 def _status(code: int) -> int:
@@ -909,9 +924,10 @@ def submit_reply(spec: dict) -> dict:
 
 def states(logs: dict) -> dict:
     """node/calls.py's RunStates: each job's `shown_state`, with its run's log; a running fault-tolerant
-    run's also with its `participants` now (the newest contract line beside the log); and `ever_started`,
-    whether its batch job ever started (its first start record beside the log), where the run's folder is
-    here to tell (Slurm gives a job cancelled while it waited a start and exit 0)."""
+    run's also with its `participants` now (the newest contract line beside the log); and, where the run's
+    folder is here to tell, `ever_started`, whether its batch job ever started (its first start record beside
+    the log; Slurm gives a job cancelled while it waited a start and exit 0), and `stragglers`, the ranks
+    its hang watch named slow (the straggler record beside the log; [] where none)."""
     found = {}
     for job, log in logs.items():
         shown = shown_state(job, log)
@@ -919,9 +935,23 @@ def states(logs: dict) -> dict:
             shown = {**shown, "participants": participants(log)}
         folder = os.path.dirname(log) if log else ""
         if shown is not None and folder and os.path.isdir(folder):
-            shown = {**shown, "ever_started": os.path.exists(os.path.join(folder, contract.FIRST_START_RECORD))}
+            shown = {
+                **shown,
+                "ever_started": os.path.exists(os.path.join(folder, contract.FIRST_START_RECORD)),
+                "stragglers": _stragglers_in(folder),
+            }
         found[job] = shown
     return {"states": found}
+
+
+def _stragglers_in(folder: str) -> list:
+    """The run's straggler record in its folder ([] where it has none, or one that cannot be read)."""
+    try:
+        with open(os.path.join(folder, contract.STRAGGLER_RECORD)) as record:
+            found = json.load(record)
+    except (OSError, ValueError):
+        return []
+    return found if isinstance(found, list) else []
 
 
 def _kill_group(pgid: int) -> None:

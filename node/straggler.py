@@ -8,10 +8,14 @@ of the step no collective waits in. A harness training loop times it every step 
 
 `find_stragglers` is the rule: a rank whose compute time stays above `RATIO` times the median of the
 other ranks' at the same step, for `STEPS` steps in a row, is a straggler. Pure: tested on records
-shaped as the monitor writes them.
+shaped as the monitor writes them. `Named` keeps one run's verdict across a hang watch's polls, each rank
+named once; both hang watches keep one (fab's, remote/hangwatch.py, and the Slurm batch job's,
+node/slurm_run.py), and write its `record()` as the run's `contract.STRAGGLER_RECORD`.
 """
 
+import json
 import statistics
+import time
 from dataclasses import dataclass
 
 RATIO = 1.3
@@ -81,3 +85,21 @@ def find_stragglers(records: list, ratio: float = RATIO, steps: int = STEPS) -> 
         if len(best) >= steps:
             found.append(Straggler(rank, node, statistics.median(s for _, s in best), best[0][0], best[-1][0]))
     return found
+
+
+class Named:
+    """The ranks named slow in one run so far, each once, in the order they were named."""
+
+    def __init__(self) -> None:
+        self.by_rank: dict[int, dict] = {}
+
+    def update(self, records: list) -> list:
+        """The stragglers among the ranks' progress records not named before (now named)."""
+        fresh = [found for found in find_stragglers(records) if found.rank not in self.by_rank]
+        for found in fresh:
+            self.by_rank[found.rank] = {**found.as_dict(), "named_at": round(time.time(), 3)}
+        return fresh
+
+    def record(self) -> str:
+        """The run's straggler record (`contract.STRAGGLER_RECORD`): a JSON list, one object a rank."""
+        return json.dumps(list(self.by_rank.values()), indent=2) + "\n"

@@ -111,8 +111,8 @@ class HangWatch:
         """Polls answered: every rank's progress read, no hang found."""
         self.ranks_seen = 0
         """The most ranks one poll found reporting (the job's ranks, once all have started)."""
-        self.stragglers: dict[int, dict] = {}
-        """The ranks named slow (node/straggler.py), by rank, each once."""
+        self.stragglers = straggler.Named()
+        """The ranks named slow (node/straggler.py), each once."""
         self.finished = threading.Event()
         self.stopping = threading.Event()
         """Set once the watch is stopping the job (fail-fast then has nothing to add)."""
@@ -174,16 +174,13 @@ class HangWatch:
 
     def _name_stragglers(self, payloads: list[dict]) -> None:
         """Say each rank the straggler rule names, once, and keep them in the run folder (`fab jobs`)."""
-        records = [record for payload in payloads for record in payload.get("ranks", [])]
-        fresh = [s for s in straggler.find_stragglers(records) if s.rank not in self.stragglers]
+        fresh = self.stragglers.update([record for payload in payloads for record in payload.get("ranks", [])])
         if not fresh:
             return
         for found in fresh:
-            self.stragglers[found.rank] = {**found.as_dict(), "named_at": round(time.time(), 3)}
             say(found.line(self.run_id))
         state.make_private_dir(self.local_dir)
-        named = list(self.stragglers.values())
-        state.write_atomic(self.local_dir / contract.STRAGGLER_RECORD, json.dumps(named, indent=2) + "\n")
+        state.write_atomic(self.local_dir / contract.STRAGGLER_RECORD, self.stragglers.record())
 
     def _stop_until_ended(self) -> None:
         """Stop the job everywhere, and again while it has not ended (a node that missed the first stop)."""

@@ -321,6 +321,7 @@ def refresh(cluster: ClusterInfo, runs: list[Run], head: NodeSession | None = No
         replicas = int(run.spec.get("replicas") or 0)
         shown = known.get("participants")
         run.participants = f"{shown}/{replicas}" if replicas and shown is not None else None
+        run.stragglers = known.get("stragglers") or run.stragglers  # the cluster's hang watch's verdict
     return found
 
 

@@ -15,9 +15,16 @@ from pathlib import Path
 import pytest
 
 from node.slurm_conf import Paths
-from tests.support import slurm
+from tests.support import slurm, throttle
 from tests.support.cli import assert_one_line_error
-from tests.support.clusters import CMDLINE_LEAKS, Cluster, bootstrapped_cluster, files_holding, run_processes
+from tests.support.clusters import (
+    CMDLINE_LEAKS,
+    Cluster,
+    bootstrapped_cluster,
+    files_holding,
+    run_id_in,
+    run_processes,
+)
 
 pytestmark = pytest.mark.skipif(slurm.unavailable() is not None, reason=f"Slurm: {slurm.unavailable()}")
 
@@ -303,6 +310,39 @@ def test_a_hung_run_is_found_and_stopped_on_the_cluster_while_no_fab_follows_it(
         "node-0.progress.json",
         "node-1.progress.json",
     ]
+    slurm.wait_for(lambda: not run_processes(run_id), "no process of the run left")
+
+
+def test_a_throttled_nodes_rank_is_named_a_straggler_by_the_clusters_watch(cluster):
+    why = throttle.unavailable()
+    if why:
+        pytest.skip(f"a node cannot be throttled here: {why}")
+    # Forward passes of ~8 ms (as tests/integration/test_fitness.py's run), the watch polling every 4 s; node-1's
+    # processes (its slurmd, and the run's ranks there) at 10% of one CPU once training has begun (the step
+    # table's header comes with step 10's line), so its ranks import torch and meet at full speed. The run
+    # is cancelled (Ctrl-C) once fab, following its log, has shown the verdict.
+    fab = cluster.popen_fab("run-ddp", "--hang-timeout", "20", "--args", "--steps 300 --batch-size 1024 --log-every 10")
+    seen = []
+    for line in fab.stdout:
+        seen.append(line)
+        if "ms/step" in line:
+            break
+    with throttle.throttled(cluster.state_dir / cluster.stack / "nodes" / "node-1", 10):
+        for line in fab.stdout:
+            seen.append(line)
+            if "STRAGGLER run=" in line:
+                fab.send_signal(signal.SIGINT)
+                break
+    seen.append(fab.communicate(timeout=120)[0])
+    output = "".join(seen)
+    run_id = run_id_in(output)
+    (found,) = wait_for_state(cluster, run_id, "CANCELLED")["stragglers"]
+    assert (found["rank"], found["node"]) == (1, "node-1") and found["ratio"] > 1.3, found
+    assert found["steps"][1] - found["steps"][0] + 1 >= 20, found
+    line = f"[watch] STRAGGLER run={run_id}: rank 1 on node-1: {found['why']}"
+    cluster_log = (cluster.state_dir / cluster.stack / "runs" / run_id / "cluster.log").read_text()
+    assert [seen for seen in cluster_log.splitlines() if "STRAGGLER" in seen] == [line], cluster_log
+    assert line in output, output
     slurm.wait_for(lambda: not run_processes(run_id), "no process of the run left")
 
 

@@ -1,6 +1,7 @@
 """The straggler rule (node/straggler.py) on records shaped as the rank monitor writes them: each rank's
 last steps' own compute time, `compute: [[step, seconds], ...]`."""
 
+import json
 import random
 
 from node import straggler
@@ -60,3 +61,14 @@ def test_only_steps_every_rank_reported_count():
     assert straggler.find_stragglers(early) == []
     assert straggler.find_stragglers([early[1]]) == []
     assert straggler.find_stragglers([{"rank": 0, "node": "node-0"}, {"rank": 1, "compute": None}]) == []
+
+
+def test_a_watch_names_each_straggler_once_and_keeps_every_one_in_its_record():
+    named = straggler.Named()
+    assert named.update(ranks(4, {})) == []
+    (first,) = named.update(ranks(4, {2: (1.5, range(11, 31))}))
+    assert first.rank == 2
+    assert named.update(ranks(4, {2: (1.5, range(11, 31)), 3: (2.0, range(1, 41))}))[0].rank == 3  # 2 not again
+    kept = json.loads(named.record())
+    assert [(r["rank"], r["node"], r["steps"]) for r in kept] == [(2, "node-2", [11, 30]), (3, "node-3", [1, 40])]
+    assert all(r["why"].startswith("compute ") and r["named_at"] > 0 for r in kept)
