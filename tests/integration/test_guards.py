@@ -101,4 +101,9 @@ def test_a_stalled_job_stops_billing_and_a_slow_healthy_one_does_not(state_dir, 
     assert report["stopped_reason"].startswith("stalled: job ") and "made no progress" in report["stopped_reason"]
     [cluster] = json.loads(run_cli("cost", "--json").stdout)["clusters"]
     assert cluster["intervals"][-1]["end_reason"].startswith("stopped itself: stalled")
+    # The nodes power off under the stalled job: every node server and the watchdog end (within seconds
+    # on a busy machine, so the check waits for it rather than asking at one instant)
+    deadline = time.monotonic() + 60
+    while (node_server_processes(state_dir) or watchdog_processes(state_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert node_server_processes(state_dir) == [] and watchdog_processes(state_dir) == []
