@@ -22,7 +22,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from bench.common import Check, deploy, fab, median, scratch_env
+from bench.common import Check, deploy, fab, median, scratch_env, without_slurm
 
 STEP_SLEEP_S = 0.05
 PAIRS = 5
@@ -206,9 +206,7 @@ def run() -> list[Check]:
     from tests.support import slurm
     from tests.support.network import free_endpoint
 
-    why = slurm.unavailable()
-    if why:
-        print(f"skipped: {why}")
+    if without_slurm():
         return []
     env = scratch_env()
     bench = Bench(env, Path(env["CLUSTER_STATE_DIR"]))

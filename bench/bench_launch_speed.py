@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from bench.bench_launch import raw_torchrun
-from bench.common import Check, bootstrapped_local_cluster, deploy, fab, median
+from bench.common import Check, bootstrapped_local_cluster, deploy, fab, median, without_slurm
 
 PAIRS = 5
 SCRIPT = """
@@ -71,12 +71,9 @@ def _project_run(env: dict[str, str], project: Path) -> float:
 
 
 def run() -> list[Check]:
-    from tests.support import slurm
     from tests.support.network import free_port
 
-    why = slurm.unavailable()
-    if why:
-        print(f"skipped: {why}")
+    if without_slurm():
         return []
     root = Path(tempfile.mkdtemp(prefix="gpu-cluster-bench-speed-"))
     script = root / "ten_seconds.py"

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from bench.bench_launch import SCRIPT, raw_torchrun
-from bench.common import Check, deploy, fab, median, scratch_env
+from bench.common import Check, deploy, fab, median, scratch_env, without_slurm
 
 ROUNDS = 3
 
@@ -28,9 +28,7 @@ def _bootstrap(env: dict, port: int, *extra: str) -> float:
 def run() -> list[Check]:
     from tests.support import slurm
 
-    why = slurm.unavailable()
-    if why:
-        print(f"skipped: {why}")
+    if without_slurm():
         return []
     script = Path(tempfile.mkdtemp()) / "allreduce.py"
     script.write_text(SCRIPT)

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import Check, bootstrapped_local_cluster, deploy, fab, median
+from bench.common import Check, bootstrapped_local_cluster, deploy, fab, median, without_slurm
 
 PAIRS = 8
 LIMIT = 1.1
@@ -48,11 +48,7 @@ def _timed_run(env: dict[str, str], script: Path) -> tuple[float, float]:
 
 
 def run() -> list[Check]:
-    from tests.support import slurm
-
-    why = slurm.unavailable()
-    if why:
-        print(f"skipped: {why}")
+    if without_slurm():
         return []
     script = Path(tempfile.mkdtemp()) / "three_seconds.py"
     script.write_text(SCRIPT)

@@ -20,7 +20,7 @@ import signal
 import time
 from pathlib import Path
 
-from bench.common import Check, deploy, fab, scratch_env
+from bench.common import Check, deploy, fab, scratch_env, without_slurm
 
 NOTICE_S = 20
 CHECKPOINT_EVERY = 200
@@ -52,9 +52,7 @@ class Log:
 def run() -> list[Check]:
     from tests.support import slurm
 
-    why = slurm.unavailable()
-    if why:
-        print(f"skipped: {why}")
+    if without_slurm():
         return []
     env = scratch_env()
     state = Path(env["CLUSTER_STATE_DIR"])

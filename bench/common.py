@@ -81,3 +81,13 @@ def bootstrapped_local_cluster(scheduler: str) -> dict[str, str]:
     deploy("up", "--local", "--nodes", "2", "--bind", address, "--ssh-port", str(port), env=env)
     fab("bootstrap", "--master-port", str(slurm.free_ports()), "--scheduler", scheduler, env=env)
     return env
+
+
+def without_slurm() -> bool:
+    """Whether Slurm cannot run here (it says why): a bench that needs it then measures nothing."""
+    from tests.support import slurm
+
+    why = slurm.unavailable()
+    if why:
+        print(f"skipped: {why}")
+    return bool(why)
