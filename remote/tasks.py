@@ -120,8 +120,8 @@ def holder_of(stack: str | None) -> tuple[ClusterInfo, holders.RunHolder]:
 def start_job(stack: str | None, spec: JobSpec, detach: bool = False, preflight: str = "gate") -> None:
     """Launch `spec` on every node, held as bootstrap chose; exit 1 naming the node that failed, 130 on
     Ctrl-C (`detach`: submitted only, its id printed last). The timeline starts with this process.
-    `preflight`: gate (refuse a node the last preflight found CRITICAL), run (a fresh preflight first,
-    then the gate), skip."""
+    `preflight`: gate (refuse a node the last preflight found CRITICAL and a fresh one finds so again), run
+    (a fresh preflight first, then the gate), skip."""
     timeline = Timeline.since_process_start()
     options.job_text(spec.args, spec.env)
     cluster = cluster_for(stack)
@@ -133,6 +133,12 @@ def start_job(stack: str | None, spec: JobSpec, detach: bool = False, preflight:
     setup = setup_for(cluster)
     if preflight == "run":
         run_preflight(cluster, setup)
+    elif preflight == "gate" and fitness.recorded_critical(cluster):
+        # A node found CRITICAL is measured again before a launch is refused: a speed measured on a busy
+        # machine (bootstrap's, or nodes sharing one machine) can read low once; a sick node reads low again.
+        say("fab: the last preflight found a node CRITICAL: checking again before refusing")
+        with contextlib.suppress(UsageError):  # a job holds MASTER_PORT: the verdict on record stands
+            run_preflight(cluster, setup, shown=False)
     if preflight != "skip":
         fitness.gate(cluster)
     report(cluster, holders.holder_for(cluster, setup).launch(spec, detach, timeline))
