@@ -398,6 +398,7 @@ def _node_rows(cluster: inventory.ClusterInfo) -> list[dict]:
 
 def _cost_reconcile(args) -> int:
     """The ledger beside the bill (infra/reconcile.py): Cost Explorer, or a CUR 2.0 CSV with --bill."""
+    import json
     import time
     from pathlib import Path
 
@@ -423,6 +424,10 @@ def _cost_reconcile(args) -> int:
     finally:
         if ledger is not None:
             ledger.close()
+    if state.stack_dir(stack).is_dir():  # the dashboard's figures; a stack that is down has no page
+        state.write_atomic(
+            state.stack_file(stack, state.RECONCILIATION), json.dumps(reconcile.figures(data, time.time()))
+        )
     if args.json:
         report.print_json(data)
     else:

@@ -35,10 +35,10 @@ StatusFn = Callable[[inventory.ClusterInfo], list[dict]]
 
 
 def reconciliation(stack: str) -> dict | None:
-    """HOOK for `deploy.py cost --reconcile` (another change builds it): the ledger set against the AWS bill
-    for `stack`, where a reconciliation was made. None until that lands; the page shows whatever this
-    returns beside the cluster's cost plot (a dict of label to value)."""
-    return None
+    """The last `deploy.py cost --reconcile` of `stack` in a few figures (label to value: the ledger, the
+    bill, their difference, the rows still estimated, the leak suspects), shown beside the cluster's cost
+    plot; None where none was made."""
+    return read_json(state.stack_file(stack, state.RECONCILIATION))
 
 
 def read_json(path: Path) -> dict | None:

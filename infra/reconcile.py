@@ -389,6 +389,23 @@ def reconcile(ledger, stack: str, days: int | None, bill_path: Path | None, ce_c
     return compare(stack, clusters, bill, now, since)
 
 
+def figures(data: dict, now: float) -> dict:
+    """A comparison (`compare`) in a few figures, label to value, for the dashboard: the days compared,
+    the ledger and the bill over them, their difference, the rows still estimated and the suspects."""
+    ledger = sum(day["ledger_usd"] for day in data["days"])
+    billed = sum(day["bill_usd"] for day in data["days"])
+    return {
+        "reconciled at": datetime.fromtimestamp(now, timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "source": data["source"],
+        "days": len(data["days"]),
+        "ledger": f"${ledger:.2f}",
+        "bill": f"${billed:.2f}",
+        "difference": f"{100 * (ledger - billed) / billed:+.2f}%" if billed else "n/a (nothing billed yet)",
+        "estimated rows": len(data["estimated_rows"]),
+        "leak suspects": len({row.get("resource_id") or row.get("usage_type") for row in data["leak_suspects"]}),
+    }
+
+
 def check_days(days: int) -> int:
     if not 1 <= days <= MAX_DAYS:
         raise UsageError(f"--days {days}: give the days to compare, 1..{MAX_DAYS} (Cost Explorer keeps 14 months)")

@@ -46,6 +46,8 @@ MUNGE_KEY = "munge.key"
 """The cluster's munge key (base64), which bootstrap's scheduler stage gives every node."""
 PREFLIGHT = "preflight.json"
 """The last preflight's measurements and verdicts (remote/fitness.py): launches refuse its CRITICAL nodes."""
+RECONCILIATION = "reconciliation.json"
+"""What the last `deploy.py cost --reconcile` of the stack found, in a few figures (the dashboard shows them)."""
 FACTS = (INVENTORY, KNOWN_HOSTS, BOOTSTRAP, GUARDS, MUNGE_KEY, PREFLIGHT)
 """What `forget` removes: what was true of the nodes while they were up."""
 

@@ -296,6 +296,14 @@ def test_cost_bill_sets_a_cur_export_beside_the_ledger(offline, state_dir):
     data = json.loads(result.stdout)
     assert [(d["day"], d["within_2pct"]) for d in data["days"]] == [("2026-11-20", True), ("2026-11-21", True)]
     assert {s["resource_id"] for s in data["leak_suspects"]} == {"vol-0dead0beef0000001"}
+    from dashboard import sources
+
+    assert sources.reconciliation("dev") is None  # the stack is down: its figures are not kept for a page
+    (state_dir / "dev").mkdir(mode=0o700)  # up: the dashboard shows the last reconciliation's figures
+    assert run_cli("cost", "--bill", str(CUR_FIXTURE), "--stack", "dev", "--json", **offline).returncode == 0
+    shown = sources.reconciliation("dev")
+    assert shown is not None and shown["days"] == 2 and shown["leak suspects"] == 1 and shown["source"], shown
+    assert abs(float(shown["difference"].rstrip("%"))) <= 2.0, shown
     text = run_cli("cost", "--bill", str(CUR_FIXTURE), "--stack", "dev", **offline).stdout
     assert "leak suspect: 2026-11-20 EBS:VolumeUsage.gp3 vol-0dead0beef0000001" in text
     assert "unmatched" in text and "EBS:SnapshotUsage" in text and "Cost Explorer requests: 0" in text
