@@ -1,6 +1,5 @@
 """On the head node: a run as one Slurm batch job, one task per node, every node's output in the run's log.
 
-    python node/slurm_run.py step SPEC_BASE64      # what srun starts on every node (not for people)
     python node/slurm_run.py supervise SPEC_BASE64 # the batch script: the step, the hang watch, the requeue
     python node/slurm_run.py follow LOG JOB [OFFSET]  # the log from OFFSET as it grows, until the job ends
 
@@ -17,13 +16,9 @@ appends to its log across requeues. Its one step is `srun --ntasks-per-node=1 --
 a node whose command fails ends the others at once. A fault-tolerant run's (spec `replicas`: torchft
 replica groups) is `--kill-on-bad-exit=0 --no-kill` in a `--no-kill` job instead: a group's node that
 fails or dies ends only that group, and the others train on in the same allocation; a group whose nodes
-were replaced is started again on them, beside the step, by the batch job (GroupRestarts). `step` runs this
-node's command (found by SLURMD_NODENAME) with the node's own HOME (jobs run with the submitter's
-environment otherwise, whose HOME is the head node's where nodes share a machine) and writes its
-output, as it comes, with a `[node-i] ` prefix after every newline and carriage return, so progress
-bars stay live; srun gathers every node's into the log, one writer. On SIGTERM or SIGHUP it passes the
-signal to the command's session and ends it after a grace period; it exits with the command's status
-(128 + signal if killed).
+were replaced is started again on them, beside the step, by the batch job (GroupRestarts). Each node's
+task is node/slurm_step.py, a file of its own that starts in milliseconds: it runs this node's command and
+prefixes its output (`[node-i] `); srun gathers every node's into the log, one writer.
 
 Standard library only; run as a file, it imports its siblings from the code folder.
 """
@@ -33,7 +28,6 @@ import base64
 import json
 import os
 import re
-import select
 import shlex
 import shutil
 import signal
@@ -53,11 +47,7 @@ from node.slurm_daemons import program, write_private  # noqa: E402
 TERMINATE_GRACE_S = 5.0
 FOLLOW_POLL_S = 0.1
 STATE_POLL_S = 1.0
-ENDING_POLL_S = 0.05
 SUBMIT_TIMEOUT_S = 30.0
-ENDING_WINDOW_S = 5.0
-"""For this long after the batch job's end record appears, `follow` asks Slurm every ENDING_POLL_S, not
-every STATE_POLL_S: the job's final state is then a moment away."""
 FINAL_STATES = frozenset(
     {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 )
@@ -65,10 +55,6 @@ FINAL_STATES = frozenset(
 WAITING_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SPECIAL_EXIT"})
 """Slurm's job states of a job that waits to start (again)."""
 FIELD = re.compile(r"(\w+)=(\S*)")
-DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
-SEPARATOR = re.compile(rb"([\r\n])")
-HOLD_S = 0.2
-"""How long a node's unfinished line waits for its rest before it goes into the run's log as it is."""
 HEAL_POLL_S = 1.0
 """How often a fault-tolerant run's batch job looks for replica groups whose nodes were replaced."""
 HEAL_END_GRACE_S = 60.0
@@ -77,43 +63,13 @@ MAX_HEALS = 5
 """Starts of one replica group that failed, after which it is not started again (a fault of its own)."""
 
 
-class Prefixer:
-    """Puts `prefix` at the start of every line (a line ends at a newline or a carriage return), except
-    on lines that already start with `own` (node/torchrun.py prefixes its ranks' lines itself, as
-    `[node-1]` or `[node-1 rank 3]`; only the launch shell's own lines and markers arrive bare)."""
-
-    def __init__(self, prefix: bytes, own: bytes = b""):
-        self.prefix, self.own = prefix, own
-        self.at_start = True
-        self.pending = b""  # the start of a line too short yet to tell whether it is prefixed
-
-    def __call__(self, chunk: bytes) -> bytes:
-        out = []
-        pieces = SEPARATOR.split(self.pending + chunk)
-        self.pending = b""
-        for index, piece in enumerate(pieces):
-            if piece in (b"\r", b"\n"):
-                out.append(piece)
-                self.at_start = True
-            elif piece:
-                if self.at_start:
-                    last = index == len(pieces) - 1
-                    if last and self.own and len(piece) < len(self.own) and self.own.startswith(piece):
-                        self.pending = piece
-                        break
-                    if not (self.own and piece.startswith(self.own)):
-                        out.append(self.prefix)
-                out.append(piece)
-                self.at_start = False
-        return b"".join(out)
-
-
 def _encoded(spec: dict) -> str:
     return base64.b64encode(json.dumps(spec).encode()).decode()
 
 
 def step_argv(spec: dict, srun: str, here: str, *options: str) -> list:
-    """srun of this file's `step` on every node, one task each (`options`: srun's, e.g. --overlap)."""
+    """srun of `node/slurm_step.py` (beside this file, `here`) on every node, one task each (`options`:
+    srun's, e.g. --overlap)."""
     count = len(spec["nodes"])
     return [
         srun,
@@ -125,8 +81,7 @@ def step_argv(spec: dict, srun: str, here: str, *options: str) -> list:
         "--export=NONE",  # each node's step: Slurm's variables only (`step` sets HOME and PATH), not the head's
         spec["python"],
         "-u",
-        here,
-        "step",
+        os.path.join(os.path.dirname(here), "slurm_step.py"),
         _encoded(spec),
     ]
 
@@ -560,83 +515,6 @@ def submit(spec: dict) -> str:
     return result.stdout.strip().split(";")[0]
 
 
-def copy_whole_lines(fd: int, prefix, out, hold_s: float = HOLD_S) -> None:
-    """Copy `fd` to `out` (prefixed) until its end, in whole pieces only (each ends at a `\\n` or a `\\r`):
-    srun gathers every node's output into one log, where a piece left open would take the next node's
-    output into its line (an unbuffered `print` writes its text, then the newline; a progress bar writes
-    `\\r` and its text, then nothing for a while). A piece without a line end is held up to `hold_s` for its
-    rest; held longer, it goes out ended by a `\\r`, as a line that is redrawn, and when its rest comes the
-    whole line goes out again (a bar's next `\\r` only replaces it)."""
-    pending, shown, held_since = b"", b"", 0.0
-    while True:
-        wait = max(0.0, held_since + hold_s - time.monotonic()) if pending else None
-        if select.select([fd], [], [], wait)[0]:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            data = prefix(chunk)
-            if not pending and data.startswith(b"\r"):  # at a line's start: nothing to redraw
-                data, shown = data[1:], b""
-            data = pending + shown + data  # a line that went out unfinished: its rest redraws it whole
-            shown = b""
-            cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
-            if cut:
-                out.write(data[:cut])
-                out.flush()
-            if data[cut:] and not pending:
-                held_since = time.monotonic()
-            pending = data[cut:]
-        elif pending:  # held long enough (a prompt, `loading...`, a slow bar): shown as it is
-            out.write(pending + b"\r")
-            out.flush()
-            pending, shown = b"", pending
-    if pending:
-        out.write(pending + b"\n")
-        out.flush()
-
-
-def step(spec: dict) -> int:
-    """This node's part of the run: its command, its output prefixed; the command's exit status."""
-    slurm_name = os.environ.get("SLURMD_NODENAME", "")
-    node = next((n for n in spec["nodes"] if (n.get("slurm_name") or n["name"]) == slurm_name), None)
-    if node is None:
-        print(f"error: no command for node {slurm_name!r} in this run", file=sys.stderr, flush=True)
-        return 2
-    name = node["name"]
-    environment = {
-        **os.environ,
-        "HOME": node["home"],
-        "PATH": os.environ.get("PATH") or DEFAULT_PATH,
-        contract.RESTART_COUNT_VARIABLE: os.environ.get("SLURM_RESTART_COUNT") or "0",
-    }
-    child = subprocess.Popen(
-        ["bash", "-c", node["command"]],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=environment,
-        cwd=node["home"],
-        start_new_session=True,
-    )
-
-    def forward(signum, _frame):
-        try:
-            os.killpg(child.pid, signum)
-        except OSError:
-            return
-        timer = threading.Timer(TERMINATE_GRACE_S, lambda: _kill_group(child.pid))
-        timer.daemon = True
-        timer.start()
-
-    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR1):
-        signal.signal(signum, forward)
-    prefix = Prefixer(f"[{name}] ".encode(), own=f"[{name}".encode())
-    assert child.stdout is not None
-    copy_whole_lines(child.stdout.fileno(), prefix, sys.stdout.buffer)
-    code = child.wait()
-    return 128 - code if code < 0 else code
-
-
 # ----------------------------------------------------------------------------- the job, from the head
 
 
@@ -853,13 +731,15 @@ def waiting_line(found: dict) -> str:
 
 
 def follow(log: str, job_id: str, offset: int = 0) -> int:
-    """Copy the log from `offset` as it grows, until Slurm says the job has ended and all of it is copied;
-    then the end marker: `END_MARKER STATE EXIT_CODE LOG_BYTES`, Slurm's state and code (the log only
+    """Copy the log from `offset` as it grows, until the job has ended and all of it is copied (the batch
+    job's end record, its last act, or Slurm's final state where the job ended without one: a requeue, a
+    cancel before it started); then the end marker: `END_MARKER STATE EXIT_CODE LOG_BYTES`, Slurm's state
+    and code where Slurm has them already, else the end record's (the log only
     shows what it can: one that cannot be read is not the run's end). On stderr, never in the log's copy:
     while the run waits, a `[cluster]` line says for what, each time that changes; where Slurm does not
     answer, FOLLOW_FAILED_MARKER WHY, and exit 1. Stopping it (a closed connection) stops only it."""
     out, notes = sys.stdout.buffer, sys.stderr
-    position, checked, final, ending, said, unreadable = offset, 0.0, None, None, "", ""
+    position, checked, final, said, unreadable = offset, 0.0, None, "", ""
     end_record = os.path.join(os.path.dirname(log), contract.END_RECORD)
     while True:
         try:
@@ -880,10 +760,15 @@ def follow(log: str, job_id: str, offset: int = 0) -> int:
             continue
         if final is not None:
             break
-        if ending is None and os.path.exists(end_record):  # the batch job's last act: its end is near
-            ending = time.monotonic()
-        quick = ending is not None and time.monotonic() - ending < ENDING_WINDOW_S
-        if time.monotonic() - checked >= (ENDING_POLL_S if quick else STATE_POLL_S):
+        recorded = ended_state(log) if os.path.exists(end_record) else None
+        if recorded is not None:  # the batch job's last act: all of the log is written; Slurm's word wins
+            try:  # where it has one already (a TIMEOUT), else the record's: no waiting for Slurm's books
+                found = job_state(job_id, log)
+            except DaemonError:
+                found = None
+            final = found if found is not None and found["state"] in FINAL_STATES else recorded
+            continue  # one more read: what was written before the end
+        if time.monotonic() - checked >= STATE_POLL_S:
             checked = time.monotonic()
             try:
                 found = job_state(job_id, log)
@@ -899,7 +784,7 @@ def follow(log: str, job_id: str, offset: int = 0) -> int:
             if line and line != said:
                 print(line, file=notes, flush=True)
             said = line
-        time.sleep(ENDING_POLL_S if quick else FOLLOW_POLL_S)
+        time.sleep(FOLLOW_POLL_S)
     code = final.get("exit_code")
     # on a line of its own, the log's size last: the follower keeps the log, not this line
     out.write(f"\n{contract.RUN_END_MARKER} {final['state']} {'-' if code is None else code} {position}\n".encode())
@@ -954,22 +839,13 @@ def _stragglers_in(folder: str) -> list:
     return found if isinstance(found, list) else []
 
 
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except OSError:
-        pass
-
-
 def main(argv: list | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=("step", "supervise", "follow"))
-    parser.add_argument("spec", help="step, supervise: the spec as srun or sbatch passes it; follow: the log")
+    parser.add_argument("action", choices=("supervise", "follow"))
+    parser.add_argument("spec", help="supervise: the spec as sbatch passes it; follow: the log")
     parser.add_argument("more", nargs="*", help="follow: JOB [OFFSET]")
     args = parser.parse_args(argv)
     try:
-        if args.action == "step":
-            return step(json.loads(base64.b64decode(args.spec)))
         if args.action == "supervise":
             return supervise(json.loads(base64.b64decode(args.spec)))
         return follow(args.spec, args.more[0], int(args.more[1]) if len(args.more) > 1 else 0)

@@ -183,6 +183,8 @@ class Followed:
     """Ctrl-C: the run was cancelled (or, `detached` too, only the following stopped)."""
     exited_at: dict = field(default_factory=dict)
     """When each node's job ended by its own clock (its exit marker), for the timeline."""
+    head: NodeSession | None = None
+    """The head node's connection the follow used, still open: `finish` asks over it, then closes it."""
 
 
 def follow(
@@ -193,15 +195,18 @@ def follow(
     echo: bool = True,
     cancel_on_interrupt=True,
     show: runlog.Echo | None = None,
+    head: NodeSession | None = None,
 ) -> Followed:
     """Show the run's log from its start until it ends. Ctrl-C (or SIGTERM) cancels the run and follows
     it to its end, or with `cancel_on_interrupt` False (`fab logs -f`) only stops the following, as
-    SIGHUP or a lost connection do. `show`: where each piece goes instead of the terminal (the dashboard)."""
+    SIGHUP or a lost connection do. `show`: where each piece goes instead of the terminal (the dashboard).
+    `head`: the head node's connection to follow over (the launch's), else a new one; a run seen to its end
+    hands it on, open, in `Followed.head`, for `finish`."""
     local_dir.mkdir(parents=True, exist_ok=True)
     splitter = LogSplitter(local_dir, echo, show=show)
     if not splitter.hold(wait_s=HOLD_WAIT_S):  # another fab follows it and keeps its copy: only shown here
         splitter = LogSplitter(local_dir, echo, write=False, show=show)
-    head = NodeSession(cluster, cluster.head)
+    head = head or NodeSession(cluster, cluster.head)
     outcome: dict = {}
     notes = FollowerNotes(echo and show is None)
 
@@ -238,7 +243,8 @@ def follow(
             thread.join(timeout=CANCEL_WAIT_S)
     finally:
         _restore(handlers)
-        head.close()
+        if splitter.end is None or interrupted or "lost" in outcome:
+            head.close()
         if thread.ident is not None:  # what it read before the connection closed goes into the copy first
             thread.join(timeout=2.0)
         splitter.close(ended=splitter.end is not None)
@@ -254,7 +260,8 @@ def follow(
         if end is not None:  # the run's end is Slurm's, whatever became of its log or of this copy
             return Followed(end, codes, ranks)
         return Followed(None, codes, ranks, detached=outcome.get("lost", "the connection ended"))
-    return Followed(splitter.end, codes, ranks, interrupted=interrupted, exited_at=splitter.exited_at)
+    kept = head if splitter.end is not None and not interrupted and "lost" not in outcome else None
+    return Followed(splitter.end, codes, ranks, interrupted=interrupted, exited_at=splitter.exited_at, head=kept)
 
 
 def ended_in_slurm(cluster: ClusterInfo, run: Run, wait: bool = False) -> tuple[str, int | None] | None:
@@ -352,6 +359,7 @@ def launch(
 
     timeline = timeline or Timeline(time.time(), clock=time.monotonic())
     wanted, sessions, statuses, run_id = open_launch(cluster, spec, timeline)
+    kept = None  # the head node's connection, kept open for the follow and the finish: no new handshakes
     try:
         local_dir = runs_root / run_id
         # The lock keeps the workdir caches and environments to one launch at a time; a launch with neither
@@ -403,9 +411,11 @@ def launch(
                 forget_env_values(cluster, run_id, values.path, sessions[0])
             raise
         timeline.mark("submit")
+        kept = None if detach else sessions[0]
     finally:
         for session in sessions:
-            session.close()
+            if session is not kept:
+                session.close()
     run = Run(
         run_id,
         spec.task,
@@ -426,7 +436,7 @@ def launch(
     )
     if detach:
         return local_dir, run, None
-    return local_dir, run, follow(cluster, run, local_dir)  # the hang watch runs on the cluster (supervise)
+    return local_dir, run, follow(cluster, run, local_dir, head=kept)  # the hang watch runs on the cluster
 
 
 def slurm_held_values(cluster: ClusterInfo, spec, run_id: str) -> job_command.EnvValues | None:
@@ -500,8 +510,11 @@ def finish(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: Follow
     results fetched, summary.json written, the ledger's row given Slurm's times. Done once per run."""
 
     if run.finished:
+        if followed is not None and followed.head is not None:
+            followed.head.close()
         return
-    head = NodeSession(cluster, cluster.head)  # one connection for its state, hang record and results
+    # one connection for its state, hang record and results: the follow's, where it kept one open
+    head = followed.head if followed is not None and followed.head is not None else NodeSession(cluster, cluster.head)
     try:
         started = _finish_over(cluster, setup, folder, run, followed, head)
     finally:

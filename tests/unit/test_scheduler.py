@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from node import contract, scheduler, slurm_conf, slurm_daemons, slurm_existing, slurm_run
+from node import contract, scheduler, slurm_conf, slurm_daemons, slurm_existing, slurm_run, slurm_step
 
 KEY = base64.b64encode(b"k" * 1024).decode()
 
@@ -238,7 +238,7 @@ def test_sockets_move_to_a_short_folder_where_the_home_is_deep():
 
 
 def test_the_step_prefixes_the_shells_lines_and_leaves_the_ranks_own_prefixes_alone():
-    from node.slurm_run import Prefixer
+    from node.slurm_step import Prefixer
 
     prefix = Prefixer(b"[node-1] ", own=b"[node-1")
     stream = b"mkdir: oops\n[node-1 rank 3] step 1\r[node-1 rank 3] step 2\n__gpu_cluster_exit__ 0 1.5\n[node-1] done\n"
@@ -356,7 +356,7 @@ def _copied(pieces: list[tuple[bytes, float]], hold_s: float = 0.2) -> list[byte
 
     writer = threading.Thread(target=node)
     writer.start()
-    slurm_run.copy_whole_lines(read_fd, slurm_run.Prefixer(b"[node-1] ", own=b"[node-1"), Out(), hold_s=hold_s)
+    slurm_step.copy_whole_lines(read_fd, slurm_step.Prefixer(b"[node-1] ", own=b"[node-1"), Out(), hold_s=hold_s)
     writer.join()
     os.close(read_fd)
     return writes
