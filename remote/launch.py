@@ -10,6 +10,7 @@ until its job has ended everywhere; a launch that finds it held waits its turn.
 import contextlib
 import json
 import os
+import shlex
 import signal
 import socket
 import threading
@@ -339,13 +340,17 @@ def stop_everywhere(
 
 
 def upload_script(cluster: ClusterInfo, sessions: list[NodeSession], run_id: str, script: Path) -> None:
-    """Copy the user's script into the run folder: once on shared storage, else on every node."""
-    run_dir = node_paths.remote_run_dir(cluster, run_id)
+    """Copy the user's script into the run folder: once on shared storage, else on every node at once; one
+    round trip each (the folder made and the file written by one command, the script on its stdin)."""
+    run_dir = node_paths.shell_path(node_paths.remote_run_dir(cluster, run_id))
     targets = sessions[:1] if cluster.shared_dir else sessions
-    for session in targets:
-        session.run(f"mkdir -p {node_paths.shell_path(run_dir)}", warn=False)
-        # SFTP does not expand $HOME; relative paths start in the login directory.
-        session.conn.put(str(script), remote=f"{contract.home_relative(run_dir)}/{script.name}")
+    data = script.read_bytes()
+    command = f"mkdir -p {run_dir} && cat > {run_dir}/{shlex.quote(script.name)}"
+    sent = on_all_nodes(targets, lambda s: s.run_with_input(command, data))
+    failed = [f"{r.name}: {describe(r.error)}" for r in sent.failed]
+    failed += [f"{r.name}: {r.value[2].strip() or f'exit {r.value[0]}'}" for r in sent if r.value and r.value[0]]
+    if failed:
+        raise OperationError(f"could not copy {script.name} to the nodes: {'; '.join(failed)}")
 
 
 def run_job(
