@@ -589,11 +589,15 @@ REASONS = {
 }
 
 
-def reason_words(reason: str) -> str:
-    """Slurm's reason for a waiting job (`Reason=` of scontrol, spaces written `_`), in words."""
+def reason_words(reason: str, nodes_in_service: bool = False) -> str:
+    """Slurm's reason for a waiting job (`Reason=` of scontrol, spaces written `_`), in words.
+    `nodes_in_service`: every node of ours is in service, so a node "not available" is one that another
+    job holds (Slurm gives a job that names its nodes that reason while they are allocated)."""
     text = reason.replace("_", " ")
     head, _, rest = text.partition(",")
-    if head == "ReqNodeNotAvail":
+    if head == "ReqNodeNotAvail" or head.startswith("Nodes required for job are DOWN"):
+        if nodes_in_service:
+            return REASONS["Resources"]
         nodes = rest.strip().partition("UnavailableNodes:")[2].strip()
         return f"node(s) {nodes or 'it asked for'} to be available (down, drained or reserved in Slurm)"
     return REASONS.get(head, f"Slurm: {text}")
@@ -696,7 +700,7 @@ def shown_state(job_id: str, log: str = "", found: dict | None = None) -> dict |
     if not out and not reasons:
         out = ["Slurm's controller, which does not answer"]
     elif not out and found.get("reason"):  # none of ours out of service: what Slurm says it waits for
-        out = [reason_words(found["reason"])]
+        out = [reason_words(found["reason"], nodes_in_service=ours)]
     found = {**found, "waiting_for": "; ".join(out) or None}
     if not found["requeues"]:
         return found

@@ -301,6 +301,20 @@ def test_a_waiting_run_says_in_words_what_slurm_says_it_waits_for(monkeypatch, r
     assert (shown["state"], shown["waiting_for"]) == ("PENDING", words)
 
 
+def test_a_run_queued_behind_another_on_our_slurm_waits_for_busy_nodes_not_down_ones(monkeypatch):
+    """Slurm gives a job that names its nodes "required nodes are DOWN, DRAINED or reserved" while another
+    job holds them; with every node of ours in service, that is a busy cluster, and is said so."""
+    reason = "Nodes_required_for_job_are_DOWN,_DRAINED_or_reserved_for_jobs_in_higher_priority_partitions"
+    monkeypatch.setattr(
+        slurm_run, "job_state", lambda job, log="": slurm_run.job_fields(PENDING_JOB.replace("Resources", reason))
+    )
+    monkeypatch.setattr(
+        slurm_run.slurm_nodes, "node_reasons", lambda paths: {"node-0": ("allocated", ""), "node-1": ("allocated", "")}
+    )
+    monkeypatch.setattr(slurm_run.slurm_existing, "existing", lambda paths: None)  # ours
+    assert slurm_run.shown_state("2")["waiting_for"] == "its nodes, busy with another job"
+
+
 def test_an_ended_job_has_its_times_and_exit_code_from_the_completion_log():
     ended = slurm_run.job_fields(COMPLETION)
     assert ended["state"] == "FAILED" and ended["exit_code"] == 3 and ended["signal"] == 0
