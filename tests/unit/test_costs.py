@@ -231,7 +231,7 @@ def test_two_writers_at_once_lose_nothing(tmp_path):
     assert len(runs) == 160 and all(r.ended_at is not None for r in runs)
 
 
-def test_a_corrupt_ledger_is_kept_aside_and_a_new_one_started(tmp_path, state_dir):  # no stack up here
+def test_a_corrupt_ledger_is_kept_aside_and_a_new_one_started(tmp_path):
     path = tmp_path / "ledger.sqlite"
     path.write_bytes(b"this is not a database, it was truncated by a full disk" * 100)
     ledger = Ledger(path)
