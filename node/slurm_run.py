@@ -73,8 +73,6 @@ HEAL_POLL_S = 1.0
 """How often a fault-tolerant run's batch job looks for replica groups whose nodes were replaced."""
 HEAL_END_GRACE_S = 60.0
 """How long a group started again may go on after the run's own step ended (it ends at the peers' step)."""
-MAX_HEALS = 5
-"""Starts of one replica group that failed, after which it is not started again (a fault of its own)."""
 
 
 class Prefixer:
@@ -241,19 +239,16 @@ def replica_groups(spec: dict) -> list:
 
 
 def groups_to_heal(groups: list, node_states: dict, heals: dict, ended: dict) -> list:
-    """The replica groups to start again now: every node of the group is `idle` in Slurm (the run's job
-    holds all its nodes exclusively, so an idle one has left it: Slurm took a lost node out of the --no-kill
-    allocation, and its replacement is back in service), none is held out for a notice or as lost, no start
-    of the group runs (`heals`: {group: still running}), and its last start did not end 0 (`ended`: {group:
-    exit codes}) nor has failed MAX_HEALS times. Group 0 never: it holds the Lighthouse and this job."""
-    due = []
-    for number, members in enumerate(groups):
-        if number == 0 or heals.get(number) or 0 in ended.get(number, []) or len(ended.get(number, [])) >= MAX_HEALS:
-            continue
-        states = [node_states.get(node.get("slurm_name") or node["name"], ("", "")) for node in members]
-        if all(state == "idle" and not slurm_nodes.lost_or_noticed(reason) for state, reason in states):
-            due.append(number)
-    return due
+    """The replica groups to start again now (`contract.groups_to_restart`, the rule both holders apply),
+    where a node back in service is one Slurm shows `idle` and holds out neither for a notice nor as lost: the
+    run's job holds all its nodes exclusively, so an idle one has left it (Slurm took a lost node out of the
+    --no-kill allocation) and its replacement is back. `heals`: {group: its start still running}; `ended`:
+    {group: its starts' exit codes}."""
+    names = [node.get("slurm_name") or node["name"] for members in groups for node in members]
+    states = {name: node_states.get(name, ("", "")) for name in names}
+    back = {name for name, (state, reason) in states.items() if state == "idle" and not slurm_nodes.lost_or_noticed(reason)}
+    named = [[node.get("slurm_name") or node["name"] for node in members] for members in groups]
+    return contract.groups_to_restart(named, back, {number for number, runs in heals.items() if runs}, ended)
 
 
 class GroupRestarts:
