@@ -244,10 +244,12 @@ def groups_to_heal(groups: list, node_states: dict, heals: dict, ended: dict) ->
     run's job holds all its nodes exclusively, so an idle one has left it (Slurm took a lost node out of the
     --no-kill allocation) and its replacement is back. `heals`: {group: its start still running}; `ended`:
     {group: its starts' exit codes}."""
-    names = [node.get("slurm_name") or node["name"] for members in groups for node in members]
-    states = {name: node_states.get(name, ("", "")) for name in names}
-    back = {name for name, (state, reason) in states.items() if state == "idle" and not slurm_nodes.lost_or_noticed(reason)}
     named = [[node.get("slurm_name") or node["name"] for node in members] for members in groups]
+    back = set()
+    for name in (name for members in named for name in members):
+        state, reason = node_states.get(name, ("", ""))
+        if state == "idle" and not slurm_nodes.lost_or_noticed(reason):
+            back.add(name)
     return contract.groups_to_restart(named, back, {number for number, runs in heals.items() if runs}, ended)
 
 
