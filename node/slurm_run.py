@@ -375,7 +375,13 @@ def contract_lines(path: str, tail_bytes: int = 0) -> list:
             text = f.read().decode(errors="replace")
     except OSError:
         return []
-    lines = text.splitlines()[1:] if start else text.splitlines()  # a line cut by the seek is no line
+    return contract_records(text, cut=bool(start))
+
+
+def contract_records(text: str, cut: bool = False) -> list:
+    """The contract's lines in metrics text, oldest first; `cut`: the text starts mid-file (a tail), so its
+    first line is no line."""
+    lines = text.splitlines()[1:] if cut else text.splitlines()
     found = []
     for line in lines:
         try:
@@ -387,6 +393,12 @@ def contract_lines(path: str, tail_bytes: int = 0) -> list:
     return found
 
 
+def newest_participants(records: list):
+    """The groups in the quorum at the newest contract line; None where there is none yet. The one reading
+    of `participants` that `fab jobs` shows, for both holders."""
+    return max(records, key=lambda r: r["time"])["participants"] if records else None
+
+
 def first_step_after(path: str, replica: int, at: float):
     """When replica group `replica` wrote its first step line after `at` (epoch s); None if not yet."""
     times = [r["time"] for r in contract_lines(path, 1 << 16) if r["replica"] == replica and r["time"] >= at]
@@ -396,8 +408,7 @@ def first_step_after(path: str, replica: int, at: float):
 def participants(log: str):
     """A running fault-tolerant run's participants now: the newest contract line's (in the metrics beside
     the run's log); None where it has none."""
-    lines = contract_lines(os.path.join(os.path.dirname(log), contract.METRICS_FILE), 1 << 14)
-    return max(lines, key=lambda r: r["time"])["participants"] if lines else None
+    return newest_participants(contract_lines(os.path.join(os.path.dirname(log), contract.METRICS_FILE), 1 << 14))
 
 
 def _watch(spec: dict, main: subprocess.Popen, srun: str, here: str) -> int:

@@ -23,19 +23,24 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from infra.inventory import ClusterInfo
-from node import contract
-from remote import protocol
+from node import contract, slurm_run
+from remote import node_paths, protocol
 from remote.connect import NodeSession, describe
 from remote.stream import say
 
 POLL_S = 1.0
-"""How often a lost node is asked whether it is back (a connection refused costs a millisecond)."""
+"""How often a lost node is asked whether it is back (a connection refused costs a millisecond), and the
+head node how many groups are in the quorum."""
+METRICS_TAIL_BYTES = 1 << 14
+"""How much of the run's metrics.jsonl end the participants are read from (a line per group per step)."""
 
 
 class Healer:
     """One fab-held fault-tolerant run's group restarts. `prepare(session)` readies one node for the run (env
     values, workdir, requirements, upload) and `start(session)` starts its job, returning the job session's
-    future; both are the launch's own steps."""
+    future; both are the launch's own steps. `shown(participants)` hears the groups in the quorum (`1/2`) as
+    they change, read from the run's `metrics` on the head node (`fab jobs`' participants, as a Slurm-held
+    run's batch job reads them)."""
 
     def __init__(
         self,
@@ -44,9 +49,13 @@ class Healer:
         ask: str,
         prepare: Callable[[NodeSession], None],
         start: Callable[[NodeSession], Future],
+        metrics: str = "",
+        shown: Callable[[str], None] | None = None,
     ):
         self.cluster, self.groups, self.ask = cluster, groups, ask
         self.prepare, self.start = prepare, start
+        self.metrics, self.shown, self.participants = metrics, shown, ""
+        self.head: NodeSession | None = None
         self.lock = threading.Lock()
         self.lost: dict[str, float] = {}  # node: when its job session dropped, until its group starts again
         self.training: set[str] = {name for group in groups for name in group}  # nodes whose job session runs
@@ -64,7 +73,7 @@ class Healer:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
-        for session in self.sessions:
+        for session in [*self.sessions, *([self.head] if self.head else [])]:
             session.close()
 
     def ended_on(self, name: str, future: Future, code: int | None, lost: bool) -> None:
@@ -88,6 +97,7 @@ class Healer:
 
     def _watch(self) -> None:
         while not self.closed.wait(POLL_S):
+            self._show_participants()
             with self.lock:
                 lost = sorted(self.lost)
                 peers = any(all(n in self.training for n in group) for group in self.groups)
@@ -101,6 +111,22 @@ class Healer:
                 self._start_again(number, back)
             for session in back.values():  # back, but its group is not due (another of its nodes is not)
                 session.close()
+
+    def _show_participants(self) -> None:
+        """The newest contract line's participants, told to `shown` where they changed."""
+        if self.shown is None or not self.metrics:
+            return
+        try:
+            self.head = self.head or NodeSession(self.cluster, self.cluster.head)
+            tail = self.head.run(f"tail -c {METRICS_TAIL_BYTES} {node_paths.shell_path(self.metrics)} 2>/dev/null")
+        except Exception:  # the head node does not answer now: asked again next time
+            return
+        text = tail.stdout
+        newest = slurm_run.newest_participants(slurm_run.contract_records(text, cut=len(text) >= METRICS_TAIL_BYTES))
+        participants = f"{newest}/{len(self.groups)}" if newest is not None else ""
+        if participants and participants != self.participants:
+            self.participants = participants
+            self.shown(participants)
 
     def _back(self, name: str) -> NodeSession | None:
         """A session on the node where it is back in service (answers, bootstrapped, no job), else None."""

@@ -361,6 +361,7 @@ def run_job(
     echo: bool = True,
     on_hang=None,
     wanted: Manifest | None = None,
+    on_participants=None,
 ) -> JobResult:
     """Start the job on every node, supervise it, and return how it ended; a fault-tolerant run's group whose
     node was lost starts again on its replacement (`remote/heal.py`; `wanted`: the workdir's manifest)."""
@@ -404,7 +405,12 @@ def run_job(
 
     names = [s.node.name for s in sessions]
     groups = [[n.name for n in g] for g in job_command.replica_groups(cluster.nodes, spec.replicas)]
-    healer = Healer(cluster, groups, launch_status(spec), prepare_again, start_again) if spec.replicas else None
+    metrics = f"{node_paths.remote_run_dir(cluster, run_id)}/{contract.METRICS_FILE}"
+    healer = (
+        Healer(cluster, groups, launch_status(spec), prepare_again, start_again, metrics, on_participants)
+        if spec.replicas
+        else None
+    )
     pool = ThreadPoolExecutor(max_workers=len(sessions))
     futures: dict[Future, NodeSession] = {pool.submit(start, s): s for s in sessions}
     watch = HangWatch(
@@ -758,6 +764,7 @@ def launch(
     on_start=None,
     on_hang=None,
     timeline: Timeline | None = None,
+    on_participants=None,
 ) -> tuple[JobResult, Path]:
     """The whole launch: checks, sync, upload, run, results. UsageError before anything starts if not ready.
     `timeline` gets each phase (infra/timeline.py) up to the end of the fetch."""
@@ -785,6 +792,7 @@ def launch(
                 local_dir,
                 on_hang=(lambda report: on_hang(run_id, report)) if on_hang else None,
                 wanted=wanted,
+                on_participants=(lambda shown: on_participants(run_id, shown)) if on_participants else None,
             )
             times = [outcome.times for outcome in result.ranks.values()]
             job_phases(timeline, times, list(result.exited_at.values()))

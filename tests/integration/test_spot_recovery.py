@@ -129,11 +129,11 @@ def _fab_held_group_heals(cluster) -> None:
 
     earlier = len(events_of(cluster))
     ft_script = str(REPO / "examples" / "ft_training.py")
-    job = cluster.popen_fab(
+    launch = cluster.popen_fab(
         "run", "--script", ft_script, "--replicas", "2", "--args", "--steps 100000 --step-sleep 0.05"
     )
     said: list[str] = []
-    reading = threading.Thread(target=lambda: said.extend(iter(job.stdout.readline, "")), daemon=True)
+    reading = threading.Thread(target=lambda: said.extend(iter(launch.stdout.readline, "")), daemon=True)
     reading.start()
     try:
         slurm.wait_for(
@@ -145,24 +145,27 @@ def _fab_held_group_heals(cluster) -> None:
         def lines() -> list[dict]:
             return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
 
-        def newest(replica: int) -> dict:
-            return next((line for line in reversed(lines()) if line["replica"] == replica), {})
+        shown: list[str | None] = []
 
-        slurm.wait_for(lambda: newest(0).get("participants") == 2, "the run in its quorum, 2/2", lambda: "".join(said))
+        def participants(wanted: str) -> bool:  # as `fab jobs` shows them, from the launching fab's record
+            shown.append(job(cluster, run_id).get("participants"))
+            return shown[-1] == wanted
+
+        slurm.wait_for(lambda: participants("2/2"), "the run in its quorum, 2/2", lambda: f"{shown[-5:]} {said}")
         pid_file = cluster.state_dir / cluster.stack / "nodes" / "node-1" / "sshd.pid"
         os.kill(json.loads(pid_file.read_text())["pid"], signal.SIGKILL)
         killed_at = time.time()
-        slurm.wait_for(lambda: newest(0).get("participants") == 1, "group 1 dropped, 1/2", lambda: "".join(said))
-        dropped_at = newest(0)["time"]
+        slurm.wait_for(lambda: participants("1/2"), "group 1 dropped, 1/2", lambda: f"{shown[-5:]} {said}")
+        dropped_at = max(line["time"] for line in lines() if line["replica"] == 0 and line["participants"] == 1)
 
         def healed() -> list[dict]:
             return [line for line in lines() if line["replica"] == 1 and line["time"] > dropped_at]
 
-        slurm.wait_for(lambda: len(healed()) >= 2, "group 1 back in the quorum", lambda: "".join(said)[-3000:])
-        job.send_signal(signal.SIGINT)  # attached: Ctrl-C cancels the run
-        job.wait(timeout=60)
+        slurm.wait_for(lambda: participants("2/2"), "group 1 back in the quorum, 2/2", lambda: "".join(said)[-3000:])
+        launch.send_signal(signal.SIGINT)  # attached: Ctrl-C cancels the run
+        launch.wait(timeout=60)
     finally:
-        job.kill()
+        launch.kill()
         reading.join(timeout=10)
     out = "".join(said)
     assert "replica group 1 (node-1) dropped; replica group(s) on node-0 go on" in out, out[-3000:]
