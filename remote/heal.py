@@ -100,7 +100,7 @@ class Healer:
             self._show_participants()
             with self.lock:
                 lost = sorted(self.lost)
-                peers = any(all(n in self.training for n in group) for group in self.groups)
+                peers = self._peers()
                 running = {number for number in self.restarted.values()}
             if not lost or not peers:  # nothing to start again, or no live peer to heal from
                 continue
@@ -111,6 +111,10 @@ class Healer:
                 self._start_again(number, back)
             for session in back.values():  # back, but its group is not due (another of its nodes is not)
                 session.close()
+
+    def _peers(self) -> bool:
+        """Whether some group still trains whole (a live peer to heal from); under `lock`."""
+        return any(all(name in self.training for name in group) for group in self.groups)
 
     def _show_participants(self) -> None:
         """The newest contract line's participants, told to `shown` where they changed."""
@@ -161,6 +165,10 @@ class Healer:
             return
         at = time.time()
         with self.lock:
+            if self.closed.is_set() or not self._peers():  # the run's last group ended while this one was readied
+                for session in sessions:
+                    session.close()
+                return
             lost_at = min(self.lost.pop(name, at) for name in members)
             self.heals.append((number, lost_at, at))
             for session in sessions:
