@@ -214,9 +214,17 @@ def fab_held_kill_figures(bench: Bench) -> list[Check]:
     argv += ["--replicas", "2", "--args", LONG.format(sleep=STEP_SLEEP_S)]
     job = subprocess.Popen(argv, env=bench.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     said: list[str] = []
+    heard: dict[str, float] = {}  # when the launch said it started group 1 again
     out = job.stdout
     assert out is not None
-    reading = threading.Thread(target=lambda: said.extend(iter(out.readline, "")), daemon=True)
+
+    def read() -> None:
+        for line in iter(out.readline, ""):
+            said.append(line)
+            if "back in service after a replacement" in line:
+                heard.setdefault("started", time.time())
+
+    reading = threading.Thread(target=read, daemon=True)
     reading.start()
     try:
         wait_until(lambda: any(line.startswith("fab: run ") for line in said), "the run's id")
@@ -244,6 +252,8 @@ def fab_held_kill_figures(bench: Bench) -> list[Check]:
     rejoined = bench.rejoined_after(killed) - killed
     healed = back["time"] - killed
     print(f"fab-held kill: survivor redid {redone} steps, longest gap {gap:.2f} s; node-1 rejoined {rejoined:.0f} s")
+    started = heard.get("started", float("nan")) - killed
+    print(f"fab-held kill: group 1 started again {started:.1f} s after the kill (node-1 rejoined {rejoined:.0f} s)")
     print(f"fab-held kill: group 1 back at step {back['step']} {healed:.1f} s after the kill, equal: {equal}")
     return [
         Check("fab-held kill -9 node-1: steps redone by the survivor", str(redone), "0", redone == 0),
