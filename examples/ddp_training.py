@@ -306,9 +306,12 @@ def train_replica_group(args, preemption: Preemption) -> int:
         picked = torch.randint(len(inputs), (args.batch_size,), generator=generator)
         return loss_fn(model(inputs[picked].to(device)), targets[picked].to(device))
 
-    print(f"replica {replica}: {args.model}, {count_parameters(model):,} parameters, batch {args.batch_size}")
+    first = int(os.environ.get("RANK", "0")) == 0  # the group's first rank speaks for it
+    if first:
+        print(f"replica {replica}: {args.model}, {count_parameters(model):,} parameters, batch {args.batch_size}")
     reached = Replica(model, optimizer, config).train(loss_at, preemption)
-    print(f"replica {replica}: trained to step {reached}")
+    if first:
+        print(f"replica {replica}: trained to step {reached}", flush=True)
     return 0
 
 
