@@ -8,7 +8,8 @@ Requirements (the issue's goals):
 - no failure: throughput at least 0.9x plain DDP of the same model and batch on the same nodes
   (bench/ddp_baseline_worker.py), median of 5 alternated pairs;
 - a spot notice on node-1's group: 0 steps lost (the group leaves at a step boundary; the survivor redoes
-  none) and no stall of the survivor beyond 2 s.
+  none) and no stall of the survivor beyond 2 s;
+- the kill again with the run held by fab's connections (`--scheduler none`, attached): the same three figures.
 Every figure is read from the run's metrics.jsonl (the contract's line per step: `step`, `time`, `replica`,
 `participants`, `params_sha`). Each step does STEP_SLEEP_S of pretend work (a GPU step's compute), so the
 throughput ratio prices torchft's per-step quorum and all-reduce against DDP's all-reduce.
@@ -18,6 +19,9 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -202,6 +206,67 @@ def notice_figures(bench: Bench) -> list[Check]:
     ]
 
 
+def fab_held_kill_figures(bench: Bench) -> list[Check]:
+    """The kill figures again with the run held by fab's connections (`--scheduler none`): the launch starts
+    group 1 again on the replacement (remote/heal.py). Attached, so it ends with Ctrl-C."""
+    fab("bootstrap", "--scheduler", "none", env=bench.env)
+    argv = [str(Path(sys.executable).with_name("fab")), "run", "--script", "examples/ft_training.py"]
+    argv += ["--replicas", "2", "--args", LONG.format(sleep=STEP_SLEEP_S)]
+    job = subprocess.Popen(argv, env=bench.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    said: list[str] = []
+    heard: dict[str, float] = {}  # when the launch said it started group 1 again
+    out = job.stdout
+    assert out is not None
+
+    def read() -> None:
+        for line in iter(out.readline, ""):
+            said.append(line)
+            if "back in service after a replacement" in line:
+                heard.setdefault("started", time.time())
+
+    reading = threading.Thread(target=read, daemon=True)
+    reading.start()
+    try:
+        wait_until(lambda: any(line.startswith("fab: run ") for line in said), "the run's id")
+        run_id = next(line.split()[2].rstrip(":") for line in said if line.startswith("fab: run "))
+        metrics = bench.run_dir(run_id) / "metrics.jsonl"
+        wait_until(lambda: sum(line["replica"] == 1 for line in lines_of(metrics)) >= 20, "group 1's 20th step")
+        killed = bench.kill_node_1()
+        wait_until(lambda: any(r["participants"] == 1 for r in lines_of(metrics) if r["time"] > killed), "1/2")
+        dropped = max(r["time"] for r in lines_of(metrics) if r["replica"] == 0 and r["participants"] == 1)
+
+        def back_lines() -> list[dict]:
+            return [r for r in lines_of(metrics) if r["replica"] == 1 and r["time"] > dropped]
+
+        wait_until(lambda: len(back_lines()) >= 3, "group 1 back on the replacement", 240)
+        job.send_signal(signal.SIGINT)
+        job.wait(timeout=60)
+    finally:
+        job.kill()
+        reading.join(timeout=10)
+    lines = lines_of(metrics)
+    redone, gap = survivor_figures(lines, killed)
+    back = min(back_lines(), key=lambda r: r["time"])
+    peer = {line["step"]: line["params_sha"] for line in lines if line["replica"] == 0}
+    equal = peer.get(back["step"]) == back["params_sha"]
+    rejoined = bench.rejoined_after(killed) - killed
+    healed = back["time"] - killed
+    print(f"fab-held kill: survivor redid {redone} steps, longest gap {gap:.2f} s; node-1 rejoined {rejoined:.0f} s")
+    started = heard.get("started", float("nan")) - killed
+    print(f"fab-held kill: group 1 started again {started:.1f} s after the kill (node-1 rejoined {rejoined:.0f} s)")
+    print(f"fab-held kill: group 1 back at step {back['step']} {healed:.1f} s after the kill, equal: {equal}")
+    return [
+        Check("fab-held kill -9 node-1: steps redone by the survivor", str(redone), "0", redone == 0),
+        Check("fab-held kill -9 node-1: survivor's longest step gap", f"{gap:.2f} s", "<= 2 s", gap <= 2),
+        Check(
+            "fab-held kill -9 node-1: back in the quorum after the kill (params_sha equal)",
+            f"{healed:.1f} s (join {rejoined:.0f} s; {'equal' if equal else 'DIFFERENT'})",
+            "<= join + 15 s, equal",
+            equal and healed <= rejoined + 15,
+        ),
+    ]
+
+
 def run() -> list[Check]:
     from tests.support import slurm
     from tests.support.network import free_endpoint
@@ -218,6 +283,7 @@ def run() -> list[Check]:
         checks = kill_figures(bench)
         checks += notice_figures(bench)
         checks += throughput_figures(bench)
+        checks += fab_held_kill_figures(bench)  # last: it turns Slurm off
         print(f"load average at the end: {os.getloadavg()[0]:.2f}")
         return checks
     finally:

@@ -13,10 +13,17 @@ and every rank resumes from the latest checkpoint, so a torchrun restart (`--max
 where it stopped; `--simulate-failure-at-step N` crashes one rank once to show it. On SIGUSR1 (a spot
 notice, harness/preemption.py) the ranks stop together at the next step, save, and exit 0; the cluster
 requeues the run and it resumes from that step.
+
+`fab run-ddp --replicas N` trains the same model and data as N torchft replica groups instead (README,
+"Fault-tolerant runs"): no DDP wrapper; harness/fault_tolerance.py's loop averages the gradients across the
+groups that are alive, drops a dead one and heals a returning one from a live peer, and each group's first
+rank writes the contract's line per step to `$CLUSTER_RUN_DIR/metrics.jsonl`. Each group trains on its own
+slice of every step's batch, drawn from the step's number, so a step is the same whenever it is trained.
 """
 
 import argparse
 import contextlib
+import os
 import sys
 from pathlib import Path
 from typing import cast
@@ -37,9 +44,10 @@ from harness.args import (
 )
 from harness.cost import CostMeter
 from harness.dist import Distributed, cleanup, fail, init_distributed, print0, run
+from harness.fault_tolerance import Replica, ReplicaConfig, replica_group, replicated
 from harness.gpu_monitor import GpuMonitor
 from harness.metrics import MetricsWriter, StepLogger, peak_memory_gib, peak_tflops
-from harness.models import MLP, TinyTransformerLM, count_parameters, unwrap
+from harness.models import MLP, TinyTransformerLM, count_parameters, loss_fn, unwrap
 from harness.preemption import Preemption, restart_count
 from harness.train import (
     PRECISIONS,
@@ -110,7 +118,8 @@ def dataset_size(args) -> int:
     return args.samples if args.model == "mlp" else args.samples // 4
 
 
-def build_model(args, ctx: Distributed) -> tuple[torch.nn.Module, TensorDataset]:
+def build_module(args) -> tuple[torch.nn.Module, TensorDataset]:
+    """The model and its data, the same on every rank and every replica group (seeded)."""
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model: torch.nn.Module
     if args.model == "mlp":
@@ -125,6 +134,11 @@ def build_model(args, ctx: Distributed) -> tuple[torch.nn.Module, TensorDataset]
             activation_checkpointing=args.activation_checkpointing,
         )
         dataset = data.teacher_sequences(samples=dataset_size(args), seq_len=args.seq_len, seed=args.seed)
+    return model, dataset
+
+
+def build_model(args, ctx: Distributed) -> tuple[torch.nn.Module, TensorDataset]:
+    model, dataset = build_module(args)
     model = model.to(ctx.device)
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     if args.compile:
@@ -208,6 +222,8 @@ def summarize(args, ctx, result, meter: CostMeter, logger: StepLogger, metrics: 
 def main(argv=None) -> int:
     args = parse_args(argv)
     preemption = Preemption()  # before anything slow: a notice during setup is kept for the first step
+    if replicated():
+        return train_replica_group(args, preemption)
     ctx = init_distributed(timeout_s=args.timeout)
     try:
         try:
@@ -261,6 +277,42 @@ def main(argv=None) -> int:
         return summarize(args, ctx, result, meter, logger, metrics, model)
     finally:
         cleanup()
+
+
+PLAIN_ONLY = ("precision", "compile", "profile_dir", "simulate_failure_at_step")
+"""Flags of a plain DDP run that a replica group's loop does not take."""
+
+
+def train_replica_group(args, preemption: Preemption) -> int:
+    """Under `fab run-ddp --replicas N`: this replica group's part, in harness/fault_tolerance.py's loop
+    (the checkpoint for when every group is lost in `--checkpoint-dir`)."""
+    given = [f"--{name.replace('_', '-')}" for name in PLAIN_ONLY if getattr(args, name) not in (None, False, "fp32")]
+    if given:
+        fail(f"{', '.join(given)} train plain DDP only: leave them out with --replicas", code=2)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    model, dataset = build_module(args)
+    model = model.to(device)
+    optimizer = build_optimizer(args, model)
+    folder = args.checkpoint_dir or Path(os.environ.get("CLUSTER_RUN_DIR") or ".") / "checkpoints"
+    folder.mkdir(parents=True, exist_ok=True)
+    config = ReplicaConfig(args.steps, folder / "ft-checkpoint.pt", args.checkpoint_every, log_every=args.log_every)
+    inputs, targets = dataset.tensors
+    replica = replica_group()
+
+    def loss_at(step: int) -> torch.Tensor:
+        """This group's slice of step `step`'s batch, drawn from the step's number and the group's."""
+        generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1000 + replica)
+        picked = torch.randint(len(inputs), (args.batch_size,), generator=generator)
+        return loss_fn(model(inputs[picked].to(device)), targets[picked].to(device))
+
+    first = int(os.environ.get("RANK", "0")) == 0  # the group's first rank speaks for it
+    if first:
+        print(f"replica {replica}: {args.model}, {count_parameters(model):,} parameters, batch {args.batch_size}")
+    reached = Replica(model, optimizer, config).train(loss_at, preemption)
+    if first:
+        print(f"replica {replica}: trained to step {reached}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":

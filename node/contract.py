@@ -122,6 +122,27 @@ def surviving_group(groups: list, exit_codes: dict) -> bool:
     return any(all(exit_codes.get(name) == 0 for name in group) for group in groups)
 
 
+MAX_GROUP_STARTS = 5
+"""Starts of one replica group again that failed, after which it is not started again (a fault of its own)."""
+
+
+def groups_to_restart(groups: list, back: set, running: set, ended: dict) -> list:
+    """The one rule for which replica groups of a fault-tolerant run start again now, for both holders (the
+    fab holder's launch, the Slurm holder's batch job): every node of the group (node names) is `back` in
+    service after a replacement (what says so is the holder's fact), no start of the group runs (`running`:
+    group numbers), and its last start did not end 0 (`ended`: {group: its starts' exit codes}) nor has
+    failed MAX_GROUP_STARTS times. Group 0 never: it holds the Lighthouse (and, under Slurm, the batch job);
+    its loss is the checkpoint's."""
+    due = []
+    for number, members in enumerate(groups):
+        codes = ended.get(number, [])
+        if number == 0 or number in running or 0 in codes or len(codes) >= MAX_GROUP_STARTS:
+            continue
+        if all(name in back for name in members):
+            due.append(number)
+    return due
+
+
 def daemon_pid(name: str) -> str:
     """The registered process group of a detached daemon (`PIDS`), which power-off and `down` end."""
     return f"{PIDS}/{name}.pid"

@@ -6,10 +6,13 @@ A replacement node (a spot instance the Auto Scaling group started in place of a
 the local provider's fresh node) has an empty home. `fab bootstrap`'s scheduler stage leaves what a node
 needs to join in the shared folder (`contract.JOIN_KIT`, 0600, the node user's own): the interpreter
 to layer the venv over, the venv's requirements, each node's environment file, and the scheduler's
-description with the cluster's munge key. This script applies this node's kit (node/kit.py), the recipe
-bootstrap's deps, env and scheduler stages apply: the venv (node/python_env.py), `~/.gpu-cluster/env`,
-then Slurm's daemons (node/scheduler.py start), whose slurmd registers with the head node and returns the
-node to service; a run that waits for the node starts again. The code is already there: it lives in the shared folder.
+description with the cluster's munge key (null where runs are held by fab's connections, `--scheduler
+none`). This script applies this node's kit (node/kit.py), the recipe bootstrap's deps, env and scheduler
+stages apply: the venv (node/python_env.py), `~/.gpu-cluster/env`, then Slurm's daemons (node/scheduler.py
+start), whose slurmd registers with the head node and returns the node to service; a run that waits for the
+node starts again. Without Slurm the node is ready once its env file is written: a fab-held fault-tolerant
+run that lost it starts its replica group there again (remote/heal.py). The code is already there: it lives
+in the shared folder.
 
 `--address` replaces this node's address in the description (a replacement on AWS comes up at a new
 private address; where the cluster names its nodes in Slurm, the name stays). The head node is not
@@ -49,8 +52,8 @@ def read_kit(shared: str) -> dict:
             kit = json.load(f)
     except FileNotFoundError:
         raise BadInput(
-            f"no {path}: the cluster was not bootstrapped with --scheduler slurm, so there is nothing to join; "
-            "run fab bootstrap"
+            f"no {path}: the cluster was not bootstrapped since it had a shared folder, so there is nothing to "
+            "join; run fab bootstrap"
         ) from None
     except (OSError, ValueError) as exc:
         raise BadInput(f"{path} cannot be read ({exc}); run fab bootstrap to write it again") from None
@@ -60,10 +63,15 @@ def read_kit(shared: str) -> dict:
 
 
 def well_formed(kit) -> bool:
-    """The kit's shape, as bootstrap writes it (node/slurm_conf.py checks the description's own fields)."""
+    """The kit's shape, as bootstrap writes it (node/slurm_conf.py checks the description's own fields);
+    `scheduler` null: no Slurm of ours (the nodes are the env's, head node first)."""
     if not isinstance(kit, dict) or not {"python", "requirements", "env", "scheduler"} <= set(kit):
         return False
-    env, nodes = kit["env"], kit["scheduler"].get("nodes") if isinstance(kit["scheduler"], dict) else None
+    env = kit["env"]
+    if kit["scheduler"] is None:
+        nodes = [{"name": name, "address": ""} for name in env] if isinstance(env, dict) else None
+    else:
+        nodes = kit["scheduler"].get("nodes") if isinstance(kit["scheduler"], dict) else None
     return (
         isinstance(kit["python"], str)
         and isinstance(kit["requirements"], str)
@@ -80,33 +88,36 @@ def well_formed(kit) -> bool:
 def join(cluster_kit: dict, node: str, home: str, code: str, address: str | None) -> dict:
     started = time.monotonic()
     description = cluster_kit["scheduler"]
-    names = [entry.get("name") for entry in description.get("nodes", [])]
+    names = [entry.get("name") for entry in description.get("nodes", [])] if description else list(cluster_kit["env"])
     if node not in names or node not in cluster_kit["env"]:
         raise BadInput(f"{node!r} is not a node of this cluster (its nodes: {', '.join(map(str, names))})")
     if node == names[0]:
         raise BadInput(f"{node} is the head node: it is prepared by fab bootstrap, not joined")
-    if address:
+    if address and description:
         for entry in description["nodes"]:
             if entry["name"] == node and entry["address"] != node:  # a name given in Slurm stays the name
                 entry["address"] = address
+    parts = kit.PARTS if description else tuple(part for part in kit.PARTS if part != "scheduler")
     try:  # the same recipe bootstrap's deps, env and scheduler stages apply
-        done = kit.apply(kit.for_node(cluster_kit, node), home, code)
+        done = kit.apply(kit.for_node(cluster_kit, node), home, code, parts)
     except calls.BadInput as exc:
         raise BadInput(str(exc)) from None
     except Exception as exc:  # whichever part failed says so in its line
         raise JoinError(" ".join(str(exc).split()) or type(exc).__name__) from None
-    # Started is not back in service: where the head node was being replaced at the same time, the controller
-    # could not resume this node yet. Asked again here, and a failure fails the join (it is tried again).
-    try:
-        in_slurm = slurm_nodes.rejoined(Paths(home), node)
-    except (calls.BadInput, calls.Failed) as exc:
-        raise JoinError(f"the scheduler's controller: {exc}") from None
+    in_slurm = ""  # no Slurm of ours: the env file written is the node ready
+    if description:
+        # Started is not back in service: where the head node was being replaced at the same time, the
+        # controller could not resume this node yet. Asked again here; a failure fails the join (tried again).
+        try:
+            in_slurm = slurm_nodes.rejoined(Paths(home), node)
+        except (calls.BadInput, calls.Failed) as exc:
+            raise JoinError(f"the scheduler's controller: {exc}") from None
     venv = done["deps"]
     return {
         "node": node,
         "took_s": round(time.monotonic() - started, 1),
         "venv": {k: venv[k] for k in ("torch", "installed") if k in venv},
-        "scheduler": done["scheduler"].get("action", "started"),
+        "scheduler": done["scheduler"].get("action", "started") if description else "none",
         "slurm": in_slurm,
     }
 

@@ -59,8 +59,6 @@ HEAL_POLL_S = 1.0
 """How often a fault-tolerant run's batch job looks for replica groups whose nodes were replaced."""
 HEAL_END_GRACE_S = 60.0
 """How long a group started again may go on after the run's own step ended (it ends at the peers' step)."""
-MAX_HEALS = 5
-"""Starts of one replica group that failed, after which it is not started again (a fault of its own)."""
 
 
 def _encoded(spec: dict) -> str:
@@ -196,19 +194,18 @@ def replica_groups(spec: dict) -> list:
 
 
 def groups_to_heal(groups: list, node_states: dict, heals: dict, ended: dict) -> list:
-    """The replica groups to start again now: every node of the group is `idle` in Slurm (the run's job
-    holds all its nodes exclusively, so an idle one has left it: Slurm took a lost node out of the --no-kill
-    allocation, and its replacement is back in service), none is held out for a notice or as lost, no start
-    of the group runs (`heals`: {group: still running}), and its last start did not end 0 (`ended`: {group:
-    exit codes}) nor has failed MAX_HEALS times. Group 0 never: it holds the Lighthouse and this job."""
-    due = []
-    for number, members in enumerate(groups):
-        if number == 0 or heals.get(number) or 0 in ended.get(number, []) or len(ended.get(number, [])) >= MAX_HEALS:
-            continue
-        states = [node_states.get(node.get("slurm_name") or node["name"], ("", "")) for node in members]
-        if all(state == "idle" and not slurm_nodes.lost_or_noticed(reason) for state, reason in states):
-            due.append(number)
-    return due
+    """The replica groups to start again now (`contract.groups_to_restart`, the rule both holders apply),
+    where a node back in service is one Slurm shows `idle` and holds out neither for a notice nor as lost: the
+    run's job holds all its nodes exclusively, so an idle one has left it (Slurm took a lost node out of the
+    --no-kill allocation) and its replacement is back. `heals`: {group: its start still running}; `ended`:
+    {group: its starts' exit codes}."""
+    named = [[node.get("slurm_name") or node["name"] for node in members] for members in groups]
+    back = set()
+    for name in (name for members in named for name in members):
+        state, reason = node_states.get(name, ("", ""))
+        if state == "idle" and not slurm_nodes.lost_or_noticed(reason):
+            back.add(name)
+    return contract.groups_to_restart(named, back, {number for number, runs in heals.items() if runs}, ended)
 
 
 class GroupRestarts:
@@ -333,7 +330,13 @@ def contract_lines(path: str, tail_bytes: int = 0) -> list:
             text = f.read().decode(errors="replace")
     except OSError:
         return []
-    lines = text.splitlines()[1:] if start else text.splitlines()  # a line cut by the seek is no line
+    return contract_records(text, cut=bool(start))
+
+
+def contract_records(text: str, cut: bool = False) -> list:
+    """The contract's lines in metrics text, oldest first; `cut`: the text starts mid-file (a tail), so its
+    first line is no line."""
+    lines = text.splitlines()[1:] if cut else text.splitlines()
     found = []
     for line in lines:
         try:
@@ -345,6 +348,12 @@ def contract_lines(path: str, tail_bytes: int = 0) -> list:
     return found
 
 
+def newest_participants(records: list):
+    """The groups in the quorum at the newest contract line; None where there is none yet. The one reading
+    of `participants` that `fab jobs` shows, for both holders."""
+    return max(records, key=lambda r: r["time"])["participants"] if records else None
+
+
 def first_step_after(path: str, replica: int, at: float):
     """When replica group `replica` wrote its first step line after `at` (epoch s); None if not yet."""
     times = [r["time"] for r in contract_lines(path, 1 << 16) if r["replica"] == replica and r["time"] >= at]
@@ -354,8 +363,7 @@ def first_step_after(path: str, replica: int, at: float):
 def participants(log: str):
     """A running fault-tolerant run's participants now: the newest contract line's (in the metrics beside
     the run's log); None where it has none."""
-    lines = contract_lines(os.path.join(os.path.dirname(log), contract.METRICS_FILE), 1 << 14)
-    return max(lines, key=lambda r: r["time"])["participants"] if lines else None
+    return newest_participants(contract_lines(os.path.join(os.path.dirname(log), contract.METRICS_FILE), 1 << 14))
 
 
 def _watch(spec: dict, main: subprocess.Popen, srun: str, here: str) -> int:

@@ -510,6 +510,7 @@ class Bootstrap:
                 say(f"bootstrap: runs stay in fab's connections, not in Slurm: {why}")
         if not self.slurm_holds:
             if not any("scheduler" in r.stages for r in self.records):
+                self._write_join_kit(None)
                 return {r.name: Outcome("n/a", "none") for r in self.records}
 
             def stopped(record: NodeRecord) -> Outcome:
@@ -521,10 +522,8 @@ class Bootstrap:
                 return Outcome("n/a", "none")
 
             outcomes = self._on_every_record(stopped)
-            if self.cluster.shared_dir and all(o.status != "failed" for o in outcomes.values()):
-                # no replacement node joins a Slurm that is gone (node/join.py reads the kit)
-                join_kit = node_paths.shell_path(f"{self.cluster.shared_dir.rstrip('/')}/{contract.JOIN_KIT}")
-                self.records[0].session.run(f"rm -f {join_kit}", warn=False)
+            if all(o.status != "failed" for o in outcomes.values()):
+                self._write_join_kit(None)  # no replacement node joins a Slurm that is gone: the kit has none
             return outcomes
         # Always asked: `start` leaves running daemons of an unchanged configuration alone (about 0.4 s), and
         # starts what is not running (a node restarted since), which no recorded digest can know.
@@ -554,7 +553,7 @@ class Bootstrap:
                 for r in self.records
             }
         outcomes.update(self._on_every_record(start, self.records[1:]))
-        if self.cluster.shared_dir and all(o.status != "failed" for o in outcomes.values()):
+        if all(o.status != "failed" for o in outcomes.values()):
             self._write_join_kit(description)
         return outcomes
 
@@ -658,9 +657,12 @@ class Bootstrap:
             }
         return next((a.value for a in answers if a.value), ""), {}
 
-    def _write_join_kit(self, description: dict) -> None:
-        """What a replacement node needs to join with nobody connected (node/join.py), in the shared folder,
-        0600 like the munge key it holds."""
+    def _write_join_kit(self, description: dict | None) -> None:
+        """What a replacement node needs to join with nobody connected (node/join.py), in the shared folder
+        (none without one), 0600 like the munge key it holds; `description` None: runs are fab's, no Slurm to
+        join (the venv and the env file, which a fab-held fault-tolerant run's restarted group needs)."""
+        if not self.cluster.shared_dir:
+            return
         cluster_kit = {
             "python": self.cluster.python,
             "requirements": (REPO / "requirements-node.txt").read_text(),

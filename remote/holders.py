@@ -105,9 +105,22 @@ class FabHolder:
             run.save(state.make_private_dir(runs_root / run_id))
             records[run_id] = run
 
+        def participants(run_id: str, shown: str) -> None:  # a fault-tolerant run's groups in the quorum
+            run = records.get(run_id)
+            if run is not None and not run.ended:
+                run.participants = shown
+                run.save(runs_root / run_id)
+
         try:
             result, folder = launch(
-                self.cluster, spec, self.setup, runs_root, on_start=started, on_hang=book.hung, timeline=timeline
+                self.cluster,
+                spec,
+                self.setup,
+                runs_root,
+                on_start=started,
+                on_hang=book.hung,
+                timeline=timeline,
+                on_participants=participants,
             )
         except BaseException:
             book.close()  # a record written stays RUNNING until this fab is gone, then reads FAILED

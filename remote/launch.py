@@ -31,6 +31,7 @@ from node import hang_rule as hang
 from remote import job_command, node_paths, nodecall, protocol, workdir
 from remote.connect import CONNECTION_ERRORS, NodeSession, describe, on_all_nodes, open_sessions
 from remote.hangwatch import HangPolicy, HangReport, HangWatch, job_environment, rankhook_path
+from remote.heal import Healer
 from remote.packages import Requirements
 from remote.packages import ensure as ensure_requirements
 from remote.stream import NodeStream, RankOutcome, node_exited, say
@@ -104,6 +105,8 @@ class JobResult:
     """Per node, when its job ended by its own clock (its exit marker)."""
     groups: list[list[str]] = field(default_factory=list)
     """A fault-tolerant run's replica groups (their nodes); empty for one job over every node."""
+    healer: Healer | None = None
+    """A fault-tolerant run's group restarts on replaced nodes (`remote/heal.py`), to price once fetched."""
 
     @property
     def ok(self) -> bool:
@@ -362,8 +365,11 @@ def run_job(
     log_dir: Path,
     echo: bool = True,
     on_hang=None,
+    wanted: Manifest | None = None,
+    on_participants=None,
 ) -> JobResult:
-    """Start the job on every node, supervise it, and return how it ended."""
+    """Start the job on every node, supervise it, and return how it ended; a fault-tolerant run's group whose
+    node was lost starts again on its replacement (`remote/heal.py`; `wanted`: the workdir's manifest)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     script = job_script(cluster, spec, run_id)
     streams = {
@@ -386,7 +392,30 @@ def run_job(
             stream.write(f"fab: connection lost during the job: {describe(exc)}\n")
             return LOST
 
+    def start_again(session: NodeSession) -> Future:
+        """A replica group's node started again (remote/heal.py): a new stream into the same log."""
+        name = session.node.name
+        streams[name].close()
+        streams[name] = JobStream(name, names.index(name), log_dir / f"{name}.log", echo)
+        return pool.submit(start, session)
+
+    def prepare_again(session: NodeSession) -> None:
+        """What the launch gave every node before its job, for a replaced one (its home is empty)."""
+        status = session.run(launch_status(spec)).stdout
+        if values:
+            send_env_values([session], values, spec.env)
+        prepare(cluster, [session], [status], spec, setup, wanted)
+        if spec.upload and not cluster.shared_dir:
+            upload_script(cluster, [session], run_id, spec.upload)
+
+    names = [s.node.name for s in sessions]
     groups = [[n.name for n in g] for g in job_command.replica_groups(cluster.nodes, spec.replicas)]
+    metrics = f"{node_paths.remote_run_dir(cluster, run_id)}/{contract.METRICS_FILE}"
+    healer = (
+        Healer(cluster, groups, launch_status(spec), prepare_again, start_again, metrics, on_participants)
+        if spec.replicas
+        else None
+    )
     pool = ThreadPoolExecutor(max_workers=len(sessions))
     futures: dict[Future, NodeSession] = {pool.submit(start, s): s for s in sessions}
     watch = HangWatch(
@@ -394,15 +423,17 @@ def run_job(
     ).start()
     previous_handlers = _interrupt_on_signals()
     try:
-        _supervise(
-            cluster,
-            futures,
-            exit_codes,
-            returned,
-            quiet=watch.stopping.is_set,
-            exited=lambda name: node_exited(name, exit_codes[name], streams[name].ranks),
-            groups=groups if spec.replicas else None,
-        )
+        with healer or contextlib.nullcontext():
+            _supervise(
+                cluster,
+                futures,
+                exit_codes,
+                returned,
+                quiet=watch.stopping.is_set,
+                exited=lambda name: node_exited(name, exit_codes[name], streams[name].ranks),
+                groups=groups if spec.replicas else None,
+                healer=healer,
+            )
     except KeyboardInterrupt:
         interrupted = True
         say("fab: interrupted: stopping the job on every node")
@@ -429,6 +460,7 @@ def run_job(
         watch.stats(),
         exited_at,
         groups if spec.replicas else [],
+        healer,
     )
 
 
@@ -522,12 +554,14 @@ def _supervise(
     quiet=lambda: False,
     exited=lambda name: name,
     groups: list[list[str]] | None = None,
+    healer: Healer | None = None,
 ) -> None:
     """Wait for every node (`returned` says in which order they did); at the first failure stop the
     others, and wherever a connection dropped, reconnect and stop that node's part too. `quiet()` is
     true once the hang watch is stopping the job: the failures that follow are its doing; `exited(name)`
     says how a node's job ended (`JobResult.exited`). With replica `groups` (a fault-tolerant run), a
-    failure stops only its own group: the others go on without it (`_drop_group`)."""
+    failure stops only its own group: the others go on without it (`_drop_group`), and the `healer`'s
+    groups started again on replaced nodes are followed as the others are."""
     pending, stopping, stoppers = set(futures), False, []
     dropped: set[str] = set()
     while pending:
@@ -536,6 +570,8 @@ def _supervise(
             name = futures[future].node.name
             exit_codes[name] = future.result()
             returned.append(name)
+            if healer is not None:
+                healer.ended_on(name, future, exit_codes[name], lost=exit_codes[name] == LOST)
             if exit_codes[name] == LOST:
                 stoppers.append((_stop_in_background(cluster, [name], _report_lost_node), [name]))
             if exit_codes[name] != 0 and groups is not None and name not in dropped:
@@ -547,6 +583,13 @@ def _supervise(
                 if others and not quiet():
                     say(f"fab: {exited(name)}: stopping the job on {', '.join(others)}")
                     stoppers.append((_stop_in_background(cluster, others), others))
+        if healer is not None:
+            if not pending:
+                healer.stop()  # no group is started again once the run's last one ended; one just started is followed
+            for future, session in healer.started():
+                futures[future] = session
+                pending.add(future)
+                dropped.discard(session.node.name)
     deadline = time.monotonic() + STOP_WAIT_S
     for thread, nodes in stoppers:
         thread.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -726,6 +769,7 @@ def launch(
     on_start=None,
     on_hang=None,
     timeline: Timeline | None = None,
+    on_participants=None,
 ) -> tuple[JobResult, Path]:
     """The whole launch: checks, sync, upload, run, results. UsageError before anything starts if not ready.
     `timeline` gets each phase (infra/timeline.py) up to the end of the fetch."""
@@ -752,6 +796,8 @@ def launch(
                 run_id,
                 local_dir,
                 on_hang=(lambda report: on_hang(run_id, report)) if on_hang else None,
+                wanted=wanted,
+                on_participants=(lambda shown: on_participants(run_id, shown)) if on_participants else None,
             )
             times = [outcome.times for outcome in result.ranks.values()]
             job_phases(timeline, times, list(result.exited_at.values()))
@@ -765,6 +811,8 @@ def launch(
                 report_fetched(fetched, local_dir, head, spec.max_result_bytes)
             except Exception as exc:  # results are a convenience; the logs are already local
                 say(f"fab: could not fetch results from {head}: {describe(exc)}")
+            if result.healer is not None:
+                result.healer.price(local_dir / contract.METRICS_FILE)
             timeline.mark("fetch")
         return result, local_dir
     finally:

@@ -181,6 +181,8 @@ class ExampleTask:
     """The example it runs, relative to the synced code folder."""
     help: str
     """One line for `fab --list`."""
+    fault_tolerant: bool = False
+    """Whether the example follows the fault-tolerant contract (README): only then does it take --replicas."""
 
 
 # Adding an example task is one line here: the table registers the tasks and the collection.
@@ -190,7 +192,12 @@ EXAMPLE_TASKS = (
         "examples/distributed_hello.py",
         "Distributed hello: every rank reports in; all-reduce, broadcast, all-gather checked.",
     ),
-    ExampleTask("run-ddp", "examples/ddp_training.py", "DDP training across all nodes (examples/ddp_training.py)."),
+    ExampleTask(
+        "run-ddp",
+        "examples/ddp_training.py",
+        "DDP training across all nodes (examples/ddp_training.py); --replicas N: torchft replica groups.",
+        fault_tolerant=True,
+    ),
     ExampleTask(
         "profile",
         "examples/profile_communication.py",
@@ -248,11 +255,11 @@ def example_task(example: ExampleTask):
         skip_preflight=False,
         stack=None,
     ):
-        if replicas is not None:  # no example task follows the contract: fab run --script ft_training does
+        if replicas is not None and not example.fault_tolerant:
             raise options.refuse(
                 f"--replicas needs a script that follows torchft's contract (README, Fault-tolerant runs); "
                 f"{example.name} runs {example.script}, which does not (each group would train alone): "
-                "fab run --script examples/ft_training.py --replicas N"
+                "fab run-ddp --replicas N, or fab run --script examples/ft_training.py --replicas N"
             )
         mode = preflight_mode(bool(preflight), bool(skip_preflight))
         start_job(

@@ -363,9 +363,9 @@ def test_fab_refuses_replicas_that_do_not_fit_before_anything_runs(cluster):
     assert_one_line_error(cluster.fab("run", "--script", FT_SCRIPT, "--replicas", "3"), "--replicas 3", "2 node(s)")
     conflict = cluster.fab("run", "--script", FT_SCRIPT, "--replicas", "2", "--hang-timeout", "60")
     assert_one_line_error(conflict, "--replicas runs without the hang watch", "--hang-timeout")
-    # an example that does not follow the contract would train each group alone: refused, with the one that does
-    alone = cluster.fab("run-ddp", "--replicas", "2")
-    assert_one_line_error(alone, "--replicas needs a script that follows torchft's contract", "ft_training.py")
+    # an example that does not follow the contract would train each group alone: refused, with the ones that do
+    alone = cluster.fab("accumulate", "--replicas", "2")
+    assert_one_line_error(alone, "--replicas needs a script that follows torchft's contract", "fab run-ddp --replicas")
     assert cluster.runs() == before
 
 
@@ -744,6 +744,25 @@ def test_replicas_a_restarted_group_heals_live_from_its_peer_and_rejoins_with_eq
     assert all(line["params_sha"] == by_step[line["step"]] for line in shared), "weights differ from the peer's"
     took = back["time"] - killed_at
     print(f"healed group: back at step {back['step']} {took:.1f} s after the kill, {max(missed) - 1} steps missed")
+
+
+def test_replicas_run_ddp_trains_as_replica_groups_and_writes_the_contract(cluster):
+    # The course's DDP example follows the contract: under --replicas its groups train the same model in
+    # harness/fault_tolerance.py's loop, each group's first rank writing one line per committed step.
+    result = cluster.fab("run-ddp", "--replicas", "2", "--args", "--steps 12 --samples 512 --log-every 4")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+    steps = ft_steps(cluster, run_id_in(result.stdout))
+    assert sorted(steps) == [0, 1], steps
+    assert "[node-1] replica 1 step   12 loss" in result.stdout
+    for lines in steps.values():
+        numbers = [line["step"] for line in lines]
+        assert numbers == list(range(numbers[0], 13)), numbers  # each committed step once, to the last
+        assert set(lines[0]) >= {"step", "time", "replica", "participants", "params_sha"}
+    by_step = {line["step"]: line for line in steps[0]}
+    assert all(
+        line["params_sha"] == by_step[line["step"]]["params_sha"] for line in steps[1] if line["step"] in by_step
+    )
+    assert any(line["participants"] == 2 for line in steps[1])  # trained together, the same weights
 
 
 # ------------------------------------------------------------------------------------- private state

@@ -3,7 +3,9 @@ ends a run at a checkpoint and requeues it, the reclaimed node is replaced and r
 the step it saved; a node killed without notice is replaced too, and the run resumes from its last
 periodic checkpoint. The training script is the course's own ddp_training, the drill the user's command.
 A whole project with its own requirements (`fab run --workdir --requirements`) is requeued onto a replaced
-node too: the new node makes its copy and environment from the run's stage on the shared folder."""
+node too: the new node makes its copy and environment from the run's stage on the shared folder. A `--replicas`
+run's group whose node is killed starts again on the replacement, under Slurm and, with the runs held by fab's
+connections for one test, under the launch that holds it."""
 
 import json
 import os
@@ -106,6 +108,83 @@ def events_of(cluster) -> list[tuple[str, str]]:
     """The stack's replacement events in the ledger, oldest first: (node, kind)."""
     cost = json.loads(cluster.cli("cost", "--json").stdout)
     return [(e["node"], e["kind"]) for e in cost["events"] if e["stack"] == cluster.stack]
+
+
+def test_a_fab_held_replica_group_whose_node_dies_starts_again_on_its_replacement_and_heals_from_its_peer(cluster):
+    # First in the module (no node replaced yet, so turning Slurm off reruns no health check): a `--replicas 2`
+    # run held by fab's connections (--scheduler none) loses node-1's server to kill -9; the replacement joins
+    # from the shared folder's kit (its venv and env file: no Slurm), the launch finds it back and starts group 1
+    # there, healed from its peer. The Slurm-held twin is below.
+    assert cluster.fab("bootstrap", "--scheduler", "none").returncode == 0
+    try:
+        kit = Path(cluster.info["shared_dir"]) / contract.JOIN_KIT
+        assert json.loads(kit.read_text())["scheduler"] is None and oct(kit.stat().st_mode & 0o777) == "0o600"
+        _fab_held_group_heals(cluster)
+    finally:
+        assert cluster.fab("bootstrap", "--scheduler", "slurm").returncode == 0  # the module's runs are Slurm's
+
+
+def _fab_held_group_heals(cluster) -> None:
+    from tests.support import REPO
+
+    earlier = len(events_of(cluster))
+    ft_script = str(REPO / "examples" / "ft_training.py")
+    launch = cluster.popen_fab(
+        "run", "--script", ft_script, "--replicas", "2", "--args", "--steps 100000 --step-sleep 0.05"
+    )
+    said: list[str] = []
+    reading = threading.Thread(target=lambda: said.extend(iter(launch.stdout.readline, "")), daemon=True)
+    reading.start()
+    try:
+        slurm.wait_for(
+            lambda: any(line.startswith("fab: run ") for line in said), "the run's id", lambda: "".join(said)
+        )
+        run_id = next(line.split()[2].rstrip(":") for line in said if line.startswith("fab: run "))
+        metrics = log_of_folder(cluster, run_id) / contract.METRICS_FILE
+
+        def lines() -> list[dict]:
+            return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+
+        shown: list[str | None] = []
+
+        def participants(wanted: str) -> bool:  # as `fab jobs` shows them, from the launching fab's record
+            shown.append(job(cluster, run_id).get("participants"))
+            return shown[-1] == wanted
+
+        slurm.wait_for(lambda: participants("2/2"), "the run in its quorum, 2/2", lambda: f"{shown[-5:]} {said}")
+        pid_file = cluster.state_dir / cluster.stack / "nodes" / "node-1" / "sshd.pid"
+        os.kill(json.loads(pid_file.read_text())["pid"], signal.SIGKILL)
+        killed_at = time.time()
+        slurm.wait_for(lambda: participants("1/2"), "group 1 dropped, 1/2", lambda: f"{shown[-5:]} {said}")
+        dropped_at = max(line["time"] for line in lines() if line["replica"] == 0 and line["participants"] == 1)
+
+        def healed() -> list[dict]:
+            return [line for line in lines() if line["replica"] == 1 and line["time"] > dropped_at]
+
+        slurm.wait_for(lambda: participants("2/2"), "group 1 back in the quorum, 2/2", lambda: "".join(said)[-3000:])
+        launch.send_signal(signal.SIGINT)  # attached: Ctrl-C cancels the run
+        launch.wait(timeout=60)
+    finally:
+        launch.kill()
+        reading.join(timeout=10)
+    out = "".join(said)
+    assert "replica group 1 (node-1) dropped; replica group(s) on node-0 go on" in out, out[-3000:]
+    assert "fab: replica group 1 (node-1): back in service after a replacement" in out, out[-3000:]
+    assert "resumed from" not in out  # healed from its peer, not from a checkpoint
+    back, survivor = healed()[0], [line for line in lines() if line["replica"] == 0]
+    gap = max(b["time"] - a["time"] for a, b in zip(survivor, survivor[1:], strict=False))
+    print(f"fab-held: group 1 back {back['time'] - killed_at:.1f} s after the kill; survivor's longest gap {gap:.2f} s")
+    peer = {line["step"]: line for line in survivor}
+    assert all(line["params_sha"] == peer[line["step"]]["params_sha"] for line in healed() if line["step"] in peer)
+    assert back["step"] in peer  # its first step back is its peer's step, with its peer's weights
+    both = [line for line in healed() if line["participants"] == 2 == peer.get(line["step"], {}).get("participants")]
+    assert both, healed()[-3:]  # 2/2, then 1/2, then 2/2 again
+    steps = [line["step"] for line in survivor]
+    assert steps == list(range(steps[0], steps[-1] + 1)), steps  # no step redone, none skipped
+    events = [e for e in json.loads(cluster.cli("cost", "--json").stdout)["events"] if e["stack"] == cluster.stack]
+    assert [(e["node"], e["kind"]) for e in events[earlier:]] == [("node-1", "node lost")], events
+    ends = datetime.fromisoformat(events[earlier]["at"]).timestamp() + events[earlier]["seconds"]
+    assert ends >= back["time"] - 1, (events[earlier], back)  # priced until the group was back in the quorum
 
 
 def test_a_project_with_its_requirements_resumes_on_a_replaced_node_and_completes(cluster, tmp_path):
@@ -315,10 +394,11 @@ def test_a_notice_and_a_death_each_cost_at_most_the_steps_since_a_checkpoint_and
 
     slurm.wait_for(healed, "both nodes up and idle in Slurm", lambda: json.dumps(status))
 
-    # --scheduler none turns Slurm off: its daemons stop, and the join kit goes (nothing joins a Slurm gone).
+    # --scheduler none turns Slurm off: its daemons stop, and the join kit loses its scheduler part (nothing joins
+    # a Slurm gone; a replacement still makes its venv and env file from it).
     off = cluster.fab("bootstrap", "--scheduler", "none")
     assert off.returncode == 0, off.stdout + off.stderr
-    assert not kit.exists()
+    assert json.loads(kit.read_text())["scheduler"] is None
     daemons = ("munged", "slurmctld", "slurmd", "spot_watch")
     left = [" ".join(procfs.command_line(pid)) for pid in procfs.pids_working_in(str(cluster.state_dir))]
     assert not [line for line in left if any(name in line for name in daemons)], left

@@ -50,6 +50,24 @@ def test_log_every_0_is_one_line_and_exit_2_from_the_command_line(tmp_path):
     assert result.stdout == "" and list(tmp_path.iterdir()) == []  # nothing ran
 
 
+def test_ddp_training_refuses_its_plain_ddp_flags_in_a_replica_group(monkeypatch, capsys, tmp_path):
+    """Under `fab run-ddp --replicas N` (NUM_REPLICA_GROUPS set) flags only plain DDP takes are one line,
+    exit 2, before torchft starts."""
+    from examples import ddp_training
+    from node import contract
+
+    monkeypatch.setenv(contract.REPLICAS_VARIABLE, "2")
+    monkeypatch.setenv("CLUSTER_RUN_DIR", str(tmp_path))
+    with pytest.raises(SystemExit) as exited:
+        ddp_training.main(["--precision", "bf16", "--compile"])
+    err = capsys.readouterr().err.strip()
+    assert (
+        exited.value.code == 2
+        and err == "error: --precision, --compile train plain DDP only: leave them out with --replicas"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("example", sorted(BAD_ARGUMENTS))
 def test_each_example_refuses_its_bad_argument_in_one_line(example, capsys):
     args, named = BAD_ARGUMENTS[example]

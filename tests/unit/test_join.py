@@ -23,13 +23,15 @@ def kit(shared, **changes) -> None:
 @pytest.mark.parametrize(
     "node, setup, words",
     [
-        ("node-1", None, "was not bootstrapped with --scheduler slurm"),
+        ("node-1", None, "was not bootstrapped since it had a shared folder"),
         ("node-1", {"raw": "{"}, "cannot be read"),
         ("node-1", {"raw": "[]"}, "is not a join kit"),
         ("node-1", {"scheduler": []}, "is not a join kit"),
         ("node-1", {"scheduler": {"nodes": [{"name": "node-0"}]}}, "is not a join kit"),
         ("node-1", {"env": {"node-1": 7}}, "is not a join kit"),
         ("node-0", {}, "is the head node"),
+        ("node-0", {"scheduler": None}, "is the head node"),  # runs held by fab: the env names the nodes
+        ("node-7", {"scheduler": None}, "'node-7' is not a node of this cluster (its nodes: node-0, node-1)"),
         ("node-7", {}, "'node-7' is not a node of this cluster (its nodes: node-0, node-1)"),
     ],
 )

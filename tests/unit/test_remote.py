@@ -108,6 +108,20 @@ def test_a_fault_tolerant_run_completes_while_one_replica_group_trained_to_the_e
     assert not job_command.surviving_group(groups, both_hit) and job_command.dropped_nodes(groups, both_hit) == []
 
 
+def test_a_replica_group_starts_again_where_every_node_of_it_is_back_for_either_holder():
+    """contract.groups_to_restart, the rule both holders apply (the fab holder's `back`: lost nodes that
+    answer bootstrapped with no job; Slurm's: nodes it shows idle)."""
+    groups = job_command.group_names(["node-0", "node-1", "node-2", "node-3"], 2)
+    assert contract.groups_to_restart(groups, {"node-2", "node-3"}, set(), {}) == [1]
+    assert contract.groups_to_restart(groups, {"node-2"}, set(), {}) == []  # node-3 not back yet
+    assert contract.groups_to_restart(groups, {"node-0", "node-1"}, set(), {}) == []  # group 0: the Lighthouse
+    assert contract.groups_to_restart(groups, {"node-2", "node-3"}, {1}, {}) == []  # its new start runs
+    assert contract.groups_to_restart(groups, {"node-2", "node-3"}, set(), {1: [255]}) == [1]  # lost again
+    assert contract.groups_to_restart(groups, {"node-2", "node-3"}, set(), {1: [0]}) == []  # trained to the end
+    failed = {1: [1] * contract.MAX_GROUP_STARTS}
+    assert contract.groups_to_restart(groups, {"node-2", "node-3"}, set(), failed) == []  # a fault of its own
+
+
 def test_launch_command_quotes_arguments_and_records_the_job():
     c = cluster()
     command = job_command.launch_command(

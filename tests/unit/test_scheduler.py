@@ -453,7 +453,7 @@ def test_a_replica_group_starts_again_once_its_replaced_nodes_are_idle_and_only_
     assert slurm_run.groups_to_heal(groups, back, {1: True}, {}) == []  # its new start runs
     assert slurm_run.groups_to_heal(groups, back, {}, {1: [0]}) == []  # its new start trained to the end
     assert slurm_run.groups_to_heal(groups, back, {}, {1: [137]}) == [1]  # lost again: started again
-    assert slurm_run.groups_to_heal(groups, back, {}, {1: [1] * slurm_run.MAX_HEALS}) == []  # a fault of its own
+    assert slurm_run.groups_to_heal(groups, back, {}, {1: [1] * contract.MAX_GROUP_STARTS}) == []  # a fault of its own
     head_back = {**busy, "node-0": ("idle", ""), "node-1": ("idle", "")}
     assert slurm_run.groups_to_heal(groups, head_back, {}, {}) == []
 

@@ -9,14 +9,15 @@ ends it before the nodes. Every `POLL_S` it looks at each node server. When the 
 
 1. tells Slurm the node is lost (DOWN, reason `contract.NODE_LOST_REASON`) unless a notice drained it
    already: a run still on it is requeued (node/slurm_run.py, JobRequeue), as slurmctld would do itself
-   after SlurmdTimeout on a real cluster;
+   after SlurmdTimeout on a real cluster (where Slurm holds the runs; a fab-held run sees it by itself);
 2. ends what the dead node left running (its scheduler daemons, job processes), as a power cut would;
 3. starts a fresh node: an empty home, a new host key (pinned in the stack's known_hosts in place of the
    old one), a new token and metadata service, no notice;
 4. brings it in: a worker joins by itself from the shared folder (node/join.py, as a replacement's boot
-   does on AWS: the venv, its env file, Slurm's daemons); where the head node is among the dead, or no
-   bootstrap left a join kit, `fab bootstrap` of the cluster does it. Its slurmd registers, the node
-   returns to service (node/scheduler.py), and the requeued run starts again.
+   does on AWS: the venv, its env file, Slurm's daemons where Slurm holds the runs); where the head node
+   is among the dead, or no bootstrap left a join kit, `fab bootstrap` of the cluster does it. Its slurmd
+   registers, the node returns to service (node/scheduler.py), and the requeued run starts again; a
+   fab-held fault-tolerant run starts the node's replica group again (remote/heal.py).
 
 What it does is one line each in the stack's `supervisor.log`, and an event in the ledger (`deploy.py
 cost` lists interruptions and replacements). A replacement that fails to bootstrap is marked so in Slurm
@@ -75,10 +76,21 @@ def forget_stale_jobs(cluster: ClusterInfo, replaced: list[NodeInfo]) -> None:
             log(cluster.stack, f"{node.name}: could not ask Slurm about its old jobs: {ssh.describe(exc)}")
 
 
+def slurm_holds(stack: str) -> bool:
+    """Whether Slurm holds the stack's runs (its bootstrap.json): only then is there a controller to tell."""
+    try:
+        setup = json.loads(state.stack_file(stack, state.BOOTSTRAP).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(setup, dict) and setup.get("scheduler") == state.SLURM_HOLDS
+
+
 def mark_lost(cluster: ClusterInfo, lost: list[NodeInfo], why: str = "its server is gone") -> None:
     """Slurm on the head node is told which nodes are gone (where the head node is one of them, there
-    is no controller to tell: the queue is on shared storage and the runs are requeued when it is back)."""
-    if cluster.head in lost:
+    is no controller to tell: the queue is on shared storage and the runs are requeued when it is back).
+    Where runs are held by fab's connections there is no Slurm to tell (asking would wait for its client's
+    timeout, about 9 s, before the replacement starts): the launch sees the node gone by itself."""
+    if cluster.head in lost or not slurm_holds(cluster.stack):
         return
     for node in lost:
         try:

@@ -1,0 +1,211 @@
+"""A fab-held fault-tolerant run's replica groups started again on their replaced nodes: the fab holder's half
+of what a Slurm-held run's batch job does (node/slurm_run.py `GroupRestarts`); which group starts again, and
+when, is one rule for both (`contract.groups_to_restart`).
+
+A group whose node's job session dropped (the node died: `launch.LOST`) is dropped by the launch
+(`launch._drop_group`) and its peers go on. While some group still trains, this watch asks each lost node every
+`POLL_S`, over a fresh connection, whether it is back in service: it answers (a replacement comes up on the same
+address; its new host key is pinned by whoever replaced it), is bootstrapped (node/join.py wrote its env file from
+the shared folder's kit) and runs no job. Then the group's nodes get what the launch gave every node (the run's
+`--env` values, its workdir copy and requirements, the script where there is no shared folder) and the group's own
+commands, with `CLUSTER_RESTART_COUNT` 0: torchft heals it from a live peer (no checkpoint read) and it rejoins
+the quorum. The launch streams it as it streams every node (`Healer.started` hands it the new job sessions). Its
+interruption is priced in the ledger (`Ledger.run_idle`) from when its node was found gone until the group's
+first step back.
+"""
+
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+
+from infra.inventory import ClusterInfo
+from node import contract, slurm_run
+from remote import node_paths, protocol
+from remote.connect import NodeSession, describe
+from remote.stream import say
+
+POLL_S = 1.0
+"""How often a lost node is asked whether it is back (a connection refused costs a millisecond), and the
+head node how many groups are in the quorum."""
+METRICS_TAIL_BYTES = 1 << 14
+"""How much of the run's metrics.jsonl end the participants are read from (a line per group per step)."""
+
+
+class Healer:
+    """One fab-held fault-tolerant run's group restarts. `prepare(session)` readies one node for the run (env
+    values, workdir, requirements, upload) and `start(session)` starts its job, returning the job session's
+    future; both are the launch's own steps. `shown(participants)` hears the groups in the quorum (`1/2`) as
+    they change, read from the run's `metrics` on the head node (`fab jobs`' participants, as a Slurm-held
+    run's batch job reads them)."""
+
+    def __init__(
+        self,
+        cluster: ClusterInfo,
+        groups: list[list[str]],
+        ask: str,
+        prepare: Callable[[NodeSession], None],
+        start: Callable[[NodeSession], Future],
+        metrics: str = "",
+        shown: Callable[[str], None] | None = None,
+    ):
+        self.cluster, self.groups, self.ask = cluster, groups, ask
+        self.prepare, self.start = prepare, start
+        self.metrics, self.shown, self.participants = metrics, shown, ""
+        self.head: NodeSession | None = None
+        self.lock = threading.Lock()
+        self.lost: dict[str, float] = {}  # node: when its job session dropped, until its group starts again
+        self.training: set[str] = {name for group in groups for name in group}  # nodes whose job session runs
+        self.restarted: dict[Future, int] = {}  # a start of a group again: its group
+        self.ended: dict[int, list[int]] = {}  # group: its starts' exit codes (contract.groups_to_restart)
+        self.heals: list[tuple[int, float, float]] = []  # (group, its node lost at, started again at)
+        self.fresh: queue.Queue[tuple[Future, NodeSession]] = queue.Queue()
+        self.sessions: list[NodeSession] = []
+        self.closed = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> "Healer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+        for session in [*self.sessions, *([self.head] if self.head else [])]:
+            session.close()
+
+    def ended_on(self, name: str, future: Future, code: int | None, lost: bool) -> None:
+        """The launch saw a node's job session end (`lost`: its connection dropped, the node gone)."""
+        with self.lock:
+            self.training.discard(name)
+            number = self.restarted.pop(future, None)
+            if number is not None and code is not None:
+                self.ended.setdefault(number, []).append(code)
+            if lost:
+                self.lost.setdefault(name, time.time())
+
+    def started(self) -> list[tuple[Future, NodeSession]]:
+        """The job sessions started again since the last call, for the launch to follow."""
+        found = []
+        while True:
+            try:
+                found.append(self.fresh.get_nowait())
+            except queue.Empty:
+                return found
+
+    def _watch(self) -> None:
+        while not self.closed.wait(POLL_S):
+            self._show_participants()
+            with self.lock:
+                lost = sorted(self.lost)
+                peers = self._peers()
+                running = {number for number in self.restarted.values()}
+            if not lost or not peers:  # nothing to start again, or no live peer to heal from
+                continue
+            back = {name: session for name in lost if (session := self._back(name)) is not None}
+            with self.lock:
+                due = contract.groups_to_restart(self.groups, set(back), running, self.ended)
+            for number in due:
+                self._start_again(number, back)
+            for session in back.values():  # back, but its group is not due (another of its nodes is not)
+                session.close()
+
+    def _peers(self) -> bool:
+        """Whether some group still trains whole (a live peer to heal from); under `lock`."""
+        return any(all(name in self.training for name in group) for group in self.groups)
+
+    def _show_participants(self) -> None:
+        """The newest contract line's participants, told to `shown` where they changed."""
+        if self.shown is None or not self.metrics:
+            return
+        try:
+            self.head = self.head or NodeSession(self.cluster, self.cluster.head)
+            tail = self.head.run(f"tail -c {METRICS_TAIL_BYTES} {node_paths.shell_path(self.metrics)} 2>/dev/null")
+        except Exception:  # the head node does not answer now: asked again next time
+            return
+        text = tail.stdout
+        newest = slurm_run.newest_participants(slurm_run.contract_records(text, cut=len(text) >= METRICS_TAIL_BYTES))
+        participants = f"{newest}/{len(self.groups)}" if newest is not None else ""
+        if participants and participants != self.participants:
+            self.participants = participants
+            self.shown(participants)
+
+    def _back(self, name: str) -> NodeSession | None:
+        """A session on the node where it is back in service (answers, bootstrapped, no job), else None."""
+        node = next(node for node in self.cluster.nodes if node.name == name)
+        session = None
+        try:
+            session = NodeSession(self.cluster, node)
+            job, bootstrapped = protocol.parse_job_status(session.run(self.ask).stdout)
+        except Exception:  # not up yet (refused, reset, a host key not pinned yet): asked again next time
+            if session is not None:
+                session.close()
+            return None
+        if job is None and bootstrapped:
+            return session
+        session.close()
+        return None
+
+    def _start_again(self, number: int, back: dict[str, NodeSession]) -> None:
+        members = self.groups[number]
+        sessions = [back.pop(name) for name in members]
+        say(
+            f"fab: replica group {number} ({', '.join(members)}): back in service after a replacement; "
+            "it starts again and heals from a live peer"
+        )
+        try:
+            for session in sessions:
+                self.prepare(session)
+        except Exception as exc:  # one line; its nodes are asked again next time
+            say(f"fab: replica group {number} could not be started again: {describe(exc)}")
+            for session in sessions:
+                session.close()
+            return
+        at = time.time()
+        with self.lock:
+            if self.closed.is_set() or not self._peers():  # the run's last group ended while this one was readied
+                for session in sessions:
+                    session.close()
+                return
+            lost_at = min(self.lost.pop(name, at) for name in members)
+            self.heals.append((number, lost_at, at))
+            for session in sessions:
+                self.sessions.append(session)
+                self.training.add(session.node.name)
+                future = self.start(session)
+                self.restarted[future] = number
+                self.fresh.put((future, session))
+
+    def stop(self) -> None:
+        """No group is started again from now on (the run's last group ended, or it was interrupted)."""
+        self.closed.set()
+        self.thread.join(timeout=30)
+
+    def price(self, metrics: Path) -> None:
+        """Each group started again, into the ledger: its node's interruption lasts until the group's first
+        step back (the run's fetched `metrics.jsonl`), not only until the node was replaced."""
+        if not self.heals:
+            return
+        from infra.ledger import Ledger
+
+        try:
+            lines = [json.loads(line) for line in metrics.read_text(errors="replace").splitlines() if line.strip()]
+        except (OSError, ValueError):  # no metrics: priced until the group's start
+            lines = []
+        ledger = Ledger()
+        try:
+            for number, lost_at, at in self.heals:
+                back = [
+                    r["time"]
+                    for r in lines
+                    if isinstance(r, dict)
+                    and r.get("replica") == number
+                    and isinstance(r.get("time"), (int, float))
+                    and r["time"] >= at
+                ]
+                for name in self.groups[number]:
+                    ledger.run_idle(self.cluster.stack, name, lost_at, min(back) if back else at)
+        finally:
+            ledger.close()
