@@ -415,7 +415,7 @@ def _watch(spec: dict, main: subprocess.Popen, srun: str, here: str) -> int:
     overdue = watch["timeout_s"] + watch.get("overdue_grace_s", 30)
     while True:
         try:
-            main.wait(timeout=watch["poll_s"])
+            main.wait(timeout=named.next_look_s(watch["poll_s"]))  # sooner where a slow rank is due
             break
         except subprocess.TimeoutExpired:
             pass

@@ -1,7 +1,8 @@
 """While a job runs: watch every rank's collectives, and when the job hangs, name the culprit and act.
 
 Every launch turns on torch's flight recorder and a monitor thread in each rank (node/rankhook/;
-nothing in the user's script changes). `HangWatch` asks each node every `poll_s` what its ranks are
+nothing in the user's script changes). `HangWatch` asks each node every `poll_s` (sooner where a rank is
+slow and due to be named a straggler: `straggler.Named.next_look_s`) what its ranks are
 doing (node/hang.py status, over SSH connections of its own) and applies the rule in
 node/hang_rule.py (which a Slurm-held run also applies on the cluster). On a hang it collects from
 every node the recorder dumps and the `py-spy dump` stacks of every rank, keeps them in the run folder
@@ -157,7 +158,7 @@ class HangWatch:
         """Poll until a hang is found (returned) or the job has ended (None). A poll that fails (a node
         that does not answer, a damaged record) is simply made again: the watch itself never ends early."""
         overdue_s = self.policy.timeout_s + OVERDUE_GRACE_S
-        while not self.finished.wait(self.policy.poll_s):
+        while not self.finished.wait(self.stragglers.next_look_s(self.policy.poll_s)):
             try:
                 payloads = self._payloads(sessions, "status")
                 views = [view for payload in payloads for view in hang.parse_ranks(payload)]
