@@ -27,6 +27,7 @@ from remote.stream import say
 
 DEFAULT_HANG_TIMEOUT_S = 300
 ON_HANG = ("stop", "wait")
+ON_STRAGGLER = ("report", "replace")
 # Ring-buffer entries of torch's flight recorder per rank: enough for the collectives in flight plus
 # their recent history. Recording costs the same whatever the size; dumping the buffer is ~0.5 ms per
 # 1000 entries, and happens only when a rank sits in one collective for a whole monitor interval.
@@ -42,13 +43,16 @@ STOP_CHECK_S = 20  # how long a stopped job may take to end before the watch sto
 
 @dataclass(frozen=True)
 class HangPolicy:
-    """What a launch does about hangs (`--hang-timeout`, `--on-hang`)."""
+    """What a launch does about hangs and stragglers (`--hang-timeout`, `--on-hang`, `--on-straggler`)."""
 
     timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     """A rank inside a collective this long while another rank has not entered it is a hang; 0 turns
     the recorder and the watch off."""
     on_hang: str = "stop"
     """stop: end the job everywhere (exit 1); wait: leave it running for a person."""
+    on_straggler: str = "report"
+    """report: name a straggler and go on; replace: also drain its node and replace it through the spot
+    path, the run resuming from its checkpoint there (a Slurm-held run on a stack that replaces nodes)."""
 
     @property
     def enabled(self) -> bool:
@@ -234,6 +238,13 @@ def ask_command(cluster: ClusterInfo, python: str, run_id: str, action: str) -> 
     """That call as a shell command (the batch job's watch runs it on each node through srun)."""
     words = calls.command_words(hang_request(run_id, action), nodecall.version())
     return f". {node_paths.ENV_FILE} 2>/dev/null; cd && " + node_paths.node_module(cluster, python, "calls", *words)
+
+
+def tell_ranks_command(cluster: ClusterInfo, python: str, node: str) -> str:
+    """What a Slurm-held run's batch job has a straggler's node run before it is replaced (`--on-straggler
+    replace`): SIGUSR1 to that node's ranks, as a spot notice does (node/spot_watch.py)."""
+    words = node_paths.node_module(cluster, python, "spot_watch", "--tell-ranks", "--node", node)
+    return f". {node_paths.ENV_FILE} 2>/dev/null; cd && {words}"
 
 
 def keep_evidence(folder: Path, payloads: list[dict], line: str) -> Path:

@@ -517,6 +517,11 @@ class AwsProvider(Provider):
     def bookkeeping(self, request: UpRequest) -> tuple[StackConfig | None, float | None]:
         return stack_config.load_stack(request.stack, request.overrides), None
 
+    def replacement_problem(self, cluster: ClusterInfo) -> str:
+        # Spot workers' Auto Scaling groups replace a worker that goes, but no AWS node powers itself off
+        # on its power-off marker yet (cloud-init's guard reads only the cluster's stop marker).
+        return f"stack {cluster.stack!r} is on AWS, where a straggler's node is not powered off to be replaced yet"
+
     def spot_drill(
         self, cluster: ClusterInfo, node: str, notice_s: float, say, fis_role: str | None = None, yes: bool = False
     ) -> None:
