@@ -518,9 +518,9 @@ class AwsProvider(Provider):
         return stack_config.load_stack(request.stack, request.overrides), None
 
     def replacement_problem(self, cluster: ClusterInfo) -> str:
-        # Spot workers' Auto Scaling groups replace a worker that goes, but no AWS node powers itself off
-        # on its power-off marker yet (cloud-init's guard reads only the cluster's stop marker).
-        return f"stack {cluster.stack!r} is on AWS, where a straggler's node is not powered off to be replaced yet"
+        if cluster.nodes_move:
+            return ""  # spot workers: each one's Auto Scaling group replaces it (cloud-init's guard powers it off)
+        return f"stack {cluster.stack!r} runs on-demand nodes, which nothing replaces (spot: true in its config)"
 
     def spot_drill(
         self, cluster: ClusterInfo, node: str, notice_s: float, say, fis_role: str | None = None, yes: bool = False
