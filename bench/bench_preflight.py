@@ -35,7 +35,7 @@ STRAGGLER_PERCENT = int(os.environ.get("BENCH_STRAGGLER_PERCENT", "10"))
 DDP = ("--hang-timeout", "20", "--args", "--steps 150 --batch-size 1024 --log-every 50")
 # Every step in metrics.jsonl, with its time: the step rank 0 was at when the throttle began and when the
 # verdict was said are read from it.
-STRAGGLER_DDP = ("--hang-timeout", "20", "--args", "--steps 300 --batch-size 1024 --log-every 1")
+STRAGGLER_DDP = ("--hang-timeout", "20", "--args", "--steps 150 --batch-size 1024 --log-every 1")
 
 
 def _cluster(nodes: int) -> dict[str, str]:

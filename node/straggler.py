@@ -23,12 +23,17 @@ RATIO = 1.3
 """A step counts as slow for a rank above this many times the other ranks' median at that step."""
 STEPS = 20
 """Slow steps in a row that make a straggler (a one-off pause, a checkpoint or a GC, makes none)."""
+TOLERATED_STEPS = 2
+"""Single steps not slow that a run of slow steps may hold without starting its count again (not counted:
+it still needs `STEPS` slow ones): where the other ranks have a hiccup of their own (a GC, a busy
+neighbour: on a shared 2-core machine a healthy rank's forward swings 10 to 120 ms), a throttled rank is
+not slower than 1.3x them for that one step. Two such steps in a row end the run."""
 KEPT_STEPS = 200
 """How many of its last steps' compute times the monitor writes into a rank's record: more than pass
 between two of the watch's looks (every 1 to 10 s) at steps of 50 ms, so the watch misses none."""
 HISTORY_STEPS = 400
 """How many of each rank's last steps' compute times a watch's `Named` keeps across its looks."""
-MIN_LOOK_S = 1.0
+MIN_LOOK_S = 0.5
 """The soonest a watch looks again where a rank is slow (each look is a command on every node)."""
 SUSPECT_STEPS = 5
 """Slow steps in a row after which a watch looks again when the rank will have made `STEPS` (fewer: noise,
@@ -42,15 +47,16 @@ class Straggler:
     rank: int
     node: str
     ratio: float
-    """Its compute time over the other ranks' median, the median over the slow steps."""
+    """Its compute time over the other ranks' median, the median over the window's steps."""
     first_step: int
     last_step: int
+    slow_steps: int = STEPS
+    """The window's slow steps (fewer than its steps where it held a tolerated one)."""
 
     def why(self) -> str:
-        return (
-            f"compute {self.ratio:.1f}x the other ranks' median for {self.last_step - self.first_step + 1} "
-            f"steps in a row (steps {self.first_step}-{self.last_step})"
-        )
+        span = self.last_step - self.first_step + 1
+        steps = f"for {span} steps in a row" if span == self.slow_steps else f"in {self.slow_steps} of {span} steps"
+        return f"compute {self.ratio:.1f}x the other ranks' median {steps} (steps {self.first_step}-{self.last_step})"
 
     def as_dict(self) -> dict:
         return {
@@ -82,15 +88,18 @@ def find_stragglers(records: list, ratio: float = RATIO, steps: int = STEPS) -> 
 
 def judge(by_rank: dict, ratio: float = RATIO, steps: int = STEPS) -> list:
     """The stragglers of {rank: (node, {step: seconds})}: for every step that every rank has reported, each
-    rank's compute over the median of the others'. A straggler's window is the first `steps` slow steps in a
-    row: its last step is the step at which the rule was met, whenever the watch looked."""
+    rank's compute over the median of the others'. A straggler's window is its first `steps` slow steps in a
+    row (with at most TOLERATED_STEPS single steps not slow between them): its last step is the step at
+    which the rule was met, whenever the watch looked."""
     found = []
     for rank, node, shares in _shares(by_rank, ratio):
         run: list = []
         for step, share in shares:
             run = _extended(run, step, share, ratio)
-            if len(run) == steps:
-                found.append(Straggler(rank, node, statistics.median(s for _, s in run), run[0][0], run[-1][0]))
+            slow = _slow(run, ratio)
+            if slow == steps:
+                median = statistics.median(s for _, s in run)
+                found.append(Straggler(rank, node, median, run[0][0], run[-1][0], slow))
                 break
     return found
 
@@ -111,23 +120,29 @@ def _shares(by_rank: dict, ratio: float) -> list:
 
 
 def _extended(run: list, step: int, share: float, ratio: float) -> list:
-    """The run of slow steps in a row after `step`: a step not slow, or a step missing between, ends it."""
-    if share <= ratio:
-        return []
-    if run and run[-1][0] == step - 1:
+    """The run of slow steps in a row after `step`: a step missing between ends it, and so does a step not
+    slow, unless it follows a slow one and the run holds fewer than TOLERATED_STEPS such steps."""
+    follows = bool(run) and run[-1][0] == step - 1
+    if share > ratio:
+        return [*run, (step, share)] if follows else [(step, share)]
+    if follows and run[-1][1] > ratio and len(run) - _slow(run, ratio) < TOLERATED_STEPS:
         return [*run, (step, share)]
-    return [(step, share)]
+    return []
+
+
+def _slow(run: list, ratio: float) -> int:
+    return sum(1 for _, share in run if share > ratio)
 
 
 def slow_so_far(by_rank: dict, ratio: float = RATIO) -> dict:
-    """{rank: slow steps in a row up to the last step every rank reported} of the ranks slow at that step."""
+    """{rank: the slow steps of its run up to the last step every rank reported} of the ranks in a run."""
     found = {}
     for rank, _, shares in _shares(by_rank, ratio):
         run: list = []
         for step, share in shares:
             run = _extended(run, step, share, ratio)
         if run:
-            found[rank] = len(run)
+            found[rank] = _slow(run, ratio)
     return found
 
 
