@@ -3,6 +3,7 @@ last steps' own compute time, `compute: [[step, seconds], ...]`."""
 
 import json
 import random
+import statistics
 
 from node import straggler
 
@@ -115,3 +116,13 @@ def test_a_rank_slow_now_brings_the_next_look_forward_to_when_it_is_due():
     assert named.next_look_s(4.0) == 2.0
     named.update(ranks(2, {1: (2.0, range(58, 61))}, steps=range(1, 61)))  # only 3 slow in a row: noise
     assert named.next_look_s(4.0) == 4.0
+
+
+def test_the_other_ranks_median_is_the_median_of_the_others():
+    rng = random.Random(3)
+    for count in (2, 3, 4, 9, 128):
+        values = [rng.choice([0.01, 0.02, rng.uniform(0.005, 0.05)]) for _ in range(count)]
+        ordered = sorted(values)
+        for index, value in enumerate(values):
+            others = values[:index] + values[index + 1 :]
+            assert straggler._median_without(ordered, value) == statistics.median(others)
