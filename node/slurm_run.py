@@ -495,7 +495,10 @@ class StragglerReplacement:
                 continue
             paths = Paths(head["home"])  # the batch job's HOME is the user's, not the node's
             said = slurm_nodes.drain_straggler(paths, node.get("slurm_name") or node["name"], found.why())
-            print(f"[watch] --on-straggler replace: {found.node} drained ({said}); its ranks save and exit", flush=True)
+            if said != "drained":  # not held out: its run would not be requeued, so it is left as it is
+                print(f"[watch] --on-straggler replace: {found.node} not drained ({said}): not replaced", flush=True)
+                continue
+            print(f"[watch] --on-straggler replace: {found.node} drained; its ranks save and exit", flush=True)
             tell = {**self.spec, "nodes": [{**node, "command": self.spec["watch"]["tell_ranks"][found.node]}]}
             tell.pop("watch", None)
             _ask(tell, self.srun, self.here)

@@ -49,8 +49,13 @@ def throttled(home: Path, percent: int):
             _move(pid, group)
         yield pids
     finally:
-        for left in (group / "cgroup.procs").read_text().split():
-            _move(int(left), CPU_CGROUP)
+        # Again while any is left: a process the node forked while the others were moved out stays in.
+        for _ in range(100):
+            left = (group / "cgroup.procs").read_text().split()
+            if not left:
+                break
+            for pid in left:
+                _move(int(pid), CPU_CGROUP)
         group.rmdir()
 
 

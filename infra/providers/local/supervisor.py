@@ -7,10 +7,10 @@ after a spot drill's notice, or killed) is replaced by a fresh node on the same 
 ends it before the nodes. Every `POLL_S` it looks at each node server. When the watchdog's stop marker is there
 (the cluster powered itself off) it exits: nothing is replaced. For every node found gone it:
 
-1. tells Slurm the node is lost (a node a run's batch job powered off as a straggler, `--on-straggler
-   replace`, too: its run was requeued already) (DOWN, reason `contract.NODE_LOST_REASON`) unless a notice drained it
+1. tells Slurm the node is lost (DOWN, reason `contract.NODE_LOST_REASON`) unless a notice drained it
    already: a run still on it is requeued (node/slurm_run.py, JobRequeue), as slurmctld would do itself
-   after SlurmdTimeout on a real cluster;
+   after SlurmdTimeout on a real cluster (a node that powered itself off as a straggler, `--on-straggler
+   replace`, left its run requeued already: its ledger event is `straggler`);
 2. ends what the dead node left running (its scheduler daemons, job processes), as a power cut would;
 3. starts a fresh node: an empty home, a new host key (pinned in the stack's known_hosts in place of the
    old one), a new token and metadata service, no notice;
