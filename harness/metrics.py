@@ -52,7 +52,7 @@ last_step: int | None = None
 (node/rankhook/) reports it, so the head node's watchdog can tell a stalled job from a slow one."""
 
 
-step_compute: collections.deque = collections.deque(maxlen=40)
+step_compute: collections.deque = collections.deque(maxlen=200)
 """(step, seconds) of this rank's own compute in its last steps (the forward pass, which no collective
 waits in): the rank monitor reports them, and node/straggler.py names a rank that stays slower than the
 others. Its length is node.straggler.KEPT_STEPS."""

@@ -102,6 +102,18 @@ fi
 """
 
 
+def own_power_off(node: str) -> str:
+    """The guard's check for a worker: power off on this node's power-off marker written since the machine
+    booted (a run's batch job names it a straggler, `--on-straggler replace`); its Auto Scaling group then
+    replaces it as it replaces a reclaimed spot instance (a spot instance's shutdown terminates it)."""
+    marker = f"{SHARED_DIR}/{contract.power_off_marker(node)}"
+    return f"""
+if [ -f {marker} ] && [ "$(stat -c %Y {marker})" -ge "$(date -d "$(uptime -s)" +%s)" ]; then
+  logger -t gpu-cluster "power-off marker found: $(cat {marker}); powering off to be replaced"
+  systemctl poweroff
+fi"""
+
+
 def worker_join(node: str, ssh_user: str) -> str:
     """A replacement worker joins by itself: where bootstrap left its join kit in the shared folder, the node
     user runs node/join.py (the venv, the env file, slurmd) from a unit that tries again every 30 s until it
@@ -183,11 +195,12 @@ def user_data(
     """A bash cloud-init script; safe to run again (every step checks before it acts). With `node`, the
     node is known by name (its workers move); a worker (not node-0) joins from the shared folder at boot;
     with `worker_groups`, the head's guard scales those Auto Scaling groups to zero before powering off."""
-    named, joins = "", ""
+    named, joins, power_off = "", "", ""
     if node:
         worker = node != "node-0"
         named = (stop_at_boot() if worker else "") + named_node_setup(node, ssh_user)
         joins = worker_join(node, ssh_user) if worker else ""
+        power_off = own_power_off(node) if worker else ""
     groups = ""
     scale_in = ""
     if worker_groups:
@@ -231,7 +244,7 @@ if [ -f {STOP_MARKER} ]; then{scale_in}
   logger -t gpu-cluster "stop marker found: $(cat {STOP_MARKER}); powering off"
   echo "gpu-cluster-watchdog: $(cat {STOP_MARKER})" > /dev/console
   systemctl poweroff
-fi
+fi{power_off}
 GUARD
 chmod 755 /usr/local/sbin/gpu-cluster-guard
 cat > /etc/systemd/system/gpu-cluster-guard.service <<'UNIT'

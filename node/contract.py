@@ -109,6 +109,9 @@ SPOT_DRAIN_REASON = "spot interruption notice"
 """How a Slurm node drained by spot-watch's notice starts its reason (`sinfo -o %E`)."""
 NODE_LOST_REASON = "node lost"
 """How the reason of a node set DOWN by gpu-cluster's replacement (a node found dead) starts."""
+STRAGGLER_DRAIN_REASON = "straggler"
+"""How the reason of a node drained for `--on-straggler replace` starts (its run is requeued and the node
+powered off, to be replaced as a reclaimed spot node is: node/slurm_run.py)."""
 RESTART_COUNT_VARIABLE = "CLUSTER_RESTART_COUNT"
 """In every rank: how many times the run was requeued and started again (0 on the first start)."""
 SCHEDULER_VARIABLE = "CLUSTER_SCHEDULER_DIR"
@@ -156,6 +159,17 @@ SHARED_STATE = ".gpu-cluster"
 STOP_MARKER = f"{SHARED_STATE}/stop.json"
 """Relative to the shared folder: the watchdog writes it with the reason; every node powers itself off
 when it appears (cloud-init's guard on AWS, the node server on the local provider)."""
+POWER_OFF_DIR = f"{SHARED_STATE}/power-off"
+"""Relative to the shared folder: a file named after a node tells that node to power itself off, as the
+stop marker tells every node (`--on-straggler replace`: the spot path then replaces it). Only a marker
+written after the machine started counts: its replacement, with the same name, stays up."""
+
+
+def power_off_marker(node: str) -> str:
+    """Relative to the shared folder: the marker that powers `node` off (POWER_OFF_DIR)."""
+    return f"{POWER_OFF_DIR}/{node}"
+
+
 WATCHDOG_HEARTBEAT = f"{SHARED_STATE}/watchdog.json"
 """Relative to the shared folder: the watchdog's last check (its pid, the cost so far, its guards)."""
 SCHEDULER_STATE = f"{SHARED_STATE}/slurm-state"

@@ -1,6 +1,7 @@
-"""The nodes as Slurm's controller sees them: their states, and gpu-cluster's two reasons for taking one
-out of service (a spot notice's drain, contract.SPOT_DRAIN_REASON; a node found gone, set DOWN,
-contract.NODE_LOST_REASON), set and lifted here. Standard library only.
+"""The nodes as Slurm's controller sees them: their states, and gpu-cluster's three reasons for taking one
+out of service (a spot notice's drain, contract.SPOT_DRAIN_REASON; a straggler's drain before it is
+replaced, contract.STRAGGLER_DRAIN_REASON; a node found gone, set DOWN, contract.NODE_LOST_REASON), set
+and lifted here. Standard library only.
 """
 
 import json
@@ -52,9 +53,14 @@ def responding(paths: Paths, node_name: str) -> bool:
     return not (silent or (lowered.startswith("down") and reason.startswith(SLURM_NOT_RESPONDING)))
 
 
+DRAINED_TO_BE_REPLACED = (contract.SPOT_DRAIN_REASON, contract.STRAGGLER_DRAIN_REASON)
+"""The reasons of a drain whose machine goes away and comes back as a replacement (lifted on the new one)."""
+
+
 def lost_or_noticed(reason: str) -> bool:
-    """A reason gpu-cluster gave a node it took out of service: a spot notice, or a node found dead."""
-    return reason.startswith((contract.SPOT_DRAIN_REASON, contract.NODE_LOST_REASON))
+    """A reason gpu-cluster gave a node it took out of service: a spot notice, a straggler to be replaced,
+    or a node found dead."""
+    return reason.startswith((*DRAINED_TO_BE_REPLACED, contract.NODE_LOST_REASON))
 
 
 def mark_lost(paths: Paths, node_name: str, why: str) -> str:
@@ -95,6 +101,11 @@ def drain_for_notice(paths: Paths, node_name: str, notice: str) -> str:
     return _take_out(paths, node_name, "DRAIN", f"{contract.SPOT_DRAIN_REASON}: {notice}", "drained")
 
 
+def drain_straggler(paths: Paths, node_name: str, why: str) -> str:
+    """Drain a node named a straggler, to be replaced (`--on-straggler replace`); Slurm's answer."""
+    return _take_out(paths, node_name, "DRAIN", f"{contract.STRAGGLER_DRAIN_REASON}: {why}", "drained")
+
+
 def _take_out(paths: Paths, node_name: str, state: str, reason: str, done: str) -> str:
     result = scontrol(paths, "update", f"NodeName={node_name}", f"State={state}", f"Reason={reason}")
     return done if result.returncode == 0 else (result.stderr.strip() or f"scontrol exited {result.returncode}")
@@ -102,12 +113,13 @@ def _take_out(paths: Paths, node_name: str, state: str, reason: str, done: str) 
 
 def resume_if_ours(paths: Paths, node_name: str, fresh: bool, wait_s: float = READY_TIMEOUT_S) -> bool:
     """This node back in service where gpu-cluster took it out and it is whole again: set DOWN as lost
-    (it answers now), or drained for a spot notice when it is `fresh` (its slurmd just started: a
-    replacement; a node still waiting to be reclaimed keeps its drain). Waits for slurmd to register."""
+    (it answers now), or drained for a spot notice or as a straggler when it is `fresh` (its slurmd just
+    started: a replacement; a node still waiting to be reclaimed or powered off keeps its drain). Waits
+    for slurmd to register."""
     deadline = time.monotonic() + wait_s
     while True:
         node_state, reason = node_reasons(paths).get(node_name, ("", ""))
-        ours = reason.startswith(contract.NODE_LOST_REASON) or (fresh and reason.startswith(contract.SPOT_DRAIN_REASON))
+        ours = reason.startswith(contract.NODE_LOST_REASON) or (fresh and reason.startswith(DRAINED_TO_BE_REPLACED))
         if not ours:
             return False
         if "NOT_RESPONDING" not in node_state.upper() and not node_state.endswith("*"):

@@ -367,23 +367,37 @@ def participants(log: str):
 
 
 def _watch(spec: dict, main: subprocess.Popen, srun: str, here: str) -> int:
-    """The hang watch beside the running step, and the straggler verdict on the same polls; the step's
-    exit status."""
-    from node import hang_rule, straggler  # here only: their imports would add 50 ms to every start of this file
+    """The hang watch beside the running step, and the straggler verdict on the same polls (and, with
+    `--on-straggler replace`, the straggler's node replaced); the step's exit status."""
+    from node import straggler  # here only: its import would add to every start of this file
 
     watch = spec["watch"]
     named = straggler.Named()
+    replacing = StragglerReplacement(spec, srun, here) if watch.get("on_straggler") == "replace" else None
+    try:
+        return _watch_step(spec, main, srun, here, named, replacing)
+    finally:
+        if replacing is not None:
+            replacing.power_off()
+
+
+def _watch_step(spec: dict, main: subprocess.Popen, srun: str, here: str, named, replacing) -> int:
+    from node import hang_rule  # here only: its import would add 50 ms to every start of this file
+
+    watch = spec["watch"]
     probe = {**spec, "nodes": [{**node, "command": watch["status"][node["name"]]} for node in spec["nodes"]]}
     probe.pop("watch", None)
     overdue = watch["timeout_s"] + watch.get("overdue_grace_s", 30)
     while True:
         try:
-            main.wait(timeout=watch["poll_s"])
+            main.wait(timeout=named.next_look_s(watch["poll_s"]))  # sooner where a slow rank is due
             break
         except subprocess.TimeoutExpired:
             pass
         payloads = _ask(probe, srun, here)
-        _name_stragglers(spec, named, payloads)
+        fresh = _name_stragglers(spec, named, payloads)
+        if replacing is not None:
+            replacing.take_out(fresh)
         views = [v for payload in payloads for v in hang_rule.parse_ranks(payload)]
         found = hang_rule.find_hang(views, watch["timeout_s"], overdue) if views else None
         if found is None:
@@ -407,15 +421,60 @@ def _watch(spec: dict, main: subprocess.Popen, srun: str, here: str) -> int:
     return _status(main.wait())
 
 
-def _name_stragglers(spec: dict, named, payloads: list) -> None:
+def _name_stragglers(spec: dict, named, payloads: list) -> list:
     """Say each rank the straggler rule names (node/straggler.py), once, in the run's log, and keep them
-    beside it (`states` hands them to `fab jobs`)."""
+    beside it (`states` hands them to `fab jobs`); the ones named now."""
     fresh = named.update([record for payload in payloads for record in payload.get("ranks", [])])
     for found in fresh:
         print(f"[watch] {found.line(spec['run_id'])}", flush=True)
     if fresh:
         folder = os.path.dirname(spec["log"])
         write_private(os.path.join(folder, contract.STRAGGLER_RECORD), named.record().encode(), 0o600)
+    return fresh
+
+
+class StragglerReplacement:
+    """`--on-straggler replace`, in the batch job: a straggler's node goes the way of a reclaimed spot node.
+    Drained in Slurm (`contract.STRAGGLER_DRAIN_REASON`: no run starts there again), its ranks told to save
+    and exit (SIGUSR1, `spot_watch.py --tell-ranks`: the other ranks stop at the same step); once the step
+    has ended, the node is told to power off (`contract.power_off_marker`). The run is then requeued as a
+    notice's is (`requeue_if_preempted`: the drain is one of ours), the spot path replaces the node (the
+    local provider's supervisor, an AWS worker's Auto Scaling group), the replacement's join lifts the
+    drain, and the run starts again there and resumes from its checkpoint. The head node is not replaced:
+    it holds this job and Slurm's controller."""
+
+    def __init__(self, spec: dict, srun: str, here: str):
+        self.spec, self.srun, self.here = spec, srun, here
+        self.taken_out: list = []
+
+    def take_out(self, fresh: list) -> None:
+        head = self.spec["nodes"][0]
+        for found in fresh:
+            node = next((n for n in self.spec["nodes"] if n["name"] == found.node), None)
+            if node is None or found.node in self.taken_out:
+                continue
+            if node is head:
+                print(f"[watch] --on-straggler replace: {found.node} is the head node: not replaced", flush=True)
+                continue
+            paths = Paths(head["home"])  # the batch job's HOME is the user's, not the node's
+            said = slurm_nodes.drain_straggler(paths, node.get("slurm_name") or node["name"], found.why())
+            if said != "drained":  # not held out: its run would not be requeued, so it is left as it is
+                print(f"[watch] --on-straggler replace: {found.node} not drained ({said}): not replaced", flush=True)
+                continue
+            print(f"[watch] --on-straggler replace: {found.node} drained; its ranks save and exit", flush=True)
+            tell = {**self.spec, "nodes": [{**node, "command": self.spec["watch"]["tell_ranks"][found.node]}]}
+            tell.pop("watch", None)
+            _ask(tell, self.srun, self.here)
+            self.taken_out.append(found.node)
+
+    def power_off(self) -> None:
+        """Once the step has ended: each node taken out told to power off (the spot path replaces it)."""
+        for name in self.taken_out:
+            marker = os.path.join(self.spec["watch"]["shared_dir"], contract.power_off_marker(name))
+            os.makedirs(os.path.dirname(marker), exist_ok=True)
+            record = {"run_id": self.spec["run_id"], "reason": contract.STRAGGLER_DRAIN_REASON, "at": time.time()}
+            write_private(marker, json.dumps(record).encode(), 0o600)
+            print(f"[watch] {name} powers off: it is replaced, and the run resumes there", flush=True)
 
 
 def _status(code: int) -> int:

@@ -2,6 +2,7 @@
 
     python node/spot_watch.py [--interval-s 5] [--signal-ranks] [--preempt] [--node NAME] [--hook COMMAND]
                               [--endpoint URL] [--once]
+    python node/spot_watch.py --tell-ranks --node NAME   # SIGUSR1 to the node's ranks now, as a notice does
 
 Polls `spot/instance-action` and `events/recommendations/rebalance` every `--interval-s` with an IMDSv2
 session token (asked again before it expires, and at once when the service refuses it). The service is
@@ -14,7 +15,8 @@ their CLUSTER_RUN_ID and RANK (and CLUSTER_NODE, where several nodes share one m
 (how the scheduler stage runs it on every node, node/slurm_daemons.py) first drains this node in Slurm, its
 reason starting with `contract.SPOT_DRAIN_REASON`, then signals the ranks: the ranks save and exit, and
 the run's batch job (node/slurm_run.py) sees the drain and requeues the run. Where no service answers
-(not on EC2) it says so once and keeps looking. Standard library only.
+(not on EC2) it says so once and keeps looking. `--tell-ranks` is that signal alone, at once: what a run's
+batch job has a straggler's node do before it is replaced (`--on-straggler replace`). Standard library only.
 """
 
 import argparse
@@ -257,11 +259,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--token-ttl-s", type=int, default=DEFAULT_TOKEN_TTL_S, help="IMDSv2 token lifetime asked for")
     parser.add_argument("--once", action="store_true", help="poll once and exit")
+    parser.add_argument(
+        "--tell-ranks", action="store_true", help="SIGUSR1 to this node's ranks now (save and exit), then exit"
+    )
     args = parser.parse_args(argv)
     if args.interval_s <= 0 or not 1 <= args.token_ttl_s <= DEFAULT_TOKEN_TTL_S:
         parser.error("--interval-s must be above 0 and --token-ttl-s in 1..21600")
     client = MetadataClient(args.endpoint or endpoint_from(dict(os.environ)), args.token_ttl_s)
     watch = SpotWatch(client, args.hook, node=args.node, signal_ranks=args.signal_ranks, preempt=args.preempt)
+    if args.tell_ranks:
+        watch.preempt = True  # the ranks of the node named, where several nodes share one machine
+        watch.tell_ranks()
+        return 0
     if args.once:
         watch.check()
         return 0

@@ -7,12 +7,14 @@ of the step no collective waits in. A harness training loop times it every step 
 `compute`: [[step, seconds], ...].
 
 `find_stragglers` is the rule: a rank whose compute time stays above `RATIO` times the median of the
-other ranks' at the same step, for `STEPS` steps in a row, is a straggler. Pure: tested on records
-shaped as the monitor writes them. `Named` keeps one run's verdict across a hang watch's polls, each rank
-named once; both hang watches keep one (fab's, remote/hangwatch.py, and the Slurm batch job's,
-node/slurm_run.py), and write its `record()` as the run's `contract.STRAGGLER_RECORD`.
+other ranks' at the same step, for `STEPS` steps in a row, is a straggler, named at the step the rule is
+met. Pure: tested on records shaped as the monitor writes them. `Named` keeps one run's verdict and its
+ranks' step times across a hang watch's polls, each rank named once; both hang watches keep one (fab's,
+remote/hangwatch.py, and the Slurm batch job's, node/slurm_run.py), look again when it says a slow rank
+is due (`next_look_s`), and write its `record()` as the run's `contract.STRAGGLER_RECORD`.
 """
 
+import bisect
 import json
 import statistics
 import time
@@ -22,8 +24,21 @@ RATIO = 1.3
 """A step counts as slow for a rank above this many times the other ranks' median at that step."""
 STEPS = 20
 """Slow steps in a row that make a straggler (a one-off pause, a checkpoint or a GC, makes none)."""
-KEPT_STEPS = 40
-"""How many of its last steps' compute times the monitor writes into a rank's record."""
+TOLERATED_STEPS = 2
+"""Single steps not slow that a run of slow steps may hold without starting its count again (not counted:
+it still needs `STEPS` slow ones): where the other ranks have a hiccup of their own (a GC, a busy
+neighbour: on a shared 2-core machine a healthy rank's forward swings 10 to 120 ms), a throttled rank is
+not slower than 1.3x them for that one step. Two such steps in a row end the run."""
+KEPT_STEPS = 200
+"""How many of its last steps' compute times the monitor writes into a rank's record: more than pass
+between two of the watch's looks (every 1 to 10 s) at steps of 50 ms, so the watch misses none."""
+HISTORY_STEPS = 400
+"""How many of each rank's last steps' compute times a watch's `Named` keeps across its looks."""
+MIN_LOOK_S = 0.5
+"""The soonest a watch looks again where a rank is slow (each look is a command on every node)."""
+SUSPECT_STEPS = 5
+"""Slow steps in a row after which a watch looks again when the rank will have made `STEPS` (fewer: noise,
+which would make a healthy run's watch look every `MIN_LOOK_S`)."""
 
 
 @dataclass(frozen=True)
@@ -33,15 +48,16 @@ class Straggler:
     rank: int
     node: str
     ratio: float
-    """Its compute time over the other ranks' median, the median over the slow steps."""
+    """Its compute time over the other ranks' median, the median over the window's steps."""
     first_step: int
     last_step: int
+    slow_steps: int = STEPS
+    """The window's slow steps (fewer than its steps where it held a tolerated one)."""
 
     def why(self) -> str:
-        return (
-            f"compute {self.ratio:.1f}x the other ranks' median for {self.last_step - self.first_step + 1} "
-            f"steps in a row (steps {self.first_step}-{self.last_step})"
-        )
+        span = self.last_step - self.first_step + 1
+        steps = f"for {span} steps in a row" if span == self.slow_steps else f"in {self.slow_steps} of {span} steps"
+        return f"compute {self.ratio:.1f}x the other ranks' median {steps} (steps {self.first_step}-{self.last_step})"
 
     def as_dict(self) -> dict:
         return {
@@ -56,49 +72,145 @@ class Straggler:
         return f"STRAGGLER run={run_id}: rank {self.rank} on {self.node}: {self.why()}"
 
 
-def find_stragglers(records: list, ratio: float = RATIO, steps: int = STEPS) -> list:
-    """The stragglers among the ranks' progress records (each with `rank`, `node`, `compute`): for every
-    step that every rank has reported, each rank's compute over the median of the others'."""
+def compute_by_rank(records: list) -> dict:
+    """{rank: (node, {step: seconds})} of the ranks' progress records (each with `rank`, `node`, `compute`)."""
     by_rank = {}
     for record in records:
         compute = {int(step): float(seconds) for step, seconds in record.get("compute") or []}
         if compute:
             by_rank[int(record["rank"])] = (str(record.get("node", "")), compute)
+    return by_rank
+
+
+def find_stragglers(records: list, ratio: float = RATIO, steps: int = STEPS) -> list:
+    """The stragglers among the ranks' progress records (each with `rank`, `node`, `compute`)."""
+    return judge(compute_by_rank(records), ratio, steps)
+
+
+def judge(by_rank: dict, ratio: float = RATIO, steps: int = STEPS) -> list:
+    """The stragglers of {rank: (node, {step: seconds})}: for every step that every rank has reported, each
+    rank's compute over the median of the others'. A straggler's window is its first `steps` slow steps in a
+    row (with at most TOLERATED_STEPS single steps not slow between them): its last step is the step at
+    which the rule was met, whenever the watch looked."""
+    found = []
+    for rank, node, shares in _shares(by_rank, ratio):
+        run: list = []
+        for step, share in shares:
+            run = _extended(run, step, share, ratio)
+            slow = _slow(run, ratio)
+            if slow == steps:
+                median = statistics.median(s for _, s in run)
+                found.append(Straggler(rank, node, median, run[0][0], run[-1][0], slow))
+                break
+    return found
+
+
+def _shares(by_rank: dict, ratio: float) -> list:
+    """[(rank, node, [(step, its compute over the other ranks' median)])] over the steps every rank reported."""
     if len(by_rank) < 2:
         return []
     common = sorted(set.intersection(*(set(compute) for _, compute in by_rank.values())))
+    ordered = {step: sorted(c[step] for _, c in by_rank.values()) for step in common}
     found = []
     for rank, (node, compute) in sorted(by_rank.items()):
-        run: list = []
-        best: list = []
+        shares = []
         for step in common:
-            median = statistics.median(c[step] for r, (_, c) in by_rank.items() if r != rank)
-            share = compute[step] / median if median > 0 else 0.0
-            if share <= ratio:
-                run = []
-            elif run and run[-1][0] == step - 1:
-                run.append((step, share))
-            else:
-                run = [(step, share)]
-            if len(run) >= len(best):
-                best = list(run)
-        if len(best) >= steps:
-            found.append(Straggler(rank, node, statistics.median(s for _, s in best), best[0][0], best[-1][0]))
+            median = _median_without(ordered[step], compute[step])
+            shares.append((step, compute[step] / median if median > 0 else 0.0))
+        found.append((rank, node, shares))
+    return found
+
+
+def _median_without(ordered: list, value: float) -> float:
+    """The median of the sorted `ordered` less one occurrence of `value` (the other ranks'), without
+    building that list: a watch of 128 ranks judges 400 steps of each at every look."""
+    skip = bisect.bisect_left(ordered, value)
+    size = len(ordered) - 1
+
+    def kept(index: int) -> float:
+        return ordered[index] if index < skip else ordered[index + 1]
+
+    middle = size // 2
+    return kept(middle) if size % 2 else (kept(middle - 1) + kept(middle)) / 2
+
+
+def _extended(run: list, step: int, share: float, ratio: float) -> list:
+    """The run of slow steps in a row after `step`: a step missing between ends it, and so does a step not
+    slow, unless it follows a slow one and the run holds fewer than TOLERATED_STEPS such steps."""
+    follows = bool(run) and run[-1][0] == step - 1
+    if share > ratio:
+        return [*run, (step, share)] if follows else [(step, share)]
+    if follows and run[-1][1] > ratio and len(run) - _slow(run, ratio) < TOLERATED_STEPS:
+        return [*run, (step, share)]
+    return []
+
+
+def _slow(run: list, ratio: float) -> int:
+    return sum(1 for _, share in run if share > ratio)
+
+
+def slow_so_far(by_rank: dict, ratio: float = RATIO) -> dict:
+    """{rank: the slow steps of its run up to the last step every rank reported} of the ranks in a run."""
+    found = {}
+    for rank, _, shares in _shares(by_rank, ratio):
+        run: list = []
+        for step, share in shares:
+            run = _extended(run, step, share, ratio)
+        if run:
+            found[rank] = _slow(run, ratio)
     return found
 
 
 class Named:
-    """The ranks named slow in one run so far, each once, in the order they were named."""
+    """The ranks named slow in one run so far, each once, in the order they were named. It keeps each
+    rank's step times across a watch's polls (`HISTORY_STEPS` of them), so that the verdict counts steps:
+    a rank is named with the step at which the rule was met, however many steps pass between two polls
+    (the monitor reports its last `KEPT_STEPS`), and `next_look_s` says when a slow rank will have made
+    its `STEPS`, for the watch to look then rather than at its next regular poll."""
 
     def __init__(self) -> None:
         self.by_rank: dict[int, dict] = {}
+        self.history: dict[int, tuple[str, dict]] = {}
+        self.pace: list = []
+        """(monotonic time, the last step every rank reported) at the last two looks that saw a new step."""
 
     def update(self, records: list) -> list:
-        """The stragglers among the ranks' progress records not named before (now named)."""
-        fresh = [found for found in find_stragglers(records) if found.rank not in self.by_rank]
+        """The stragglers among the ranks' progress records, with every step seen before, not named
+        before (now named)."""
+        self._remember(compute_by_rank(records))
+        fresh = [found for found in judge(self.history) if found.rank not in self.by_rank]
+        seen = self._last_common_step()
         for found in fresh:
-            self.by_rank[found.rank] = {**found.as_dict(), "named_at": round(time.time(), 3)}
+            self.by_rank[found.rank] = {**found.as_dict(), "seen_step": seen, "named_at": round(time.time(), 3)}
         return fresh
+
+    def next_look_s(self, regular_s: float) -> float:
+        """Seconds to the next look: `regular_s`, or sooner where an unnamed rank is slow now, at about
+        the moment it will have been slow for `STEPS` steps (at most one look every `MIN_LOOK_S`)."""
+        slow = slow_so_far(self.history)
+        pending = [STEPS - run for rank, run in slow.items() if rank not in self.by_rank and run >= SUSPECT_STEPS]
+        if not pending or len(self.pace) < 2:
+            return regular_s
+        (then, first), (now, last) = self.pace
+        step_s = (now - then) / max(last - first, 1)
+        return min(regular_s, max(MIN_LOOK_S, min(pending) * step_s))
+
+    def _remember(self, seen: dict) -> None:
+        for rank, (node, compute) in seen.items():
+            _, kept = self.history.get(rank, (node, {}))
+            kept.update(compute)
+            for step in sorted(kept)[:-HISTORY_STEPS]:
+                del kept[step]
+            self.history[rank] = (node, kept)
+        last = self._last_common_step()
+        if last is not None and (not self.pace or last > self.pace[-1][1]):
+            self.pace = [*self.pace, (time.monotonic(), last)][-2:]
+
+    def _last_common_step(self):
+        if len(self.history) < 2:
+            return None
+        common = set.intersection(*(set(compute) for _, compute in self.history.values()))
+        return max(common) if common else None
 
     def record(self) -> str:
         """The run's straggler record (`contract.STRAGGLER_RECORD`): a JSON list, one object a rank."""

@@ -1,7 +1,8 @@
 """While a job runs: watch every rank's collectives, and when the job hangs, name the culprit and act.
 
 Every launch turns on torch's flight recorder and a monitor thread in each rank (node/rankhook/;
-nothing in the user's script changes). `HangWatch` asks each node every `poll_s` what its ranks are
+nothing in the user's script changes). `HangWatch` asks each node every `poll_s` (sooner where a rank is
+slow and due to be named a straggler: `straggler.Named.next_look_s`) what its ranks are
 doing (node/hang.py status, over SSH connections of its own) and applies the rule in
 node/hang_rule.py (which a Slurm-held run also applies on the cluster). On a hang it collects from
 every node the recorder dumps and the `py-spy dump` stacks of every rank, keeps them in the run folder
@@ -26,6 +27,7 @@ from remote.stream import say
 
 DEFAULT_HANG_TIMEOUT_S = 300
 ON_HANG = ("stop", "wait")
+ON_STRAGGLER = ("report", "replace")
 # Ring-buffer entries of torch's flight recorder per rank: enough for the collectives in flight plus
 # their recent history. Recording costs the same whatever the size; dumping the buffer is ~0.5 ms per
 # 1000 entries, and happens only when a rank sits in one collective for a whole monitor interval.
@@ -41,13 +43,16 @@ STOP_CHECK_S = 20  # how long a stopped job may take to end before the watch sto
 
 @dataclass(frozen=True)
 class HangPolicy:
-    """What a launch does about hangs (`--hang-timeout`, `--on-hang`)."""
+    """What a launch does about hangs and stragglers (`--hang-timeout`, `--on-hang`, `--on-straggler`)."""
 
     timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     """A rank inside a collective this long while another rank has not entered it is a hang; 0 turns
     the recorder and the watch off."""
     on_hang: str = "stop"
     """stop: end the job everywhere (exit 1); wait: leave it running for a person."""
+    on_straggler: str = "report"
+    """report: name a straggler and go on; replace: also drain its node and replace it through the spot
+    path, the run resuming from its checkpoint there (a Slurm-held run on a stack that replaces nodes)."""
 
     @property
     def enabled(self) -> bool:
@@ -157,7 +162,7 @@ class HangWatch:
         """Poll until a hang is found (returned) or the job has ended (None). A poll that fails (a node
         that does not answer, a damaged record) is simply made again: the watch itself never ends early."""
         overdue_s = self.policy.timeout_s + OVERDUE_GRACE_S
-        while not self.finished.wait(self.policy.poll_s):
+        while not self.finished.wait(self.stragglers.next_look_s(self.policy.poll_s)):
             try:
                 payloads = self._payloads(sessions, "status")
                 views = [view for payload in payloads for view in hang.parse_ranks(payload)]
@@ -233,6 +238,13 @@ def ask_command(cluster: ClusterInfo, python: str, run_id: str, action: str) -> 
     """That call as a shell command (the batch job's watch runs it on each node through srun)."""
     words = calls.command_words(hang_request(run_id, action), nodecall.version())
     return f". {node_paths.ENV_FILE} 2>/dev/null; cd && " + node_paths.node_module(cluster, python, "calls", *words)
+
+
+def tell_ranks_command(cluster: ClusterInfo, python: str, node: str) -> str:
+    """What a Slurm-held run's batch job has a straggler's node run before it is replaced (`--on-straggler
+    replace`): SIGUSR1 to that node's ranks, as a spot notice does (node/spot_watch.py)."""
+    words = node_paths.node_module(cluster, python, "spot_watch", "--tell-ranks", "--node", node)
+    return f". {node_paths.ENV_FILE} 2>/dev/null; cd && {words}"
 
 
 def keep_evidence(folder: Path, payloads: list[dict], line: str) -> Path:

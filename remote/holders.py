@@ -45,6 +45,8 @@ class RunHolder(Protocol):
     """Runs wait in a queue on the cluster (else a launch waits its turn in its own fab)."""
     why_not: str
     """Why the runs are not held on the cluster ('' where they are): said once per launch."""
+    replaces_stragglers: bool
+    """`--on-straggler replace` can be done: a straggler's node drained and replaced, the run requeued."""
 
     def launch(self, spec: JobSpec, detach: bool, timeline: Timeline | None = None) -> Ending:
         """Run `spec` (`detach`: submit only); `timeline` gets the launch's phases (one is started here
@@ -67,6 +69,7 @@ class FabHolder:
 
     detaches = False
     queues = False
+    replaces_stragglers = False  # nothing requeues a fab-held run onto a replaced node
 
     def __init__(self, cluster: ClusterInfo, setup: NodeSetup):
         self.cluster, self.setup = cluster, setup
@@ -224,6 +227,7 @@ class SlurmHolder:
     detaches = True
     queues = True
     why_not = ""
+    replaces_stragglers = True
 
     def __init__(self, cluster: ClusterInfo, setup: NodeSetup):
         self.cluster, self.setup = cluster, setup

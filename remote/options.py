@@ -254,13 +254,17 @@ def requirements_file(value: str | None) -> Requirements | None:
     return Requirements(path.resolve(), text)
 
 
-def hang_policy(timeout: str | None, on_hang: str | None):
-    """`--hang-timeout S` (seconds, 0 turns the recorder and the watch off) and `--on-hang stop|wait`."""
-    from remote.hangwatch import DEFAULT_HANG_TIMEOUT_S, ON_HANG, HangPolicy
+def hang_policy(timeout: str | None, on_hang: str | None, on_straggler: str | None = None):
+    """`--hang-timeout S` (seconds, 0 turns the recorder and the watch off), `--on-hang stop|wait` and
+    `--on-straggler report|replace` (the verdict rides on the watch: replace needs it on)."""
+    from remote.hangwatch import DEFAULT_HANG_TIMEOUT_S, ON_HANG, ON_STRAGGLER, HangPolicy
 
     seconds = DEFAULT_HANG_TIMEOUT_S if timeout is None else _seconds("--hang-timeout", timeout)
     action = "stop" if on_hang is None else choice("--on-hang", str(on_hang), ON_HANG)
-    return HangPolicy(seconds, action)
+    straggler = "report" if on_straggler is None else choice("--on-straggler", str(on_straggler), ON_STRAGGLER)
+    if straggler == "replace" and not seconds:
+        raise refuse("--on-straggler replace needs the run's watch, which --hang-timeout 0 turns off: leave one out")
+    return HangPolicy(seconds, action, straggler)
 
 
 def _seconds(flag: str, value: str) -> float:

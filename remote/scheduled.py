@@ -354,7 +354,7 @@ def launch(
     """Prepare, submit and (unless `detach`) follow one run; the run's local folder, its record (its
     timeline up to the submit), and how following ended (None when detached at once)."""
     from remote.connect import on_all_nodes
-    from remote.hangwatch import OVERDUE_GRACE_S, ask_command
+    from remote.hangwatch import OVERDUE_GRACE_S, ask_command, tell_ranks_command
     from remote.launch import job_script, node_command, open_launch, owning, prepare, send_env_values, upload_script
 
     timeline = timeline or Timeline(time.time(), clock=time.monotonic())
@@ -398,6 +398,11 @@ def launch(
                 "timeout_s": spec.hang.timeout_s,
                 "poll_s": spec.hang.poll_s,
                 "on_hang": spec.hang.on_hang,
+                "on_straggler": spec.hang.on_straggler,
+                "shared_dir": cluster.shared_dir,  # where a straggler's power-off marker goes (replace)
+                "tell_ranks": {
+                    n.name: tell_ranks_command(cluster, setup.python[n.name], n.name) for n in cluster.nodes
+                },
                 "overdue_grace_s": OVERDUE_GRACE_S,
                 **{
                     action: {n.name: ask_command(cluster, setup.python[n.name], run_id, action) for n in cluster.nodes}

@@ -48,6 +48,9 @@ HANG_HELP = {
     "job counts as hung (default 300; 0 turns the flight recorder and hang detection off)",
     "on-hang": "stop (default): name the culprit, keep the evidence and stop the job; wait: name it and leave "
     "the job running for you",
+    "on-straggler": "report (default): name a rank slower than the others and go on; replace: also drain its "
+    "node, replace it through the spot path and resume the run from its checkpoint there (Slurm-held runs, "
+    "stacks started with --spot)",
 }
 REPLICAS_HELP = (
     "run as N torchft replica groups (N >= 2, at most the node count; one group per node when N is the "
@@ -131,6 +134,11 @@ def start_job(stack: str | None, spec: JobSpec, detach: bool = False, preflight:
     if problem:
         raise Exit(f"error: {problem}", code=2)
     setup = setup_for(cluster)
+    holder = holders.holder_for(cluster, setup)
+    if spec.hang.on_straggler == "replace":
+        replace_problem = straggler_replace_problem(cluster, holder)
+        if replace_problem:
+            raise Exit(f"error: {replace_problem}", code=2)
     if preflight == "run":
         run_preflight(cluster, setup)
     elif preflight == "gate" and fitness.recorded_critical(cluster):
@@ -141,7 +149,21 @@ def start_job(stack: str | None, spec: JobSpec, detach: bool = False, preflight:
             run_preflight(cluster, setup, shown=False)
     if preflight != "skip":
         fitness.gate(cluster)
-    report(cluster, holders.holder_for(cluster, setup).launch(spec, detach, timeline))
+    report(cluster, holder.launch(spec, detach, timeline))
+
+
+def straggler_replace_problem(cluster: ClusterInfo, holder: holders.RunHolder) -> str:
+    """Why `--on-straggler replace` cannot be done on this cluster ('' where it can): the run must be held
+    by Slurm (its requeue resumes the run) and the stack must replace a node that goes (the spot path)."""
+    if not holder.replaces_stragglers:
+        return (
+            "--on-straggler replace needs a run held by Slurm (its requeue resumes the run on the replacement); "
+            f"this cluster's runs are held by fab ({holder.why_not or 'fab bootstrap --scheduler slurm'})"
+        )
+    from infra import providers  # boto3 loads only where asked
+
+    why = providers.for_cluster(cluster).replacement_problem(cluster)
+    return f"--on-straggler replace needs a stack whose nodes are replaced when they go: {why}" if why else ""
 
 
 def preflight_mode(preflight: bool, skip_preflight: bool) -> str:
@@ -249,6 +271,7 @@ def example_task(example: ExampleTask):
         nproc_per_node=None,
         hang_timeout=None,
         on_hang=None,
+        on_straggler=None,
         replicas=None,
         detach=False,
         preflight=False,
@@ -270,7 +293,7 @@ def example_task(example: ExampleTask):
                 options.script_arguments(args),
                 restarts(max_restarts),
                 nproc_per_node=processes(nproc_per_node),
-                **fault_tolerance(replicas, hang_timeout, on_hang),
+                **fault_tolerance(replicas, hang_timeout, on_hang, on_straggler),
             ),
             detach=bool(detach),
             preflight=mode,
@@ -330,6 +353,7 @@ def run(
     nproc_per_node=None,
     hang_timeout=None,
     on_hang=None,
+    on_straggler=None,
     replicas=None,
     detach=False,
     preflight=False,
@@ -341,7 +365,7 @@ def run(
         args=options.script_arguments(args),
         max_restarts=restarts(max_restarts),
         nproc_per_node=processes(nproc_per_node),
-        **fault_tolerance(replicas, hang_timeout, on_hang),
+        **fault_tolerance(replicas, hang_timeout, on_hang, on_straggler),
     )
     launch_options["env"] = options.environment(env or [], env_file)
     mode = preflight_mode(bool(preflight), bool(skip_preflight))
@@ -368,15 +392,17 @@ def run_spec(script, folder, requirements, max_sync_mb, max_result_mb, launch_op
     return JobSpec("run", relative, workdir=project, **common)
 
 
-def fault_tolerance(replicas: str | None, hang_timeout: str | None, on_hang: str | None) -> dict:
+def fault_tolerance(
+    replicas: str | None, hang_timeout: str | None, on_hang: str | None, on_straggler: str | None = None
+) -> dict:
     """`--replicas` and the hang watch, as JobSpec fields. A fault-tolerant run has no hang watch: a group
     that stops answering is torchft's to drop (its heartbeat timeout), and a watch would stop every group."""
     if replicas is None:
-        return {"hang": options.hang_policy(hang_timeout, on_hang)}
-    if hang_timeout is not None or on_hang is not None:
+        return {"hang": options.hang_policy(hang_timeout, on_hang, on_straggler)}
+    if hang_timeout is not None or on_hang is not None or on_straggler is not None:
         raise options.refuse(
             "--replicas runs without the hang watch (torchft drops a group that stops answering): "
-            "leave out --hang-timeout and --on-hang"
+            "leave out --hang-timeout, --on-hang and --on-straggler"
         )
     count = options.integer("--replicas", replicas, 0, minimum=2)  # at most the node count: checked at launch
     return {"replicas": count, "hang": options.hang_policy("0", None)}

@@ -517,6 +517,11 @@ class AwsProvider(Provider):
     def bookkeeping(self, request: UpRequest) -> tuple[StackConfig | None, float | None]:
         return stack_config.load_stack(request.stack, request.overrides), None
 
+    def replacement_problem(self, cluster: ClusterInfo) -> str:
+        if cluster.nodes_move:
+            return ""  # spot workers: each one's Auto Scaling group replaces it (cloud-init's guard powers it off)
+        return f"stack {cluster.stack!r} runs on-demand nodes, which nothing replaces (spot: true in its config)"
+
     def spot_drill(
         self, cluster: ClusterInfo, node: str, notice_s: float, say, fis_role: str | None = None, yes: bool = False
     ) -> None:

@@ -129,6 +129,11 @@ class Provider:
         addresses, their host keys pinned); the cluster as it is now."""
         return cluster
 
+    def replacement_problem(self, cluster: ClusterInfo) -> str:
+        """Why a node of this cluster that goes (reclaimed, dead, powered off) is not replaced by a new one
+        that rejoins by itself ('' where it is): `--on-straggler replace` needs that spot path."""
+        return f"{self.what} replaces no node"
+
     def spot_drill(
         self, cluster: ClusterInfo, node: str, notice_s: float, say, fis_role: str | None = None, yes: bool = False
     ) -> None:

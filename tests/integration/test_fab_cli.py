@@ -1,5 +1,7 @@
 """`fab` refuses bad input as one `error:` line with exit 2, before it touches anything (no cluster needed)."""
 
+import json
+
 import pytest
 
 from tests.support.cli import assert_one_line_error, run_fab
@@ -30,6 +32,16 @@ from tests.support.inventories import files_under, unreachable_stack
         (["run-ddp", "--hang-timeout", "soon"], ["--hang-timeout", "seconds >= 0", "'soon'"]),
         (["hello", "--hang-timeout", "-3"], ["--hang-timeout", "'-3'"]),
         (["hello", "--on-hang", "panic"], ["--on-hang", "stop or wait", "'panic'"]),
+        (["run-ddp", "--on-straggler", "evict"], ["--on-straggler", "report or replace", "'evict'"]),
+        (
+            ["run-ddp", "--on-straggler", "replace", "--hang-timeout", "0"],
+            ["--on-straggler replace", "--hang-timeout 0"],
+        ),
+        (
+            ["run", "--script", "examples/ft_training.py", "--replicas", "2", "--on-straggler", "replace"],
+            ["--replicas", "--on-straggler"],
+        ),
+        (["run-ddp", "--on-straggler", "replace"], ["--on-straggler replace needs a run held by Slurm"]),
         (["run-ddp", "--preflight", "--skip-preflight"], ["--preflight", "--skip-preflight", "give one"]),
         (["run", "--script", "x.py", "--env"], ["--env needs a value"]),
         (["run", "--script", "x.py", "--env", "A=1", "--env"], ["--env needs a value"]),
@@ -57,6 +69,20 @@ def test_bad_input_is_one_line_and_exit_2_and_creates_nothing(state_dir, argv, w
     unreachable_stack(state_dir)
     before = files_under(state_dir)
     assert_one_line_error(run_fab(*argv), *words)
+    assert files_under(state_dir) == before
+
+
+def test_on_straggler_replace_on_a_stack_that_replaces_no_node_is_refused(state_dir):
+    unreachable_stack(state_dir)  # a local stack started without --spot, its runs held by Slurm
+    record = state_dir / "local" / "bootstrap.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "scheduler": "slurm"}))
+    before = files_under(state_dir)
+    assert_one_line_error(
+        run_fab("run-ddp", "--on-straggler", "replace"),
+        "--on-straggler replace needs a stack whose nodes are replaced",
+        "without --spot",
+        "up --local --spot",
+    )
     assert files_under(state_dir) == before
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from node import contract, procfs
-from tests.support import slurm
+from tests.support import slurm, throttle
 from tests.support.clusters import bootstrapped_cluster, node_server_processes
 from tests.support.packages import tiny_wheel
 
@@ -29,6 +29,7 @@ CHECKPOINT_EVERY = 200
 RESUMED = re.compile(r"\[node-0\] resuming from step (\d+) \(.*; restart (\d+)\)")
 PREEMPTED = re.compile(r"\[node-0\] preempted \(SIGUSR1\) at step (\d+): checkpoint at step \1 saved")
 STEP = re.compile(r"^\[node-0\]\s+(\d+)\s+\d", re.M)
+STRAGGLER = re.compile(r"^\[watch\] STRAGGLER run=\S+: rank 1 on node-1: compute ", re.M)
 PROJECT_STEPS = 200
 PROJECT_TRAIN = """\
 import json, os, sys, time
@@ -281,6 +282,43 @@ def test_a_replica_group_whose_node_dies_starts_again_on_its_replacement_and_hea
     assert [(e["node"], e["kind"]) for e in lost] == [("node-1", "node lost")], lost
     ends = datetime.fromisoformat(lost[0]["at"]).timestamp() + lost[0]["seconds"]
     assert ends >= healed[0]["time"] - 1, (lost[0], healed[0])
+
+
+@pytest.mark.timeout(420)  # a requeue and a replacement, on a machine that may be busy
+def test_a_straggler_with_on_straggler_replace_is_drained_replaced_and_the_run_resumes_there(cluster):
+    # node-1 throttled (its processes in a CPU cgroup with a tenth of a core) once run-ddp trains: the run's
+    # batch job names rank 1, drains node-1 and has its ranks save and exit (a spot notice's SIGUSR1), the
+    # run is requeued, node-1 powers itself off and the spot path replaces it (a fresh node, unthrottled),
+    # and the run resumes at the saved step there and completes.
+    why = throttle.unavailable()
+    if why:
+        pytest.skip(f"a node cannot be throttled here: {why}")
+    earlier = len(events_of(cluster))
+    args = "--steps 150 --batch-size 1024 --log-every 10 --checkpoint-every 1000"
+    submitted = cluster.fab(
+        "run-ddp", "--on-straggler", "replace", "--hang-timeout", "20", "--skip-preflight", "--args", args, "--detach"
+    )
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    run_id = submitted.stdout.strip().splitlines()[-1]
+    wait_for_log(cluster, run_id, STEP)
+    with throttle.throttled(cluster.state_dir / cluster.stack / "nodes" / "node-1", 10):
+        wait_for_log(cluster, run_id, STRAGGLER)
+        saved = int(wait_for_log(cluster, run_id, PREEMPTED).group(1))
+    resumed = wait_for_log(cluster, run_id, RESUMED)
+    assert (int(resumed.group(1)), resumed.group(2)) == (saved, "1"), resumed.group(0)
+    row: dict = {}
+
+    def ended() -> bool:
+        row.update(job(cluster, run_id))
+        return row["state"] not in ("PENDING", "RUNNING", "PREEMPTED")
+
+    slurm.wait_for(ended, "the run's end", lambda: json.dumps(row), deadline_s=300)
+    log = log_of(cluster, run_id)
+    assert (row["state"], row["exit_code"], row["requeues"]) == ("COMPLETED", 0, 1), (row, log[-4000:])
+    assert [(s["rank"], s["node"]) for s in row["stragglers"]] == [(1, "node-1")], row
+    assert "[watch] --on-straggler replace: node-1 drained" in log, log[-3000:]
+    assert "[cluster] node-1: straggler: compute " in log, log[-3000:]  # requeued for it
+    assert events_of(cluster)[earlier:] == [("node-1", "straggler")]
 
 
 @pytest.mark.timeout(600)  # three interruptions and their replacements, on a machine that may be busy

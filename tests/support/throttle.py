@@ -7,6 +7,7 @@ milliseconds is slowed evenly, not in bursts.
 """
 
 import os
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -49,9 +50,21 @@ def throttled(home: Path, percent: int):
             _move(pid, group)
         yield pids
     finally:
-        for left in (group / "cgroup.procs").read_text().split():
-            _move(int(left), CPU_CGROUP)
-        group.rmdir()
+        _empty_and_remove(group)
+
+
+def _empty_and_remove(group: Path) -> None:
+    """Move out what is left and remove the group. Again while it is busy: a process the node forked
+    while the others were moved out stays in, and one still exiting keeps it busy for a moment."""
+    for _ in range(100):
+        for pid in (group / "cgroup.procs").read_text().split():
+            _move(int(pid), CPU_CGROUP)
+        try:
+            group.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
+    group.rmdir()
 
 
 def _move(pid: int, group: Path) -> None:

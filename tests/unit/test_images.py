@@ -192,3 +192,32 @@ def test_a_node_from_an_image_lets_in_only_this_clusters_key(tmp_path):
     subprocess.run(["bash", "-c", script], check=True, env={"PATH": f"{shims}:/usr/bin:/bin"})
     keys = home / ".ssh" / "authorized_keys"
     assert keys.read_text() == "ssh-ed25519 AAAAnew this-stack\n" and keys.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_spot_worker_powers_off_on_its_marker_written_since_it_booted_and_only_then(tmp_path):
+    """The guard's check (`--on-straggler replace`): a marker from before this boot is its predecessor's."""
+    import os
+    import subprocess
+
+    from infra import cloud_init
+    from node import contract
+
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    for name in ("systemctl", "logger"):
+        (shims / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {tmp_path}/called\n')
+        (shims / name).chmod(0o755)
+    check = cloud_init.own_power_off("node-1").replace(cloud_init.SHARED_DIR, str(tmp_path))
+    marker = tmp_path / contract.power_off_marker("node-1")
+    marker.parent.mkdir(parents=True)
+    env = {"PATH": f"{shims}:/usr/bin:/bin"}
+    subprocess.run(["bash", "-c", check], check=True, env=env)  # no marker
+    marker.write_text('{"reason": "straggler"}')
+    os.utime(marker, (0, 0))  # written before this machine booted
+    subprocess.run(["bash", "-c", check], check=True, env=env)
+    assert not (tmp_path / "called").exists()
+    marker.write_text('{"reason": "straggler"}')
+    subprocess.run(["bash", "-c", check], check=True, env=env)
+    assert (tmp_path / "called").read_text().splitlines()[-1] == "systemctl poweroff"
+    assert contract.POWER_OFF_DIR not in user_data("fs-1.efs", node="node-0")  # the head: never
+    assert check.replace(str(tmp_path), cloud_init.SHARED_DIR) in user_data("fs-1.efs", node="node-1")

@@ -220,6 +220,7 @@ class Node:
         self.home = Path(config.home)
         self.processes = ProcessTable(self.home, config.token)
         self.stopping = asyncio.Event()
+        self.started_at = time.time()
         self.metadata_endpoint = f"http://{config.address}:{config.metadata_port}" if config.metadata_port else ""
 
     def session_env(self, process: asyncssh.SSHServerProcess) -> dict[str, str]:
@@ -326,12 +327,18 @@ class Node:
                 task.cancel()
 
     async def guard(self) -> None:
-        """Power off when the watchdog's stop marker appears, as an AWS node's guard timer does, or when
-        the spot notice's time has passed, as EC2 reclaims a spot instance."""
+        """Power off when the watchdog's stop marker appears, as an AWS node's guard timer does, or this
+        node's power-off marker, written since it started (`--on-straggler replace`), or when the spot
+        notice's time has passed, as EC2 reclaims a spot instance."""
         marker = Path(self.config.shared_dir) / contract.STOP_MARKER
+        mine = Path(self.config.shared_dir) / contract.power_off_marker(self.config.name)
         while not self.stopping.is_set():
             if marker.exists():
                 log.warning("stop marker %s found: powering off", marker)
+                self.stopping.set()
+                return
+            if _written_since(mine, self.started_at):
+                log.warning("power-off marker %s found: powering off", mine)
                 self.stopping.set()
                 return
             if self.config.notice_file and metadata.reclaim_due(Path(self.config.notice_file)):
@@ -342,6 +349,13 @@ class Node:
                 await asyncio.wait_for(self.stopping.wait(), GUARD_POLL_S)
             except asyncio.TimeoutError:
                 pass
+
+
+def _written_since(path: Path, started_at: float) -> bool:
+    try:
+        return path.stat().st_mtime >= started_at
+    except OSError:
+        return False
 
 
 async def _copy_stream(reader: asyncio.StreamReader | None, writer) -> None:

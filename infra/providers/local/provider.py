@@ -738,6 +738,11 @@ class LocalProvider(Provider):
     def interrupted_stacks(self) -> list[str]:
         return stacks_without_inventory()
 
+    def replacement_problem(self, cluster: ClusterInfo) -> str:
+        if supervised(cluster.stack):
+            return ""  # the supervisor replaces a node whose server is gone
+        return f"stack {cluster.stack!r} was started without --spot, so nothing replaces a node (up --local --spot)"
+
     def spot_drill(
         self, cluster: ClusterInfo, node: str, notice_s: float, say, fis_role: str | None = None, yes: bool = False
     ) -> None:

@@ -9,7 +9,9 @@ ends it before the nodes. Every `POLL_S` it looks at each node server. When the 
 
 1. tells Slurm the node is lost (DOWN, reason `contract.NODE_LOST_REASON`) unless a notice drained it
    already: a run still on it is requeued (node/slurm_run.py, JobRequeue), as slurmctld would do itself
-   after SlurmdTimeout on a real cluster (where Slurm holds the runs; a fab-held run sees it by itself);
+   after SlurmdTimeout on a real cluster (where Slurm holds the runs; a fab-held run sees it by itself; a
+   node that powered itself off as a straggler, `--on-straggler replace`, left its run requeued already:
+   its ledger event is `straggler`);
 2. ends what the dead node left running (its scheduler daemons, job processes), as a power cut would;
 3. starts a fresh node: an empty home, a new host key (pinned in the stack's known_hosts in place of the
    old one), a new token and metadata service, no notice;
@@ -112,6 +114,7 @@ def fresh_node(stack: str, cluster: ClusterInfo, index: int) -> None:
     home = provider.node_dir(stack, index)
     shutil.rmtree(home, ignore_errors=True)
     provider.notice_path(stack, node.name).unlink(missing_ok=True)
+    power_off_marker(stack, node.name).unlink(missing_ok=True)
     client_key = Path(cluster.ssh_key)
     config, host_public = provider._prepare_node(stack, index, node.public_ip, node.ssh_port, client_key, node.ssh_user)
     known_hosts = Path(cluster.known_hosts)
@@ -122,6 +125,11 @@ def fresh_node(stack: str, cluster: ClusterInfo, index: int) -> None:
     process = provider._spawn(config)
     provider._wait_for_pid_files([config], [process])
     ssh.wait_for_ssh(dataclasses.replace(cluster, nodes=(node,)), provider.READY_TIMEOUT_S)
+
+
+def power_off_marker(stack: str, node: str) -> Path:
+    """Where a run's batch job told `node` to power off as a straggler (`--on-straggler replace`)."""
+    return provider.shared_dir(stack) / contract.power_off_marker(node)
 
 
 def bootstrap(stack: str) -> tuple[bool, str]:
@@ -180,7 +188,9 @@ def replace(stack: str, cluster: ClusterInfo, dead: list[tuple[int, NodeInfo]]) 
     names = ", ".join(node.name for _, node in dead)
     started = time.time()
     reclaimed = [node.name for _, node in dead if provider.notice_path(stack, node.name).exists()]
-    log(stack, f"{names}: gone ({'reclaimed after a spot notice' if reclaimed else 'no notice'}); replacing")
+    stragglers = [node.name for _, node in dead if power_off_marker(stack, node.name).exists()]
+    why = "reclaimed after a spot notice" if reclaimed else "powered off as a straggler" if stragglers else "no notice"
+    log(stack, f"{names}: gone ({why}); replacing")
     mark_lost(cluster, [node for _, node in dead])
     for index, _ in dead:
         provider.end_node_leftovers(provider.node_dir(stack, index))
@@ -197,7 +207,13 @@ def replace(stack: str, cluster: ClusterInfo, dead: list[tuple[int, NodeInfo]]) 
     ledger = Ledger()
     try:
         for _, node in dead:
-            kind = "spot interruption" if node.name in reclaimed else "node lost"
+            kind = (
+                "spot interruption"
+                if node.name in reclaimed
+                else "straggler"
+                if node.name in stragglers
+                else "node lost"
+            )
             detail = f"replaced; rejoined in {took:.0f} s" if passed else f"replaced; did not rejoin ({last})"
             ledger.event(stack, kind, node.name, detail, at=started, seconds=took)
     finally:
