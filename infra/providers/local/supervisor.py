@@ -176,7 +176,8 @@ def replace(
     started = time.time()
     reclaimed = [node.name for _, node in dead if provider.notice_path(stack, node.name).exists()]
     log(stack, f"{names}: gone ({'reclaimed after a spot notice' if reclaimed else 'no notice'}); replacing")
-    mark_lost(cluster, [node for _, node in dead])
+    if cluster.head not in (unjoined or []):  # a head replaced but not bootstrapped runs no controller to tell
+        mark_lost(cluster, [node for _, node in dead])
     for index, _ in dead:
         provider.end_node_leftovers(provider.node_dir(stack, index))
     for index, node in dead:
