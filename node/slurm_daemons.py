@@ -109,6 +109,15 @@ def running_daemon(paths: Paths, name: str) -> int | None:
     return pid if os.path.basename(argv[0]).startswith(name) else None
 
 
+def gone(paths: Paths) -> list:
+    """The daemons a client on this node needs (munged; slurmctld where this node runs it) that were started
+    here and are not running now, stopped by no one (killed, crashed): `stop` removes a pid file, so a pid
+    file whose daemon is gone says so at once, where Slurm's clients would wait MessageTimeout to fail."""
+    return [
+        name for name in ("munged", "slurmctld") if os.path.exists(paths.pid(name)) and not running_daemon(paths, name)
+    ]
+
+
 def write_private(path: str, data: bytes, mode: int) -> None:
     """Replace `path` with `data` at `mode` (a 0400 key cannot be opened for writing again)."""
     temporary = f"{path}.new"

@@ -42,7 +42,7 @@ if not __package__:  # run as a file (`python node/X.py`): import its siblings f
 
 from node import contract, slurm_existing, slurm_nodes  # noqa: E402
 from node.slurm_conf import DaemonError, Paths, UsageError  # noqa: E402
-from node.slurm_daemons import program, write_private  # noqa: E402
+from node.slurm_daemons import gone, program, write_private  # noqa: E402
 
 TERMINATE_GRACE_S = 5.0
 FOLLOW_POLL_S = 0.1
@@ -560,7 +560,10 @@ def submit(spec: dict) -> str:
     with open(script, "w") as f:
         f.write(batch_script(spec, program("srun"), os.path.abspath(__file__)))
     os.chmod(script, 0o700)
+    down = gone(paths)
     try:
+        if down:  # sbatch would wait MessageTimeout to fail
+            raise DaemonError(f"{' and '.join(down)} on the head node is not running (killed or crashed)")
         result = subprocess.run(
             sbatch_argv(spec, program("sbatch"), script, slurm_existing.existing(paths)),
             env=batch_environment(paths),
@@ -571,6 +574,8 @@ def submit(spec: dict) -> str:
         why = "" if result.returncode == 0 else " ".join(result.stderr.split()[-40:]) or f"exit {result.returncode}"
     except subprocess.TimeoutExpired:
         why = f"no answer in {SUBMIT_TIMEOUT_S:g} s (slurmctld or munged down on the head node?)"
+    except DaemonError as exc:
+        why = str(exc)
     if why:  # the run's folder (its script, its stage) would be an orphan no `fab jobs` lists
         shutil.rmtree(folder, ignore_errors=True)
         fix = (
@@ -591,9 +596,17 @@ after MessageTimeout (5 s on one machine) rather than outlasting our own timeout
 
 
 def _client(argv: list) -> subprocess.CompletedProcess:
-    """One of Slurm's clients; DaemonError, one line, where the controller does not answer in time."""
+    """One of Slurm's clients; DaemonError, one line, where the controller does not answer in time (at once
+    where this node's munged or slurmctld is known to be gone)."""
+    paths = Paths(os.path.expanduser("~"))
+    down = gone(paths)
+    if down:
+        raise DaemonError(
+            f"Slurm's controller cannot answer {argv[0]}: {' and '.join(down)} on the head node is not running "
+            "(killed or crashed): fab bootstrap restarts them"
+        )
     try:
-        result = slurm_existing.client(slurm_existing.client_environment(Paths(os.path.expanduser("~"))), *argv)
+        result = slurm_existing.client(slurm_existing.client_environment(paths), *argv)
     except subprocess.TimeoutExpired:
         raise DaemonError(
             f"Slurm's controller did not answer {argv[0]} in {slurm_existing.CLIENT_TIMEOUT_S:g} s "

@@ -40,17 +40,19 @@ def pytest_collection_modifyitems(config, items):
 LONGEST_FIRST = [
     f"tests.integration.{name}"
     for name in (
-        "test_spot_recovery",
-        "test_scheduled_runs",
         "test_remote",
+        "test_scheduled_runs",
+        "test_fitness",
+        "test_spot_recovery",
         "test_hang",
-        "test_existing_slurm",
         "test_dashboard",
+        "test_existing_slurm",
         "test_spot_drill",
         "test_workdir",
     )
 ]
-"""By their time in a whole run (pytest --durations), longest first."""
+"""The modules that run whole on one worker (a shared cluster), by their time alone (pytest --durations=0
+of the module, 2026-11-26, on a busy 2-core machine: 484, 375, 224, 204, 170, 118 s ...), longest first."""
 
 
 def _uses_a_shared_fixture(item) -> bool:

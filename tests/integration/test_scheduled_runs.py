@@ -9,11 +9,11 @@ import os
 import shlex
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
+from node import contract
 from node.slurm_conf import Paths
 from tests.support import slurm, throttle
 from tests.support.cli import assert_one_line_error
@@ -402,7 +402,10 @@ def test_a_dead_controller_or_munged_is_one_line_and_bootstrap_brings_slurm_back
     assert waits in ("its nodes, busy with another job", "jobs ahead of it in the queue"), waits
     shared_runs = cluster.state_dir / cluster.stack / "shared" / "runs"
     folders = set(os.listdir(shared_runs))
-    time.sleep(5)  # slurmctld saves its queue a moment after a submit: what it had not saved, a kill loses
+    # slurmctld saves its queue a moment after a submit (what it had not saved, a kill loses): until the run
+    # (its job name) is in the saved job state
+    saved = Path(cluster.info["shared_dir"]) / contract.SCHEDULER_STATE / "job_state"
+    slurm.wait_for(lambda: saved.exists() and run_id.encode() in saved.read_bytes(), "the run in the saved queue")
     _kill_daemon(cluster, "node-0", "slurmctld")
     try:
         for args in (("jobs",), ("stop", "--run", run_id), ("logs", "-f", "--run", run_id)):

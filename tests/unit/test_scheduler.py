@@ -4,6 +4,7 @@ gres.conf, the socket folder, the programs a node needs, a Slurm the hosts alrea
 import base64
 import json
 import os
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -485,3 +486,21 @@ def test_a_fault_tolerant_run_completed_where_a_groups_every_node_last_exited_0(
     with log.open("a") as f:
         f.write(f"[node-1] {contract.EXIT_MARKER} 0 3.0\n")  # its group, started again, trained to the end
     assert slurm_run.survived(spec)
+
+
+def test_a_daemon_killed_on_the_head_node_fails_a_client_at_once_and_one_stopped_or_never_ours_does_not(
+    tmp_path, monkeypatch
+):
+    """A pid file left by a daemon that is gone (killed: `stop` removes the file) answers a client at once,
+    where Slurm's would wait MessageTimeout; no pid file (stopped, a worker's slurmctld, an existing Slurm) asks."""
+    paths = slurm_conf.Paths(str(tmp_path))
+    os.makedirs(os.path.dirname(paths.pid("munged")), exist_ok=True)
+    assert slurm_daemons.gone(paths) == []
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    slurm_daemons.write_private(paths.pid("slurmctld"), f"{ended.pid}\n".encode(), 0o600)
+    assert slurm_daemons.gone(paths) == ["slurmctld"]
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(slurm_existing, "client", lambda *args: pytest.fail("Slurm's client was run"))
+    with pytest.raises(slurm_conf.DaemonError, match="controller cannot answer scontrol: slurmctld on the head node"):
+        slurm_run.job_state("12")

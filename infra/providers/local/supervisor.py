@@ -23,7 +23,9 @@ ends it before the nodes. Every `POLL_S` it looks at each node server. When the 
 
 What it does is one line each in the stack's `supervisor.log`, and an event in the ledger (`deploy.py
 cost` lists interruptions and replacements). A replacement that fails to bootstrap is marked so in Slurm
-(the run waits, PENDING, with that reason) and tried again every `RETRY_S`.
+(the run waits, PENDING, with that reason) and tried again every `RETRY_S`, or at once with the next node
+found gone: a head node whose bootstrap failed because a worker went during it is bootstrapped again with
+the worker's replacement.
 """
 
 import asyncio
@@ -183,24 +185,32 @@ def rejoin(stack: str, cluster: ClusterInfo, nodes: list[NodeInfo]) -> tuple[boo
     return bootstrap(stack)
 
 
-def replace(stack: str, cluster: ClusterInfo, dead: list[tuple[int, NodeInfo]]) -> bool:
-    """Replace every dead node, then bootstrap the cluster once; whether all of it worked."""
+def replace(
+    stack: str, cluster: ClusterInfo, dead: list[tuple[int, NodeInfo]], unjoined: list[NodeInfo] | None = None
+) -> bool:
+    """Replace every dead node, then bring them in with the nodes replaced before that have not rejoined yet
+    (`unjoined`: a head node whose bootstrap failed because a worker went during it is bootstrapped again
+    with that worker's replacement, not left out while the worker tries to join a controller that never
+    started); whether all of it worked."""
     names = ", ".join(node.name for _, node in dead)
     started = time.time()
     reclaimed = [node.name for _, node in dead if provider.notice_path(stack, node.name).exists()]
     stragglers = [node.name for _, node in dead if power_off_marker(stack, node.name).exists()]
     why = "reclaimed after a spot notice" if reclaimed else "powered off as a straggler" if stragglers else "no notice"
     log(stack, f"{names}: gone ({why}); replacing")
-    mark_lost(cluster, [node for _, node in dead])
+    if cluster.head not in (unjoined or []):  # a head replaced but not bootstrapped runs no controller to tell
+        mark_lost(cluster, [node for _, node in dead])
     for index, _ in dead:
         provider.end_node_leftovers(provider.node_dir(stack, index))
     for index, node in dead:
         fresh_node(stack, cluster, index)
         log(stack, f"{node.name}: a fresh node is up on {node.public_ip}:{node.ssh_port}, its new host key pinned")
     if state.stack_file(stack, state.BOOTSTRAP).exists():
-        passed, last = rejoin(stack, cluster, [node for _, node in dead])
-        if passed and cluster.head in [node for _, node in dead]:
-            forget_stale_jobs(cluster, [node for _, node in dead])
+        replaced = [node for _, node in dead]
+        brought_in = replaced + [node for node in unjoined or [] if node not in replaced]
+        passed, last = rejoin(stack, cluster, brought_in)
+        if passed and cluster.head in brought_in:
+            forget_stale_jobs(cluster, brought_in)
     else:  # never bootstrapped: the fresh node is as the others are
         passed, last = True, "not bootstrapped before: fab bootstrap prepares it"
     took = time.time() - started
@@ -241,8 +251,12 @@ def run(stack: str) -> int:
             if powered_off(stack) or not state.stack_file(stack, PID_FILE).exists():
                 continue
             dead = dead_nodes(stack, cluster)
-            if dead and not replace(stack, cluster, dead):
-                unjoined, retry_at = [node for _, node in dead], time.monotonic() + RETRY_S
+            if dead and not replace(stack, cluster, dead, unjoined):
+                gone = [node for _, node in dead]
+                unjoined = [*gone, *(node for node in unjoined if node not in gone)]
+                retry_at = time.monotonic() + RETRY_S
+            elif dead:
+                unjoined = []  # brought in with the dead
         elif unjoined and time.monotonic() >= retry_at:
             names = ", ".join(node.name for node in unjoined)
             passed, last = rejoin(stack, cluster, unjoined)
