@@ -816,15 +816,15 @@ def waiting_line(found: dict) -> str:
 
 def follow(log: str, job_id: str, offset: int = 0) -> int:
     """Copy the log from `offset` as it grows, until the job has ended and all of it is copied (the batch
-    job's end record, its last act, or Slurm's final state where the job ended without one: a requeue, a
-    cancel before it started); then the end marker: `END_MARKER STATE EXIT_CODE LOG_BYTES`, Slurm's state
-    and code where Slurm has them already, else the end record's (the log only
+    job's end record, its last act, unless Slurm requeued the job since; or Slurm's final state where the
+    job ended without one: a cancel before it started); then the end marker: `END_MARKER STATE EXIT_CODE
+    LOG_BYTES`, Slurm's state and code where Slurm has them already, else the end record's (the log only
     shows what it can: one that cannot be read is not the run's end). On stderr, never in the log's copy:
     while the run waits, a `[cluster]` line says for what, each time that changes; where Slurm does not
     answer, FOLLOW_FAILED_MARKER WHY, and exit 1. Stopping it (a closed connection) stops only it."""
     out, notes = sys.stdout.buffer, sys.stderr
     position, checked, final, said, unreadable = offset, 0.0, None, "", ""
-    end_record = os.path.join(os.path.dirname(log), contract.END_RECORD)
+    end_record, earlier = os.path.join(os.path.dirname(log), contract.END_RECORD), None
     while True:
         try:
             with open(log, "rb") as f:
@@ -845,13 +845,21 @@ def follow(log: str, job_id: str, offset: int = 0) -> int:
         if final is not None:
             break
         recorded = ended_state(log) if os.path.exists(end_record) else None
-        if recorded is not None:  # the batch job's last act: all of the log is written; Slurm's word wins
-            try:  # where it has one already (a TIMEOUT), else the record's: no waiting for Slurm's books
+        if recorded is not None and (recorded["ended_at"], recorded["requeues"]) != earlier:
+            # The batch job's last act: all of the log is written. Slurm's word wins where it has one already
+            # (a TIMEOUT); a job Slurm still shows running in the same start has ended all the same (its
+            # books lag); a job Slurm requeued (a node failed: the record is that start's) runs again.
+            try:
                 found = job_state(job_id, log)
             except DaemonError:
                 found = None
-            final = found if found is not None and found["state"] in FINAL_STATES else recorded
-            continue  # one more read: what was written before the end
+            if found is None or found["state"] in FINAL_STATES:
+                final = found or recorded
+                continue  # one more read: what was written before the end
+            if found["state"] not in WAITING_STATES and found["requeues"] <= recorded["requeues"]:
+                final = recorded
+                continue
+            earlier = (recorded["ended_at"], recorded["requeues"])  # an earlier start's: followed on
         if time.monotonic() - checked >= STATE_POLL_S:
             checked = time.monotonic()
             try:

@@ -504,3 +504,36 @@ def test_a_daemon_killed_on_the_head_node_fails_a_client_at_once_and_one_stopped
     monkeypatch.setattr(slurm_existing, "client", lambda *args: pytest.fail("Slurm's client was run"))
     with pytest.raises(slurm_conf.DaemonError, match="controller cannot answer scontrol: slurmctld on the head node"):
         slurm_run.job_state("12")
+
+
+def _followed(monkeypatch, tmp_path, capfdbinary, answers: list) -> bytes:
+    """`slurm_run.follow` of a run whose batch job wrote its end record (exit 0, in its first start),
+    with Slurm answering `answers` in turn (the last one again and again); what it wrote."""
+    log = tmp_path / "output.log"
+    log.write_bytes(b"[node-0] trained\n")
+    (tmp_path / contract.END_RECORD).write_text(json.dumps({"exit_code": 0, "at": 100.0, "restarts": 0}))
+    asked = iter(answers)
+    last: list = []
+
+    def job_state(job, log=""):
+        last[:] = [next(asked, last[0] if last else None)]
+        return last[0]
+
+    monkeypatch.setattr(slurm_run, "job_state", job_state)
+    monkeypatch.setattr(slurm_run, "shown_state", lambda job, log="", found=None: found)
+    assert slurm_run.follow(str(log), "7") == 0
+    return capfdbinary.readouterr().out
+
+
+def test_a_follow_ends_at_the_end_record_while_slurm_still_shows_the_job_running(monkeypatch, tmp_path, capfdbinary):
+    out = _followed(monkeypatch, tmp_path, capfdbinary, [{"state": "RUNNING", "requeues": 0}])
+    assert out.endswith(f"{contract.RUN_END_MARKER} COMPLETED 0 17\n".encode())
+
+
+def test_a_follow_goes_on_past_the_record_of_a_start_slurm_requeued(monkeypatch, tmp_path, capfdbinary):
+    """A node failed: Slurm requeued the job, and the batch job still wrote its end record on the way out.
+    The run starts again, so the follow goes on until Slurm says the job's end."""
+    requeued = {"state": "PENDING", "requeues": 1, "reason": "BeginTime"}
+    ended = {"state": "FAILED", "requeues": 1, "exit_code": 1}
+    out = _followed(monkeypatch, tmp_path, capfdbinary, [requeued, requeued, ended])
+    assert out.endswith(f"{contract.RUN_END_MARKER} FAILED 1 17\n".encode())
