@@ -13,6 +13,8 @@ from pathlib import Path
 
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 10_000
+MIN_QUOTA_US = 1_000
+"""The least quota the kernel takes (cpu.cfs_quota_us)."""
 
 
 def unavailable() -> str:
@@ -42,8 +44,9 @@ def throttled(home: Path, percent: int):
     group = CPU_CGROUP / f"gpu-cluster-test-{os.getpid()}-{home.name}"
     group.mkdir()
     try:
-        (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-        (group / "cpu.cfs_quota_us").write_text(str(PERIOD_US * percent // 100))
+        period = max(PERIOD_US, MIN_QUOTA_US * 100 // percent)  # 5% of a core: 1 ms in every 20
+        (group / "cpu.cfs_period_us").write_text(str(period))
+        (group / "cpu.cfs_quota_us").write_text(str(period * percent // 100))
         pids = processes_with_home(home)
         assert pids, f"no process runs with HOME={home}"
         for pid in pids:
