@@ -129,16 +129,7 @@ def kill_figures(bench: Bench) -> list[Check]:
     healed = back["time"] - killed
     print(f"kill: survivor redid {redone} steps, longest gap {gap:.2f} s; node-1 rejoined {rejoined:.0f} s after")
     print(f"kill: group 1 back at step {back['step']} {healed:.1f} s after the kill, params_sha equal: {equal}")
-    return [
-        Check("kill -9 node-1: steps redone by the survivor", str(redone), "0", redone == 0),
-        Check("kill -9 node-1: survivor's longest step gap", f"{gap:.2f} s", "<= 2 s", gap <= 2),
-        Check(
-            "kill -9 node-1: back in the quorum after the kill (params_sha equal)",
-            f"{healed:.1f} s (join {rejoined:.0f} s; {'equal' if equal else 'DIFFERENT'})",
-            "<= join + 15 s, equal",
-            equal and healed <= rejoined + 15,
-        ),
-    ]
+    return kill_checks("kill -9 node-1", redone, gap, healed, rejoined, equal)
 
 
 def throughput_figures(bench: Bench) -> list[Check]:
@@ -255,11 +246,16 @@ def fab_held_kill_figures(bench: Bench) -> list[Check]:
     started = heard.get("started", float("nan")) - killed
     print(f"fab-held kill: group 1 started again {started:.1f} s after the kill (node-1 rejoined {rejoined:.0f} s)")
     print(f"fab-held kill: group 1 back at step {back['step']} {healed:.1f} s after the kill, equal: {equal}")
+    return kill_checks("fab-held kill -9 node-1", redone, gap, healed, rejoined, equal)
+
+
+def kill_checks(what: str, redone: int, gap: float, healed: float, rejoined: float, equal: bool) -> list:
+    """The kill's three goals: no step redone, no gap over 2 s, the group back within its join + 15 s."""
     return [
-        Check("fab-held kill -9 node-1: steps redone by the survivor", str(redone), "0", redone == 0),
-        Check("fab-held kill -9 node-1: survivor's longest step gap", f"{gap:.2f} s", "<= 2 s", gap <= 2),
+        Check(f"{what}: steps redone by the survivor", str(redone), "0", redone == 0),
+        Check(f"{what}: survivor's longest step gap", f"{gap:.2f} s", "<= 2 s", gap <= 2),
         Check(
-            "fab-held kill -9 node-1: back in the quorum after the kill (params_sha equal)",
+            f"{what}: back in the quorum after the kill (params_sha equal)",
             f"{healed:.1f} s (join {rejoined:.0f} s; {'equal' if equal else 'DIFFERENT'})",
             "<= join + 15 s, equal",
             equal and healed <= rejoined + 15,
