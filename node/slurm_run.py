@@ -388,17 +388,14 @@ def _watch_step(spec: dict, main: subprocess.Popen, srun: str, here: str, named,
     probe = {**spec, "nodes": [{**node, "command": watch["status"][node["name"]]} for node in spec["nodes"]]}
     probe.pop("watch", None)
     overdue = watch["timeout_s"] + watch.get("overdue_grace_s", 30)
-    look_s = 0.0  # how long the last look took (`next_look_s`)
     while True:
         try:
-            main.wait(timeout=named.next_look_s(watch["poll_s"], look_s))  # sooner where a slow rank is due
+            main.wait(timeout=named.next_look_s(watch["poll_s"]))  # sooner where a slow rank is due
             break
         except subprocess.TimeoutExpired:
             pass
-        began = time.monotonic()
         payloads = _ask(probe, srun, here)
         fresh = _name_stragglers(spec, named, payloads)
-        look_s = time.monotonic() - began
         if replacing is not None:
             replacing.take_out(fresh)
         views = [v for payload in payloads for v in hang_rule.parse_ranks(payload)]

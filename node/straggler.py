@@ -184,18 +184,16 @@ class Named:
             self.by_rank[found.rank] = {**found.as_dict(), "seen_step": seen, "named_at": round(time.time(), 3)}
         return fresh
 
-    def next_look_s(self, regular_s: float, look_s: float = 0.0) -> float:
+    def next_look_s(self, regular_s: float) -> float:
         """Seconds to the next look: `regular_s`, or sooner where an unnamed rank is slow now, at about
-        the moment it will have been slow for `STEPS` steps (at most one look every `MIN_LOOK_S`). `look_s`:
-        how long the last look took, from its start to its verdict; the records it read were that old at
-        its end, so the next look starts that much sooner (a slow node's own answer takes seconds)."""
+        the moment it will have been slow for `STEPS` steps (at most one look every `MIN_LOOK_S`)."""
         slow = slow_so_far(self.history)
         pending = [STEPS - run for rank, run in slow.items() if rank not in self.by_rank and run >= SUSPECT_STEPS]
         if not pending or len(self.pace) < 2:
             return regular_s
         (then, first), (now, last) = self.pace
         step_s = (now - then) / max(last - first, 1)
-        return min(regular_s, max(MIN_LOOK_S, min(pending) * step_s - look_s))
+        return min(regular_s, max(MIN_LOOK_S, min(pending) * step_s))
 
     def _remember(self, seen: dict) -> None:
         for rank, (node, compute) in seen.items():

@@ -162,15 +162,12 @@ class HangWatch:
         """Poll until a hang is found (returned) or the job has ended (None). A poll that fails (a node
         that does not answer, a damaged record) is simply made again: the watch itself never ends early."""
         overdue_s = self.policy.timeout_s + OVERDUE_GRACE_S
-        look_s = 0.0  # how long the last look took (`next_look_s`)
-        while not self.finished.wait(self.stragglers.next_look_s(self.policy.poll_s, look_s)):
-            began = time.monotonic()
+        while not self.finished.wait(self.stragglers.next_look_s(self.policy.poll_s)):
             try:
                 payloads = self._payloads(sessions, "status")
                 views = [view for payload in payloads for view in hang.parse_ranks(payload)]
                 found = hang.find_hang(views, self.policy.timeout_s, overdue_s)
                 self._name_stragglers(payloads)
-                look_s = time.monotonic() - began
             except Exception as exc:  # noqa: BLE001 - the next poll tries again
                 say(f"fab: hang watch: a poll failed ({describe(exc)}); trying again")
                 continue
