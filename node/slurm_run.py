@@ -354,9 +354,10 @@ def newest_participants(records: list):
     return max(records, key=lambda r: r["time"])["participants"] if records else None
 
 
-def first_step_after(path: str, replica: int, at: float):
-    """When replica group `replica` wrote its first step line after `at` (epoch s); None if not yet."""
-    times = [r["time"] for r in contract_lines(path, 1 << 16) if r["replica"] == replica and r["time"] >= at]
+def first_step_after(path: str, replica: int, at: float, tail_bytes: int = 1 << 16):
+    """When replica group `replica` wrote its first step line after `at` (epoch s); None if not yet.
+    `tail_bytes`: only the file's last bytes (a running run's; 0: all of it)."""
+    times = [r["time"] for r in contract_lines(path, tail_bytes) if r["replica"] == replica and r["time"] >= at]
     return min(times) if times else None
 
 

@@ -14,7 +14,6 @@ interruption is priced in the ledger (`Ledger.run_idle`) from when its node was 
 first step back.
 """
 
-import json
 import queue
 import threading
 import time
@@ -190,22 +189,11 @@ class Healer:
             return
         from infra.ledger import Ledger
 
-        try:
-            lines = [json.loads(line) for line in metrics.read_text(errors="replace").splitlines() if line.strip()]
-        except (OSError, ValueError):  # no metrics: priced until the group's start
-            lines = []
         ledger = Ledger()
         try:
-            for number, lost_at, at in self.heals:
-                back = [
-                    r["time"]
-                    for r in lines
-                    if isinstance(r, dict)
-                    and r.get("replica") == number
-                    and isinstance(r.get("time"), (int, float))
-                    and r["time"] >= at
-                ]
+            for number, lost_at, at in self.heals:  # no metrics, or no step back: priced until the group's start
+                back = slurm_run.first_step_after(str(metrics), number, at, tail_bytes=0) or at
                 for name in self.groups[number]:
-                    ledger.run_idle(self.cluster.stack, name, lost_at, min(back) if back else at)
+                    ledger.run_idle(self.cluster.stack, name, lost_at, back)
         finally:
             ledger.close()
