@@ -24,3 +24,15 @@ timeout 170 $PY -m pytest -m gpu tests/integration/test_harness.py tests/integra
 echo "== bench gpu"
 SECONDS=0
 timeout 170 $PY -m bench gpu 2>&1 | tail -20; echo "in ${SECONDS}s"
+echo "== the straggler verdict's input on CUDA: the rank monitor's compute entries (CUDA-event forward times)"
+rm -rf /tmp/gpu-progress; mkdir -p /tmp/gpu-progress; SECONDS=0
+CLUSTER_PROGRESS_DIR=/tmp/gpu-progress TORCH_FR_BUFFER_SIZE=2000 PYTHONPATH="node/rankhook:.:$PYTHONPATH" \
+  timeout 120 $PY -m torch.distributed.run --standalone --nproc-per-node 1 examples/ddp_training.py \
+  --model transformer --steps 200 --log-every 100 2>&1 | tail -3; echo "in ${SECONDS}s"
+$PY -c "
+import json; r = json.load(open('/tmp/gpu-progress/rank-0.json'))
+c = r.get('compute') or []
+print('steps reported', len(c), 'last step', r.get('step'), 'forward ms (last 5):', [round(s * 1000, 3) for _, s in c[-5:]])"
+echo "== ddp_training --replicas 2 on CUDA (both groups on this GPU), group 1 killed and started again"
+SECONDS=0
+timeout 200 $PY scripts/gpu_replicas_check.py --out /tmp/gpu-replicas 2>&1 | grep -v "INFO\|WARN"; echo "in ${SECONDS}s"
