@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from node import contract  # noqa: E402
+from node import contract, procfs  # noqa: E402
 from node.torchrun import LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS, LIGHTHOUSE_JOIN_TIMEOUT_MS  # noqa: E402
 
 
@@ -42,24 +42,8 @@ def group(index: int, folder: Path, steps: int, lighthouse: str, restarted: bool
     return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def tree(pid: int) -> list:
-    """`pid` and every process below it (torchrun starts its workers in sessions of their own)."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents.setdefault(int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
-            except (OSError, IndexError, ValueError):
-                pass
-    found, todo = [], [pid]
-    while todo:
-        found.append(todo.pop())
-        todo += parents.get(found[-1], [])
-    return found
-
-
 def kill(process: subprocess.Popen) -> None:
-    for pid in tree(process.pid):
+    for pid in [process.pid, *procfs.descendants([process.pid])]:  # torchrun's workers: sessions of their own
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -120,7 +104,7 @@ def main() -> int:
     steps = [line["step"] for line in survivor]
     redone = len(steps) - len(set(steps))
     times = [line["time"] for line in survivor]
-    gap = max((b - a for a, b in zip(times, times[1:])), default=0.0)
+    gap = max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0)
     back = [line for line in every if line["replica"] == 1 and killed_at and line["time"] > killed_at]
     healed = back[0]["time"] - killed_at if back else float("inf")
     final = {line["replica"]: line["params_sha"] for line in every if line["step"] == args.steps}
