@@ -126,12 +126,16 @@ class Heartbeat(threading.Thread):
         super().__init__(name=f"heartbeat-{run_id}", daemon=True)
         self.ledger_path, self.run_id = ledger_path, run_id
         self.stopped = threading.Event()
+        self.beating = threading.Event()
+        """Set once the thread has its connection (or could not open one)."""
 
     def run(self) -> None:
         try:
             ledger = Ledger(self.ledger_path)  # a connection of this thread's own
         except (sqlite3.Error, OSError):
             return  # RunBook has warned already; the run's end is still recorded
+        finally:
+            self.beating.set()
         try:
             while not self.stopped.wait(HEARTBEAT_S):
                 try:

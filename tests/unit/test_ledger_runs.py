@@ -89,6 +89,7 @@ def test_a_ledger_damaged_during_a_run_keeps_the_run_and_the_clusters_still_up(s
     Ledger().cluster_up(up.stack, up.provider, up.instance_type, 2, up.hourly_usd, at=created)
     book = RunBook(up)
     book.started("r1", "hello")
+    assert book.heartbeat is not None and book.heartbeat.beating.wait(30)  # the run is under way
     path = state.ledger_path()  # damaged mid-run: a full disk, a bad copy
     for suffix in ("-wal", "-shm"):
         Path(f"{path}{suffix}").unlink(missing_ok=True)
