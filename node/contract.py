@@ -79,6 +79,13 @@ HANG_RECORD = "hang.json"
 """In a scheduled run's folder on the head node: the cluster-side hang watch's verdict, where it found one."""
 STRAGGLER_RECORD = "stragglers.json"
 """In a run's local folder: the ranks the straggler verdict named (node/straggler.py), as the hang watch found them."""
+STEP_TIMES = "step-times"
+"""In a run's folder on the shared folder (`$CLUSTER_STEP_TIMES_DIR`, set only where the cluster has one): each
+rank's last step times, `rank-<RANK>.json` (`rank_progress`), one line of JSON {rank, node, compute}, rewritten by
+its monitor every `CLUSTER_STEP_TIMES_INTERVAL_S` while it steps. The hang watches read them on the head node for
+the straggler verdict, so that a slow node's own answer is not waited for (node/straggler.py, `SharedLooks`)."""
+STEP_TIMES_VARIABLE = "CLUSTER_STEP_TIMES_DIR"
+"""Where a rank's monitor writes its step times on the shared folder (a run's `STEP_TIMES`); unset: nowhere."""
 RUN_LOG = "output.log"
 """A scheduled run's log in its run folder on the head node: every node's output, `[node-i] `-prefixed."""
 SCHEDULER_DAEMONS = ("munged", "slurmctld", "slurmd", "spot-watch")

@@ -375,14 +375,28 @@ def _watch(spec: dict, main: subprocess.Popen, srun: str, here: str) -> int:
     watch = spec["watch"]
     named = straggler.Named()
     replacing = StragglerReplacement(spec, srun, here) if watch.get("on_straggler") == "replace" else None
+    looks = None
+    if watch.get("shared_dir"):  # the ranks' step times on the shared folder, read here on the head node
+        folder = os.path.join(os.path.dirname(spec["log"]), contract.STEP_TIMES)
+        shutil.rmtree(folder, ignore_errors=True)  # a start Slurm requeued left its own (its straggler's too)
+        looks = straggler.SharedLooks(
+            named,
+            lambda: straggler.read_step_times(folder),
+            lambda fresh: _say_stragglers(spec, named, fresh),
+            replacing.take_out if replacing is not None else None,
+        ).start()
     try:
-        return _watch_step(spec, main, srun, here, named, replacing)
+        return _watch_step(spec, main, srun, here, named, replacing, looks is not None)
     finally:
+        if looks is not None:
+            looks.stop()
         if replacing is not None:
             replacing.power_off()
 
 
-def _watch_step(spec: dict, main: subprocess.Popen, srun: str, here: str, named, replacing) -> int:
+def _watch_step(spec: dict, main: subprocess.Popen, srun: str, here: str, named, replacing, shared: bool) -> int:
+    """The polls (`shared`: the straggler verdict also has its own looks at the shared folder, so the polls keep
+    their pace; else a poll comes sooner where a slow rank is due)."""
     from node import hang_rule  # here only: its import would add 50 ms to every start of this file
 
     watch = spec["watch"]
@@ -391,12 +405,13 @@ def _watch_step(spec: dict, main: subprocess.Popen, srun: str, here: str, named,
     overdue = watch["timeout_s"] + watch.get("overdue_grace_s", 30)
     while True:
         try:
-            main.wait(timeout=named.next_look_s(watch["poll_s"]))  # sooner where a slow rank is due
+            main.wait(timeout=watch["poll_s"] if shared else named.next_look_s(watch["poll_s"]))
             break
         except subprocess.TimeoutExpired:
             pass
         payloads = _ask(probe, srun, here)
-        fresh = _name_stragglers(spec, named, payloads)
+        records = [record for payload in payloads for record in payload.get("ranks", [])]
+        fresh = named.update(records, lambda fresh: _say_stragglers(spec, named, fresh))
         if replacing is not None:
             replacing.take_out(fresh)
         views = [v for payload in payloads for v in hang_rule.parse_ranks(payload)]
@@ -422,16 +437,13 @@ def _watch_step(spec: dict, main: subprocess.Popen, srun: str, here: str, named,
     return _status(main.wait())
 
 
-def _name_stragglers(spec: dict, named, payloads: list) -> list:
-    """Say each rank the straggler rule names (node/straggler.py), once, in the run's log, and keep them
-    beside it (`states` hands them to `fab jobs`); the ones named now."""
-    fresh = named.update([record for payload in payloads for record in payload.get("ranks", [])])
+def _say_stragglers(spec: dict, named, fresh: list) -> None:
+    """Say each rank the straggler rule names now (node/straggler.py) in the run's log, and keep the verdict
+    beside it (`states` hands it to `fab jobs`)."""
     for found in fresh:
         print(f"[watch] {found.line(spec['run_id'])}", flush=True)
-    if fresh:
-        folder = os.path.dirname(spec["log"])
-        write_private(os.path.join(folder, contract.STRAGGLER_RECORD), named.record().encode(), 0o600)
-    return fresh
+    folder = os.path.dirname(spec["log"])
+    write_private(os.path.join(folder, contract.STRAGGLER_RECORD), named.record().encode(), 0o600)
 
 
 class StragglerReplacement:
@@ -447,8 +459,14 @@ class StragglerReplacement:
     def __init__(self, spec: dict, srun: str, here: str):
         self.spec, self.srun, self.here = spec, srun, here
         self.taken_out: list = []
+        self.lock = threading.Lock()
+        """The watch's polls and its shared looks may each name a rank of the same node."""
 
     def take_out(self, fresh: list) -> None:
+        with self.lock:
+            self._take_out(fresh)
+
+    def _take_out(self, fresh: list) -> None:
         head = self.spec["nodes"][0]
         for found in fresh:
             node = next((n for n in self.spec["nodes"] if n["name"] == found.node), None)

@@ -12,12 +12,23 @@ met. Pure: tested on records shaped as the monitor writes them. `Named` keeps on
 ranks' step times across a hang watch's polls, each rank named once; both hang watches keep one (fab's,
 remote/hangwatch.py, and the Slurm batch job's, node/slurm_run.py), look again when it says a slow rank
 is due (`next_look_s`), and write its `record()` as the run's `contract.STRAGGLER_RECORD`.
+
+Where the cluster has a shared folder, the rank monitors also write their step times there
+(`contract.STEP_TIMES`), and each watch runs `SharedLooks` beside its polls: it reads them on the head node
+(the Slurm batch job's watch from its own disk, fab's through the head node's connection) and feeds the same
+`Named`. A slow node's answer to a poll takes as long as the node is slow (2 to 3 s at a tenth of a core,
+20 steps of such a run); the shared folder's does not. Without a shared folder the polls' records alone feed
+the verdict. Both feed it the same step times, so whichever source sees a step first counts it, once.
 """
 
 import bisect
+import glob
 import json
+import os
 import statistics
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 RATIO = 1.3
@@ -36,6 +47,10 @@ HISTORY_STEPS = 400
 """How many of each rank's last steps' compute times a watch's `Named` keeps across its looks."""
 MIN_LOOK_S = 0.5
 """The soonest a watch looks again where a rank is slow (each look is a command on every node)."""
+SHARED_LOOK_S = 1.0
+"""How often `SharedLooks` reads the shared step times of a run where no rank is slow."""
+SHARED_MIN_LOOK_S = 0.2
+"""The soonest `SharedLooks` reads them again where a rank is slow (a read of small files on the head node)."""
 SUSPECT_STEPS = 5
 """Slow steps in a row after which a watch looks again when the rank will have made `STEPS` (fewer: noise,
 which would make a healthy run's watch look every `MIN_LOOK_S`)."""
@@ -173,27 +188,33 @@ class Named:
         self.history: dict[int, tuple[str, dict]] = {}
         self.pace: list = []
         """(monotonic time, the last step every rank reported) at the last two looks that saw a new step."""
+        self.lock = threading.RLock()
+        """A watch's polls and its `SharedLooks` update it from two threads."""
 
-    def update(self, records: list) -> list:
+    def update(self, records: list, said: Callable[[list], None] | None = None) -> list:
         """The stragglers among the ranks' progress records, with every step seen before, not named
-        before (now named)."""
-        self._remember(compute_by_rank(records))
-        fresh = [found for found in judge(self.history) if found.rank not in self.by_rank]
-        seen = self._last_common_step()
-        for found in fresh:
-            self.by_rank[found.rank] = {**found.as_dict(), "seen_step": seen, "named_at": round(time.time(), 3)}
-        return fresh
+        before (now named); `said(fresh)` is called with them before another update can name any."""
+        with self.lock:
+            self._remember(compute_by_rank(records))
+            fresh = [found for found in judge(self.history) if found.rank not in self.by_rank]
+            seen = self._last_common_step()
+            for found in fresh:
+                self.by_rank[found.rank] = {**found.as_dict(), "seen_step": seen, "named_at": round(time.time(), 3)}
+            if fresh and said is not None:
+                said(fresh)
+            return fresh
 
-    def next_look_s(self, regular_s: float) -> float:
+    def next_look_s(self, regular_s: float, soonest_s: float = MIN_LOOK_S) -> float:
         """Seconds to the next look: `regular_s`, or sooner where an unnamed rank is slow now, at about
-        the moment it will have been slow for `STEPS` steps (at most one look every `MIN_LOOK_S`)."""
-        slow = slow_so_far(self.history)
-        pending = [STEPS - run for rank, run in slow.items() if rank not in self.by_rank and run >= SUSPECT_STEPS]
-        if not pending or len(self.pace) < 2:
-            return regular_s
-        (then, first), (now, last) = self.pace
+        the moment it will have been slow for `STEPS` steps (at most one look every `soonest_s`)."""
+        with self.lock:
+            slow = slow_so_far(self.history)
+            pending = [STEPS - run for rank, run in slow.items() if rank not in self.by_rank and run >= SUSPECT_STEPS]
+            if not pending or len(self.pace) < 2:
+                return regular_s
+            (then, first), (now, last) = self.pace
         step_s = (now - then) / max(last - first, 1)
-        return min(regular_s, max(MIN_LOOK_S, min(pending) * step_s))
+        return min(regular_s, max(soonest_s, min(pending) * step_s))
 
     def _remember(self, seen: dict) -> None:
         for rank, (node, compute) in seen.items():
@@ -214,4 +235,69 @@ class Named:
 
     def record(self) -> str:
         """The run's straggler record (`contract.STRAGGLER_RECORD`): a JSON list, one object a rank."""
-        return json.dumps(list(self.by_rank.values()), indent=2) + "\n"
+        with self.lock:
+            return json.dumps(list(self.by_rank.values()), indent=2) + "\n"
+
+
+def parse_step_times(text: str) -> list:
+    """The ranks' shared step-times records in `text` (`cat` of their files: one JSON object a line); a line
+    that is not one is skipped."""
+    records = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def read_step_times(folder: str) -> list:
+    """The ranks' shared step-times records in `folder` (`contract.STEP_TIMES`), on this machine."""
+    text = []
+    for path in sorted(glob.glob(os.path.join(folder, "rank-*.json"))):
+        try:
+            with open(path) as f:
+                text.append(f.read())
+        except OSError:  # a rank's file replaced while listed: its next write has the steps
+            continue
+    return parse_step_times("\n".join(text))
+
+
+class SharedLooks:
+    """The straggler verdict's looks at the ranks' step times on the shared folder, on a thread of their own
+    beside a hang watch's polls: every `SHARED_LOOK_S`, sooner where a rank is slow (`Named.next_look_s`,
+    at most every `SHARED_MIN_LOOK_S`). `read()` gives the records (an exception: none this time);
+    `said(fresh)` says the ranks named, as the watch's polls do; `then(fresh)`, where given, acts on them
+    afterwards (`--on-straggler replace`), outside the verdict's lock."""
+
+    def __init__(
+        self,
+        named: Named,
+        read: Callable[[], list],
+        said: Callable[[list], None],
+        then: Callable[[list], None] | None = None,
+    ):
+        self.named, self.read, self.said, self.then = named, read, said, then
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="straggler-shared-looks", daemon=True)
+
+    def start(self) -> "SharedLooks":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.named.next_look_s(SHARED_LOOK_S, SHARED_MIN_LOOK_S)):
+            try:
+                records = self.read()
+            except Exception:  # noqa: BLE001 - a read that failed (the head node's connection): the next one
+                continue
+            fresh = self.named.update(records, self.said)
+            if fresh and self.then is not None:
+                self.then(fresh)

@@ -64,17 +64,29 @@ class HangPolicy:
         return min(10.0, max(1.0, self.timeout_s / 5))
 
 
-def job_environment(run_id: str, policy: HangPolicy) -> dict[str, str]:
+def job_environment(cluster: ClusterInfo, run_id: str, policy: HangPolicy) -> dict[str, str]:
     """What the launch command adds to every rank's environment (values for a shell, unquoted `$`)."""
     if not policy.enabled:
         return {}
-    return {
+    variables = {
         # A recorder size the user chose (in the node env or --env) wins.
         "TORCH_FR_BUFFER_SIZE": f"${{TORCH_FR_BUFFER_SIZE:-{RECORDER_ENTRIES}}}",
         contract.PROGRESS_VARIABLE: f'"$HOME"/{contract.progress_dir(run_id)}',  # node-local: each node has its own
         "CLUSTER_PROGRESS_INTERVAL_S": "1",
         "PYTHONFAULTHANDLER": "1",  # a rank that aborts (gloo's size checks) prints its Python stack
     }
+    shared = step_times_dir(cluster, run_id)
+    if shared:
+        variables[contract.STEP_TIMES_VARIABLE] = node_paths.shell_path(shared)
+    return variables
+
+
+def step_times_dir(cluster: ClusterInfo, run_id: str) -> str | None:
+    """Where the ranks write their step times for the straggler verdict's shared looks (the run's folder on
+    the shared folder, `contract.STEP_TIMES`); None where the cluster has no shared folder."""
+    if not cluster.shared_dir:
+        return None
+    return f"{node_paths.remote_run_dir(cluster, run_id)}/{contract.STEP_TIMES}"
 
 
 def rankhook_path() -> str:
@@ -141,8 +153,11 @@ class HangWatch:
 
     def _run(self) -> None:
         sessions = [NodeSession(self.cluster, node) for node in self.cluster.nodes]
+        looks = self._shared_looks()
         try:
-            found = self._watch(sessions)
+            found = self._watch(sessions, looks is not None)
+            if looks is not None:
+                looks.stop()
             if found is None:
                 return
             self.report = self._diagnose(sessions, found)
@@ -155,19 +170,34 @@ class HangWatch:
             else:
                 say("fab: --on-hang wait: the job keeps running; fab stop (or Ctrl-C here) ends it")
         finally:
+            if looks is not None:
+                looks.stop()
+                looks.session.close()
             for session in sessions:
                 session.close()
 
-    def _watch(self, sessions: list[NodeSession]) -> hang.Hang | None:
+    def _shared_looks(self) -> "SharedLooks | None":
+        """The straggler verdict's own looks at the ranks' step times on the shared folder, through the head
+        node's connection (a connection of their own), where the cluster has a shared folder."""
+        folder = step_times_dir(self.cluster, self.run_id)
+        if folder is None:
+            return None
+        looks = SharedLooks(self.stragglers, NodeSession(self.cluster, self.cluster.head), folder, self._say)
+        looks.start()
+        return looks
+
+    def _watch(self, sessions: list[NodeSession], shared: bool) -> hang.Hang | None:
         """Poll until a hang is found (returned) or the job has ended (None). A poll that fails (a node
-        that does not answer, a damaged record) is simply made again: the watch itself never ends early."""
+        that does not answer, a damaged record) is simply made again: the watch itself never ends early.
+        `shared`: the straggler verdict has its own looks (else a poll comes sooner where a slow rank is due)."""
         overdue_s = self.policy.timeout_s + OVERDUE_GRACE_S
-        while not self.finished.wait(self.stragglers.next_look_s(self.policy.poll_s)):
+        regular_s = self.policy.poll_s
+        while not self.finished.wait(regular_s if shared else self.stragglers.next_look_s(regular_s)):
             try:
                 payloads = self._payloads(sessions, "status")
                 views = [view for payload in payloads for view in hang.parse_ranks(payload)]
                 found = hang.find_hang(views, self.policy.timeout_s, overdue_s)
-                self._name_stragglers(payloads)
+                self.stragglers.update([r for payload in payloads for r in payload.get("ranks", [])], self._say)
             except Exception as exc:  # noqa: BLE001 - the next poll tries again
                 say(f"fab: hang watch: a poll failed ({describe(exc)}); trying again")
                 continue
@@ -177,11 +207,8 @@ class HangWatch:
                 return found
         return None
 
-    def _name_stragglers(self, payloads: list[dict]) -> None:
-        """Say each rank the straggler rule names, once, and keep them in the run folder (`fab jobs`)."""
-        fresh = self.stragglers.update([record for payload in payloads for record in payload.get("ranks", [])])
-        if not fresh:
-            return
+    def _say(self, fresh: list) -> None:
+        """Say each rank the straggler rule names now, and keep the verdict in the run folder (`fab jobs`)."""
         for found in fresh:
             say(found.line(self.run_id))
         state.make_private_dir(self.local_dir)
@@ -226,6 +253,22 @@ class HangWatch:
         say(line)
         say(f"fab: flight-recorder dumps and stacks of every rank in {folder}")
         return HangReport(line, hang.stalled_since(found), detected_at, folder)
+
+
+class SharedLooks(straggler.SharedLooks):
+    """fab's: the shared step times read on the head node, through a connection of their own."""
+
+    def __init__(self, named: straggler.Named, session: NodeSession, folder: str, said):
+        self.session = session
+        self.command = f"cat {node_paths.shell_path(folder)}/rank-*.json 2>/dev/null; true"
+        super().__init__(named, self._read, said)
+
+    def _read(self) -> list:
+        try:
+            return straggler.parse_step_times(self.session.run(self.command, timeout=30).stdout)
+        except Exception:  # the head node did not answer: a fresh connection for the next look
+            self.session.reopen()
+            raise
 
 
 def hang_request(run_id: str, action: str) -> calls.HangStatus | calls.HangCollect:

@@ -488,7 +488,7 @@ def node_command(
         spec.max_restarts,
         setup.master_port,
         spec.nproc_per_node,
-        job_environment(run_id, spec.hang),
+        job_environment(cluster, run_id, spec.hang),
         (rankhook_path(),) if spec.hang.enabled else (),
         workdir_key=workdir_key,
         python=spec.requirements.python if spec.requirements else None,

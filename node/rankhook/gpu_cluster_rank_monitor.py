@@ -12,6 +12,11 @@ process group, then every `CLUSTER_PROGRESS_INTERVAL_S` (default 1 s) writes `ra
 - the harness's training step, when the script uses the harness, and its last steps' compute times
   (`compute`, for the straggler verdict: node/straggler.py).
 
+Where the launch sets `$CLUSTER_STEP_TIMES_DIR` (a folder of the run's on the shared folder), the thread also
+writes this rank's last step times there, `rank-<RANK>.json`, every `CLUSTER_STEP_TIMES_INTERVAL_S` (default
+0.25 s) while the rank steps: the hang watches read them on the head node, so the verdict on a slow node does
+not wait for that node to answer (node/straggler.py, `SharedLooks`).
+
 When `dump.request` appears in that folder (`node/hang.py collect` writes it) the thread also
 writes the recorder's whole buffer (`rank-<RANK>.fr.json`) and every thread's stack. Reading the
 recorder needs no lock the training thread holds (the thread runs while the main thread waits in a
@@ -43,6 +48,10 @@ def _load_contract():
 
 contract = _load_contract()
 INTERVAL_S = float(os.environ.get("CLUSTER_PROGRESS_INTERVAL_S", "1") or 1)
+STEP_TIMES_INTERVAL_S = float(os.environ.get("CLUSTER_STEP_TIMES_INTERVAL_S", "0.25") or 0.25)
+STEP_TIMES_KEPT = 64
+"""Steps in each write of the shared step times: more than pass between two of the watch's looks (every 0.2 to
+1 s) at steps of 20 ms, and a quarter of the progress record's (about 1.5 kB a write, on EFS)."""
 STACK_DEPTH = 12
 _STDLIB = os.path.dirname(os.__file__) + os.sep
 
@@ -83,6 +92,10 @@ class RankMonitor:
         """When this rank was first seen in a formed process group (the rendezvous done)."""
         self.first_step_at: float | None = None
         """When its first collective was seen completed, or the harness's first step (the launch's timeline)."""
+        self.step_times = os.environ.get(contract.STEP_TIMES_VARIABLE) or None
+        """Where this rank's step times go on the shared folder (None: the launch asked for none)."""
+        self.shared_step = None
+        """The last step whose times were written there."""
 
     def run(self) -> None:
         reported = 0.0
@@ -97,9 +110,33 @@ class RankMonitor:
                         self.report(dist)
                     except Exception as exc:  # one failed report (a full disk, a group torn down) must not end
                         self.failure = f"{type(exc).__name__}: {exc}"  # the monitor: its last record would freeze
-            # Until the group forms and its first step is done, look often (the counters cost about 10 us):
-            # a rank can finish its first collectives quickly, and the timeline's first step wants the moment.
-            time.sleep(self.interval_s if self.first_step_at is not None else min(self.interval_s, 0.05))
+                self.share_step_times()
+            time.sleep(self.pause_s())
+
+    def pause_s(self) -> float:
+        """Until the group forms and its first step is done, look often (the counters cost about 10 us): a
+        rank can finish its first collectives quickly, and the timeline's first step wants the moment. Then
+        the record's interval, or the step times' where they are shared."""
+        if self.first_step_at is None:
+            return min(self.interval_s, 0.05)
+        return min(self.interval_s, STEP_TIMES_INTERVAL_S) if self.step_times else self.interval_s
+
+    def share_step_times(self) -> None:
+        """This rank's last step times into the shared folder (`contract.STEP_TIMES`), where it stepped since
+        the last write. A write that fails is tried at the next step (the progress record has them too)."""
+        step = _harness_step()
+        if not self.step_times or step is None or step == self.shared_step:
+            return
+        compute = _harness_compute()[-STEP_TIMES_KEPT:]
+        if not compute:
+            return
+        record = {"rank": self.rank, "node": os.environ.get(contract.NODE_VARIABLE, ""), "compute": compute}
+        try:
+            os.makedirs(self.step_times, mode=0o700, exist_ok=True)
+            _write_json(os.path.join(self.step_times, contract.rank_progress(self.rank)), record)
+            self.shared_step = step
+        except Exception as exc:  # a shared folder that is full or gone must not end the monitor
+            self.failure = f"step times: {type(exc).__name__}: {exc}"
 
     def watch_first_step(self) -> bool:
         """A script on the harness: its first step. Any other: its first collective done (a proxy: DDP's
@@ -374,7 +411,8 @@ def _harness_compute() -> list:
 
 
 def _write_json(path: str, data: dict) -> None:
+    """One line of JSON, whole or not at all (renamed into place): the watches `cat` several at once."""
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
-        json.dump(data, f)
+        f.write(json.dumps(data) + "\n")
     os.replace(tmp, path)

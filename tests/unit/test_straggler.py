@@ -126,3 +126,57 @@ def test_the_other_ranks_median_is_the_median_of_the_others():
         for index, value in enumerate(values):
             others = values[:index] + values[index + 1 :]
             assert straggler._median_without(ordered, value) == statistics.median(others)
+
+
+def test_a_rank_monitor_shares_its_last_step_times_where_the_launch_asked_and_a_watch_reads_them(tmp_path, monkeypatch):
+    import sys
+    import threading
+    import types
+
+    from node import contract
+    from node.rankhook import gpu_cluster_rank_monitor as monitor_module
+
+    metrics = types.SimpleNamespace(last_step=None, step_compute=[])
+    monkeypatch.setitem(sys.modules, "harness.metrics", metrics)
+    monkeypatch.setenv(contract.NODE_VARIABLE, "node-1")
+    shared = tmp_path / "run" / contract.STEP_TIMES
+    unasked = monitor_module.RankMonitor(str(tmp_path / "progress"), 1, threading.main_thread())
+    monkeypatch.setenv(contract.STEP_TIMES_VARIABLE, str(shared))
+    monitor = monitor_module.RankMonitor(str(tmp_path / "progress"), 1, threading.main_thread())
+    monitor.share_step_times()  # no step yet
+    assert not shared.exists()
+    metrics.step_compute, metrics.last_step = [(step, 0.01) for step in range(1, 101)], 100
+    unasked.share_step_times()
+    assert not shared.exists()  # a launch without a shared folder: nothing written there
+    monitor.share_step_times()
+    assert shared.stat().st_mode & 0o777 == 0o700
+    (shared / "rank-0.json").write_text('{"rank": 0, "node": "node-0", "comp')  # not a record: skipped
+    expected = {"rank": 1, "node": "node-1", "compute": [[step, 0.01] for step in range(37, 101)]}
+    assert straggler.read_step_times(str(shared)) == [expected]  # the last STEP_TIMES_KEPT steps
+    assert straggler.parse_step_times((shared / "rank-1.json").read_text() + "garbage\n") == [expected]
+
+
+def test_shared_looks_and_the_polls_feed_one_verdict_that_says_a_straggler_once():
+    import time
+
+    named = straggler.Named()
+    said, then = [], []
+    records = ranks(2, {1: (2.0, range(1, 41))})
+    reads = iter([OSError("the head node did not answer")])
+
+    def read():
+        failure = next(reads, None)
+        if failure:
+            raise failure  # a failed read: the next look reads again
+        return records
+
+    looks = straggler.SharedLooks(named, read, said.append, then.append).start()
+    try:
+        deadline = time.monotonic() + 60
+        while not then and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        looks.stop()
+    assert named.update(records, said.append) == []  # the polls' records hold the same steps: named already
+    assert [[found.rank for found in fresh] for fresh in said] == [[1]] and then == said
+    assert not looks.thread.is_alive()
