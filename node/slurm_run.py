@@ -58,6 +58,10 @@ FIELD = re.compile(r"(\w+)=(\S*)")
 HEAL_POLL_S = 1.0
 """How often a fault-tolerant run's batch job looks for replica groups whose nodes were replaced."""
 HEAL_END_GRACE_S = 60.0
+STRAGGLER_EXIT_GRACE_S = 120.0
+"""`--on-straggler replace`: how long a straggler's ranks have to save and exit after SIGUSR1 (a spot notice's
+two minutes) before the watch ends the step itself: a script that ignores the signal, run with
+`--max-restarts`, would otherwise be started again in place by torchrun, and the node never replaced."""
 """How long a group started again may go on after the run's own step ended (it ends at the peers' step)."""
 
 
@@ -409,6 +413,13 @@ def _watch_step(spec: dict, main: subprocess.Popen, srun: str, here: str, named,
             break
         except subprocess.TimeoutExpired:
             pass
+        if replacing is not None and replacing.overdue():
+            print(
+                f"[watch] --on-straggler replace: the step has not ended {STRAGGLER_EXIT_GRACE_S:.0f} s after its "
+                "ranks were told to save and exit: ending it",
+                flush=True,
+            )
+            main.send_signal(signal.SIGTERM)
         payloads = _ask(probe, srun, here)
         records = [record for payload in payloads for record in payload.get("ranks", [])]
         fresh = named.update(records, lambda fresh: _say_stragglers(spec, named, fresh))
@@ -461,6 +472,9 @@ class StragglerReplacement:
         self.taken_out: list = []
         self.lock = threading.Lock()
         """The watch's polls and its shared looks may each name a rank of the same node."""
+        self.told_at: float | None = None
+        """When the first straggler's ranks were told to save and exit (monotonic)."""
+        self.ended = False
 
     def take_out(self, fresh: list) -> None:
         with self.lock:
@@ -485,6 +499,15 @@ class StragglerReplacement:
             tell.pop("watch", None)
             _ask(tell, self.srun, self.here)
             self.taken_out.append(found.node)
+            self.told_at = self.told_at or time.monotonic()
+
+    def overdue(self, grace_s: float = STRAGGLER_EXIT_GRACE_S) -> bool:
+        """The step outlived the grace after its ranks were told (True once: the watch then ends the step)."""
+        with self.lock:
+            if self.ended or self.told_at is None or time.monotonic() - self.told_at < grace_s:
+                return False
+            self.ended = True
+            return True
 
     def power_off(self) -> None:
         """Once the step has ended: each node taken out told to power off (the spot path replaces it)."""

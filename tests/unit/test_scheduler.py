@@ -537,3 +537,31 @@ def test_a_follow_goes_on_past_the_record_of_a_start_slurm_requeued(monkeypatch,
     ended = {"state": "FAILED", "requeues": 1, "exit_code": 1}
     out = _followed(monkeypatch, tmp_path, capfdbinary, [requeued, requeued, ended])
     assert out.endswith(f"{contract.RUN_END_MARKER} FAILED 1 17\n".encode())
+
+
+def test_a_straggler_step_that_outlives_the_grace_after_its_ranks_were_told_is_ended_by_the_watch(
+    tmp_path, monkeypatch
+):
+    # --on-straggler replace told the straggler's ranks to save and exit; a script that ignores SIGUSR1 under
+    # --max-restarts is started again in place by torchrun, and the step would never end (nor the node go).
+    import signal
+
+    from node import straggler
+
+    spec = {
+        "run_id": "r1",
+        "log": str(tmp_path / contract.RUN_LOG),
+        "nodes": [{"name": "node-0", "home": str(tmp_path), "command": "true"}],
+        "watch": {"status": {"node-0": "true"}, "timeout_s": 20, "poll_s": 0.1},
+    }
+    monkeypatch.setattr(slurm_run, "_ask", lambda *args, **kwargs: [])  # the polls find every rank stepping
+    replacing = slurm_run.StragglerReplacement(spec, "srun", str(tmp_path))
+    replacing.told_at = time.monotonic()
+    assert not replacing.overdue()  # told just now: the ranks are saving
+    replacing.told_at = time.monotonic() - slurm_run.STRAGGLER_EXIT_GRACE_S
+    main = subprocess.Popen(["sleep", "120"])
+    try:
+        code = slurm_run._watch_step(spec, main, "srun", str(tmp_path), straggler.Named(), replacing, True)
+    finally:
+        main.kill()
+    assert code == 128 + signal.SIGTERM and not replacing.overdue()  # ended once
