@@ -58,11 +58,13 @@ FIELD = re.compile(r"(\w+)=(\S*)")
 HEAL_POLL_S = 1.0
 """How often a fault-tolerant run's batch job looks for replica groups whose nodes were replaced."""
 HEAL_END_GRACE_S = 60.0
+"""How long a group started again may go on after the run's own step ended (it ends at the peers' step)."""
 STRAGGLER_EXIT_GRACE_S = 120.0
 """`--on-straggler replace`: how long a straggler's ranks have to save and exit after SIGUSR1 (a spot notice's
-two minutes) before the watch ends the step itself: a script that ignores the signal, run with
-`--max-restarts`, would otherwise be started again in place by torchrun, and the node never replaced."""
-"""How long a group started again may go on after the run's own step ended (it ends at the peers' step)."""
+two minutes) before the watch ends the step itself (SIGTERM, then SIGKILL `STRAGGLER_KILL_AFTER_S` later): a
+script that ignores the signal, run with `--max-restarts`, would otherwise be started again in place by
+torchrun, and the node never replaced."""
+STRAGGLER_KILL_AFTER_S = 30.0
 
 
 def _encoded(spec: dict) -> str:
@@ -115,6 +117,8 @@ def supervise(spec: dict) -> int:
     restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
     if restart:
         note_restart(os.path.dirname(spec["log"]), restart)
+    if (spec.get("watch") or {}).get("shared_dir"):  # the step times a start Slurm requeued left (its straggler's)
+        shutil.rmtree(os.path.join(os.path.dirname(spec["log"]), contract.STEP_TIMES), ignore_errors=True)
     main = subprocess.Popen(step_argv(spec, srun, here, *step_options(spec)))
     restarts = GroupRestarts(spec, srun, here) if spec.get("replicas") else None
 
@@ -382,7 +386,6 @@ def _watch(spec: dict, main: subprocess.Popen, srun: str, here: str) -> int:
     looks = None
     if watch.get("shared_dir"):  # the ranks' step times on the shared folder, read here on the head node
         folder = os.path.join(os.path.dirname(spec["log"]), contract.STEP_TIMES)
-        shutil.rmtree(folder, ignore_errors=True)  # a start Slurm requeued left its own (its straggler's too)
         looks = straggler.SharedLooks(
             named,
             lambda: straggler.read_step_times(folder),
@@ -390,16 +393,18 @@ def _watch(spec: dict, main: subprocess.Popen, srun: str, here: str) -> int:
             replacing.take_out if replacing is not None else None,
         ).start()
     try:
-        return _watch_step(spec, main, srun, here, named, replacing, looks is not None)
+        return _watch_step(spec, main, srun, here, named, replacing, looks)
     finally:
+        if replacing is not None:
+            replacing.close()  # a verdict from now on takes no node out: the step has ended
         if looks is not None:
             looks.stop()
         if replacing is not None:
             replacing.power_off()
 
 
-def _watch_step(spec: dict, main: subprocess.Popen, srun: str, here: str, named, replacing, shared: bool) -> int:
-    """The polls (`shared`: the straggler verdict also has its own looks at the shared folder, so the polls keep
+def _watch_step(spec: dict, main: subprocess.Popen, srun: str, here: str, named, replacing, looks=None) -> int:
+    """The polls (while the straggler verdict's own `looks` at the shared folder find step times, the polls keep
     their pace; else a poll comes sooner where a slow rank is due)."""
     from node import hang_rule  # here only: its import would add 50 ms to every start of this file
 
@@ -409,17 +414,19 @@ def _watch_step(spec: dict, main: subprocess.Popen, srun: str, here: str, named,
     overdue = watch["timeout_s"] + watch.get("overdue_grace_s", 30)
     while True:
         try:
-            main.wait(timeout=watch["poll_s"] if shared else named.next_look_s(watch["poll_s"]))
+            serving = looks is not None and looks.serving()
+            main.wait(timeout=watch["poll_s"] if serving else named.next_look_s(watch["poll_s"]))
             break
         except subprocess.TimeoutExpired:
             pass
-        if replacing is not None and replacing.overdue():
+        number = replacing.overdue() if replacing is not None else None
+        if number is not None:
             print(
                 f"[watch] --on-straggler replace: the step has not ended {STRAGGLER_EXIT_GRACE_S:.0f} s after its "
-                "ranks were told to save and exit: ending it",
+                f"ranks were told to save and exit: ending it ({signal.Signals(number).name})",
                 flush=True,
             )
-            main.send_signal(signal.SIGTERM)
+            main.send_signal(number)
         payloads = _ask(probe, srun, here)
         records = [record for payload in payloads for record in payload.get("ranks", [])]
         fresh = named.update(records, lambda fresh: _say_stragglers(spec, named, fresh))
@@ -473,12 +480,20 @@ class StragglerReplacement:
         self.lock = threading.Lock()
         """The watch's polls and its shared looks may each name a rank of the same node."""
         self.told_at: float | None = None
-        """When the first straggler's ranks were told to save and exit (monotonic)."""
-        self.ended = False
+        """When a straggler's ranks were last told to save and exit (monotonic)."""
+        self.sent: list = []
+        """The signals `overdue` has had the watch send the step."""
+        self.closed = False
+        """The step has ended: a straggler named now takes no node out (its run would be requeued for it)."""
 
     def take_out(self, fresh: list) -> None:
         with self.lock:
-            self._take_out(fresh)
+            if not self.closed:
+                self._take_out(fresh)
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
 
     def _take_out(self, fresh: list) -> None:
         head = self.spec["nodes"][0]
@@ -499,19 +514,26 @@ class StragglerReplacement:
             tell.pop("watch", None)
             _ask(tell, self.srun, self.here)
             self.taken_out.append(found.node)
-            self.told_at = self.told_at or time.monotonic()
+            self.told_at = time.monotonic()
 
-    def overdue(self, grace_s: float = STRAGGLER_EXIT_GRACE_S) -> bool:
-        """The step outlived the grace after its ranks were told (True once: the watch then ends the step)."""
+    def overdue(self) -> int | None:
+        """The signal the watch sends the step where it outlived the grace after the ranks were last told:
+        SIGTERM once, then SIGKILL once `STRAGGLER_KILL_AFTER_S` later; else None."""
         with self.lock:
-            if self.ended or self.told_at is None or time.monotonic() - self.told_at < grace_s:
-                return False
-            self.ended = True
-            return True
+            if self.told_at is None:
+                return None
+            waited = time.monotonic() - self.told_at
+            for number, after in ((signal.SIGTERM, 0.0), (signal.SIGKILL, STRAGGLER_KILL_AFTER_S)):
+                if number not in self.sent and waited >= STRAGGLER_EXIT_GRACE_S + after:
+                    self.sent.append(number)
+                    return number
+            return None
 
     def power_off(self) -> None:
         """Once the step has ended: each node taken out told to power off (the spot path replaces it)."""
-        for name in self.taken_out:
+        with self.lock:
+            taken_out = list(self.taken_out)
+        for name in taken_out:
             marker = os.path.join(self.spec["watch"]["shared_dir"], contract.power_off_marker(name))
             os.makedirs(os.path.dirname(marker), exist_ok=True)
             record = {"run_id": self.spec["run_id"], "reason": contract.STRAGGLER_DRAIN_REASON, "at": time.time()}

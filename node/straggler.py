@@ -26,10 +26,13 @@ import glob
 import json
 import os
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from node import contract
 
 RATIO = 1.3
 """A step counts as slow for a rank above this many times the other ranks' median at that step."""
@@ -256,7 +259,7 @@ def parse_step_times(text: str) -> list:
 def read_step_times(folder: str) -> list:
     """The ranks' shared step-times records in `folder` (`contract.STEP_TIMES`), on this machine."""
     text = []
-    for path in sorted(glob.glob(os.path.join(folder, "rank-*.json"))):
+    for path in sorted(glob.glob(os.path.join(folder, contract.RANK_PROGRESS_GLOB))):
         try:
             with open(path) as f:
                 text.append(f.read())
@@ -268,9 +271,14 @@ def read_step_times(folder: str) -> list:
 class SharedLooks:
     """The straggler verdict's looks at the ranks' step times on the shared folder, on a thread of their own
     beside a hang watch's polls: every `SHARED_LOOK_S`, sooner where a rank is slow (`Named.next_look_s`,
-    at most every `SHARED_MIN_LOOK_S`). `read()` gives the records (an exception: none this time);
-    `said(fresh)` says the ranks named, as the watch's polls do; `then(fresh)`, where given, acts on them
-    afterwards (`--on-straggler replace`), outside the verdict's lock."""
+    at most every `SHARED_MIN_LOOK_S`, and never more often than three times a look's own cost: judging
+    every rank's history takes about 0.3 s at 128 ranks). `read()` gives the records; `said(fresh)` says the
+    ranks named, as the watch's polls do; `then(fresh)`, where given, acts on them afterwards (`--on-straggler
+    replace`), outside the verdict's lock, and not once the looks are stopped. A look that fails (the head
+    node's connection, a record it cannot judge) is said once, on stderr, and the next one is made."""
+
+    SERVING_S = 5.0
+    """`serving` for this long after a look that found step times."""
 
     def __init__(
         self,
@@ -282,22 +290,40 @@ class SharedLooks:
         self.named, self.read, self.said, self.then = named, read, said, then
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="straggler-shared-looks", daemon=True)
+        self.found_at: float | None = None
+        """When a look last found step times (monotonic)."""
+        self.failure = ""
 
     def start(self) -> "SharedLooks":
         self.thread.start()
         return self
 
     def stop(self) -> None:
+        """Stop looking, once the look under way is done (a read has its own timeout)."""
         self.stopped.set()
-        if self.thread.is_alive():
-            self.thread.join(timeout=30)
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join()
+
+    def serving(self) -> bool:
+        """A look found step times lately: the watch's polls can keep their pace (else they come sooner where a
+        rank is due, as without a shared folder: ranks whose writes fail, a thread that cannot read)."""
+        found = self.found_at
+        return found is not None and time.monotonic() - found < self.SERVING_S and self.thread.is_alive()
 
     def _run(self) -> None:
-        while not self.stopped.wait(self.named.next_look_s(SHARED_LOOK_S, SHARED_MIN_LOOK_S)):
+        cost = 0.0
+        while not self.stopped.wait(max(self.named.next_look_s(SHARED_LOOK_S, SHARED_MIN_LOOK_S), 3 * cost)):
+            began = time.monotonic()
             try:
                 records = self.read()
-            except Exception:  # noqa: BLE001 - a read that failed (the head node's connection): the next one
-                continue
-            fresh = self.named.update(records, self.said)
-            if fresh and self.then is not None:
-                self.then(fresh)
+                if records:
+                    self.found_at = time.monotonic()
+                fresh = self.named.update(records, self.said)
+                if fresh and self.then is not None and not self.stopped.is_set():
+                    self.then(fresh)
+            except Exception as exc:  # noqa: BLE001 - the next look tries again
+                failure = f"{type(exc).__name__}: {exc}"
+                if failure != self.failure:
+                    print(f"straggler verdict: a look at the shared step times failed ({failure})", file=sys.stderr)
+                self.failure = failure
+            cost = time.monotonic() - began

@@ -153,9 +153,10 @@ class HangWatch:
 
     def _run(self) -> None:
         sessions = [NodeSession(self.cluster, node) for node in self.cluster.nodes]
-        looks = self._shared_looks()
+        looks = None
         try:
-            found = self._watch(sessions, looks is not None)
+            looks = self._shared_looks()
+            found = self._watch(sessions, looks)
             if looks is not None:
                 looks.stop()
             if found is None:
@@ -186,13 +187,19 @@ class HangWatch:
         looks.start()
         return looks
 
-    def _watch(self, sessions: list[NodeSession], shared: bool) -> hang.Hang | None:
+    def _watch(self, sessions: list[NodeSession], looks: "SharedLooks | None") -> hang.Hang | None:
         """Poll until a hang is found (returned) or the job has ended (None). A poll that fails (a node
         that does not answer, a damaged record) is simply made again: the watch itself never ends early.
-        `shared`: the straggler verdict has its own looks (else a poll comes sooner where a slow rank is due)."""
+        While the straggler verdict's own `looks` find step times, the polls keep their pace (else a poll
+        comes sooner where a slow rank is due)."""
         overdue_s = self.policy.timeout_s + OVERDUE_GRACE_S
         regular_s = self.policy.poll_s
-        while not self.finished.wait(regular_s if shared else self.stragglers.next_look_s(regular_s)):
+
+        def pause_s() -> float:
+            serving = looks is not None and looks.serving()
+            return regular_s if serving else self.stragglers.next_look_s(regular_s)
+
+        while not self.finished.wait(pause_s()):
             try:
                 payloads = self._payloads(sessions, "status")
                 views = [view for payload in payloads for view in hang.parse_ranks(payload)]
@@ -260,14 +267,15 @@ class SharedLooks(straggler.SharedLooks):
 
     def __init__(self, named: straggler.Named, session: NodeSession, folder: str, said):
         self.session = session
-        self.command = f"cat {node_paths.shell_path(folder)}/rank-*.json 2>/dev/null; true"
+        self.command = f"cat {node_paths.shell_path(folder)}/{contract.RANK_PROGRESS_GLOB} 2>/dev/null; true"
         super().__init__(named, self._read, said)
 
     def _read(self) -> list:
         try:
             return straggler.parse_step_times(self.session.run(self.command, timeout=30).stdout)
         except Exception:  # the head node did not answer: a fresh connection for the next look
-            self.session.reopen()
+            if not self.stopped.is_set():
+                self.session.reopen()
             raise
 
 

@@ -13,9 +13,11 @@ process group, then every `CLUSTER_PROGRESS_INTERVAL_S` (default 1 s) writes `ra
   (`compute`, for the straggler verdict: node/straggler.py).
 
 Where the launch sets `$CLUSTER_STEP_TIMES_DIR` (a folder of the run's on the shared folder), the thread also
-writes this rank's last step times there, `rank-<RANK>.json`, every `CLUSTER_STEP_TIMES_INTERVAL_S` (default
-0.25 s) while the rank steps: the hang watches read them on the head node, so the verdict on a slow node does
-not wait for that node to answer (node/straggler.py, `SharedLooks`).
+hands this rank's last step times to a writer thread of their own every `CLUSTER_STEP_TIMES_INTERVAL_S`
+(default 0.5 s) while the rank steps, which writes them there, `rank-<RANK>.json`: the hang watches read them on
+the head node, so the verdict on a slow node does not wait for that node to answer (node/straggler.py,
+`SharedLooks`). A shared folder that stalls (a hard NFS mount) stalls only that thread: this one's node-local
+record, which the hang rule reads, goes on.
 
 When `dump.request` appears in that folder (`node/hang.py collect` writes it) the thread also
 writes the recorder's whole buffer (`rank-<RANK>.fr.json`) and every thread's stack. Reading the
@@ -48,10 +50,11 @@ def _load_contract():
 
 contract = _load_contract()
 INTERVAL_S = float(os.environ.get("CLUSTER_PROGRESS_INTERVAL_S", "1") or 1)
-STEP_TIMES_INTERVAL_S = float(os.environ.get("CLUSTER_STEP_TIMES_INTERVAL_S", "0.25") or 0.25)
+STEP_TIMES_INTERVAL_S = float(os.environ.get("CLUSTER_STEP_TIMES_INTERVAL_S", "0.5") or 0.5)
 STEP_TIMES_KEPT = 64
 """Steps in each write of the shared step times: more than pass between two of the watch's looks (every 0.2 to
-1 s) at steps of 20 ms, and a quarter of the progress record's (about 1.5 kB a write, on EFS)."""
+1 s) at steps of 20 ms, and a third of the progress record's (about 1.2 kB a write: with 8 ranks a node, about
+70 MB an hour on EFS)."""
 STACK_DEPTH = 12
 _STDLIB = os.path.dirname(os.__file__) + os.sep
 
@@ -92,10 +95,11 @@ class RankMonitor:
         """When this rank was first seen in a formed process group (the rendezvous done)."""
         self.first_step_at: float | None = None
         """When its first collective was seen completed, or the harness's first step (the launch's timeline)."""
-        self.step_times = os.environ.get(contract.STEP_TIMES_VARIABLE) or None
-        """Where this rank's step times go on the shared folder (None: the launch asked for none)."""
+        shared = os.environ.get(contract.STEP_TIMES_VARIABLE)
+        self.step_times = StepTimesWriter(os.path.join(shared, contract.rank_progress(rank))) if shared else None
+        """Writes this rank's step times on the shared folder (None: the launch asked for none)."""
         self.shared_step = None
-        """The last step whose times were written there."""
+        """The last step whose times were handed to it."""
 
     def run(self) -> None:
         reported = 0.0
@@ -122,21 +126,16 @@ class RankMonitor:
         return min(self.interval_s, STEP_TIMES_INTERVAL_S) if self.step_times else self.interval_s
 
     def share_step_times(self) -> None:
-        """This rank's last step times into the shared folder (`contract.STEP_TIMES`), where it stepped since
-        the last write. A write that fails is tried at the next step (the progress record has them too)."""
+        """This rank's last step times to its writer (`contract.STEP_TIMES` on the shared folder), where it
+        stepped since the last ones."""
         step = _harness_step()
-        if not self.step_times or step is None or step == self.shared_step:
+        if self.step_times is None or step is None or step == self.shared_step:
             return
         compute = _harness_compute()[-STEP_TIMES_KEPT:]
-        if not compute:
-            return
-        record = {"rank": self.rank, "node": os.environ.get(contract.NODE_VARIABLE, ""), "compute": compute}
-        try:
-            os.makedirs(self.step_times, mode=0o700, exist_ok=True)
-            _write_json(os.path.join(self.step_times, contract.rank_progress(self.rank)), record)
+        if compute:
+            node = os.environ.get(contract.NODE_VARIABLE, "")
+            self.step_times.put({"rank": self.rank, "node": node, "compute": compute})
             self.shared_step = step
-        except Exception as exc:  # a shared folder that is full or gone must not end the monitor
-            self.failure = f"step times: {type(exc).__name__}: {exc}"
 
     def watch_first_step(self) -> bool:
         """A script on the harness: its first step. Any other: its first collective done (a proxy: DDP's
@@ -282,6 +281,45 @@ class RankMonitor:
                 "threads": all_thread_stacks(),
             },
         )
+
+
+class StepTimesWriter:
+    """A rank's step times onto the shared folder, on a daemon thread of its own: it writes the latest record it
+    was handed (one waits at most; a newer one replaces it), so a write that stalls holds up nothing else. A
+    write that fails is made again with the next record (the progress record has the times too)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.pending: dict | None = None
+        self.ready = threading.Condition()
+        self.made_folder = False
+        self.thread: threading.Thread | None = None
+
+    def put(self, record: dict) -> None:
+        with self.ready:
+            self.pending = record
+            self.ready.notify()
+        if self.thread is None:
+            self.thread = threading.Thread(target=self.run, name="gpu-cluster-step-times", daemon=True)
+            self.thread.start()
+
+    def take(self) -> dict:
+        with self.ready:
+            while self.pending is None:
+                self.ready.wait()
+            record, self.pending = self.pending, None
+            return record
+
+    def run(self) -> None:
+        while True:
+            record = self.take()
+            try:
+                if not self.made_folder:
+                    os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+                    self.made_folder = True
+                _write_json(self.path, record)
+            except Exception:  # a shared folder that is full or gone must not end the job: the next record
+                self.made_folder = False
 
 
 class _Recorder:

@@ -680,3 +680,17 @@ def test_a_fetch_the_disk_cut_short_says_so_and_never_that_there_was_nothing(mon
     said.clear()
     launch.report_fetched(launch.Fetched([], 0, []), tmp_path, "node-0", 50_000_000)
     assert said == ["fab: nothing to fetch: node-0's $CLUSTER_RESULTS_DIR is empty and the run wrote no metrics.jsonl"]
+
+
+def test_ranks_write_their_step_times_on_the_shared_folder_only_where_there_is_one_and_the_watch_is_on():
+    from remote.hangwatch import HangPolicy, job_environment
+
+    variables = job_environment(cluster(shared="/mnt/our share"), "run-1", HangPolicy())
+    said = subprocess.run(
+        ["bash", "-c", f'X={variables[contract.STEP_TIMES_VARIABLE]}; echo "$X"'],
+        capture_output=True,
+        text=True,
+    )  # a shell word: a folder with a space stays one path
+    assert said.stdout.strip() == f"/mnt/our share/runs/run-1/{contract.STEP_TIMES}"
+    assert contract.STEP_TIMES_VARIABLE not in job_environment(cluster(shared=""), "run-1", HangPolicy())
+    assert job_environment(cluster(), "run-1", HangPolicy(timeout_s=0)) == {}  # no watch, no monitor

@@ -540,7 +540,7 @@ def test_a_follow_goes_on_past_the_record_of_a_start_slurm_requeued(monkeypatch,
 
 
 def test_a_straggler_step_that_outlives_the_grace_after_its_ranks_were_told_is_ended_by_the_watch(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, capsys
 ):
     # --on-straggler replace told the straggler's ranks to save and exit; a script that ignores SIGUSR1 under
     # --max-restarts is started again in place by torchrun, and the step would never end (nor the node go).
@@ -559,9 +559,15 @@ def test_a_straggler_step_that_outlives_the_grace_after_its_ranks_were_told_is_e
     replacing.told_at = time.monotonic()
     assert not replacing.overdue()  # told just now: the ranks are saving
     replacing.told_at = time.monotonic() - slurm_run.STRAGGLER_EXIT_GRACE_S
-    main = subprocess.Popen(["sleep", "120"])
+    main = subprocess.Popen(["sleep", "30"])
     try:
-        code = slurm_run._watch_step(spec, main, "srun", str(tmp_path), straggler.Named(), replacing, True)
+        code = slurm_run._watch_step(spec, main, "srun", str(tmp_path), straggler.Named(), replacing)
     finally:
         main.kill()
-    assert code == 128 + signal.SIGTERM and not replacing.overdue()  # ended once
+    assert code == 128 + signal.SIGTERM and replacing.overdue() is None  # ended once
+    replacing.told_at -= slurm_run.STRAGGLER_KILL_AFTER_S  # a step that outlives SIGTERM too
+    assert replacing.overdue() == signal.SIGKILL and replacing.overdue() is None
+    capsys.readouterr()
+    replacing.close()  # the step has ended: a straggler named now takes no node out (nor requeues the run)
+    replacing.take_out([straggler.Straggler(1, "node-0", 2.0, 1, 20)])
+    assert replacing.taken_out == [] and "[watch]" not in capsys.readouterr().out  # not even looked at

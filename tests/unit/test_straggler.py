@@ -131,6 +131,7 @@ def test_the_other_ranks_median_is_the_median_of_the_others():
 def test_a_rank_monitor_shares_its_last_step_times_where_the_launch_asked_and_a_watch_reads_them(tmp_path, monkeypatch):
     import sys
     import threading
+    import time
     import types
 
     from node import contract
@@ -148,7 +149,11 @@ def test_a_rank_monitor_shares_its_last_step_times_where_the_launch_asked_and_a_
     metrics.step_compute, metrics.last_step = [(step, 0.01) for step in range(1, 101)], 100
     unasked.share_step_times()
     assert not shared.exists()  # a launch without a shared folder: nothing written there
-    monitor.share_step_times()
+    monitor.share_step_times()  # handed to its writer thread
+    written = shared / "rank-1.json"
+    deadline = time.monotonic() + 30
+    while not written.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert shared.stat().st_mode & 0o777 == 0o700
     (shared / "rank-0.json").write_text('{"rank": 0, "node": "node-0", "comp')  # not a record: skipped
     expected = {"rank": 1, "node": "node-1", "compute": [[step, 0.01] for step in range(37, 101)]}
@@ -180,3 +185,26 @@ def test_shared_looks_and_the_polls_feed_one_verdict_that_says_a_straggler_once(
     assert named.update(records, said.append) == []  # the polls' records hold the same steps: named already
     assert [[found.rank for found in fresh] for fresh in said] == [[1]] and then == said
     assert not looks.thread.is_alive()
+
+
+def test_two_threads_feeding_one_verdict_say_each_straggler_once_and_keep_every_one_in_the_record():
+    import threading
+    import time
+
+    named = straggler.Named()
+    said, records_written = [], []
+
+    def say(fresh):
+        said.extend(found.rank for found in fresh)
+        time.sleep(0.05)  # a slow write: the other thread's update waits, then finds them named
+        records_written.append(json.loads(named.record()))
+
+    everything = ranks(4, {1: (2.0, range(1, 41)), 3: (2.0, range(1, 41))})
+    halves = [[r for r in everything if r["rank"] != 3], everything]  # one thread sees rank 3 later
+    threads = [threading.Thread(target=named.update, args=(records, say)) for records in halves * 2]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(said) == [1, 3]
+    assert sorted(r["rank"] for r in records_written[-1]) == [1, 3]  # the last record written has both
