@@ -469,16 +469,6 @@ def start_sleeping_job(cluster, tmp_path) -> tuple[subprocess.Popen, str]:
     return job, run_id_in(wait_for_output(job, "[node-0] sleeping", "[node-1] sleeping"))
 
 
-def test_ctrl_c_stops_the_job_everywhere(cluster, tmp_path):
-    job, run_id = start_sleeping_job(cluster, tmp_path)
-    try:
-        job.send_signal(signal.SIGINT)
-        assert job.wait(timeout=30) == 130
-    finally:
-        job.kill()
-    assert run_processes(run_id) == []
-
-
 FLOOD_SCRIPT = """
 import sys
 line = "x" * 99 + "\\n"
@@ -488,8 +478,8 @@ while True:
 
 
 def test_ctrl_c_during_a_flood_of_output_stops_cleanly(cluster, tmp_path):
-    """A job writing as fast as it can: Ctrl-C stops it everywhere and fab ends in its own words, with no
-    traceback from output still arriving while fab closes its streams."""
+    """A job writing as fast as it can: Ctrl-C stops it everywhere (exit 130, no process of the run left)
+    and fab ends in its own words, with no traceback from output still arriving while fab closes its streams."""
     script = tmp_path / "flood.py"
     script.write_text(FLOOD_SCRIPT)
     job = cluster.popen_fab("run", "--script", str(script), text=False)
