@@ -3,8 +3,6 @@
 import os
 from pathlib import Path
 
-import asyncssh
-
 from infra import state
 
 
@@ -12,6 +10,8 @@ def ensure_client_key(stack_dir: Path) -> Path:
     """The cluster's ed25519 key (`id_ed25519`, mode 0600, and `.pub`), created once per stack."""
     key_path = stack_dir / state.SSH_KEY
     if not key_path.exists():
+        import asyncssh  # loaded where a key is made: `deploy.py cost` or `status` never needs it
+
         key = asyncssh.generate_private_key("ssh-ed25519", comment=f"gpu-cluster-{stack_dir.name}")
         state.write_atomic(key_path, key.export_private_key().decode(), mode=0o600)
         state.write_atomic(key_path.with_suffix(".pub"), key.export_public_key().decode())
@@ -25,6 +25,8 @@ def public_key_text(key_path: Path) -> str:
 
 def generate_host_key(path: Path) -> str:
     """A fresh ed25519 host key at `path` (0600); returns its public half, `ssh-ed25519 AAAA...`."""
+    import asyncssh
+
     key = asyncssh.generate_private_key("ssh-ed25519")
     state.write_atomic(path, key.export_private_key().decode(), mode=0o600)
     return key.export_public_key().decode().strip()

@@ -171,6 +171,13 @@ async def fetch_host_key(address: str, port: int, timeout_s: float = 10.0) -> st
     return key.export_public_key().decode().strip()
 
 
+def connection_errors() -> tuple[type[BaseException], ...]:
+    """What a failed asyncssh connection or command raises (asyncssh loaded here, where one is at hand)."""
+    import asyncssh
+
+    return (OSError, asyncssh.Error, asyncio.TimeoutError)
+
+
 def describe(exc: BaseException | None) -> str:
     """Why a connection failed, in the words a user reads, from asyncssh's or paramiko's exception."""
     # An exception of a client that was never loaded cannot be at hand: look only at the loaded ones.

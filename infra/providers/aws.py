@@ -15,8 +15,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import asyncssh
-
 from infra import config as stack_config
 from infra import inventory, keys, ssh, state
 from infra.cloud_init import READY_MARKER, SHARED_DIR, SSH_USER
@@ -349,7 +347,7 @@ async def _host_keys(cluster: ClusterInfo, instance_ids: dict, ec2, deadline: fl
             try:
                 key = await ssh.fetch_host_key(node.public_ip, node.ssh_port)
                 how = "on first contact (trust on first use)"
-            except (OSError, asyncssh.Error, asyncio.TimeoutError):
+            except ssh.connection_errors():
                 if time.monotonic() > deadline:
                     raise OperationError(
                         f"{node.name} ({node.public_ip}) never answered SSH; "
@@ -378,7 +376,7 @@ async def _wait_ready(cluster: ClusterInfo, deadline: float, instance_ids: dict 
                 result = await ssh.run(cluster, node, command)
                 if result.exit_status == 0:
                     return
-            except (OSError, asyncssh.Error, asyncio.TimeoutError):
+            except ssh.connection_errors():
                 pass
             if time.monotonic() > deadline:
                 raise OperationError(

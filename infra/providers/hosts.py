@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-import asyncssh
 import yaml
 
 from infra import inventory, keys, ssh, state
@@ -307,6 +306,8 @@ def _host(index: int, entry, default_user: str, problems: list[str]) -> Host | N
 
 async def check_host(hosts_file: HostsFile, host: Host, head_address: str) -> HostCheck:
     """Connect, note the host key, and run the probe from stdin (nothing is written on the host)."""
+    import asyncssh  # loaded where it connects: other `deploy.py` commands start without it
+
     known_hosts = str(hosts_file.known_hosts) if hosts_file.known_hosts else None
     try:
         async with asyncssh.connect(
@@ -323,7 +324,7 @@ async def check_host(hosts_file: HostsFile, host: Host, head_address: str) -> Ho
                 slurm = {**hosts_file.slurm_existing, "name": host.slurm_name}
                 command += " " + shlex.quote(json.dumps(slurm))
             result = await asyncio.wait_for(conn.run(command, input=probe, check=False), CHECK_TIMEOUT_S)
-    except (OSError, asyncssh.Error, asyncio.TimeoutError) as exc:
+    except ssh.connection_errors() as exc:
         return HostCheck(host, _connect_problem(exc, hosts_file))
     if server_key is None:  # asyncssh has one once the handshake is done; a server that offered none is refused
         return HostCheck(host, "it offered no host key")
@@ -338,6 +339,8 @@ async def check_host(hosts_file: HostsFile, host: Host, head_address: str) -> Ho
 
 
 def _connect_problem(exc: BaseException, hosts_file: HostsFile) -> str:
+    import asyncssh
+
     if isinstance(exc, asyncssh.HostKeyNotVerifiable):
         return f"its host key is not in known_hosts {hosts_file.known_hosts}"
     if isinstance(exc, asyncssh.PermissionDenied):
@@ -509,7 +512,7 @@ async def _clean_node(cluster: ClusterInfo, node: NodeInfo) -> dict:
         async with ssh.connect(cluster, node, timeout_s=DOWN_TIMEOUT_S / 4) as conn:
             result = await asyncio.wait_for(conn.run(command, input=script, check=False), DOWN_TIMEOUT_S)
         return json.loads(result.stdout.strip().splitlines()[-1])
-    except (OSError, asyncssh.Error, asyncio.TimeoutError) as exc:
+    except ssh.connection_errors() as exc:
         return {"error": ssh.describe(exc)}
     except (ValueError, IndexError):
         return {"error": f"cleanup failed: {' '.join((result.stderr or '').split())[-160:]}"}
@@ -564,7 +567,7 @@ async def _status_row(cluster: ClusterInfo, node: NodeInfo) -> NodeStatus:
             uptime_s = float(result.stdout.split()[0])
         else:
             error = f"exited {result.exit_status}"
-    except (OSError, asyncssh.Error, asyncio.TimeoutError) as exc:
+    except ssh.connection_errors() as exc:
         error = ssh.describe(exc)
     except (ValueError, IndexError):
         uptime_s = None

@@ -24,19 +24,15 @@ import struct
 import sys
 import termios
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import asyncssh
 
 from infra import state
 from infra.providers.local import metadata
+from infra.providers.local.node_config import PID_REGISTRY, NodeConfig, token_entry
 from node import contract, procfs
 
-SERVER_MODULE = "infra.providers.local.node_server"
-# Daemons started on the node (the watchdog, a detached job) register `<name>.pid` here, so that
-# powering the node off ends them too, as it would on a real machine.
-PID_REGISTRY = contract.PIDS
 # Every shell sources the node environment, so NODE_RANK, MASTER_ADDR, CLUSTER_PYTHON are there in
 # plain `ssh` sessions too: non-interactive ones through BASH_ENV (unset at once, so a job's own
 # shells do not source it again over what the job set), interactive ones through the rcfile.
@@ -46,40 +42,6 @@ TERMINATE_GRACE_S = 3.0
 GUARD_POLL_S = 1.0
 
 log = logging.getLogger("node")
-
-
-@dataclass(frozen=True)
-class NodeConfig:
-    """What `deploy.py up --local` tells one node server."""
-
-    name: str
-    """`node-<i>`."""
-    address: str
-    """The loopback address to bind."""
-    port: int
-    """The SSH port to bind."""
-    host_key: str
-    """Path of the node's ed25519 host key."""
-    authorized_key: str
-    """The one public key allowed to log in (the cluster's)."""
-    user: str
-    """The one user name allowed to log in."""
-    home: str
-    """The node's home folder: each command's working directory and `$HOME`."""
-    shared_dir: str
-    """The folder all nodes share (`$CLUSTER_SHARED_DIR`)."""
-    pid_file: str
-    """Written once the port is bound: `{"pid", "started_at", "address", "port"}`."""
-    token: str
-    """Put in every session's environment as CLUSTER_NODE_TOKEN, so power-off finds all it started."""
-    metadata_port: int = 0
-    """The port of the node's instance metadata service on `address` (metadata.py); 0: none."""
-    notice_file: str = ""
-    """Where the operator posts a spot notice for this node; the node powers off at its time."""
-
-    @classmethod
-    def load(cls, path: str) -> "NodeConfig":
-        return cls(**json.loads(Path(path).read_text()))
 
 
 class ProcessTable:
@@ -126,10 +88,6 @@ async def terminate_group(pgid: int, grace_s: float = TERMINATE_GRACE_S) -> None
             return
         await asyncio.sleep(0.05)
     _signal_group(pgid, signal.SIGKILL)
-
-
-def token_entry(token: str) -> str:
-    return f"CLUSTER_NODE_TOKEN={token}"
 
 
 def _signal_pid(pid: int, sig: int) -> None:

@@ -33,7 +33,7 @@ from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo, NodeInfo, NodeStatus
 from infra.providers.base import DownReport, Provider, UpRequest, UpResult
 from infra.providers.local import metadata, procs
-from infra.providers.local.node_server import PID_REGISTRY, SERVER_MODULE, NodeConfig, token_entry
+from infra.providers.local.node_config import PID_REGISTRY, SERVER_MODULE, NodeConfig, token_entry
 from infra.timeline import Timeline
 from node import contract, procfs
 
