@@ -106,13 +106,14 @@ def main() -> int:
     times = [line["time"] for line in survivor]
     gap = max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0)
     back = [line for line in every if line["replica"] == 1 and killed_at and line["time"] > killed_at]
-    healed = back[0]["time"] - killed_at if back else float("inf")
+    healed = back[0]["time"] - killed_at if back and killed_at is not None else float("inf")
     final = {line["replica"]: line["params_sha"] for line in every if line["step"] == args.steps}
     equal = len(final) == 2 and len(set(final.values())) == 1
     codes = [process.returncode for process in groups]
+    started_s = rejoined_at - killed_at if rejoined_at is not None and killed_at is not None else 0.0
     print(
         f"exit codes {codes}; survivor steps {len(steps)}, redone {redone}, longest gap {gap:.2f} s; "
-        f"group 1 back {healed:.1f} s after the kill (its start {rejoined_at - killed_at if killed_at else 0:.1f} s "
+        f"group 1 back {healed:.1f} s after the kill (its start {started_s:.1f} s "
         f"after); final params_sha {'equal' if equal else 'DIFFERENT: ' + json.dumps(final)}",
         flush=True,
     )
