@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import REPO, Check, bootstrapped_local_cluster, deploy, fab, median, scratch_env
+from bench.common import REPO, Check, bootstrapped_local_cluster, deploy, fab, fab_started, median, scratch_env, started
 
 LOADS = 5
 TICKS = 40
@@ -39,14 +39,7 @@ SCREENSHOT = REPO / "bench" / "figures" / "dashboard-run.png"
 
 
 def start_dashboard(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen(
-        [sys.executable, "deploy.py", "dashboard", "--port", "0"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    process = started([sys.executable, "deploy.py", "dashboard", "--port", "0"], env)
     assert process.stdout is not None
     line = process.stdout.readline()
     if not line.startswith("dashboard: http://"):
@@ -89,14 +82,7 @@ def log_delays(browser) -> tuple[list[float], list[float]]:
     try:
         run_id = fab("run", "--script", str(script), "--detach", env=env).stdout.strip().splitlines()[-1]
         process, url = start_dashboard(env)
-        follower = subprocess.Popen(
-            [str(Path(sys.executable).with_name("fab")), "logs", "-f", "--run", run_id],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
+        follower = fab_started("logs", "-f", "--run", run_id, env=env, stderr=subprocess.DEVNULL)
         fab_ticks: list[tuple[float, float]] = []
 
         def read_fab() -> None:

@@ -19,14 +19,12 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from datetime import datetime
 from pathlib import Path
 
-from bench.common import Check, deploy, fab, median, scratch_env, without_slurm
+from bench.common import Check, deploy, fab, fab_started, median, scratch_env, without_slurm
 
 STEP_SLEEP_S = 0.05
 PAIRS = 5
@@ -201,9 +199,8 @@ def fab_held_kill_figures(bench: Bench) -> list[Check]:
     """The kill figures again with the run held by fab's connections (`--scheduler none`): the launch starts
     group 1 again on the replacement (remote/heal.py). Attached, so it ends with Ctrl-C."""
     fab("bootstrap", "--scheduler", "none", env=bench.env)
-    argv = [str(Path(sys.executable).with_name("fab")), "run", "--script", "examples/ft_training.py"]
-    argv += ["--replicas", "2", "--args", LONG.format(sleep=STEP_SLEEP_S)]
-    job = subprocess.Popen(argv, env=bench.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    args = ("--replicas", "2", "--args", LONG.format(sleep=STEP_SLEEP_S))
+    job = fab_started("run", "--script", "examples/ft_training.py", *args, env=bench.env)
     said: list[str] = []
     heard: dict[str, float] = {}  # when the launch said it started group 1 again
     out = job.stdout

@@ -17,12 +17,10 @@ Requirements:
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from bench.common import REPO, Check, deploy, fab, scratch_env
+from bench.common import Check, deploy, fab, fab_started, scratch_env
 from tests.support import slurm
 
 PREFLIGHTS = int(os.environ.get("BENCH_PREFLIGHTS", "10"))
@@ -92,14 +90,7 @@ def _straggler_run(env: dict[str, str], holder: str) -> dict:
     throttle began, the window the verdict named, and the step rank 0 was at when the line was said."""
     from tests.support.throttle import throttled
 
-    run = subprocess.Popen(
-        [str(Path(sys.executable).with_name("fab")), "run-ddp", "--skip-preflight", *STRAGGLER_DDP],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    run = fab_started("run-ddp", "--skip-preflight", *STRAGGLER_DDP, env=env)
     assert run.stdout is not None
     seen = []
     for line in run.stdout:

@@ -53,6 +53,15 @@ def fab(*args: str, env: dict[str, str], check: bool = True) -> subprocess.Compl
     return cli([str(Path(sys.executable).with_name("fab")), *args], env, check)
 
 
+def started(argv: list[str], env: dict[str, str], stderr=subprocess.STDOUT) -> subprocess.Popen:
+    """`argv` started from the repository, its output (stderr merged in, unless told) read as text as it comes."""
+    return subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+
+
+def fab_started(*args: str, env: dict[str, str], stderr=subprocess.STDOUT) -> subprocess.Popen:
+    return started([str(Path(sys.executable).with_name("fab")), *args], env, stderr)
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 
