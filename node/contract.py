@@ -153,6 +153,25 @@ def groups_to_restart(groups: list, back: set, running: set, ended: dict) -> lis
     return due
 
 
+def json_objects(lines) -> list:
+    """The JSON objects among `lines`, one a line (a node's answers, the ranks' step times); any other line,
+    and a line that is not whole, is skipped."""
+    import json  # here: this file imports nothing at its top (standalone.py carries its text)
+
+    found = []
+    for line in lines:
+        text = line.strip()
+        if not text.startswith("{"):
+            continue
+        try:
+            value = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            found.append(value)
+    return found
+
+
 def daemon_pid(name: str) -> str:
     """The registered process group of a detached daemon (`PIDS`), which power-off and `down` end."""
     return f"{PIDS}/{name}.pid"

@@ -561,17 +561,7 @@ def _ask(probe: dict, srun: str, here: str, apart: bool = False) -> list:
         result = subprocess.run(step_argv(probe, srun, here, *options), capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired):
         return []
-    payloads = []
-    for line in result.stdout.splitlines():
-        text = re.sub(r"^\[[^\]]*\] ", "", line).strip()
-        if text.startswith("{"):
-            try:
-                payload = json.loads(text)
-            except ValueError:
-                continue
-            if isinstance(payload, dict):
-                payloads.append(payload)
-    return payloads
+    return contract.json_objects(re.sub(r"^\[[^\]]*\] ", "", line) for line in result.stdout.splitlines())
 
 
 def sbatch_argv(spec: dict, sbatch: str, script: str, adopted: dict | None = None) -> list:

@@ -242,20 +242,6 @@ class Named:
             return json.dumps(list(self.by_rank.values()), indent=2) + "\n"
 
 
-def parse_step_times(text: str) -> list:
-    """The ranks' shared step-times records in `text` (`cat` of their files: one JSON object a line); a line
-    that is not one is skipped."""
-    records = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
-
-
 def read_step_times(folder: str) -> list:
     """The ranks' shared step-times records in `folder` (`contract.STEP_TIMES`), on this machine."""
     text = []
@@ -265,7 +251,7 @@ def read_step_times(folder: str) -> list:
                 text.append(f.read())
         except OSError:  # a rank's file replaced while listed: its next write has the steps
             continue
-    return parse_step_times("\n".join(text))
+    return contract.json_objects("\n".join(text).splitlines())
 
 
 class SharedLooks:

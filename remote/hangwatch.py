@@ -272,7 +272,7 @@ class SharedLooks(straggler.SharedLooks):
 
     def _read(self) -> list:
         try:
-            return straggler.parse_step_times(self.session.run(self.command, timeout=30).stdout)
+            return contract.json_objects(self.session.run(self.command, timeout=30).stdout.splitlines())
         except Exception:  # the head node did not answer: a fresh connection for the next look
             if not self.stopped.is_set():
                 self.session.reopen()

@@ -158,7 +158,7 @@ def test_a_rank_monitor_shares_its_last_step_times_where_the_launch_asked_and_a_
     (shared / "rank-0.json").write_text('{"rank": 0, "node": "node-0", "comp')  # not a record: skipped
     expected = {"rank": 1, "node": "node-1", "compute": [[step, 0.01] for step in range(37, 101)]}
     assert straggler.read_step_times(str(shared)) == [expected]  # the last STEP_TIMES_KEPT steps
-    assert straggler.parse_step_times((shared / "rank-1.json").read_text() + "garbage\n") == [expected]
+    assert contract.json_objects([(shared / "rank-1.json").read_text(), "garbage", '{"rank": 2, "no']) == [expected]
 
 
 def test_shared_looks_and_the_polls_feed_one_verdict_that_says_a_straggler_once():
