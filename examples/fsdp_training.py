@@ -97,7 +97,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def shard(model: TinyTransformerLM, mesh, zero: int, precision: str) -> TinyTransformerLM:
     """Shard each block (its weights are gathered together, one block at a time), then the rest."""
-    policy = MixedPrecisionPolicy(param_dtype=PRECISIONS[precision], reduce_dtype=torch.float32)
+    # fp32 keeps the parameters' own dtype throughout (a float64 check's too); 16-bit reduces in float32
+    reduce_dtype = None if PRECISIONS[precision] is None else torch.float32
+    policy = MixedPrecisionPolicy(param_dtype=PRECISIONS[precision], reduce_dtype=reduce_dtype)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=policy)

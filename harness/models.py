@@ -114,8 +114,10 @@ class TinyTransformerLM(nn.Module):
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy for classifier logits [B, C] or language-model logits [B, T, V]."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    """Cross-entropy for classifier logits [B, C] or language-model logits [B, T, V], in float32 at least
+    (16-bit logits are upcast; float64 ones, a check's, keep their bits)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -183,7 +183,7 @@ def train_step(
 def mean_over_ranks(value: torch.Tensor) -> float:
     """The mean of a scalar over all ranks: the global batch's loss when every replica's slice is equal
     (tensor-parallel ranks of a replica hold the same loss, so they do not tilt it)."""
-    total = value.detach().float().reshape(1).clone()
+    total = value.detach().to(torch.float64).reshape(1).clone()  # a float64 check's loss keeps its bits
     dist.all_reduce(total)
     return total.item() / dist.get_world_size()
 
@@ -204,8 +204,9 @@ def timed(step: Callable[[], T], device: torch.device) -> tuple[T, float]:
 # -------------------------------------------------------------------------------- whole parameters
 
 
-def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter whole, by name, on every rank, whatever shards it (FSDP, tensor parallel, both).
+def full_parameters(model: nn.Module, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Every parameter whole, by name, on every rank, whatever shards it (FSDP, tensor parallel, both),
+    as `dtype` (float32 for digests; a float64 check keeps its own).
 
     Gathering FSDP-over-TP shards takes two all-gathers, which torch logs as a performance warning on
     every call; a check or a digest runs it once, so that warning is kept out of the output.
@@ -214,7 +215,7 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     whole = {}
     for name, parameter in unwrap(model).named_parameters():
         tensor = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
-        whole[name] = tensor.detach().float().cpu()
+        whole[name] = tensor.detach().to(dtype).cpu()
     return whole
 
 
