@@ -22,9 +22,11 @@ The job's output is prefixed here, on the node (`node/output.py`): each rank wri
 own (`[node-1]`, or `[node-1 rank 3]` where the node runs several ranks), torchrun's own output into
 another (`[node-1]`). When torchrun is done, one bare line (`contract.RANKS_MARKER` and JSON) says how
 each rank that failed exited, by torchrun's failure record (a script's `sys.exit(3)` is 3 there, while
-torchrun itself exits 1), and whether any rank of this node formed a process group, as the rank
-monitors' progress records show (`null` where the launch started no monitor). Nothing here runs on the
-operator side.
+torchrun itself exits 1) and when it exited by this node's clock (`exited_at`: a thread per rank waits for
+its process without reaping it, so the time is the rank's own, not when the agent noticed), and whether any
+rank of this node formed a process group, as the rank monitors' progress records show (`null` where the
+launch started no monitor). The operator names the node that failed first from those times
+(`remote/outcome.py`). Nothing here runs on the operator side.
 
 In a fault-tolerant run (`--replicas`), the head node's torchrun also serves torchft's Lighthouse, bound
 to the address `contract.LIGHTHOUSE_BIND_VARIABLE` names (torchft's own default is every interface), for
@@ -36,6 +38,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -131,6 +134,24 @@ def serve_worker_stores_from_the_agent() -> bool:
     return True
 
 
+EXITED_AT: dict[str, float] = {}
+"""{global rank: when its process exited, epoch seconds by this node's clock} (`note_exit`)."""
+
+
+def note_exit(pid: int, rank: str) -> None:
+    """Record in `EXITED_AT` when the rank's process exits, from a thread that waits for it without reaping
+    it (WNOWAIT: torchrun's agent still reaps it and reads its code)."""
+
+    def wait() -> None:
+        try:
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:  # the agent reaped it first: it ended a moment ago
+            pass
+        EXITED_AT[rank] = time.time()
+
+    threading.Thread(target=wait, name=f"exit-of-rank-{rank}", daemon=True).start()
+
+
 def prefix_rank_output(mux: Mux, node: str) -> None:
     """Start every worker whose output torchrun does not redirect (no --redirects or --tee) with a pipe
     of its own, copied with its prefix by `mux`."""
@@ -143,7 +164,9 @@ def prefix_rank_output(mux: Mux, node: str) -> None:
 
     def piped(self, args, env):
         if self._stdout is not None or self._stderr is not None:
-            return popen(self, args, env)
+            proc = popen(self, args, env)
+            note_exit(proc.pid, env["RANK"])
+            return proc
         several = int(env.get("LOCAL_WORLD_SIZE", "1")) > 1
         read_fd, write_fd = rank_pipe()
         try:
@@ -155,6 +178,7 @@ def prefix_rank_output(mux: Mux, node: str) -> None:
         finally:
             os.close(write_fd)
         mux.follow(read_fd, node_prefix(node, int(env["RANK"]) if several else None), name=f"rank-{env['RANK']}")
+        note_exit(proc.pid, env["RANK"])
         return proc
 
     handler._popen = piped  # type: ignore[method-assign]
@@ -189,9 +213,12 @@ def rank_times(node: str, started: float) -> dict:
     return times
 
 
-def ranks_line(exit_codes: dict[str, int], process_group: bool | None, times: dict | None = None) -> str:
-    """The bare line the launch reads after torchrun returns."""
-    said = {"exit_codes": exit_codes, "process_group": process_group, "times": times or {}}
+def ranks_line(
+    exit_codes: dict[str, int], process_group: bool | None, times: dict | None = None, exited_at: dict | None = None
+) -> str:
+    """The bare line the launch reads after torchrun returns; `exited_at` is kept for the failed ranks."""
+    ended = {rank: at for rank, at in (exited_at or {}).items() if rank in exit_codes}
+    said = {"exit_codes": exit_codes, "exited_at": ended, "process_group": process_group, "times": times or {}}
     return f"{contract.RANKS_MARKER} " + json.dumps(said)
 
 
@@ -224,7 +251,7 @@ def main(argv: list[str]) -> None:
             signal.signal(stop, signal.SIG_DFL)
         own.restore()  # sends what the spool still holds
     group = formed_process_group(node) if code == 0 else None
-    print(ranks_line(exit_codes, group, rank_times(node, started)), flush=True)
+    print(ranks_line(exit_codes, group, rank_times(node, started), dict(EXITED_AT)), flush=True)
     sys.exit(code)
 
 

@@ -21,6 +21,7 @@ from infra.timeline import Timeline
 from remote import protocol, runs, scheduled
 from remote.connect import open_sessions
 from remote.launch import JobResult, JobSpec, NodeSetup, launch, stop_everywhere
+from remote.outcome import STOPPED_CODES
 from remote.stream import say
 
 
@@ -187,16 +188,15 @@ def ended(run: runs.Run, spec: JobSpec, result: JobResult) -> None:
     """An attached launch's result into its run record."""
     run.ended_at = time.time()
     run.started_at = run.ended_at - result.duration_s
-    run.first_failed = result.failed_node
     run.without_process_group = result.without_process_group
     failed = [c for c in result.exit_codes.values() if c not in (0, None)]
     if result.hang and spec.hang.on_hang == "stop" and not result.interrupted:
         outcome = "HUNG"  # the watch stopped it: every node ended on its signal
-    elif result.interrupted or (failed and all(c in runs.STOPPED_CODES for c in failed)):
+    elif result.interrupted or (failed and all(c in STOPPED_CODES for c in failed)):
         outcome = "CANCELLED"
     else:
         outcome = "COMPLETED" if result.ok else "FAILED"
-    run.end(outcome, result.exit_codes, result.rank_exit_codes)
+    run.end(outcome, result.exit_codes, result.ranks, result.exited_at)
     if result.hang:
         run.hang = {
             "verdict": result.hang.verdict,

@@ -89,8 +89,6 @@ class JobResult:
     """ISO-8601 UTC."""
     duration_s: float
     """Wall time of the job."""
-    failed_node: str | None = None
-    """The node whose job failed first by its own clock (see `first_failure`), if any."""
     interrupted: bool = False
     """True when Ctrl-C ended it."""
     tails: dict[str, list[str]] = field(default_factory=dict)
@@ -242,18 +240,6 @@ class JobStream(NodeStream):
     @property
     def ranks(self) -> RankOutcome:
         return RankOutcome.parse(self.markers.get(contract.RANKS_MARKER))
-
-
-def first_failure(
-    exit_codes: dict[str, int | None], exited_at: dict[str, float | None], returned: list[str]
-) -> str | None:
-    """The node that failed first: the earliest exit time a failing node saw by its own clock (SSH calls
-    return in no useful order when nodes fail together); nodes without one (stopped by fail-fast, their
-    connection lost) come after, in the order their calls returned."""
-    failed = [name for name in returned if exit_codes.get(name) not in (0, None)]
-    timed = sorted((exited_at[name], name) for name in failed if exited_at.get(name) is not None)
-    ordered = [name for _, name in timed] + [name for name in failed if exited_at.get(name) is None]
-    return ordered[0] if ordered else None
 
 
 def open_launch(
@@ -452,7 +438,6 @@ def run_job(
         started_at,
         _now(),
         time.monotonic() - started,
-        first_failure(exit_codes, exited_at, returned),
         interrupted,
         {name: stream.tail for name, stream in streams.items()},
         watch.report,

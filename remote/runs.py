@@ -20,6 +20,7 @@ from infra.ledger import HEARTBEAT_S, Ledger
 from infra.timeline import Timeline
 from node import billing, contract
 from remote.launch import JobSpec
+from remote.outcome import first_failure
 from remote.stream import RankOutcome, node_exited, say
 
 SUMMARY = "summary.json"
@@ -155,8 +156,6 @@ STATES = ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "HUNG", "PRE
 again (a spot notice or a lost node requeued it)."""
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "HUNG")
 """The states after which a run runs no more."""
-STOPPED_CODES = (128 + 15, 128 + 9)
-"""SIGTERM, SIGKILL: what a stop (node/stop_jobs.py, scancel, fail-fast) ends a node's job with."""
 RECORD = "run.json"
 """A run's record in its local run folder."""
 
@@ -202,7 +201,9 @@ class Run:
     rank_exit_codes: dict = field(default_factory=dict)
     """{node: {global rank: exit code}} of the ranks that failed (node/torchrun.py's ranks line)."""
     first_failed: str | None = None
-    """The node that failed first, where the holder could tell."""
+    """The node that failed first (`remote/outcome.py`)."""
+    first_failed_by: str = ""
+    """The evidence that named it (`rank 1 exited first by its clock`)."""
     without_process_group: list = field(default_factory=list)
     """The nodes none of whose ranks formed a process group."""
     owner: str = ""
@@ -236,21 +237,21 @@ class Run:
         except (OSError, ValueError, TypeError):
             return None
 
-    def end(self, state_: str, exit_codes: dict, ranks: dict) -> None:
-        """The run ended `state_`, each node's job with `exit_codes`, the failed ranks' own codes `ranks`
-        ({node: {rank: code}}): the run's exit code is the first failed rank's, else the first failed
-        node's (a node stopped because another failed comes last)."""
-        self.state, self.exit_codes, self.rank_exit_codes = state_, dict(exit_codes), dict(ranks)
-        nodes = [n for n in self.nodes if n in self.exit_codes] + [n for n in self.exit_codes if n not in self.nodes]
-        failed = [n for n in nodes if self.exit_codes.get(n) not in (0, None)]
-        if self.first_failed is None and failed:
-            by_own = [n for n in failed if self.rank_exit_codes.get(n) or self.exit_codes[n] not in STOPPED_CODES]
-            self.first_failed = (by_own or failed)[0]
-        first = self.first_failed
-        if first and self.rank_exit_codes.get(first):
-            self.exit_code = next(iter(self.rank_exit_codes[first].values()))
-        elif first:
-            self.exit_code = self.exit_codes[first]
+    def end(
+        self,
+        state_: str,
+        exit_codes: dict,
+        ranks: dict[str, RankOutcome],
+        exited_at: dict[str, float | None] | None = None,
+    ) -> None:
+        """The run ended `state_`, each node's job with `exit_codes`, its ranks as its ranks line said, its
+        job's end by its own clock `exited_at`: the node that failed first and the run's exit code by the one
+        rule both holders share (`remote/outcome.py`)."""
+        self.state, self.exit_codes = state_, dict(exit_codes)
+        self.rank_exit_codes = {node: said.exit_codes for node, said in ranks.items() if said.exit_codes}
+        first = first_failure(self.exit_codes, ranks, exited_at, self.nodes)
+        if first is not None:
+            self.first_failed, self.first_failed_by, self.exit_code = first.node, first.evidence, first.exit_code
         elif self.exit_code is None and state_ in FINAL:
             self.exit_code = 0 if state_ == "COMPLETED" else None
 
@@ -370,8 +371,9 @@ def outcome(cluster: ClusterInfo, run: Run, folder: Path) -> tuple[int, str]:
     first = run.first_failed or (failed[0] if failed else None)
     if first is None:
         return 1, f"error: run {run.run_id} {run.state.lower()}: exit code {run.exit_code}; {where}"
+    why = f", {run.first_failed_by}" if run.first_failed == first and run.first_failed_by else ""
     return 1, (
-        f"error: run {run.run_id} failed: {codes} (first: {first}, log: {folder / (first + '.log')}); "
+        f"error: run {run.run_id} failed: {codes} (first: {first}{why}, log: {folder / (first + '.log')}); "
         "the job was stopped on every node"
     )
 

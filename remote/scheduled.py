@@ -577,7 +577,7 @@ def _finish_over(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: 
         dropped = job_command.dropped_nodes(groups, exit_codes)
         run.extra = {**run.extra, "dropped": dropped} if dropped else run.extra
     said = {n: RankOutcome.parse(text) for n, text in ranks.items()}
-    run.end(outcome, exit_codes, {n: ranked.exit_codes for n, ranked in said.items()})
+    run.end(outcome, exit_codes, said, exited_at)
     if run.timeline is not None:
         times = [ranked.times for ranked in said.values()]
         job_phases(run.timeline, times, list(exited_at.values()), queued_until=run.started_at)

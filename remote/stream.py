@@ -10,6 +10,7 @@ that another node's output or fab's own line would otherwise continue.
 """
 
 import json
+import math
 import select
 import signal
 import sys
@@ -250,6 +251,8 @@ class RankOutcome:
     """Whether any rank of the node formed a process group; None where unknown (no monitor, a failure)."""
     times: dict = field(default_factory=dict)
     """The node's clock for the timeline: `started` (its torchrun), `group`, `first_step` (its ranks')."""
+    exited_at: dict[str, float] = field(default_factory=dict)
+    """When each failed rank's process exited, by the node's clock (absent where the node did not say)."""
 
     @classmethod
     def parse(cls, text: str | None) -> "RankOutcome":
@@ -258,13 +261,19 @@ class RankOutcome:
             codes = {str(rank): int(code) for rank, code in dict(data.get("exit_codes") or {}).items()}
             group = data.get("process_group")
             times = {k: float(v) for k, v in dict(data.get("times") or {}).items() if isinstance(v, (int, float))}
-            return cls(codes, group if isinstance(group, bool) else None, times)
+            ended = data.get("exited_at") if isinstance(data.get("exited_at"), dict) else {}
+            exited_at = {str(r): float(at) for r, at in ended.items() if _finite(at) and str(r) in codes}
+            return cls(codes, group if isinstance(group, bool) else None, times, exited_at)
         except (ValueError, TypeError, AttributeError):
             return cls()
 
     def describe(self) -> str:
         """`rank 1 exited 3, rank 2 was killed by SIGKILL`, or empty."""
         return ", ".join(f"rank {rank} {_ended(code)}" for rank, code in self.exit_codes.items())
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def node_exited(node: str, code: int | None, outcome: RankOutcome) -> str:

@@ -19,6 +19,7 @@ from tests.support.cli import assert_one_line_error
 from tests.support.clusters import bootstrapped_cluster, metrics_of, processes_of, run_id_in, run_processes
 from tests.support.examples import TINY
 from tests.support.network import free_port
+from tests.support.outcomes import assert_rank_1_failed_first, failing_rank_script
 
 PLAIN_SCRIPT = """
 import os, torch.distributed as dist
@@ -387,31 +388,18 @@ def test_a_plain_torchrun_script_sees_distinct_node_ranks_and_one_master(cluster
 
 
 def test_a_failing_rank_ends_the_whole_job_quickly_and_leaves_nothing(cluster, tmp_path):
-    script = tmp_path / "fail.py"
-    script.write_text(  # the last rank fails before joining; the others would wait for it forever
-        "import os, sys, time\n"
-        "if int(os.environ['RANK']) == int(os.environ['WORLD_SIZE']) - 1:\n"
-        "    time.sleep(1); sys.exit(3)\n"
-        "import torch.distributed as dist\n"
-        "dist.init_process_group('gloo'); dist.barrier(); print('never', flush=True)\n"
-    )
     started = time.monotonic()
-    result = cluster.fab("run", "--script", str(script), timeout=120)
+    result = cluster.fab("run", "--script", str(failing_rank_script(tmp_path)), timeout=120)
     elapsed = time.monotonic() - started
-    assert result.returncode == 1
-    assert "never" not in result.stdout
-    # torchrun exits 1 for any failed worker; the script's own code comes from torchrun's failure record
-    assert "node-1 exited 1 (rank 1 exited 3)" in result.stderr and "node-1.log" in result.stderr
+    row = assert_rank_1_failed_first(result, cluster.fab("jobs", "--json").stdout)  # as a Slurm-held run says
+    assert row["holder"] == "fab", row
     assert "fab: node-1 exited 1 (rank 1 exited 3): stopping the job on node-0" in result.stdout
     assert "[node-1] Traceback" not in result.stdout  # its torchrun's failure record, not a Python traceback
     assert elapsed < 60, elapsed  # without fail-fast node-0 waits out the 10-minute rendezvous timeout
     run_dir = cluster.runs()[-1]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["exit_codes"]["node-1"] == 1 and summary["rank_exit_codes"] == {"node-1": {"1": 3}}
+    assert summary["exit_codes"]["node-1"] == 1 and summary["rank_exit_codes"]["node-1"] == {"1": 3}
     assert run_processes(summary["run_id"]) == []
-    listed = cluster.fab("jobs", "--json")  # runs held by fab are listed as Slurm's are, with the rank's own code
-    [row] = [r for r in json.loads(listed.stdout) if r["run_id"] == summary["run_id"]]
-    assert (row["state"], row["exit_code"], row["holder"]) == ("FAILED", 3, "fab"), row
 
 
 PROGRESS_SCRIPT = """
@@ -544,7 +532,8 @@ def test_fail_fast_names_the_node_that_failed_first_by_its_own_clock(cluster, tm
     result = cluster.fab("run", "--script", str(script), timeout=120)
     assert result.returncode == 1
     assert "fab: node-1 exited" in result.stdout  # fab saw node-1's call return first...
-    assert "(first: node-0, log: " in result.stderr and "node-0.log" in result.stderr  # ...and names node-0
+    assert "(first: node-0, rank 0 exited first by its clock, log: " in result.stderr  # ...and names node-0
+    assert "node-0.log" in result.stderr
     assert "__gpu_cluster_exit__" not in result.stdout + (cluster.runs()[-1] / "node-0.log").read_text()
 
 

@@ -25,6 +25,7 @@ from tests.support.clusters import (
     run_id_in,
     run_processes,
 )
+from tests.support.outcomes import assert_rank_1_failed_first, failing_rank_script
 
 pytestmark = pytest.mark.skipif(slurm.unavailable() is not None, reason=f"Slurm: {slurm.unavailable()}")
 
@@ -221,13 +222,11 @@ def test_runs_submitted_at_the_same_moment_are_all_queued_and_run_in_order_witho
     assert [rows[i]["state"] for i in ids] == ["COMPLETED"] * 4
 
 
-def test_a_ranks_own_exit_code_is_in_fabs_line_and_in_jobs(cluster, tmp_path):
-    work = script(tmp_path, "fails.py", "time.sleep(0.5)\nsys.exit(3 if rank == 1 else 0)\n")
-    result = cluster.fab("run", "--script", str(work))
-    assert result.returncode == 1 and "node-1 exited 1 (rank 1 exited 3)" in result.stderr, result.stderr
-    assert "(first: node-1, log: " in result.stderr, result.stderr
-    row = jobs(cluster)[result.stdout.split("fab: run ")[1].split(":")[0]]
-    assert (row["state"], row["exit_code"], row["rank_exit_codes"]) == ("FAILED", 3, {"node-1": {"1": 3}}), row
+def test_a_ranks_own_exit_code_and_first_node_are_in_fabs_line_and_in_jobs(cluster, tmp_path):
+    """As a fab-held run says them (test_remote.py): rank 1 exits 3, rank 0 ends after it."""
+    result = cluster.fab("run", "--script", str(failing_rank_script(tmp_path)), timeout=120)
+    row = assert_rank_1_failed_first(result, cluster.fab("jobs", "--json").stdout)
+    assert row["rank_exit_codes"]["node-1"] == {"1": 3}, row
 
 
 def test_a_cancel_leaves_nothing_and_bad_run_ids_are_one_line(cluster, tmp_path):

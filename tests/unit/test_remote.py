@@ -18,7 +18,8 @@ from infra.inventory import ClusterInfo
 from node import contract, probe, standalone
 from remote import job_command, launch, node_paths, protocol
 from remote.bootstrap import REPO, SYNCED, digest, local_manifest
-from remote.launch import JobStream, first_failure
+from remote.launch import JobStream
+from remote.outcome import first_failure
 from remote.stream import NodeStream, RankOutcome, say
 from tests.support.inventories import cluster
 
@@ -508,17 +509,37 @@ def test_a_command_killed_by_a_signal_is_an_exit_status_not_a_lost_connection():
     assert channel.exit_status == 137 and channel.status_event.is_set()
 
 
-def test_fail_fast_names_the_node_that_saw_its_failure_first_not_the_first_call_to_return():
+def ranks_said(codes: dict, exited_at: dict | None = None) -> RankOutcome:
+    return RankOutcome.parse(json.dumps({"exit_codes": codes, "exited_at": exited_at or {}}))
+
+
+def test_the_first_failure_is_the_rank_that_exited_first_by_its_nodes_clock_whatever_the_order_of_nodes():
+    # Rank 1 exits 3; rank 0 fails 2 s later (its peer is gone) and node-0's job ends first anyway.
+    codes = {"node-0": 1, "node-1": 1}
+    ranks = {"node-0": ranks_said({"0": 1}, {"0": 102.0}), "node-1": ranks_said({"1": 3}, {"1": 100.0})}
+    first = first_failure(codes, ranks, {"node-0": 102.1, "node-1": 103.0}, ["node-0", "node-1"])
+    assert (first.node, first.exit_code, first.evidence) == ("node-1", 3, "rank 1 exited first by its clock")
+    # A node stopped because another failed (its ranks killed by SIGTERM later) is not the first.
+    ranks = {"node-0": ranks_said({"0": 3}, {"0": 50.0}), "node-1": ranks_said({"1": -15}, {"1": 51.0})}
+    assert first_failure({"node-0": 1, "node-1": 1}, ranks, {}, ["node-1", "node-0"]).node == "node-0"
+
+
+def test_without_rank_times_the_nodes_own_clocks_then_their_codes_decide():
     codes = {"node-0": 1, "node-1": 1, "node-2": 143}
-    # node-1's SSH call returned first, but node-0's own clock saw its torchrun end 0.4 s earlier.
-    exited_at = {"node-0": 100.1, "node-1": 100.5, "node-2": None}
-    assert first_failure(codes, exited_at, ["node-1", "node-2", "node-0"]) == "node-0"
-    # Nodes that never reported a time (stopped, connection lost) come after those that did.
-    assert (
-        first_failure({"node-0": 255, "node-1": 1}, {"node-0": None, "node-1": 100.5}, ["node-0", "node-1"]) == "node-1"
-    )
-    assert first_failure({"node-0": 255, "node-1": 143}, {}, ["node-1", "node-0"]) == "node-1"
-    assert first_failure({"node-0": 0, "node-1": 0}, {"node-0": 1.0, "node-1": 2.0}, ["node-0", "node-1"]) is None
+    # node-1's call returned first, but node-0's own clock saw its job end 0.4 s earlier.
+    first = first_failure(codes, {}, {"node-0": 100.1, "node-1": 100.5, "node-2": None}, ["node-1", "node-2", "node-0"])
+    assert (first.node, first.evidence) == ("node-0", "its job ended first by its clock")
+    # No times at all: a node whose ranks failed by themselves before one that was stopped.
+    first = first_failure({"node-0": 143, "node-1": 1}, {"node-1": ranks_said({"1": 4})}, {}, ["node-0", "node-1"])
+    assert (first.node, first.exit_code) == ("node-1", 4) and "no exit times" in first.evidence
+    assert first_failure({"node-0": 0, "node-1": 0}, {}, {"node-0": 1.0, "node-1": 2.0}) is None
+
+
+def test_a_ranks_line_keeps_only_finite_exit_times_of_failed_ranks():
+    said = ranks_said({"1": 3}, {"1": 100.5, "0": 99.0})
+    assert said.exited_at == {"1": 100.5}
+    assert RankOutcome.parse('{"exit_codes": {"1": 3}, "exited_at": {"1": NaN}}').exited_at == {}
+    assert RankOutcome.parse('{"exit_codes": {"1": 3}, "exited_at": ["x"]}') == RankOutcome({"1": 3})
 
 
 @pytest.mark.parametrize("cut", [1, 5, 12, 20, 40])

@@ -1,0 +1,71 @@
+"""The one rule from how a run's nodes and ranks ended to the node that failed first and the run's exit
+code, for both run holders (fab's connections and Slurm), fed the same facts: each node's exit code, its
+ranks line (`RankOutcome`: the failed ranks' own codes and exit times, node/torchrun.py), and when its job
+ended by its own clock (its exit marker).
+
+Which call returned first says nothing (a node whose job ended first can return last: a child holding its
+output open, a slow link), and neither does the order of the nodes. The evidence, best first:
+
+1. the ranks' own exit records: the failed rank that exited earliest, by its node's clock;
+2. the nodes' own exit times: the failed node whose job ended earliest, by its own clock;
+3. the nodes' codes: a node whose own ranks failed, or which ended by itself, before one that was stopped
+   (128+15, 128+9) because another failed; in the order given.
+
+The line that names the node says which evidence named it.
+"""
+
+from dataclasses import dataclass
+
+from remote.stream import RankOutcome
+
+STOPPED_CODES = (128 + 15, 128 + 9)
+"""A node's job ended by a signal from outside (fail-fast, fab stop, scancel): not a failure of its own."""
+
+
+@dataclass(frozen=True)
+class FirstFailure:
+    """The node that failed first, and why it is the one."""
+
+    node: str
+    """Its name."""
+    exit_code: int
+    """The run's exit code: the failed rank's own where known (its script's), else the node's."""
+    evidence: str
+    """How it was told apart, for the error line: `rank 1 exited first by its clock`."""
+
+
+def first_failure(
+    exit_codes: dict[str, int | None],
+    ranks: dict[str, RankOutcome],
+    exited_at: dict[str, float | None] | None = None,
+    order: list[str] | None = None,
+) -> FirstFailure | None:
+    """The node that failed first (None where every node exited 0 or was not heard from); `order` lists
+    the nodes to break ties and to fall back on (the run's nodes, head first), `exit_codes`' own otherwise."""
+    names = [n for n in (order or []) if n in exit_codes] + [n for n in exit_codes if n not in (order or [])]
+    failed = [n for n in names if exit_codes[n] not in (0, None)]
+    if not failed:
+        return None
+    ranked = sorted(
+        (at, names.index(node), node, rank)
+        for node in failed
+        for rank, at in ranks.get(node, RankOutcome()).exited_at.items()
+        if rank in ranks[node].exit_codes
+    )
+    if ranked:
+        _, _, node, rank = ranked[0]
+        return FirstFailure(node, ranks[node].exit_codes[rank], f"rank {rank} exited first by its clock")
+    timed = sorted((at, names.index(n), n) for n in failed if (at := (exited_at or {}).get(n)) is not None)
+    if timed:
+        node = timed[0][2]
+        return FirstFailure(node, _own_code(node, exit_codes, ranks), "its job ended first by its clock")
+    own = [n for n in failed if ranks.get(n, RankOutcome()).exit_codes or exit_codes[n] not in STOPPED_CODES]
+    node = (own or failed)[0]
+    why = "its ranks failed by themselves" if own else "stopped first"
+    return FirstFailure(node, _own_code(node, exit_codes, ranks), f"{why} (no exit times were reported)")
+
+
+def _own_code(node: str, exit_codes: dict[str, int | None], ranks: dict[str, RankOutcome]) -> int:
+    """The node's first failed rank's own code, else the node's."""
+    codes = ranks.get(node, RankOutcome()).exit_codes
+    return next(iter(codes.values())) if codes else int(exit_codes[node] or 0)
