@@ -185,6 +185,13 @@ def test_every_node_verb_the_docs_name_exists():
     assert not unknown, "the docs name node calls that do not exist:\n" + "\n".join(unknown)
 
 
+def test_every_node_verb_is_on_the_map():
+    from node import calls
+
+    named = set(re.findall(r"\bcalls\.([A-Z]\w+)", (REPO / "ARCHITECTURE.md").read_text()))
+    assert not set(calls.VERBS) - named, f"ARCHITECTURE.md's node-call table lacks {sorted(set(calls.VERBS) - named)}"
+
+
 def test_a_flag_missing_from_the_docs_is_named(tmp_path):
     (tmp_path / "commands.md").write_text(
         "```\npython deploy.py up [--local] [--nodes N]\n           [--stack NAME]\n"
