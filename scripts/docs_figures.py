@@ -15,6 +15,7 @@ the end, also when a step fails.
 import argparse
 import ast
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -223,6 +224,7 @@ def from_a_local_run(with_dashboard: bool) -> None:
             print("docs/img/dashboard.png left as it was: no /usr/bin/chromium (apt-get install chromium)")
     finally:
         deploy("down", "--stack", "local", env=env, check=False)
+        shutil.rmtree(env["CLUSTER_STATE_DIR"], ignore_errors=True)  # the scratch state: its logs served their turn
 
 
 def main(argv: list[str] | None = None) -> int:
