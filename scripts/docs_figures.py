@@ -223,8 +223,8 @@ def from_a_local_run(with_dashboard: bool) -> None:
         elif with_dashboard:
             print("docs/img/dashboard.png left as it was: no /usr/bin/chromium (apt-get install chromium)")
     finally:
-        deploy("down", "--stack", "local", env=env, check=False)
-        shutil.rmtree(env["CLUSTER_STATE_DIR"], ignore_errors=True)  # the scratch state: its logs served their turn
+        if deploy("down", "--stack", "local", env=env, check=False).returncode == 0:
+            shutil.rmtree(env["CLUSTER_STATE_DIR"], ignore_errors=True)  # kept where down failed: it finds the nodes
 
 
 def main(argv: list[str] | None = None) -> int:
