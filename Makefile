@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo lint format test test-unit bench lock clean
+.PHONY: setup demo lint format test test-unit bench docs docs-figures lock clean
 
 setup: $(STAMP)
 
@@ -60,10 +60,20 @@ test: setup lint
 bench: setup
 	$(BIN)/python -m bench
 
+# The docs site from docs/ into site/ (mkdocs.yml): --strict fails on a broken link or anchor, a page
+# left out of the nav or any other warning. Offline: no web fonts, no CDN (theme.font is false).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+# The pictures in docs/img/, drawn again: the architecture from the package imports, and a launch
+# timeline and the dashboard from a real 2-node local run (minutes; the dashboard needs /usr/bin/chromium).
+docs-figures: setup
+	PYTHONPATH=$(CURDIR) $(BIN)/python scripts/docs_figures.py
+
 lock: setup
 	$(BIN)/pip install --quiet -r requirements.in
 	( echo '# Pinned by `make lock` from requirements.in (torch==2.13.0 is installed first by `make setup`).'; \
 	  echo 'torch==2.13.0'; $(BIN)/pip freeze --exclude torch ) > requirements.txt
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site

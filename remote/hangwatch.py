@@ -3,7 +3,7 @@
 Every launch turns on torch's flight recorder and a monitor thread in each rank (node/rankhook/;
 nothing in the user's script changes). `HangWatch` asks each node every `poll_s` (sooner where a rank is
 slow and due to be named a straggler: `straggler.Named.next_look_s`) what its ranks are
-doing (node/hang.py status, over SSH connections of its own) and applies the rule in
+doing (the HangStatus node call, node/calls.py, over SSH connections of its own) and applies the rule in
 node/hang_rule.py (which a Slurm-held run also applies on the cluster). On a hang it collects from
 every node the recorder dumps and the `py-spy dump` stacks of every rank, keeps them in the run folder
 (`hang/`), prints one verdict line, and then stops the job everywhere (`--on-hang stop`, the default) or
