@@ -9,8 +9,9 @@ process group, then every `CLUSTER_PROGRESS_INTERVAL_S` (default 1 s) writes `ra
   flight recorder (enabled by `TORCH_FR_BUFFER_SIZE`, which the launch sets);
 - the collective it is inside, per group: sequence number, op, sizes, dtypes, and since when;
 - the main thread's Python stack, innermost frame last;
-- the harness's training step, when the script uses the harness, and its last steps' compute times
-  (`compute`, for the straggler verdict: node/straggler.py).
+- the training step and its last steps' compute times (`compute`, for the straggler verdict:
+  node/straggler.py): the harness's own where the script uses the harness, else the model's forward
+  passes of any script (gpu_cluster_forward_steps.py, hooked once the group has formed).
 
 Where the launch sets `$CLUSTER_STEP_TIMES_DIR` (a folder of the run's on the shared folder), the thread also
 hands this rank's last step times to a writer thread of their own every `CLUSTER_STEP_TIMES_INTERVAL_S`
@@ -100,6 +101,8 @@ class RankMonitor:
         """Writes this rank's step times on the shared folder (None: the launch asked for none)."""
         self.shared_step = None
         """The last step whose times were handed to it."""
+        self.forward_steps = None
+        """A script not on the harness: its model's forward passes as steps (installed once a group formed)."""
 
     def run(self) -> None:
         reported = 0.0
@@ -107,6 +110,8 @@ class RankMonitor:
             dist = _initialized_dist()
             if dist is not None:
                 self.group_at = self.group_at or time.time()
+                if self.forward_steps is None and "harness.metrics" not in sys.modules:
+                    self.forward_steps = _forward_steps()
                 stepped = self.first_step_at is None and self.watch_first_step()
                 if stepped or time.monotonic() - reported >= self.interval_s:  # the first step said at once
                     reported = time.monotonic()
@@ -128,10 +133,10 @@ class RankMonitor:
     def share_step_times(self) -> None:
         """This rank's last step times to its writer (`contract.STEP_TIMES` on the shared folder), where it
         stepped since the last ones."""
-        step = _harness_step()
+        step = self.step()
         if self.step_times is None or step is None or step == self.shared_step:
             return
-        compute = _harness_compute()[-STEP_TIMES_KEPT:]
+        compute = self.compute()[-STEP_TIMES_KEPT:]
         if compute:
             node = os.environ.get(contract.NODE_VARIABLE, "")
             self.step_times.put({"rank": self.rank, "node": node, "compute": compute})
@@ -153,6 +158,20 @@ class RankMonitor:
 
     def times(self) -> dict:
         return {"group_at": self.group_at, "first_step_at": self.first_step_at}
+
+    def step(self):
+        """The harness's last step, else the model's forward passes so far (None: no step yet, or unknown)."""
+        step = _harness_step()
+        if step is None and self.forward_steps:
+            step = self.forward_steps.step
+        return step
+
+    def compute(self) -> list:
+        """[[step, seconds]] of the rank's own compute in its last steps (node/straggler.py reads them)."""
+        compute = _harness_compute()
+        if not compute and self.forward_steps:
+            compute = self.forward_steps.entries()
+        return compute
 
     def finish(self) -> None:
         """At a normal exit (atexit, in the main thread): a last record saying the script finished, inside
@@ -252,8 +271,8 @@ class RankMonitor:
             "groups": groups,
             "active": active,
             "stack": thread_stack(self.main_thread.ident),
-            "step": _harness_step(),
-            "compute": _harness_compute(),
+            "step": self.step(),
+            "compute": self.compute(),
             "error": error,
             **self.times(),
         }
@@ -437,6 +456,17 @@ def all_thread_stacks() -> dict:
 def _harness_step():
     metrics = sys.modules.get("harness.metrics")
     return getattr(metrics, "last_step", None)
+
+
+def _forward_steps():
+    """The forward-pass step counter, hooked into torch's modules; False where it cannot be (said once)."""
+    try:
+        from gpu_cluster_forward_steps import ForwardSteps  # type: ignore[import-not-found]  # beside it
+
+        return ForwardSteps().install()
+    except Exception as exc:
+        print(f"gpu-cluster: step times of this script are not kept ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return False
 
 
 def _harness_compute() -> list:

@@ -312,19 +312,40 @@ def test_a_hung_run_is_found_and_stopped_on_the_cluster_while_no_fab_follows_it(
     slurm.wait_for(lambda: not run_processes(run_id), "no process of the run left")
 
 
-def test_a_throttled_nodes_rank_is_named_a_straggler_by_the_clusters_watch(cluster):
+# A user's own DDP script, not on the harness: its ranks meet in DDP's all-reduces, and the model's forward
+# passes are what the rank monitor times (node/rankhook/gpu_cluster_forward_steps.py).
+OWN_DDP = """
+import torch, torch.distributed as dist
+from torch import nn
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10)))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+inputs, targets = torch.randn(1024, 784), torch.randint(0, 10, (1024,))
+for step in range(1, 301):
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(model(inputs), targets).backward()
+    optimizer.step()
+    if step % 10 == 0 and dist.get_rank() == 0:
+        print(f"trained step {step}", flush=True)
+"""
+
+
+def test_a_throttled_nodes_rank_in_a_users_own_script_is_named_a_straggler_by_the_clusters_watch(cluster, tmp_path):
     why = throttle.unavailable()
     if why:
         pytest.skip(f"a node cannot be throttled here: {why}")
-    # Forward passes of ~8 ms (as tests/integration/test_fitness.py's run), the watch polling every 4 s; node-1's
-    # processes (its slurmd, and the run's ranks there) at 10% of one CPU once training has begun (the step
-    # table's header comes with step 10's line), so its ranks import torch and meet at full speed. The run
-    # is cancelled (Ctrl-C) once fab, following its log, has shown the verdict.
-    fab = cluster.popen_fab("run-ddp", "--hang-timeout", "20", "--args", "--steps 300 --batch-size 1024 --log-every 10")
+    # Forward passes of ~8 ms (the course's MLP at batch 1024, as tests/integration/test_fitness.py's run on the
+    # harness), the watch polling every 4 s; node-1's processes (its slurmd, and the run's ranks there) at 10% of
+    # one CPU once training has begun (step 10's line), so its ranks import torch and meet at full speed. The
+    # run is cancelled (Ctrl-C) once fab, following its log, has shown the verdict.
+    own = tmp_path / "own_ddp.py"
+    own.write_text(OWN_DDP)
+    fab = cluster.popen_fab("run", "--script", str(own), "--hang-timeout", "20")
     seen = []
     for line in fab.stdout:
         seen.append(line)
-        if "ms/step" in line:
+        if "trained step 10" in line:
             break
     with throttle.throttled(cluster.state_dir / cluster.stack / "nodes" / "node-1", 10):
         for line in fab.stdout:

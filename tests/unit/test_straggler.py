@@ -4,8 +4,10 @@ last steps' own compute time, `compute: [[step, seconds], ...]`."""
 import json
 import random
 import statistics
+import time
 
 from node import straggler
+from tests.support import REPO
 
 
 def record(rank: int, times: dict) -> dict:
@@ -208,3 +210,50 @@ def test_two_threads_feeding_one_verdict_say_each_straggler_once_and_keep_every_
         thread.join()
     assert sorted(said) == [1, 3]
     assert sorted(r["rank"] for r in records_written[-1]) == [1, 3]  # the last record written has both
+
+
+def test_any_scripts_model_forward_passes_are_its_steps_and_a_loss_module_beside_it_is_not(monkeypatch):
+    """A script that is not on the harness: the outermost module with the most parameters is its model (a
+    DDP wrapper's inner module), each of its forward passes is one step, timed; forwards in other threads
+    and of other modules do not count, and once the model is known the global hooks are gone."""
+    import sys
+    import threading
+
+    import torch
+    from torch import nn
+    from torch.nn.modules import module as torch_module
+
+    monkeypatch.syspath_prepend(str(REPO / "node" / "rankhook"))
+    from gpu_cluster_forward_steps import DISCOVERY_FORWARDS, ForwardSteps
+
+    class Slow(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+        def forward(self, x):
+            time.sleep(0.01)
+            return self.inner(x)
+
+    model, loss = Slow(), nn.CrossEntropyLoss()
+    hooks_before = len(torch_module._global_forward_pre_hooks)
+    steps = ForwardSteps().install()
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 0, 1])
+
+    def train_step():
+        loss(model(x), y).backward()
+        thread = threading.Thread(target=lambda: model(x))  # a data loader's or an evaluator's thread
+        thread.start()
+        thread.join()
+
+    for _ in range(DISCOVERY_FORWARDS):  # the model is known by its second pass (model, loss, model)
+        if steps.model is None:
+            train_step()
+    for _ in range(5):
+        train_step()
+    assert steps.model is model and len(torch_module._global_forward_pre_hooks) == hooks_before
+    assert steps.step == 5  # the passes after the model was known
+    entries = steps.entries()
+    assert [step for step, _ in entries] == [1, 2, 3, 4, 5] and all(s >= 0.01 for _, s in entries), entries
+    steps.remove()
+    assert "gpu_cluster_forward_steps" in sys.modules
