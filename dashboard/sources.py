@@ -20,6 +20,7 @@ from dashboard import shape
 from infra import inventory, runlog, state
 from infra.errors import ClusterError, UsageError
 from infra.ledger import Ledger
+from node import contract
 from remote import holders, runs
 from remote.launch import NodeSetup
 
@@ -121,7 +122,7 @@ def run_view(stack: str, run_id: str, tail: shape.LogTail | None, now: float) ->
     _, verdicts, events = _ledger_facts(stack, now)
     summary = read_json(folder / runs.SUMMARY)
     row = shape.run_row(record.as_row(float(cluster.get("hourly_usd") or 0.0)), summary, verdicts.get(run_id))
-    metrics = _metrics(folder)
+    metrics = metrics_records(folder)
     if not any(m.get("kind") == "step" for m in metrics) and tail is not None:
         lines = tail.since(0)
         metrics = shape.steps_from_log([line for _, _, line in lines], [at for _, at, _ in lines])
@@ -137,9 +138,10 @@ def run_view(stack: str, run_id: str, tail: shape.LogTail | None, now: float) ->
     }
 
 
-def _metrics(folder: Path) -> list[dict]:
+def metrics_records(folder: Path) -> list[dict]:
+    """The run's metrics.jsonl records (none where it is not here yet)."""
     try:
-        lines = (folder / "metrics.jsonl").read_text().splitlines()
+        lines = (folder / contract.METRICS_FILE).read_text().splitlines()
     except OSError:
         return []
     found = []
