@@ -70,7 +70,8 @@ def _ledger_facts(stack: str, now: float) -> tuple[list[dict], dict[str, str], l
                 "hourly_usd": c.hourly_usd,
                 "up": c.is_up,
                 "cost_usd": round(c.cost_usd(now), 6),
-                "series": shape.cost_series(c.intervals, c.hourly_usd, now).as_dict(),
+                "reference_hourly_usd": c.reference_hourly_usd,
+                "series": shape.cost_series(c.intervals, c.hourly_usd, now, c.reference_hourly_usd).as_dict(),
             }
             for c in ledger.clusters(stack)
         ]
@@ -123,9 +124,9 @@ def run_view(stack: str, run_id: str, tail: shape.LogTail | None, now: float) ->
     summary = read_json(folder / runs.SUMMARY)
     row = shape.run_row(record.as_row(float(cluster.get("hourly_usd") or 0.0)), summary, verdicts.get(run_id))
     metrics = metrics_records(folder)
-    if not any(m.get("kind") == "step" for m in metrics) and tail is not None:
-        lines = tail.since(0)
-        metrics = shape.steps_from_log([line for _, _, line in lines], [at for _, at, _ in lines])
+    if not any(m.get("kind") in ("step", "ft_step") for m in metrics) and tail is not None:
+        lines = tail.since(0)  # the run's steps are in its log until its metrics.jsonl is here
+        metrics += shape.steps_from_log([line for _, _, line in lines], [at for _, at, _ in lines])
     plots = {name: series.as_dict() for name, series in shape.step_series(metrics).items()}
     plots["participants"] = shape.participants_series(metrics).as_dict()
     return {
@@ -155,8 +156,16 @@ def metrics_records(folder: Path) -> list[dict]:
 
 def finished_log(folder: Path, tail: shape.LogTail) -> None:
     """A run whose log is all here (or that nobody can follow now): its last lines from the local copy,
-    as `fab logs` shows them, read-only."""
+    as `fab logs` shows them, read-only. A run Slurm held has its log as the cluster wrote it
+    (`output.log`): its lines in that order, every node's and the cluster's interleaved as they came."""
     at = time.time()
+    if (folder / runlog.RAW).is_file():
+        copy = runlog.LogCopy(folder, echo=lambda writer, piece: tail.add(writer or "cluster", piece, at), write=False)
+        copy.resume()
+        copy.close(ended=True)
+        del tail.pieces[:-LOG_LINES]
+        tail.end(at)
+        return
     paths = sorted(folder.glob("node-*.log"))
     if (folder / runlog.CLUSTER_LOG).exists():
         paths.append(folder / runlog.CLUSTER_LOG)

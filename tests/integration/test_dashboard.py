@@ -125,6 +125,10 @@ def test_the_page_shows_the_running_and_the_queued_run_a_live_plot_and_a_growing
     page.wait_for_selector(f'tr.run[data-run="{running}"][data-state="RUNNING"]', timeout=60_000)
     page.wait_for_selector(f'tr.run[data-run="{queued}"][data-state="PENDING"]')
     assert page.locator("tr.node").count() == 2  # each up, with its Slurm state (status's SSH round trip)
+    right = "document.querySelector('{}').getBoundingClientRect().right"
+    fits = f"{right.format('table.runs')} <= {right.format('.stack')}"
+    assert page.evaluate(fits), "the runs table overflows its card"
+    assert "stragglers" not in page.inner_text("table.runs")  # no straggler named, no verdict said
     page.wait_for_function(
         "[...document.querySelectorAll('tr.node')].every(row =>"
         " row.children[2].textContent === 'up' && ['idle', 'allocated', 'mixed'].includes(row.children[3].textContent))"
