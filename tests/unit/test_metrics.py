@@ -43,6 +43,9 @@ def stack(state_dir):
          "power_w": 120.5, "sm_clock_mhz": 1980, "ecc_uncorrected": 0, "xid_events": 1},
     ]  # fmt: skip
     (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    finished = state_dir / "s" / "runs" / "run-0000" / "metrics.jsonl"
+    with finished.open("a") as out:  # a finished run's last reading: no GPU's state now
+        out.write(json.dumps({"kind": "gpu", "node": "node-0", "index": 0, "util_pct": 5}) + "\n")
     preflight = {"nodes": [{"node": "node-0", "verdict": "OK", "why": ""}, {"node": "node-1", "verdict": "WARN"}]}
     (state_dir / "s" / "preflight.json").write_text(json.dumps(preflight))
     return state_dir
@@ -112,6 +115,7 @@ def test_metrics_carry_run_states_steps_participants_cost_and_node_health(stack)
         ("node-1", "WARN", 1.0),
     ]
     gpu = {"stack": "s", "run": "ft-run", "node": "node-1", "gpu": "0"}
+    assert [labels for labels, _ in found["gpucluster_gpu_utilization_ratio"]] == [gpu]  # not run-0000's
     assert (gpu, 0.87) in found["gpucluster_gpu_utilization_ratio"]
     assert (gpu, 2.0 * 2**30) in found["gpucluster_gpu_memory_used_bytes"]
     assert (gpu, 1.98e9) in found["gpucluster_gpu_sm_clock_hertz"]
