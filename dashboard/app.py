@@ -201,11 +201,12 @@ def serve(port: int, only: str | None, status: sources.StatusFn | None, say) -> 
         timeout_graceful_shutdown=SHUTDOWN_S,
     )
     server = uvicorn.Server(config)
-    say(f"dashboard: http://{ADDRESS}:{bound}/?token={token}")
-    say("dashboard: serving on 127.0.0.1 only; Ctrl-C stops it")
-    state.write_atomic(token_file(bound), token)
-    live.start()
     try:
+        state.write_atomic(token_file(bound), token)  # removed below, whenever Ctrl-C comes
+        say(f"dashboard: http://{ADDRESS}:{bound}/?token={token}")
+        say("dashboard: serving on 127.0.0.1 only; Ctrl-C stops it")
+        say(f"dashboard: Prometheus scrapes /metrics with the token in {token_file(bound)} (dashboard/prometheus.yml)")
+        live.start()
         server.run(sockets=[sock])
     finally:
         token_file(bound).unlink(missing_ok=True)
