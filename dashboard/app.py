@@ -138,7 +138,9 @@ def build_app(live: sources.Live, token: str, port: int) -> Starlette:
     async def prometheus(request: Request) -> Response:
         body = await asyncio.to_thread(
             lambda: metrics.render(
-                reader.scrape(sources.shown_stacks(live.only), dict(live.statuses), dict(live.tails), time.time())
+                reader.scrape(
+                    sources.shown_stacks(live.only), dict(live.statuses), dict(live.tails), time.time(), dict(live.gpus)
+                )
             )
         )
         return Response(body, media_type=metrics.CONTENT_TYPE, headers={"Cache-Control": "no-store"})

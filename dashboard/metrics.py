@@ -10,7 +10,7 @@ files and this process's memory, so it stays quick however often Prometheus come
 
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -202,14 +202,19 @@ class Reader:
         self.records: dict[Path, tuple[tuple[int, int], runs.Run | None]] = {}
         self.progresses: dict[Path, tuple[tuple[int, int], Progress]] = {}
 
-    def scrape(self, stacks: list[str], statuses: dict, tails: dict, now: float) -> Scrape:
-        views, found = [], {}
+    def scrape(
+        self, stacks: list[str], statuses: dict, tails: dict, now: float, live_gpus: dict | None = None
+    ) -> Scrape:
+        """`live_gpus`: the running runs' newest GPU readings, brought from the cluster (dashboard/gpus.py)."""
+        views, found, live_gpus = [], {}, live_gpus or {}
         for stack in stacks:
             view = self.stack_facts(stack, now)
             views.append(view)
             for row in view["runs"]:
                 key = (stack, row["run_id"])
                 found[key] = self.progress_of(row["folder"], tails.get(key))
+                if live_gpus.get(key):
+                    found[key] = replace(found[key], gpus={**found[key].gpus, **live_gpus[key]})
         preflight = {stack: preflight_levels(stack) for stack in stacks}
         return Scrape(views, found, preflight, statuses)
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dashboard import shape
+from dashboard import gpus, shape
 from infra import inventory, runlog, state
 from infra.errors import ClusterError, UsageError
 from infra.ledger import Ledger
@@ -207,6 +207,8 @@ class Live:
         self.run_problems: dict[str, str] = {}
         self.status_problems: dict[str, str] = {}
         self.tails: dict[tuple[str, str], shape.LogTail] = {}
+        self.gpus: dict[tuple[str, str], gpus.Readings] = {}
+        """(stack, run id) to each GPU's newest reading, for the runs running now (`/metrics`)."""
         self.followers: dict[tuple[str, str], threading.Thread] = {}
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -218,13 +220,29 @@ class Live:
         self.stopping.set()
 
     def _loop(self) -> None:
-        asked_at = 0.0
+        asked_at = gpus_at = 0.0
         while not self.stopping.is_set():
             ask = self.status is not None and time.monotonic() - asked_at >= STATUS_EVERY_S
+            ask_gpus = time.monotonic() - gpus_at >= gpus.EVERY_S
             for stack in shown_stacks(self.only):
                 self.refresh_once(stack, ask)
+                if ask_gpus:
+                    self.refresh_gpus(stack)
             asked_at = time.monotonic() if ask else asked_at
+            gpus_at = time.monotonic() if ask_gpus else gpus_at
             self.stopping.wait(REFRESH_S)
+
+    def refresh_gpus(self, stack: str) -> None:
+        """The newest GPU readings of the stack's running runs (kept as they were where the head node does
+        not answer now: they are asked again next time)."""
+        running = [r.run_id for _, r in runs.runs_of(state.runs_dir(stack)) if r.state == "RUNNING"]
+        try:
+            found = gpus.bring(inventory.load(stack), running) if running else {}
+        except Exception:
+            return
+        for key in [k for k in self.gpus if k[0] == stack]:
+            del self.gpus[key]
+        self.gpus.update({(stack, run_id): readings for run_id, readings in found.items() if readings})
 
     def refresh_once(self, stack: str, ask_status: bool) -> None:
         """`fab jobs`'s refresh of the runs not yet ended; with `ask_status`, each node's state too (asked

@@ -14,12 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from node import nvml
 from tests.support import REPO, network, slurm
 from tests.support.cli import assert_one_line_error, child_env, run_cli
 from tests.support.clusters import bootstrapped_cluster
+from tests.support.fake_nvml import FakeNvml
 
 CHROMIUM = Path("/usr/bin/chromium")
 PROMETHEUS = shutil.which("prometheus")
+H200 = (REPO / "tests" / "fixtures" / "gpu" / "nvidia-smi-h200.xml").read_text()
 pytestmark = [
     pytest.mark.skipif(slurm.unavailable() is not None, reason=f"Slurm: {slurm.unavailable()}"),
     pytest.mark.skipif(not CHROMIUM.exists(), reason="no /usr/bin/chromium (apt-get install chromium; .ci/run does)"),
@@ -156,7 +159,8 @@ def test_cancel_after_a_confirmation_stops_the_run(dashboard, runs, page, cluste
 @pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus (apt-get install prometheus; .ci/run does)")
 def test_a_real_prometheus_scrapes_the_runs_with_the_scrape_config_of_the_docs(dashboard, runs, cluster, tmp_path):
     """Debian's Prometheus with dashboard/prometheus.yml as a user saves it beside .cluster/ (the port the
-    only change), the token read from the file the dashboard keeps: its query API has the running run."""
+    only change), the token read from the file the dashboard keeps: its query API has the running run, and
+    the GPU readings its sampler writes on the cluster while it runs."""
     url = dashboard[1]
     port = url.split(":")[2].split("/")[0]
     (tmp_path / ".cluster").symlink_to(cluster.env["CLUSTER_STATE_DIR"])
@@ -187,6 +191,13 @@ def test_a_real_prometheus_scrapes_the_runs_with_the_scrape_config_of_the_docs(d
         assert found[0]["metric"]["stack"] == cluster.stack and found[0]["value"][1] == "1"
         (up,) = prometheus_query(f"http://{web}/api/v1/query?query=up")
         assert up["metric"]["job"] == "gpu-cluster" and up["value"][1] == "1"
+        # The run's sampler on its node, with a fake NVML answering as the recorded H200 (no GPU here): the
+        # dashboard brings the running run's newest readings from the head node, Prometheus has them.
+        metrics = Path(cluster.info["shared_dir"]) / "runs" / running / "metrics.jsonl"
+        nvml.Sampler(nvml.file_sink(str(metrics)), "node-1", library=FakeNvml(H200)).once({})
+        query = urllib.parse.quote(f'gpucluster_gpu_temperature_celsius{{run="{running}"}}')
+        slurm.wait_for(scraped, "Prometheus has the running run's GPU temperature", deadline_s=60)
+        assert [(r["metric"]["node"], r["metric"]["gpu"], r["value"][1]) for r in found] == [("node-1", "0", "34")]
     finally:
         process.terminate()
         process.wait(timeout=30)

@@ -156,3 +156,25 @@ def test_a_run_whose_metrics_grow_is_read_again(stack):
     with (folder / "metrics.jsonl").open("a") as out:
         out.write(json.dumps({"kind": "ft_step", "time": 103.0, "step": 6, "replica": 1, "participants": 2}) + "\n")
     assert reader.progress_of(folder, None).step == 6
+
+
+def test_the_running_runs_gpu_readings_come_from_the_head_nodes_metrics_tail(stack):
+    """What `gpus.bring` asks of the head node, read back: each run's newest reading per GPU, a line the
+    tail cut skipped; and a scrape exports them for the running run."""
+    from dashboard import gpus
+    from tests.support import inventories
+
+    command = gpus.tail_command(inventories.cluster(), ["ft-run", "other"])
+    assert command.count(gpus.MARK) == 2 and "ft-run/metrics.jsonl" in command
+    older = {"kind": "gpu", "node": "node-1", "index": 0, "temp_c": 40}
+    newer = {**older, "temp_c": 44}
+    text = (
+        f'{gpus.MARK} ft-run\nkind": "gpu", "node": "node-1", "ind\n{json.dumps(older)}\n'
+        f"{json.dumps({'kind': 'ft_step', 'step': 9})}\n{json.dumps(newer)}\n\n{gpus.MARK} other\n\n"
+    )
+    found = gpus.parse(text)
+    assert found == {"ft-run": {("node-1", "0"): newer}, "other": {}}
+    scrape = metrics.Reader().scrape(["s"], {}, {}, time.time(), {("s", "ft-run"): found["ft-run"]})
+    assert scrape.progress[("s", "ft-run")].gpus[("node-1", "0")]["temp_c"] == 44
+    text = metrics.render(scrape).decode()
+    assert 'gpucluster_gpu_temperature_celsius{gpu="0",node="node-1",run="ft-run",stack="s"} 44.0' in text
