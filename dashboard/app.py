@@ -4,6 +4,11 @@ Every request needs the token `deploy.py dashboard` printed: in the URL (`?token
 in a cookie scoped to this port (HttpOnly, SameSite=Strict); the one action (cancel, a POST) needs it in
 a header too, which another site's page cannot send. The Host header must name this loopback address,
 so a DNS name rebound to 127.0.0.1 reaches nothing. uvicorn's access log is off: URLs carry the token.
+
+`/metrics` (dashboard/metrics.py) takes the same token as a bearer token (`Authorization: Bearer`, what
+Prometheus' `authorization` sends), and only so: 401 without it. While the dashboard serves, the token is
+in `.cluster/dashboard-<port>.token` (0600, removed when it stops) for Prometheus' `credentials_file`,
+which Prometheus reads again at every scrape: a restarted dashboard needs no change to the scrape config.
 """
 
 import asyncio
@@ -23,12 +28,14 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from dashboard import sources
+from dashboard import metrics, sources
+from infra import state
 from infra.errors import UsageError
 
 STATIC = Path(__file__).with_name("static")
 ADDRESS = "127.0.0.1"
 TOKEN_HEADER = "x-dashboard-token"
+METRICS_PATH = "/metrics"
 LOG_POLL_S = 0.1
 """How often a log stream looks for lines the follow brought (the tail is in this process's memory)."""
 SHUTDOWN_S = 1
@@ -47,6 +54,9 @@ class TokenGate:
             await self.app(scope, receive, send)
             return
         request = Request(scope)
+        if request.url.path == METRICS_PATH:
+            await self._bearer(request, scope, receive, send)
+            return
         header = request.headers.get(TOKEN_HEADER, "")
         offered = header if request.method == "POST" else request.query_params.get("token") or header
         offered = offered or ("" if request.method == "POST" else request.cookies.get(self.cookie, ""))
@@ -58,9 +68,27 @@ class TokenGate:
             return
         await self.app(scope, receive, send)
 
+    async def _bearer(self, request: Request, scope: Scope, receive: Receive, send: Send) -> None:
+        scheme, _, offered = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(offered.strip().encode(), self.token.encode()):
+            response = PlainTextResponse(
+                "the dashboard's token is needed as a bearer token (Authorization: Bearer <token>)\n",
+                status_code=401,
+                headers={"WWW-Authenticate": 'Bearer realm="gpu-cluster dashboard"'},
+            )
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def token_file(port: int) -> Path:
+    """Where the dashboard on `port` keeps its token while it serves (Prometheus' `credentials_file`)."""
+    return state.state_root() / f"dashboard-{port}.token"
+
 
 def build_app(live: sources.Live, token: str, port: int) -> Starlette:
     cookie = f"gpu_cluster_dashboard_{port}"
+    reader = metrics.Reader()
 
     def index(request: Request) -> Response:
         response = FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-store"})
@@ -107,6 +135,16 @@ def build_app(live: sources.Live, token: str, port: int) -> Starlette:
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-store"})
 
+    async def prometheus(request: Request) -> Response:
+        body = await asyncio.to_thread(
+            lambda: metrics.render(
+                reader.scrape(
+                    sources.shown_stacks(live.only), dict(live.statuses), dict(live.tails), time.time(), dict(live.gpus)
+                )
+            )
+        )
+        return Response(body, media_type=metrics.CONTENT_TYPE, headers={"Cache-Control": "no-store"})
+
     async def cancel(request: Request) -> Response:
         stack, run_id = request.path_params["stack"], request.path_params["run_id"]
         try:
@@ -121,6 +159,7 @@ def build_app(live: sources.Live, token: str, port: int) -> Starlette:
         Route("/", index),
         Route("/favicon.ico", lambda request: Response(status_code=204)),
         Route("/api/state", overview),
+        Route(METRICS_PATH, prometheus),
         Route("/api/runs/{stack}/{run_id}", run_page),
         Route("/api/runs/{stack}/{run_id}/log", log),
         Route("/api/runs/{stack}/{run_id}/cancel", cancel, methods=["POST"]),
@@ -164,12 +203,15 @@ def serve(port: int, only: str | None, status: sources.StatusFn | None, say) -> 
         timeout_graceful_shutdown=SHUTDOWN_S,
     )
     server = uvicorn.Server(config)
-    say(f"dashboard: http://{ADDRESS}:{bound}/?token={token}")
-    say("dashboard: serving on 127.0.0.1 only; Ctrl-C stops it")
-    live.start()
     try:
+        state.write_atomic(token_file(bound), token)  # removed below, whenever Ctrl-C comes
+        say(f"dashboard: http://{ADDRESS}:{bound}/?token={token}")
+        say("dashboard: serving on 127.0.0.1 only; Ctrl-C stops it")
+        say(f"dashboard: Prometheus scrapes /metrics with the token in {token_file(bound)} (dashboard/prometheus.yml)")
+        live.start()
         server.run(sockets=[sock])
     finally:
+        token_file(bound).unlink(missing_ok=True)
         live.stop()
         sock.close()
         say("dashboard: stopped")

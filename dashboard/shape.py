@@ -14,6 +14,12 @@ STEP_LINE = re.compile(
 """Rank 0's step line in node-0's log (harness/metrics.py `format_step`, under `STEP_HEADER`; `[node-0] `
 where the node runs one rank, node/output.py): the live
 source of a running run's curves, since metrics.jsonl comes to this machine when the run ends."""
+FT_LINE = re.compile(
+    r"^\[node-\d+(?: rank \d+)?\]\s+replica (?P<replica>\d+) step\s+(?P<step>\d+) loss (?P<loss>\S+)"
+    r" participants (?P<participants>\d+)"
+)
+"""A replica group's step line (harness/fault_tolerance.py, every `log_every` steps, from the group's first
+rank on whichever node it runs): a running fault-tolerant run's curves, as `STEP_LINE` is a plain run's."""
 VERDICT_KEYS = ("hang", "stragglers", "participants", "waiting_for")
 """What a run's row carries beyond `fab jobs`'s columns where the run has it (None/absent otherwise)."""
 
@@ -25,7 +31,7 @@ def run_row(row: dict, summary: dict | None, hang_verdict: str | None) -> dict:
     hang = row.get("hang") or summary.get("hang") or ({"verdict": hang_verdict} if hang_verdict else None)
     shaped = {**row, "hang": (hang or {}).get("verdict") if isinstance(hang, dict) else hang}
     for key in ("stragglers", "participants"):
-        shaped[key] = row.get(key) if row.get(key) is not None else summary.get(key)
+        shaped[key] = (row.get(key) if row.get(key) is not None else summary.get(key)) or None  # [] says nothing
     return shaped
 
 
@@ -57,12 +63,18 @@ class Series:
 
 def step_series(records: Iterable[dict]) -> dict[str, Series]:
     """metrics.jsonl's `step` records as the run page's plots: loss, throughput (samples/s) and step time
-    per rank (a record without `rank` is rank 0's: the harness writes from rank 0)."""
+    per rank (a record without `rank` is rank 0's: the harness writes from rank 0); a fault-tolerant run's
+    `ft_step` records as its loss per replica group."""
     loss, throughput, step_time = Series(), Series(), Series()
     for record in records:
-        if record.get("kind") != "step" or "time" not in record:
+        if "time" not in record:
             continue
         at = float(record["time"])
+        if record.get("kind") == "ft_step":
+            loss.add(at, **{f"replica {record.get('replica', 0)}": _number(record.get("loss"))})
+            continue
+        if record.get("kind") != "step":
+            continue
         loss.add(at, loss=_number(record.get("loss")))
         throughput.add(at, samples_per_s=_number(record.get("samples_per_s")))
         step_time.add(at, **{f"rank {record.get('rank', 0)}": _number(record.get("step_ms"))})
@@ -70,10 +82,24 @@ def step_series(records: Iterable[dict]) -> dict[str, Series]:
 
 
 def steps_from_log(lines: Iterable[str], clock: Iterable[float]) -> list[dict]:
-    """Rank 0's step lines of a log as `step` records, each at the time its line was seen (`clock`, one
-    time per line): a running run's curves before its metrics.jsonl is fetched."""
-    found = []
+    """Rank 0's step lines of a log as `step` records, and each replica group's step lines as `ft_step`
+    records, each at the time its line was seen (`clock`, one time per line): a running run's curves before
+    its metrics.jsonl is fetched."""
+    found: list[dict] = []
     for line, at in zip(lines, clock, strict=False):
+        group = FT_LINE.match(line)
+        if group:
+            found.append(
+                {
+                    "kind": "ft_step",
+                    "time": at,
+                    "step": int(group["step"]),
+                    "replica": int(group["replica"]),
+                    "loss": _number(group["loss"]),
+                    "participants": int(group["participants"]),
+                }
+            )
+            continue
         match = STEP_LINE.match(line)
         if match:
             found.append(
@@ -110,16 +136,29 @@ def interruptions(events: Iterable, started_at: float | None, ended_at: float | 
     ]
 
 
-def cost_series(intervals: Iterable, hourly_usd: float, now: float) -> Series:
+def cost_series(
+    intervals: Iterable, hourly_usd: float, now: float, reference_hourly_usd: float | None = None
+) -> Series:
     """A cluster's cost over time from its up intervals: flat while it was down, rising at `hourly_usd`
-    while up, so the last point is what `deploy.py cost` says (before the minimum billed minute)."""
-    series, spent = Series(), 0.0
+    while up, so the last point is what `deploy.py cost` says (before the minimum billed minute). With
+    `reference_hourly_usd` (a local cluster's AWS equivalent, as the ledger recorded it at `up`), what the
+    same time would have cost on AWS, beside it."""
+    series, spent, would = Series(), 0.0, 0.0
     for interval in sorted(intervals, key=lambda i: i.started_at):
         end = interval.ended_at or now
-        series.add(interval.started_at, usd=round(spent, 6))
+        series.add(interval.started_at, **_costs(spent, would, reference_hourly_usd))
         spent += cost_usd(hourly_usd, max(0.0, end - interval.started_at))
-        series.add(end, usd=round(spent, 6))
+        if reference_hourly_usd is not None:
+            would += cost_usd(reference_hourly_usd, max(0.0, end - interval.started_at))
+        series.add(end, **_costs(spent, would, reference_hourly_usd))
     return series
+
+
+def _costs(spent: float, would: float, reference_hourly_usd: float | None) -> dict[str, float | None]:
+    found: dict[str, float | None] = {"usd": round(spent, 6)}
+    if reference_hourly_usd is not None:
+        found["aws equivalent usd"] = round(would, 6)
+    return found
 
 
 def timelines(up: dict | None, bootstrap: dict | None, launches: Iterable[tuple[str, dict | None]]) -> list[dict]:

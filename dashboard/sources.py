@@ -16,10 +16,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dashboard import shape
+from dashboard import gpus, shape
 from infra import inventory, runlog, state
 from infra.errors import ClusterError, UsageError
 from infra.ledger import Ledger
+from node import contract
 from remote import holders, runs
 from remote.launch import NodeSetup
 
@@ -69,7 +70,8 @@ def _ledger_facts(stack: str, now: float) -> tuple[list[dict], dict[str, str], l
                 "hourly_usd": c.hourly_usd,
                 "up": c.is_up,
                 "cost_usd": round(c.cost_usd(now), 6),
-                "series": shape.cost_series(c.intervals, c.hourly_usd, now).as_dict(),
+                "reference_hourly_usd": c.reference_hourly_usd,
+                "series": shape.cost_series(c.intervals, c.hourly_usd, now, c.reference_hourly_usd).as_dict(),
             }
             for c in ledger.clusters(stack)
         ]
@@ -121,10 +123,10 @@ def run_view(stack: str, run_id: str, tail: shape.LogTail | None, now: float) ->
     _, verdicts, events = _ledger_facts(stack, now)
     summary = read_json(folder / runs.SUMMARY)
     row = shape.run_row(record.as_row(float(cluster.get("hourly_usd") or 0.0)), summary, verdicts.get(run_id))
-    metrics = _metrics(folder)
-    if not any(m.get("kind") == "step" for m in metrics) and tail is not None:
-        lines = tail.since(0)
-        metrics = shape.steps_from_log([line for _, _, line in lines], [at for _, at, _ in lines])
+    metrics = metrics_records(folder)
+    if not any(m.get("kind") in ("step", "ft_step") for m in metrics) and tail is not None:
+        lines = tail.since(0)  # the run's steps are in its log until its metrics.jsonl is here
+        metrics += shape.steps_from_log([line for _, _, line in lines], [at for _, at, _ in lines])
     plots = {name: series.as_dict() for name, series in shape.step_series(metrics).items()}
     plots["participants"] = shape.participants_series(metrics).as_dict()
     return {
@@ -137,9 +139,10 @@ def run_view(stack: str, run_id: str, tail: shape.LogTail | None, now: float) ->
     }
 
 
-def _metrics(folder: Path) -> list[dict]:
+def metrics_records(folder: Path) -> list[dict]:
+    """The run's metrics.jsonl records (none where it is not here yet)."""
     try:
-        lines = (folder / "metrics.jsonl").read_text().splitlines()
+        lines = (folder / contract.METRICS_FILE).read_text().splitlines()
     except OSError:
         return []
     found = []
@@ -153,8 +156,16 @@ def _metrics(folder: Path) -> list[dict]:
 
 def finished_log(folder: Path, tail: shape.LogTail) -> None:
     """A run whose log is all here (or that nobody can follow now): its last lines from the local copy,
-    as `fab logs` shows them, read-only."""
+    as `fab logs` shows them, read-only. A run Slurm held has its log as the cluster wrote it
+    (`output.log`): its lines in that order, every node's and the cluster's interleaved as they came."""
     at = time.time()
+    if (folder / runlog.RAW).is_file():
+        copy = runlog.LogCopy(folder, echo=lambda writer, piece: tail.add(writer or "cluster", piece, at), write=False)
+        copy.resume()
+        copy.close(ended=True)
+        del tail.pieces[:-LOG_LINES]
+        tail.end(at)
+        return
     paths = sorted(folder.glob("node-*.log"))
     if (folder / runlog.CLUSTER_LOG).exists():
         paths.append(folder / runlog.CLUSTER_LOG)
@@ -196,6 +207,8 @@ class Live:
         self.run_problems: dict[str, str] = {}
         self.status_problems: dict[str, str] = {}
         self.tails: dict[tuple[str, str], shape.LogTail] = {}
+        self.gpus: dict[tuple[str, str], gpus.Readings] = {}
+        """(stack, run id) to each GPU's newest reading, for the runs running now (`/metrics`)."""
         self.followers: dict[tuple[str, str], threading.Thread] = {}
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -207,13 +220,29 @@ class Live:
         self.stopping.set()
 
     def _loop(self) -> None:
-        asked_at = 0.0
+        asked_at = gpus_at = 0.0
         while not self.stopping.is_set():
             ask = self.status is not None and time.monotonic() - asked_at >= STATUS_EVERY_S
+            ask_gpus = time.monotonic() - gpus_at >= gpus.EVERY_S
             for stack in shown_stacks(self.only):
                 self.refresh_once(stack, ask)
+                if ask_gpus:
+                    self.refresh_gpus(stack)
             asked_at = time.monotonic() if ask else asked_at
+            gpus_at = time.monotonic() if ask_gpus else gpus_at
             self.stopping.wait(REFRESH_S)
+
+    def refresh_gpus(self, stack: str) -> None:
+        """The newest GPU readings of the stack's running runs (kept as they were where the head node does
+        not answer now: they are asked again next time)."""
+        running = [r.run_id for _, r in runs.runs_of(state.runs_dir(stack)) if r.state == "RUNNING"]
+        try:
+            found = gpus.bring(inventory.load(stack), running) if running else {}
+        except Exception:
+            return
+        for key in [k for k in self.gpus if k[0] == stack]:
+            del self.gpus[key]
+        self.gpus.update({(stack, run_id): readings for run_id, readings in found.items() if readings})
 
     def refresh_once(self, stack: str, ask_status: bool) -> None:
         """`fab jobs`'s refresh of the runs not yet ended; with `ask_status`, each node's state too (asked

@@ -3,9 +3,9 @@
 The checks run as one torchrun job, one process per node (harness/fitness.py); this module is their
 standard-library half, so that the node and the operator read the same rules:
 
-- per node: matmul throughput, memory, free disk; on GPU nodes `nvidia-smi -q -x` (ECC errors, retired
-  pages, remapped rows, clock-event (throttle) reasons, PCIe width, clocks), `dcgmi diag -r 1 -j` where
-  DCGM is installed, and NVIDIA's Xid lines in the kernel log;
+- per node: matmul throughput, memory, free disk; on GPU nodes NVML (node/nvml.py; `nvidia-smi -q -x` where
+  NVML does not load): ECC errors, retired pages, remapped rows, clock-event (throttle) reasons, PCIe width,
+  clocks; `dcgmi diag -r 1 -j` where DCGM is installed, and NVIDIA's Xid lines in the kernel log;
 - across nodes: a pairwise all-reduce bandwidth matrix and each node's clock against the head node's.
 
 `judge` turns one report into a verdict per node, OK, WARN or CRITICAL, each with its reasons; every
@@ -19,6 +19,8 @@ import statistics
 import subprocess
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass, field
+
+from node import nvml
 
 OK, WARN, CRITICAL = "OK", "WARN", "CRITICAL"
 LEVELS = (OK, WARN, CRITICAL)
@@ -91,11 +93,14 @@ def host_facts(home: str) -> dict:
 
 
 def gpu_facts(timeout_s: float = 60.0) -> dict:
-    """What nvidia-smi, dcgmi and the kernel log say, where they exist: each tool's text, parsed.
-    `{}` on a host with no nvidia-smi (a CPU node)."""
-    if shutil.which("nvidia-smi") is None:
+    """What NVML (node/nvml.py; `nvidia-smi -q -x` where NVML does not load), dcgmi and the kernel log say,
+    where they exist. `{}` on a host with neither NVML nor nvidia-smi (a CPU node)."""
+    gpus = nvml.preflight_gpus()
+    if gpus is None and shutil.which("nvidia-smi") is None:
         return {}
-    facts: dict = {"gpus": nvidia_smi_gpus(_output(["nvidia-smi", "-q", "-x"], timeout_s))}
+    if gpus is None:
+        gpus = nvidia_smi_gpus(_output(["nvidia-smi", "-q", "-x"], timeout_s))
+    facts: dict = {"gpus": gpus}
     if shutil.which("dcgmi"):
         facts["dcgm"] = dcgm_results(_output(["dcgmi", "diag", "-r", "1", "-j"], timeout_s))
     facts["xids"] = xid_events(kernel_log(timeout_s))

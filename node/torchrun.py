@@ -45,7 +45,7 @@ from datetime import timedelta
 if not __package__:  # run as a file (`python node/torchrun.py`): import its siblings from the code folder,
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
 
-from node import contract  # noqa: E402
+from node import contract, nvml  # noqa: E402
 from node.hang import progress_records  # noqa: E402
 from node.output import Mux, OwnOutput, node_prefix, rank_pipe  # noqa: E402
 
@@ -229,6 +229,7 @@ def main(argv: list[str]) -> None:
     own = OwnOutput.start(node, os.path.expanduser(f"~/{contract.node_run(run_id)}") if run_id else None)
     prefix_rank_output(own.mux, node)
     code, exit_codes = 0, {}
+    sampler = nvml.run_sampler(node).__enter__()  # every GPU of the node, read while the run goes
     try:
         code = serve(argv)
     except SystemExit as exc:
@@ -250,6 +251,7 @@ def main(argv: list[str]) -> None:
         for stop in STOP_SIGNALS:  # torch's handlers raise wherever a later stop lands: end at once instead
             signal.signal(stop, signal.SIG_DFL)
         own.restore()  # sends what the spool still holds
+        sampler.__exit__(None, None, None)
     group = formed_process_group(node) if code == 0 else None
     print(ranks_line(exit_codes, group, rank_times(node, started), dict(EXITED_AT)), flush=True)
     sys.exit(code)

@@ -18,6 +18,20 @@ report = fitness.report_line(open(os.environ.get("OUT", "/tmp/devout") + "/prefl
 print("report:", json.dumps(report)[:2500] if report else None)
 print("verdicts:", json.dumps({k: (v.__dict__ if hasattr(v, "__dict__") else str(v)) for k, v in fitness.judge(report).items()} if report else None, default=str)[:1500])
 PYEOF
+echo "== the one GPU reader (node/nvml.py, NVML through ctypes) beside nvidia-smi -q -x; a run's sampler for 3 s"
+$PY - <<'PYEOF'
+import json, os, time
+from node import fitness, nvml
+through_nvml = nvml.preflight_gpus()
+smi = fitness.nvidia_smi_gpus(open(os.environ.get("OUT", "/tmp/devout") + "/nvidia-smi-q-x.xml").read())
+print("nvml:", json.dumps(through_nvml)[:1500])
+moving = ("sm_clock_mhz", "clock_event_reasons")  # read a moment apart: may differ
+print("differ from nvidia-smi:", [(k, a[k], b.get(k)) for a, b in zip(through_nvml or [], smi) for k in a if k not in moving and a[k] != b.get(k)])
+found = []
+with nvml.Sampler(found.append, "node-0", interval_s=1):
+    time.sleep(3.5)
+print("sampled:", len(found), "records; last:", json.dumps(found[-1]) if found else None)
+PYEOF
 echo "== GPU tests"
 SECONDS=0
 timeout 170 $PY -m pytest -m gpu tests/integration/test_harness.py tests/integration/test_lab.py -q -p no:cacheprovider -o addopts="-ra" 2>&1 | tail -12; echo "in ${SECONDS}s"

@@ -30,10 +30,15 @@ function runLink(stack, runId) { return `#run/${encodeURIComponent(stack)}/${enc
 function verdicts(run) {
   const found = [];
   if (run.hang) found.push(`hang: ${run.hang}`);
-  if (run.stragglers) found.push(`stragglers: ${typeof run.stragglers === "string" ? run.stragglers : JSON.stringify(run.stragglers)}`);
+  if (run.stragglers && run.stragglers.length) found.push(`stragglers: ${stragglers(run.stragglers)}`);
   if (run.participants) found.push(`participants ${run.participants}`);
   if (run.waiting_for) found.push(`waits for ${run.waiting_for}`);
   return found.map(esc).join("; ") || "";
+}
+
+function stragglers(named) {
+  if (typeof named === "string") return named;
+  return named.map((s) => (s && s.rank != null ? `rank ${s.rank} on ${s.node}${s.why ? ` (${s.why})` : ""}` : JSON.stringify(s))).join(", ");
 }
 
 function exitCodes(run) {
@@ -57,21 +62,22 @@ function stackHTML(stack) {
     <td class="num">${duration(n.uptime_s)}</td><td class="num">${usd(n.hourly_usd)}</td></tr>`).join("");
   const runs = stack.runs.map((r) => `<tr class="run" data-run="${esc(r.run_id)}" data-state="${esc(r.state)}">
     <td><a href="${runLink(stack.stack, r.run_id)}">${esc(r.run_id)}</a></td><td>${esc(r.task)}</td>
-    <td class="state-${esc(r.state)}">${esc(r.state)}</td><td>${esc((r.nodes || []).join(" "))}</td>
-    <td>${when(r.submitted_at)}</td><td>${when(r.started_at)}</td><td>${when(r.ended_at)}</td>
+    <td class="state-${esc(r.state)}">${esc(r.state)}</td><td class="nodes">${esc((r.nodes || []).join(" "))}</td>
+    <td class="when">${when(r.submitted_at)}</td><td class="when">${when(r.started_at)}</td><td class="when">${when(r.ended_at)}</td>
     <td class="num">${esc(r.requeues)}</td><td>${exitCodes(r)}</td><td class="num">${usd(r.cost_usd)}</td>
     <td class="verdict">${verdicts(r)}</td></tr>`).join("");
   const counts = Object.entries(stack.counts).map(([s, n]) => `${n} ${esc(s.toLowerCase())}`).join(", ") || "no runs yet";
   const clusters = stack.clusters.map((c) => `<div class="cost" data-cluster="${c.id}">cluster #${c.id}: ${esc(c.nodes)} × ${esc(c.instance_type)},
-    ${usd(c.hourly_usd)}/h, ${usd(c.cost_usd)} so far${c.up ? " (up)" : ""}<div class="plot cost-plot" id="cost-${esc(stack.stack)}-${c.id}"></div></div>`).join("");
+    ${usd(c.hourly_usd)}/h, ${usd(c.cost_usd)} so far${c.up ? " (up)" : ""}${c.reference_hourly_usd != null
+    ? `; on AWS ${usd(c.reference_hourly_usd)}/h, ${usd(c.series.ys["aws equivalent usd"]?.at(-1))} for the same time` : ""}<div class="plot cost-plot" id="cost-${esc(stack.stack)}-${c.id}"></div></div>`).join("");
   const reconciled = stack.reconciliation ? `<p class="reconciliation">bill: ${Object.entries(stack.reconciliation).map(([k, v]) => `${esc(k)} ${esc(v)}`).join(", ")}</p>` : "";
   return `<div class="stack" data-stack="${esc(stack.stack)}">
     <h1>${esc(stack.stack)} <small>${esc(stack.provider)}, ${esc(stack.instance_type)}, ${usd(stack.hourly_usd)}/h</small></h1>
     ${stack.problem ? `<p class="problem">${esc(stack.problem)}</p>` : ""}
     <h2>nodes</h2><table class="nodes"><tr><th>node</th><th>address</th><th>state</th><th>Slurm</th><th>uptime</th><th>$/h</th></tr>${nodes}</table>
     <h2>queue and runs <small>${counts}</small></h2>
-    <table class="runs"><tr><th>run</th><th>task</th><th>state</th><th>nodes</th><th>submitted</th><th>started</th><th>ended</th>
-      <th>requeues</th><th>exit</th><th>cost</th><th>verdicts</th></tr>${runs}</table>
+    <div class="fits"><table class="runs"><tr><th>run</th><th>task</th><th>state</th><th>nodes</th><th>submitted</th><th>started</th><th>ended</th>
+      <th>requeues</th><th>exit</th><th>cost</th><th>verdicts</th></tr>${runs}</table></div>
     <h2>cost over time</h2>${clusters || "<p>no ledger rows for this stack</p>"}${reconciled}
     <h2>timelines</h2>${timelineBars(stack.timelines) || "<p>none recorded</p>"}
   </div>`;
@@ -153,7 +159,9 @@ async function refreshRun() {
   document.getElementById("run-facts").innerHTML = facts(run);
   document.getElementById("cancel").hidden = ["COMPLETED", "FAILED", "CANCELLED", "HUNG"].includes(run.state);
   for (const name of ["loss", "throughput", "step_ms"]) {
-    plot(document.getElementById(`plot-${name}`), name, data.plots[name], data.interruptions);
+    const figure = document.getElementById(`plot-${name}`);
+    figure.parentElement.hidden = name !== "loss" && !data.plots[name].x.length; // a fault-tolerant run has no such plot
+    plot(figure, name, data.plots[name], data.interruptions);
   }
   const participants = data.plots.participants;
   document.getElementById("participants-figure").hidden = !participants.x.length;

@@ -3,20 +3,26 @@ real local cluster whose runs Slurm holds: a running run and a queued one on the
 plot and log growing live, cancel through the page, a wrong token refused, loopback only, Ctrl-C ends it."""
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, slurm
+from node import nvml
+from tests.support import REPO, network, slurm
 from tests.support.cli import assert_one_line_error, child_env, run_cli
 from tests.support.clusters import bootstrapped_cluster
+from tests.support.fake_nvml import FakeNvml
 
 CHROMIUM = Path("/usr/bin/chromium")
+PROMETHEUS = shutil.which("prometheus")
+H200 = (REPO / "tests" / "fixtures" / "gpu" / "nvidia-smi-h200.xml").read_text()
 pytestmark = [
     pytest.mark.skipif(slurm.unavailable() is not None, reason=f"Slurm: {slurm.unavailable()}"),
     pytest.mark.skipif(not CHROMIUM.exists(), reason="no /usr/bin/chromium (apt-get install chromium; .ci/run does)"),
@@ -122,6 +128,10 @@ def test_the_page_shows_the_running_and_the_queued_run_a_live_plot_and_a_growing
     page.wait_for_selector(f'tr.run[data-run="{running}"][data-state="RUNNING"]', timeout=60_000)
     page.wait_for_selector(f'tr.run[data-run="{queued}"][data-state="PENDING"]')
     assert page.locator("tr.node").count() == 2  # each up, with its Slurm state (status's SSH round trip)
+    right = "document.querySelector('{}').getBoundingClientRect().right"
+    fits = f"{right.format('table.runs')} <= {right.format('.stack')}"
+    assert page.evaluate(fits), "the runs table overflows its card"
+    assert "stragglers" not in page.inner_text("table.runs")  # no straggler named, no verdict said
     page.wait_for_function(
         "[...document.querySelectorAll('tr.node')].every(row =>"
         " row.children[2].textContent === 'up' && ['idle', 'allocated', 'mixed'].includes(row.children[3].textContent))"
@@ -146,6 +156,62 @@ def test_cancel_after_a_confirmation_stops_the_run(dashboard, runs, page, cluste
     assert rows[queued]["state"] == "CANCELLED" and rows[running]["state"] == "RUNNING", rows
 
 
+@pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus (apt-get install prometheus; .ci/run does)")
+def test_a_real_prometheus_scrapes_the_runs_with_the_scrape_config_of_the_docs(dashboard, runs, cluster, tmp_path):
+    """Debian's Prometheus with dashboard/prometheus.yml as a user saves it beside .cluster/ (the port the
+    only change), the token read from the file the dashboard keeps: its query API has the running run, and
+    the GPU readings its sampler writes on the cluster while it runs."""
+    url = dashboard[1]
+    port = url.split(":")[2].split("/")[0]
+    (tmp_path / ".cluster").symlink_to(cluster.env["CLUSTER_STATE_DIR"])
+    config = (REPO / "dashboard" / "prometheus.yml").read_text()
+    assert "127.0.0.1:8765" in config and "dashboard-8765.token" in config
+    (tmp_path / "prometheus.yml").write_text(config.replace("8765", port))
+    web = f"127.0.0.1:{network.free_port()}"
+    process = subprocess.Popen(
+        [PROMETHEUS, "--config.file=prometheus.yml", f"--storage.tsdb.path={tmp_path / 'data'}",
+         f"--web.listen-address={web}"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"),
+    )  # fmt: skip
+    try:
+        running = runs[0]
+        query = urllib.parse.quote(f'gpucluster_run_state{{run="{running}",state="RUNNING"}}')
+        found: list = []
+
+        def scraped() -> bool:
+            found[:] = prometheus_query(f"http://{web}/api/v1/query?query={query}")
+            return bool(found)
+
+        slurm.wait_for(
+            scraped,
+            "Prometheus has the running run's state",
+            lambda: (tmp_path / "prometheus.log").read_text()[-2000:],
+            deadline_s=60,
+        )
+        assert found[0]["metric"]["stack"] == cluster.stack and found[0]["value"][1] == "1"
+        (up,) = prometheus_query(f"http://{web}/api/v1/query?query=up")
+        assert up["metric"]["job"] == "gpu-cluster" and up["value"][1] == "1"
+        # The run's sampler on its node, with a fake NVML answering as the recorded H200 (no GPU here): the
+        # dashboard brings the running run's newest readings from the head node, Prometheus has them.
+        metrics = Path(cluster.info["shared_dir"]) / "runs" / running / "metrics.jsonl"
+        nvml.Sampler(nvml.file_sink(str(metrics)), "node-1", library=FakeNvml(H200)).once({})
+        query = urllib.parse.quote(f'gpucluster_gpu_temperature_celsius{{run="{running}"}}')
+        slurm.wait_for(scraped, "Prometheus has the running run's GPU temperature", deadline_s=60)
+        assert [(r["metric"]["node"], r["metric"]["gpu"], r["value"][1]) for r in found] == [("node-1", "0", "34")]
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def prometheus_query(url: str) -> list:
+    """The result of a query of Prometheus' HTTP API ([] until it has scraped, or where it is not up yet)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return json.loads(response.read())["data"]["result"]
+    except (urllib.error.URLError, ConnectionError):
+        return []
+
+
 def test_ctrl_c_stops_it_and_leaves_nothing_running(dashboard, runs, cluster):
     """Not the server, nor the follow of the running run's log it started on the head node."""
     process, url = dashboard
@@ -156,6 +222,7 @@ def test_ctrl_c_stops_it_and_leaves_nothing_running(dashboard, runs, cluster):
     port = int(url.split(":")[2].split("/")[0])
     slurm.wait_for(lambda: not followers_of(running), f"the follow of {running} ended", deadline_s=15)
     assert not any(p == port for _, p, _ in slurm.listening_sockets())
+    assert not (Path(cluster.env["CLUSTER_STATE_DIR"]) / f"dashboard-{port}.token").exists()  # the token goes too
     assert cluster.fab("stop", "--run", running).returncode == 0
 
 

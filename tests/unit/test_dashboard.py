@@ -159,3 +159,66 @@ def test_a_fab_held_runs_follow_gives_the_page_its_logs_and_writes_nothing_to_th
     tail.end(2.0)
     assert [line for _, _, line in tail.since(0)] == ["[node-0] hello", "[node-1] there", "[node-0] half"]
     assert capfd.readouterr().out == ""
+
+
+def test_a_fault_tolerant_runs_log_lines_are_its_loss_and_participants_per_group():
+    lines = [
+        "[node-0] replica 0 step    4 loss 0.5000 participants 2",
+        "[node-1 rank 2] replica 1 step    4 loss 0.6000 participants 2",
+        "[node-1] replica 1 step    5 loss nan participants 1",
+    ]
+    found = shape.steps_from_log(lines, [1.0, 2.0, 3.0])
+    assert shape.step_series(found)["loss"].ys == {"replica 0": [0.5, None, None], "replica 1": [None, 0.6, None]}
+    assert shape.participants_series(found).ys == {"replica 0": [2, None, None], "replica 1": [None, 2, 1]}
+
+
+def test_a_running_fault_tolerant_runs_page_has_its_plots_with_its_log_open(state_dir):
+    """The page always opens the log: its lines are added to the run's records, never put in their place."""
+    from dashboard import sources
+    from remote.runs import Run
+
+    folder = state_dir / "s" / "runs" / "ft"
+    folder.mkdir(parents=True)
+    Run("ft", "run", "", "", ["node-0", "node-1"], 1.0, state="RUNNING", started_at=1.0).save(folder)
+    gpu = {"kind": "gpu", "time": 1.5, "node": "node-0", "index": 0, "util_pct": 50}
+    (folder / "metrics.jsonl").write_text(__import__("json").dumps(gpu) + "\n")
+    tail = shape.LogTail()
+    tail.add("[node-1]", "[node-1] replica 1 step    3 loss 0.7000 participants 2\n", 2.0)
+    view = sources.run_view("s", "ft", tail, now=3.0)
+    assert view["plots"]["loss"]["ys"] == {"replica 1": [0.7]}
+    assert view["plots"]["participants"]["ys"] == {"replica 1": [2]}
+
+
+def test_no_stragglers_is_no_verdict():
+    assert (
+        shape.run_row({"run_id": "r", "state": "COMPLETED", "stragglers": []}, {"stragglers": []}, None)["stragglers"]
+        is None
+    )
+
+
+def test_a_local_clusters_cost_has_its_aws_equivalent_beside_it():
+    series = shape.cost_series([Interval(0.0, 1800.0, "down")], 0.0, now=5400.0, reference_hourly_usd=1.052)
+    assert series.ys == {"usd": [0.0, 0.0], "aws equivalent usd": [0.0, 0.526]}
+
+
+def test_a_finished_slurm_runs_log_is_in_the_order_the_cluster_wrote_it(tmp_path):
+    """Not grouped by node: `output.log` (the cluster's own order) is read, markers left out."""
+    from dashboard import sources
+    from node import contract
+
+    (tmp_path / "output.log").write_text(
+        "[node-0] first\n[node-1] second\nsrun: cluster line\n"
+        f"[node-1] {contract.MARKER_START}exit 0\n[node-0] third\n[node-1] last, unfinished"
+    )
+    (tmp_path / "node-0.log").write_text("[node-0] first\n[node-0] third\n")
+    (tmp_path / "node-1.log").write_text("[node-1] second\n")
+    tail = shape.LogTail()
+    sources.finished_log(tmp_path, tail)
+    assert [line for _, _, line in tail.since(0)] == [
+        "[node-0] first",
+        "[node-1] second",
+        "srun: cluster line",
+        "[node-0] third",
+        "[node-1] last, unfinished",
+    ]
+    assert tail.ended
