@@ -26,7 +26,7 @@ torchrun itself exits 1) and when it exited by this node's clock (`exited_at`: a
 its process without reaping it, so the time is the rank's own, not when the agent noticed), and whether any
 rank of this node formed a process group, as the rank monitors' progress records show (`null` where the
 launch started no monitor). The operator names the node that failed first from those times
-(`remote/outcome.py`). Nothing here runs on the operator side.
+(`node/outcome.py`). Nothing here runs on the operator side.
 
 In a fault-tolerant run (`--replicas`), the head node's torchrun also serves torchft's Lighthouse, bound
 to the address `contract.LIGHTHOUSE_BIND_VARIABLE` names (torchft's own default is every interface), for

@@ -18,10 +18,10 @@ from infra import runlog, state
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo
 from infra.timeline import Timeline
+from node.outcome import STOPPED_CODES
 from remote import protocol, runs, scheduled
 from remote.connect import open_sessions
 from remote.launch import JobResult, JobSpec, NodeSetup, launch, stop_everywhere
-from remote.outcome import STOPPED_CODES
 from remote.stream import say
 
 

@@ -19,8 +19,8 @@ from infra.inventory import ClusterInfo
 from infra.ledger import HEARTBEAT_S, Ledger
 from infra.timeline import Timeline
 from node import billing, contract
+from node.outcome import first_failure
 from remote.launch import JobSpec
-from remote.outcome import first_failure
 from remote.stream import RankOutcome, node_exited, say
 
 SUMMARY = "summary.json"
@@ -246,10 +246,16 @@ class Run:
     ) -> None:
         """The run ended `state_`, each node's job with `exit_codes`, its ranks as its ranks line said, its
         job's end by its own clock `exited_at`: the node that failed first and the run's exit code by the one
-        rule both holders share (`remote/outcome.py`)."""
+        rule both holders share (`node/outcome.py`)."""
         self.state, self.exit_codes = state_, dict(exit_codes)
         self.rank_exit_codes = {node: said.exit_codes for node, said in ranks.items() if said.exit_codes}
-        first = first_failure(self.exit_codes, ranks, exited_at, self.nodes)
+        first = first_failure(
+            self.exit_codes,
+            {node: said.exit_codes for node, said in ranks.items()},
+            {node: said.exited_at for node, said in ranks.items()},
+            exited_at,
+            self.nodes,
+        )
         if first is not None:
             self.first_failed, self.first_failed_by, self.exit_code = first.node, first.evidence, first.exit_code
         elif self.exit_code is None and state_ in FINAL:

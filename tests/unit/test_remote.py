@@ -16,10 +16,10 @@ import pytest
 
 from infra.inventory import ClusterInfo
 from node import contract, probe, standalone
+from node.outcome import first_failure
 from remote import job_command, launch, node_paths, protocol
 from remote.bootstrap import REPO, SYNCED, digest, local_manifest
 from remote.launch import JobStream
-from remote.outcome import first_failure
 from remote.stream import NodeStream, RankOutcome, say
 from tests.support.inventories import cluster
 
@@ -513,26 +513,32 @@ def ranks_said(codes: dict, exited_at: dict | None = None) -> RankOutcome:
     return RankOutcome.parse(json.dumps({"exit_codes": codes, "exited_at": exited_at or {}}))
 
 
+def first_of(codes: dict, ranks: dict, exited_at: dict, order: list | None = None):
+    """node/outcome.py's rule fed as remote/runs.py feeds it, from each node's ranks line."""
+    rank_codes = {node: said.exit_codes for node, said in ranks.items()}
+    return first_failure(codes, rank_codes, {node: said.exited_at for node, said in ranks.items()}, exited_at, order)
+
+
 def test_the_first_failure_is_the_rank_that_exited_first_by_its_nodes_clock_whatever_the_order_of_nodes():
     # Rank 1 exits 3; rank 0 fails 2 s later (its peer is gone) and node-0's job ends first anyway.
     codes = {"node-0": 1, "node-1": 1}
     ranks = {"node-0": ranks_said({"0": 1}, {"0": 102.0}), "node-1": ranks_said({"1": 3}, {"1": 100.0})}
-    first = first_failure(codes, ranks, {"node-0": 102.1, "node-1": 103.0}, ["node-0", "node-1"])
+    first = first_of(codes, ranks, {"node-0": 102.1, "node-1": 103.0}, ["node-0", "node-1"])
     assert (first.node, first.exit_code, first.evidence) == ("node-1", 3, "rank 1 exited first by its clock")
     # A node stopped because another failed (its ranks killed by SIGTERM later) is not the first.
     ranks = {"node-0": ranks_said({"0": 3}, {"0": 50.0}), "node-1": ranks_said({"1": -15}, {"1": 51.0})}
-    assert first_failure({"node-0": 1, "node-1": 1}, ranks, {}, ["node-1", "node-0"]).node == "node-0"
+    assert first_of({"node-0": 1, "node-1": 1}, ranks, {}, ["node-1", "node-0"]).node == "node-0"
 
 
 def test_without_rank_times_the_nodes_own_clocks_then_their_codes_decide():
     codes = {"node-0": 1, "node-1": 1, "node-2": 143}
     # node-1's call returned first, but node-0's own clock saw its job end 0.4 s earlier.
-    first = first_failure(codes, {}, {"node-0": 100.1, "node-1": 100.5, "node-2": None}, ["node-1", "node-2", "node-0"])
+    first = first_of(codes, {}, {"node-0": 100.1, "node-1": 100.5, "node-2": None}, ["node-1", "node-2", "node-0"])
     assert (first.node, first.evidence) == ("node-0", "its job ended first by its clock")
     # No times at all: a node whose ranks failed by themselves before one that was stopped.
-    first = first_failure({"node-0": 143, "node-1": 1}, {"node-1": ranks_said({"1": 4})}, {}, ["node-0", "node-1"])
+    first = first_of({"node-0": 143, "node-1": 1}, {"node-1": ranks_said({"1": 4})}, {}, ["node-0", "node-1"])
     assert (first.node, first.exit_code) == ("node-1", 4) and "no exit times" in first.evidence
-    assert first_failure({"node-0": 0, "node-1": 0}, {}, {"node-0": 1.0, "node-1": 2.0}) is None
+    assert first_of({"node-0": 0, "node-1": 0}, {}, {"node-0": 1.0, "node-1": 2.0}) is None
 
 
 def test_a_ranks_line_keeps_only_finite_exit_times_of_failed_ranks():

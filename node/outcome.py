@@ -1,7 +1,8 @@
 """The one rule from how a run's nodes and ranks ended to the node that failed first and the run's exit
-code, for both run holders (fab's connections and Slurm), fed the same facts: each node's exit code, its
-ranks line (`RankOutcome`: the failed ranks' own codes and exit times, node/torchrun.py), and when its job
-ended by its own clock (its exit marker).
+code, for both run holders (fab's connections and Slurm: the operator's record, remote/runs.py, and the
+Slurm batch job's own exit code, so that Slurm's books say what fab says), fed the same facts: each node's
+exit code, its ranks line (the failed ranks' own codes and exit times, node/torchrun.py), and when its job
+ended by its own clock (its exit marker). Standard library only.
 
 Which call returned first says nothing (a node whose job ended first can return last: a child holding its
 output open, a slow link), and neither does the order of the nodes. The evidence, best first:
@@ -15,8 +16,6 @@ The line that names the node says which evidence named it.
 """
 
 from dataclasses import dataclass
-
-from remote.stream import RankOutcome
 
 STOPPED_CODES = (128 + 15, 128 + 9)
 """A node's job ended by a signal from outside (fail-fast, fab stop, scancel): not a failure of its own."""
@@ -36,36 +35,39 @@ class FirstFailure:
 
 def first_failure(
     exit_codes: dict[str, int | None],
-    ranks: dict[str, RankOutcome],
+    rank_codes: dict[str, dict[str, int]],
+    rank_exited_at: dict[str, dict[str, float]] | None = None,
     exited_at: dict[str, float | None] | None = None,
     order: list[str] | None = None,
 ) -> FirstFailure | None:
-    """The node that failed first (None where every node exited 0 or was not heard from); `order` lists
-    the nodes to break ties and to fall back on (the run's nodes, head first), `exit_codes`' own otherwise."""
+    """The node that failed first (None where every node exited 0 or was not heard from), from each node's
+    exit code, its failed ranks' own codes and exit times ({node: {global rank: ...}}), and when its job ended;
+    `order` lists the nodes to break ties and to fall back on (the run's nodes, head first)."""
     names = [n for n in (order or []) if n in exit_codes] + [n for n in exit_codes if n not in (order or [])]
     failed = [n for n in names if exit_codes[n] not in (0, None)]
     if not failed:
         return None
+    times = rank_exited_at or {}
     ranked = sorted(
         (at, names.index(node), node, rank)
         for node in failed
-        for rank, at in ranks.get(node, RankOutcome()).exited_at.items()
-        if rank in ranks[node].exit_codes
+        for rank, at in times.get(node, {}).items()
+        if rank in rank_codes.get(node, {})
     )
     if ranked:
         _, _, node, rank = ranked[0]
-        return FirstFailure(node, ranks[node].exit_codes[rank], f"rank {rank} exited first by its clock")
+        return FirstFailure(node, rank_codes[node][rank], f"rank {rank} exited first by its clock")
     timed = sorted((at, names.index(n), n) for n in failed if (at := (exited_at or {}).get(n)) is not None)
     if timed:
         node = timed[0][2]
-        return FirstFailure(node, _own_code(node, exit_codes, ranks), "its job ended first by its clock")
-    own = [n for n in failed if ranks.get(n, RankOutcome()).exit_codes or exit_codes[n] not in STOPPED_CODES]
+        return FirstFailure(node, _own_code(node, exit_codes, rank_codes), "its job ended first by its clock")
+    own = [n for n in failed if rank_codes.get(n) or exit_codes[n] not in STOPPED_CODES]
     node = (own or failed)[0]
     why = "its ranks failed by themselves" if own else "stopped first"
-    return FirstFailure(node, _own_code(node, exit_codes, ranks), f"{why} (no exit times were reported)")
+    return FirstFailure(node, _own_code(node, exit_codes, rank_codes), f"{why} (no exit times were reported)")
 
 
-def _own_code(node: str, exit_codes: dict[str, int | None], ranks: dict[str, RankOutcome]) -> int:
+def _own_code(node: str, exit_codes: dict[str, int | None], rank_codes: dict[str, dict[str, int]]) -> int:
     """The node's first failed rank's own code, else the node's."""
-    codes = ranks.get(node, RankOutcome()).exit_codes
+    codes = rank_codes.get(node) or {}
     return next(iter(codes.values())) if codes else int(exit_codes[node] or 0)
