@@ -79,7 +79,16 @@ def fab_tasks() -> dict[str, set[str]]:
     """`fab` task -> its long flags, from the task collection fab loads."""
     from remote.tasks import ns
 
-    return {name: {f"--{arg.names[0]}" for arg in ns[name].get_arguments()} for name in ns.task_names}
+    return {name: _long_flags(ns[name]) for name in ns.task_names}
+
+
+def _long_flags(task) -> set[str]:
+    """The task's long flags; invoke's `get_arguments` pops the task's help as it reads it: put back."""
+    help_before = dict(task.help)
+    try:
+        return {f"--{arg.names[0]}" for arg in task.get_arguments()}
+    finally:
+        task.help = help_before
 
 
 def undocumented_deploy(commands: dict[str, set[str]], lines: list[tuple[str, bool]]) -> list[str]:
