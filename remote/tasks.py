@@ -205,6 +205,10 @@ class ExampleTask:
     """One line for `fab --list`."""
     fault_tolerant: bool = False
     """Whether the example follows the fault-tolerant contract (README): only then does it take --replicas."""
+    plain_only: tuple[str, ...] = ()
+    """Flags of the example's `--args` that train plain DDP only (the replica group's loop refuses them, as
+    `--flag`, or `--flag=VALUE` where VALUE is the one it keeps, e.g. `--precision=fp32`): refused with
+    --replicas before anything is created."""
 
 
 # Adding an example task is one line here: the table registers the tasks and the collection.
@@ -219,6 +223,7 @@ EXAMPLE_TASKS = (
         "examples/ddp_training.py",
         "DDP training across all nodes (examples/ddp_training.py); --replicas N: torchft replica groups.",
         fault_tolerant=True,
+        plain_only=("--precision=fp32", "--compile", "--profile-dir", "--simulate-failure-at-step"),
     ),
     ExampleTask(
         "profile",
@@ -284,13 +289,16 @@ def example_task(example: ExampleTask):
                 f"{example.name} runs {example.script}, which does not (each group would train alone): "
                 "fab run-ddp --replicas N, or fab run --script examples/ft_training.py --replicas N"
             )
+        arguments = options.script_arguments(args)
+        if replicas is not None:
+            options.refuse_plain_only(arguments, example.plain_only, example.name)
         mode = preflight_mode(bool(preflight), bool(skip_preflight))
         start_job(
             stack,
             JobSpec(
                 example.name,
                 example.script,
-                options.script_arguments(args),
+                arguments,
                 restarts(max_restarts),
                 nproc_per_node=processes(nproc_per_node),
                 **fault_tolerance(replicas, hang_timeout, on_hang, on_straggler),
