@@ -4,6 +4,7 @@ The same through `deploy.py` and `fab`: tests/integration/test_validation.py."""
 
 import json
 import os
+import re
 import sqlite3
 from dataclasses import replace
 
@@ -325,3 +326,23 @@ def test_the_plain_only_flags_of_run_ddp_are_the_examples_own():
     names = {f"--{name.replace('_', '-')}" for name in ast.literal_eval(assigned.value)}
     ddp = next(task for task in EXAMPLE_TASKS if task.name == "run-ddp")
     assert {entry.partition("=")[0] for entry in ddp.plain_only} == names
+
+
+@pytest.mark.parametrize("written", ["shared_dir: ''", "shared_dir:", "shared_dir: ' '"])
+def test_a_hosts_file_shared_dir_written_empty_is_refused_not_read_as_none(tmp_path, written):
+    key = tmp_path / "id_ed25519"
+    key.write_text("")
+    key.chmod(0o600)
+    path = tmp_path / "hosts.yaml"
+    path.write_text(f"key: {key}\nuser: a\nhosts: [h]\n{written}\n")
+    with pytest.raises(UsageError, match=r"hosts.yaml: shared_dir: (is empty|must be one line of text)"):
+        hosts.read_hosts_file(str(path))
+
+
+@pytest.mark.parametrize("notice", [" 5", "5\n", "nan", "inf", "1e3", "1_0", "", "-1"])
+def test_a_drill_notice_is_read_as_typed(notice):
+    import deploy
+
+    with pytest.raises(UsageError, match=re.escape(f"argument --notice: must be a number of seconds, not {notice!r}")):
+        deploy.parse_args(["drill", "spot", "node-1", "--notice", notice])
+    assert deploy.parse_args(["drill", "spot", "node-1", "--notice", "0.5"]).notice == 0.5
