@@ -14,6 +14,8 @@ from invoke.exceptions import Exit, ParseError
 
 from infra.errors import ClusterError
 
+INTERRUPTED = 130
+"""A shell's exit code for a command that SIGINT ended (128 + 2)."""
 HINT = "fab --list shows the tasks, fab --help TASK a task's options"
 FLAG_WITHOUT_VALUE = re.compile(r"Flag <Argument: (\w+)\b.*needed value")  # invoke's wording of it
 
@@ -77,12 +79,15 @@ def _refusing_bad_input(step):
 
 def _one_line_errors(execute):
     """An infra error raised inside a task (a bad stack name, a corrupt inventory) is one line with
-    its own exit code, as in deploy.py."""
+    its own exit code, as in deploy.py; a Ctrl-C that no task said more about is `interrupted`, 130
+    (invoke would exit 1 without a word, as if the task had failed)."""
 
     @functools.wraps(execute)
     def wrapped(*args, **kwargs):
         try:
             return execute(*args, **kwargs)
+        except KeyboardInterrupt:
+            raise Exit("fab: interrupted (Ctrl-C)", code=INTERRUPTED) from None
         except ClusterError as exc:
             if not str(exc):  # already reported line by line (ReportedFailure)
                 raise Exit(code=exc.exit_code) from None
