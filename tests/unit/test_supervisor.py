@@ -55,3 +55,17 @@ def test_a_head_whose_bootstrap_failed_is_brought_in_again_with_the_worker_that_
     assert told == [["node-0"], ["node-0"]]
     said = state.stack_file("local", supervisor.LOG_FILE).read_text()
     assert "node-0: did not rejoin" in said and "node-1: rejoined" in said, said
+
+
+def test_a_node_servers_pid_file_is_read_whole_or_as_an_older_versions_json(tmp_path):
+    from infra.providers.local.node_config import pid_text, read_pid
+
+    path = tmp_path / "sshd.pid"
+    path.write_text(pid_text(4242))
+    assert path.read_text() == "4242\n" and read_pid(path) == (4242, path.stat().st_mtime)
+    path.write_text('{"pid": 17, "started_at": 5.0, "address": "127.0.0.10", "port": 2222}')
+    assert read_pid(path) == (17, 5.0)
+    for damaged in ("", "pid", "[1]", '{"pid": "x"}'):
+        path.write_text(damaged)
+        assert read_pid(path) is None, damaged
+    assert read_pid(tmp_path / "gone.pid") is None
