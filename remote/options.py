@@ -64,12 +64,15 @@ def port(flag: str, value: str | int | None, default: int) -> int:
     return integer(flag, value, default, *PORT_RANGE)
 
 
-def script_arguments(text: str) -> list[str]:
-    """`--args "..."` split as a shell would; an unbalanced quote is bad input, not a traceback."""
+def script_arguments(text: str, plain_only: tuple[str, ...] = (), task: str = "") -> list[str]:
+    """`--args "..."` split as a shell would; an unbalanced quote is bad input, not a traceback. With
+    `plain_only`, those flags are refused (`refuse_plain_only`: a replica group's run)."""
     try:
-        return shlex.split(text or "")
+        arguments = shlex.split(text or "")
     except ValueError as exc:
         raise refuse(f"--args {text!r} cannot be split into arguments ({exc}): check its quotes") from None
+    refuse_plain_only(arguments, plain_only, task)
+    return arguments
 
 
 def refuse_plain_only(arguments: list[str], plain_only: tuple[str, ...], task: str) -> None:

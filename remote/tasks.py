@@ -13,7 +13,7 @@ from invoke import Collection, task
 from invoke.exceptions import Exit
 from rich.table import Table
 
-from infra import inventory, runlog, state
+from infra import hints, inventory, runlog, state
 from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
 from infra.timeline import Timeline
@@ -79,13 +79,14 @@ def report(cluster: ClusterInfo, ending: holders.Ending) -> None:
     if run.timeline is not None and not ending.detached:  # the phases this command saw, in one line
         say(f"fab: {run.timeline.line()}")
     if ending.submitted:
-        say(f"fab: follow it with fab logs -f --run {run.run_id}; cancel it with fab stop --run {run.run_id}")
+        follow, cancel = hints.fab(f"logs -f --run {run.run_id}"), hints.fab(f"stop --run {run.run_id}")
+        say(f"fab: follow it with {follow}; cancel it with {cancel}")
         print(run.run_id, flush=True)  # alone on the last line, for scripts
         return
     if ending.detached:
         say(
             f"fab: stopped following ({ending.detached}); run {run.run_id} goes on on the cluster: "
-            f"fab logs -f --run {run.run_id}"
+            + hints.fab(f"logs -f --run {run.run_id}")
         )
         if ending.interrupted:
             raise Exit(code=130)
@@ -206,9 +207,7 @@ class ExampleTask:
     fault_tolerant: bool = False
     """Whether the example follows the fault-tolerant contract (README): only then does it take --replicas."""
     plain_only: tuple[str, ...] = ()
-    """Flags of the example's `--args` that train plain DDP only (the replica group's loop refuses them, as
-    `--flag`, or `--flag=VALUE` where VALUE is the one it keeps, e.g. `--precision=fp32`): refused with
-    --replicas before anything is created."""
+    """`--args` flags its replica groups refuse (`--flag=KEPT`: unless KEPT), refused here with --replicas."""
 
 
 # Adding an example task is one line here: the table registers the tasks and the collection.
@@ -289,9 +288,7 @@ def example_task(example: ExampleTask):
                 f"{example.name} runs {example.script}, which does not (each group would train alone): "
                 "fab run-ddp --replicas N, or fab run --script examples/ft_training.py --replicas N"
             )
-        arguments = options.script_arguments(args)
-        if replicas is not None:
-            options.refuse_plain_only(arguments, example.plain_only, example.name)
+        arguments = options.script_arguments(args, *((example.plain_only, example.name) if replicas else ()))
         mode = preflight_mode(bool(preflight), bool(skip_preflight))
         start_job(
             stack,
