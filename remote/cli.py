@@ -9,6 +9,7 @@ same `fab` users type gets the contract without an entry point of our own.
 import functools
 import re
 
+import invoke
 from invoke import Program
 from invoke.exceptions import Exit, ParseError
 
@@ -94,3 +95,19 @@ def _one_line_errors(execute):
             raise Exit(f"error: {exc}", code=exc.exit_code) from None
 
     return wrapped
+
+
+class Task(invoke.Task):
+    """invoke's task, whose automatic short flags are letters or digits: invoke takes the first character
+    of the option's name not taken, and for `on-straggler` (`-o` and `-n` taken) that is the dash, which
+    `fab --help` lists as `--=STRING`. Such an option goes without a short flag (taking another letter
+    would take it from an option after it: `-s` is `--skip-preflight`)."""
+
+    def arg_opts(self, name, default, taken_names):
+        opts = super().arg_opts(name, default, taken_names)
+        opts["names"] = [flag for flag in opts["names"] if len(flag) > 1 or flag.isalnum()]
+        return opts
+
+
+task = functools.partial(invoke.task, klass=Task)
+"""invoke's `@task`, making `Task`s."""

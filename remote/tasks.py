@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from invoke import Collection, task
+from invoke import Collection
 from invoke.exceptions import Exit
 from rich.table import Table
 
@@ -31,6 +31,7 @@ from remote import (
     workdir,
 )
 from remote.bootstrap import Bootstrap, remembered_setup
+from remote.cli import task
 from remote.connect import describe, on_all_nodes, open_sessions
 from remote.launch import (
     DEFAULT_MAX_RESULT_MB,

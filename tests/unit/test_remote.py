@@ -708,3 +708,16 @@ def test_next_hints_carry_fab_r_where_fab_started_there_would_not_find_this_fabf
     monkeypatch.chdir(tmp_path)  # as `python ~/gpu-cluster/deploy.py up` from the user's project
     report.up_summary(cluster(), False, 1.0, tmp_path / "inventory.json")
     assert f"next: fab -r {root} bootstrap" in capsys.readouterr().out
+
+
+def test_every_fab_flag_has_a_name_fab_help_can_show():
+    """invoke gave `--on-straggler` the dash as its short flag: `fab --help run-ddp` listed `--=STRING`."""
+    from remote.tasks import ns
+
+    flags = {}
+    for name in ns.task_names:
+        for argument in ns[name].get_arguments():
+            assert all(len(flag) > 1 or flag.isalnum() for flag in argument.names), (name, argument.names)
+            flags[(name, argument.name)] = argument.names
+    assert flags[("run-ddp", "on_straggler")] == ("on-straggler",)
+    assert flags[("run-ddp", "skip_preflight")] == ("skip-preflight", "s")  # the short flags users have keep
