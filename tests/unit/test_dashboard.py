@@ -159,3 +159,16 @@ def test_a_fab_held_runs_follow_gives_the_page_its_logs_and_writes_nothing_to_th
     tail.end(2.0)
     assert [line for _, _, line in tail.since(0)] == ["[node-0] hello", "[node-1] there", "[node-0] half"]
     assert capfd.readouterr().out == ""
+
+
+def test_a_long_unfinished_line_in_the_tail_costs_its_length_not_its_square():
+    """As runlog's copy (tests/unit/test_run_log.py): the page's tail of a progress bar without its newline."""
+    import time
+
+    tail = shape.LogTail()
+    started = time.monotonic()
+    for _ in range(2000):
+        tail.add("node-0", "x" * 4096, 1.0)
+    tail.add("node-0", "\r\n", 2.0)
+    assert time.monotonic() - started < 3
+    assert [len(line) for _, _, line in tail.since(0)] == [2000 * 4096]
