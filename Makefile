@@ -19,8 +19,10 @@ $(STAMP): requirements.txt
 	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements.txt
 	touch $@
 
+# make demo BIND=127.0.0.20 SSH_PORT=2300 MASTER_PORT=29600: node-0's loopback address, its SSH port and
+# the rendezvous port, where the defaults (127.0.0.10, 2222, 29500) are taken on this machine.
 demo: setup
-	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/demo.sh
+	PATH="$(CURDIR)/$(BIN):$$PATH" BIND="$(BIND)" SSH_PORT="$(SSH_PORT)" MASTER_PORT="$(MASTER_PORT)" bash scripts/demo.sh
 
 # ruff (format and lint) checks the code and the tests; mypy the code (the tests assert on what they get,
 # unannotated). A folder with no Python file (scripts/ holds only shell) or none at all is skipped.

@@ -12,6 +12,7 @@ Exit codes: 0 success; 1 a step failed; 2 bad input or a missing prerequisite (n
 
 import argparse
 import os
+import re
 import shutil
 import sys
 import time
@@ -114,7 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     drill.add_argument("failure", choices=["spot"], help="spot: a spot interruption notice, then the node reclaimed")
     drill.add_argument("node", help="node name, e.g. node-1")
-    drill.add_argument("--notice", type=float, default=120.0, metavar="S", help="seconds from notice to reclaim (120)")
+    drill.add_argument(
+        "--notice", type=_seconds, default=120.0, metavar="S", help="seconds from notice to reclaim (120)"
+    )
     drill.add_argument("--fis-role", metavar="ARN", help="AWS: the IAM role AWS FIS assumes to interrupt the instance")
     drill.add_argument(
         "--yes", action="store_true", help="drill a cluster started without --spot, whose node nothing replaces"
@@ -158,6 +161,13 @@ def _whole_number(text: str) -> int:
     if not text.isascii() or not text.isdigit():
         raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}")
     return int(text)
+
+
+def _seconds(text: str) -> float:
+    """float() as typed: ' 5', '5\\n', 'nan', 'inf', '1e3' and '1_0' are refused, not read."""
+    if not re.fullmatch(r"[0-9]+(\.[0-9]+)?", text):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, not {text!r}")
+    return float(text)
 
 
 def _port(text: str) -> int:
@@ -513,9 +523,23 @@ def _image_create(args) -> int:
 
 
 def _image_region(args) -> str:
-    if args.region:
-        return config.check_region(args.region)
+    """The region whose images `image list|delete` means: --region, else the stack's. A stack with no
+    region (local, hosts) is refused: its nodes boot no image, and EC2 would be asked about some region."""
+    if args.region is not None:
+        if not config.REGION.fullmatch(args.region):
+            raise UsageError(f"--region {args.region!r} is not a region name like us-east-1")
+        if args.stack is None:
+            return args.region
     stack = state.resolve_stack(args.stack, default=providers.AWS.default_stack)
+    kind = providers.for_stack(stack)
+    if kind is not providers.AWS:
+        given = "--stack" if args.stack is not None else "the current stack"
+        raise UsageError(
+            f"image {args.image_command}: {given} '{stack}' is {kind.what}, whose nodes boot no image and which "
+            "has no AWS region: give an AWS stack (--stack NAME) or --region REGION"
+        )
+    if args.region is not None:
+        return args.region
     try:
         return inventory.load(stack).region
     except UsageError:

@@ -79,7 +79,7 @@ def run() -> list[Check]:
         text = log.text()
         before = [int(s) for s in STEP.findall(text[text.find(resumed.group(0)) :])]
         killed = time.time()
-        os.kill(json.loads(pid_file.read_text())["pid"], signal.SIGKILL)
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
         again, _ = log.wait(RESUMED, after=first_step.group(0))
         after_death, after_death_at = log.wait(STEP, after=again.group(0))
         text = log.text()

@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from dashboard import metrics, sources
 from infra import state
 from infra.errors import UsageError
+from remote import options
 
 STATIC = Path(__file__).with_name("static")
 ADDRESS = "127.0.0.1"
@@ -104,23 +105,29 @@ def build_app(live: sources.Live, token: str, port: int) -> Starlette:
         return JSONResponse({"stacks": stacks, "now": now})
 
     def run_page(request: Request) -> Response:
-        stack, run_id = request.path_params["stack"], request.path_params["run_id"]
+        try:
+            stack, run_id = run_names(request)
+        except UsageError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
         try:
             return JSONResponse(sources.run_view(stack, run_id, live.tails.get((stack, run_id)), time.time()))
         except UsageError as exc:
             return JSONResponse({"error": str(exc)}, status_code=404)
 
     async def log(request: Request) -> Response:
-        stack, run_id = request.path_params["stack"], request.path_params["run_id"]
+        try:
+            stack, run_id = run_names(request)
+            seen = options.integer("since", request.query_params.get("since") or "0", 0, minimum=0)
+        except UsageError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
         try:
             tail = await asyncio.to_thread(live.tail, stack, run_id)
         except UsageError as exc:
             return JSONResponse({"error": str(exc)}, status_code=404)
-        seen = int(request.query_params.get("since") or 0)
 
         async def events():
             nonlocal seen
-            while True:
+            while not live.stopping.is_set():  # Ctrl-C: each open stream ends, none is cancelled mid-write
                 ended = tail.ended  # read before the lines: the last lines come before the end is said
                 fresh = tail.since(seen)
                 if fresh:
@@ -146,7 +153,10 @@ def build_app(live: sources.Live, token: str, port: int) -> Starlette:
         return Response(body, media_type=metrics.CONTENT_TYPE, headers={"Cache-Control": "no-store"})
 
     async def cancel(request: Request) -> Response:
-        stack, run_id = request.path_params["stack"], request.path_params["run_id"]
+        try:
+            stack, run_id = run_names(request)
+        except UsageError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
         try:
             line = await asyncio.to_thread(sources.cancel, stack, run_id)
         except UsageError as exc:
@@ -172,6 +182,12 @@ def build_app(live: sources.Live, token: str, port: int) -> Starlette:
     )
 
 
+def run_names(request: Request) -> tuple[str, str]:
+    """The stack and run a URL names, each a valid name (else UsageError: a path is made of them)."""
+    stack, run_id = request.path_params["stack"], request.path_params["run_id"]
+    return state.check_stack_name(stack), options.run_id(run_id)
+
+
 def listen(port: int) -> socket.socket:
     """A listening socket on 127.0.0.1 (`port` 0: any free one); UsageError where the port is taken."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -189,6 +205,19 @@ def listen(port: int) -> socket.socket:
     return sock
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server, whose Ctrl-C first tells the open log streams to end: else each is cancelled
+    mid-write after SHUTDOWN_S, with a traceback."""
+
+    def __init__(self, config: uvicorn.Config, live: sources.Live):
+        super().__init__(config)
+        self.live = live
+
+    def handle_exit(self, sig, frame) -> None:
+        self.live.stop()
+        super().handle_exit(sig, frame)
+
+
 def serve(port: int, only: str | None, status: sources.StatusFn | None, say) -> None:
     """Serve until Ctrl-C; the URL (with its token) is said once the port listens."""
     sock = listen(port)
@@ -202,7 +231,7 @@ def serve(port: int, only: str | None, status: sources.StatusFn | None, say) -> 
         lifespan="off",
         timeout_graceful_shutdown=SHUTDOWN_S,
     )
-    server = uvicorn.Server(config)
+    server = Server(config, live)
     try:
         state.write_atomic(token_file(bound), token)  # removed below, whenever Ctrl-C comes
         say(f"dashboard: http://{ADDRESS}:{bound}/?token={token}")

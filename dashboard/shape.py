@@ -208,20 +208,26 @@ class LogTail:
     pieces: list[tuple[int, float, str]] = field(default_factory=list)
     """(number, when seen, the line with its writer's prefix)."""
     count: int = 0
-    partial: dict[str, str] = field(default_factory=dict)
-    """Each writer's unfinished line."""
+    partial: dict[str, list[str]] = field(default_factory=dict)
+    """Each writer's unfinished line, in the parts it came in (joined once, when its end comes: linear)."""
     ended: bool = False
 
     def add(self, writer: str, piece: str, at: float) -> None:
         """Text from the follow (`runlog.Echo`'s arguments: its writer, the text with its prefix in it)."""
-        *lines, self.partial[writer] = re.split(r"\r\n|[\r\n]", self.partial.get(writer, "") + piece)
+        *lines, rest = re.split(r"\r\n|[\r\n]", piece)
+        parts = self.partial.setdefault(writer, [])
+        if lines:
+            lines[0] = "".join([*parts, lines[0]])
+            parts.clear()
+        if rest:
+            parts.append(rest)
         for line in lines:
             self._line(line, at)
 
     def end(self, at: float) -> None:
         """The follow is over: unfinished lines are lines too."""
         for writer in list(self.partial):
-            self._line(self.partial.pop(writer), at)
+            self._line("".join(self.partial.pop(writer)), at)
         self.ended = True
 
     def _line(self, line: str, at: float) -> None:

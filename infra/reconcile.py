@@ -15,6 +15,7 @@ import csv
 import json
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import date, datetime, timedelta, timezone
 from pathlib import Path
@@ -198,19 +199,25 @@ def _forecast(ce: CostExplorer, tag: dict, now: datetime, hourly_usd: float) -> 
 
 
 def from_cur(path: Path, stack: str) -> Bill:
-    """A Data Exports (CUR 2.0) CSV: usage line items, with the stack's tag or with none."""
+    """A Data Exports (CUR 2.0) CSV: usage line items, with the stack's tag or with none. A row that is not
+    what CUR writes (a truncated row, a cost that is no amount of dollars, a day no calendar has, a NUL byte)
+    is refused with its line: a reconciliation built on it would print figures nobody can trust."""
     if not path.is_file():
         raise UsageError(f"--bill {path}: no such file; download the CUR 2.0 export's CSV (gunzip it first)")
     try:
         with path.open(newline="", encoding="utf-8-sig") as handle:
-            reader = csv.DictReader(handle)
-            missing = [c for c in CUR_COLUMNS if c not in (reader.fieldnames or [])]
-            if missing:
-                raise UsageError(
-                    f"--bill {path.name} is not a CUR 2.0 export: it lacks the column(s) {', '.join(missing)} "
-                    "(export with Data Exports, CUR 2.0, with resource IDs, as CSV)"
-                )
-            rows = [row for item in reader if (row := _cur_row(item, stack, path)) is not None]
+            reader = csv.DictReader(_no_nul(handle, path))
+            _check_header(reader.fieldnames or [], path)
+            rows = []
+            for item in reader:
+                where = f"--bill {path.name} line {reader.line_num}"
+                if None in item or None in item.values():
+                    raise UsageError(
+                        f"{where}: a row of other than the header's {len(reader.fieldnames or [])} fields "
+                        "(a truncated or torn row): download the export again"
+                    )
+                if (row := _cur_row(item, stack, where)) is not None:
+                    rows.append(row)
     except (UnicodeDecodeError, csv.Error) as exc:
         raise UsageError(f"--bill {path.name} is not a readable CSV ({exc}): give the CUR 2.0 export's CSV") from None
     final = "invoiced" if all(not r.estimated for r in rows) else "rows of a month not yet invoiced are estimated"
@@ -223,37 +230,77 @@ def from_cur(path: Path, stack: str) -> Bill:
     return Bill(f"{path.name} (CUR 2.0; {final})", rows, notes=notes)
 
 
-def _cur_row(item: dict, stack: str, path: Path) -> BillRow | None:
+def _no_nul(lines, path: Path):
+    """The file's lines, refusing a NUL byte (the csv module reads one as text since Python 3.11)."""
+    for number, line in enumerate(lines, 1):
+        if "\0" in line:
+            raise UsageError(f"--bill {path.name} line {number}: a NUL byte; this is not a CSV export as written")
+        yield line
+
+
+def _check_header(names: Sequence[str], path: Path) -> None:
+    missing = [c for c in CUR_COLUMNS if c not in names]
+    if missing:
+        raise UsageError(
+            f"--bill {path.name} is not a CUR 2.0 export: it lacks the column(s) {', '.join(missing)} "
+            "(export with Data Exports, CUR 2.0, with resource IDs, as CSV)"
+        )
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise UsageError(f"--bill {path.name}: the column(s) {', '.join(twice)} appear more than once: which counts?")
+
+
+def _cur_row(item: dict, stack: str, where: str) -> BillRow | None:
     if item.get("line_item_line_item_type", "Usage") not in CUR_USAGE_ITEMS:
         return None  # taxes, credits, refunds: not usage any ledger line could match
-    tags = _cur_tags(item.get("resource_tags") or "", path)
+    tags = _cur_tags(item.get("resource_tags") or "", where)
     value = next((v for k, v in tags.items() if _tag_name(k) == _tag_name(STACK_TAG)), None)
     if value is not None and value != stack:
         return None  # another stack's
-    try:
-        cost = float(item["line_item_unblended_cost"] or 0)
-    except ValueError:
-        raise UsageError(
-            f"--bill {path.name}: line_item_unblended_cost {item['line_item_unblended_cost']!r} is not a number"
-        ) from None
-    day = (item["line_item_usage_start_date"] or "")[:10]
-    if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", day):
-        raise UsageError(f"--bill {path.name}: line_item_usage_start_date {day!r} is not a date")
+    cost = usd_amount(item["line_item_unblended_cost"] or "0", f"{where}: line_item_unblended_cost")
+    day = _day(item["line_item_usage_start_date"] or "", f"{where}: line_item_usage_start_date")
     estimated = "bill_invoice_id" in item and not item["bill_invoice_id"]
     return BillRow(day, item["line_item_usage_type"], cost, value is not None, estimated, item["line_item_resource_id"])
 
 
-def _cur_tags(text: str, path: Path) -> dict:
-    """CUR 2.0's `resource_tags` map, as the CSV export writes it (JSON)."""
+MAX_LINE_USD = 1e9
+"""No usage line item of one stack's day comes near a billion dollars: a bigger one is a broken file."""
+AMOUNT = re.compile(r"-?[0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?")
+
+
+def usd_amount(text: str, what: str) -> float:
+    """A usage line item's dollars: a plain decimal, finite, not negative (credits and refunds are
+    line item types of their own), below MAX_LINE_USD."""
+    if not AMOUNT.fullmatch(text.strip()):
+        raise UsageError(f"{what} {text[:40]!r} is not a number")
+    usd = float(text)
+    if not 0 <= usd < MAX_LINE_USD:
+        raise UsageError(f"{what} {text[:40]!r} is not a usage cost (0 to {MAX_LINE_USD:.0e} dollars)")
+    return usd
+
+
+def _day(text: str, what: str) -> str:
+    """The UTC day of an ISO-8601 timestamp, a day of the calendar."""
+    day = text[:10]
+    try:
+        if re.fullmatch(r"\d{4}-\d{2}-\d{2}", day) and date.fromisoformat(day):
+            return day
+    except ValueError:
+        pass
+    raise UsageError(f"{what} {text[:40]!r} is not a date")
+
+
+def _cur_tags(text: str, where: str) -> dict:
+    """CUR 2.0's `resource_tags` map, as the CSV export writes it (a JSON object)."""
     if not text.strip():
         return {}
     try:
         tags = json.loads(text)
     except ValueError:
-        raise UsageError(
-            f"--bill {path.name}: resource_tags {text[:40]!r} is not the JSON map CUR 2.0 writes"
-        ) from None
-    return tags if isinstance(tags, dict) else {}
+        tags = None
+    if not isinstance(tags, dict):
+        raise UsageError(f"{where}: resource_tags {text[:40]!r} is not the JSON map CUR 2.0 writes")
+    return tags
 
 
 def _tag_name(key: str) -> str:

@@ -7,6 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from infra import hints
 from infra.inventory import ClusterInfo, NodeStatus
 from infra.pricing import describe_quantity
 
@@ -58,7 +59,7 @@ def up_summary(cluster: ClusterInfo, created: bool, elapsed_s: float, inventory_
         role = "  head: rank 0, MASTER_ADDR" if index == 0 else ""
         console.print(f"  {node.name}  {node.public_ip}:{node.ssh_port}  private {node.private_ip}{role}")
     console.print(f"  inventory: {relative(inventory_path)}")
-    console.print("next: fab bootstrap")
+    console.print(f"next: {hints.fab('bootstrap')}")
 
 
 def status_table(cluster: ClusterInfo, rows: list[NodeStatus], stopped_reason: str, spent_usd: float | None) -> None:

@@ -70,7 +70,9 @@ class LogCopy:
     def __init__(self, folder: Path, echo: Echo | None = None, write: bool = True):
         self.folder, self.echo, self.write = folder, echo, write
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.partial = ""
+        self.unfinished: list[str] = []
+        """The unfinished last piece, in the parts it came in: joined once when its end comes, so a long
+        line costs its length, not its length squared (each part was added to all before it)."""
         self.files: dict[str, object] = {}
         self.markers: dict[str, dict[str, str]] = {}
         """Each node's marker lines, by the marker's name (contract.EXIT_MARKER, contract.RANKS_MARKER)."""
@@ -133,8 +135,16 @@ class LogCopy:
             os.write(self.lock_fd, data)
         self._split(self.decoder.decode(data))
 
+    @property
+    def partial(self) -> str:
+        return "".join(self.unfinished)
+
     def _split(self, text: str) -> None:
-        found, self.partial = pieces(self.partial + text)
+        found, rest = pieces(text)  # only the new text is cut: the unfinished piece is not cut again
+        if found:
+            found[0], self.unfinished = "".join([*self.unfinished, found[0]]), []
+        if rest:
+            self.unfinished.append(rest)
         for piece in found:
             self._piece(piece)
 
@@ -168,9 +178,9 @@ class LogCopy:
     def close(self, ended: bool = False) -> None:
         """Stop adding: where the run has `ended`, its unfinished last piece is a line too; else it waits in
         `output.log` for its rest. The copy is free for the next command."""
-        if ended and self.partial:
+        if ended and self.unfinished:
             self._piece(self.partial + "\n")
-            self.partial = ""
+            self.unfinished = []
         for file in self.files.values():
             file.close()  # type: ignore[attr-defined]
         self.files = {}

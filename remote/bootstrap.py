@@ -39,7 +39,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from infra import state
+from infra import hints, state
 from infra.errors import OperationError, ReportedFailure, UsageError
 from infra.inventory import ClusterInfo
 from infra.timeline import Timeline
@@ -262,7 +262,7 @@ class Bootstrap:
             say(
                 f"bootstrap: {len(sessions)} nodes {'up to date' if fresh else 'ready'} "
                 f"in {time.monotonic() - started:.1f} s; "
-                "next: fab hello, fab run-ddp"
+                f"next: {hints.fab('hello')}, {hints.fab('run-ddp')}"
             )
             say(f"bootstrap: {self.timeline.line()}")
         finally:

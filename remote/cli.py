@@ -9,11 +9,14 @@ same `fab` users type gets the contract without an entry point of our own.
 import functools
 import re
 
+import invoke
 from invoke import Program
 from invoke.exceptions import Exit, ParseError
 
 from infra.errors import ClusterError
 
+INTERRUPTED = 130
+"""A shell's exit code for a command that SIGINT ended (128 + 2)."""
 HINT = "fab --list shows the tasks, fab --help TASK a task's options"
 FLAG_WITHOUT_VALUE = re.compile(r"Flag <Argument: (\w+)\b.*needed value")  # invoke's wording of it
 
@@ -77,15 +80,34 @@ def _refusing_bad_input(step):
 
 def _one_line_errors(execute):
     """An infra error raised inside a task (a bad stack name, a corrupt inventory) is one line with
-    its own exit code, as in deploy.py."""
+    its own exit code, as in deploy.py; a Ctrl-C that no task said more about is `interrupted`, 130
+    (invoke would exit 1 without a word, as if the task had failed)."""
 
     @functools.wraps(execute)
     def wrapped(*args, **kwargs):
         try:
             return execute(*args, **kwargs)
+        except KeyboardInterrupt:
+            raise Exit("fab: interrupted (Ctrl-C)", code=INTERRUPTED) from None
         except ClusterError as exc:
             if not str(exc):  # already reported line by line (ReportedFailure)
                 raise Exit(code=exc.exit_code) from None
             raise Exit(f"error: {exc}", code=exc.exit_code) from None
 
     return wrapped
+
+
+class Task(invoke.Task):
+    """invoke's task, whose automatic short flags are letters or digits: invoke takes the first character
+    of the option's name not taken, and for `on-straggler` (`-o` and `-n` taken) that is the dash, which
+    `fab --help` lists as `--=STRING`. Such an option goes without a short flag (taking another letter
+    would take it from an option after it: `-s` is `--skip-preflight`)."""
+
+    def arg_opts(self, name, default, taken_names):
+        opts = super().arg_opts(name, default, taken_names)
+        opts["names"] = [flag for flag in opts["names"] if len(flag) > 1 or flag.isalnum()]
+        return opts
+
+
+task = functools.partial(invoke.task, klass=Task)
+"""invoke's `@task`, making `Task`s."""

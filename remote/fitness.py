@@ -100,6 +100,8 @@ def check(cluster: ClusterInfo, sessions: list[NodeSession], setup: NodeSetup, l
     run_id = job_command.new_run_id("preflight")
     result = run_job(cluster, sessions, spec, setup, run_id, log_dir / run_id, echo=False)
     sessions[0].run(f"rm -rf {node_paths.shell_path(node_paths.remote_run_dir(cluster, run_id))}", warn=True)
+    if result.interrupted:  # Ctrl-C stopped the job: no measurement, no verdict on any node
+        raise KeyboardInterrupt
     head_log = log_dir / run_id / f"{sessions[0].node.name}.log"
     report = fitness.report_line(head_log.read_text(errors="replace")) if head_log.exists() else None
     seconds = time.monotonic() - started

@@ -64,12 +64,39 @@ def port(flag: str, value: str | int | None, default: int) -> int:
     return integer(flag, value, default, *PORT_RANGE)
 
 
-def script_arguments(text: str) -> list[str]:
-    """`--args "..."` split as a shell would; an unbalanced quote is bad input, not a traceback."""
+def script_arguments(text: str, plain_only: tuple[str, ...] = (), task: str = "") -> list[str]:
+    """`--args "..."` split as a shell would; an unbalanced quote is bad input, not a traceback. With
+    `plain_only`, those flags are refused (`refuse_plain_only`: a replica group's run)."""
     try:
-        return shlex.split(text or "")
+        arguments = shlex.split(text or "")
     except ValueError as exc:
         raise refuse(f"--args {text!r} cannot be split into arguments ({exc}): check its quotes") from None
+    refuse_plain_only(arguments, plain_only, task)
+    return arguments
+
+
+def refuse_plain_only(arguments: list[str], plain_only: tuple[str, ...], task: str) -> None:
+    """Refuse `--args` a replica group's loop does not take (`plain_only`: `--flag`, or `--flag=KEPT` where
+    only the value KEPT is taken), as flags, `--flag=value` or argparse's abbreviations of 4+ letters."""
+    given = []
+    for at, word in enumerate(arguments):
+        name, equals, value = word.partition("=")
+        if not name.startswith("--") or len(name) < 6:
+            continue
+        for entry in plain_only:
+            flag, _, kept = entry.partition("=")
+            if not flag.startswith(name):
+                continue
+            if kept:
+                value = value if equals else (arguments[at + 1] if at + 1 < len(arguments) else "")
+                if value == kept:
+                    continue
+            given.append(flag)
+    if given:
+        raise refuse(
+            f"--args {' '.join(sorted(set(given)))}: {task} --replicas trains in torchft replica groups, which "
+            "take no such flag (they train plain DDP only): leave them out, or drop --replicas"
+        )
 
 
 def run_id(value: str) -> str:

@@ -9,11 +9,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from invoke import Collection, task
+from invoke import Collection
 from invoke.exceptions import Exit
 from rich.table import Table
 
-from infra import inventory, runlog, state
+from infra import hints, inventory, runlog, state
 from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
 from infra.timeline import Timeline
@@ -31,6 +31,7 @@ from remote import (
     workdir,
 )
 from remote.bootstrap import Bootstrap, remembered_setup
+from remote.cli import task
 from remote.connect import describe, on_all_nodes, open_sessions
 from remote.launch import (
     DEFAULT_MAX_RESULT_MB,
@@ -79,13 +80,14 @@ def report(cluster: ClusterInfo, ending: holders.Ending) -> None:
     if run.timeline is not None and not ending.detached:  # the phases this command saw, in one line
         say(f"fab: {run.timeline.line()}")
     if ending.submitted:
-        say(f"fab: follow it with fab logs -f --run {run.run_id}; cancel it with fab stop --run {run.run_id}")
+        follow, cancel = hints.fab(f"logs -f --run {run.run_id}"), hints.fab(f"stop --run {run.run_id}")
+        say(f"fab: follow it with {follow}; cancel it with {cancel}")
         print(run.run_id, flush=True)  # alone on the last line, for scripts
         return
     if ending.detached:
         say(
             f"fab: stopped following ({ending.detached}); run {run.run_id} goes on on the cluster: "
-            f"fab logs -f --run {run.run_id}"
+            + hints.fab(f"logs -f --run {run.run_id}")
         )
         if ending.interrupted:
             raise Exit(code=130)
@@ -205,6 +207,8 @@ class ExampleTask:
     """One line for `fab --list`."""
     fault_tolerant: bool = False
     """Whether the example follows the fault-tolerant contract (README): only then does it take --replicas."""
+    plain_only: tuple[str, ...] = ()
+    """`--args` flags its replica groups refuse (`--flag=KEPT`: unless KEPT), refused here with --replicas."""
 
 
 # Adding an example task is one line here: the table registers the tasks and the collection.
@@ -219,6 +223,7 @@ EXAMPLE_TASKS = (
         "examples/ddp_training.py",
         "DDP training across all nodes (examples/ddp_training.py); --replicas N: torchft replica groups.",
         fault_tolerant=True,
+        plain_only=("--precision=fp32", "--compile", "--profile-dir", "--simulate-failure-at-step"),
     ),
     ExampleTask(
         "profile",
@@ -284,13 +289,14 @@ def example_task(example: ExampleTask):
                 f"{example.name} runs {example.script}, which does not (each group would train alone): "
                 "fab run-ddp --replicas N, or fab run --script examples/ft_training.py --replicas N"
             )
+        arguments = options.script_arguments(args, *((example.plain_only, example.name) if replicas else ()))
         mode = preflight_mode(bool(preflight), bool(skip_preflight))
         start_job(
             stack,
             JobSpec(
                 example.name,
                 example.script,
-                options.script_arguments(args),
+                arguments,
                 restarts(max_restarts),
                 nproc_per_node=processes(nproc_per_node),
                 **fault_tolerance(replicas, hang_timeout, on_hang, on_straggler),

@@ -160,7 +160,7 @@ def _parse(data, problems: list[str]) -> HostsFile | None:
     key = _key_path(data.get("key"), problems)
     default_user = _given_text(data, "user", "user", problems)
     python = _text(data.get("python", "python3"), "python", problems) or "python3"
-    shared_dir = _text(data.get("shared_dir", ""), "shared_dir", problems, required=False)
+    shared_dir = _given_text(data, "shared_dir", "shared_dir", problems)
     if shared_dir and not shared_dir.startswith("/"):
         problems.append(f"shared_dir {shared_dir!r} must be an absolute path")
     hourly_usd = _hourly_usd(data.get("hourly_usd", 0), problems)

@@ -219,6 +219,7 @@ def test_ctrl_c_stops_it_and_leaves_nothing_running(dashboard, runs, cluster):
     assert followers_of(running), "the run page's follow is not running on the head node"
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=15) == 130  # as any Ctrl-C of the CLI
+    assert "Traceback" not in process.stdout.read()  # the run page's log stream was open: it ended, not cancelled
     port = int(url.split(":")[2].split("/")[0])
     slurm.wait_for(lambda: not followers_of(running), f"the follow of {running} ended", deadline_s=15)
     assert not any(p == port for _, p, _ in slurm.listening_sockets())

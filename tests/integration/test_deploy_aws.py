@@ -95,6 +95,12 @@ def test_image_commands_refuse_bad_input_in_one_line(offline, state_dir):
     assert_one_line_error(run_cli("image", "create", "--stack", "hosts", **offline), "whose nodes boot no image")
     assert_one_line_error(run_cli("image", "create", "--name", "x", **offline), "an image name is 3 to 128")
     assert_one_line_error(run_cli("image", "delete", "ubuntu", **offline), "not an AMI id")
+    ami = "ami-0123456789abcdef0"
+    for action in (["list"], ["delete", ami]):  # never a question to EC2 about a stack with no region
+        said = f"image {action[0]}: --stack 'local' is the local"
+        assert_one_line_error(run_cli("image", *action, "--stack", "local", **offline), said, "--region REGION")
+        assert_one_line_error(run_cli("image", *action, "--region", "", **offline), "--region '' is not a region")
+        assert_one_line_error(run_cli("image", *action, "--region", "us-east-1\n", **offline), "--region")
     assert_one_line_error(run_cli("image", **offline), "required: ACTION")
     assert_one_line_error(run_cli("up", "--local", "--image", "ami-0123456789abcdef0", **offline), "--image")
     assert_one_line_error(run_cli("up", "--yes", "--image", "ubuntu", **offline), "not an AMI id")

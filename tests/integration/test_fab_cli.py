@@ -42,6 +42,12 @@ from tests.support.inventories import files_under, unreachable_stack
             ["--replicas", "--on-straggler"],
         ),
         (["run-ddp", "--on-straggler", "replace"], ["--on-straggler replace needs a run held by Slurm"]),
+        (
+            ["run-ddp", "--replicas", "2", "--args", "--precision bf16 --compile"],
+            ["--args --compile --precision", "run-ddp --replicas", "torchft replica groups"],
+        ),
+        (["run-ddp", "--replicas", "2", "--args", "--prec=fp16"], ["--args --precision"]),
+        (["run-ddp", "--replicas", "2", "--args", "--steps 3 --simulate-failure-at-step 2"], ["--simulate-failure"]),
         (["run-ddp", "--preflight", "--skip-preflight"], ["--preflight", "--skip-preflight", "give one"]),
         (["run", "--script", "x.py", "--env"], ["--env needs a value"]),
         (["run", "--script", "x.py", "--env", "A=1", "--env"], ["--env needs a value"]),

@@ -4,12 +4,12 @@ import io
 import json
 import os
 import shutil
-import signal
 import socket
 import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -197,7 +197,8 @@ def test_a_dropped_session_takes_its_processes_with_it(local_cluster):
 def test_status_reports_a_dead_node_and_down_still_cleans_up(state_dir, make_cluster):
     cluster = make_cluster()
     pid_file = state_dir / "local" / "nodes" / "node-1" / "sshd.pid"
-    os.kill(json.loads(pid_file.read_text())["pid"], signal.SIGKILL)
+    killed = subprocess.run(["sh", "-c", f"kill -KILL $(cat {pid_file})"], capture_output=True, text=True)
+    assert killed.returncode == 0, killed.stderr  # the pid alone, as daemons write it
     status = run_cli("status", "--json")
     assert status.returncode == 1
     nodes = {n["name"]: n for n in json.loads(status.stdout)["nodes"]}
@@ -449,3 +450,53 @@ def dead_pid() -> int:
     gone = subprocess.Popen(["true"])
     gone.wait()
     return gone.pid
+
+
+# ------------------------------------------------------------------------------------------ make demo
+
+FAILING_FAB = """#!/usr/bin/env bash
+# Stands in for fab: records what the demo asked and what it was given, names a node's log, fails.
+echo "$*" >> "$DEMO_RECORD/fab-argv"
+cp "$CLUSTER_STATE_DIR/local/inventory.json" "$DEMO_RECORD/inventory.json"
+echo "error: bootstrap failed; see $CLUSTER_STATE_DIR/local/nodes/node-0/sshd.log" >&2
+exit 1
+"""
+
+
+def demo(state_dir, tmp_path, **variables: str) -> subprocess.CompletedProcess:
+    """scripts/demo.sh as `make demo VAR=...` runs it, with a `fab` that fails its first step."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "fab").write_text(FAILING_FAB)
+    (bin_dir / "fab").chmod(0o755)
+    path = f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"  # make demo's PATH: the venv's bin
+    env = child_env(PATH=path, CLUSTER_STATE_DIR=str(state_dir), DEMO_RECORD=str(tmp_path), **variables)
+    return subprocess.run(["bash", "scripts/demo.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_make_demo_takes_the_users_addresses_and_keeps_the_log_a_failed_step_names(state_dir, tmp_path):
+    address, port = free_endpoint(2)
+    master_port = port + 100
+    result = demo(state_dir, tmp_path, BIND=address, SSH_PORT=str(port), MASTER_PORT=str(master_port))
+    assert result.returncode == 1, result.stderr
+    assert (tmp_path / "fab-argv").read_text() == f"bootstrap --master-port {master_port}\n"
+    head = json.loads((tmp_path / "inventory.json").read_text())["nodes"][0]
+    assert (head["public_ip"], head["ssh_port"]) == (address, port)
+    assert not (state_dir / "local" / "inventory.json").exists()  # the demo's own down ran
+    assert node_server_processes(state_dir) == []
+    stack, kept = (
+        result.stderr.split("the logs a failed step names are kept: ")[1].split("\n")[0].split("/PATH is now ")
+    )
+    kept = kept.removesuffix("/PATH")
+    assert stack == str((state_dir / "local").resolve())
+    assert (Path(kept) / "nodes" / "node-0" / "sshd.log").read_text()
+
+
+@pytest.mark.parametrize(
+    "variable,value",
+    [("MASTER_PORT", "80"), ("SSH_PORT", "2222x"), ("BIND", "10.0.0.1"), ("MASTER_PORT", " 29500")],
+)
+def test_make_demo_refuses_a_bad_address_before_anything_is_created(state_dir, tmp_path, variable, value):
+    result = demo(state_dir, tmp_path, **{variable: value})
+    assert_one_line_error(result, f"{variable}='{value}'", f"make demo {variable}=")
+    assert not state_dir.exists() and not (tmp_path / "fab-argv").exists()

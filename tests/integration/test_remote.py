@@ -82,6 +82,26 @@ def test_bootstrap_prepares_every_node_and_a_second_run_changes_nothing(cluster)
     assert "bootstrap: timeline: " in second.stdout
 
 
+def test_ctrl_c_of_bootstrap_in_its_health_check_says_interrupted_and_exits_130(cluster):
+    """Not `health failed` and exit 1, as a node that failed its all-reduce would read; the stages done
+    before it stay recorded, so the next bootstrap finds them up to date."""
+    boot = cluster.popen_fab("bootstrap", "--force", "--master-port", str(cluster.master_port))
+    lines = []
+    for line in boot.stdout:
+        lines.append(line)
+        if line.startswith("bootstrap: env"):
+            time.sleep(1.5)  # into the health stage's all-reduce job
+            boot.send_signal(signal.SIGINT)
+            break
+    lines += boot.stdout.readlines()
+    output = "".join(lines)
+    assert boot.wait(timeout=60) == 130, output
+    assert output.rstrip().endswith("fab: interrupted (Ctrl-C)"), output
+    assert "failed" not in output.lower(), output
+    again = cluster.fab("bootstrap", "--master-port", str(cluster.master_port))
+    assert again.returncode == 0 and "nodes up to date" in again.stdout, again.stdout + again.stderr
+
+
 def test_every_node_gets_its_rank_and_the_same_master(cluster):
     shared = Path(cluster.info["shared_dir"])
     envs = {}

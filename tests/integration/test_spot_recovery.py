@@ -154,7 +154,7 @@ def _fab_held_group_heals(cluster) -> None:
 
         slurm.wait_for(lambda: participants("2/2"), "the run in its quorum, 2/2", lambda: f"{shown[-5:]} {said}")
         pid_file = cluster.state_dir / cluster.stack / "nodes" / "node-1" / "sshd.pid"
-        os.kill(json.loads(pid_file.read_text())["pid"], signal.SIGKILL)
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
         killed_at = time.time()
         slurm.wait_for(lambda: participants("1/2"), "group 1 dropped, 1/2", lambda: f"{shown[-5:]} {said}")
         dropped_at = max(line["time"] for line in lines() if line["replica"] == 0 and line["participants"] == 1)
@@ -206,7 +206,7 @@ def test_a_project_with_its_requirements_resumes_on_a_replaced_node_and_complete
     wait_for_log(cluster, run_id, re.compile(r"^\[node-0\] project step 60$", re.M))
 
     pid_file = cluster.state_dir / cluster.stack / "nodes" / "node-1" / "sshd.pid"
-    os.kill(json.loads(pid_file.read_text())["pid"], signal.SIGKILL)
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
     resumed = wait_for_log(
         cluster, run_id, re.compile(r"^\[node-1\] project at step (\d+) \(restart 1\) with tiny", re.M)
     )
@@ -258,7 +258,7 @@ def test_a_replica_group_whose_node_dies_starts_again_on_its_replacement_and_hea
 
     slurm.wait_for(lambda: participants("2/2"), "the run in its quorum, 2/2", lambda: str(shown[-5:]))
     pid_file = cluster.state_dir / cluster.stack / "nodes" / "node-1" / "sshd.pid"
-    os.kill(json.loads(pid_file.read_text())["pid"], signal.SIGKILL)
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
     killed_at = time.time()
     slurm.wait_for(lambda: participants("1/2"), "group 1 dropped, 1/2", lambda: str(shown[-5:]))
     slurm.wait_for(lambda: participants("2/2"), "group 1 back in the quorum, 2/2", lambda: str(shown[-5:]))
@@ -375,7 +375,7 @@ def test_a_notice_and_a_death_each_cost_at_most_the_steps_since_a_checkpoint_and
     followed: list[str] = []
     reading = threading.Thread(target=lambda: followed.append(follower.stdout.read()), daemon=True)
     reading.start()
-    os.kill(json.loads(pid_file.read_text())["pid"], signal.SIGKILL)
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
     again = wait_for_log(cluster, run_id, RESUMED, after=1)
     follower.send_signal(signal.SIGINT)  # only stops the following
     follower.wait(timeout=60)

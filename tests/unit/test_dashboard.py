@@ -222,3 +222,16 @@ def test_a_finished_slurm_runs_log_is_in_the_order_the_cluster_wrote_it(tmp_path
         "[node-1] last, unfinished",
     ]
     assert tail.ended
+
+
+def test_a_long_unfinished_line_in_the_tail_costs_its_length_not_its_square():
+    """As runlog's copy (tests/unit/test_run_log.py): the page's tail of a progress bar without its newline."""
+    import time
+
+    tail = shape.LogTail()
+    started = time.monotonic()
+    for _ in range(2000):
+        tail.add("node-0", "x" * 4096, 1.0)
+    tail.add("node-0", "\r\n", 2.0)
+    assert time.monotonic() - started < 3
+    assert [len(line) for _, _, line in tail.since(0)] == [2000 * 4096]

@@ -175,3 +175,60 @@ def test_a_file_that_is_not_a_cur_export_is_one_clear_line(ledger, tmp_path):
         reconcile.reconcile(ledger, "other", None, CUR_FIXTURE, None, now=UP)
     with pytest.raises(UsageError, match="--days 0: give the days to compare, 1..365"):
         reconcile.check_days(0)
+
+
+def _cell(text: str, column: str, value: str) -> str:
+    """The fixture with the first data row's `column` set to `value`."""
+    header, first, rest = text.split("\n", 2)
+    names = header.split(",")
+    cells = first.split(",")
+    cells[names.index(column)] = value
+    return "\n".join([header, ",".join(cells), rest])
+
+
+def _hostile(kind: str) -> str:
+    text = CUR_FIXTURE.read_text()
+    cost, day = "line_item_unblended_cost", "line_item_usage_start_date"
+    header, first, rest = text.split("\n", 2)
+    return {
+        "nan": lambda: _cell(text, cost, "nan"),
+        "infinity": lambda: _cell(text, cost, "Infinity"),
+        "1e308": lambda: _cell(text, cost, "1e308"),
+        "negative": lambda: _cell(text, cost, "-9.468"),
+        "underscored": lambda: _cell(text, cost, "9_468"),
+        "month 13": lambda: _cell(text, day, "2026-13-20T06:00:00Z"),
+        "february 30": lambda: _cell(text, day, "2026-02-30T06:00:00Z"),
+        "truncated row": lambda: text.rstrip("\n").rsplit(",", 3)[0] + "\n",
+        "a field too many": lambda: "\n".join([header, first + ",extra", rest]),
+        "duplicated cost": lambda: "\n".join([header + ",line_item_unblended_cost", first + ",0", rest]),
+        "json list tag": lambda: text.replace(
+            '"{""user_gpu-cluster:stack"": ""dev"", ""user_Name"": ""dev-node-0""}"', '"[""dev""]"', 1
+        ),
+        "nul byte": lambda: text.replace("BoxUsage:g4dn.xlarge", "BoxUsage:g4dn\0.xlarge", 1),
+    }[kind]()
+
+
+@pytest.mark.parametrize(
+    "kind, said",
+    [
+        ("nan", "line 2: line_item_unblended_cost 'nan' is not a number"),
+        ("infinity", "line 2: line_item_unblended_cost 'Infinity' is not a number"),
+        ("1e308", "line 2: line_item_unblended_cost '1e308' is not a usage cost"),
+        ("negative", "line 2: line_item_unblended_cost '-9.468' is not a usage cost"),
+        ("underscored", "line 2: line_item_unblended_cost '9_468' is not a number"),
+        ("month 13", "line 2: line_item_usage_start_date '2026-13-20T06:00:00Z' is not a date"),
+        ("february 30", "line 2: line_item_usage_start_date '2026-02-30T06:00:00Z' is not a date"),
+        ("truncated row", "line 28: a row of other than the header's 16 fields .a truncated or torn row"),
+        ("a field too many", "line 2: a row of other than the header's 16 fields"),
+        ("duplicated cost", "the column.s. line_item_unblended_cost appear more than once"),
+        ("json list tag", "line 2: resource_tags '.\"dev\".' is not the JSON map CUR 2.0 writes"),
+        ("nul byte", "line 2: a NUL byte"),
+    ],
+)
+def test_a_hostile_bill_is_refused_in_one_line_naming_its_row(ledger, tmp_path, kind, said):
+    billed_cluster(ledger, "dev", UP, DOWN)
+    bill = tmp_path / "bill.csv"
+    bill.write_text(_hostile(kind))
+    with pytest.raises(UsageError, match=said) as refused:
+        reconcile.reconcile(ledger, "dev", None, bill, None, now=UP)
+    assert "\n" not in str(refused.value) and str(refused.value).startswith("--bill bill.csv")

@@ -721,3 +721,30 @@ def test_ranks_write_their_step_times_on_the_shared_folder_only_where_there_is_o
     assert said.stdout.strip() == f"/mnt/our share/runs/run-1/{contract.STEP_TIMES}"
     assert contract.STEP_TIMES_VARIABLE not in job_environment(cluster(shared=""), "run-1", HangPolicy())
     assert job_environment(cluster(), "run-1", HangPolicy(timeout_s=0)) == {}  # no watch, no monitor
+
+
+def test_next_hints_carry_fab_r_where_fab_started_there_would_not_find_this_fabfile(tmp_path, monkeypatch, capsys):
+    from infra import hints, report
+    from tests.support import REPO
+
+    root = shlex.quote(str(REPO))
+    assert hints.fab("bootstrap", cwd=REPO) == hints.fab("bootstrap", cwd=REPO / "infra") == "fab bootstrap"
+    assert hints.fab("logs -f --run r1", cwd=tmp_path) == f"fab -r {root} logs -f --run r1"
+    (tmp_path / "fabfile.py").write_text("")  # the user's own project, with a fabfile of its own
+    assert hints.fab("hello", cwd=tmp_path / ".") == f"fab -r {root} hello"
+    monkeypatch.chdir(tmp_path)  # as `python ~/gpu-cluster/deploy.py up` from the user's project
+    report.up_summary(cluster(), False, 1.0, tmp_path / "inventory.json")
+    assert f"next: fab -r {root} bootstrap" in capsys.readouterr().out
+
+
+def test_every_fab_flag_has_a_name_fab_help_can_show():
+    """invoke gave `--on-straggler` the dash as its short flag: `fab --help run-ddp` listed `--=STRING`."""
+    from remote.tasks import ns
+
+    flags = {}
+    for name in ns.task_names:
+        for argument in ns[name].get_arguments():
+            assert all(len(flag) > 1 or flag.isalnum() for flag in argument.names), (name, argument.names)
+            flags[(name, argument.name)] = argument.names
+    assert flags[("run-ddp", "on_straggler")] == ("on-straggler",)
+    assert flags[("run-ddp", "skip_preflight")] == ("skip-preflight", "s")  # the short flags users have keep

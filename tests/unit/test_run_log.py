@@ -106,3 +106,19 @@ def test_down_records_the_runs_it_ended_from_the_records_fab_wrote(state_dir):
         "ended": ("FAILED", 1795000100.0, True),
         "done": ("COMPLETED", None, True),
     }
+
+
+def test_a_long_unfinished_line_costs_its_length_not_its_square(tmp_path):
+    """8 MB of one line in 4 kB parts (a progress bar without its newline): cutting the whole unfinished
+    line again at every part scanned 16 GB, and the local copy fell minutes behind a finished run."""
+    import time
+
+    shown = []
+    copy = runlog.LogCopy(tmp_path, echo=lambda writer, piece: shown.append(piece), write=False)
+    part = "[node-0] " + "x" * 4087
+    started = time.monotonic()
+    for _ in range(2000):
+        copy.add(part.encode())
+    copy.add(b"\n[node-1] next\n")
+    assert time.monotonic() - started < 3
+    assert [len(piece) for piece in shown] == [2000 * 4096 + 1, len("[node-1] next\n")]

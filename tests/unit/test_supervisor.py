@@ -55,3 +55,41 @@ def test_a_head_whose_bootstrap_failed_is_brought_in_again_with_the_worker_that_
     assert told == [["node-0"], ["node-0"]]
     said = state.stack_file("local", supervisor.LOG_FILE).read_text()
     assert "node-0: did not rejoin" in said and "node-1: rejoined" in said, said
+
+
+def test_a_node_servers_pid_file_is_read_whole_or_as_an_older_versions_json(tmp_path):
+    from infra.providers.local.node_config import pid_text, read_pid
+
+    path = tmp_path / "sshd.pid"
+    path.write_text(pid_text(4242))
+    assert path.read_text() == "4242\n" and read_pid(path) == (4242, path.stat().st_mtime)
+    path.write_text('{"pid": 17, "started_at": 5.0, "address": "127.0.0.10", "port": 2222}')
+    assert read_pid(path) == (17, 5.0)
+    for damaged in ("", "pid", "[1]", '{"pid": "x"}'):
+        path.write_text(damaged)
+        assert read_pid(path) is None, damaged
+    assert read_pid(tmp_path / "gone.pid") is None
+
+
+def test_a_node_reclaimed_after_a_notice_its_watcher_saw_is_not_told_lost_on_top(state_dir, monkeypatch):
+    """The watcher drained it with the notice as its reason, and the run's requeue says so: `node lost` on
+    top put itself in the notice's place (in the run's record and `fab jobs`). A node killed outright, or
+    reclaimed after a notice too short for its watcher to see, is told lost."""
+    from infra.providers.local import metadata, provider
+
+    cluster = replace(aws_cluster(provider="local"), stack="local")
+    head, worker = cluster.nodes
+    told: list[list[str]] = []
+    monkeypatch.setattr(supervisor, "mark_lost", lambda cluster, lost, why="": told.append([n.name for n in lost]))
+    monkeypatch.setattr(supervisor, "fresh_node", lambda *args: None)
+    monkeypatch.setattr(supervisor.provider, "end_node_leftovers", lambda folder: None)
+    provider.notice_path("local", worker.name).parent.mkdir(parents=True, exist_ok=True)
+    for notice_s, said in ((120.0, []), (15.0, []), (2.0, [worker.name]), (None, [worker.name])):
+        told.clear()
+        provider.notice_path("local", worker.name).unlink(missing_ok=True)
+        if notice_s is not None:
+            metadata.post_notice(provider.notice_path("local", worker.name), notice_s)
+        supervisor.replace("local", cluster, [(1, worker)])
+        assert told == [said], (notice_s, told)
+    events = supervisor.Ledger().events("local")
+    assert [e.kind for e in events] == ["spot interruption"] * 3 + ["node lost"], events

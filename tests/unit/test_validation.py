@@ -4,6 +4,7 @@ The same through `deploy.py` and `fab`: tests/integration/test_validation.py."""
 
 import json
 import os
+import re
 import sqlite3
 from dataclasses import replace
 
@@ -15,6 +16,7 @@ from infra.errors import UsageError
 from infra.ledger import Ledger
 from infra.providers import hosts
 from remote import options
+from tests.support import REPO
 from tests.support.ledgers import damage_ledger
 
 # ----------------------------------------------------------------------------------- config values
@@ -285,3 +287,62 @@ def test_a_hosts_file_key_given_twice_at_any_level_is_named_with_its_line(tmp_pa
 
 def test_a_yaml_merge_may_still_override_what_it_brings_in():
     assert yaml.load("a: &x {k: 1, j: 2}\nb: {<<: *x, k: 3}\n", Loader=hosts.UniqueKeyLoader)["b"] == {"k": 3, "j": 2}
+
+
+@pytest.mark.parametrize(
+    "args,refused",
+    [
+        ("--precision fp32 --steps 5", ""),  # the replica loop's own precision
+        ("--precision=fp32", ""),
+        ("--co", ""),  # too short to be read as --compile here; the example's argparse says what it is
+        ("--precision fp16", "--precision"),
+        ("--precision", "--precision"),
+        ("--preci=bf16 --comp", "--compile --precision"),
+        ("--profile-dir /tmp/p", "--profile-dir"),
+    ],
+)
+def test_run_ddp_flags_a_replica_group_does_not_take_are_named(args, refused):
+    from remote.tasks import EXAMPLE_TASKS
+
+    ddp = next(task for task in EXAMPLE_TASKS if task.name == "run-ddp")
+    words = options.script_arguments(args)
+    if not refused:
+        options.refuse_plain_only(words, ddp.plain_only, ddp.name)
+        return
+    with pytest.raises(UsageError, match=f"^--args {refused}: run-ddp --replicas"):
+        options.refuse_plain_only(words, ddp.plain_only, ddp.name)
+
+
+def test_the_plain_only_flags_of_run_ddp_are_the_examples_own():
+    """The operator's list and the example's (which refuses them on the nodes for torchrun users) agree."""
+    import ast
+
+    from remote.tasks import EXAMPLE_TASKS
+
+    source = ast.parse((REPO / "examples" / "ddp_training.py").read_text())
+    assigned = next(
+        n for n in ast.walk(source) if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "PLAIN_ONLY"
+    )
+    names = {f"--{name.replace('_', '-')}" for name in ast.literal_eval(assigned.value)}
+    ddp = next(task for task in EXAMPLE_TASKS if task.name == "run-ddp")
+    assert {entry.partition("=")[0] for entry in ddp.plain_only} == names
+
+
+@pytest.mark.parametrize("written", ["shared_dir: ''", "shared_dir:", "shared_dir: ' '"])
+def test_a_hosts_file_shared_dir_written_empty_is_refused_not_read_as_none(tmp_path, written):
+    key = tmp_path / "id_ed25519"
+    key.write_text("")
+    key.chmod(0o600)
+    path = tmp_path / "hosts.yaml"
+    path.write_text(f"key: {key}\nuser: a\nhosts: [h]\n{written}\n")
+    with pytest.raises(UsageError, match=r"hosts.yaml: shared_dir: (is empty|must be one line of text)"):
+        hosts.read_hosts_file(str(path))
+
+
+@pytest.mark.parametrize("notice", [" 5", "5\n", "nan", "inf", "1e3", "1_0", "", "-1"])
+def test_a_drill_notice_is_read_as_typed(notice):
+    import deploy
+
+    with pytest.raises(UsageError, match=re.escape(f"argument --notice: must be a number of seconds, not {notice!r}")):
+        deploy.parse_args(["drill", "spot", "node-1", "--notice", notice])
+    assert deploy.parse_args(["drill", "spot", "node-1", "--notice", "0.5"]).notice == 0.5

@@ -35,7 +35,8 @@ class NodeConfig:
     shared_dir: str
     """The folder all nodes share (`$CLUSTER_SHARED_DIR`)."""
     pid_file: str
-    """Written once the port is bound: `{"pid", "started_at", "address", "port"}`."""
+    """Written once the port is bound: the server's pid alone (`kill $(cat sshd.pid)`); its time of
+    writing is the node's start (`read_pid`)."""
     token: str
     """Put in every session's environment as CLUSTER_NODE_TOKEN, so power-off finds all it started."""
     metadata_port: int = 0
@@ -50,3 +51,25 @@ class NodeConfig:
 
 def token_entry(token: str) -> str:
     return f"CLUSTER_NODE_TOKEN={token}"
+
+
+def pid_text(pid: int) -> str:
+    """A pid file's text: the pid and a newline, as daemons write them."""
+    return f"{pid}\n"
+
+
+def read_pid(path: Path) -> tuple[int, float] | None:
+    """The node server's pid from its pid file, and when the file was written (the node's start); None
+    where there is none or it holds no pid. A pid file written before it held the pid alone (JSON with a
+    `pid`) is read too, so a `down` after an upgrade still finds the servers."""
+    try:
+        text, written_at = path.read_text(), path.stat().st_mtime
+    except OSError:
+        return None
+    if text.strip().isdigit():
+        return int(text), written_at
+    try:
+        record = json.loads(text)
+        return int(record["pid"]), float(record.get("started_at", written_at))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None

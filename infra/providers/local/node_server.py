@@ -15,7 +15,6 @@ its commands create is private to the user (umask 077), as the state folder it l
 
 import asyncio
 import fcntl
-import json
 import logging
 import os
 import pty
@@ -30,7 +29,7 @@ import asyncssh
 
 from infra import state
 from infra.providers.local import metadata
-from infra.providers.local.node_config import PID_REGISTRY, NodeConfig, token_entry
+from infra.providers.local.node_config import PID_REGISTRY, NodeConfig, pid_text, token_entry
 from node import contract, procfs
 
 # Every shell sources the node environment, so NODE_RANK, MASTER_ADDR, CLUSTER_PYTHON are there in
@@ -441,13 +440,7 @@ async def serve(config: NodeConfig) -> None:
 
 
 def _write_pid_file(config: NodeConfig) -> None:
-    record = {
-        "pid": os.getpid(),
-        "started_at": time.time(),
-        "address": config.address,
-        "port": config.port,
-    }
-    state.write_atomic(Path(config.pid_file), json.dumps(record))
+    state.write_atomic(Path(config.pid_file), pid_text(os.getpid()))
 
 
 def main(argv: list[str]) -> int:

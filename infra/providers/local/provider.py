@@ -33,7 +33,7 @@ from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo, NodeInfo, NodeStatus
 from infra.providers.base import DownReport, Provider, UpRequest, UpResult
 from infra.providers.local import metadata, procs
-from infra.providers.local.node_config import PID_REGISTRY, SERVER_MODULE, NodeConfig, token_entry
+from infra.providers.local.node_config import PID_REGISTRY, SERVER_MODULE, NodeConfig, read_pid, token_entry
 from infra.timeline import Timeline
 from node import contract, procfs
 
@@ -546,13 +546,8 @@ def _node_endpoints(stack: str) -> list[tuple[str, int]]:
 
 
 def _server_pids(stack: str) -> list[int]:
-    pids = []
-    for path in sorted((state.stack_dir(stack) / "nodes").glob("node-*/sshd.pid")):
-        try:
-            pids.append(int(json.loads(path.read_text())["pid"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return pids
+    found = (read_pid(path) for path in sorted((state.stack_dir(stack) / "nodes").glob("node-*/sshd.pid")))
+    return [pid for pid, _ in filter(None, found)]
 
 
 def _servers_by_command_line(stack: str) -> list[int]:
@@ -624,12 +619,9 @@ def status(cluster: ClusterInfo) -> list[NodeStatus]:
 def _server_start_times(stack: str) -> dict[str, float]:
     times = {}
     for path in (state.stack_dir(stack) / "nodes").glob("node-*/sshd.pid"):
-        try:
-            record = json.loads(path.read_text())
-            if _is_node_server(int(record["pid"])):
-                times[path.parent.name] = float(record["started_at"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
+        found = read_pid(path)
+        if found is not None and _is_node_server(found[0]):
+            times[path.parent.name] = found[1]
     return times
 
 

@@ -43,8 +43,8 @@ from infra import inventory, keys, nodecall, ssh, state
 from infra.errors import OperationError
 from infra.inventory import ClusterInfo, NodeInfo
 from infra.ledger import Ledger
-from infra.providers.local import provider
-from node import calls, contract
+from infra.providers.local import metadata, provider
+from node import calls, contract, spot_watch
 
 POLL_S = 1.0
 RETRY_S = 5.0
@@ -102,6 +102,20 @@ def mark_lost(cluster: ClusterInfo, lost: list[NodeInfo], why: str = "its server
             log(cluster.stack, f"{node.name}: Slurm told it is lost: {said}")
         except Exception as exc:  # the head node may be gone too; the replacement goes on regardless
             log(cluster.stack, f"{node.name}: could not tell Slurm: {ssh.describe(exc)}")
+
+
+def drained_by_notice(stack: str, node_name: str) -> bool:
+    """Whether the node's spot notice was up long enough for its watcher to have seen it: the watcher then
+    drained the node in Slurm with the notice as its reason, and its run's requeue says so. Telling Slurm
+    the node is lost on top would put `node lost` in place of the notice in the run's record and in `fab
+    jobs`. A notice shorter than two of the watcher's polls may not have been seen: that node is told lost."""
+    notice = metadata.read_notice(provider.notice_path(stack, node_name)) or {}
+    try:
+        posted = datetime.fromisoformat(str(notice["notice_time"]).replace("Z", "+00:00")).timestamp()
+        up_s = float(notice["reclaim_at_s"]) - posted
+    except (TypeError, KeyError, ValueError):
+        return False
+    return up_s >= 2 * spot_watch.DEFAULT_INTERVAL_S
 
 
 def ask(cluster: ClusterInfo, node: NodeInfo, request: calls.Request, timeout_s: float):
@@ -199,7 +213,7 @@ def replace(
     why = "reclaimed after a spot notice" if reclaimed else "powered off as a straggler" if stragglers else "no notice"
     log(stack, f"{names}: gone ({why}); replacing")
     if cluster.head not in (unjoined or []):  # a head replaced but not bootstrapped runs no controller to tell
-        mark_lost(cluster, [node for _, node in dead])
+        mark_lost(cluster, [node for _, node in dead if not drained_by_notice(stack, node.name)])
     for index, _ in dead:
         provider.end_node_leftovers(provider.node_dir(stack, index))
     for index, node in dead:
