@@ -35,7 +35,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
@@ -43,6 +42,7 @@ if not __package__:  # run as a file (`python node/X.py`): import its siblings f
 from node import contract, slurm_existing, slurm_nodes  # noqa: E402
 from node.slurm_conf import DaemonError, Paths, UsageError  # noqa: E402
 from node.slurm_daemons import gone, program, write_private  # noqa: E402
+from node.slurm_step import encoded, exit_status, step_argv  # noqa: E402
 
 TERMINATE_GRACE_S = 5.0
 FOLLOW_POLL_S = 0.1
@@ -59,35 +59,6 @@ HEAL_POLL_S = 1.0
 """How often a fault-tolerant run's batch job looks for replica groups whose nodes were replaced."""
 HEAL_END_GRACE_S = 60.0
 """How long a group started again may go on after the run's own step ended (it ends at the peers' step)."""
-STRAGGLER_EXIT_GRACE_S = 120.0
-"""`--on-straggler replace`: how long a straggler's ranks have to save and exit after SIGUSR1 (a spot notice's
-two minutes) before the watch ends the step itself (SIGTERM, then SIGKILL `STRAGGLER_KILL_AFTER_S` later): a
-script that ignores the signal, run with `--max-restarts`, would otherwise be started again in place by
-torchrun, and the node never replaced."""
-STRAGGLER_KILL_AFTER_S = 30.0
-
-
-def _encoded(spec: dict) -> str:
-    return base64.b64encode(json.dumps(spec).encode()).decode()
-
-
-def step_argv(spec: dict, srun: str, here: str, *options: str) -> list:
-    """srun of `node/slurm_step.py` (beside this file, `here`) on every node, one task each (`options`:
-    srun's, e.g. --overlap)."""
-    count = len(spec["nodes"])
-    return [
-        srun,
-        *options,
-        f"--nodes={count}",
-        f"--ntasks={count}",
-        "--ntasks-per-node=1",
-        "--unbuffered",
-        "--export=NONE",  # each node's step: Slurm's variables only (`step` sets HOME and PATH), not the head's
-        spec["python"],
-        "-u",
-        os.path.join(os.path.dirname(here), "slurm_step.py"),
-        _encoded(spec),
-    ]
 
 
 def step_options(spec: dict) -> tuple[str, ...]:
@@ -101,7 +72,7 @@ def step_options(spec: dict) -> tuple[str, ...]:
 def batch_script(spec: dict, srun: str, here: str) -> str:
     """The job's script: this file's `supervise`, on the head node, which runs the one step (one task per
     node, this file's `step` in each)."""
-    words = [spec["python"], "-u", here, "supervise", _encoded(spec)]
+    words = [spec["python"], "-u", here, "supervise", encoded(spec)]
     return "#!/bin/bash\n" + "exec " + " ".join(shlex.quote(word) for word in words) + "\n"
 
 
@@ -110,7 +81,7 @@ def supervise(spec: dict) -> int:
     (`spec["watch"]`), so a hung run is found and stopped while no fab is connected (a verdict goes into
     the run's log and `hang.json`), or a fault-tolerant run's groups started again on replaced nodes
     (`GroupRestarts`); and when the step has ended, the requeue of a run a spot notice ended."""
-    here, srun = os.path.abspath(__file__), program("srun")
+    srun = program("srun")
     first_start = os.path.join(os.path.dirname(spec["log"]), contract.FIRST_START_RECORD)
     if not os.path.exists(first_start):
         write_private(first_start, json.dumps({"at": time.time()}).encode(), 0o600)
@@ -119,8 +90,8 @@ def supervise(spec: dict) -> int:
         note_restart(os.path.dirname(spec["log"]), restart)
     if (spec.get("watch") or {}).get("shared_dir"):  # the step times a start Slurm requeued left (its straggler's)
         shutil.rmtree(os.path.join(os.path.dirname(spec["log"]), contract.STEP_TIMES), ignore_errors=True)
-    main = subprocess.Popen(step_argv(spec, srun, here, *step_options(spec)))
-    restarts = GroupRestarts(spec, srun, here) if spec.get("replicas") else None
+    main = subprocess.Popen(step_argv(spec, srun, *step_options(spec)))
+    restarts = GroupRestarts(spec, srun) if spec.get("replicas") else None
 
     def forward(number, _frame):
         main.send_signal(number)
@@ -130,11 +101,13 @@ def supervise(spec: dict) -> int:
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR1):
         signal.signal(signum, forward)
     if spec.get("watch"):
-        code = _watch(spec, main, srun, here)
+        from node import slurm_watch  # here only: its imports would add 50 ms to every start of this file
+
+        code = slurm_watch.watch(spec, main, srun)
     elif restarts is not None:
         code = _beside(main, restarts)
     else:
-        code = _status(main.wait())
+        code = exit_status(main.wait())
     if spec.get("replicas") and survived(spec):
         code = 0  # a replica group trained to the end: the run completed, whatever another group's node did
     else:
@@ -223,8 +196,8 @@ class GroupRestarts:
     run's), with CLUSTER_RESTART_COUNT 0: it heals from a live peer, reads no checkpoint, and rejoins the
     quorum. A line in HEALS_RECORD prices its interruption."""
 
-    def __init__(self, spec: dict, srun: str, here: str):
-        self.spec, self.srun, self.here = spec, srun, here
+    def __init__(self, spec: dict, srun: str):
+        self.spec, self.srun = spec, srun
         self.paths, self.groups = Paths(spec["nodes"][0]["home"]), replica_groups(spec)
         self.folder = os.path.dirname(spec["log"])
         self.running: dict = {}  # group: its start's srun
@@ -243,7 +216,7 @@ class GroupRestarts:
         """One look, every HEAL_POLL_S: the starts that ended, the groups that left, the groups due."""
         for number, process in list(self.running.items()):
             if process.poll() is not None:
-                self.ended.setdefault(number, []).append(_status(process.returncode))
+                self.ended.setdefault(number, []).append(exit_status(process.returncode))
                 del self.running[number]
         node_states = slurm_nodes.node_reasons(self.paths)
         for number, members in enumerate(self.groups):
@@ -277,7 +250,6 @@ class GroupRestarts:
         argv = step_argv(
             {**self.spec, "nodes": members},
             self.srun,
-            self.here,
             f"--job-name={self.spec['run_id']}-replica-{number}",
             f"--nodelist={names}",
         )
@@ -320,7 +292,7 @@ def _beside(main: subprocess.Popen, restarts: GroupRestarts) -> int:
     """The step's exit status, once it and the groups started again beside it have ended."""
     while True:
         try:
-            code = _status(main.wait(timeout=HEAL_POLL_S))
+            code = exit_status(main.wait(timeout=HEAL_POLL_S))
             break
         except subprocess.TimeoutExpired:
             restarts.look()
@@ -373,195 +345,6 @@ def participants(log: str):
     """A running fault-tolerant run's participants now: the newest contract line's (in the metrics beside
     the run's log); None where it has none."""
     return newest_participants(contract_lines(os.path.join(os.path.dirname(log), contract.METRICS_FILE), 1 << 14))
-
-
-def _watch(spec: dict, main: subprocess.Popen, srun: str, here: str) -> int:
-    """The hang watch beside the running step, and the straggler verdict on the same polls (and, with
-    `--on-straggler replace`, the straggler's node replaced); the step's exit status."""
-    from node import straggler  # here only: its import would add to every start of this file
-
-    watch = spec["watch"]
-    named = straggler.Named()
-    replacing = StragglerReplacement(spec, srun, here) if watch.get("on_straggler") == "replace" else None
-    looks = None
-    if watch.get("shared_dir"):  # the ranks' step times on the shared folder, read here on the head node
-        folder = os.path.join(os.path.dirname(spec["log"]), contract.STEP_TIMES)
-        looks = straggler.SharedLooks(
-            named,
-            lambda: straggler.read_step_times(folder),
-            lambda fresh: _say_stragglers(spec, named, fresh),
-            replacing.take_out if replacing is not None else None,
-        ).start()
-    try:
-        return _watch_step(spec, main, srun, here, named, replacing, looks)
-    finally:
-        if replacing is not None:
-            replacing.close()  # a verdict from now on takes no node out: the step has ended
-        if looks is not None:
-            looks.stop()
-        if replacing is not None:
-            replacing.power_off()
-
-
-def _watch_step(spec: dict, main: subprocess.Popen, srun: str, here: str, named, replacing, looks=None) -> int:
-    """The polls (while the straggler verdict's own `looks` at the shared folder find step times, the polls keep
-    their pace; else a poll comes sooner where a slow rank is due)."""
-    from node import hang_rule  # here only: its import would add 50 ms to every start of this file
-
-    watch = spec["watch"]
-    probe = {**spec, "nodes": [{**node, "command": watch["status"][node["name"]]} for node in spec["nodes"]]}
-    probe.pop("watch", None)
-    overdue = watch["timeout_s"] + watch.get("overdue_grace_s", 30)
-    while True:
-        try:
-            serving = looks is not None and looks.serving()
-            main.wait(timeout=watch["poll_s"] if serving else named.next_look_s(watch["poll_s"]))
-            break
-        except subprocess.TimeoutExpired:
-            pass
-        number = replacing.overdue() if replacing is not None else None
-        if number is not None:
-            print(
-                f"[watch] --on-straggler replace: the step has not ended {STRAGGLER_EXIT_GRACE_S:.0f} s after its "
-                f"ranks were told to save and exit: ending it ({signal.Signals(number).name})",
-                flush=True,
-            )
-            main.send_signal(number)
-        payloads = _ask(probe, srun, here)
-        records = [record for payload in payloads for record in payload.get("ranks", [])]
-        fresh = named.update(records, lambda fresh: _say_stragglers(spec, named, fresh))
-        if replacing is not None:
-            replacing.take_out(fresh)
-        views = [v for payload in payloads for v in hang_rule.parse_ranks(payload)]
-        found = hang_rule.find_hang(views, watch["timeout_s"], overdue) if views else None
-        if found is None:
-            continue
-        collect = {**probe, "nodes": [{**n, "command": watch["collect"][n["name"]]} for n in probe["nodes"]]}
-        collected = _ask(collect, srun, here, apart=True) if watch.get("collect") else []
-        evidence = hang_rule.Evidence.from_collected(collected) if collected else None
-        line = hang_rule.verdict(spec["run_id"], found, evidence)
-        record = {"verdict": line, "stalled_at": hang_rule.stalled_since(found), "detected_at": time.time()}
-        record["collected"] = collected  # each node's recorder dumps and stacks: fab keeps them in the run's hang/
-        write_private(
-            os.path.join(os.path.dirname(spec["log"]), contract.HANG_RECORD), json.dumps(record).encode(), 0o600
-        )
-        print(f"[watch] {line}", flush=True)
-        if watch.get("on_hang", "stop") != "stop":
-            print("[watch] --on-hang wait: the job keeps running; fab stop --run ends it", flush=True)
-            return _status(main.wait())
-        print("[watch] stopping the hung run on every node", flush=True)
-        main.send_signal(signal.SIGTERM)
-        break
-    return _status(main.wait())
-
-
-def _say_stragglers(spec: dict, named, fresh: list) -> None:
-    """Say each rank the straggler rule names now (node/straggler.py) in the run's log, and keep the verdict
-    beside it (`states` hands it to `fab jobs`)."""
-    for found in fresh:
-        print(f"[watch] {found.line(spec['run_id'])}", flush=True)
-    folder = os.path.dirname(spec["log"])
-    write_private(os.path.join(folder, contract.STRAGGLER_RECORD), named.record().encode(), 0o600)
-
-
-class StragglerReplacement:
-    """`--on-straggler replace`, in the batch job: a straggler's node goes the way of a reclaimed spot node.
-    Drained in Slurm (`contract.STRAGGLER_DRAIN_REASON`: no run starts there again), its ranks told to save
-    and exit (SIGUSR1, `spot_watch.py --tell-ranks`: the other ranks stop at the same step); once the step
-    has ended, the node is told to power off (`contract.power_off_marker`). The run is then requeued as a
-    notice's is (`requeue_if_preempted`: the drain is one of ours), the spot path replaces the node (the
-    local provider's supervisor, an AWS worker's Auto Scaling group), the replacement's join lifts the
-    drain, and the run starts again there and resumes from its checkpoint. The head node is not replaced:
-    it holds this job and Slurm's controller."""
-
-    def __init__(self, spec: dict, srun: str, here: str):
-        self.spec, self.srun, self.here = spec, srun, here
-        self.taken_out: list = []
-        self.lock = threading.Lock()
-        """The watch's polls and its shared looks may each name a rank of the same node."""
-        self.told_at: float | None = None
-        """When a straggler's ranks were last told to save and exit (monotonic)."""
-        self.sent: list = []
-        """The signals `overdue` has had the watch send the step."""
-        self.closed = False
-        """The step has ended: a straggler named now takes no node out (its run would be requeued for it)."""
-
-    def take_out(self, fresh: list) -> None:
-        with self.lock:
-            if not self.closed:
-                self._take_out(fresh)
-
-    def close(self) -> None:
-        with self.lock:
-            self.closed = True
-
-    def _take_out(self, fresh: list) -> None:
-        head = self.spec["nodes"][0]
-        for found in fresh:
-            node = next((n for n in self.spec["nodes"] if n["name"] == found.node), None)
-            if node is None or found.node in self.taken_out:
-                continue
-            if node is head:
-                print(f"[watch] --on-straggler replace: {found.node} is the head node: not replaced", flush=True)
-                continue
-            paths = Paths(head["home"])  # the batch job's HOME is the user's, not the node's
-            said = slurm_nodes.drain_straggler(paths, node.get("slurm_name") or node["name"], found.why())
-            if said != "drained":  # not held out: its run would not be requeued, so it is left as it is
-                print(f"[watch] --on-straggler replace: {found.node} not drained ({said}): not replaced", flush=True)
-                continue
-            print(f"[watch] --on-straggler replace: {found.node} drained; its ranks save and exit", flush=True)
-            tell = {**self.spec, "nodes": [{**node, "command": self.spec["watch"]["tell_ranks"][found.node]}]}
-            tell.pop("watch", None)
-            _ask(tell, self.srun, self.here)
-            self.taken_out.append(found.node)
-            self.told_at = time.monotonic()
-
-    def overdue(self) -> int | None:
-        """The signal the watch sends the step where it outlived the grace after the ranks were last told:
-        SIGTERM once, then SIGKILL once `STRAGGLER_KILL_AFTER_S` later; else None."""
-        with self.lock:
-            if self.told_at is None:
-                return None
-            waited = time.monotonic() - self.told_at
-            for number, after in ((signal.SIGTERM, 0.0), (signal.SIGKILL, STRAGGLER_KILL_AFTER_S)):
-                if number not in self.sent and waited >= STRAGGLER_EXIT_GRACE_S + after:
-                    self.sent.append(number)
-                    return number
-            return None
-
-    def power_off(self) -> None:
-        """Once the step has ended: each node taken out told to power off (the spot path replaces it)."""
-        with self.lock:
-            taken_out = list(self.taken_out)
-        for name in taken_out:
-            marker = os.path.join(self.spec["watch"]["shared_dir"], contract.power_off_marker(name))
-            os.makedirs(os.path.dirname(marker), exist_ok=True)
-            record = {"run_id": self.spec["run_id"], "reason": contract.STRAGGLER_DRAIN_REASON, "at": time.time()}
-            write_private(marker, json.dumps(record).encode(), 0o600)
-            print(f"[watch] {name} powers off: it is replaced, and the run resumes there", flush=True)
-
-
-def _status(code: int) -> int:
-    return 128 - code if code < 0 else code
-
-
-def _ask(probe: dict, srun: str, here: str, apart: bool = False) -> list:
-    """Every node's answer (one JSON line each), through a step that shares the run's allocation; `apart`:
-    a step per node, at once (a collect's answers are large, and srun interleaves long lines of several
-    nodes' output)."""
-    job = f"--jobid={os.environ.get('SLURM_JOB_ID', '')}"
-    if apart and len(probe["nodes"]) > 1:
-        one_each = [{**probe, "nodes": [node]} for node in probe["nodes"]]
-        with ThreadPoolExecutor(max_workers=len(one_each)) as pool:
-            return [answer for answers in pool.map(lambda one: _ask(one, srun, here), one_each) for answer in answers]
-    options = ["--overlap", job]
-    if len(probe["nodes"]) == 1:
-        options.append(f"--nodelist={probe['nodes'][0].get('slurm_name') or probe['nodes'][0]['name']}")
-    try:
-        result = subprocess.run(step_argv(probe, srun, here, *options), capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    return contract.json_objects(re.sub(r"^\[[^\]]*\] ", "", line) for line in result.stdout.splitlines())
 
 
 def sbatch_argv(spec: dict, sbatch: str, script: str, adopted: dict | None = None) -> list:

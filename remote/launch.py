@@ -429,7 +429,7 @@ def run_job(
                 futures,
                 exit_codes,
                 returned,
-                quiet=watch.stopping.is_set,
+                quiet=watch.stopping,
                 exited=lambda name: node_exited(name, exit_codes[name], streams[name].ranks),
                 groups=groups if spec.replicas else None,
                 healer=healer,

@@ -353,8 +353,9 @@ def launch(
 ) -> tuple[Path, Run, Followed | None]:
     """Prepare, submit and (unless `detach`) follow one run; the run's local folder, its record (its
     timeline up to the submit), and how following ended (None when detached at once)."""
+    from node.run_watch import OVERDUE_GRACE_S
     from remote.connect import on_all_nodes
-    from remote.hangwatch import OVERDUE_GRACE_S, ask_command, tell_ranks_command
+    from remote.hangwatch import ask_command, tell_ranks_command
     from remote.launch import job_script, node_command, open_launch, owning, prepare, send_env_values, upload_script
 
     timeline = timeline or Timeline(time.time(), clock=time.monotonic())

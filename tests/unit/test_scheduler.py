@@ -546,28 +546,47 @@ def test_a_straggler_step_that_outlives_the_grace_after_its_ranks_were_told_is_e
     # --max-restarts is started again in place by torchrun, and the step would never end (nor the node go).
     import signal
 
-    from node import straggler
+    from node import slurm_watch, straggler
 
     spec = {
         "run_id": "r1",
         "log": str(tmp_path / contract.RUN_LOG),
         "nodes": [{"name": "node-0", "home": str(tmp_path), "command": "true"}],
-        "watch": {"status": {"node-0": "true"}, "timeout_s": 20, "poll_s": 0.1},
+        "watch": {"status": {"node-0": "true"}, "timeout_s": 20, "poll_s": 0.1, "on_straggler": "replace"},
     }
-    monkeypatch.setattr(slurm_run, "_ask", lambda *args, **kwargs: [])  # the polls find every rank stepping
-    replacing = slurm_run.StragglerReplacement(spec, "srun", str(tmp_path))
+    monkeypatch.setattr(slurm_watch, "ask_nodes", lambda *args, **kwargs: [])  # the polls find every rank stepping
+    replacing = slurm_watch.StragglerReplacement(spec, "srun")
+    monkeypatch.setattr(slurm_watch, "StragglerReplacement", lambda spec, srun: replacing)
     replacing.told_at = time.monotonic()
     assert not replacing.overdue()  # told just now: the ranks are saving
-    replacing.told_at = time.monotonic() - slurm_run.STRAGGLER_EXIT_GRACE_S
+    replacing.told_at = time.monotonic() - slurm_watch.STRAGGLER_EXIT_GRACE_S
     main = subprocess.Popen(["sleep", "30"])
     try:
-        code = slurm_run._watch_step(spec, main, "srun", str(tmp_path), straggler.Named(), replacing)
+        code = slurm_watch.watch(spec, main, "srun")
     finally:
         main.kill()
     assert code == 128 + signal.SIGTERM and replacing.overdue() is None  # ended once
-    replacing.told_at -= slurm_run.STRAGGLER_KILL_AFTER_S  # a step that outlives SIGTERM too
+    replacing.told_at -= slurm_watch.STRAGGLER_KILL_AFTER_S  # a step that outlives SIGTERM too
     assert replacing.overdue() == signal.SIGKILL and replacing.overdue() is None
     capsys.readouterr()
-    replacing.close()  # the step has ended: a straggler named now takes no node out (nor requeues the run)
     replacing.take_out([straggler.Straggler(1, "node-0", 2.0, 1, 20)])
     assert replacing.taken_out == [] and "[watch]" not in capsys.readouterr().out  # not even looked at
+
+
+def test_a_slurm_held_runs_watch_that_fails_says_so_once_in_the_log_and_the_run_ends_as_its_own(
+    tmp_path, monkeypatch, capsys
+):
+    # The batch job's watch once raised out of `supervise`, and Slurm ended a healthy run's step (exit 143).
+    from node import slurm_watch
+
+    spec = {
+        "run_id": "r1",
+        "log": str(tmp_path / contract.RUN_LOG),
+        "nodes": [{"name": "node-0", "home": str(tmp_path), "command": "true"}],
+        "watch": {"status": {"node-0": "true"}, "timeout_s": 20, "poll_s": 0.05},
+    }
+    monkeypatch.setattr(slurm_watch, "ask_nodes", lambda *args, **kwargs: [{"ranks": [{"rank": "x"}]}])
+    main = subprocess.Popen(["sleep", "0.5"])
+    assert slurm_watch.watch(spec, main, "srun") == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[watch]")]
+    assert len(said) == 1 and said[0].startswith("[watch] hang watch: ValueError"), said
