@@ -16,7 +16,7 @@ appends to its log across requeues. Its one step is `srun --ntasks-per-node=1 --
 a node whose command fails ends the others at once. A fault-tolerant run's (spec `replicas`: torchft
 replica groups) is `--kill-on-bad-exit=0 --no-kill` in a `--no-kill` job instead: a group's node that
 fails or dies ends only that group, and the others train on in the same allocation; a group whose nodes
-were replaced is started again on them, beside the step, by the batch job (GroupRestarts). Each node's
+were replaced is started again on them, beside the step, by the batch job (node/slurm_restarts.py). Each node's
 task is node/slurm_step.py, a file of its own that starts in milliseconds: it runs this node's command and
 prefixes its output (`[node-i] `); srun gathers every node's into the log, one writer.
 
@@ -33,13 +33,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
 
-from node import contract, slurm_existing, slurm_nodes  # noqa: E402
+from node import contract, replicas, slurm_existing, slurm_nodes, slurm_restarts  # noqa: E402
 from node.slurm_conf import DaemonError, Paths, UsageError  # noqa: E402
 from node.slurm_daemons import gone, program, write_private  # noqa: E402
 from node.slurm_step import encoded, exit_status, step_argv  # noqa: E402
@@ -55,10 +54,6 @@ FINAL_STATES = frozenset(
 WAITING_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SPECIAL_EXIT"})
 """Slurm's job states of a job that waits to start (again)."""
 FIELD = re.compile(r"(\w+)=(\S*)")
-HEAL_POLL_S = 1.0
-"""How often a fault-tolerant run's batch job looks for replica groups whose nodes were replaced."""
-HEAL_END_GRACE_S = 60.0
-"""How long a group started again may go on after the run's own step ended (it ends at the peers' step)."""
 
 
 def step_options(spec: dict) -> tuple[str, ...]:
@@ -80,7 +75,7 @@ def supervise(spec: dict) -> int:
     """In the batch job, on the head node: the run's step; the hang watch beside it where asked
     (`spec["watch"]`), so a hung run is found and stopped while no fab is connected (a verdict goes into
     the run's log and `hang.json`), or a fault-tolerant run's groups started again on replaced nodes
-    (`GroupRestarts`); and when the step has ended, the requeue of a run a spot notice ended."""
+    (node/slurm_restarts.py); and when the step has ended, the requeue of a run a spot notice ended."""
     srun = program("srun")
     first_start = os.path.join(os.path.dirname(spec["log"]), contract.FIRST_START_RECORD)
     if not os.path.exists(first_start):
@@ -91,7 +86,7 @@ def supervise(spec: dict) -> int:
     if (spec.get("watch") or {}).get("shared_dir"):  # the step times a start Slurm requeued left (its straggler's)
         shutil.rmtree(os.path.join(os.path.dirname(spec["log"]), contract.STEP_TIMES), ignore_errors=True)
     main = subprocess.Popen(step_argv(spec, srun, *step_options(spec)))
-    restarts = GroupRestarts(spec, srun) if spec.get("replicas") else None
+    restarts = slurm_restarts.GroupRestarts(spec, srun) if spec.get("replicas") else None
 
     def forward(number, _frame):
         main.send_signal(number)
@@ -105,10 +100,10 @@ def supervise(spec: dict) -> int:
 
         code = slurm_watch.watch(spec, main, srun)
     elif restarts is not None:
-        code = _beside(main, restarts)
+        code = restarts.beside(main)
     else:
         code = exit_status(main.wait())
-    if spec.get("replicas") and survived(spec):
+    if spec.get("replicas") and slurm_restarts.survived(spec):
         code = 0  # a replica group trained to the end: the run completed, whatever another group's node did
     else:
         code = requeue_if_preempted(spec, code)  # requeued: Slurm ends this script before it goes on
@@ -165,186 +160,6 @@ def requeue_if_preempted(spec: dict, code: int) -> int:
         return code
     time.sleep(slurm_existing.CLIENT_TIMEOUT_S)  # Slurm ends this script as it requeues the job
     return code
-
-
-def replica_groups(spec: dict) -> list:
-    """The spec's nodes in its replica groups (consecutive, equal; remote/job_command.py `replica_groups`)."""
-    nodes, count = spec["nodes"], max(int(spec.get("replicas") or 1), 1)
-    size = len(nodes) // count
-    return [nodes[i * size : (i + 1) * size] for i in range(count)]
-
-
-def groups_to_heal(groups: list, node_states: dict, heals: dict, ended: dict) -> list:
-    """The replica groups to start again now (`contract.groups_to_restart`, the rule both holders apply),
-    where a node back in service is one Slurm shows `idle` and holds out neither for a notice nor as lost: the
-    run's job holds all its nodes exclusively, so an idle one has left it (Slurm took a lost node out of the
-    --no-kill allocation) and its replacement is back. `heals`: {group: its start still running}; `ended`:
-    {group: its starts' exit codes}."""
-    named = [[node.get("slurm_name") or node["name"] for node in members] for members in groups]
-    back = set()
-    for name in (name for members in named for name in members):
-        state, reason = node_states.get(name, ("", ""))
-        if state == "idle" and not slurm_nodes.lost_or_noticed(reason):
-            back.add(name)
-    return contract.groups_to_restart(named, back, {number for number, runs in heals.items() if runs}, ended)
-
-
-class GroupRestarts:
-    """Beside a fault-tolerant run's step, in its batch job: each replica group whose nodes were replaced (a
-    node lost or reclaimed leaves the --no-kill allocation; node/join.py brings its replacement back in
-    service) is started again there, as a one-group step of an allocation of its own (Slurm cannot grow the
-    run's), with CLUSTER_RESTART_COUNT 0: it heals from a live peer, reads no checkpoint, and rejoins the
-    quorum. A line in HEALS_RECORD prices its interruption."""
-
-    def __init__(self, spec: dict, srun: str):
-        self.spec, self.srun = spec, srun
-        self.paths, self.groups = Paths(spec["nodes"][0]["home"]), replica_groups(spec)
-        self.folder = os.path.dirname(spec["log"])
-        self.running: dict = {}  # group: its start's srun
-        self.ended: dict = {}  # group: its starts' exit statuses
-        self.left_at: dict = {}  # group: when its nodes were first seen out of the run's allocation
-        self.unrecorded: dict = {}  # group: (left_at, started at), until its HEALS_RECORD line
-        self.stopping = threading.Event()  # signalled (a cancel, a requeue): no group is started again
-
-    def signal(self, number: int) -> None:
-        if number != signal.SIGUSR1:
-            self.stopping.set()
-        for process in list(self.running.values()):
-            process.send_signal(number)
-
-    def look(self) -> None:
-        """One look, every HEAL_POLL_S: the starts that ended, the groups that left, the groups due."""
-        for number, process in list(self.running.items()):
-            if process.poll() is not None:
-                self.ended.setdefault(number, []).append(exit_status(process.returncode))
-                del self.running[number]
-        node_states = slurm_nodes.node_reasons(self.paths)
-        for number, members in enumerate(self.groups):
-            names = [node.get("slurm_name") or node["name"] for node in members]
-            if number not in self.running and any(node_states.get(n, ("", ""))[0] != "allocated" for n in names):
-                self.left_at.setdefault(number, time.time())
-        if not self.stopping.is_set():
-            running = {number: True for number in self.running}
-            for number in groups_to_heal(self.groups, node_states, running, self.ended):
-                self._start(number)
-        self._record()
-
-    def finish(self) -> None:
-        """After the run's step: each group started again ends at the peers' step (a stopped one with it)."""
-        for process in self.running.values():
-            try:
-                process.wait(timeout=TERMINATE_GRACE_S * 2 if self.stopping.is_set() else HEAL_END_GRACE_S)
-            except subprocess.TimeoutExpired:
-                process.terminate()
-                process.wait()
-        self._record(last=True)
-
-    def _start(self, number: int) -> None:
-        members = self.groups[number]
-        print(
-            f"[cluster] replica group {number} ({', '.join(n['name'] for n in members)}): back in service after "
-            "a replacement; it starts again and heals from a live peer",
-            flush=True,
-        )
-        names = ",".join(node.get("slurm_name") or node["name"] for node in members)
-        argv = step_argv(
-            {**self.spec, "nodes": members},
-            self.srun,
-            f"--job-name={self.spec['run_id']}-replica-{number}",
-            f"--nodelist={names}",
-        )
-        # without the batch job's SLURM_* (but Slurm's configuration), srun asks for an allocation of its own
-        # rather than a step of this job's, whose nodes Slurm cannot add back
-        own = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
-        self.running[number] = subprocess.Popen(argv, env=own)
-        self.unrecorded[number] = (self.left_at.pop(number, None), time.time())
-
-    def _record(self, last: bool = False) -> None:
-        """HEALS_RECORD's line for each group started again, once its first step back is in the metrics (or,
-        at the end, its start): from when its nodes left until it was back in the quorum."""
-        for number, (left, at) in list(self.unrecorded.items()):
-            back = first_step_after(os.path.join(self.folder, contract.METRICS_FILE), number, at)
-            if back is None and not last:
-                continue
-            nodes = [node["name"] for node in self.groups[number]]
-            line = {"group": number, "nodes": nodes, "stopped_at": left, "at": back or at}
-            path = os.path.join(self.folder, contract.HEALS_RECORD)
-            with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a") as f:
-                f.write(json.dumps(line) + "\n")
-            del self.unrecorded[number]
-
-
-def survived(spec: dict, tail_bytes: int = 1 << 18) -> bool:
-    """Whether a fault-tolerant run completed (contract.surviving_group), from each node's last exit marker
-    in the end of the run's log (a group started again writes its node's marker after the first)."""
-    try:
-        with open(spec["log"], "rb") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - tail_bytes))
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return False
-    marker = re.compile(rf"^\[([^\]\s]+)\] {re.escape(contract.EXIT_MARKER)} (-?\d+)", re.M)
-    codes = {name: int(code) for name, code in marker.findall(text)}
-    return contract.surviving_group([[n["name"] for n in members] for members in replica_groups(spec)], codes)
-
-
-def _beside(main: subprocess.Popen, restarts: GroupRestarts) -> int:
-    """The step's exit status, once it and the groups started again beside it have ended."""
-    while True:
-        try:
-            code = exit_status(main.wait(timeout=HEAL_POLL_S))
-            break
-        except subprocess.TimeoutExpired:
-            restarts.look()
-    restarts.finish()
-    return code
-
-
-def contract_lines(path: str, tail_bytes: int = 0) -> list:
-    """The fault-tolerant contract's lines (those with `participants`) of a metrics file, oldest first;
-    `tail_bytes`: only its last bytes (a running run's file grows a line per group per step)."""
-    try:
-        with open(path, "rb") as f:
-            start = max(0, os.fstat(f.fileno()).st_size - tail_bytes) if tail_bytes else 0
-            f.seek(start)
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return []
-    return contract_records(text, cut=bool(start))
-
-
-def contract_records(text: str, cut: bool = False) -> list:
-    """The contract's lines in metrics text, oldest first; `cut`: the text starts mid-file (a tail), so its
-    first line is no line."""
-    lines = text.splitlines()[1:] if cut else text.splitlines()
-    found = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and "participants" in record and "replica" in record:
-            found.append(record)
-    return found
-
-
-def newest_participants(records: list):
-    """The groups in the quorum at the newest contract line; None where there is none yet. The one reading
-    of `participants` that `fab jobs` shows, for both holders."""
-    return max(records, key=lambda r: r["time"])["participants"] if records else None
-
-
-def first_step_after(path: str, replica: int, at: float, tail_bytes: int = 1 << 16):
-    """When replica group `replica` wrote its first step line after `at` (epoch s); None if not yet.
-    `tail_bytes`: only the file's last bytes (a running run's; 0: all of it)."""
-    times = [r["time"] for r in contract_lines(path, tail_bytes) if r["replica"] == replica and r["time"] >= at]
-    return min(times) if times else None
-
-
-def participants(log: str):
-    """A running fault-tolerant run's participants now: the newest contract line's (in the metrics beside
-    the run's log); None where it has none."""
-    return newest_participants(contract_lines(os.path.join(os.path.dirname(log), contract.METRICS_FILE), 1 << 14))
 
 
 def sbatch_argv(spec: dict, sbatch: str, script: str, adopted: dict | None = None) -> list:
@@ -746,7 +561,7 @@ def states(logs: dict) -> dict:
     for job, log in logs.items():
         shown = shown_state(job, log)
         if shown is not None and shown.get("state") == "RUNNING":
-            shown = {**shown, "participants": participants(log)}
+            shown = {**shown, "participants": replicas.participants(log)}
         folder = os.path.dirname(log) if log else ""
         if shown is not None and folder and os.path.isdir(folder):
             shown = {

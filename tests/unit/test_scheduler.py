@@ -11,7 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from node import contract, scheduler, slurm_conf, slurm_daemons, slurm_existing, slurm_run, slurm_step
+from node import (
+    contract,
+    replicas,
+    scheduler,
+    slurm_conf,
+    slurm_daemons,
+    slurm_existing,
+    slurm_restarts,
+    slurm_run,
+    slurm_step,
+)
 
 KEY = base64.b64encode(b"k" * 1024).decode()
 
@@ -437,41 +447,35 @@ def test_a_fault_tolerant_runs_step_and_job_outlive_a_failed_node_and_a_plain_ru
     assert "--requeue" in slurm_run.sbatch_argv(replicated, "sbatch", "s")  # every group lost: the checkpoint
 
 
-def test_a_replica_group_starts_again_once_its_replaced_nodes_are_idle_and_only_then():
+def test_a_replica_groups_nodes_are_back_in_service_once_slurm_shows_them_idle_and_only_then():
     """The run's job holds its nodes exclusively: a node of it seen idle has left the --no-kill allocation
-    (lost) and is back in service (its replacement joined). Group 0 holds the Lighthouse and the job."""
+    (lost) and is back in service (its replacement joined)."""
     nodes = [{"name": f"node-{i}", "home": "/h", "command": "true"} for i in range(4)]
-    groups = slurm_run.replica_groups({"nodes": nodes, "replicas": 2})
+    groups = slurm_restarts.replica_groups({"nodes": nodes, "replicas": 2})
     assert [[n["name"] for n in g] for g in groups] == [["node-0", "node-1"], ["node-2", "node-3"]]
     busy = {f"node-{i}": ("allocated", "") for i in range(4)}
     back = {**busy, "node-2": ("idle", ""), "node-3": ("idle", "")}
-    assert slurm_run.groups_to_heal(groups, busy, {}, {}) == []
-    assert slurm_run.groups_to_heal(groups, back, {}, {}) == [1]
+    assert slurm_restarts.back_in_service(groups, busy) == set()
+    assert slurm_restarts.back_in_service(groups, back) == {"node-2", "node-3"}
     half = {**back, "node-3": ("down", "node lost: its server is gone")}  # one of the group's nodes is not back
-    assert slurm_run.groups_to_heal(groups, half, {}, {}) == []
+    assert slurm_restarts.back_in_service(groups, half) == {"node-2"}
     drained = {**back, "node-3": ("idle", "spot interruption notice: terminate at 10:00")}
-    assert slurm_run.groups_to_heal(groups, drained, {}, {}) == []
-    assert slurm_run.groups_to_heal(groups, back, {1: True}, {}) == []  # its new start runs
-    assert slurm_run.groups_to_heal(groups, back, {}, {1: [0]}) == []  # its new start trained to the end
-    assert slurm_run.groups_to_heal(groups, back, {}, {1: [137]}) == [1]  # lost again: started again
-    assert slurm_run.groups_to_heal(groups, back, {}, {1: [1] * contract.MAX_GROUP_STARTS}) == []  # a fault of its own
-    head_back = {**busy, "node-0": ("idle", ""), "node-1": ("idle", "")}
-    assert slurm_run.groups_to_heal(groups, head_back, {}, {}) == []
+    assert slurm_restarts.back_in_service(groups, drained) == {"node-2"}
 
 
 def test_a_running_fault_tolerant_runs_participants_are_its_newest_contract_lines(tmp_path):
     log = tmp_path / "output.log"
     metrics = tmp_path / contract.METRICS_FILE
-    assert slurm_run.participants(str(log)) is None  # no step yet
+    assert replicas.participants(str(log)) is None  # no step yet
     lines = [
         {"kind": "ft_step", "step": 7, "time": 100.0, "replica": 1, "participants": 2, "params_sha": "a"},
         {"kind": "step", "step": 8, "time": 102.0, "loss": 0.1},  # not the contract's
         {"kind": "ft_step", "step": 8, "time": 101.5, "replica": 0, "participants": 1, "params_sha": "b"},
     ]
     metrics.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"cut')
-    assert slurm_run.participants(str(log)) == 1
-    assert slurm_run.first_step_after(str(metrics), 1, 99.0) == 100.0
-    assert slurm_run.first_step_after(str(metrics), 1, 100.5) is None
+    assert replicas.participants(str(log)) == 1
+    assert replicas.first_step_after(str(metrics), 1, 99.0) == 100.0
+    assert replicas.first_step_after(str(metrics), 1, 100.5) is None
 
 
 def test_a_fault_tolerant_run_completed_where_a_groups_every_node_last_exited_0(tmp_path):
@@ -480,12 +484,12 @@ def test_a_fault_tolerant_run_completed_where_a_groups_every_node_last_exited_0(
     log = tmp_path / "output.log"
     nodes = [{"name": f"node-{i}", "home": "/h", "command": "true"} for i in range(2)]
     spec = {"log": str(log), "nodes": nodes, "replicas": 2}
-    assert not slurm_run.survived(spec)  # no log
+    assert not slurm_restarts.survived(spec)  # no log
     log.write_text(f"[node-0] step 1\n[node-1] {contract.EXIT_MARKER} 137 1.0\n[node-0] {contract.EXIT_MARKER} 1 2.0\n")
-    assert not slurm_run.survived(spec)
+    assert not slurm_restarts.survived(spec)
     with log.open("a") as f:
         f.write(f"[node-1] {contract.EXIT_MARKER} 0 3.0\n")  # its group, started again, trained to the end
-    assert slurm_run.survived(spec)
+    assert slurm_restarts.survived(spec)
 
 
 def test_a_daemon_killed_on_the_head_node_fails_a_client_at_once_and_one_stopped_or_never_ours_does_not(
