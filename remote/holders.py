@@ -15,12 +15,21 @@ from pathlib import Path
 from typing import Protocol
 
 from infra import runlog, state
-from infra.errors import UsageError
+from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
 from infra.timeline import Timeline
 from remote import protocol, runs, scheduled
-from remote.connect import open_sessions
-from remote.launch import JobResult, JobSpec, NodeSetup, launch, stop_everywhere
+from remote.connect import NodeSession, describe, open_sessions
+from remote.launch import (
+    DEFAULT_MAX_RESULT_MB,
+    JobResult,
+    JobSpec,
+    NodeSetup,
+    fetch_results,
+    launch,
+    report_fetched,
+    stop_everywhere,
+)
 from remote.stream import say
 
 
@@ -61,6 +70,12 @@ class RunHolder(Protocol):
     def follow(self, folder: Path, run: runs.Run, show: runlog.Echo | None = None) -> Ending:
         """Show a run's output from its start until it ends (Ctrl-C stops the following only); `show`
         gets each piece (its writer's prefix, the piece) instead of the terminal (the dashboard)."""
+
+    def results(self, folder: Path, run: runs.Run) -> None:
+        """Fetch an ended run's results and metrics into its folder again (`fab results`)."""
+
+    def bring_logs(self, found: list[tuple[Path, runs.Run]]) -> None:
+        """The rest of each unfinished run's log into its local copy, where it is not written here as it goes."""
 
 
 class FabHolder:
@@ -182,6 +197,27 @@ class FabHolder:
         except KeyboardInterrupt:
             return Ending(folder, run, detached="Ctrl-C", interrupted=True)
 
+    def results(self, folder: Path, run: runs.Run) -> None:
+        fetch_results_again(self.cluster, self.setup, folder, run)
+
+    def bring_logs(self, found: list[tuple[Path, runs.Run]]) -> None:
+        """Nothing to bring: the launching fab writes each node's log here as it streams."""
+
+
+def fetch_results_again(cluster: ClusterInfo, setup: NodeSetup, folder: Path, run: runs.Run) -> None:
+    """An ended run's results and metrics from the head node into its folder, as its launch fetched them (the
+    same for both holders: the run's folders on the nodes are the same)."""
+    head = NodeSession(cluster, cluster.head)
+    max_bytes = int(run.spec.get("max_result_bytes") or DEFAULT_MAX_RESULT_MB * 1_000_000)
+    try:
+        fetched = fetch_results(cluster, head, setup.python[cluster.head.name], run.run_id, folder, max_bytes)
+    except Exception as exc:
+        why = describe(exc)
+        raise OperationError(f"could not fetch run {run.run_id}'s results from {cluster.head.name}: {why}") from None
+    finally:
+        head.close()
+    report_fetched(fetched, folder, cluster.head.name, max_bytes)
+
 
 def ended(run: runs.Run, spec: JobSpec, result: JobResult) -> None:
     """An attached launch's result into its run record."""
@@ -242,7 +278,7 @@ class SlurmHolder:
     def refresh(self, found: list[tuple[Path, runs.Run]]) -> None:
         jobs = [(f, r) for f, r in found if r.job_id]  # a run held by fab before Slurm was set up has none
         scheduled.refresh(self.cluster, [r for _, r in jobs])
-        scheduled.bring_logs(self.cluster, jobs)  # a run nobody follows has its log here as it goes
+        self.bring_logs(jobs)  # a run nobody follows has its log here as it goes
         for folder, run in jobs:
             run.save(folder)
             if run.ended and not run.finished:
@@ -255,6 +291,12 @@ class SlurmHolder:
     def follow(self, folder: Path, run: runs.Run, show: runlog.Echo | None = None) -> Ending:
         followed = scheduled.follow(self.cluster, run, folder, cancel_on_interrupt=False, show=show)
         return self._after(folder, run, followed)
+
+    def results(self, folder: Path, run: runs.Run) -> None:
+        fetch_results_again(self.cluster, self.setup, folder, run)
+
+    def bring_logs(self, found: list[tuple[Path, runs.Run]]) -> None:
+        scheduled.bring_logs(self.cluster, [(f, r) for f, r in found if r.job_id])
 
     def _after(self, folder: Path, run: runs.Run, followed: scheduled.Followed) -> Ending:
         if followed.detached:
