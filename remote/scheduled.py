@@ -28,8 +28,24 @@ from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
 from infra.timeline import Timeline, job_phases
 from node import calls, contract
+from node.run_watch import OVERDUE_GRACE_S
 from remote import job_command, node_paths, nodecall
-from remote.connect import CONNECTION_ERRORS, NodeSession, describe
+from remote.connect import CONNECTION_ERRORS, NodeSession, describe, on_all_nodes, open_sessions
+from remote.hangwatch import ask_command, keep_evidence, tell_ranks_command
+from remote.launch import (
+    JobSpec,
+    NodeSetup,
+    explain_failure,
+    fetch_results,
+    job_script,
+    node_command,
+    open_launch,
+    owning,
+    prepare,
+    report_fetched,
+    send_env_values,
+    upload_script,
+)
 from remote.runs import FINAL, Run, RunBook, spec_facts, summary, write_summary
 from remote.stream import LogWriter, RankOutcome, say, terminal
 
@@ -58,7 +74,7 @@ def run_state(slurm_state: str) -> str:
 # ------------------------------------------------------------------------------------------- submit
 
 
-def head_path(setup, cluster: ClusterInfo, path: str) -> str:
+def head_path(setup: NodeSetup, cluster: ClusterInfo, path: str) -> str:
     """A node path (`$HOME/...` or absolute) as an absolute path on the head node."""
     home = setup.homes.get(cluster.head.name)
     if path.startswith("$HOME/"):
@@ -71,7 +87,7 @@ def head_path(setup, cluster: ClusterInfo, path: str) -> str:
 def submit(
     cluster: ClusterInfo,
     head: NodeSession,
-    setup,
+    setup: NodeSetup,
     run_id: str,
     task: str,
     commands: dict[str, str],
@@ -349,15 +365,15 @@ def cancel(cluster: ClusterInfo, run: Run) -> dict | None:
 
 
 def launch(
-    cluster: ClusterInfo, spec, setup, runs_root: Path, detach: bool, timeline: Timeline | None = None
+    cluster: ClusterInfo,
+    spec: JobSpec,
+    setup: NodeSetup,
+    runs_root: Path,
+    detach: bool,
+    timeline: Timeline | None = None,
 ) -> tuple[Path, Run, Followed | None]:
     """Prepare, submit and (unless `detach`) follow one run; the run's local folder, its record (its
     timeline up to the submit), and how following ended (None when detached at once)."""
-    from node.run_watch import OVERDUE_GRACE_S
-    from remote.connect import on_all_nodes
-    from remote.hangwatch import ask_command, tell_ranks_command
-    from remote.launch import job_script, node_command, open_launch, owning, prepare, send_env_values, upload_script
-
     timeline = timeline or Timeline(time.time(), clock=time.monotonic())
     wanted, sessions, statuses, run_id = open_launch(cluster, spec, timeline)
     kept = None  # the head node's connection, kept open for the follow and the finish: no new handshakes
@@ -445,7 +461,7 @@ def launch(
     return local_dir, run, follow(cluster, run, local_dir, head=kept)  # the hang watch runs on the cluster
 
 
-def slurm_held_values(cluster: ClusterInfo, spec, run_id: str) -> job_command.EnvValues | None:
+def slurm_held_values(cluster: ClusterInfo, spec: JobSpec, run_id: str) -> job_command.EnvValues | None:
     """A Slurm-held run's `--env` values: read at every start (a requeue starts the command again), from
     the run's stage where the cluster has a shared folder, else each node's run folder; `finish` removes
     them."""
@@ -457,8 +473,6 @@ def slurm_held_values(cluster: ClusterInfo, spec, run_id: str) -> job_command.En
 
 def forget_env_values(cluster: ClusterInfo, run_id: str, path: str | None, head: NodeSession) -> None:
     """Remove an ended run's `--env` values (at `path`) from the cluster: the shared folder, or every node."""
-    from remote.connect import on_all_nodes, open_sessions
-
     if not path:
         return
     command = f"rm -f {node_paths.shell_path(path)}"
@@ -478,7 +492,7 @@ def forget_env_values(cluster: ClusterInfo, run_id: str, path: str | None, head:
         say(f"fab: could not remove run {run_id}'s --env values ({path}): {describe(exc)}; remove them by hand")
 
 
-def stage(cluster: ClusterInfo, head: NodeSession, spec, run_id: str) -> job_command.Stage | None:
+def stage(cluster: ClusterInfo, head: NodeSession, spec: JobSpec, run_id: str) -> job_command.Stage | None:
     """The run's stage on the shared folder (`contract.RUN_STAGE`), from which a node that lacks the job's
     workdir copy or requirements environment (a replaced one) makes them: the project as the head node's
     cache holds it now, the requirements file. None where the cluster has no shared folder (each node keeps
@@ -511,7 +525,7 @@ def stage(cluster: ClusterInfo, head: NodeSession, spec, run_id: str) -> job_com
     )
 
 
-def finish(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: Followed | None = None) -> None:
+def finish(cluster: ClusterInfo, setup: NodeSetup, folder: Path, run: Run, followed: Followed | None = None) -> None:
     """A run seen ended: its state and times from Slurm, each node's and each failed rank's exit code,
     results fetched, summary.json written, the ledger's row given Slurm's times. Done once per run."""
 
@@ -535,10 +549,10 @@ def finish(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: Follow
     run.save(folder)
 
 
-def _finish_over(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: Followed | None, head) -> bool:
+def _finish_over(
+    cluster: ClusterInfo, setup: NodeSetup, folder: Path, run: Run, followed: Followed | None, head
+) -> bool:
     """`finish`'s questions to the head node, over one session; whether the run ever started."""
-    from remote.launch import explain_failure, fetch_results, report_fetched
-
     known = refresh(cluster, [run], head, ended_too=True).get(run.job_id) or {}
     forget_env_values(cluster, run.run_id, run.spec.get("env_values"), head)
     if run.state != "COMPLETED" and not known.get("ever_started", True):  # where the head cannot tell, it did
@@ -633,8 +647,6 @@ def _cluster_hang(run: Run, folder: Path, head: NodeSession) -> dict | None:
         return None
     if not isinstance(record, dict) or "verdict" not in record:
         return None
-    from remote.hangwatch import keep_evidence
-
     collected = record.pop("collected", None) or []
     if collected:  # the recorder dumps and stacks the cluster's watch collected, kept as fab's own watch keeps them
         record["evidence"] = str(keep_evidence(folder / "hang", collected, record["verdict"]))
