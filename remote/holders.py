@@ -18,6 +18,7 @@ from infra import runlog, state
 from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
 from infra.timeline import Timeline
+from node.run_state import RunState
 from remote import protocol, runs, scheduled
 from remote.connect import NodeSession, describe, open_sessions
 from remote.launch import (
@@ -113,7 +114,7 @@ class FabHolder:
                 "",
                 [n.name for n in self.cluster.nodes],
                 now,
-                state="RUNNING",
+                state=RunState.RUNNING,
                 started_at=now,
                 holder="fab",
                 owner=f"{socket.gethostname()}:{os.getpid()}",
@@ -159,7 +160,7 @@ class FabHolder:
             host, _, pid = run.owner.partition(":")  # a run recorded while Slurm held the runs has none
             if run.ended or host != here or not pid.isdigit() or _alive(int(pid)):
                 continue
-            run.state, run.ended_at = "FAILED", run.ended_at or time.time()
+            run.state, run.ended_at = RunState.FAILED, run.ended_at or time.time()
             run.extra = {**run.extra, "ended": f"its fab (pid {pid}) ended before the run did"}
             run.save(folder)
 
@@ -172,7 +173,7 @@ class FabHolder:
             return None
         for node, outcome in stop_everywhere(self.cluster, run_id=run.run_id).items():
             say(f"{node}: {outcome}")
-        return "RUNNING"
+        return RunState.RUNNING
 
     def follow(self, folder: Path, run: runs.Run, show: runlog.Echo | None = None) -> Ending:
         """The launching fab writes each node's log here as it streams: show them as they grow until its
@@ -227,11 +228,11 @@ def ended(run: runs.Run, spec: JobSpec, result: JobResult) -> None:
     run.without_process_group = result.without_process_group
     failed = [c for c in result.exit_codes.values() if c not in (0, None)]
     if result.hang and spec.hang.on_hang == "stop" and not result.interrupted:
-        outcome = "HUNG"  # the watch stopped it: every node ended on its signal
+        outcome = RunState.HUNG  # the watch stopped it: every node ended on its signal
     elif result.interrupted or (failed and all(c in runs.STOPPED_CODES for c in failed)):
-        outcome = "CANCELLED"
+        outcome = RunState.CANCELLED
     else:
-        outcome = "COMPLETED" if result.ok else "FAILED"
+        outcome = RunState.COMPLETED if result.ok else RunState.FAILED
     run.end(outcome, result.exit_codes, result.rank_exit_codes)
     if result.hang:
         run.hang = {

@@ -28,6 +28,7 @@ from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
 from infra.timeline import Timeline, job_phases
 from node import calls, contract
+from node.run_state import RunState
 from node.run_watch import OVERDUE_GRACE_S
 from remote import job_command, node_paths, nodecall
 from remote.connect import CONNECTION_ERRORS, NodeSession, describe, on_all_nodes, open_sessions
@@ -50,25 +51,11 @@ from remote.runs import FINAL, Run, RunBook, spec_facts, summary, write_summary
 from remote.stream import LogWriter, RankOutcome, say, terminal
 
 RECORD = runlog.RECORD
-SLURM_STATES = {
-    **dict.fromkeys(("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SPECIAL_EXIT", "RESV_DEL_HOLD"), "PENDING"),
-    **dict.fromkeys(("RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "STOPPED", "SIGNALING"), "RUNNING"),
-    **dict.fromkeys(("FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"), "FAILED"),
-    **dict.fromkeys(("COMPLETED", "CANCELLED", "HUNG", "PREEMPTED"), None),
-}
-"""Slurm's job states onto a run's (`runs.STATES`); None: the same name. COMPLETING (a slurmctld restart
-shows it for a while) is still running; TIMEOUT, NODE_FAIL and the like are failures."""
 CANCEL_WAIT_S = 30
 STATE_WAIT_S = 2.0
 """How often a launch whose log's copy failed asks Slurm whether its run has ended."""
 HOLD_WAIT_S = 2.0
 """How long a follower waits for a command that is adding to the run's local copy (`fab jobs`)."""
-
-
-def run_state(slurm_state: str) -> str:
-    """A run's state for Slurm's `slurm_state` (an unknown one is taken as running: it has not ended)."""
-    mapped = SLURM_STATES.get(slurm_state, "RUNNING")
-    return mapped or slurm_state
 
 
 # ------------------------------------------------------------------------------------------- submit
@@ -335,7 +322,7 @@ def refresh(cluster: ClusterInfo, runs: list[Run], head: NodeSession | None = No
         known = found.get(run.job_id)
         if known is None:
             continue
-        run.state = run_state(known.get("state") or "") if known.get("state") else run.state
+        run.state = RunState.from_slurm(known["state"]) if known.get("state") else run.state
         run.started_at = run.started_at or known.get("started_at")  # the first start: a requeue costs the wait too
         run.ended_at = known.get("ended_at") if run.state in FINAL else None
         run.exit_code = known.get("exit_code") if run.state in FINAL else None
@@ -555,7 +542,7 @@ def _finish_over(
     """`finish`'s questions to the head node, over one session; whether the run ever started."""
     known = refresh(cluster, [run], head, ended_too=True).get(run.job_id) or {}
     forget_env_values(cluster, run.run_id, run.spec.get("env_values"), head)
-    if run.state != "COMPLETED" and not known.get("ever_started", True):  # where the head cannot tell, it did
+    if run.state != RunState.COMPLETED and not known.get("ever_started", True):  # where the head cannot tell, it did
         # Cancelled while it waited: Slurm gives such a job a start (the cancel's time) and exit 0, but
         # nothing ran, so it has no start, no exit code, no node's code and no results.
         run.started_at, run.exit_code, run.exit_codes, run.rank_exit_codes = None, None, {}, {}
@@ -572,23 +559,23 @@ def _finish_over(
     if followed is None and run.log:
         exited_at = dict(brought.exited_at)
     for node in run.nodes:  # a node that left no marker was ended from outside
-        exit_codes.setdefault(node, 0 if run.state == "COMPLETED" else 128 + 15)
+        exit_codes.setdefault(node, 0 if run.state == RunState.COMPLETED else 128 + 15)
     if run.hang is None:
         run.hang = _cluster_hang(run, folder, head)
     if run.requeues or run.spec.get("replicas"):
         _price_idle(cluster, run, head)
     outcome = run.state
-    if run.hang and run.state in ("CANCELLED", "FAILED"):
-        outcome = "HUNG"
+    if run.hang and run.state in (RunState.CANCELLED, RunState.FAILED):
+        outcome = RunState.HUNG
     groups = job_command.group_names(run.nodes, int(run.spec.get("replicas") or 0))
     if (
         run.spec.get("replicas")
-        and outcome in ("FAILED", "COMPLETED")
+        and outcome in (RunState.FAILED, RunState.COMPLETED)
         and job_command.surviving_group(groups, exit_codes)
     ):
         # a replica group was dropped, another trained to the end; or a group started again on a replaced node
         # did (its node's code is the new start's): Slurm's code is the run's first step's, which lost a node
-        outcome, run.exit_code = "COMPLETED", None
+        outcome, run.exit_code = RunState.COMPLETED, None
         dropped = job_command.dropped_nodes(groups, exit_codes)
         run.extra = {**run.extra, "dropped": dropped} if dropped else run.extra
     said = {n: RankOutcome.parse(text) for n, text in ranks.items()}
@@ -596,7 +583,7 @@ def _finish_over(
     if run.timeline is not None:
         times = [ranked.times for ranked in said.values()]
         job_phases(run.timeline, times, list(exited_at.values()), queued_until=run.started_at)
-    if run.state != "COMPLETED":
+    if run.state != RunState.COMPLETED:
         explain_failure(folder)
     max_bytes = int(run.spec.get("max_result_bytes") or 50_000_000)
     try:
