@@ -333,10 +333,6 @@ def stop_all(cluster: ClusterInfo, holder: RunHolder) -> None:
         say(f"{node}: {outcome}")
 
 
-HOLDERS: dict[str, type] = {state.SLURM_HOLDS: SlurmHolder, "": FabHolder}
-"""The holder for each of bootstrap.json's `scheduler` values (`NodeSetup.scheduler`)."""
-
-
 def holder_for(cluster: ClusterInfo, setup: NodeSetup) -> RunHolder:
     """The holder bootstrap chose for this cluster."""
-    return HOLDERS.get(setup.scheduler, FabHolder)(cluster, setup)
+    return SlurmHolder(cluster, setup) if setup.slurm_holds else FabHolder(cluster, setup)

@@ -111,7 +111,7 @@ def cluster_for(stack: str | None) -> ClusterInfo:
 
 
 def setup_for(cluster: ClusterInfo) -> NodeSetup:
-    return NodeSetup.load(state.stack_file(cluster.stack, state.BOOTSTRAP))
+    return NodeSetup.load(cluster.stack)
 
 
 def holder_of(stack: str | None) -> tuple[ClusterInfo, holders.RunHolder]:
