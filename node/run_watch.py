@@ -127,7 +127,7 @@ class RunWatch:
                 continue
             self.polls += 1
             self.ranks_seen = max(self.ranks_seen, len(views))
-            if found is not None:
+            if found is not None and not self.ended(0):  # a run that has just ended hangs no more
                 return found
         return None
 
