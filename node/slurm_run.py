@@ -1,6 +1,5 @@
 """On the head node: a run as one Slurm batch job, one task per node, every node's output in the run's log.
 
-    python node/slurm_run.py supervise SPEC_BASE64 # the batch script: the step, the hang watch, the requeue
     python node/slurm_run.py follow LOG JOB [OFFSET]  # the log from OFFSET as it grows, until the job ends
 
 and, through node/calls.py, SubmitRun (sbatch a spec file; the job id), RunStates (each job's state and
@@ -9,15 +8,15 @@ times) and CancelRun (scancel, saying the state it had).
 SPEC_FILE is JSON: {"run_id", "log": the run's log file (on the head node), "python": this interpreter
 on every node, "nodes": [{"name": "node-<i>", "home": the node user's home there, "command": a shell
 command}, head node first]}. `submit` writes nothing on the other nodes: the batch script (kept beside
-the log) carries the spec, and srun hands it to every node's `step` on its command line.
+the log) runs node/slurm_batch.py with the spec, and srun hands it to every node's `step` on its command line.
 
 The batch job takes every node, exclusively, so runs start one at a time in submission order, and
 appends to its log across requeues. Its one step is `srun --ntasks-per-node=1 --kill-on-bad-exit=1`:
 a node whose command fails ends the others at once. A fault-tolerant run's (spec `replicas`: torchft
 replica groups) is `--kill-on-bad-exit=0 --no-kill` in a `--no-kill` job instead: a group's node that
 fails or dies ends only that group, and the others train on in the same allocation; a group whose nodes
-were replaced is started again on them, beside the step, by the batch job (node/slurm_restarts.py). Each node's
-task is node/slurm_step.py, a file of its own that starts in milliseconds: it runs this node's command and
+were replaced is started again on them, beside the step, by the batch job (node/slurm_restarts.py). Each
+node's task is node/slurm_step.py, a file of its own that starts in milliseconds: it runs this node's command and
 prefixes its output (`[node-i] `); srun gathers every node's into the log, one writer.
 
 Standard library only; run as a file, it imports its siblings from the code folder.
@@ -30,7 +29,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -38,12 +36,11 @@ import time
 if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
 
-from node import contract, replicas, slurm_existing, slurm_nodes, slurm_restarts  # noqa: E402
+from node import contract, replicas, slurm_existing, slurm_nodes  # noqa: E402
 from node.slurm_conf import DaemonError, Paths, UsageError  # noqa: E402
-from node.slurm_daemons import gone, program, write_private  # noqa: E402
-from node.slurm_step import encoded, exit_status, step_argv  # noqa: E402
+from node.slurm_daemons import gone, program  # noqa: E402
+from node.slurm_step import encoded  # noqa: E402
 
-TERMINATE_GRACE_S = 5.0
 FOLLOW_POLL_S = 0.1
 STATE_POLL_S = 1.0
 SUBMIT_TIMEOUT_S = 30.0
@@ -56,110 +53,11 @@ WAITING_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"
 FIELD = re.compile(r"(\w+)=(\S*)")
 
 
-def step_options(spec: dict) -> tuple[str, ...]:
-    """The run's step: one node's failure ends every node's task, except in a fault-tolerant run
-    (`replicas`), where each node's task is a replica group of its own that the others outlive."""
-    if spec.get("replicas"):
-        return ("--kill-on-bad-exit=0", "--no-kill")
-    return ("--kill-on-bad-exit=1",)
-
-
 def batch_script(spec: dict, srun: str, here: str) -> str:
-    """The job's script: this file's `supervise`, on the head node, which runs the one step (one task per
-    node, this file's `step` in each)."""
-    words = [spec["python"], "-u", here, "supervise", encoded(spec)]
+    """The job's script: node/slurm_batch.py (beside this file, `here`), on the head node, which runs the one
+    step (one task per node, node/slurm_step.py in each)."""
+    words = [spec["python"], "-u", os.path.join(os.path.dirname(here), "slurm_batch.py"), encoded(spec)]
     return "#!/bin/bash\n" + "exec " + " ".join(shlex.quote(word) for word in words) + "\n"
-
-
-def supervise(spec: dict) -> int:
-    """In the batch job, on the head node: the run's step; the hang watch beside it where asked
-    (`spec["watch"]`), so a hung run is found and stopped while no fab is connected (a verdict goes into
-    the run's log and `hang.json`), or a fault-tolerant run's groups started again on replaced nodes
-    (node/slurm_restarts.py); and when the step has ended, the requeue of a run a spot notice ended."""
-    srun = program("srun")
-    first_start = os.path.join(os.path.dirname(spec["log"]), contract.FIRST_START_RECORD)
-    if not os.path.exists(first_start):
-        write_private(first_start, json.dumps({"at": time.time()}).encode(), 0o600)
-    restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-    if restart:
-        note_restart(os.path.dirname(spec["log"]), restart)
-    if (spec.get("watch") or {}).get("shared_dir"):  # the step times a start Slurm requeued left (its straggler's)
-        shutil.rmtree(os.path.join(os.path.dirname(spec["log"]), contract.STEP_TIMES), ignore_errors=True)
-    main = subprocess.Popen(step_argv(spec, srun, *step_options(spec)))
-    restarts = slurm_restarts.GroupRestarts(spec, srun) if spec.get("replicas") else None
-
-    def forward(number, _frame):
-        main.send_signal(number)
-        if restarts is not None:
-            restarts.signal(number)
-
-    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR1):
-        signal.signal(signum, forward)
-    if spec.get("watch"):
-        from node import slurm_watch  # here only: its imports would add 50 ms to every start of this file
-
-        code = slurm_watch.watch(spec, main, srun)
-    elif restarts is not None:
-        code = restarts.beside(main)
-    else:
-        code = exit_status(main.wait())
-    if spec.get("replicas") and slurm_restarts.survived(spec):
-        code = 0  # a replica group trained to the end: the run completed, whatever another group's node did
-    else:
-        code = requeue_if_preempted(spec, code)  # requeued: Slurm ends this script before it goes on
-    record = {"exit_code": code, "at": time.time(), "restarts": int(os.environ.get("SLURM_RESTART_COUNT") or 0)}
-    write_private(os.path.join(os.path.dirname(spec["log"]), contract.END_RECORD), json.dumps(record).encode(), 0o600)
-    return code
-
-
-def note_restart(folder: str, restart: int) -> None:
-    """A line in the run's RESTARTS_RECORD: this start after a requeue, and when the run was requeued where
-    its batch job recorded it (`preempted.json` of this restart; a node lost outright leaves none)."""
-    try:
-        with open(os.path.join(folder, contract.PREEMPTED_RECORD)) as f:
-            record = json.load(f)
-    except (OSError, ValueError):
-        record = {}
-    mine = isinstance(record, dict) and record.get("restart") == restart
-    line = {
-        "restart": restart,
-        "at": time.time(),
-        "stopped_at": record.get("at") if mine else None,
-        "nodes": record.get("nodes") if mine else [],
-    }
-    descriptor = os.open(os.path.join(folder, contract.RESTARTS_RECORD), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    with os.fdopen(descriptor, "a") as f:
-        f.write(json.dumps(line) + "\n")
-
-
-def requeue_if_preempted(spec: dict, code: int) -> int:
-    """Where a node of the run was drained for a spot notice, or taken out as lost, while it ran, the run
-    goes back to the queue (its ranks were told to save and exit, or lost a peer) and starts again, with
-    the same run id and folders, once every node is in service: `preempted.json` in the run's folder
-    says why; else the step's exit status."""
-    paths = Paths(spec["nodes"][0]["home"])  # the batch job's HOME is the user's, not the node's
-    reasons = slurm_nodes.node_reasons(paths)
-    noticed = [
-        (n["name"], reasons[n["name"]][1])
-        for n in spec["nodes"]
-        if slurm_nodes.lost_or_noticed(reasons.get(n["name"], ("", ""))[1])
-    ]
-    job = os.environ.get("SLURM_JOB_ID", "")
-    if not noticed or not job:
-        return code
-    restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0) + 1
-    record = {"nodes": [n for n, _ in noticed], "reason": noticed[0][1], "at": time.time(), "restart": restart}
-    write_private(
-        os.path.join(os.path.dirname(spec["log"]), contract.PREEMPTED_RECORD), json.dumps(record).encode(), 0o600
-    )
-    names = ", ".join(n for n, _ in noticed)
-    print(f"[cluster] {names}: {noticed[0][1]}: the run (exit {code}) is requeued (restart {restart})", flush=True)
-    result = slurm_nodes.scontrol(paths, "requeue", job)
-    if result.returncode != 0:
-        print(f"[cluster] could not requeue: {result.stderr.strip()}", flush=True)
-        return code
-    time.sleep(slurm_existing.CLIENT_TIMEOUT_S)  # Slurm ends this script as it requeues the job
-    return code
 
 
 def sbatch_argv(spec: dict, sbatch: str, script: str, adopted: dict | None = None) -> list:
@@ -590,8 +488,10 @@ def main(argv: list | None = None) -> int:
     parser.add_argument("more", nargs="*", help="follow: JOB [OFFSET]")
     args = parser.parse_args(argv)
     try:
-        if args.action == "supervise":
-            return supervise(json.loads(base64.b64decode(args.spec)))
+        if args.action == "supervise":  # a batch script written before node/slurm_batch.py
+            from node import slurm_batch
+
+            return slurm_batch.supervise(json.loads(base64.b64decode(args.spec)))
         return follow(args.spec, args.more[0], int(args.more[1]) if len(args.more) > 1 else 0)
     except (OSError, ValueError, KeyError) as exc:
         print(f"error: {args.action}: {exc}", file=sys.stderr)

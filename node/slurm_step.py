@@ -39,7 +39,7 @@ HOLD_S = 0.2
 
 
 def encoded(spec: dict) -> str:
-    """The spec as this file (and slurm_run.py's `supervise`) takes it on its command line."""
+    """The spec as this file (and slurm_batch.py) takes it on its command line."""
     return base64.b64encode(json.dumps(spec).encode()).decode()
 
 

@@ -118,7 +118,7 @@ class StragglerReplacement:
     Drained in Slurm (`contract.STRAGGLER_DRAIN_REASON`: no run starts there again), its ranks told to save
     and exit (SIGUSR1, `spot_watch.py --tell-ranks`: the other ranks stop at the same step); once the step
     has ended, the node is told to power off (`contract.power_off_marker`). The run is then requeued as a
-    notice's is (slurm_run.py `requeue_if_preempted`: the drain is one of ours), the spot path replaces the
+    notice's is (slurm_batch.py `requeue_if_preempted`: the drain is one of ours), the spot path replaces the
     node (the local provider's supervisor, an AWS worker's Auto Scaling group), the replacement's join lifts
     the drain, and the run starts again there and resumes from its checkpoint. The head node is not
     replaced: it holds this job and Slurm's controller."""

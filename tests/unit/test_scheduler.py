@@ -15,6 +15,7 @@ from node import (
     contract,
     replicas,
     scheduler,
+    slurm_batch,
     slurm_conf,
     slurm_daemons,
     slurm_existing,
@@ -440,8 +441,8 @@ def test_a_fault_tolerant_runs_step_and_job_outlive_a_failed_node_and_a_plain_ru
     nodes = [{"name": "node-0", "home": "/h", "command": "true"}, {"name": "node-1", "home": "/h", "command": "true"}]
     plain = {"run_id": "r", "log": "/l/run.log", "python": "py", "nodes": nodes}
     replicated = {**plain, "replicas": 2}
-    assert slurm_run.step_options(plain) == ("--kill-on-bad-exit=1",)
-    assert slurm_run.step_options(replicated) == ("--kill-on-bad-exit=0", "--no-kill")
+    assert slurm_batch.step_options(plain) == ("--kill-on-bad-exit=1",)
+    assert slurm_batch.step_options(replicated) == ("--kill-on-bad-exit=0", "--no-kill")
     assert "--no-kill" not in slurm_run.sbatch_argv(plain, "sbatch", "s")
     assert "--no-kill" in slurm_run.sbatch_argv(replicated, "sbatch", "s")
     assert "--requeue" in slurm_run.sbatch_argv(replicated, "sbatch", "s")  # every group lost: the checkpoint
