@@ -8,9 +8,12 @@ from node import replicas
 def test_a_group_starts_again_once_all_its_nodes_are_back_and_is_priced_until_its_first_step_back(tmp_path):
     back: set = set()
     started: list = []
-    restarter = replicas.GroupRestarter(
-        [["node-0", "node-1"], ["node-2", "node-3"]], lambda: back, lambda number: started.append(number) or True
-    )
+
+    def start(number: int) -> bool:
+        started.append(number)
+        return True
+
+    restarter = replicas.GroupRestarter([["node-0", "node-1"], ["node-2", "node-3"]], lambda: back, start)
     restarter.left(1, at=10.0)
     back.add("node-2")
     assert restarter.look() == []  # node-3 is not back yet

@@ -29,7 +29,8 @@ def watch(ask, said, kept, polls=3, on_hang="stop"):
 
 
 def test_a_watch_that_raises_on_every_poll_says_it_once_and_never_stops_the_run():
-    said, kept = [], {}
+    said: list[str] = []
+    kept: dict[str, str] = {}
 
     def ask(action):
         return [{"now": NOW, "ranks": [{"rank": "not a number"}]}]  # a record the rule cannot read
@@ -42,7 +43,9 @@ def test_a_watch_that_raises_on_every_poll_says_it_once_and_never_stops_the_run(
 
 
 def test_a_hang_is_said_kept_and_stopped_once_and_its_evidence_collected():
-    said, kept, asked = [], {}, []
+    said: list[str] = []
+    kept: dict[str, str] = {}
+    asked: list[str] = []
     hung = {"now": NOW, "ranks": [record(0, 4, [WAITING_IN_4]), record(1, 3, node="node-1")]}
 
     def ask(action):
@@ -50,8 +53,13 @@ def test_a_hang_is_said_kept_and_stopped_once_and_its_evidence_collected():
         return [hung]
 
     run_watch, stopped = watch(ask, said, kept)
-    verdicts = []
-    run_watch.on_verdict = lambda found: verdicts.append(found) or "evidence in hang/"
+    verdicts: list[dict] = []
+
+    def on_verdict(found: dict) -> str:
+        verdicts.append(found)
+        return "evidence in hang/"
+
+    run_watch.on_verdict = on_verdict
     found = run_watch.run()
     assert stopped.is_set() and asked == ["status", "collect"] and verdicts == [found]
     assert found["verdict"].startswith("HANG run=r1: rank 1 (node-1, pid 4701) never entered all_reduce #4")
