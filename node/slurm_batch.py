@@ -60,7 +60,11 @@ def supervise(spec: dict) -> int:
     if spec.get("watch"):
         from node import slurm_watch  # here only: its imports would add 50 ms to every start of this file
 
-        code = slurm_watch.watch(spec, main, srun)
+        try:
+            code = slurm_watch.watch(spec, main, srun)
+        except Exception as exc:  # noqa: BLE001 - the watch's own fault (its set-up) never ends the run
+            print(f"[watch] hang watch: {type(exc).__name__}: {exc}; the run goes on unwatched", flush=True)
+            code = exit_status(main.wait())
     elif restarts is not None:
         code = restarts.beside(main)
     else:
