@@ -299,17 +299,13 @@ def _with_scheduler_states(cluster: inventory.ClusterInfo, rows: list) -> list:
     """Each reachable node's Slurm state where bootstrap started Slurm (the AskScheduler node call)."""
     import asyncio
     import dataclasses
-    import json
 
     from infra import nodecall
     from node import calls
     from node.slurm_nodes import out_of_service
 
-    try:
-        setup = json.loads(state.stack_file(cluster.stack, state.BOOTSTRAP).read_text())
-    except (OSError, ValueError):
-        return rows
-    if not isinstance(setup, dict) or setup.get("scheduler") != state.SLURM_HOLDS:
+    setup = state.bootstrap_record(cluster.stack)
+    if not setup.get("slurm_holds"):
         return rows
     code = str(setup.get("code_dir", ""))
 

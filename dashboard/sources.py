@@ -95,7 +95,7 @@ def stack_view(stack: str, statuses: dict[str, dict], problem: str, now: float) 
         shape.run_row(record.as_row(hourly), read_json(folder / runs.SUMMARY), verdicts.get(record.run_id))
         for folder, record in found
     ]
-    bootstrap = read_json(state.stack_file(stack, state.BOOTSTRAP)) or {}
+    bootstrap = state.bootstrap_record(stack)
     return {
         "stack": stack,
         "provider": cluster.get("provider"),
@@ -184,7 +184,7 @@ def finished_log(folder: Path, tail: shape.LogTail) -> None:
 
 def holder_of(stack: str) -> tuple[inventory.ClusterInfo, holders.RunHolder]:
     cluster = inventory.load(stack)
-    return cluster, holders.holder_for(cluster, NodeSetup.load(state.stack_file(stack, state.BOOTSTRAP)))
+    return cluster, holders.holder_for(cluster, NodeSetup.load(stack))
 
 
 def cancel(stack: str, run_id: str) -> str:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from infra import inventory, ssh, state
 from node import contract, slurm_run
+from node.run_state import RunState
 
 RAW = contract.RUN_LOG
 """The local copy of the run's log, byte for byte."""
@@ -294,6 +295,6 @@ def after_down(runs: list[Unfinished], say, at: float | None = None) -> None:
         elif record.get("ended_at") is None:
             was = "running" if run.started else "queued"
             say(f"run {run_id}, {was}, was cancelled with the cluster; its log is kept in {run.folder}")
-            record.update(state="CANCELLED", ended_at=at)
+            record.update(state=RunState.CANCELLED, ended_at=at)
         record["finished"] = True
         state.write_atomic(run.folder / RECORD, json.dumps(record, indent=2) + "\n")

@@ -33,9 +33,9 @@ KNOWN_HOSTS = "known_hosts"
 SSH_KEY = "id_ed25519"
 """The cluster's own SSH key (`.pub` beside it), created once per stack (infra/keys.py)."""
 BOOTSTRAP = "bootstrap.json"
+"""What `fab bootstrap` found on the nodes (remote/bootstrap.py); read through `bootstrap_record`."""
 SLURM_HOLDS = "slurm"
 """bootstrap.json's `scheduler` where Slurm holds the runs ('' where fab's connections do)."""
-"""What `fab bootstrap` found on the nodes (remote/bootstrap.py)."""
 GUARDS = "guards.json"
 """The budget and idle guards `up` asked for, which bootstrap starts the watchdog with (infra/costs.py)."""
 WORKDIRS = "workdirs"
@@ -68,6 +68,20 @@ def stack_dir(stack: str) -> Path:
 def stack_file(stack: str, name: str) -> Path:
     """One of a stack's files (`INVENTORY`, `BOOTSTRAP`, ...)."""
     return stack_dir(stack) / name
+
+
+def bootstrap_record(stack: str) -> dict:
+    """The one reading of the stack's bootstrap.json: what the last bootstrap chose and found, with
+    `slurm_holds` (whether Slurm holds the runs) as a field; {} where there is none, or one not readable."""
+    import json
+
+    try:
+        record = json.loads(stack_file(stack, BOOTSTRAP).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(record, dict):
+        return {}
+    return {**record, "slurm_holds": record.get("scheduler") == SLURM_HOLDS}
 
 
 def runs_dir(stack: str) -> Path:

@@ -207,8 +207,17 @@ def parse_ranks(payload: dict) -> list[RankView]:
     return views
 
 
-def _frame(record: dict) -> Frame:
-    return Frame(str(record["function"]), str(record["file"]), int(record["line"]), bool(record.get("library")))
+def _frame(record) -> Frame:
+    """A frame as a rank reported it, whatever it lacks: a frame object's `f_lineno` can be None (a frame
+    that is starting or ending), and a record may miss a field; such a part reads `?` or 0, never an error."""
+    record = record if isinstance(record, dict) else {}
+    line = record.get("line")
+    return Frame(
+        str(record.get("function") or "?"),
+        str(record.get("file") or "?"),
+        int(line) if isinstance(line, int) or (isinstance(line, str) and line.isdigit()) else 0,
+        bool(record.get("library")),
+    )
 
 
 def _collective(entry: dict) -> Collective:

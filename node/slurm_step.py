@@ -38,6 +38,34 @@ HOLD_S = 0.2
 """How long a node's unfinished line waits for its rest before it goes into the run's log as it is."""
 
 
+def encoded(spec: dict) -> str:
+    """The spec as this file (and slurm_batch.py) takes it on its command line."""
+    return base64.b64encode(json.dumps(spec).encode()).decode()
+
+
+def step_argv(spec: dict, srun: str, *options: str) -> list:
+    """srun of this file on every node of `spec`, one task each (`options`: srun's, e.g. --overlap)."""
+    count = len(spec["nodes"])
+    return [
+        srun,
+        *options,
+        f"--nodes={count}",
+        f"--ntasks={count}",
+        "--ntasks-per-node=1",
+        "--unbuffered",
+        "--export=NONE",  # each node's step: Slurm's variables only (`step` sets HOME and PATH), not the head's
+        spec["python"],
+        "-u",
+        os.path.abspath(__file__),
+        encoded(spec),
+    ]
+
+
+def exit_status(code: int) -> int:
+    """A process's exit status as a shell says it: 128 + the signal that ended it."""
+    return 128 - code if code < 0 else code
+
+
 class Prefixer:
     """Puts `prefix` at the start of every line (a line ends at a newline or a carriage return), except
     on lines that already start with `own` (node/torchrun.py prefixes its ranks' lines itself, as
@@ -142,8 +170,7 @@ def step(spec: dict) -> int:
     prefix = Prefixer(f"[{name}] ".encode(), own=f"[{name}".encode())
     assert child.stdout is not None
     copy_whole_lines(child.stdout.fileno(), prefix, sys.stdout.buffer)
-    code = child.wait()
-    return 128 - code if code < 0 else code
+    return exit_status(child.wait())
 
 
 def _kill_group(pgid: int) -> None:

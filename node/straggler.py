@@ -9,9 +9,9 @@ of the step no collective waits in. A harness training loop times it every step 
 `find_stragglers` is the rule: a rank whose compute time stays above `RATIO` times the median of the
 other ranks' at the same step, for `STEPS` steps in a row, is a straggler, named at the step the rule is
 met. Pure: tested on records shaped as the monitor writes them. `Named` keeps one run's verdict and its
-ranks' step times across a hang watch's polls, each rank named once; both hang watches keep one (fab's,
-remote/hangwatch.py, and the Slurm batch job's, node/slurm_run.py), look again when it says a slow rank
-is due (`next_look_s`), and write its `record()` as the run's `contract.STRAGGLER_RECORD`.
+ranks' step times across a hang watch's polls, each rank named once; the run watch (node/run_watch.py, for
+both holders) keeps one, looks again when it says a slow rank is due (`next_look_s`), and writes its
+`record()` as the run's `contract.STRAGGLER_RECORD`.
 
 Where the cluster has a shared folder, the rank monitors also write their step times there
 (`contract.STEP_TIMES`), and each watch runs `SharedLooks` beside its polls: it reads them on the head node

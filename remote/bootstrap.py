@@ -200,7 +200,7 @@ class Bootstrap:
         self.timeline = timeline or Timeline(time.time(), clock=time.monotonic())
         """Connect, then each stage (per node in `nodes`), then the record: in bootstrap.json, one line at the end."""
         remembered = remembered_setup(cluster)
-        held_before = remembered.get("scheduler") == state.SLURM_HOLDS
+        held_before = bool(remembered.get("slurm_holds"))
         self.scheduler_choice = Scheduler(
             scheduler or remembered.get("scheduler_choice") or (Scheduler.SLURM if held_before else Scheduler.AUTO)
         )
@@ -912,7 +912,7 @@ class Bootstrap:
 
 def remembered_setup(cluster: ClusterInfo) -> dict:
     """What the last bootstrap of the cluster chose (`bootstrap.json`: master_port, scheduler); {} if none."""
-    return _read_json(state.stack_file(cluster.stack, state.BOOTSTRAP))
+    return state.bootstrap_record(cluster.stack)
 
 
 def _read_json(path: Path) -> dict:

@@ -3,8 +3,9 @@
 Every launch turns on torch's flight recorder and a monitor thread in each rank (node/rankhook/;
 nothing in the user's script changes). `HangWatch` asks each node every `poll_s` (sooner where a rank is
 slow and due to be named a straggler: `straggler.Named.next_look_s`) what its ranks are
-doing (the HangStatus node call, node/calls.py, over SSH connections of its own) and applies the rule in
-node/hang_rule.py (which a Slurm-held run also applies on the cluster). On a hang it collects from
+doing (the HangStatus node call, node/calls.py, over SSH connections of its own): it is fab's adapter of
+the one run watch, node/run_watch.py, which a Slurm-held run's batch job runs too (node/slurm_watch.py).
+On a hang it collects from
 every node the recorder dumps and the `py-spy dump` stacks of every rank, keeps them in the run folder
 (`hang/`), prints one verdict line, and then stops the job everywhere (`--on-hang stop`, the default) or
 leaves it running for a person (`--on-hang wait`).
@@ -13,16 +14,15 @@ leaves it running for a person (`--on-hang wait`).
 import dataclasses
 import json
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from infra import state
 from infra.inventory import ClusterInfo
-from node import calls, contract, straggler
-from node import hang_rule as hang
+from node import calls, contract
+from node.run_watch import RunWatch, WatchPolicy
 from remote import node_paths, nodecall
-from remote.connect import NodeSession, describe, on_all_nodes
+from remote.connect import NodeSession, on_all_nodes
 from remote.stream import say
 
 DEFAULT_HANG_TIMEOUT_S = 300
@@ -33,12 +33,6 @@ ON_STRAGGLER = ("report", "replace")
 # 1000 entries, and happens only when a rank sits in one collective for a whole monitor interval.
 RECORDER_ENTRIES = 1000
 COLLECT_WAIT_S = 5
-# Past the hang timeout plus this, a rank still waiting in one collective is a hang even where the rule
-# has no rank to blame (a node that stopped answering, a transport that stopped moving): the verdict
-# comes within the timeout + 60 s, polls and evidence included, and a run never waits forever for one.
-OVERDUE_GRACE_S = 30
-STOP_ATTEMPTS = 3
-STOP_CHECK_S = 20  # how long a stopped job may take to end before the watch stops it again
 
 
 @dataclass(frozen=True)
@@ -109,7 +103,8 @@ class HangReport:
 
 
 class HangWatch:
-    """Polls the ranks of one run on every node until told to stop, or until it has found a hang."""
+    """fab's adapter of the run watch (node/run_watch.py): it asks every node over SSH connections of its own,
+    on a thread beside the launch, until told to stop or until it has dealt with a hang."""
 
     def __init__(
         self,
@@ -122,17 +117,27 @@ class HangWatch:
         on_hang=None,
     ):
         self.cluster, self.python, self.run_id, self.policy = cluster, python, run_id, policy
-        self.local_dir, self.stop_job, self.on_hang = local_dir, stop_job, on_hang
+        self.local_dir, self.on_hang = local_dir, on_hang
         self.report: HangReport | None = None
-        self.polls = 0
-        """Polls answered: every rank's progress read, no hang found."""
-        self.ranks_seen = 0
-        """The most ranks one poll found reporting (the job's ranks, once all have started)."""
-        self.stragglers = straggler.Named()
-        """The ranks named slow (node/straggler.py), each once."""
         self.finished = threading.Event()
-        self.stopping = threading.Event()
-        """Set once the watch is stopping the job (fail-fast then has nothing to add)."""
+        self.sessions: list[NodeSession] = []
+        self.head: NodeSession | None = None
+        """The straggler verdict's own connection to the head node, for the shared step times."""
+        folder = step_times_dir(cluster, run_id)
+        shared = f"{node_paths.shell_path(folder)}/{contract.RANK_PROGRESS_GLOB}" if folder else ""
+        self.shared = f"cat {shared} 2>/dev/null; true"
+        self.watch = RunWatch(
+            run_id,
+            WatchPolicy(policy.timeout_s, policy.poll_s, policy.on_hang),
+            self._payloads,
+            stop_job,
+            self.finished.wait,
+            say,
+            self._keep,
+            on_verdict=self._verdict,
+            read_shared=self._read_shared if folder else None,
+            note_prefix="fab: ",
+        )
         self.thread = threading.Thread(target=self._run, name=f"hang-watch-{run_id}", daemon=True)
 
     def start(self) -> "HangWatch":
@@ -140,11 +145,15 @@ class HangWatch:
             self.thread.start()
         return self
 
+    def stopping(self) -> bool:
+        """The watch is stopping the job (fail-fast then has nothing to add)."""
+        return self.watch.stopping
+
     def stats(self) -> dict | None:
         """What the watch did (summary.json's `hang_watch`); None where it was off."""
         if not self.policy.enabled:
             return None
-        return {"timeout_s": self.policy.timeout_s, "polls": self.polls, "ranks_seen": self.ranks_seen}
+        return {"timeout_s": self.policy.timeout_s, "polls": self.watch.polls, "ranks_seen": self.watch.ranks_seen}
 
     def close(self) -> None:
         self.finished.set()
@@ -152,131 +161,52 @@ class HangWatch:
             self.thread.join(timeout=self.policy.poll_s + 60)
 
     def _run(self) -> None:
-        sessions = [NodeSession(self.cluster, node) for node in self.cluster.nodes]
-        looks = None
+        self.sessions = [NodeSession(self.cluster, node) for node in self.cluster.nodes]
         try:
-            looks = self._shared_looks()
-            found = self._watch(sessions, looks)
-            if looks is not None:
-                looks.stop()
-            if found is None:
-                return
-            self.report = self._diagnose(sessions, found)
-            if self.on_hang:
-                self.on_hang(self.report)
-            if self.policy.on_hang == "stop":
-                self.stopping.set()
-                say("fab: stopping the hung job on every node (--on-hang wait leaves it running)")
-                self._stop_until_ended()
-            else:
-                say("fab: --on-hang wait: the job keeps running; fab stop (or Ctrl-C here) ends it")
+            self.watch.run()
         finally:
-            if looks is not None:
-                looks.stop()
-                looks.session.close()
-            for session in sessions:
+            for session in [*self.sessions, *([self.head] if self.head else [])]:
                 session.close()
 
-    def _shared_looks(self) -> "SharedLooks | None":
-        """The straggler verdict's own looks at the ranks' step times on the shared folder, through the head
-        node's connection (a connection of their own), where the cluster has a shared folder."""
-        folder = step_times_dir(self.cluster, self.run_id)
-        if folder is None:
-            return None
-        looks = SharedLooks(self.stragglers, NodeSession(self.cluster, self.cluster.head), folder, self._say)
-        looks.start()
-        return looks
-
-    def _watch(self, sessions: list[NodeSession], looks: "SharedLooks | None") -> hang.Hang | None:
-        """Poll until a hang is found (returned) or the job has ended (None). A poll that fails (a node
-        that does not answer, a damaged record) is simply made again: the watch itself never ends early.
-        While the straggler verdict's own `looks` find step times, the polls keep their pace (else a poll
-        comes sooner where a slow rank is due)."""
-        overdue_s = self.policy.timeout_s + OVERDUE_GRACE_S
-        regular_s = self.policy.poll_s
-
-        def pause_s() -> float:
-            serving = looks is not None and looks.serving()
-            return regular_s if serving else self.stragglers.next_look_s(regular_s)
-
-        while not self.finished.wait(pause_s()):
-            try:
-                payloads = self._payloads(sessions, "status")
-                views = [view for payload in payloads for view in hang.parse_ranks(payload)]
-                found = hang.find_hang(views, self.policy.timeout_s, overdue_s)
-                self.stragglers.update([r for payload in payloads for r in payload.get("ranks", [])], self._say)
-            except Exception as exc:  # noqa: BLE001 - the next poll tries again
-                say(f"fab: hang watch: a poll failed ({describe(exc)}); trying again")
-                continue
-            self.polls += 1
-            self.ranks_seen = max(self.ranks_seen, len(views))
-            if found is not None and not self.finished.is_set():
-                return found
-        return None
-
-    def _say(self, fresh: list) -> None:
-        """Say each rank the straggler rule names now, and keep the verdict in the run folder (`fab jobs`)."""
-        for found in fresh:
-            say(found.line(self.run_id))
+    def _keep(self, name: str, text: str) -> None:
         state.make_private_dir(self.local_dir)
-        state.write_atomic(self.local_dir / contract.STRAGGLER_RECORD, self.stragglers.record())
+        state.write_atomic(self.local_dir / name, text)
 
-    def _stop_until_ended(self) -> None:
-        """Stop the job everywhere, and again while it has not ended (a node that missed the first stop)."""
-        for attempt in range(STOP_ATTEMPTS):
-            self.stop_job()
-            if self.finished.wait(STOP_CHECK_S):
-                return
-            say(f"fab: the hung job has not ended {STOP_CHECK_S} s after stop {attempt + 1}; stopping it again")
-        say("fab: could not end the hung job on every node; run fab stop once the nodes answer")
+    def _verdict(self, record: dict) -> str:
+        """The evidence kept in the run folder's `hang/`, the report made (and handed to `on_hang`)."""
+        folder = keep_evidence(self.local_dir / "hang", record["collected"], record["verdict"])
+        self.report = HangReport(record["verdict"], record["stalled_at"], record["detected_at"], folder)
+        if self.on_hang:
+            self.on_hang(self.report)
+        return f"fab: flight-recorder dumps and stacks of every rank in {folder}"
 
-    def _command(self, session: NodeSession, action: str) -> str:
-        return ask_command(self.cluster, self.python.get(session.node.name, "python3"), self.run_id, action)
+    def _read_shared(self) -> list:
+        """The ranks' shared step times, read on the head node through a connection of the watch's own."""
+        self.head = self.head or NodeSession(self.cluster, self.cluster.head)
+        try:
+            return contract.json_objects(self.head.run(self.shared, timeout=30).stdout.splitlines())
+        except Exception:  # the head node did not answer: a fresh connection for the next look
+            if not self.finished.is_set():
+                self.head.reopen()
+            raise
 
-    def _payloads(self, sessions: list[NodeSession], action: str) -> list[dict]:
+    def _payloads(self, action: str) -> list[dict]:
+        """Every node's answer to the watch's call (`status`, `collect`); a node that does not answer gives none."""
+        request = hang_request(self.run_id, action)
+
         def ask(session: NodeSession) -> dict:
+            python = self.python.get(session.node.name, "python3")
             try:
-                result = session.run(self._command(session, action), timeout=60)
+                result = session.run(ask_command(self.cluster, python, self.run_id, action), timeout=60)
             except Exception:  # the node did not answer: a fresh connection for the next poll
                 session.reopen()
                 raise
             try:
-                request = hang_request(self.run_id, action)
                 return dataclasses.asdict(calls.reply_from(request, result.exited, result.stdout, result.stderr))
             except calls.CallError:
                 return {}
 
-        return [r.value for r in on_all_nodes(sessions, ask) if isinstance(r.value, dict)]
-
-    def _ask(self, sessions: list[NodeSession], action: str) -> list[hang.RankView]:
-        return [view for payload in self._payloads(sessions, action) for view in hang.parse_ranks(payload)]
-
-    def _diagnose(self, sessions: list[NodeSession], found: hang.Hang) -> HangReport:
-        detected_at = time.time()
-        payloads = self._payloads(sessions, "collect")
-        evidence = hang.Evidence.from_collected(payloads)
-        line = hang.verdict(self.run_id, found, evidence)
-        folder = keep_evidence(self.local_dir / "hang", payloads, line)
-        say(line)
-        say(f"fab: flight-recorder dumps and stacks of every rank in {folder}")
-        return HangReport(line, hang.stalled_since(found), detected_at, folder)
-
-
-class SharedLooks(straggler.SharedLooks):
-    """fab's: the shared step times read on the head node, through a connection of their own."""
-
-    def __init__(self, named: straggler.Named, session: NodeSession, folder: str, said):
-        self.session = session
-        self.command = f"cat {node_paths.shell_path(folder)}/{contract.RANK_PROGRESS_GLOB} 2>/dev/null; true"
-        super().__init__(named, self._read, said)
-
-    def _read(self) -> list:
-        try:
-            return contract.json_objects(self.session.run(self.command, timeout=30).stdout.splitlines())
-        except Exception:  # the head node did not answer: a fresh connection for the next look
-            if not self.stopped.is_set():
-                self.session.reopen()
-            raise
+        return [r.value for r in on_all_nodes(self.sessions, ask) if isinstance(r.value, dict)]
 
 
 def hang_request(run_id: str, action: str) -> calls.HangStatus | calls.HangCollect:

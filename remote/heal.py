@@ -1,6 +1,6 @@
 """A fab-held fault-tolerant run's replica groups started again on their replaced nodes: the fab holder's half
-of what a Slurm-held run's batch job does (node/slurm_run.py `GroupRestarts`); which group starts again, and
-when, is one rule for both (`contract.groups_to_restart`).
+of what a Slurm-held run's batch job does (node/slurm_restarts.py); both are adapters of the one restarter,
+node/replicas.py `GroupRestarter` (which group starts again and when, the bookkeeping, the heal's pricing record).
 
 A group whose node's job session dropped (the node died: `launch.LOST`) is dropped by the launch
 (`launch._drop_group`) and its peers go on. While some group still trains, this watch asks each lost node every
@@ -16,13 +16,12 @@ first step back.
 
 import queue
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
 from infra.inventory import ClusterInfo
-from node import contract, slurm_run
+from node import replicas
 from remote import node_paths, protocol
 from remote.connect import NodeSession, describe
 from remote.stream import say
@@ -56,11 +55,11 @@ class Healer:
         self.metrics, self.shown, self.participants = metrics, shown, ""
         self.head: NodeSession | None = None
         self.lock = threading.Lock()
-        self.lost: dict[str, float] = {}  # node: when its job session dropped, until its group starts again
+        self.lost: set[str] = set()  # nodes whose job session dropped, until their group starts again
         self.training: set[str] = {name for group in groups for name in group}  # nodes whose job session runs
         self.restarted: dict[Future, int] = {}  # a start of a group again: its group
-        self.ended: dict[int, list[int]] = {}  # group: its starts' exit codes (contract.groups_to_restart)
-        self.heals: list[tuple[int, float, float]] = []  # (group, its node lost at, started again at)
+        self.back: dict[str, NodeSession] = {}  # at a look: the lost nodes back in service, a session on each
+        self.restarter = replicas.GroupRestarter(groups, self._asked_back, self._start_again)
         self.fresh: queue.Queue[tuple[Future, NodeSession]] = queue.Queue()
         self.sessions: list[NodeSession] = []
         self.closed = threading.Event()
@@ -80,10 +79,12 @@ class Healer:
         with self.lock:
             self.training.discard(name)
             number = self.restarted.pop(future, None)
-            if number is not None and code is not None:
-                self.ended.setdefault(number, []).append(code)
             if lost:
-                self.lost.setdefault(name, time.time())
+                self.lost.add(name)
+        if number is not None:
+            self.restarter.ended_start(number, code)
+        if lost:
+            self.restarter.left(next(n for n, group in enumerate(self.groups) if name in group))
 
     def started(self) -> list[tuple[Future, NodeSession]]:
         """The job sessions started again since the last call, for the launch to follow."""
@@ -98,18 +99,20 @@ class Healer:
         while not self.closed.wait(POLL_S):
             self._show_participants()
             with self.lock:
-                lost = sorted(self.lost)
-                peers = self._peers()
-                running = {number for number in self.restarted.values()}
-            if not lost or not peers:  # nothing to start again, or no live peer to heal from
+                due = bool(self.lost) and self._peers()
+            if not due:  # nothing to start again, or no live peer to heal from
                 continue
-            back = {name: session for name in lost if (session := self._back(name)) is not None}
-            with self.lock:
-                due = contract.groups_to_restart(self.groups, set(back), running, self.ended)
-            for number in due:
-                self._start_again(number, back)
-            for session in back.values():  # back, but its group is not due (another of its nodes is not)
+            self.restarter.look()
+            for session in self.back.values():  # back, but its group is not due (another of its nodes is not)
                 session.close()
+            self.back = {}
+
+    def _asked_back(self) -> set:
+        """The lost nodes back in service now, each with a session kept for its group's start."""
+        with self.lock:
+            lost = sorted(self.lost)
+        self.back = {name: session for name in lost if (session := self._back(name)) is not None}
+        return set(self.back)
 
     def _peers(self) -> bool:
         """Whether some group still trains whole (a live peer to heal from); under `lock`."""
@@ -125,7 +128,7 @@ class Healer:
         except Exception:  # the head node does not answer now: asked again next time
             return
         text = tail.stdout
-        newest = slurm_run.newest_participants(slurm_run.contract_records(text, cut=len(text) >= METRICS_TAIL_BYTES))
+        newest = replicas.newest_participants(replicas.contract_records(text, cut=len(text) >= METRICS_TAIL_BYTES))
         participants = f"{newest}/{len(self.groups)}" if newest is not None else ""
         if participants and participants != self.participants:
             self.participants = participants
@@ -147,9 +150,10 @@ class Healer:
         session.close()
         return None
 
-    def _start_again(self, number: int, back: dict[str, NodeSession]) -> None:
+    def _start_again(self, number: int) -> bool:
+        """Group `number` readied and started again on its nodes back in service; True where it started."""
         members = self.groups[number]
-        sessions = [back.pop(name) for name in members]
+        sessions = [self.back.pop(name) for name in members]
         say(
             f"fab: replica group {number} ({', '.join(members)}): back in service after a replacement; "
             "it starts again and heals from a live peer"
@@ -161,21 +165,20 @@ class Healer:
             say(f"fab: replica group {number} could not be started again: {describe(exc)}")
             for session in sessions:
                 session.close()
-            return
-        at = time.time()
+            return False
         with self.lock:
             if self.closed.is_set() or not self._peers():  # the run's last group ended while this one was readied
                 for session in sessions:
                     session.close()
-                return
-            lost_at = min(self.lost.pop(name, at) for name in members)
-            self.heals.append((number, lost_at, at))
+                return False
+            self.lost -= set(members)
             for session in sessions:
                 self.sessions.append(session)
                 self.training.add(session.node.name)
                 future = self.start(session)
                 self.restarted[future] = number
                 self.fresh.put((future, session))
+        return True
 
     def stop(self) -> None:
         """No group is started again from now on (the run's last group ended, or it was interrupted)."""
@@ -185,15 +188,15 @@ class Healer:
     def price(self, metrics: Path) -> None:
         """Each group started again, into the ledger: its node's interruption lasts until the group's first
         step back (the run's fetched `metrics.jsonl`), not only until the node was replaced."""
-        if not self.heals:
+        healed = self.restarter.heal_records(str(metrics), tail_bytes=0, last=True)
+        if not healed:
             return
         from infra.ledger import Ledger
 
         ledger = Ledger()
         try:
-            for number, lost_at, at in self.heals:  # no metrics, or no step back: priced until the group's start
-                back = slurm_run.first_step_after(str(metrics), number, at, tail_bytes=0) or at
-                for name in self.groups[number]:
-                    ledger.run_idle(self.cluster.stack, name, lost_at, back)
+            for heal in healed:  # no metrics, or no step back: priced until the group's start
+                for name in heal["nodes"]:
+                    ledger.run_idle(self.cluster.stack, name, heal["stopped_at"], heal["at"])
         finally:
             ledger.close()

@@ -15,13 +15,23 @@ from pathlib import Path
 from typing import Protocol
 
 from infra import runlog, state
-from infra.errors import UsageError
+from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
 from infra.timeline import Timeline
 from node.outcome import STOPPED_CODES
+from node.run_state import RunState
 from remote import protocol, runs, scheduled
-from remote.connect import open_sessions
-from remote.launch import JobResult, JobSpec, NodeSetup, launch, stop_everywhere
+from remote.connect import NodeSession, describe, open_sessions
+from remote.launch import (
+    DEFAULT_MAX_RESULT_MB,
+    JobResult,
+    JobSpec,
+    NodeSetup,
+    fetch_results,
+    launch,
+    report_fetched,
+    stop_everywhere,
+)
 from remote.stream import say
 
 
@@ -63,6 +73,12 @@ class RunHolder(Protocol):
         """Show a run's output from its start until it ends (Ctrl-C stops the following only); `show`
         gets each piece (its writer's prefix, the piece) instead of the terminal (the dashboard)."""
 
+    def results(self, folder: Path, run: runs.Run) -> None:
+        """Fetch an ended run's results and metrics into its folder again (`fab results`)."""
+
+    def bring_logs(self, found: list[tuple[Path, runs.Run]]) -> None:
+        """The rest of each unfinished run's log into its local copy, where it is not written here as it goes."""
+
 
 class FabHolder:
     """The run lives in the launching fab's SSH connections: one at a time (a second launch waits its
@@ -99,7 +115,7 @@ class FabHolder:
                 "",
                 [n.name for n in self.cluster.nodes],
                 now,
-                state="RUNNING",
+                state=RunState.RUNNING,
                 started_at=now,
                 holder="fab",
                 owner=f"{socket.gethostname()}:{os.getpid()}",
@@ -145,7 +161,7 @@ class FabHolder:
             host, _, pid = run.owner.partition(":")  # a run recorded while Slurm held the runs has none
             if run.ended or host != here or not pid.isdigit() or _alive(int(pid)):
                 continue
-            run.state, run.ended_at = "FAILED", run.ended_at or time.time()
+            run.state, run.ended_at = RunState.FAILED, run.ended_at or time.time()
             run.extra = {**run.extra, "ended": f"its fab (pid {pid}) ended before the run did"}
             run.save(folder)
 
@@ -158,7 +174,7 @@ class FabHolder:
             return None
         for node, outcome in stop_everywhere(self.cluster, run_id=run.run_id).items():
             say(f"{node}: {outcome}")
-        return "RUNNING"
+        return RunState.RUNNING
 
     def follow(self, folder: Path, run: runs.Run, show: runlog.Echo | None = None) -> Ending:
         """The launching fab writes each node's log here as it streams: show them as they grow until its
@@ -183,6 +199,27 @@ class FabHolder:
         except KeyboardInterrupt:
             return Ending(folder, run, detached="Ctrl-C", interrupted=True)
 
+    def results(self, folder: Path, run: runs.Run) -> None:
+        fetch_results_again(self.cluster, self.setup, folder, run)
+
+    def bring_logs(self, found: list[tuple[Path, runs.Run]]) -> None:
+        """Nothing to bring: the launching fab writes each node's log here as it streams."""
+
+
+def fetch_results_again(cluster: ClusterInfo, setup: NodeSetup, folder: Path, run: runs.Run) -> None:
+    """An ended run's results and metrics from the head node into its folder, as its launch fetched them (the
+    same for both holders: the run's folders on the nodes are the same)."""
+    head = NodeSession(cluster, cluster.head)
+    max_bytes = int(run.spec.get("max_result_bytes") or DEFAULT_MAX_RESULT_MB * 1_000_000)
+    try:
+        fetched = fetch_results(cluster, head, setup.python[cluster.head.name], run.run_id, folder, max_bytes)
+    except Exception as exc:
+        why = describe(exc)
+        raise OperationError(f"could not fetch run {run.run_id}'s results from {cluster.head.name}: {why}") from None
+    finally:
+        head.close()
+    report_fetched(fetched, folder, cluster.head.name, max_bytes)
+
 
 def ended(run: runs.Run, spec: JobSpec, result: JobResult) -> None:
     """An attached launch's result into its run record."""
@@ -191,11 +228,11 @@ def ended(run: runs.Run, spec: JobSpec, result: JobResult) -> None:
     run.without_process_group = result.without_process_group
     failed = [c for c in result.exit_codes.values() if c not in (0, None)]
     if result.hang and spec.hang.on_hang == "stop" and not result.interrupted:
-        outcome = "HUNG"  # the watch stopped it: every node ended on its signal
+        outcome = RunState.HUNG  # the watch stopped it: every node ended on its signal
     elif result.interrupted or (failed and all(c in STOPPED_CODES for c in failed)):
-        outcome = "CANCELLED"
+        outcome = RunState.CANCELLED
     else:
-        outcome = "COMPLETED" if result.ok else "FAILED"
+        outcome = RunState.COMPLETED if result.ok else RunState.FAILED
     run.end(outcome, result.exit_codes, result.ranks, result.exited_at)
     if result.hang:
         run.hang = {
@@ -242,7 +279,7 @@ class SlurmHolder:
     def refresh(self, found: list[tuple[Path, runs.Run]]) -> None:
         jobs = [(f, r) for f, r in found if r.job_id]  # a run held by fab before Slurm was set up has none
         scheduled.refresh(self.cluster, [r for _, r in jobs])
-        scheduled.bring_logs(self.cluster, jobs)  # a run nobody follows has its log here as it goes
+        self.bring_logs(jobs)  # a run nobody follows has its log here as it goes
         for folder, run in jobs:
             run.save(folder)
             if run.ended and not run.finished:
@@ -255,6 +292,12 @@ class SlurmHolder:
     def follow(self, folder: Path, run: runs.Run, show: runlog.Echo | None = None) -> Ending:
         followed = scheduled.follow(self.cluster, run, folder, cancel_on_interrupt=False, show=show)
         return self._after(folder, run, followed)
+
+    def results(self, folder: Path, run: runs.Run) -> None:
+        fetch_results_again(self.cluster, self.setup, folder, run)
+
+    def bring_logs(self, found: list[tuple[Path, runs.Run]]) -> None:
+        scheduled.bring_logs(self.cluster, [(f, r) for f, r in found if r.job_id])
 
     def _after(self, folder: Path, run: runs.Run, followed: scheduled.Followed) -> Ending:
         if followed.detached:
@@ -290,10 +333,6 @@ def stop_all(cluster: ClusterInfo, holder: RunHolder) -> None:
         say(f"{node}: {outcome}")
 
 
-HOLDERS: dict[str, type] = {state.SLURM_HOLDS: SlurmHolder, "": FabHolder}
-"""The holder for each of bootstrap.json's `scheduler` values (`NodeSetup.scheduler`)."""
-
-
 def holder_for(cluster: ClusterInfo, setup: NodeSetup) -> RunHolder:
     """The holder bootstrap chose for this cluster."""
-    return HOLDERS.get(setup.scheduler, FabHolder)(cluster, setup)
+    return SlurmHolder(cluster, setup) if setup.slurm_holds else FabHolder(cluster, setup)

@@ -8,7 +8,6 @@ until its job has ended everywhere; a launch that finds it held waits its turn.
 """
 
 import contextlib
-import json
 import os
 import shlex
 import signal
@@ -149,11 +148,13 @@ class NodeSetup:
     """Each node user's home (the probe's), for absolute paths on the nodes."""
     scheduler_why: str = ""
     """Why bootstrap's `--scheduler auto` left the runs to fab (one line), '' where it did not."""
+    slurm_holds: bool = False
+    """Slurm holds the runs (`holders.SlurmHolder`), else fab's connections do."""
 
     @classmethod
-    def load(cls, path: Path) -> "NodeSetup":
+    def load(cls, stack: str) -> "NodeSetup":
         try:
-            data = json.loads(path.read_text())
+            data = state.bootstrap_record(stack)
             homes = {name: facts["probe"]["home"] for name, facts in data.get("nodes", {}).items()}
             return cls(
                 int(data["master_port"]),
@@ -161,8 +162,9 @@ class NodeSetup:
                 str(data.get("scheduler") or ""),
                 homes,
                 str(data.get("scheduler_why") or ""),
+                bool(data["slurm_holds"]),
             )
-        except (OSError, ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
             raise UsageError("the cluster is not bootstrapped: run fab bootstrap") from None
 
 
@@ -415,7 +417,7 @@ def run_job(
                 futures,
                 exit_codes,
                 returned,
-                quiet=watch.stopping.is_set,
+                quiet=watch.stopping,
                 exited=lambda name: node_exited(name, exit_codes[name], streams[name].ranks),
                 groups=groups if spec.replicas else None,
                 healer=healer,

@@ -20,6 +20,7 @@ from infra.ledger import HEARTBEAT_S, Ledger
 from infra.timeline import Timeline
 from node import billing, contract
 from node.outcome import first_failure
+from node.run_state import FINAL, RunState
 from remote.launch import JobSpec
 from remote.stream import RankOutcome, node_exited, say
 
@@ -151,11 +152,6 @@ class Heartbeat(threading.Thread):
         self.join(timeout=5)
 
 
-STATES = ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "HUNG", "PREEMPTED")
-"""A run's states, whichever holder holds it (`fab jobs --json`'s `state`). PREEMPTED waits to start
-again (a spot notice or a lost node requeued it)."""
-FINAL = ("COMPLETED", "FAILED", "CANCELLED", "HUNG")
-"""The states after which a run runs no more."""
 RECORD = "run.json"
 """A run's record in its local run folder."""
 
@@ -180,7 +176,7 @@ class Run:
     """The run's log on the head node (absolute; '' where fab's connections bring every line)."""
     nodes: list[str]
     submitted_at: float
-    state: str = "PENDING"
+    state: str = RunState.PENDING
     started_at: float | None = None
     ended_at: float | None = None
     exit_code: int | None = None
@@ -259,7 +255,7 @@ class Run:
         if first is not None:
             self.first_failed, self.first_failed_by, self.exit_code = first.node, first.evidence, first.exit_code
         elif self.exit_code is None and state_ in FINAL:
-            self.exit_code = 0 if state_ == "COMPLETED" else None
+            self.exit_code = 0 if state_ == RunState.COMPLETED else None
 
     def exited(self, node: str) -> str:
         """`node-1 exited 1 (rank 1 exited 3)`: the node's code, and its failed ranks' own."""
@@ -281,7 +277,7 @@ class Run:
             "requeues": self.requeues,
             "cost_usd": round(self.cost_usd(hourly_usd), 6),
             "waiting_for": None if self.ended else self.waiting_for,
-            "participants": self.participants if self.state == "RUNNING" else None,
+            "participants": self.participants if self.state == RunState.RUNNING else None,
             "exit_codes": self.exit_codes,
             "rank_exit_codes": self.rank_exit_codes,
             "holder": self.holder,
@@ -353,7 +349,7 @@ def summary(cluster: ClusterInfo, run: Run) -> dict:
 def outcome(cluster: ClusterInfo, run: Run, folder: Path) -> tuple[int, str]:
     """The one rule from a run's end to fab's exit code and last line: 0 for COMPLETED, else 1."""
     where = f"logs: {folder}"
-    if run.state == "COMPLETED":
+    if run.state == RunState.COMPLETED:
         took = (run.ended_at or time.time()) - (run.started_at or run.submitted_at)
         cost = run.cost_usd(cluster.hourly_usd)
         rate = f"${cluster.hourly_usd:.3f}/h"
@@ -363,13 +359,13 @@ def outcome(cluster: ClusterInfo, run: Run, folder: Path) -> tuple[int, str]:
         )
     failed = [n for n in run.nodes if run.exit_codes.get(n) not in (0, None)]
     codes = ", ".join(run.exited(n) for n in failed)
-    if run.state == "HUNG" and run.hang:
+    if run.state == RunState.HUNG and run.hang:
         verdict = str(run.hang.get("verdict", ""))
         return 1, (
             f"error: run {run.run_id} hung and was stopped on every node ({verdict.split(': ', 1)[-1]}); "
             f"evidence: {run.hang.get('evidence') or folder}; {where}"
         )
-    if run.state == "CANCELLED":
+    if run.state == RunState.CANCELLED:
         return 1, (
             f"error: run {run.run_id} was stopped from outside ({codes or 'before it started'}: a fab stop, "
             f"the watchdog or a down at the same time); {where}"

@@ -28,20 +28,29 @@ from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
 from infra.timeline import Timeline, job_phases
 from node import calls, contract
+from node.run_state import RunState
+from node.run_watch import OVERDUE_GRACE_S
 from remote import job_command, node_paths, nodecall
-from remote.connect import CONNECTION_ERRORS, NodeSession, describe
+from remote.connect import CONNECTION_ERRORS, NodeSession, describe, on_all_nodes, open_sessions
+from remote.hangwatch import ask_command, keep_evidence, tell_ranks_command
+from remote.launch import (
+    JobSpec,
+    NodeSetup,
+    explain_failure,
+    fetch_results,
+    job_script,
+    node_command,
+    open_launch,
+    owning,
+    prepare,
+    report_fetched,
+    send_env_values,
+    upload_script,
+)
 from remote.runs import FINAL, Run, RunBook, spec_facts, summary, write_summary
 from remote.stream import LogWriter, RankOutcome, say, terminal
 
 RECORD = runlog.RECORD
-SLURM_STATES = {
-    **dict.fromkeys(("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SPECIAL_EXIT", "RESV_DEL_HOLD"), "PENDING"),
-    **dict.fromkeys(("RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "STOPPED", "SIGNALING"), "RUNNING"),
-    **dict.fromkeys(("FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"), "FAILED"),
-    **dict.fromkeys(("COMPLETED", "CANCELLED", "HUNG", "PREEMPTED"), None),
-}
-"""Slurm's job states onto a run's (`runs.STATES`); None: the same name. COMPLETING (a slurmctld restart
-shows it for a while) is still running; TIMEOUT, NODE_FAIL and the like are failures."""
 CANCEL_WAIT_S = 30
 STATE_WAIT_S = 2.0
 """How often a launch whose log's copy failed asks Slurm whether its run has ended."""
@@ -49,16 +58,10 @@ HOLD_WAIT_S = 2.0
 """How long a follower waits for a command that is adding to the run's local copy (`fab jobs`)."""
 
 
-def run_state(slurm_state: str) -> str:
-    """A run's state for Slurm's `slurm_state` (an unknown one is taken as running: it has not ended)."""
-    mapped = SLURM_STATES.get(slurm_state, "RUNNING")
-    return mapped or slurm_state
-
-
 # ------------------------------------------------------------------------------------------- submit
 
 
-def head_path(setup, cluster: ClusterInfo, path: str) -> str:
+def head_path(setup: NodeSetup, cluster: ClusterInfo, path: str) -> str:
     """A node path (`$HOME/...` or absolute) as an absolute path on the head node."""
     home = setup.homes.get(cluster.head.name)
     if path.startswith("$HOME/"):
@@ -71,7 +74,7 @@ def head_path(setup, cluster: ClusterInfo, path: str) -> str:
 def submit(
     cluster: ClusterInfo,
     head: NodeSession,
-    setup,
+    setup: NodeSetup,
     run_id: str,
     task: str,
     commands: dict[str, str],
@@ -319,7 +322,7 @@ def refresh(cluster: ClusterInfo, runs: list[Run], head: NodeSession | None = No
         known = found.get(run.job_id)
         if known is None:
             continue
-        run.state = run_state(known.get("state") or "") if known.get("state") else run.state
+        run.state = RunState.from_slurm(known["state"]) if known.get("state") else run.state
         run.started_at = run.started_at or known.get("started_at")  # the first start: a requeue costs the wait too
         run.ended_at = known.get("ended_at") if run.state in FINAL else None
         run.exit_code = known.get("exit_code") if run.state in FINAL else None
@@ -349,14 +352,15 @@ def cancel(cluster: ClusterInfo, run: Run) -> dict | None:
 
 
 def launch(
-    cluster: ClusterInfo, spec, setup, runs_root: Path, detach: bool, timeline: Timeline | None = None
+    cluster: ClusterInfo,
+    spec: JobSpec,
+    setup: NodeSetup,
+    runs_root: Path,
+    detach: bool,
+    timeline: Timeline | None = None,
 ) -> tuple[Path, Run, Followed | None]:
     """Prepare, submit and (unless `detach`) follow one run; the run's local folder, its record (its
     timeline up to the submit), and how following ended (None when detached at once)."""
-    from remote.connect import on_all_nodes
-    from remote.hangwatch import OVERDUE_GRACE_S, ask_command, tell_ranks_command
-    from remote.launch import job_script, node_command, open_launch, owning, prepare, send_env_values, upload_script
-
     timeline = timeline or Timeline(time.time(), clock=time.monotonic())
     wanted, sessions, statuses, run_id = open_launch(cluster, spec, timeline)
     kept = None  # the head node's connection, kept open for the follow and the finish: no new handshakes
@@ -444,7 +448,7 @@ def launch(
     return local_dir, run, follow(cluster, run, local_dir, head=kept)  # the hang watch runs on the cluster
 
 
-def slurm_held_values(cluster: ClusterInfo, spec, run_id: str) -> job_command.EnvValues | None:
+def slurm_held_values(cluster: ClusterInfo, spec: JobSpec, run_id: str) -> job_command.EnvValues | None:
     """A Slurm-held run's `--env` values: read at every start (a requeue starts the command again), from
     the run's stage where the cluster has a shared folder, else each node's run folder; `finish` removes
     them."""
@@ -456,8 +460,6 @@ def slurm_held_values(cluster: ClusterInfo, spec, run_id: str) -> job_command.En
 
 def forget_env_values(cluster: ClusterInfo, run_id: str, path: str | None, head: NodeSession) -> None:
     """Remove an ended run's `--env` values (at `path`) from the cluster: the shared folder, or every node."""
-    from remote.connect import on_all_nodes, open_sessions
-
     if not path:
         return
     command = f"rm -f {node_paths.shell_path(path)}"
@@ -477,7 +479,7 @@ def forget_env_values(cluster: ClusterInfo, run_id: str, path: str | None, head:
         say(f"fab: could not remove run {run_id}'s --env values ({path}): {describe(exc)}; remove them by hand")
 
 
-def stage(cluster: ClusterInfo, head: NodeSession, spec, run_id: str) -> job_command.Stage | None:
+def stage(cluster: ClusterInfo, head: NodeSession, spec: JobSpec, run_id: str) -> job_command.Stage | None:
     """The run's stage on the shared folder (`contract.RUN_STAGE`), from which a node that lacks the job's
     workdir copy or requirements environment (a replaced one) makes them: the project as the head node's
     cache holds it now, the requirements file. None where the cluster has no shared folder (each node keeps
@@ -510,7 +512,7 @@ def stage(cluster: ClusterInfo, head: NodeSession, spec, run_id: str) -> job_com
     )
 
 
-def finish(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: Followed | None = None) -> None:
+def finish(cluster: ClusterInfo, setup: NodeSetup, folder: Path, run: Run, followed: Followed | None = None) -> None:
     """A run seen ended: its state and times from Slurm, each node's and each failed rank's exit code,
     results fetched, summary.json written, the ledger's row given Slurm's times. Done once per run."""
 
@@ -534,13 +536,13 @@ def finish(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: Follow
     run.save(folder)
 
 
-def _finish_over(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: Followed | None, head) -> bool:
+def _finish_over(
+    cluster: ClusterInfo, setup: NodeSetup, folder: Path, run: Run, followed: Followed | None, head
+) -> bool:
     """`finish`'s questions to the head node, over one session; whether the run ever started."""
-    from remote.launch import explain_failure, fetch_results, report_fetched
-
     known = refresh(cluster, [run], head, ended_too=True).get(run.job_id) or {}
     forget_env_values(cluster, run.run_id, run.spec.get("env_values"), head)
-    if run.state != "COMPLETED" and not known.get("ever_started", True):  # where the head cannot tell, it did
+    if run.state != RunState.COMPLETED and not known.get("ever_started", True):  # where the head cannot tell, it did
         # Cancelled while it waited: Slurm gives such a job a start (the cancel's time) and exit 0, but
         # nothing ran, so it has no start, no exit code, no node's code and no results.
         run.started_at, run.exit_code, run.exit_codes, run.rank_exit_codes = None, None, {}, {}
@@ -557,23 +559,23 @@ def _finish_over(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: 
     if followed is None and run.log:
         exited_at = dict(brought.exited_at)
     for node in run.nodes:  # a node that left no marker was ended from outside
-        exit_codes.setdefault(node, 0 if run.state == "COMPLETED" else 128 + 15)
+        exit_codes.setdefault(node, 0 if run.state == RunState.COMPLETED else 128 + 15)
     if run.hang is None:
         run.hang = _cluster_hang(run, folder, head)
     if run.requeues or run.spec.get("replicas"):
         _price_idle(cluster, run, head)
     outcome = run.state
-    if run.hang and run.state in ("CANCELLED", "FAILED"):
-        outcome = "HUNG"
+    if run.hang and run.state in (RunState.CANCELLED, RunState.FAILED):
+        outcome = RunState.HUNG
     groups = job_command.group_names(run.nodes, int(run.spec.get("replicas") or 0))
     if (
         run.spec.get("replicas")
-        and outcome in ("FAILED", "COMPLETED")
+        and outcome in (RunState.FAILED, RunState.COMPLETED)
         and job_command.surviving_group(groups, exit_codes)
     ):
         # a replica group was dropped, another trained to the end; or a group started again on a replaced node
         # did (its node's code is the new start's): Slurm's code is the run's first step's, which lost a node
-        outcome, run.exit_code = "COMPLETED", None
+        outcome, run.exit_code = RunState.COMPLETED, None
         dropped = job_command.dropped_nodes(groups, exit_codes)
         run.extra = {**run.extra, "dropped": dropped} if dropped else run.extra
     said = {n: RankOutcome.parse(text) for n, text in ranks.items()}
@@ -581,7 +583,7 @@ def _finish_over(cluster: ClusterInfo, setup, folder: Path, run: Run, followed: 
     if run.timeline is not None:
         times = [ranked.times for ranked in said.values()]
         job_phases(run.timeline, times, list(exited_at.values()), queued_until=run.started_at)
-    if run.state != "COMPLETED":
+    if run.state != RunState.COMPLETED:
         explain_failure(folder)
     max_bytes = int(run.spec.get("max_result_bytes") or 50_000_000)
     try:
@@ -632,8 +634,6 @@ def _cluster_hang(run: Run, folder: Path, head: NodeSession) -> dict | None:
         return None
     if not isinstance(record, dict) or "verdict" not in record:
         return None
-    from remote.hangwatch import keep_evidence
-
     collected = record.pop("collected", None) or []
     if collected:  # the recorder dumps and stacks the cluster's watch collected, kept as fab's own watch keeps them
         record["evidence"] = str(keep_evidence(folder / "hang", collected, record["verdict"]))

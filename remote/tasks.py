@@ -27,7 +27,6 @@ from remote import (
     options,
     protocol,
     runs,
-    scheduled,
     workdir,
 )
 from remote.bootstrap import Bootstrap, remembered_setup
@@ -114,7 +113,7 @@ def cluster_for(stack: str | None) -> ClusterInfo:
 
 
 def setup_for(cluster: ClusterInfo) -> NodeSetup:
-    return NodeSetup.load(state.stack_file(cluster.stack, state.BOOTSTRAP))
+    return NodeSetup.load(cluster.stack)
 
 
 def holder_of(stack: str | None) -> tuple[ClusterInfo, holders.RunHolder]:
@@ -513,7 +512,8 @@ def results(c, run=None, stack=None):
     cluster = cluster_for(stack)
     setup = setup_for(cluster)
     folder, record = runs.find(state.runs_dir(cluster.stack), options.run_id(run) if run else None)
-    holders.holder_for(cluster, setup).refresh([(folder, record)])
+    holder = holders.holder_for(cluster, setup)
+    holder.refresh([(folder, record)])
     record.save(folder)
     if not record.ended:
         raise Exit(
@@ -521,8 +521,10 @@ def results(c, run=None, stack=None):
             f"(fab logs -f --run {record.run_id})",
             code=2,
         )
-    record.finished = False  # fetch again, whatever an earlier look brought
-    scheduled.finish(cluster, setup, folder, record)
+    try:
+        holder.results(folder, record)
+    except OperationError as exc:
+        raise Exit(f"error: {exc}", code=1) from None
 
 
 @task(
@@ -613,7 +615,7 @@ def logs(c, run=None, node=None, lines=None, follow=False, stack=None):
     if run_dir is None or not run_dir.is_dir():
         raise Exit(f"error: no run {run!r} in {runs_root}" if run else f"error: no runs yet in {runs_root}", code=2)
     held = runs.Run.load(run_dir)  # a run held by Slurm: its log comes here as it goes
-    if held is not None and held.job_id and not held.finished:
+    if held is not None and not held.finished:
         bring_log(stack_name, run_dir, held)
     if node and not (run_dir / f"{node}.log").exists():
         raise Exit(f"error: run {run_dir.name} has no log for {node}", code=2)
@@ -625,10 +627,11 @@ def logs(c, run=None, node=None, lines=None, follow=False, stack=None):
 
 
 def bring_log(stack: str, folder: Path, record: runs.Run) -> None:
-    """A run held by Slurm that is not finished: the rest of its log from the head node first, where the
-    cluster answers (after down, what is here is all there is)."""
+    """A run not finished: the rest of its log from the cluster first where its holder keeps it there (Slurm's,
+    on the head node) and the cluster answers (after down, what is here is all there is)."""
     try:
-        scheduled.bring_logs(inventory.load(stack), [(folder, record)])
+        cluster = inventory.load(stack)
+        holders.holder_for(cluster, setup_for(cluster)).bring_logs([(folder, record)])
     except (UsageError, OperationError) as exc:
         say(f"fab: showing the log as far as it is here ({exc})")
 

@@ -16,7 +16,14 @@ import pytest
 from node import contract
 from tests.support import REPO
 from tests.support.cli import assert_one_line_error
-from tests.support.clusters import bootstrapped_cluster, metrics_of, processes_of, run_id_in, run_processes
+from tests.support.clusters import (
+    bootstrapped_cluster,
+    metrics_of,
+    processes_of,
+    results_fetched_again,
+    run_id_in,
+    run_processes,
+)
 from tests.support.examples import TINY
 from tests.support.network import free_port
 from tests.support.outcomes import assert_rank_1_failed_first, failing_rank_script
@@ -774,6 +781,7 @@ def test_every_file_of_the_state_folder_stays_private_through_the_runs_and_down(
     assert run.returncode == 0, run.stdout + run.stderr
     run_dir = cluster.run_dir(run.stdout)
     assert (run_dir / "results" / "result.txt").read_text() == "ok" and (run_dir / "summary.json").exists()
+    assert results_fetched_again(cluster, run_dir, "result.txt") == "ok"  # as test_scheduled_runs' for Slurm's
     assert not_private(cluster.state_dir) == []
     assert cluster.cli("down", "--stack", cluster.stack).returncode == 0
     assert (run_dir / "node-0.log").exists() and (cluster.state_dir / "ledger.sqlite").exists()

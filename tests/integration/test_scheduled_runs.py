@@ -22,6 +22,7 @@ from tests.support.clusters import (
     Cluster,
     bootstrapped_cluster,
     files_holding,
+    results_fetched_again,
     run_id_in,
     run_processes,
 )
@@ -145,6 +146,7 @@ def test_a_detached_run_returns_at_once_and_is_followed_to_its_end_with_results(
     assert "[node-1] rank 1 step 2" in followed.stdout and f"run {run_id} ok" in followed.stdout
     folder = cluster.state_dir / cluster.stack / "runs" / run_id
     assert (folder / "results" / "done.txt").read_text() == "done"
+    assert results_fetched_again(cluster, folder, "done.txt") == "done"  # as test_remote's for fab's
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["state"] == "COMPLETED" and summary["exit_codes"] == {"node-0": 0, "node-1": 0}
     assert "rank 0 step 0" in (folder / "node-0.log").read_text()

@@ -3,6 +3,7 @@ processes, a run's id and metrics."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.support import REPO
-from tests.support.cli import child_env, run_cli, run_fab
+from tests.support.cli import assert_one_line_error, child_env, run_cli, run_fab
 from tests.support.network import free_endpoint, free_port
 
 
@@ -112,6 +113,17 @@ def bootstrapped_cluster(
         yield handle
     finally:
         handle.down()
+
+
+def results_fetched_again(cluster: Cluster, run_dir: Path, name: str) -> str:
+    """`fab results` of an ended run, whichever holder held it, with one expected outcome: its results folder,
+    removed here, comes back (the text of `name` in it, returned); an unknown run is one line and exit 2."""
+    shutil.rmtree(run_dir / "results")
+    fetched = cluster.fab("results", "--run", run_dir.name)
+    assert fetched.returncode == 0, fetched.stdout + fetched.stderr
+    assert "fab: fetched " in fetched.stdout and str(run_dir) in fetched.stdout, fetched.stdout
+    assert_one_line_error(cluster.fab("results", "--run", "no-such-run"), "no-such-run")
+    return (run_dir / "results" / name).read_text()
 
 
 def metrics_of(run_dir: Path, kind: str) -> list[dict]:

@@ -256,3 +256,12 @@ def test_the_first_record_inside_a_collective_names_it_and_a_failed_report_never
     except SystemExit:
         pass
     assert reports == ["OSError: No space left on device"]
+
+
+def test_a_frame_whose_line_is_unknown_still_gives_a_verdict():
+    # A frame object starting or ending reports f_lineno None; the watch once raised TypeError on it.
+    stack = (("<module>", "train.py", None, False), ("step", None, "12", False))
+    ranks = views(record(0, 4, [WAITING_IN_4]), record(1, 3, node="node-1", stack=stack))
+    line = hang.verdict("r1", hang.find_hang(ranks, hang_timeout_s=10))
+    assert line.endswith("rank 1 was last seen in step (?:12)"), line
+    assert hang.parse_ranks({"now": NOW, "ranks": [{**record(1, 3), "stack": [None, {}]}]})[0].stack[0].line == 0

@@ -11,7 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from node import contract, scheduler, slurm_conf, slurm_daemons, slurm_existing, slurm_run, slurm_step
+from node import (
+    contract,
+    replicas,
+    scheduler,
+    slurm_batch,
+    slurm_conf,
+    slurm_daemons,
+    slurm_existing,
+    slurm_restarts,
+    slurm_run,
+    slurm_step,
+)
 
 KEY = base64.b64encode(b"k" * 1024).decode()
 
@@ -430,48 +441,42 @@ def test_a_fault_tolerant_runs_step_and_job_outlive_a_failed_node_and_a_plain_ru
     nodes = [{"name": "node-0", "home": "/h", "command": "true"}, {"name": "node-1", "home": "/h", "command": "true"}]
     plain = {"run_id": "r", "log": "/l/run.log", "python": "py", "nodes": nodes}
     replicated = {**plain, "replicas": 2}
-    assert slurm_run.step_options(plain) == ("--kill-on-bad-exit=1",)
-    assert slurm_run.step_options(replicated) == ("--kill-on-bad-exit=0", "--no-kill")
+    assert slurm_batch.step_options(plain) == ("--kill-on-bad-exit=1",)
+    assert slurm_batch.step_options(replicated) == ("--kill-on-bad-exit=0", "--no-kill")
     assert "--no-kill" not in slurm_run.sbatch_argv(plain, "sbatch", "s")
     assert "--no-kill" in slurm_run.sbatch_argv(replicated, "sbatch", "s")
     assert "--requeue" in slurm_run.sbatch_argv(replicated, "sbatch", "s")  # every group lost: the checkpoint
 
 
-def test_a_replica_group_starts_again_once_its_replaced_nodes_are_idle_and_only_then():
+def test_a_replica_groups_nodes_are_back_in_service_once_slurm_shows_them_idle_and_only_then():
     """The run's job holds its nodes exclusively: a node of it seen idle has left the --no-kill allocation
-    (lost) and is back in service (its replacement joined). Group 0 holds the Lighthouse and the job."""
+    (lost) and is back in service (its replacement joined)."""
     nodes = [{"name": f"node-{i}", "home": "/h", "command": "true"} for i in range(4)]
-    groups = slurm_run.replica_groups({"nodes": nodes, "replicas": 2})
+    groups = slurm_restarts.replica_groups({"nodes": nodes, "replicas": 2})
     assert [[n["name"] for n in g] for g in groups] == [["node-0", "node-1"], ["node-2", "node-3"]]
     busy = {f"node-{i}": ("allocated", "") for i in range(4)}
     back = {**busy, "node-2": ("idle", ""), "node-3": ("idle", "")}
-    assert slurm_run.groups_to_heal(groups, busy, {}, {}) == []
-    assert slurm_run.groups_to_heal(groups, back, {}, {}) == [1]
+    assert slurm_restarts.back_in_service(groups, busy) == set()
+    assert slurm_restarts.back_in_service(groups, back) == {"node-2", "node-3"}
     half = {**back, "node-3": ("down", "node lost: its server is gone")}  # one of the group's nodes is not back
-    assert slurm_run.groups_to_heal(groups, half, {}, {}) == []
+    assert slurm_restarts.back_in_service(groups, half) == {"node-2"}
     drained = {**back, "node-3": ("idle", "spot interruption notice: terminate at 10:00")}
-    assert slurm_run.groups_to_heal(groups, drained, {}, {}) == []
-    assert slurm_run.groups_to_heal(groups, back, {1: True}, {}) == []  # its new start runs
-    assert slurm_run.groups_to_heal(groups, back, {}, {1: [0]}) == []  # its new start trained to the end
-    assert slurm_run.groups_to_heal(groups, back, {}, {1: [137]}) == [1]  # lost again: started again
-    assert slurm_run.groups_to_heal(groups, back, {}, {1: [1] * contract.MAX_GROUP_STARTS}) == []  # a fault of its own
-    head_back = {**busy, "node-0": ("idle", ""), "node-1": ("idle", "")}
-    assert slurm_run.groups_to_heal(groups, head_back, {}, {}) == []
+    assert slurm_restarts.back_in_service(groups, drained) == {"node-2"}
 
 
 def test_a_running_fault_tolerant_runs_participants_are_its_newest_contract_lines(tmp_path):
     log = tmp_path / "output.log"
     metrics = tmp_path / contract.METRICS_FILE
-    assert slurm_run.participants(str(log)) is None  # no step yet
+    assert replicas.participants(str(log)) is None  # no step yet
     lines = [
         {"kind": "ft_step", "step": 7, "time": 100.0, "replica": 1, "participants": 2, "params_sha": "a"},
         {"kind": "step", "step": 8, "time": 102.0, "loss": 0.1},  # not the contract's
         {"kind": "ft_step", "step": 8, "time": 101.5, "replica": 0, "participants": 1, "params_sha": "b"},
     ]
     metrics.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"cut')
-    assert slurm_run.participants(str(log)) == 1
-    assert slurm_run.first_step_after(str(metrics), 1, 99.0) == 100.0
-    assert slurm_run.first_step_after(str(metrics), 1, 100.5) is None
+    assert replicas.participants(str(log)) == 1
+    assert replicas.first_step_after(str(metrics), 1, 99.0) == 100.0
+    assert replicas.first_step_after(str(metrics), 1, 100.5) is None
 
 
 def test_a_fault_tolerant_run_completed_where_a_groups_every_node_last_exited_0(tmp_path):
@@ -480,12 +485,12 @@ def test_a_fault_tolerant_run_completed_where_a_groups_every_node_last_exited_0(
     log = tmp_path / "output.log"
     nodes = [{"name": f"node-{i}", "home": "/h", "command": "true"} for i in range(2)]
     spec = {"log": str(log), "nodes": nodes, "replicas": 2}
-    assert not slurm_run.survived(spec)  # no log
+    assert not slurm_restarts.survived(spec)  # no log
     log.write_text(f"[node-0] step 1\n[node-1] {contract.EXIT_MARKER} 137 1.0\n[node-0] {contract.EXIT_MARKER} 1 2.0\n")
-    assert not slurm_run.survived(spec)
+    assert not slurm_restarts.survived(spec)
     with log.open("a") as f:
         f.write(f"[node-1] {contract.EXIT_MARKER} 0 3.0\n")  # its group, started again, trained to the end
-    assert slurm_run.survived(spec)
+    assert slurm_restarts.survived(spec)
 
 
 def test_a_daemon_killed_on_the_head_node_fails_a_client_at_once_and_one_stopped_or_never_ours_does_not(
@@ -546,28 +551,47 @@ def test_a_straggler_step_that_outlives_the_grace_after_its_ranks_were_told_is_e
     # --max-restarts is started again in place by torchrun, and the step would never end (nor the node go).
     import signal
 
-    from node import straggler
+    from node import slurm_watch, straggler
 
     spec = {
         "run_id": "r1",
         "log": str(tmp_path / contract.RUN_LOG),
         "nodes": [{"name": "node-0", "home": str(tmp_path), "command": "true"}],
-        "watch": {"status": {"node-0": "true"}, "timeout_s": 20, "poll_s": 0.1},
+        "watch": {"status": {"node-0": "true"}, "timeout_s": 20, "poll_s": 0.1, "on_straggler": "replace"},
     }
-    monkeypatch.setattr(slurm_run, "_ask", lambda *args, **kwargs: [])  # the polls find every rank stepping
-    replacing = slurm_run.StragglerReplacement(spec, "srun", str(tmp_path))
+    monkeypatch.setattr(slurm_watch, "ask_nodes", lambda *args, **kwargs: [])  # the polls find every rank stepping
+    replacing = slurm_watch.StragglerReplacement(spec, "srun")
+    monkeypatch.setattr(slurm_watch, "StragglerReplacement", lambda spec, srun: replacing)
     replacing.told_at = time.monotonic()
     assert not replacing.overdue()  # told just now: the ranks are saving
-    replacing.told_at = time.monotonic() - slurm_run.STRAGGLER_EXIT_GRACE_S
+    replacing.told_at = time.monotonic() - slurm_watch.STRAGGLER_EXIT_GRACE_S
     main = subprocess.Popen(["sleep", "30"])
     try:
-        code = slurm_run._watch_step(spec, main, "srun", str(tmp_path), straggler.Named(), replacing)
+        code = slurm_watch.watch(spec, main, "srun")
     finally:
         main.kill()
     assert code == 128 + signal.SIGTERM and replacing.overdue() is None  # ended once
-    replacing.told_at -= slurm_run.STRAGGLER_KILL_AFTER_S  # a step that outlives SIGTERM too
+    replacing.told_at -= slurm_watch.STRAGGLER_KILL_AFTER_S  # a step that outlives SIGTERM too
     assert replacing.overdue() == signal.SIGKILL and replacing.overdue() is None
     capsys.readouterr()
-    replacing.close()  # the step has ended: a straggler named now takes no node out (nor requeues the run)
     replacing.take_out([straggler.Straggler(1, "node-0", 2.0, 1, 20)])
     assert replacing.taken_out == [] and "[watch]" not in capsys.readouterr().out  # not even looked at
+
+
+def test_a_slurm_held_runs_watch_that_fails_says_so_once_in_the_log_and_the_run_ends_as_its_own(
+    tmp_path, monkeypatch, capsys
+):
+    # The batch job's watch once raised out of `supervise`, and Slurm ended a healthy run's step (exit 143).
+    from node import slurm_watch
+
+    spec = {
+        "run_id": "r1",
+        "log": str(tmp_path / contract.RUN_LOG),
+        "nodes": [{"name": "node-0", "home": str(tmp_path), "command": "true"}],
+        "watch": {"status": {"node-0": "true"}, "timeout_s": 20, "poll_s": 0.05},
+    }
+    monkeypatch.setattr(slurm_watch, "ask_nodes", lambda *args, **kwargs: [{"ranks": [{"rank": "x"}]}])
+    main = subprocess.Popen(["sleep", "0.5"])
+    assert slurm_watch.watch(spec, main, "srun") == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[watch]")]
+    assert len(said) == 1 and said[0].startswith("[watch] hang watch: ValueError"), said

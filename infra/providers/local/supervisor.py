@@ -82,11 +82,7 @@ def forget_stale_jobs(cluster: ClusterInfo, replaced: list[NodeInfo]) -> None:
 
 def slurm_holds(stack: str) -> bool:
     """Whether Slurm holds the stack's runs (its bootstrap.json): only then is there a controller to tell."""
-    try:
-        setup = json.loads(state.stack_file(stack, state.BOOTSTRAP).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(setup, dict) and setup.get("scheduler") == state.SLURM_HOLDS
+    return bool(state.bootstrap_record(stack).get("slurm_holds"))
 
 
 def mark_lost(cluster: ClusterInfo, lost: list[NodeInfo], why: str = "its server is gone") -> None:
