@@ -15,7 +15,12 @@ output open, a slow link), and neither does the order of the nodes. The evidence
 The line that names the node says which evidence named it.
 """
 
+import json
+import math
+import re
 from dataclasses import dataclass
+
+from node import contract
 
 STOPPED_CODES = (128 + 15, 128 + 9)
 """A node's job ended by a signal from outside (fail-fast, fab stop, scancel): not a failure of its own."""
@@ -71,3 +76,46 @@ def _own_code(node: str, exit_codes: dict[str, int | None], rank_codes: dict[str
     """The node's first failed rank's own code, else the node's."""
     codes = rank_codes.get(node) or {}
     return next(iter(codes.values())) if codes else int(exit_codes[node] or 0)
+
+
+NODE_PREFIX = re.compile(r"^\[(node-\d+)\] (__gpu_cluster_(?:exit|ranks)__) (.*)$", re.M)
+"""A node's exit marker or ranks line in a run's log (contract.EXIT_MARKER, contract.RANKS_MARKER)."""
+
+
+def from_log(text: str, order: list[str] | None = None) -> FirstFailure | None:
+    """The same rule over what a Slurm-held run's log says of its nodes (each node's exit marker and ranks
+    line, `[node-i]`-prefixed): the batch job ends with the run's own code, so Slurm's books agree with fab."""
+    exit_codes: dict[str, int | None] = {}
+    exited_at: dict[str, float | None] = {}
+    rank_codes: dict[str, dict[str, int]] = {}
+    rank_times: dict[str, dict[str, float]] = {}
+    for node, marker, rest in NODE_PREFIX.findall(text):
+        if marker == contract.EXIT_MARKER:
+            code, _, at = rest.partition(" ")
+            try:
+                exit_codes[node] = int(code)
+            except ValueError:
+                continue
+            exited_at[node] = _finite(at.replace(",", "."))  # bash's EPOCHREALTIME: the locale's decimal point
+            continue
+        try:
+            said = json.loads(rest)
+            codes = {str(r): int(c) for r, c in dict(said.get("exit_codes") or {}).items()}
+            ended = said.get("exited_at") if isinstance(said.get("exited_at"), dict) else {}
+        except (ValueError, TypeError, AttributeError):
+            continue
+        rank_codes[node] = codes
+        times = {str(r): _finite(t) for r, t in ended.items() if str(r) in codes}
+        rank_times[node] = {r: t for r, t in times.items() if t is not None}
+    return first_failure(exit_codes, rank_codes, rank_times, exited_at, order)
+
+
+def _finite(value) -> float | None:
+    """A finite number (a JSON number or its text), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None

@@ -748,3 +748,21 @@ def test_every_fab_flag_has_a_name_fab_help_can_show():
             flags[(name, argument.name)] = argument.names
     assert flags[("run-ddp", "on_straggler")] == ("on-straggler",)
     assert flags[("run-ddp", "skip_preflight")] == ("skip-preflight", "s")  # the short flags users have keep
+
+
+def test_a_slurm_held_runs_log_gives_the_batch_job_the_same_first_failure_as_the_operators_record():
+    from node import contract
+    from node.outcome import from_log
+
+    log = (
+        "[node-0] step 1\n"
+        f'[node-1] {contract.RANKS_MARKER} {{"exit_codes": {{"1": 3}}, "exited_at": {{"1": 100.0}}}}\n'
+        f"[node-1] {contract.EXIT_MARKER} 1 100,5\n"
+        "srun: error: node-1: task 1: Exited with exit code 1\n"
+        f'[node-0] {contract.RANKS_MARKER} {{"exit_codes": {{"0": -15}}, "exited_at": {{"0": 101.0}}}}\n'
+        f"[node-0] {contract.EXIT_MARKER} 1 99.0\n"
+    )
+    first = from_log(log, ["node-0", "node-1"])
+    assert (first.node, first.exit_code) == ("node-1", 3)
+    assert from_log("[node-0] no markers at all\n") is None
+    assert from_log(f"[node-0] {contract.EXIT_MARKER} 143 x\n").exit_code == 143  # no time: stopped first
