@@ -58,6 +58,9 @@ SLURM_EXISTING = f"{SCHEDULER}/existing.json"
 """Where the hosts already run Slurm (`slurm: existing`) and runs go to it: {"partition", "conf" (its
 slurm.conf, '' for Slurm's default), "tag" (the comment this stack's jobs carry), "names" (node-i: the
 node's NodeName there)}. Written by bootstrap on every node; its presence means no daemon here is ours."""
+SLURM_LOGIN = f"{HOME_DIR}/slurm-login.sh"
+"""`export SLURM_CONF=...` (and SQUEUE_FORMAT) for a login on this node, written where Slurm holds the
+cluster's runs (node/slurm_login.py); every shell sources it, so Slurm's clients work as typed."""
 GRES_CONF = f"{SCHEDULER}/gres.conf"
 """The GPUs of the nodes that have any, beside slurm.conf (Slurm reads it from the same folder)."""
 SCHEDULER_DIGEST = f"{SCHEDULER}/digest"

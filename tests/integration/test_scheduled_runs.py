@@ -98,18 +98,36 @@ def test_a_second_stack_with_the_same_master_port_is_refused_before_it_writes(cl
         other.down()
 
 
-def test_the_readmes_slurm_commands_work_on_node_0_as_written(cluster):
-    """README "For those who know Slurm": the environment, then Slurm's own clients; a job's NAME (a run
-    id) is shown whole, not cut to its date."""
+def test_slurms_clients_work_as_typed_in_a_login_through_deploy_ssh_and_ssh_config(cluster, tmp_path):
+    """A Slurm user's reflexes, with no environment line first: `squeue`, `sinfo`, `sbatch`, `scontrol`,
+    `srun` in a login on node-0 (`deploy.py ssh`) and on node-1 (plain `ssh -F` with the file
+    `deploy.py ssh-config` writes); a job's NAME (a run id) is shown whole, not cut to its date."""
     commands = (
-        'source ~/.gpu-cluster/env && eval "$("$CLUSTER_PYTHON" "$CLUSTER_CODE_DIR/node/scheduler.py" env)" && '
         "sbatch --job-name=20990101-000000-hello-abcd --wrap 'sleep 20' >/dev/null && squeue && sinfo --noheader "
-        "--format=%T && scancel --name=20990101-000000-hello-abcd"
+        "--format=%T && scontrol show partition >/dev/null && "
+        "scancel --name=20990101-000000-hello-abcd"
     )
     result = cluster.cli("ssh", "node-0", "--", "bash", "-c", shlex.quote(commands))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "20990101-000000-hello-abcd" in result.stdout, result.stdout
     assert result.stdout.splitlines()[-1].strip() in ("idle", "allocated", "mixed"), result.stdout
+    config = tmp_path / "cluster.ssh"
+    config.write_text(cluster.cli("ssh-config").stdout)
+    answer = subprocess.run(
+        [
+            "ssh",
+            "-F",
+            str(config),
+            "node-1",
+            "sinfo --noheader --format=%D && srun --nodes=2 --ntasks-per-node=1 printenv SLURMD_NODENAME",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert answer.returncode == 0, answer.stdout + answer.stderr
+    words = answer.stdout.split()
+    assert words[0] == "2" and sorted(words[1:]) == ["node-0", "node-1"], answer.stdout
 
 
 def _slurm_pids(cluster) -> list[int]:
