@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
 
-from node import contract, slurm_existing, slurm_nodes  # noqa: E402
+from node import contract, slurm_existing, slurm_exit, slurm_nodes  # noqa: E402
 from node.slurm_conf import DaemonError, Paths, UsageError  # noqa: E402
 from node.slurm_daemons import gone, program, write_private  # noqa: E402
 
@@ -111,6 +111,7 @@ def supervise(spec: dict) -> int:
     the run's log and `hang.json`), or a fault-tolerant run's groups started again on replaced nodes
     (`GroupRestarts`); and when the step has ended, the requeue of a run a spot notice ended."""
     here, srun = os.path.abspath(__file__), program("srun")
+    step_from = slurm_exit.log_size(spec["log"])  # the batch job's code: its first failed node's (slurm_exit)
     first_start = os.path.join(os.path.dirname(spec["log"]), contract.FIRST_START_RECORD)
     if not os.path.exists(first_start):
         write_private(first_start, json.dumps({"at": time.time()}).encode(), 0o600)
@@ -138,6 +139,7 @@ def supervise(spec: dict) -> int:
     if spec.get("replicas") and survived(spec):
         code = 0  # a replica group trained to the end: the run completed, whatever another group's node did
     else:
+        code = slurm_exit.run_code(spec["log"], step_from, code)
         code = requeue_if_preempted(spec, code)  # requeued: Slurm ends this script before it goes on
     record = {"exit_code": code, "at": time.time(), "restarts": int(os.environ.get("SLURM_RESTART_COUNT") or 0)}
     write_private(os.path.join(os.path.dirname(spec["log"]), contract.END_RECORD), json.dumps(record).encode(), 0o600)

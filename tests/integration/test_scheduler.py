@@ -314,10 +314,11 @@ def test_a_run_trains_on_every_node_with_its_output_prefixed_in_the_log(schedule
     assert all(line.startswith(("[node-0] ", "[node-1] ")) for line in log.splitlines() if line), log
 
 
-def test_a_failing_node_ends_the_others(scheduler, tmp_path):
+def test_a_failing_node_ends_the_others_and_slurm_records_its_exit_code(scheduler, tmp_path):
+    """The node that failed ends the others (which exit 143); Slurm's books say the run's code, 3, not 143."""
     marker = tmp_path / "still-running"
     spec = run_spec(
-        scheduler, tmp_path, [f"touch {marker}; exec sleep 300", f"until [ -e {marker} ]; do sleep 0.1; done; exit 1"]
+        scheduler, tmp_path, [f"touch {marker}; exec sleep 300", f"until [ -e {marker} ]; do sleep 0.1; done; exit 3"]
     )
 
     job = submit(scheduler, spec)
@@ -325,5 +326,6 @@ def test_a_failing_node_ends_the_others(scheduler, tmp_path):
 
     log = (tmp_path / "output.log").read_text()
     assert final["JobState"] == "FAILED", final
-    assert "node-1: task 1: Exited with exit code 1" in log, log
+    assert "node-1: task 1: Exited with exit code 3" in log, log
+    assert final["ExitCode"] == "3:0", final
     slurm.wait_for(lambda: "sleep" not in _names(scheduler.processes()), "node-0's command ended")
