@@ -337,11 +337,14 @@ def slurm_conf(cluster: Cluster, node: Node, paths: Paths, bound: str, user: str
         "AccountingStorageType=accounting_storage/none",
         "JobCompType=jobcomp/filetxt",
         f"JobCompLoc={paths.at(contract.JOB_COMPLETIONS)}",
-        # Strict submission order: a job waiting at the head of the queue holds back every later one.
-        "SchedulerType=sched/builtin",
+        # The scheduler real clusters run, which heterogeneous jobs (torchx's) need. Runs keep their order:
+        # each takes every node, so none fits before one waiting. A smaller job of a user's may start on
+        # idle nodes ahead of a waiting run, as backfill does: with no time limit (INFINITE) it plans only
+        # within its window (a day), where the waiting run has no reservation.
+        "SchedulerType=sched/backfill",
         # A requeued job may start `cred_expire + 1` s later, but only the main loop (every 60 s by
-        # default) looks again: ask every second.
-        "SchedulerParameters=sched_interval=1",
+        # default) looks again: ask every second, and backfill every second (30 s by default).
+        "SchedulerParameters=sched_interval=1,bf_interval=1",
         "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_Core",
         # The description is what the caller measured; a node never drains over a count it sees otherwise.

@@ -110,6 +110,19 @@ def test_two_jobs_run_one_after_the_other(scheduler, tmp_path):
     ]
 
 
+def test_backfill_runs_a_heterogeneous_job_and_keeps_the_order_of_jobs_that_take_every_node(scheduler):
+    """sched/backfill, as torchx's heterogeneous jobs need; runs take every node, so a later run does not
+    start before one that waits for a node another job holds."""
+    het = scheduler.client("sbatch", "--parsable", "-N1", ":", "-N1", "--wrap", "srun --het-group=0,1 true")
+    wait_state(scheduler, het.stdout.strip().split(";")[0], "COMPLETED")
+    holder = scheduler.sbatch("--nodes=1", "--nodelist=node-0", "--wrap", "sleep 4")
+    wait_state(scheduler, holder, "RUNNING")
+    runs = [scheduler.sbatch("--nodes=2", "--exclusive", "--wrap", "sleep 1") for _ in range(2)]
+
+    ended = [wait_state(scheduler, job, "COMPLETED") for job in runs]
+    assert ended[0]["EndTime"] <= ended[1]["StartTime"], ended
+
+
 def test_a_requeued_job_runs_again_within_seconds(scheduler, tmp_path):
     """Slurm holds a requeued job `cred_expire + 1` s (121 s by default) and looks at it again in its main
     loop (every 60 s by default); the scheduler's 10 s credentials and a loop every second start it again

@@ -83,7 +83,7 @@ def test_requeue_and_order_settings():
     lines = conf_lines(slurm_conf.parse_cluster(description("127.0.0.10", "127.0.0.11")))
 
     assert f"AuthInfo=socket=/home/u/.gpu-cluster/slurm/munge.socket,cred_expire={10}" in lines
-    for setting in ("SchedulerType=sched/builtin", "ReturnToService=2", "JobCompType=jobcomp/filetxt"):
+    for setting in ("SchedulerType=sched/backfill", "ReturnToService=2", "JobCompType=jobcomp/filetxt"):
         assert setting in lines
     assert "OverSubscribe=EXCLUSIVE" in lines[-1] and "Nodes=node-0,node-1" in lines[-1]
 
