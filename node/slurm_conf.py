@@ -380,19 +380,37 @@ def slurm_conf(cluster: Cluster, node: Node, paths: Paths, bound: str, user: str
     return "\n".join(lines) + "\n"
 
 
-def gres_conf(cluster: Cluster) -> str | None:
-    """gres.conf for the nodes with GPUs (counts only: no device files are bound), or None where none has any."""
-    lines = [f"NodeName={node.name} Name=gpu Count={node.gpus}" for node in cluster.nodes if node.gpus]
-    return "\n".join(["# Written by gpu-cluster (node/scheduler.py).", *lines]) + "\n" if lines else None
+def gpu_files(cluster: Cluster, node: Node, paths: Paths) -> list:
+    """This node's GPU device files, one per GPU: NVIDIA's, or on one machine (the local provider's nodes
+    are CPU nodes) the node's own under its scheduler folder (`FAKE_GPU_DEVICE`). slurmd counts a GPU only
+    where its file is a device (a count alone left the node INVALID: "gres/gpu count reported lower than
+    configured (0 < 1)"; a regular file "is not a valid character or block device"), and gives a job
+    CUDA_VISIBLE_DEVICES by their index."""
+    folder = os.path.join(paths.folder, "gpus") if cluster.one_machine else "/dev"
+    return [os.path.join(folder, f"nvidia{i}") for i in range(node.gpus)]
+
+
+FAKE_GPU_DEVICE = "/dev/null"
+"""What a fake GPU's file links to: a character device anyone may open, and no user may create one."""
+
+
+def gres_conf(cluster: Cluster, node: Node, paths: Paths) -> str | None:
+    """gres.conf: this node's GPUs, each with its device file (`gpu_files`); None where it has none."""
+    files = gpu_files(cluster, node, paths)
+    if not files:
+        return None
+    folder = os.path.dirname(files[0])
+    found = f"{folder}/nvidia0" if len(files) == 1 else f"{folder}/nvidia[0-{len(files) - 1}]"
+    return f"# Written by gpu-cluster (node/scheduler.py).\nNodeName={node.name} Name=gpu File={found}\n"
 
 
 def configuration(cluster: Cluster, node: Node, paths: Paths, bound: str, user: str) -> dict:
-    """{path: (bytes, mode)} of every file the daemons read."""
+    """{path: (bytes, mode)} of every file the daemons read (the fake GPUs' links aside: `gpu_files`)."""
     files = {
         paths.conf: (slurm_conf(cluster, node, paths, bound, user).encode(), 0o644),
         paths.munge_key: (cluster.munge_key, 0o400),
     }
-    gres = gres_conf(cluster)
+    gres = gres_conf(cluster, node, paths)
     if gres:
         files[paths.gres] = (gres.encode(), 0o644)
     return files

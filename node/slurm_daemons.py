@@ -242,6 +242,15 @@ def wait_ready(name: str, pid: int, paths: Paths, where) -> None:
         time.sleep(0.05)
 
 
+def link_fake_gpus(files: list) -> None:
+    """Each fake GPU's file a link to a device (slurm_conf.FAKE_GPU_DEVICE), in a folder of the node's own."""
+    for path in files:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        if os.path.lexists(path):
+            os.unlink(path)
+        os.symlink(slurm_conf.FAKE_GPU_DEVICE, path)
+
+
 def make_folders(paths: Paths, cluster: Cluster | None = None) -> None:
     extra = (cluster.state_save,) if cluster is not None and cluster.state_save else ()
     for folder in (paths.folder, paths.munge, paths.sockets, paths.at(contract.PIDS), *extra):
@@ -271,6 +280,8 @@ def start(cluster: Cluster, node_name: str, home: str, renew: tuple = ()) -> dic
     if changed:
         for path, (data, mode) in files.items():
             write_private(path, data, mode)
+        if cluster.one_machine:
+            link_fake_gpus(slurm_conf.gpu_files(cluster, node, paths))
         if paths.gres not in files and os.path.exists(paths.gres):
             os.unlink(paths.gres)
         write_private(paths.digest, f"{digest}\n".encode(), 0o600)

@@ -9,13 +9,14 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from node import contract
 from node.slurm_conf import Paths
-from tests.support import slurm, throttle
+from tests.support import REPO, slurm, throttle
 from tests.support.cli import assert_one_line_error
 from tests.support.clusters import (
     CMDLINE_LEAKS,
@@ -25,6 +26,7 @@ from tests.support.clusters import (
     run_id_in,
     run_processes,
 )
+from tests.support.network import free_port
 
 pytestmark = pytest.mark.skipif(slurm.unavailable() is not None, reason=f"Slurm: {slurm.unavailable()}")
 
@@ -36,6 +38,7 @@ def cluster(tmp_path_factory):
         "scheduled",
         master_port=slurm.free_ports(),
         scheduler=None,  # auto finds Slurm
+        up_args=("--gpus", "1"),  # a fake GPU each, in Slurm: one process per node, as on CPU nodes
     ) as handle:
         yield handle
 
@@ -128,6 +131,33 @@ def test_slurms_clients_work_as_typed_in_a_login_through_deploy_ssh_and_ssh_conf
     assert answer.returncode == 0, answer.stdout + answer.stderr
     words = answer.stdout.split()
     assert words[0] == "2" and sorted(words[1:]) == ["node-0", "node-1"], answer.stdout
+
+
+STOCK_SCRIPTS = REPO / "tests" / "fixtures" / "slurm"
+
+
+def test_stock_sbatch_scripts_asking_gpus_per_task_run_on_nodes_with_fake_gpus(cluster):
+    """`up --local --gpus 1`: pytorch/examples' sbatch script, submitted with sbatch on node-0 from the shared
+    folder as a user would (their venv on PATH), runs to COMPLETED: Slurm gives each task its GPU
+    (CUDA_VISIBLE_DEVICES, as --gres=gpu:1 does) and torch trains on the CPU. torchtitan's asks for the
+    same and its partition: Slurm would run it now (`--test-only`; a second torchrun start is time)."""
+    shared = cluster.state_dir / cluster.stack / "shared"
+    for name in ("ddp_tutorial_sbatch_run.sh", "torchtitan_multinode_trainer.slurm"):
+        text = (STOCK_SCRIPTS / name).read_text().replace("__PORT__", str(free_port()))
+        (shared / name).write_text(text.replace("__SCRIPT__", str(REPO / "examples" / "distributed_hello.py")))
+    commands = (
+        f"export PATH={shlex.quote(str(Path(sys.executable).parent))}:$PATH && cd {shlex.quote(str(shared))} && "
+        "srun --nodes=2 --gpus-per-task=1 printenv CUDA_VISIBLE_DEVICES && srun --nodes=1 --gres=gpu:1 true && "
+        "sbatch --test-only torchtitan_multinode_trainer.slurm && sbatch --parsable --wait ddp_tutorial_sbatch_run.sh"
+    )
+    result = cluster.cli("ssh", "node-0", "--", "bash", "-c", shlex.quote(commands))
+    job = result.stdout.split()[-1] if result.stdout.split() else "?"
+    output = shared / f"slurm-{job}.out"
+    log = output.read_text() if output.exists() else "(no output file)"
+    assert result.returncode == 0, result.stdout + result.stderr + log
+    assert result.stdout.split()[:2] == ["0", "0"], result.stdout
+    assert "to start at" in result.stderr, result.stderr  # --test-only: where and when it would run
+    assert "all-reduce, broadcast and all-gather checked, all correct" in log, log
 
 
 def _slurm_pids(cluster) -> list[int]:

@@ -61,7 +61,22 @@ def test_nodes_on_several_machines_are_reached_at_their_own_addresses():
     ]
     assert "GresTypes=gpu" in lines
     assert "Gres=gpu:4" in next(line for line in lines if line.startswith("NodeName=node-0"))
-    assert slurm_conf.gres_conf(cluster).splitlines()[1:] == ["NodeName=node-0 Name=gpu Count=4"]
+    paths = slurm_conf.Paths("/home/u")
+    assert slurm_conf.gres_conf(cluster, cluster.nodes[0], paths).splitlines()[1:] == [
+        "NodeName=node-0 Name=gpu File=/dev/nvidia[0-3]"
+    ]
+    assert slurm_conf.gres_conf(cluster, cluster.nodes[1], paths) is None
+
+
+def test_one_machine_gpus_are_files_of_the_nodes_own():
+    cluster = slurm_conf.parse_cluster(description("127.0.0.10", "127.0.0.11", gpus=(1, 2)))
+    paths = slurm_conf.Paths("/home/n1")
+
+    files = slurm_conf.configuration(cluster, cluster.nodes[1], paths, "127.0.0.1", "u")
+
+    folder = "/home/n1/.gpu-cluster/slurm/gpus"
+    assert files[paths.gres][0].decode().splitlines()[1:] == [f"NodeName=node-1 Name=gpu File={folder}/nvidia[0-1]"]
+    assert slurm_conf.gpu_files(cluster, cluster.nodes[1], paths) == [f"{folder}/nvidia0", f"{folder}/nvidia1"]
 
 
 def test_nodes_known_by_name_are_looked_up_at_every_connection(monkeypatch):
