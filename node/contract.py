@@ -91,8 +91,9 @@ STEP_TIMES_VARIABLE = "CLUSTER_STEP_TIMES_DIR"
 """Where a rank's monitor writes its step times on the shared folder (a run's `STEP_TIMES`); unset: nowhere."""
 RUN_LOG = "output.log"
 """A scheduled run's log in its run folder on the head node: every node's output, `[node-i] `-prefixed."""
-SCHEDULER_DAEMONS = ("munged", "slurmctld", "slurmd", "spot-watch")
-"""The scheduler's daemons, in start order (slurmctld runs on the head node only; spot-watch is
+SCHEDULER_DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd", "spot-watch")
+"""The scheduler's daemons, in start order (mariadbd, slurmdbd and slurmctld run on the head node only, the
+first two where the cluster keeps Slurm's accounting: node/slurm_accounting.py; spot-watch is
 node/spot_watch.py, which drains this node and tells its ranks on a spot interruption notice)."""
 PREEMPTED_RECORD = "preempted.json"
 """In a scheduled run's folder on the head node: the last spot notice that requeued the run (node, reason,

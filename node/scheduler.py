@@ -130,7 +130,9 @@ def state_reply(node: str | None) -> dict:
         "existing": adopted is not None,
         # the controller where this node runs it: running, or registered (its pid file) and gone
         "daemons": {
-            name: pid for name, pid in daemons.items() if pid or name != "slurmctld" or os.path.exists(paths.pid(name))
+            name: pid
+            for name, pid in daemons.items()
+            if pid or name not in slurm_daemons.HEAD_ONLY or os.path.exists(paths.pid(name))
         },
         "node_state": (nodes or {}).get(slurm_existing.slurm_name(paths, node)) if node else None,
         "nodes": nodes,

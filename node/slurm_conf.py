@@ -4,7 +4,7 @@
 The description is the same JSON on every node, head node first:
 
     {"cluster": "gc", "munge_key": BASE64,
-     "ports": {"slurmctld": 6817, "slurmd": 6818, "srun": [6900, 6999]},
+     "ports": {"slurmctld": 6817, "slurmd": 6818, "srun": [6900, 6999], "slurmdbd": 6835},
      "nodes": [{"name": "node-0", "address": "10.0.0.5", "cpus": 8, "memory_mb": 30000, "gpus": 1}, ...],
      "state_save": "/shared/.gpu-cluster/slurm-state"}
 
@@ -83,6 +83,8 @@ class Cluster:
     """(first, last): the ports srun and the steps listen on."""
     munge_key: bytes
     """The cluster's munge key (the same on every node)."""
+    slurmdbd_port: int = 0
+    """Accounting (node/slurm_accounting.py): slurmdbd's port on the head node; 0: none (`sacct` has no history)."""
     state_save: str = ""
     """Where slurmctld keeps the queue: on shared storage, so a head node replaced with a fresh disk
     finds it again; empty: in the head node's own scheduler folder."""
@@ -177,7 +179,9 @@ def parse_cluster(data) -> Cluster:
     first, last = (_integer(p, "ports.srun", 1024, 65535) for p in srun)
     if last - first < 1:
         raise UsageError(f"ports.srun [{first}, {last}] must hold at least two ports")
+    dbd = _integer(ports["slurmdbd"], "ports.slurmdbd", 1024, 65535) if ports.get("slurmdbd") else 0
     taken = [("slurmctld", ctld, ctld)] + [("slurmd", slurmd, slurmd + len(nodes) - 1)] + [("srun", first, last)]
+    taken += [("slurmdbd", dbd, dbd)] if dbd else []
     for i, (what, low, high) in enumerate(taken):
         for other, other_low, other_high in taken[i + 1 :]:
             if low <= other_high and other_low <= high:
@@ -191,7 +195,7 @@ def parse_cluster(data) -> Cluster:
     state_save = data.get("state_save") or ""
     if not isinstance(state_save, str) or (state_save and not os.path.isabs(state_save)):
         raise UsageError(f"state_save must be an absolute path, not {state_save!r}")
-    return Cluster(name, nodes, ctld, slurmd, (first, last), key, state_save)
+    return Cluster(name, nodes, ctld, slurmd, (first, last), key, dbd, state_save)
 
 
 def daemon_address() -> str:
@@ -334,7 +338,17 @@ def slurm_conf(cluster: Cluster, node: Node, paths: Paths, bound: str, user: str
         "MpiDefault=none",
         "SwitchType=switch/none",
         "JobAcctGatherType=jobacct_gather/none",
-        "AccountingStorageType=accounting_storage/none",
+        *(
+            [
+                "AccountingStorageType=accounting_storage/slurmdbd",
+                f"AccountingStorageHost={node_address(cluster, head, bound)}",
+                f"AccountingStoragePort={cluster.slurmdbd_port}",
+                # where slurmctld and sacct get the credential slurmdbd checks: this node's munged
+                f"AccountingStoragePass={paths.munge_socket}",
+            ]
+            if cluster.slurmdbd_port
+            else ["AccountingStorageType=accounting_storage/none"]
+        ),
         "JobCompType=jobcomp/filetxt",
         f"JobCompLoc={paths.at(contract.JOB_COMPLETIONS)}",
         # The scheduler real clusters run, which heterogeneous jobs (torchx's) need. Runs keep their order:

@@ -8,6 +8,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from node import calls, procfs
+from node import calls, procfs, slurm_daemons
 from node.slurm_conf import Paths
 from tests.support import REPO, network, slurm
 
@@ -251,6 +252,57 @@ def test_powering_off_a_local_node_ends_its_daemons_steps_and_tasks(own_schedule
         deadline_s=10,
     )
     assert "slurmctld" in _names(slurm.node_processes(cluster, 0))
+
+
+def test_accounting_lists_runs_with_states_exit_codes_nodes_and_times_across_restarts(tmp_path):
+    """slurmdbd over a MariaDB of the head node's own: `sacct` lists a completed job and a run whose node
+    exited 3 (with 3), after slurmdbd restarts and after a changed description restarts every daemon (as
+    `fab bootstrap` does); slurmdbd listens on loopback, the database on no TCP port at all."""
+    cluster = slurm.SlurmCluster(tmp_path / "slurm", slurm.description(2, slurm.free_ports(), accounting=True))
+    try:
+        started = time.monotonic()
+        cluster.start()
+        cluster.wait_idle()
+        print(f"2 nodes with accounting up and idle in {time.monotonic() - started:.1f} s")
+        done = cluster.sbatch("--nodes=2", "--wrap", "srun true")
+        run = tmp_path / "run"
+        run.mkdir()
+        failed = submit(cluster, run_spec(cluster, run, ["exec sleep 300", "sleep 1; exit 3"]))
+        for job in (done, failed):
+            wait_state(cluster, job, "COMPLETED", "FAILED")
+        ours = set(cluster.processes())
+        sockets = [s for s in slurm.listening_sockets() if s[2] in ours]
+        assert "slurmdbd" in _names([pid for _, _, pid in sockets]), sockets
+        assert "mariadbd" not in _names([pid for _, _, pid in sockets]), sockets
+        assert all(ipaddress.ip_address(address).is_loopback for address, _, _ in sockets), sockets
+
+        cluster.scheduler(0, "start", stdin=json.dumps(cluster.description))  # unchanged: nothing restarts
+        pid = slurm_daemons.running_daemon(Paths(str(cluster.homes[0])), "slurmdbd")
+        os.kill(pid, signal.SIGKILL)  # a slurmdbd that died: the next start starts it again
+        slurm.wait_for(lambda: not procfs.alive(pid), "slurmdbd gone")
+        changed = json.loads(json.dumps(cluster.description))
+        changed["nodes"][1]["cpus"] = 1
+        assert [a["action"] for a in cluster.start(changed)] == ["restarted", "restarted"]
+        cluster.wait_idle()
+
+        def listed() -> dict:
+            out = cluster.client(
+                "sacct",
+                "--allocations",
+                "--noheader",
+                "--parsable2",
+                "--format=JobID,State,ExitCode,NodeList,Start,End",
+            ).stdout
+            return {row[0]: row[1:] for row in (line.split("|") for line in out.splitlines())}
+
+        slurm.wait_for(lambda: {done, failed} <= set(listed()), "both jobs in sacct", lambda: str(listed()))
+        rows = listed()
+        assert rows[done][:3] == ["COMPLETED", "0:0", "node-[0-1]"], rows
+        assert rows[failed][:3] == ["FAILED", "3:0", "node-[0-1]"], rows
+        assert all(rows[job][3] <= rows[job][4] for job in (done, failed)), rows  # start and end times
+    finally:
+        cluster.stop()
+    assert cluster.processes() == []
 
 
 def _name(pid: int) -> str:

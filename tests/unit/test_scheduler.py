@@ -103,6 +103,22 @@ def test_requeue_and_order_settings():
     assert "OverSubscribe=EXCLUSIVE" in lines[-1] and "Nodes=node-0,node-1" in lines[-1]
 
 
+def test_accounting_points_every_node_at_the_head_nodes_slurmdbd_with_its_own_munge():
+    ports = {"slurmctld": 7000, "slurmd": 7001, "srun": [7100, 7199], "slurmdbd": 7018}
+    cluster = slurm_conf.parse_cluster(description("10.0.0.5", "10.0.0.6", ports=ports))
+
+    lines = conf_lines(cluster, node_index=1, home="/home/v", bound="10.0.0.6")
+
+    assert "AccountingStorageType=accounting_storage/slurmdbd" in lines
+    assert {"AccountingStorageHost=10.0.0.5", "AccountingStoragePort=7018"} <= set(lines)
+    assert "AccountingStoragePass=/home/v/.gpu-cluster/slurm/munge.socket" in lines
+    assert slurm_daemons.daemons_of(cluster, cluster.nodes[0])[:3] == ["munged", "mariadbd", "slurmdbd"]
+    assert "slurmdbd" not in slurm_daemons.daemons_of(cluster, cluster.nodes[1])
+    assert "mariadbd" not in slurm_daemons.daemons_of(
+        slurm_conf.parse_cluster(description("10.0.0.5", gpus=(0,))), None
+    )
+
+
 @pytest.mark.parametrize(
     "changes, words",
     [
@@ -112,6 +128,7 @@ def test_requeue_and_order_settings():
         ({"munge_key": base64.b64encode(b"short").decode()}, "32"),
         ({"ports": {"slurmctld": 7000, "slurmd": 7000, "srun": [7100, 7199]}}, "overlap"),
         ({"ports": {"slurmctld": 7000, "slurmd": 7001}}, "ports"),
+        ({"ports": {"slurmctld": 7000, "slurmd": 7001, "srun": [7100, 7199], "slurmdbd": 7150}}, "overlap"),
         ({"nodes": [{"name": "node-0", "address": "db.example", "cpus": 1, "memory_mb": 1}]}, "nor the node's name"),
     ],
 )
