@@ -114,9 +114,8 @@ def test_accounting_points_every_node_at_the_head_nodes_slurmdbd_with_its_own_mu
     assert "AccountingStoragePass=/home/v/.gpu-cluster/slurm/munge.socket" in lines
     assert slurm_daemons.daemons_of(cluster, cluster.nodes[0])[:3] == ["munged", "mariadbd", "slurmdbd"]
     assert "slurmdbd" not in slurm_daemons.daemons_of(cluster, cluster.nodes[1])
-    assert "mariadbd" not in slurm_daemons.daemons_of(
-        slurm_conf.parse_cluster(description("10.0.0.5", gpus=(0,))), None
-    )
+    plain = slurm_conf.parse_cluster(description("10.0.0.5", gpus=(0,)))
+    assert slurm_daemons.daemons_of(plain, plain.nodes[0]) == ["munged", "slurmctld", "slurmd", "spot-watch"]
 
 
 @pytest.mark.parametrize(
