@@ -705,10 +705,22 @@ class Bootstrap:
         return {
             "cluster": self.cluster.stack,
             "munge_key": key_path.read_text().strip(),
-            "ports": {"slurmctld": first, "slurmd": first + 1, "srun": [first + 20, first + SCHEDULER_PORTS]},
+            "ports": {
+                "slurmctld": first,
+                "slurmd": first + 1,  # node i's: first + 1 + i, 16 nodes at most
+                "srun": [first + 20, first + SCHEDULER_PORTS],
+                **({"slurmdbd": first + 18} if self._head_keeps_accounting() else {}),
+            },
             "nodes": nodes,
             "state_save": f"{self.cluster.shared_dir}/{contract.SCHEDULER_STATE}" if self.cluster.shared_dir else "",
         }
+
+    def _head_keeps_accounting(self) -> bool:
+        """Slurm's accounting (node/slurm_accounting.py) where the head node has slurmdbd and MariaDB: the AWS
+        image installs them with Slurm, .ci/run too; elsewhere `sacct` has no history, and nothing fails."""
+        programs = " && ".join(f"command -v {name}" for name in ("slurmdbd", "mariadbd", "mariadb-install-db"))
+        found = self.records[0].session.run(f"PATH=$PATH:/usr/sbin:/sbin; {programs}", warn=True)
+        return found.ok
 
     def _check_master_reachable(self) -> dict[str, Outcome]:
         head = self.records[0]
