@@ -195,6 +195,7 @@ class Bootstrap:
         master_port: int,
         scheduler: str | None = None,
         timeline: Timeline | None = None,
+        accounting: str | None = None,
     ):
         self.cluster, self.force, self.master_port = cluster, force, master_port
         self.timeline = timeline or Timeline(time.time(), clock=time.monotonic())
@@ -211,6 +212,8 @@ class Bootstrap:
         """Why `auto` settled on none (one line), for the launches to say."""
         self.slurm_held_before = held_before
         """Whether Slurm held the runs after the last bootstrap."""
+        self.accounting = accounting or remembered.get("accounting") or "auto"
+        """auto (the default): Slurm's accounting (slurmdbd over MariaDB) where the head node has them; none."""
         self.stack_dir = state.stack_dir(cluster.stack)
         self.manifest = local_manifest()
         self.records: list[NodeRecord] = []
@@ -717,7 +720,10 @@ class Bootstrap:
 
     def _head_keeps_accounting(self) -> bool:
         """Slurm's accounting (node/slurm_accounting.py) where the head node has slurmdbd and MariaDB: the AWS
-        image installs them with Slurm, .ci/run too; elsewhere `sacct` has no history, and nothing fails."""
+        image installs them with Slurm, .ci/run too; elsewhere `sacct` has no history, and nothing fails.
+        `--accounting none`: never (the database's first start takes 4 to 17 s)."""
+        if self.accounting == "none":
+            return False
         programs = " && ".join(f"command -v {name}" for name in ("slurmdbd", "mariadbd", "mariadb-install-db"))
         found = self.records[0].session.run(f"PATH=$PATH:/usr/sbin:/sbin; {programs}", warn=True)
         return found.ok
@@ -892,6 +898,7 @@ class Bootstrap:
             "scheduler": state.SLURM_HOLDS if self.slurm_holds else "",
             "scheduler_choice": self.scheduler_choice.value,
             "scheduler_why": self.scheduler_why,
+            "accounting": self.accounting,
             "nodes": {r.name: {"probe": r.facts("probe"), "deps": r.facts("deps")} for r in self.records},
             "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "timeline": self.timeline.as_dict(),

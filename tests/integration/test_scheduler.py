@@ -254,10 +254,11 @@ def test_powering_off_a_local_node_ends_its_daemons_steps_and_tasks(own_schedule
     assert "slurmctld" in _names(slurm.node_processes(cluster, 0))
 
 
-def test_accounting_lists_runs_with_states_exit_codes_nodes_and_times_across_restarts(tmp_path):
+def test_accounting_lists_runs_across_restarts_and_torchx_submits_and_follows_a_job(tmp_path, monkeypatch):
     """slurmdbd over a MariaDB of the head node's own: `sacct` lists a completed job and a run whose node
     exited 3 (with 3), after slurmdbd restarts and after a changed description restarts every daemon (as
-    `fab bootstrap` does); slurmdbd listens on loopback, the database on no TCP port at all."""
+    `fab bootstrap` does); slurmdbd listens on loopback, the database on no TCP port at all. torchx's Slurm
+    scheduler (a heterogeneous job, followed through squeue and then sacct) sees its job succeed on both."""
     cluster = slurm.SlurmCluster(tmp_path / "slurm", slurm.description(2, slurm.free_ports(), accounting=True))
     try:
         started = time.monotonic()
@@ -300,9 +301,51 @@ def test_accounting_lists_runs_with_states_exit_codes_nodes_and_times_across_res
         assert rows[done][:3] == ["COMPLETED", "0:0", "node-[0-1]"], rows
         assert rows[failed][:3] == ["FAILED", "3:0", "node-[0-1]"], rows
         assert all(rows[job][3] <= rows[job][4] for job in (done, failed)), rows  # start and end times
+
+        app_id = _torchx_job(cluster, tmp_path, monkeypatch)
+        seen = _torchx_follow(cluster, app_id)
+        replicas = seen.roles_statuses[0].replicas
+        assert seen.state.name == "SUCCEEDED" and {r.state.name for r in replicas} == {"SUCCEEDED"}, seen
+        assert sorted(r.hostname for r in replicas) == ["node-0", "node-1"], seen
     finally:
         cluster.stop()
     assert cluster.processes() == []
+
+
+def _torchx_job(cluster, folder, monkeypatch) -> str:
+    """A 2-replica job through torchx's Slurm scheduler, as on node-0 (its SLURM_CONF); its app id."""
+    from torchx import specs
+    from torchx.schedulers.slurm_scheduler import create_scheduler
+
+    monkeypatch.setenv("SLURM_CONF", str(cluster.conf))
+    monkeypatch.chdir(folder)
+    role = specs.Role(
+        name="trainer",
+        image=str(folder),
+        entrypoint="bash",
+        args=["-c", "echo hello from $SLURM_PROCID"],
+        num_replicas=2,
+        resource=specs.Resource(cpu=1, gpu=0, memMB=100),
+    )
+    scheduler = create_scheduler("test")
+    return scheduler.schedule(scheduler.submit_dryrun(specs.AppDef("hello", roles=[role]), {}))
+
+
+def _torchx_follow(cluster, app_id: str):
+    """torchx's describe until the job ended. Not while it waits: torchx reads `squeue --json` of a pending
+    job as later Slurm releases write it (`job_resources`, which 22.05 gives only once it runs)."""
+    from torchx import specs
+    from torchx.schedulers.slurm_scheduler import create_scheduler
+
+    scheduler, seen = create_scheduler("test"), []
+    wait_state(cluster, app_id, "RUNNING", "COMPLETED", "FAILED")
+
+    def ended() -> bool:
+        seen[:] = [scheduler.describe(app_id)]
+        return seen[0] is not None and seen[0].state in (specs.AppState.SUCCEEDED, specs.AppState.FAILED)
+
+    slurm.wait_for(ended, f"torchx sees job {app_id} end", lambda: str(seen))
+    return seen[0]
 
 
 def _name(pid: int) -> str:
