@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--bind", help="local: node-0's loopback address (default 127.0.0.10; node i gets +i, all in its /24)"
     )
+    up.add_argument(
+        "--gpus",
+        type=_whole_number,
+        default=None,
+        help=f"local: fake GPUs per node in Slurm, 0..{local.MAX_FAKE_GPUS} (a device file each; torch on the CPU)",
+    )
 
     down = commands.add_parser("down", help="remove everything the stack created, and prove it")
     down.add_argument("--stack", help=stack_help)
@@ -195,7 +201,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def cmd_up(args) -> int:
     chosen, stack = providers.for_up(args.local, args.hosts, args.stack)
-    request = providers.UpRequest(stack, _overrides(args), args.yes, args.bind, args.ssh_port, args.hosts)
+    request = providers.UpRequest(stack, _overrides(args), args.yes, args.bind, args.ssh_port, args.hosts, args.gpus)
     started = time.perf_counter()
     result = providers.bring_up(chosen, request, say=report.console.print)
     report.up_summary(result.cluster, result.created, time.perf_counter() - started, inventory.inventory_path(stack))

@@ -15,8 +15,9 @@ INSTANCE_ID_FILE = "/var/lib/cloud/data/instance-id"
 """cloud-init's record of the instance it runs on (written at every boot of a new instance)."""
 STOP_MARKER = f"{SHARED_DIR}/{contract.STOP_MARKER}"
 MOUNT_OPTIONS = "nfsvers=4.1,rsize=1048576,wsize=1048576,hard,timeo=600,retrans=2,noresvport"
-SCHEDULER_PACKAGES = ("slurm-wlm", "munge")
-SCHEDULER_SERVICES = ("munge", "slurmctld", "slurmd")
+SCHEDULER_PACKAGES = ("slurm-wlm", "munge", "slurmdbd", "mariadb-server")
+"""Slurm, and its accounting (slurmdbd over MariaDB: node/slurm_accounting.py, on the head node)."""
+SCHEDULER_SERVICES = ("munge", "slurmctld", "slurmd", "slurmdbd", "mariadb")
 
 SCHEDULER_SETUP = f"""\
 # Slurm's programs for `fab bootstrap --scheduler slurm` (node/scheduler.py runs its own daemons, as the
@@ -24,9 +25,10 @@ SCHEDULER_SETUP = f"""\
 # install so they never start with Ubuntu's defaults. A failed install is logged, never fatal: the node
 # serves attached launches, and bootstrap's scheduler stage names what is missing.
 systemctl mask {" ".join(SCHEDULER_SERVICES)} >/dev/null 2>&1 || true
-if ! {{ command -v slurmctld && command -v slurmd && command -v munged; }} >/dev/null 2>&1; then
+if ! {{ command -v slurmctld && command -v slurmd && command -v munged && command -v slurmdbd && command -v mariadbd; }} \
+    >/dev/null 2>&1; then
   {{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq {" ".join(SCHEDULER_PACKAGES)}; }} \\
-    || echo "warning: {" and ".join(SCHEDULER_PACKAGES)} not installed; fab bootstrap --scheduler slurm will fail on this node"
+    || echo "warning: {", ".join(SCHEDULER_PACKAGES)} not installed; fab bootstrap --scheduler slurm will fail on this node"
 fi
 """
 

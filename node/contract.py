@@ -58,6 +58,9 @@ SLURM_EXISTING = f"{SCHEDULER}/existing.json"
 """Where the hosts already run Slurm (`slurm: existing`) and runs go to it: {"partition", "conf" (its
 slurm.conf, '' for Slurm's default), "tag" (the comment this stack's jobs carry), "names" (node-i: the
 node's NodeName there)}. Written by bootstrap on every node; its presence means no daemon here is ours."""
+SLURM_LOGIN = f"{HOME_DIR}/slurm-login.sh"
+"""`export SLURM_CONF=...` (and SQUEUE_FORMAT) for a login on this node, written where Slurm holds the
+cluster's runs (node/slurm_login.py); every shell sources it, so Slurm's clients work as typed."""
 GRES_CONF = f"{SCHEDULER}/gres.conf"
 """The GPUs of the nodes that have any, beside slurm.conf (Slurm reads it from the same folder)."""
 SCHEDULER_DIGEST = f"{SCHEDULER}/digest"
@@ -88,8 +91,9 @@ STEP_TIMES_VARIABLE = "CLUSTER_STEP_TIMES_DIR"
 """Where a rank's monitor writes its step times on the shared folder (a run's `STEP_TIMES`); unset: nowhere."""
 RUN_LOG = "output.log"
 """A scheduled run's log in its run folder on the head node: every node's output, `[node-i] `-prefixed."""
-SCHEDULER_DAEMONS = ("munged", "slurmctld", "slurmd", "spot-watch")
-"""The scheduler's daemons, in start order (slurmctld runs on the head node only; spot-watch is
+SCHEDULER_DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd", "spot-watch")
+"""The scheduler's daemons, in start order (mariadbd, slurmdbd and slurmctld run on the head node only, the
+first two where the cluster keeps Slurm's accounting: node/slurm_accounting.py; spot-watch is
 node/spot_watch.py, which drains this node and tells its ranks on a spot interruption notice)."""
 PREEMPTED_RECORD = "preempted.json"
 """In a scheduled run's folder on the head node: the last spot notice that requeued the run (node, reason,

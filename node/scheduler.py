@@ -27,7 +27,7 @@ import sys
 if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
 
-from node import contract, slurm_daemons, slurm_existing, slurm_nodes  # noqa: E402
+from node import contract, slurm_daemons, slurm_existing, slurm_login, slurm_nodes  # noqa: E402
 from node.slurm_conf import Cluster, DaemonError, Paths, UsageError, parse_cluster  # noqa: E402
 
 
@@ -47,6 +47,7 @@ def start(cluster: Cluster, node_name: str, home: str) -> dict:
             "restarted": sorted({*done.get("restarted", ()), *again.get("restarted", ())}),
         }
     fresh = "slurmd" in done.get("started", ())
+    slurm_login.write(home, client_environment(paths))
     return {**done, "resumed": slurm_nodes.resume_if_ours(paths, done["node"], fresh=fresh)}
 
 
@@ -94,13 +95,17 @@ def check_reply(head: bool) -> dict:
 
 
 def adopt_reply(existing: dict) -> dict:
-    """node/calls.py's AdoptSlurm."""
-    return slurm_existing.adopt(Paths(os.path.expanduser("~")), existing)
+    """node/calls.py's AdoptSlurm. The site's logins reach its Slurm already: ours no longer set SLURM_CONF."""
+    home = os.path.expanduser("~")
+    adopted = slurm_existing.adopt(Paths(home), existing)
+    slurm_login.remove(home)
+    return adopted
 
 
 def stop_reply() -> dict:
     """node/calls.py's StopScheduler: our daemons, or this stack's jobs in a Slurm the hosts already run."""
     paths = Paths(os.path.expanduser("~"))
+    slurm_login.remove(paths.home)
     if slurm_existing.existing(paths) is not None:  # none of the daemons is ours: this stack's jobs go
         cancelled = slurm_existing.cancel_tagged(paths)  # a DaemonError keeps the record: ask again later
         os.unlink(paths.at(contract.SLURM_EXISTING))
@@ -125,7 +130,9 @@ def state_reply(node: str | None) -> dict:
         "existing": adopted is not None,
         # the controller where this node runs it: running, or registered (its pid file) and gone
         "daemons": {
-            name: pid for name, pid in daemons.items() if pid or name != "slurmctld" or os.path.exists(paths.pid(name))
+            name: pid
+            for name, pid in daemons.items()
+            if pid or name not in slurm_daemons.HEAD_ONLY or os.path.exists(paths.pid(name))
         },
         "node_state": (nodes or {}).get(slurm_existing.slurm_name(paths, node)) if node else None,
         "nodes": nodes,
@@ -195,7 +202,7 @@ def main(argv: list | None = None) -> int:
                 data = json.loads(text)
             except ValueError:
                 raise UsageError("adopt: the description is not JSON") from None
-            print(json.dumps(slurm_existing.adopt(Paths(home), data)))
+            print(json.dumps(adopt_reply(data)))
         elif args.command == "check":
             print(check_reply(args.head)["said"])
         elif args.command == "state":

@@ -19,7 +19,7 @@ import time
 if not __package__:  # run as a file: import its siblings from the code folder, ahead of any other `node`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from node import contract, slurm_existing, slurm_nodes, slurm_restarts  # noqa: E402
+from node import contract, slurm_existing, slurm_exit, slurm_nodes, slurm_restarts  # noqa: E402
 from node.slurm_conf import DaemonError, Paths, UsageError  # noqa: E402
 from node.slurm_daemons import program, write_private  # noqa: E402
 from node.slurm_step import exit_status, step_argv  # noqa: E402
@@ -39,6 +39,7 @@ def supervise(spec: dict) -> int:
     the run's log and `hang.json`), or a fault-tolerant run's groups started again on replaced nodes
     (node/slurm_restarts.py); and when the step has ended, the requeue of a run a spot notice ended."""
     srun = program("srun")
+    step_from = slurm_exit.log_size(spec["log"])  # the batch job's code: the run's own (slurm_exit)
     first_start = os.path.join(os.path.dirname(spec["log"]), contract.FIRST_START_RECORD)
     if not os.path.exists(first_start):
         write_private(first_start, json.dumps({"at": time.time()}).encode(), 0o600)
@@ -72,6 +73,7 @@ def supervise(spec: dict) -> int:
     if spec.get("replicas") and slurm_restarts.survived(spec):
         code = 0  # a replica group trained to the end: the run completed, whatever another group's node did
     else:
+        code = slurm_exit.run_code(spec["log"], step_from, code, [n["name"] for n in spec["nodes"]])
         code = requeue_if_preempted(spec, code)  # requeued: Slurm ends this script before it goes on
     record = {"exit_code": code, "at": time.time(), "restarts": int(os.environ.get("SLURM_RESTART_COUNT") or 0)}
     write_private(os.path.join(os.path.dirname(spec["log"]), contract.END_RECORD), json.dumps(record).encode(), 0o600)

@@ -4,7 +4,7 @@
 The description is the same JSON on every node, head node first:
 
     {"cluster": "gc", "munge_key": BASE64,
-     "ports": {"slurmctld": 6817, "slurmd": 6818, "srun": [6900, 6999]},
+     "ports": {"slurmctld": 6817, "slurmd": 6818, "srun": [6900, 6999], "slurmdbd": 6835},
      "nodes": [{"name": "node-0", "address": "10.0.0.5", "cpus": 8, "memory_mb": 30000, "gpus": 1}, ...],
      "state_save": "/shared/.gpu-cluster/slurm-state"}
 
@@ -83,6 +83,8 @@ class Cluster:
     """(first, last): the ports srun and the steps listen on."""
     munge_key: bytes
     """The cluster's munge key (the same on every node)."""
+    slurmdbd_port: int = 0
+    """Accounting (node/slurm_accounting.py): slurmdbd's port on the head node; 0: none (`sacct` has no history)."""
     state_save: str = ""
     """Where slurmctld keeps the queue: on shared storage, so a head node replaced with a fresh disk
     finds it again; empty: in the head node's own scheduler folder."""
@@ -177,7 +179,9 @@ def parse_cluster(data) -> Cluster:
     first, last = (_integer(p, "ports.srun", 1024, 65535) for p in srun)
     if last - first < 1:
         raise UsageError(f"ports.srun [{first}, {last}] must hold at least two ports")
+    dbd = _integer(ports["slurmdbd"], "ports.slurmdbd", 1024, 65535) if ports.get("slurmdbd") else 0
     taken = [("slurmctld", ctld, ctld)] + [("slurmd", slurmd, slurmd + len(nodes) - 1)] + [("srun", first, last)]
+    taken += [("slurmdbd", dbd, dbd)] if dbd else []
     for i, (what, low, high) in enumerate(taken):
         for other, other_low, other_high in taken[i + 1 :]:
             if low <= other_high and other_low <= high:
@@ -191,7 +195,7 @@ def parse_cluster(data) -> Cluster:
     state_save = data.get("state_save") or ""
     if not isinstance(state_save, str) or (state_save and not os.path.isabs(state_save)):
         raise UsageError(f"state_save must be an absolute path, not {state_save!r}")
-    return Cluster(name, nodes, ctld, slurmd, (first, last), key, state_save)
+    return Cluster(name, nodes, ctld, slurmd, (first, last), key, dbd, state_save)
 
 
 def daemon_address() -> str:
@@ -334,14 +338,27 @@ def slurm_conf(cluster: Cluster, node: Node, paths: Paths, bound: str, user: str
         "MpiDefault=none",
         "SwitchType=switch/none",
         "JobAcctGatherType=jobacct_gather/none",
-        "AccountingStorageType=accounting_storage/none",
+        *(
+            [
+                "AccountingStorageType=accounting_storage/slurmdbd",
+                f"AccountingStorageHost={node_address(cluster, head, bound)}",
+                f"AccountingStoragePort={cluster.slurmdbd_port}",
+                # where slurmctld and sacct get the credential slurmdbd checks: this node's munged
+                f"AccountingStoragePass={paths.munge_socket}",
+            ]
+            if cluster.slurmdbd_port
+            else ["AccountingStorageType=accounting_storage/none"]
+        ),
         "JobCompType=jobcomp/filetxt",
         f"JobCompLoc={paths.at(contract.JOB_COMPLETIONS)}",
-        # Strict submission order: a job waiting at the head of the queue holds back every later one.
-        "SchedulerType=sched/builtin",
+        # The scheduler real clusters run, which heterogeneous jobs (torchx's) need. Runs keep their order:
+        # each takes every node, so none fits before one waiting. A smaller job of a user's may start on
+        # idle nodes ahead of a waiting run, as backfill does: with no time limit (INFINITE) it plans only
+        # within its window (a day), where the waiting run has no reservation.
+        "SchedulerType=sched/backfill",
         # A requeued job may start `cred_expire + 1` s later, but only the main loop (every 60 s by
-        # default) looks again: ask every second.
-        "SchedulerParameters=sched_interval=1",
+        # default) looks again: ask every second, and backfill every second (30 s by default).
+        "SchedulerParameters=sched_interval=1,bf_interval=1",
         "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_Core",
         # The description is what the caller measured; a node never drains over a count it sees otherwise.
@@ -377,19 +394,37 @@ def slurm_conf(cluster: Cluster, node: Node, paths: Paths, bound: str, user: str
     return "\n".join(lines) + "\n"
 
 
-def gres_conf(cluster: Cluster) -> str | None:
-    """gres.conf for the nodes with GPUs (counts only: no device files are bound), or None where none has any."""
-    lines = [f"NodeName={node.name} Name=gpu Count={node.gpus}" for node in cluster.nodes if node.gpus]
-    return "\n".join(["# Written by gpu-cluster (node/scheduler.py).", *lines]) + "\n" if lines else None
+def gpu_files(cluster: Cluster, node: Node, paths: Paths) -> list:
+    """This node's GPU device files, one per GPU: NVIDIA's, or on one machine (the local provider's nodes
+    are CPU nodes) the node's own under its scheduler folder (`FAKE_GPU_DEVICE`). slurmd counts a GPU only
+    where its file is a device (a count alone left the node INVALID: "gres/gpu count reported lower than
+    configured (0 < 1)"; a regular file "is not a valid character or block device"), and gives a job
+    CUDA_VISIBLE_DEVICES by their index."""
+    folder = os.path.join(paths.folder, "gpus") if cluster.one_machine else "/dev"
+    return [os.path.join(folder, f"nvidia{i}") for i in range(node.gpus)]
+
+
+FAKE_GPU_DEVICE = "/dev/null"
+"""What a fake GPU's file links to: a character device anyone may open, and no user may create one."""
+
+
+def gres_conf(cluster: Cluster, node: Node, paths: Paths) -> str | None:
+    """gres.conf: this node's GPUs, each with its device file (`gpu_files`); None where it has none."""
+    files = gpu_files(cluster, node, paths)
+    if not files:
+        return None
+    folder = os.path.dirname(files[0])
+    found = f"{folder}/nvidia0" if len(files) == 1 else f"{folder}/nvidia[0-{len(files) - 1}]"
+    return f"# Written by gpu-cluster (node/scheduler.py).\nNodeName={node.name} Name=gpu File={found}\n"
 
 
 def configuration(cluster: Cluster, node: Node, paths: Paths, bound: str, user: str) -> dict:
-    """{path: (bytes, mode)} of every file the daemons read."""
+    """{path: (bytes, mode)} of every file the daemons read (the fake GPUs' links aside: `gpu_files`)."""
     files = {
         paths.conf: (slurm_conf(cluster, node, paths, bound, user).encode(), 0o644),
         paths.munge_key: (cluster.munge_key, 0o400),
     }
-    gres = gres_conf(cluster)
+    gres = gres_conf(cluster, node, paths)
     if gres:
         files[paths.gres] = (gres.encode(), 0o644)
     return files

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from node import contract, procfs, slurm_conf
+from node import contract, procfs, slurm_accounting, slurm_conf
 from node.slurm_conf import Cluster, DaemonError, Node, Paths, UsageError
 
 READY_TIMEOUT_S = 30.0
@@ -30,6 +30,7 @@ PROGRAMS = {
     "squeue": "slurm-wlm",
     "scancel": "slurm-wlm",
     "sacct": "slurm-wlm",
+    **slurm_accounting.PROGRAMS,
 }
 SBIN = ("/usr/sbin", "/usr/local/sbin", "/sbin")
 
@@ -59,7 +60,16 @@ def check(head: bool) -> None:
 
 def daemons_of(cluster: Cluster, node: Node) -> list:
     """What this node runs, in start order."""
-    return [name for name in contract.SCHEDULER_DAEMONS if name != "slurmctld" or node == cluster.head]
+    return [
+        name
+        for name in contract.SCHEDULER_DAEMONS
+        if (node == cluster.head or name not in HEAD_ONLY) and (cluster.slurmdbd_port or name not in ACCOUNTING)
+    ]
+
+
+HEAD_ONLY = ("slurmctld", "mariadbd", "slurmdbd")
+ACCOUNTING = ("mariadbd", "slurmdbd")
+"""Accounting's daemons (node/slurm_accounting.py), where the description asks for it."""
 
 
 def daemon_argv(name: str, cluster: Cluster, node: Node, paths: Paths) -> list:
@@ -79,18 +89,27 @@ def daemon_argv(name: str, cluster: Cluster, node: Node, paths: Paths) -> list:
         ]
     if name == "slurmctld":
         return [program("slurmctld"), "-D", "-i", "-f", paths.conf]
+    if name == "mariadbd":
+        return slurm_accounting.mariadbd_argv(program("mariadbd"), paths)
+    if name == "slurmdbd":
+        return [program("slurmdbd"), "-D"]  # slurmdbd.conf beside SLURM_CONF
     if name == "spot-watch":
         here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "spot_watch.py")
         return [sys.executable, "-u", here, "--preempt", "--node", node.name]
     return [program("slurmd"), "-D", "-f", paths.conf, "-N", node.name]
 
 
-def listen_address(name: str, cluster: Cluster, node: Node, bound: str):
-    """(address, port) the daemon accepts on once it is ready; None for munged (a Unix socket)."""
+def listen_address(name: str, cluster: Cluster, node: Node, bound: str, paths: Paths):
+    """(address, port) the daemon accepts on once it is ready, a Unix socket's path (mariadbd's); None for
+    munged (its own Unix socket, `munge_answers`)."""
     if name == "slurmctld":
         return bound, cluster.slurmctld_port
     if name == "slurmd":
         return bound, cluster.slurmd_port + cluster.nodes.index(node)
+    if name == "slurmdbd":
+        return bound, cluster.slurmdbd_port
+    if name == "mariadbd":
+        return slurm_accounting.database_socket(paths)
     return None  # munged answers on a Unix socket; spot-watch listens on nothing
 
 
@@ -139,7 +158,12 @@ def read_text(path: str) -> str:
 
 def spawn(name: str, argv: list, paths: Paths) -> int:
     """Start a daemon in a session of its own (its pid is its process group) and register it."""
-    environment = {**os.environ, contract.SCHEDULER_VARIABLE: paths.folder, "SLURM_CONF": paths.conf}
+    environment = {
+        **os.environ,
+        contract.SCHEDULER_VARIABLE: paths.folder,
+        "SLURM_CONF": paths.conf,
+        **slurm_accounting.environment(paths),
+    }
     with open(paths.log(name), "ab") as log:
         process = subprocess.Popen(
             argv,
@@ -155,6 +179,8 @@ def spawn(name: str, argv: list, paths: Paths) -> int:
 
 
 def accepting(where) -> bool:
+    if isinstance(where, str):
+        return unix_answers(where)
     try:
         with socket.create_connection(where, timeout=1.0):
             return True
@@ -205,11 +231,15 @@ def serves(name: str, paths: Paths, where) -> bool:
 
 
 def munge_answers(paths: Paths) -> bool:
-    if not os.path.exists(paths.munge_socket):
+    return unix_answers(paths.munge_socket)
+
+
+def unix_answers(path: str) -> bool:
+    if not os.path.exists(path):
         return False
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(paths.munge_socket)
+        sock.connect(path)
         return True
     except OSError:
         return False
@@ -242,6 +272,15 @@ def wait_ready(name: str, pid: int, paths: Paths, where) -> None:
         time.sleep(0.05)
 
 
+def link_fake_gpus(files: list) -> None:
+    """Each fake GPU's file a link to a device (slurm_conf.FAKE_GPU_DEVICE), in a folder of the node's own."""
+    for path in files:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        if os.path.lexists(path):
+            os.unlink(path)
+        os.symlink(slurm_conf.FAKE_GPU_DEVICE, path)
+
+
 def make_folders(paths: Paths, cluster: Cluster | None = None) -> None:
     extra = (cluster.state_save,) if cluster is not None and cluster.state_save else ()
     for folder in (paths.folder, paths.munge, paths.sockets, paths.at(contract.PIDS), *extra):
@@ -260,10 +299,15 @@ def start(cluster: Cluster, node_name: str, home: str, renew: tuple = ()) -> dic
     names = daemons_of(cluster, node)
     argvs = {name: daemon_argv(name, cluster, node, paths) for name in names}  # every program there
     program("sinfo")
+    if "mariadbd" in names:
+        program("mariadb-install-db")
     bound = slurm_conf.daemon_address()
     slurm_conf.check_binding(cluster, node, bound)
     user = pwd.getpwuid(os.getuid()).pw_name
     files = slurm_conf.configuration(cluster, node, paths, bound, user)
+    if "slurmdbd" in names:
+        dbd = slurm_accounting.dbd_conf(cluster, paths, slurm_conf.controller_name(cluster, node), bound, user)
+        files[slurm_accounting.dbd_conf_path(paths)] = (dbd.encode(), 0o600)
     digest = slurm_conf.digest_of(files)
     changed = read_text(paths.digest) != digest
     restarted = [name for name in stop(paths) if name in names] if changed else []
@@ -271,18 +315,22 @@ def start(cluster: Cluster, node_name: str, home: str, renew: tuple = ()) -> dic
     if changed:
         for path, (data, mode) in files.items():
             write_private(path, data, mode)
+        if cluster.one_machine:
+            link_fake_gpus(slurm_conf.gpu_files(cluster, node, paths))
         if paths.gres not in files and os.path.exists(paths.gres):
             os.unlink(paths.gres)
         write_private(paths.digest, f"{digest}\n".encode(), 0o600)
     running, started = {}, {}
     for name in names:  # in start order: a controller is asked only once munge serves
-        where = listen_address(name, cluster, node, bound)
+        where = listen_address(name, cluster, node, bound, paths)
         pid = running_daemon(paths, name)
         if pid is not None and (name in renew or not serves(name, paths, where)):
             stop_daemon(paths, name)
             restarted.append(name)
             pid = None
         if pid is None:
+            if name == "mariadbd":
+                slurm_accounting.install(program("mariadb-install-db"), paths, user)
             pid = spawn(name, argvs[name], paths)
             wait_ready(name, pid, paths, where)
             started[name] = pid

@@ -36,7 +36,7 @@ import time
 if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
 
-from node import contract, replicas, slurm_existing, slurm_nodes  # noqa: E402
+from node import contract, replicas, slurm_accounting, slurm_existing, slurm_nodes  # noqa: E402
 from node.slurm_conf import DaemonError, Paths, UsageError  # noqa: E402
 from node.slurm_daemons import gone, program  # noqa: E402
 from node.slurm_step import encoded  # noqa: E402
@@ -234,13 +234,18 @@ def reason_words(reason: str, nodes_in_service: bool = False) -> str:
 
 
 def job_state(job_id: str, log: str = "") -> dict | None:
-    """What Slurm knows of the job: the controller while it remembers it, else the completion log (ours)
-    or the accounting (an existing Slurm's), else the batch job's own end record beside its `log`."""
+    """What Slurm knows of the job: the controller while it remembers it, else the accounting (an existing
+    Slurm's, or ours where the head node keeps it), else the completion log (ours), else the batch job's own
+    end record beside its `log`."""
     result = _client(["scontrol", "show", "job", "--oneliner", job_id])
     if result.returncode == 0 and "JobState=" in result.stdout:
         return job_fields(result.stdout)
-    if slurm_existing.existing(Paths(os.path.expanduser("~"))) is not None:
+    paths = Paths(os.path.expanduser("~"))
+    if slurm_existing.existing(paths) is not None:
         return accounted_state(job_id) or ended_state(log)
+    accounted = accounted_state(job_id) if os.path.exists(slurm_accounting.dbd_conf_path(paths)) else None
+    if accounted is not None:
+        return accounted
     completions = os.path.join(os.path.expanduser("~"), contract.JOB_COMPLETIONS)
     try:
         with open(completions, errors="replace") as f:

@@ -195,6 +195,7 @@ class Bootstrap:
         master_port: int,
         scheduler: str | None = None,
         timeline: Timeline | None = None,
+        accounting: str | None = None,
     ):
         self.cluster, self.force, self.master_port = cluster, force, master_port
         self.timeline = timeline or Timeline(time.time(), clock=time.monotonic())
@@ -211,6 +212,8 @@ class Bootstrap:
         """Why `auto` settled on none (one line), for the launches to say."""
         self.slurm_held_before = held_before
         """Whether Slurm held the runs after the last bootstrap."""
+        self.accounting = accounting or remembered.get("accounting") or "auto"
+        """auto (the default): Slurm's accounting (slurmdbd over MariaDB) where the head node has them; none."""
         self.stack_dir = state.stack_dir(cluster.stack)
         self.manifest = local_manifest()
         self.records: list[NodeRecord] = []
@@ -705,10 +708,25 @@ class Bootstrap:
         return {
             "cluster": self.cluster.stack,
             "munge_key": key_path.read_text().strip(),
-            "ports": {"slurmctld": first, "slurmd": first + 1, "srun": [first + 20, first + SCHEDULER_PORTS]},
+            "ports": {
+                "slurmctld": first,
+                "slurmd": first + 1,  # node i's: first + 1 + i, 16 nodes at most
+                "srun": [first + 20, first + SCHEDULER_PORTS],
+                **({"slurmdbd": first + 18} if self._head_keeps_accounting() else {}),
+            },
             "nodes": nodes,
             "state_save": f"{self.cluster.shared_dir}/{contract.SCHEDULER_STATE}" if self.cluster.shared_dir else "",
         }
+
+    def _head_keeps_accounting(self) -> bool:
+        """Slurm's accounting (node/slurm_accounting.py) where the head node has slurmdbd and MariaDB: the AWS
+        image installs them with Slurm, .ci/run too; elsewhere `sacct` has no history, and nothing fails.
+        `--accounting none`: never (the database's first start takes 4 to 17 s)."""
+        if self.accounting == "none":
+            return False
+        programs = " && ".join(f"command -v {name}" for name in ("slurmdbd", "mariadbd", "mariadb-install-db"))
+        found = self.records[0].session.run(f"PATH=$PATH:/usr/sbin:/sbin; {programs}", warn=True)
+        return found.ok
 
     def _check_master_reachable(self) -> dict[str, Outcome]:
         head = self.records[0]
@@ -880,6 +898,7 @@ class Bootstrap:
             "scheduler": state.SLURM_HOLDS if self.slurm_holds else "",
             "scheduler_choice": self.scheduler_choice.value,
             "scheduler_why": self.scheduler_why,
+            "accounting": self.accounting,
             "nodes": {r.name: {"probe": r.facts("probe"), "deps": r.facts("deps")} for r in self.records},
             "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "timeline": self.timeline.as_dict(),

@@ -432,10 +432,12 @@ def processes(value: str | None) -> int | None:
         "scheduler": "slurm: Slurm on the nodes holds every run (detach, queue, follow, cancel); none: runs are "
         "held by fab's SSH sessions; auto: slurm where every node has it and one user, else none, saying why "
         "(default: what the last bootstrap chose, else auto)",
+        "accounting": "auto: Slurm's accounting (sacct's history) where the head node has slurmdbd and MariaDB; "
+        "none (default: what the last bootstrap chose, else auto)",
         "stack": STACK_HELP,
     }
 )
-def bootstrap(c, force=False, master_port=None, scheduler=None, stack=None):
+def bootstrap(c, force=False, master_port=None, scheduler=None, stack=None, accounting=None):
     """Prepare every node: checks, Python deps, code sync, node environment, health check, scheduler."""
     timeline = Timeline.since_process_start()
     cluster = cluster_for(stack)
@@ -443,7 +445,8 @@ def bootstrap(c, force=False, master_port=None, scheduler=None, stack=None):
     default = remembered_setup(cluster).get("master_port") or job_command.DEFAULT_MASTER_PORT
     port = options.port("--master-port", master_port, default)
     chosen = options.choice("--scheduler", scheduler, ("auto", "slurm", "none")) if scheduler is not None else None
-    Bootstrap(cluster, bool(force), port, chosen, timeline).run()
+    kept = options.choice("--accounting", accounting, ("auto", "none")) if accounting is not None else None
+    Bootstrap(cluster, bool(force), port, chosen, timeline, kept).run()
 
 
 @task(help={"json": "machine-readable: every node's measurements, verdict and why; the pairs", "stack": STACK_HELP})

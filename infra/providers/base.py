@@ -24,7 +24,7 @@ CONFIG_FLAGS = {
     "amiId": "--image",
 }
 # `up` flags that are not stack-config keys.
-OPTION_FLAGS = {"bind": "--bind", "ssh_port": "--ssh-port", "yes": "--yes", "hosts_file": "--hosts"}
+OPTION_FLAGS = {"bind": "--bind", "ssh_port": "--ssh-port", "yes": "--yes", "hosts_file": "--hosts", "gpus": "--gpus"}
 
 
 @dataclass(frozen=True)
@@ -43,12 +43,20 @@ class UpRequest:
     """local: node-0's SSH port."""
     hosts_file: str | None = None
     """ssh: the hosts file."""
+    gpus: int | None = None
+    """local: fake GPUs per node, in Slurm's GRES (a device file each); torch still runs on the CPU."""
     timeline: Timeline = field(default_factory=lambda: Timeline.since_process_start(), compare=False)
     """Where the provider marks its phases (infra/timeline.py): `up` prints it and keeps it in the inventory."""
 
     def given(self) -> dict[str, str]:
         """Every option given on the command line: config key or option name -> its flag."""
-        options = {"bind": self.bind, "ssh_port": self.ssh_port, "yes": self.yes or None, "hosts_file": self.hosts_file}
+        options = {
+            "bind": self.bind,
+            "ssh_port": self.ssh_port,
+            "yes": self.yes or None,
+            "hosts_file": self.hosts_file,
+            "gpus": self.gpus,
+        }
         given = {key: CONFIG_FLAGS.get(key, key) for key, value in self.overrides.items() if value is not None}
         given.update({key: OPTION_FLAGS[key] for key, value in options.items() if value is not None})
         return given

@@ -226,9 +226,9 @@ def test_cloud_init_installs_slurm_with_its_system_services_masked_first_and_a_f
         ["bash", "-c", script], env={"PATH": f"{tmp_path}:/usr/bin:/bin"}, capture_output=True, text=True, timeout=30
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("booted"), done.stdout + done.stderr
-    assert "slurm-wlm and munge not installed" in done.stdout
+    assert "slurm-wlm, munge, slurmdbd, mariadb-server not installed" in done.stdout
     lines = calls.read_text().splitlines()
-    assert lines[0] == "systemctl mask munge slurmctld slurmd"
+    assert lines[0] == "systemctl mask munge slurmctld slurmd slurmdbd mariadb"
     assert any(line.startswith("apt-get") for line in lines[1:])
     assert SCHEDULER_SETUP in user_data("fs-1234.efs.us-east-1.amazonaws.com")
 

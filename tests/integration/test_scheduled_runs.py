@@ -9,13 +9,14 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from node import contract
 from node.slurm_conf import Paths
-from tests.support import slurm, throttle
+from tests.support import REPO, slurm, throttle
 from tests.support.cli import assert_one_line_error
 from tests.support.clusters import (
     CMDLINE_LEAKS,
@@ -26,6 +27,7 @@ from tests.support.clusters import (
     run_id_in,
     run_processes,
 )
+from tests.support.network import free_port
 from tests.support.outcomes import assert_rank_1_failed_first, failing_rank_script
 
 pytestmark = pytest.mark.skipif(slurm.unavailable() is not None, reason=f"Slurm: {slurm.unavailable()}")
@@ -38,6 +40,7 @@ def cluster(tmp_path_factory):
         "scheduled",
         master_port=slurm.free_ports(),
         scheduler=None,  # auto finds Slurm
+        up_args=("--gpus", "1"),  # a fake GPU each, in Slurm: one process per node, as on CPU nodes
     ) as handle:
         yield handle
 
@@ -100,18 +103,63 @@ def test_a_second_stack_with_the_same_master_port_is_refused_before_it_writes(cl
         other.down()
 
 
-def test_the_readmes_slurm_commands_work_on_node_0_as_written(cluster):
-    """README "For those who know Slurm": the environment, then Slurm's own clients; a job's NAME (a run
-    id) is shown whole, not cut to its date."""
+def test_slurms_clients_work_as_typed_in_a_login_through_deploy_ssh_and_ssh_config(cluster, tmp_path):
+    """A Slurm user's reflexes, with no environment line first: `squeue`, `sinfo`, `sbatch`, `scontrol`,
+    `srun` in a login on node-0 (`deploy.py ssh`) and on node-1 (plain `ssh -F` with the file
+    `deploy.py ssh-config` writes); a job's NAME (a run id) is shown whole, not cut to its date."""
     commands = (
-        'source ~/.gpu-cluster/env && eval "$("$CLUSTER_PYTHON" "$CLUSTER_CODE_DIR/node/scheduler.py" env)" && '
         "sbatch --job-name=20990101-000000-hello-abcd --wrap 'sleep 20' >/dev/null && squeue && sinfo --noheader "
-        "--format=%T && scancel --name=20990101-000000-hello-abcd"
+        "--format=%T && scontrol show partition >/dev/null && "
+        "scancel --name=20990101-000000-hello-abcd"
     )
     result = cluster.cli("ssh", "node-0", "--", "bash", "-c", shlex.quote(commands))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "20990101-000000-hello-abcd" in result.stdout, result.stdout
     assert result.stdout.splitlines()[-1].strip() in ("idle", "allocated", "mixed"), result.stdout
+    config = tmp_path / "cluster.ssh"
+    config.write_text(cluster.cli("ssh-config").stdout)
+    answer = subprocess.run(
+        [
+            "ssh",
+            "-F",
+            str(config),
+            "node-1",
+            "sinfo --noheader --format=%D && srun --nodes=2 --ntasks-per-node=1 printenv SLURMD_NODENAME",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert answer.returncode == 0, answer.stdout + answer.stderr
+    words = answer.stdout.split()
+    assert words[0] == "2" and sorted(words[1:]) == ["node-0", "node-1"], answer.stdout
+
+
+STOCK_SCRIPTS = REPO / "tests" / "fixtures" / "slurm"
+
+
+def test_stock_sbatch_scripts_asking_gpus_per_task_run_on_nodes_with_fake_gpus(cluster):
+    """`up --local --gpus 1`: pytorch/examples' sbatch script, submitted with sbatch on node-0 from the shared
+    folder as a user would (their venv on PATH), runs to COMPLETED: Slurm gives each task its GPU
+    (CUDA_VISIBLE_DEVICES, as --gres=gpu:1 does) and torch trains on the CPU. torchtitan's asks for the
+    same and its partition: Slurm would run it now (`--test-only`; a second torchrun start is time)."""
+    shared = cluster.state_dir / cluster.stack / "shared"
+    for name in ("ddp_tutorial_sbatch_run.sh", "torchtitan_multinode_trainer.slurm"):
+        text = (STOCK_SCRIPTS / name).read_text().replace("__PORT__", str(free_port()))
+        (shared / name).write_text(text.replace("__SCRIPT__", str(REPO / "examples" / "distributed_hello.py")))
+    commands = (
+        f"export PATH={shlex.quote(str(Path(sys.executable).parent))}:$PATH && cd {shlex.quote(str(shared))} && "
+        "srun --nodes=2 --gpus-per-task=1 printenv CUDA_VISIBLE_DEVICES && srun --nodes=1 --gres=gpu:1 true && "
+        "sbatch --test-only torchtitan_multinode_trainer.slurm && sbatch --parsable --wait ddp_tutorial_sbatch_run.sh"
+    )
+    result = cluster.cli("ssh", "node-0", "--", "bash", "-c", shlex.quote(commands))
+    job = result.stdout.split()[-1] if result.stdout.split() else "?"
+    output = shared / f"slurm-{job}.out"
+    log = output.read_text() if output.exists() else "(no output file)"
+    assert result.returncode == 0, result.stdout + result.stderr + log
+    assert result.stdout.split()[:2] == ["0", "0"], result.stdout
+    assert "to start at" in result.stderr, result.stderr  # --test-only: where and when it would run
+    assert "all-reduce, broadcast and all-gather checked, all correct" in log, log
 
 
 def _slurm_pids(cluster) -> list[int]:

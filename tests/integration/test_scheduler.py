@@ -8,6 +8,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from node import calls, procfs
+from node import calls, procfs, slurm_daemons
 from node.slurm_conf import Paths
 from tests.support import REPO, network, slurm
 
@@ -108,6 +109,19 @@ def test_two_jobs_run_one_after_the_other(scheduler, tmp_path):
         (second, "start"),
         (second, "end"),
     ]
+
+
+def test_backfill_runs_a_heterogeneous_job_and_keeps_the_order_of_jobs_that_take_every_node(scheduler):
+    """sched/backfill, as torchx's heterogeneous jobs need; runs take every node, so a later run does not
+    start before one that waits for a node another job holds."""
+    het = scheduler.client("sbatch", "--parsable", "-N1", ":", "-N1", "--wrap", "srun --het-group=0,1 true")
+    wait_state(scheduler, het.stdout.strip().split(";")[0], "COMPLETED")
+    holder = scheduler.sbatch("--nodes=1", "--nodelist=node-0", "--wrap", "sleep 4")
+    wait_state(scheduler, holder, "RUNNING")
+    runs = [scheduler.sbatch("--nodes=2", "--exclusive", "--wrap", "sleep 1") for _ in range(2)]
+
+    ended = [wait_state(scheduler, job, "COMPLETED") for job in runs]
+    assert ended[0]["EndTime"] <= ended[1]["StartTime"], ended
 
 
 def test_a_requeued_job_runs_again_within_seconds(scheduler, tmp_path):
@@ -240,6 +254,100 @@ def test_powering_off_a_local_node_ends_its_daemons_steps_and_tasks(own_schedule
     assert "slurmctld" in _names(slurm.node_processes(cluster, 0))
 
 
+def test_accounting_lists_runs_across_restarts_and_torchx_submits_and_follows_a_job(tmp_path, monkeypatch):
+    """slurmdbd over a MariaDB of the head node's own: `sacct` lists a completed job and a run whose node
+    exited 3 (with 3), after slurmdbd restarts and after a changed description restarts every daemon (as
+    `fab bootstrap` does); slurmdbd listens on loopback, the database on no TCP port at all. torchx's Slurm
+    scheduler (a heterogeneous job, followed through squeue and then sacct) sees its job succeed on both."""
+    cluster = slurm.SlurmCluster(tmp_path / "slurm", slurm.description(2, slurm.free_ports(), accounting=True))
+    try:
+        started = time.monotonic()
+        cluster.start()
+        cluster.wait_idle()
+        print(f"2 nodes with accounting up and idle in {time.monotonic() - started:.1f} s")
+        done = cluster.sbatch("--nodes=2", "--wrap", "srun true")
+        run = tmp_path / "run"
+        run.mkdir()
+        failed = submit(cluster, run_spec(cluster, run, ["exec sleep 300", "sleep 1; exit 3"]))
+        for job in (done, failed):
+            wait_state(cluster, job, "COMPLETED", "FAILED")
+        ours = set(cluster.processes())
+        sockets = [s for s in slurm.listening_sockets() if s[2] in ours]
+        assert "slurmdbd" in _names([pid for _, _, pid in sockets]), sockets
+        assert "mariadbd" not in _names([pid for _, _, pid in sockets]), sockets
+        assert all(ipaddress.ip_address(address).is_loopback for address, _, _ in sockets), sockets
+
+        cluster.scheduler(0, "start", stdin=json.dumps(cluster.description))  # unchanged: nothing restarts
+        pid = slurm_daemons.running_daemon(Paths(str(cluster.homes[0])), "slurmdbd")
+        os.kill(pid, signal.SIGKILL)  # a slurmdbd that died: the next start starts it again
+        slurm.wait_for(lambda: not procfs.alive(pid), "slurmdbd gone")
+        changed = json.loads(json.dumps(cluster.description))
+        changed["nodes"][1]["cpus"] = 1
+        assert [a["action"] for a in cluster.start(changed)] == ["restarted", "restarted"]
+        cluster.wait_idle()
+
+        def listed() -> dict:
+            out = cluster.client(
+                "sacct",
+                "--allocations",
+                "--noheader",
+                "--parsable2",
+                "--format=JobID,State,ExitCode,NodeList,Start,End",
+            ).stdout
+            return {row[0]: row[1:] for row in (line.split("|") for line in out.splitlines())}
+
+        slurm.wait_for(lambda: {done, failed} <= set(listed()), "both jobs in sacct", lambda: str(listed()))
+        rows = listed()
+        assert rows[done][:3] == ["COMPLETED", "0:0", "node-[0-1]"], rows
+        assert rows[failed][:3] == ["FAILED", "3:0", "node-[0-1]"], rows
+        assert all(rows[job][3] <= rows[job][4] for job in (done, failed)), rows  # start and end times
+
+        app_id = _torchx_job(cluster, tmp_path, monkeypatch)
+        seen = _torchx_follow(cluster, app_id)
+        replicas = seen.roles_statuses[0].replicas
+        assert seen.state.name == "SUCCEEDED" and {r.state.name for r in replicas} == {"SUCCEEDED"}, seen
+        assert sorted(r.hostname for r in replicas) == ["node-0", "node-1"], seen
+    finally:
+        cluster.stop()
+    assert cluster.processes() == []
+
+
+def _torchx_job(cluster, folder, monkeypatch) -> str:
+    """A 2-replica job through torchx's Slurm scheduler, as on node-0 (its SLURM_CONF); its app id."""
+    from torchx import specs
+    from torchx.schedulers.slurm_scheduler import create_scheduler
+
+    monkeypatch.setenv("SLURM_CONF", str(cluster.conf))
+    monkeypatch.chdir(folder)
+    role = specs.Role(
+        name="trainer",
+        image=str(folder),
+        entrypoint="bash",
+        args=["-c", "echo hello from $SLURM_PROCID"],
+        num_replicas=2,
+        resource=specs.Resource(cpu=1, gpu=0, memMB=100),
+    )
+    scheduler = create_scheduler("test")
+    return scheduler.schedule(scheduler.submit_dryrun(specs.AppDef("hello", roles=[role]), {}))
+
+
+def _torchx_follow(cluster, app_id: str):
+    """torchx's describe until the job ended. Not while it waits: torchx reads `squeue --json` of a pending
+    job as later Slurm releases write it (`job_resources`, which 22.05 gives only once it runs)."""
+    from torchx import specs
+    from torchx.schedulers.slurm_scheduler import create_scheduler
+
+    scheduler, seen = create_scheduler("test"), []
+    wait_state(cluster, app_id, "RUNNING", "COMPLETED", "FAILED")
+
+    def ended() -> bool:
+        seen[:] = [scheduler.describe(app_id)]
+        return seen[0] is not None and seen[0].state in (specs.AppState.SUCCEEDED, specs.AppState.FAILED)
+
+    slurm.wait_for(ended, f"torchx sees job {app_id} end", lambda: str(seen))
+    return seen[0]
+
+
 def _name(pid: int) -> str:
     argv = procfs.command_line(pid)
     return argv[0].split("/")[-1].split(":")[0] if argv else "?"
@@ -314,10 +422,11 @@ def test_a_run_trains_on_every_node_with_its_output_prefixed_in_the_log(schedule
     assert all(line.startswith(("[node-0] ", "[node-1] ")) for line in log.splitlines() if line), log
 
 
-def test_a_failing_node_ends_the_others(scheduler, tmp_path):
+def test_a_failing_node_ends_the_others_and_slurm_records_its_exit_code(scheduler, tmp_path):
+    """The node that failed ends the others (which exit 143); Slurm's books say the run's code, 3, not 143."""
     marker = tmp_path / "still-running"
     spec = run_spec(
-        scheduler, tmp_path, [f"touch {marker}; exec sleep 300", f"until [ -e {marker} ]; do sleep 0.1; done; exit 1"]
+        scheduler, tmp_path, [f"touch {marker}; exec sleep 300", f"until [ -e {marker} ]; do sleep 0.1; done; exit 3"]
     )
 
     job = submit(scheduler, spec)
@@ -325,5 +434,6 @@ def test_a_failing_node_ends_the_others(scheduler, tmp_path):
 
     log = (tmp_path / "output.log").read_text()
     assert final["JobState"] == "FAILED", final
-    assert "node-1: task 1: Exited with exit code 1" in log, log
+    assert "node-1: task 1: Exited with exit code 3" in log, log
+    assert final["ExitCode"] == "3:0", final
     slurm.wait_for(lambda: "sleep" not in _names(scheduler.processes()), "node-0's command ended")

@@ -153,6 +153,9 @@ def test_down_of_an_unknown_local_stack_creates_nothing(state_dir):
         (["up", "--local", "--ssh-cidr", "203.0.113.7/32"], ["--ssh-cidr", "not apply to --local"]),
         (["up", "--hosts", "hosts.yaml", "--nodes", "2"], ["--nodes", "not apply to --hosts"]),
         (["up", "--stack", "dev", "--bind", "127.0.0.20"], ["--bind", "not apply to AWS"]),
+        (["up", "--local", "--gpus", "9"], ["--gpus 9", "0 to 8"]),
+        (["up", "--local", "--gpus", "-1"], ["--gpus", "whole number"]),
+        (["up", "--stack", "dev", "--gpus", "1"], ["--gpus", "not apply to AWS"]),
     ],
 )
 def test_bad_command_lines_are_one_line_and_create_nothing(state_dir, args, words):

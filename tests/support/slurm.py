@@ -58,14 +58,22 @@ def _bindable(port: int) -> bool:
             return False
 
 
-def description(nodes: int, first_port: int, cpus: int = 2, memory_mb: int = 1000, gpus: int = 0) -> dict:
-    """A cluster of `nodes` on loopback (one machine), as the local provider's nodes are."""
+def description(
+    nodes: int, first_port: int, cpus: int = 2, memory_mb: int = 1000, gpus: int = 0, accounting: bool = False
+) -> dict:
+    """A cluster of `nodes` on loopback (one machine), as the local provider's nodes are; `accounting`:
+    slurmdbd and its MariaDB on the head node."""
     base, _ = free_endpoint(nodes)
     prefix = base.rsplit(".", 1)[0]
     return {
         "cluster": f"gc{random.randint(0, 10**6)}",
         "munge_key": base64.b64encode(os.urandom(1024)).decode(),
-        "ports": {"slurmctld": first_port, "slurmd": first_port + 1, "srun": [first_port + 20, first_port + 60]},
+        "ports": {
+            "slurmctld": first_port,
+            "slurmd": first_port + 1,
+            "srun": [first_port + 20, first_port + 60],
+            **({"slurmdbd": first_port + 18} if accounting else {}),
+        },
         "nodes": [
             {"name": f"node-{i}", "address": f"{prefix}.{10 + i}", "cpus": cpus, "memory_mb": memory_mb, "gpus": gpus}
             for i in range(nodes)

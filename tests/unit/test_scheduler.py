@@ -72,7 +72,22 @@ def test_nodes_on_several_machines_are_reached_at_their_own_addresses():
     ]
     assert "GresTypes=gpu" in lines
     assert "Gres=gpu:4" in next(line for line in lines if line.startswith("NodeName=node-0"))
-    assert slurm_conf.gres_conf(cluster).splitlines()[1:] == ["NodeName=node-0 Name=gpu Count=4"]
+    paths = slurm_conf.Paths("/home/u")
+    assert slurm_conf.gres_conf(cluster, cluster.nodes[0], paths).splitlines()[1:] == [
+        "NodeName=node-0 Name=gpu File=/dev/nvidia[0-3]"
+    ]
+    assert slurm_conf.gres_conf(cluster, cluster.nodes[1], paths) is None
+
+
+def test_one_machine_gpus_are_files_of_the_nodes_own():
+    cluster = slurm_conf.parse_cluster(description("127.0.0.10", "127.0.0.11", gpus=(1, 2)))
+    paths = slurm_conf.Paths("/home/n1")
+
+    files = slurm_conf.configuration(cluster, cluster.nodes[1], paths, "127.0.0.1", "u")
+
+    folder = "/home/n1/.gpu-cluster/slurm/gpus"
+    assert files[paths.gres][0].decode().splitlines()[1:] == [f"NodeName=node-1 Name=gpu File={folder}/nvidia[0-1]"]
+    assert slurm_conf.gpu_files(cluster, cluster.nodes[1], paths) == [f"{folder}/nvidia0", f"{folder}/nvidia1"]
 
 
 def test_nodes_known_by_name_are_looked_up_at_every_connection(monkeypatch):
@@ -94,9 +109,24 @@ def test_requeue_and_order_settings():
     lines = conf_lines(slurm_conf.parse_cluster(description("127.0.0.10", "127.0.0.11")))
 
     assert f"AuthInfo=socket=/home/u/.gpu-cluster/slurm/munge.socket,cred_expire={10}" in lines
-    for setting in ("SchedulerType=sched/builtin", "ReturnToService=2", "JobCompType=jobcomp/filetxt"):
+    for setting in ("SchedulerType=sched/backfill", "ReturnToService=2", "JobCompType=jobcomp/filetxt"):
         assert setting in lines
     assert "OverSubscribe=EXCLUSIVE" in lines[-1] and "Nodes=node-0,node-1" in lines[-1]
+
+
+def test_accounting_points_every_node_at_the_head_nodes_slurmdbd_with_its_own_munge():
+    ports = {"slurmctld": 7000, "slurmd": 7001, "srun": [7100, 7199], "slurmdbd": 7018}
+    cluster = slurm_conf.parse_cluster(description("10.0.0.5", "10.0.0.6", ports=ports))
+
+    lines = conf_lines(cluster, node_index=1, home="/home/v", bound="10.0.0.6")
+
+    assert "AccountingStorageType=accounting_storage/slurmdbd" in lines
+    assert {"AccountingStorageHost=10.0.0.5", "AccountingStoragePort=7018"} <= set(lines)
+    assert "AccountingStoragePass=/home/v/.gpu-cluster/slurm/munge.socket" in lines
+    assert slurm_daemons.daemons_of(cluster, cluster.nodes[0])[:3] == ["munged", "mariadbd", "slurmdbd"]
+    assert "slurmdbd" not in slurm_daemons.daemons_of(cluster, cluster.nodes[1])
+    plain = slurm_conf.parse_cluster(description("10.0.0.5", gpus=(0,)))
+    assert slurm_daemons.daemons_of(plain, plain.nodes[0]) == ["munged", "slurmctld", "slurmd", "spot-watch"]
 
 
 @pytest.mark.parametrize(
@@ -108,6 +138,7 @@ def test_requeue_and_order_settings():
         ({"munge_key": base64.b64encode(b"short").decode()}, "32"),
         ({"ports": {"slurmctld": 7000, "slurmd": 7000, "srun": [7100, 7199]}}, "overlap"),
         ({"ports": {"slurmctld": 7000, "slurmd": 7001}}, "ports"),
+        ({"ports": {"slurmctld": 7000, "slurmd": 7001, "srun": [7100, 7199], "slurmdbd": 7150}}, "overlap"),
         ({"nodes": [{"name": "node-0", "address": "db.example", "cpus": 1, "memory_mb": 1}]}, "nor the node's name"),
     ],
 )

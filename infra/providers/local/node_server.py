@@ -34,8 +34,9 @@ from node import contract, procfs
 
 # Every shell sources the node environment, so NODE_RANK, MASTER_ADDR, CLUSTER_PYTHON are there in
 # plain `ssh` sessions too: non-interactive ones through BASH_ENV (unset at once, so a job's own
-# shells do not source it again over what the job set), interactive ones through the rcfile.
-SOURCE_ENV = f'[ -f "$HOME/{contract.ENV}" ] && . "$HOME/{contract.ENV}"\n'
+# shells do not source it again over what the job set), interactive ones through the rcfile. Where
+# Slurm holds the runs, the login file too, so `squeue` and `sbatch` work as typed (node/slurm_login.py).
+SOURCE_ENV = "".join(f'[ -f "$HOME/{path}" ] && . "$HOME/{path}"\n' for path in (contract.ENV, contract.SLURM_LOGIN))
 
 TERMINATE_GRACE_S = 3.0
 GUARD_POLL_S = 1.0

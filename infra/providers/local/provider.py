@@ -40,6 +40,8 @@ from node import contract, procfs
 DEFAULT_FIRST_ADDRESS = "127.0.0.10"
 DEFAULT_SSH_PORT = 2222
 SSH_PORT_RANGE = (1024, 65535)  # `--ssh-port`: below 1024 needs root
+MAX_FAKE_GPUS = 8
+"""`--gpus`: fake GPUs per local node (device files and GRES; what an instance with the most has)."""
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 6.0  # longer than a node server's own grace for what it ends
 # What a node server, and so every command on a local node, keeps of the caller's environment: enough
@@ -62,6 +64,9 @@ class LocalOptions:
     """Node-0's loopback address; None picks 127.0.0.10, or 127.0.0.1 where only that binds."""
     ssh_port: int = DEFAULT_SSH_PORT
     """SSH port of node-0 (and of every node when each has its own address)."""
+    gpus: int = 0
+    """Fake GPUs per node: Slurm's GRES, a device file each under the node's folder (bootstrap's scheduler
+    stage); jobs get CUDA_VISIBLE_DEVICES from Slurm as on GPU nodes, and torch still runs on the CPU."""
     spot: bool = False
     """Nodes behave as spot instances in a group that keeps its size: a node reclaimed (`drill spot`) or
     dead is replaced by a fresh one, which bootstraps and rejoins (supervisor.py)."""
@@ -144,6 +149,7 @@ def check_unchanged(cluster: ClusterInfo, options: LocalOptions) -> None:
         "first_address": head.public_ip,
         "ssh_port": head.ssh_port,
         "spot": supervised(cluster.stack),
+        "gpus": head.gpus,
     }
     flags = {
         "spot": "--spot",
@@ -151,6 +157,7 @@ def check_unchanged(cluster: ClusterInfo, options: LocalOptions) -> None:
         "instance_type": "--instance-type",
         "first_address": "--bind",
         "ssh_port": "--ssh-port",
+        "gpus": "--gpus",
     }
     differ = [k for k in sorted(options.asked) if getattr(options, k) != found[k]]
     if differ:
@@ -161,6 +168,15 @@ def check_unchanged(cluster: ClusterInfo, options: LocalOptions) -> None:
             f"stack {cluster.stack!r} is already up and differs from what you asked: {asked}. To change it: "
             f"python deploy.py down --stack {cluster.stack}, then python deploy.py up --local{stack_flag} {again}"
         )
+
+
+def check_gpus(gpus: int | None) -> int:
+    """The fake GPUs per node `--gpus` asks for; UsageError outside 0..MAX_FAKE_GPUS."""
+    if gpus is None:
+        return 0
+    if not 0 <= gpus <= MAX_FAKE_GPUS:
+        raise UsageError(f"--gpus {gpus}: give each local node 0 to {MAX_FAKE_GPUS} fake GPUs")
+    return gpus
 
 
 def check_addresses(first_address: str | None, ssh_port: int, nodes: int) -> ipaddress.IPv4Address:
@@ -267,7 +283,8 @@ def _start(options: LocalOptions, addresses: list[tuple[str, int]], timeline: Ti
         shared_dir=str(shared),
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         nodes=tuple(
-            NodeInfo(f"node-{i}", address, address, port, 0, user) for i, (address, port) in enumerate(addresses)
+            NodeInfo(f"node-{i}", address, address, port, options.gpus, user)
+            for i, (address, port) in enumerate(addresses)
         ),
         python=sys.executable,  # this project's own interpreter already has torch
         daemon="detached",  # the node server ends registered daemons when it powers off
@@ -652,7 +669,7 @@ class LocalProvider(Provider):
     """N SSH-server nodes on this machine's loopback."""
 
     name = "local"
-    accepts = frozenset({"nodes", "instanceType", "spot", "maxTotalUsd", "idleMinutes", "bind", "ssh_port"})
+    accepts = frozenset({"nodes", "instanceType", "spot", "maxTotalUsd", "idleMinutes", "bind", "ssh_port", "gpus"})
     what = "the local provider"
     why_not = "the nodes run on this machine, cost nothing and need no confirmation"
     flag = "--local"
@@ -661,6 +678,7 @@ class LocalProvider(Provider):
     def check(self, request: UpRequest) -> None:
         wanted = self._stack_config(request)
         check_addresses(request.bind, DEFAULT_SSH_PORT if request.ssh_port is None else request.ssh_port, wanted.nodes)
+        check_gpus(request.gpus)
 
     def _stack_config(self, request: UpRequest) -> StackConfig:
         return stack_config.load_stack(request.stack, request.overrides)
@@ -675,6 +693,7 @@ class LocalProvider(Provider):
                 ("first_address", request.bind),
                 ("ssh_port", request.ssh_port),
                 ("spot", request.overrides.get("spot")),
+                ("gpus", request.gpus),
             )
             if value is not None
         }
@@ -685,6 +704,7 @@ class LocalProvider(Provider):
             request.bind,
             DEFAULT_SSH_PORT if request.ssh_port is None else request.ssh_port,
             spot=wanted.spot,
+            gpus=check_gpus(request.gpus),
             asked=frozenset(asked),
         )
         cluster, created = up(options, request.timeline)
