@@ -18,7 +18,7 @@ replica groups) is `--kill-on-bad-exit=0 --no-kill` in a `--no-kill` job instead
 fails or dies ends only that group, and the others train on in the same allocation; a group whose nodes
 were replaced is started again on them, beside the step, by the batch job (GroupRestarts). Each node's
 task is node/slurm_step.py, a file of its own that starts in milliseconds: it runs this node's command and
-prefixes its output (`[node-i] `); srun gathers every node's into the log, one writer.
+prefixes its output (`[node-i] `) in records Slurm carries whole, joined into the log by node/slurm_output.py.
 
 Standard library only; run as a file, it imports its siblings from the code folder.
 """
@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
 
-from node import contract, slurm_existing, slurm_nodes  # noqa: E402
+from node import contract, frames, slurm_existing, slurm_nodes, slurm_output  # noqa: E402
 from node.slurm_conf import DaemonError, Paths, UsageError  # noqa: E402
 from node.slurm_daemons import gone, program, write_private  # noqa: E402
 
@@ -80,8 +80,7 @@ def step_argv(spec: dict, srun: str, here: str, *options: str) -> list:
         *options,
         f"--nodes={count}",
         f"--ntasks={count}",
-        "--ntasks-per-node=1",
-        "--unbuffered",
+        "--ntasks-per-node=1",  # and Slurm's line-buffered output: each of the step's records one message
         "--export=NONE",  # each node's step: Slurm's variables only (`step` sets HOME and PATH), not the head's
         spec["python"],
         "-u",
@@ -119,7 +118,8 @@ def supervise(spec: dict) -> int:
         note_restart(os.path.dirname(spec["log"]), restart)
     if (spec.get("watch") or {}).get("shared_dir"):  # the step times a start Slurm requeued left (its straggler's)
         shutil.rmtree(os.path.join(os.path.dirname(spec["log"]), contract.STEP_TIMES), ignore_errors=True)
-    main = subprocess.Popen(step_argv(spec, srun, here, *step_options(spec)))
+    output = slurm_output.RunOutput.start()
+    main = slurm_output.popen(step_argv(spec, srun, here, *step_options(spec)))
     restarts = GroupRestarts(spec, srun, here) if spec.get("replicas") else None
 
     def forward(number, _frame):
@@ -135,6 +135,7 @@ def supervise(spec: dict) -> int:
         code = _beside(main, restarts)
     else:
         code = _status(main.wait())
+    output.close()  # every node's lines in the log (`survived` reads their exit markers there)
     if spec.get("replicas") and survived(spec):
         code = 0  # a replica group trained to the end: the run completed, whatever another group's node did
     else:
@@ -284,7 +285,7 @@ class GroupRestarts:
         # without the batch job's SLURM_* (but Slurm's configuration), srun asks for an allocation of its own
         # rather than a step of this job's, whose nodes Slurm cannot add back
         own = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
-        self.running[number] = subprocess.Popen(argv, env=own)
+        self.running[number] = slurm_output.popen(argv, env=own)
         self.unrecorded[number] = (self.left_at.pop(number, None), time.time())
 
     def _record(self, last: bool = False) -> None:
@@ -558,10 +559,11 @@ def _ask(probe: dict, srun: str, here: str, apart: bool = False) -> list:
     if len(probe["nodes"]) == 1:
         options.append(f"--nodelist={probe['nodes'][0].get('slurm_name') or probe['nodes'][0]['name']}")
     try:
-        result = subprocess.run(step_argv(probe, srun, here, *options), capture_output=True, text=True, timeout=120)
+        result = subprocess.run(step_argv(probe, srun, here, *options), capture_output=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired):
         return []
-    return contract.json_objects(re.sub(r"^\[[^\]]*\] ", "", line) for line in result.stdout.splitlines())
+    lines = frames.unframed(result.stdout).decode(errors="replace").splitlines()
+    return contract.json_objects(re.sub(r"^\[[^\]]*\] ", "", line) for line in lines)
 
 
 def sbatch_argv(spec: dict, sbatch: str, script: str, adopted: dict | None = None) -> list:

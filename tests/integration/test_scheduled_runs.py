@@ -6,6 +6,7 @@ import hashlib
 import ipaddress
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -364,6 +365,32 @@ def test_two_ranks_progress_bars_stay_in_lines_and_logs_of_their_own(cluster, tm
         log = (folder / f"{node}.log").read_text()
         assert f"[{node}] rank {rank} bar 4" in log and f"rank {1 - rank} bar" not in log, log
         assert all(line.count(" bar ") <= 1 for line in log.splitlines()), log
+
+
+def test_many_fast_lines_from_two_nodes_each_arrive_whole_with_their_nodes_prefix(cluster, tmp_path):
+    """Both nodes print as fast as a buffered `print` goes (lines of 120 bytes, and some of 5,000, longer
+    than one of Slurm's I/O messages): every line of the cluster's log, of fab's output and of each node's
+    log is one whole line of one rank, under its own node's prefix."""
+    lines, long_every = 4000, 500
+    work = script(
+        tmp_path,
+        "fast.py",
+        f"for i in range({lines}):\n"
+        f"    print(f'r{{rank}} line {{i:08d}} ' + ('L' * 5000 if i % {long_every} == 0 else 'x' * 100) + ' end')\n",
+    )
+    fab = cluster.popen_fab("run", "--script", str(work), stderr=subprocess.PIPE)
+    shown, errors = fab.communicate(timeout=300)
+    assert fab.returncode == 0, shown[-3000:] + errors
+    whole = re.compile(r"\[node-(\d)\] r(\d) line (\d{8}) (?:L{5000}|x{100}) end")
+    folder = cluster.run_dir(shown)
+    on_cluster = cluster.state_dir / cluster.stack / "shared" / "runs" / folder.name / contract.RUN_LOG
+    for name, text in (("the cluster's log", on_cluster.read_text()), ("fab's output", shown)):
+        ours = [line for line in text.splitlines() if " line " in line]
+        torn = [line[:160] for line in ours if not (m := whole.fullmatch(line)) or m[1] != m[2]]
+        assert not torn and len(ours) == 2 * lines, (name, len(ours), torn[:5])
+    for node in (0, 1):
+        numbers = [int(m[3]) for m in whole.finditer((folder / f"node-{node}.log").read_text())]
+        assert numbers == list(range(lines)), (node, len(numbers))
 
 
 def _kill_daemon(cluster, node: str, name: str) -> None:
