@@ -15,6 +15,7 @@ from infra.inventory import ClusterInfo
 from infra.providers.aws import AwsProvider
 from infra.providers.base import CONFIG_FLAGS, DownReport, Provider, UpRequest, UpResult
 from infra.providers.hosts import SshProvider
+from infra.providers.local import orphans
 from infra.providers.local.provider import LocalProvider
 
 __all__ = ["CONFIG_FLAGS", "DownReport", "Provider", "UpRequest", "UpResult", "PROVIDERS"]
@@ -132,6 +133,8 @@ def for_stack(stack: str) -> Provider:
     whose state is Pulumi's."""
     name = _inventory_provider(stack)
     if name is None and (stack == LOCAL.default_stack or (state.stack_dir(stack) / "nodes").exists()):
+        name = LOCAL.name
+    if name is None and orphans.find(stack).count:  # a local stack whose state folder was deleted while it ran
         name = LOCAL.name
     if name is None and stack == HOSTS.default_stack:
         name = HOSTS.name
