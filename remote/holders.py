@@ -36,6 +36,8 @@ class Ending:
     """Why fab stopped following a run that goes on (a dropped connection, SIGHUP, Ctrl-C of logs -f)."""
     interrupted: bool = False
     """Ctrl-C (or SIGTERM) of an attached launch: the run was cancelled."""
+    cancelled_by: str = ""
+    """What else cancelled the run while it was followed (the cluster's down); '' where nothing did."""
 
 
 class RunHolder(Protocol):
@@ -257,6 +259,8 @@ class SlurmHolder:
         return self._after(folder, run, followed)
 
     def _after(self, folder: Path, run: runs.Run, followed: scheduled.Followed) -> Ending:
+        if followed.cancelled_by:  # the cluster is gone: nothing to finish there (down recorded the run)
+            return Ending(folder, run, cancelled_by=followed.cancelled_by)
         if followed.detached:
             return Ending(folder, run, detached=followed.detached, interrupted=followed.interrupted)
         scheduled.finish(self.cluster, self.setup, folder, run, followed)

@@ -70,7 +70,7 @@ def bring_down(chosen: Provider, stack: str, say) -> int:
     cluster stopped itself, where it did), and where the run logs are kept; returns the exit code."""
     was_current = _is_current(stack)
     if state.state_root().exists():  # with no state at all there is nothing to race over (and nothing is made)
-        with state.stack_lock(stack, f"down of stack '{stack}'", say):
+        with state.stack_lock(stack, state.down_holder(stack), say):
             unfinished = runlog.before_down(stack, say)  # the logs live on the cluster until they are here
             done: DownReport = chosen.down(stack, say)
             if done.code == 0 and done.ended:

@@ -237,10 +237,17 @@ def test_a_cancel_leaves_nothing_and_bad_run_ids_are_one_line(cluster, tmp_path)
     running = wait_for_state(cluster, run_id, "RUNNING")
     assert running["exit_code"] is None and running["ended_at"] is None, running  # null until known
     slurm.wait_for(lambda: run_processes(run_id), "the run's processes")
-    # One cancelled while it waits behind it never started: no start, no exit code, here and in the ledger
-    queued = detached(cluster, "run", "--script", str(work))
+    # One cancelled while it waits behind it never started: no start, no exit code, here and in the ledger;
+    # its --env-file values are gone from the shared folder as the stop returns
+    token = "tok-9e1f-cancelled-never-read"
+    env_file = tmp_path / "queued.env"
+    env_file.write_text(f"TOKEN={token}\n")
+    queued = detached(cluster, "run", "--script", str(work), "--env-file", str(env_file))
+    shared = Path(cluster.info["shared_dir"])
+    assert files_holding(token, shared)  # staged for the start that now never comes
     assert wait_for_state(cluster, queued, "PENDING")["started_at"] is None
     assert cluster.fab("stop", "--run", queued).returncode == 0
+    assert not files_holding(token, shared)
     row = wait_for_state(cluster, queued, "CANCELLED")
     assert (row["started_at"], row["exit_code"], row["exit_codes"], row["cost_usd"]) == (None, None, {}, 0.0), row
     priced = {r["run_id"]: r for r in json.loads(cluster.cli("cost", "--json").stdout)["runs"]}[queued]
@@ -542,9 +549,17 @@ def test_down_mid_run_keeps_its_log_here_and_names_the_run_it_cancelled(cluster,
     assert "rank 1 later" not in shown.stdout
     gate.touch()
     slurm.wait_for(lambda: cluster_log_has("rank 1 later"), "the run's later lines")
+    attached = cluster.popen_fab("run", "--script", str(work))  # queued behind it, and followed
+    seen = ""
+    while "fab: run " not in seen:
+        line = attached.stdout.readline()
+        assert line, seen
+        seen += line
     down = cluster.cli("down", "--stack", cluster.stack)
     assert down.returncode == 0, down.stdout + down.stderr
     assert f"run {run_id}, running, was cancelled with the cluster" in down.stdout, down.stdout
+    seen += attached.communicate(timeout=120)[0]
+    assert attached.returncode == 1 and "was cancelled by the cluster's down" in seen, seen  # not "goes on"
     assert not on_cluster.exists()
     folder = cluster.state_dir / cluster.stack / "runs" / run_id
     assert "[node-1] rank 1 later" in (folder / "node-1.log").read_text()
