@@ -388,9 +388,16 @@ class Ledger:
         at: float | None = None,
         lines: tuple[LineRecord, ...] = (),
     ) -> int:
-        """A cluster came up at `at`, billed for `lines` (which sum to `hourly_usd` on AWS)."""
+        """A cluster came up at `at`, billed for `lines` (which sum to `hourly_usd` on AWS). An interval of the
+        stack still open (its state deleted with no `down`: a stack has one cluster at a time) ends here, so
+        no hour is billed twice."""
         at = self.clock() if at is None else at
         with self._transaction():
+            self.db.execute(
+                "UPDATE intervals SET ended_at = MAX(?, started_at), end_reason = ? WHERE ended_at IS NULL AND "
+                "cluster_id IN (SELECT id FROM clusters WHERE stack = ?)",
+                (at, "a new up of the stack", stack),
+            )
             cursor = self.db.execute(
                 "INSERT INTO clusters"
                 " (stack, provider, instance_type, nodes, hourly_usd, reference_hourly_usd, created_at)"

@@ -219,6 +219,37 @@ def stack_lock(name: str, what: str, say=None, wait: bool = True) -> Iterator[No
         os.close(fd)  # releases the lock
 
 
+def lock_holder(name: str) -> str | None:
+    """Who holds the lock `name` now (what `stack_lock` was told, e.g. "down of stack 'dev' (pid ...)"); None
+    where nobody does."""
+    path = state_root() / LOCKS / f"{name}.lock"
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return None
+    except BlockingIOError:
+        return os.pread(fd, 200, 0).decode(errors="replace").strip() or "another command"
+    finally:
+        os.close(fd)
+
+
+def down_holder(stack: str) -> str:
+    """What `deploy.py down` tells the stack's lock it is (`taken_down` looks for it)."""
+    return f"down of stack '{stack}'"
+
+
+def taken_down(stack: str, waiting: str) -> bool:
+    """Whether `deploy.py down` takes or took the stack down: its down holds the stack's lock (waited for, as
+    `waiting`, so that what it records is written), or the stack has no inventory left."""
+    if (lock_holder(stack) or "").startswith(down_holder(stack)):
+        with stack_lock(stack, waiting):
+            pass
+    return not stack_file(stack, INVENTORY).exists()
+
+
 def write_atomic(path: Path, text: str, mode: int = PRIVATE_FILE_MODE) -> None:
     """Write `text` so that a reader sees the old file or the new one, never half of one (0600 unless asked)."""
     make_private_dir(path.parent)

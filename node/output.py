@@ -19,6 +19,7 @@ import select
 import tempfile
 import threading
 import time
+from typing import Protocol
 
 READ_BYTES = 1 << 20
 PIPE_BYTES = 1 << 20  # a rank's pipe holds this much before the rank waits (Linux's default: 64 kB)
@@ -50,7 +51,7 @@ def prefixed(data: bytes, prefix: bytes, at_line_start: bool) -> tuple[bytes, bo
     data = data.replace(b"\r\n", b"\n")
     body = data.replace(b"\n", b"\n" + prefix).replace(b"\r", b"\r" + prefix)
     ends_line = data.endswith((b"\n", b"\r"))
-    if ends_line:
+    if ends_line and prefix:
         body = body[: -len(prefix)]
     lead = prefix if at_line_start and not data.startswith(b"\r") else b""  # `\r` brings its own
     return lead + body, ends_line
@@ -135,6 +136,27 @@ class Spool:
         self.file.close()
 
 
+class Reader(Protocol):
+    """What a pipe's reader does with what it reads (`feed`), and at the pipe's end (`end`)."""
+
+    def feed(self, data: bytes) -> None: ...
+
+    def end(self) -> None: ...
+
+
+class AsItComes:
+    """A pipe's output, as it comes, from one source."""
+
+    def __init__(self, mux: "Mux", source: Source):
+        self.mux, self.source = mux, source
+
+    def feed(self, data: bytes) -> None:
+        self.mux.write(self.source, data)
+
+    def end(self) -> None:
+        pass
+
+
 class Mux:
     """Everything a node's job writes, prefixed, through one `Spool` onto one file descriptor (the
     node's real output)."""
@@ -159,9 +181,13 @@ class Mux:
                 self.unfinished = None if out.endswith(b"\n") else source
             self.spool.append(head + out)
 
-    def follow(self, read_fd: int, prefix: bytes, name: str = "gpu-cluster-output") -> threading.Thread:
-        """Copy a pipe's output from a thread of its own until every writer has closed it."""
-        source = Source(prefix)
+    def follow(
+        self, read_fd: int, prefix: bytes, name: str = "gpu-cluster-output", reader: "Reader | None" = None
+    ) -> threading.Thread:
+        """Copy a pipe's output from a thread of its own until every writer has closed it; `reader`: what
+        turns what is read into the sources' writes (else one source with `prefix`, as it comes)."""
+        if reader is None:
+            reader = AsItComes(self, Source(prefix))
 
         def copy() -> None:
             try:
@@ -175,8 +201,9 @@ class Mux:
                     data = os.read(read_fd, READ_BYTES)
                     if not data:
                         return
-                    self.write(source, data)
+                    reader.feed(data)
             finally:
+                reader.end()
                 os.close(read_fd)
 
         thread = threading.Thread(target=copy, name=name, daemon=True)

@@ -133,12 +133,18 @@ def working_directory(pid: int) -> str | None:
         return None
 
 
+DELETED = " (deleted)"
+"""What /proc adds to the path of a current folder removed since."""
+
+
 def pids_working_in(folder: str) -> list:
     """Live processes whose current folder is `folder` or below it (this one aside); empty without /proc."""
     inside = folder.rstrip("/") + "/"
     found = []
     for pid in pids():
         cwd = working_directory(pid)
+        if cwd and cwd.endswith(DELETED):  # a folder removed since (a stack's state deleted while it ran)
+            cwd = cwd[: -len(DELETED)]
         if pid != os.getpid() and cwd and (cwd + "/").startswith(inside) and alive(pid):
             found.append(pid)
     return found

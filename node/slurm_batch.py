@@ -12,14 +12,13 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 
 if not __package__:  # run as a file: import its siblings from the code folder, ahead of any other `node`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from node import contract, slurm_existing, slurm_exit, slurm_nodes, slurm_restarts  # noqa: E402
+from node import contract, slurm_existing, slurm_exit, slurm_nodes, slurm_output, slurm_restarts  # noqa: E402
 from node.slurm_conf import DaemonError, Paths, UsageError  # noqa: E402
 from node.slurm_daemons import program, write_private  # noqa: E402
 from node.slurm_step import exit_status, step_argv  # noqa: E402
@@ -48,7 +47,8 @@ def supervise(spec: dict) -> int:
         note_restart(os.path.dirname(spec["log"]), restart)
     if (spec.get("watch") or {}).get("shared_dir"):  # the step times a start Slurm requeued left (its straggler's)
         shutil.rmtree(os.path.join(os.path.dirname(spec["log"]), contract.STEP_TIMES), ignore_errors=True)
-    main = subprocess.Popen(step_argv(spec, srun, *step_options(spec)))
+    output = slurm_output.RunOutput.start()
+    main = slurm_output.popen(step_argv(spec, srun, *step_options(spec)))
     restarts = slurm_restarts.GroupRestarts(spec, srun) if spec.get("replicas") else None
 
     def forward(number, _frame):
@@ -70,6 +70,7 @@ def supervise(spec: dict) -> int:
         code = restarts.beside(main)
     else:
         code = exit_status(main.wait())
+    output.close()  # every node's lines in the log (`survived` and `run_code` read their markers there)
     if spec.get("replicas") and slurm_restarts.survived(spec):
         code = 0  # a replica group trained to the end: the run completed, whatever another group's node did
     else:

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import threading
 
-from node import contract, replicas, slurm_nodes
+from node import contract, replicas, slurm_nodes, slurm_output
 from node.slurm_conf import Paths
 from node.slurm_step import exit_status, step_argv
 
@@ -122,7 +122,7 @@ class GroupRestarts:
         # without the batch job's SLURM_* (but Slurm's configuration), srun asks for an allocation of its own
         # rather than a step of this job's, whose nodes Slurm cannot add back
         own = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
-        self.processes[number] = subprocess.Popen(argv, env=own)
+        self.processes[number] = slurm_output.popen(argv, env=own)
         return True
 
     def _record(self, last: bool = False) -> None:

@@ -17,7 +17,7 @@ replica groups) is `--kill-on-bad-exit=0 --no-kill` in a `--no-kill` job instead
 fails or dies ends only that group, and the others train on in the same allocation; a group whose nodes
 were replaced is started again on them, beside the step, by the batch job (node/slurm_restarts.py). Each
 node's task is node/slurm_step.py, a file of its own that starts in milliseconds: it runs this node's command and
-prefixes its output (`[node-i] `); srun gathers every node's into the log, one writer.
+prefixes its output (`[node-i] `) in records Slurm carries whole, joined into the log by node/slurm_output.py.
 
 Standard library only; run as a file, it imports its siblings from the code folder.
 """

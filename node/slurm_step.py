@@ -6,11 +6,12 @@ node; not for people).
 It runs this node's command from the spec (found by SLURMD_NODENAME; the spec as node/slurm_run.py
 describes it) with the node's own HOME (jobs run with the submitter's environment otherwise, whose HOME
 is the head node's where nodes share a machine) and writes its output, as it comes, with a `[node-i] `
-prefix after every newline and carriage return, so progress bars stay live; srun gathers every node's
-into the run's log, one writer. On SIGTERM or SIGHUP it passes the signal to the command's session and
-ends it after a grace period; it exits with the command's status (128 + signal if killed).
+prefix after every newline and carriage return, so progress bars stay live, in records (node/frames.py)
+that Slurm carries whole; the batch job joins every node's into the run's log (node/slurm_output.py). On
+SIGTERM or SIGHUP it passes the signal to the command's session and ends it after a grace period; it exits
+with the command's status (128 + signal if killed).
 
-A file of its own, with the standard library and node/contract.py only, so that it starts in a few
+A file of its own, with the standard library, node/contract.py and node/frames.py only, so that it starts in a few
 milliseconds on every node at every start (slurm_run.py's imports took about 0.1 s).
 """
 
@@ -28,7 +29,7 @@ import time
 if not __package__:  # run as a file: import its siblings from the code folder, ahead of any other `node`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from node import contract  # noqa: E402
+from node import contract, frames  # noqa: E402
 
 TERMINATE_GRACE_S = 5.0
 """How long the command's session has, after the signal it was passed, before it is killed."""
@@ -51,8 +52,7 @@ def step_argv(spec: dict, srun: str, *options: str) -> list:
         *options,
         f"--nodes={count}",
         f"--ntasks={count}",
-        "--ntasks-per-node=1",
-        "--unbuffered",
+        "--ntasks-per-node=1",  # and Slurm's line-buffered output: each of the step's records one message
         "--export=NONE",  # each node's step: Slurm's variables only (`step` sets HOME and PATH), not the head's
         spec["python"],
         "-u",
@@ -132,6 +132,19 @@ def copy_whole_lines(fd: int, prefix, out, hold_s: float = HOLD_S) -> None:
         out.flush()
 
 
+class Framed:
+    """A binary output that writes what it is given as node `node`'s records (node/frames.py)."""
+
+    def __init__(self, node: bytes, out):
+        self.node, self.out = node, out
+
+    def write(self, data: bytes) -> None:
+        self.out.write(frames.frame(self.node, data))
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
 def step(spec: dict) -> int:
     """This node's part of the run: its command, its output prefixed; the command's exit status."""
     slurm_name = os.environ.get("SLURMD_NODENAME", "")
@@ -169,7 +182,7 @@ def step(spec: dict) -> int:
         signal.signal(signum, forward)
     prefix = Prefixer(f"[{name}] ".encode(), own=f"[{name}".encode())
     assert child.stdout is not None
-    copy_whole_lines(child.stdout.fileno(), prefix, sys.stdout.buffer)
+    copy_whole_lines(child.stdout.fileno(), prefix, Framed(name.encode(), sys.stdout.buffer))
     return exit_status(child.wait())
 
 

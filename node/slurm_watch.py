@@ -17,7 +17,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from node import contract, slurm_nodes, straggler
+from node import contract, frames, slurm_nodes, straggler
 from node.run_watch import OVERDUE_GRACE_S, RunWatch, WatchPolicy
 from node.slurm_conf import Paths
 from node.slurm_daemons import write_private
@@ -107,10 +107,11 @@ def ask_nodes(probe: dict, srun: str, apart: bool = False) -> list:
     if len(probe["nodes"]) == 1:
         options.append(f"--nodelist={probe['nodes'][0].get('slurm_name') or probe['nodes'][0]['name']}")
     try:
-        result = subprocess.run(step_argv(probe, srun, *options), capture_output=True, text=True, timeout=120)
+        result = subprocess.run(step_argv(probe, srun, *options), capture_output=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired):
         return []
-    return contract.json_objects(re.sub(r"^\[[^\]]*\] ", "", line) for line in result.stdout.splitlines())
+    lines = frames.unframed(result.stdout).decode(errors="replace").splitlines()
+    return contract.json_objects(re.sub(r"^\[[^\]]*\] ", "", line) for line in lines)
 
 
 class StragglerReplacement:

@@ -47,6 +47,8 @@ class Ending:
     """Why fab stopped following a run that goes on (a dropped connection, SIGHUP, Ctrl-C of logs -f)."""
     interrupted: bool = False
     """Ctrl-C (or SIGTERM) of an attached launch: the run was cancelled."""
+    cancelled_by: str = ""
+    """What else cancelled the run while it was followed (the cluster's down); '' where nothing did."""
 
 
 class RunHolder(Protocol):
@@ -300,6 +302,8 @@ class SlurmHolder:
         scheduled.bring_logs(self.cluster, [(f, r) for f, r in found if r.job_id])
 
     def _after(self, folder: Path, run: runs.Run, followed: scheduled.Followed) -> Ending:
+        if followed.cancelled_by:  # the cluster is gone: nothing to finish there (down recorded the run)
+            return Ending(folder, run, cancelled_by=followed.cancelled_by)
         if followed.detached:
             return Ending(folder, run, detached=followed.detached, interrupted=followed.interrupted)
         scheduled.finish(self.cluster, self.setup, folder, run, followed)

@@ -188,6 +188,8 @@ class Followed:
     """When each node's job ended by its own clock (its exit marker), for the timeline."""
     head: NodeSession | None = None
     """The head node's connection the follow used, still open: `finish` asks over it, then closes it."""
+    cancelled_by: str = ""
+    """What cancelled the run from outside while it was followed (the cluster's down); '' where nothing did."""
 
 
 def follow(
@@ -259,6 +261,8 @@ def follow(
     if splitter.end is None and not interrupted:
         if notes.failed:
             raise OperationError(f"cannot follow run {run.run_id}: {notes.failed}")
+        if state.taken_down(cluster.stack, f"fab following run {run.run_id}"):  # the run went with it
+            return Followed(None, codes, ranks, cancelled_by="the cluster's down (python deploy.py down)")
         end = ended_in_slurm(cluster, run, wait=bool(outcome.get("here")))
         if end is not None:  # the run's end is Slurm's, whatever became of its log or of this copy
             return Followed(end, codes, ranks)
@@ -336,14 +340,24 @@ def refresh(cluster: ClusterInfo, runs: list[Run], head: NodeSession | None = No
 
 
 def cancel(cluster: ClusterInfo, run: Run) -> dict | None:
-    """scancel the run's job; what Slurm knew of it before (None: nothing)."""
+    """scancel the run's job, and remove its `--env` values from the cluster (no start of it reads them
+    now); what Slurm knew of it before (None: nothing)."""
     head = NodeSession(cluster, cluster.head)
     try:
-        return nodecall.call(head, cluster.python, calls.CancelRun(run.job_id)).before
+        before = nodecall.call(head, cluster.python, calls.CancelRun(run.job_id)).before
     except CONNECTION_ERRORS as exc:
         raise OperationError(f"{cluster.head.name} does not answer: {describe(exc)}") from None
     except OperationError as exc:
         raise OperationError(f"could not cancel run {run.run_id}: {exc}") from None
+    else:
+        try:
+            forget_env_values(cluster, run.run_id, run.spec.get("env_values"), head)
+        except (OperationError, *CONNECTION_ERRORS) as exc:
+            raise OperationError(
+                f"run {run.run_id} was cancelled, but its --env values are still on the cluster ({describe(exc)}): "
+                "fab jobs removes them once it sees the run ended"
+            ) from None
+        return before
     finally:
         head.close()
 

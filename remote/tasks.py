@@ -83,6 +83,8 @@ def report(cluster: ClusterInfo, ending: holders.Ending) -> None:
         say(f"fab: follow it with {follow}; cancel it with {cancel}")
         print(run.run_id, flush=True)  # alone on the last line, for scripts
         return
+    if ending.cancelled_by:
+        raise Exit(f"fab: run {run.run_id} was cancelled by {ending.cancelled_by}; its log: {folder}", code=1)
     if ending.detached:
         say(
             f"fab: stopped following ({ending.detached}); run {run.run_id} goes on on the cluster: "

@@ -15,6 +15,7 @@ from infra.inventory import ClusterInfo
 from infra.providers.aws import AwsProvider
 from infra.providers.base import CONFIG_FLAGS, DownReport, Provider, UpRequest, UpResult
 from infra.providers.hosts import SshProvider
+from infra.providers.local import orphans
 from infra.providers.local.provider import LocalProvider
 
 __all__ = ["CONFIG_FLAGS", "DownReport", "Provider", "UpRequest", "UpResult", "PROVIDERS"]
@@ -69,7 +70,7 @@ def bring_down(chosen: Provider, stack: str, say) -> int:
     cluster stopped itself, where it did), and where the run logs are kept; returns the exit code."""
     was_current = _is_current(stack)
     if state.state_root().exists():  # with no state at all there is nothing to race over (and nothing is made)
-        with state.stack_lock(stack, f"down of stack '{stack}'", say):
+        with state.stack_lock(stack, state.down_holder(stack), say):
             unfinished = runlog.before_down(stack, say)  # the logs live on the cluster until they are here
             done: DownReport = chosen.down(stack, say)
             if done.code == 0 and done.ended:
@@ -132,6 +133,8 @@ def for_stack(stack: str) -> Provider:
     whose state is Pulumi's."""
     name = _inventory_provider(stack)
     if name is None and (stack == LOCAL.default_stack or (state.stack_dir(stack) / "nodes").exists()):
+        name = LOCAL.name
+    if name is None and orphans.find(stack).count:  # a local stack whose state folder was deleted while it ran
         name = LOCAL.name
     if name is None and stack == HOSTS.default_stack:
         name = HOSTS.name

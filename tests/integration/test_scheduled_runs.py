@@ -6,6 +6,7 @@ import hashlib
 import ipaddress
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -285,10 +286,17 @@ def test_a_cancel_leaves_nothing_and_bad_run_ids_are_one_line(cluster, tmp_path)
     running = wait_for_state(cluster, run_id, "RUNNING")
     assert running["exit_code"] is None and running["ended_at"] is None, running  # null until known
     slurm.wait_for(lambda: run_processes(run_id), "the run's processes")
-    # One cancelled while it waits behind it never started: no start, no exit code, here and in the ledger
-    queued = detached(cluster, "run", "--script", str(work))
+    # One cancelled while it waits behind it never started: no start, no exit code, here and in the ledger;
+    # its --env-file values are gone from the shared folder as the stop returns
+    token = "tok-9e1f-cancelled-never-read"
+    env_file = tmp_path / "queued.env"
+    env_file.write_text(f"TOKEN={token}\n")
+    queued = detached(cluster, "run", "--script", str(work), "--env-file", str(env_file))
+    shared = Path(cluster.info["shared_dir"])
+    assert files_holding(token, shared)  # staged for the start that now never comes
     assert wait_for_state(cluster, queued, "PENDING")["started_at"] is None
     assert cluster.fab("stop", "--run", queued).returncode == 0
+    assert not files_holding(token, shared)
     row = wait_for_state(cluster, queued, "CANCELLED")
     assert (row["started_at"], row["exit_code"], row["exit_codes"], row["cost_usd"]) == (None, None, {}, 0.0), row
     priced = {r["run_id"]: r for r in json.loads(cluster.cli("cost", "--json").stdout)["runs"]}[queued]
@@ -434,6 +442,32 @@ def test_two_ranks_progress_bars_stay_in_lines_and_logs_of_their_own(cluster, tm
         log = (folder / f"{node}.log").read_text()
         assert f"[{node}] rank {rank} bar 4" in log and f"rank {1 - rank} bar" not in log, log
         assert all(line.count(" bar ") <= 1 for line in log.splitlines()), log
+
+
+def test_many_fast_lines_from_two_nodes_each_arrive_whole_with_their_nodes_prefix(cluster, tmp_path):
+    """Both nodes print as fast as a buffered `print` goes (lines of 120 bytes, and some of 5,000, longer
+    than one of Slurm's I/O messages): every line of the cluster's log, of fab's output and of each node's
+    log is one whole line of one rank, under its own node's prefix."""
+    lines, long_every = 4000, 500
+    work = script(
+        tmp_path,
+        "fast.py",
+        f"for i in range({lines}):\n"
+        f"    print(f'r{{rank}} line {{i:08d}} ' + ('L' * 5000 if i % {long_every} == 0 else 'x' * 100) + ' end')\n",
+    )
+    fab = cluster.popen_fab("run", "--script", str(work), stderr=subprocess.PIPE)
+    shown, errors = fab.communicate(timeout=300)
+    assert fab.returncode == 0, shown[-3000:] + errors
+    whole = re.compile(r"\[node-(\d)\] r(\d) line (\d{8}) (?:L{5000}|x{100}) end")
+    folder = cluster.run_dir(shown)
+    on_cluster = cluster.state_dir / cluster.stack / "shared" / "runs" / folder.name / contract.RUN_LOG
+    for name, text in (("the cluster's log", on_cluster.read_text()), ("fab's output", shown)):
+        ours = [line for line in text.splitlines() if " line " in line]
+        torn = [line[:160] for line in ours if not (m := whole.fullmatch(line)) or m[1] != m[2]]
+        assert not torn and len(ours) == 2 * lines, (name, len(ours), torn[:5])
+    for node in (0, 1):
+        numbers = [int(m[3]) for m in whole.finditer((folder / f"node-{node}.log").read_text())]
+        assert numbers == list(range(lines)), (node, len(numbers))
 
 
 def _kill_daemon(cluster, node: str, name: str) -> None:
@@ -585,9 +619,17 @@ def test_down_mid_run_keeps_its_log_here_and_names_the_run_it_cancelled(cluster,
     assert "rank 1 later" not in shown.stdout
     gate.touch()
     slurm.wait_for(lambda: cluster_log_has("rank 1 later"), "the run's later lines")
+    attached = cluster.popen_fab("run", "--script", str(work))  # queued behind it, and followed
+    seen = ""
+    while "fab: run " not in seen:
+        line = attached.stdout.readline()
+        assert line, seen
+        seen += line
     down = cluster.cli("down", "--stack", cluster.stack)
     assert down.returncode == 0, down.stdout + down.stderr
     assert f"run {run_id}, running, was cancelled with the cluster" in down.stdout, down.stdout
+    seen += attached.communicate(timeout=120)[0]
+    assert attached.returncode == 1 and "was cancelled by the cluster's down" in seen, seen  # not "goes on"
     assert not on_cluster.exists()
     folder = cluster.state_dir / cluster.stack / "runs" / run_id
     assert "[node-1] rank 1 later" in (folder / "node-1.log").read_text()

@@ -165,6 +165,21 @@ def test_intervals_are_billed_per_second_with_a_one_minute_minimum(tmp_path):
     assert second.seconds(clock.now) == 10
 
 
+def test_a_new_up_of_a_stack_whose_interval_never_closed_bills_no_hour_twice(tmp_path):
+    """Its state deleted while it ran and no `down`: the next up of the stack ends the old interval."""
+    clock = Clock()
+    ledger = Ledger(tmp_path / "ledger.sqlite", clock=clock)
+    ledger.cluster_up("r2", "local", "g4dn.2xlarge", 2, hourly_usd=3.6)  # $0.001 a second
+    ledger.cluster_up("other", "local", "g4dn.2xlarge", 2, hourly_usd=3.6)
+    clock.now += 100
+    ledger.cluster_up("r2", "local", "g4dn.2xlarge", 2, hourly_usd=3.6)
+    clock.now += 100
+    first, second = ledger.clusters("r2")
+    assert first.cost_usd(clock.now) == pytest.approx(0.1) and first.intervals[0].end_reason == "a new up of the stack"
+    assert second.is_up and second.cost_usd(clock.now) == pytest.approx(0.1)
+    assert ledger.open_cluster("other").cost_usd(clock.now) == pytest.approx(0.2)  # another stack's goes on
+
+
 def test_an_open_interval_is_costed_up_to_now_and_runs_by_their_duration(tmp_path):
     clock = Clock()
     ledger = Ledger(tmp_path / "ledger.sqlite", clock=clock)

@@ -9,6 +9,8 @@ from pathlib import Path
 from node import contract
 
 SERVER_MODULE = "infra.providers.local.node_server"
+SUPERVISOR_MODULE = "infra.providers.local.supervisor"
+TOKEN_VARIABLE = "CLUSTER_NODE_TOKEN"
 # Daemons started on the node (the watchdog, a detached job) register `<name>.pid` here, so that
 # powering the node off ends them too, as it would on a real machine.
 PID_REGISTRY = contract.PIDS
@@ -50,7 +52,7 @@ class NodeConfig:
 
 
 def token_entry(token: str) -> str:
-    return f"CLUSTER_NODE_TOKEN={token}"
+    return f"{TOKEN_VARIABLE}={token}"
 
 
 def pid_text(pid: int) -> str:

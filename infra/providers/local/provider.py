@@ -32,8 +32,15 @@ from infra.config import StackConfig
 from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo, NodeInfo, NodeStatus
 from infra.providers.base import DownReport, Provider, UpRequest, UpResult
-from infra.providers.local import metadata, procs
-from infra.providers.local.node_config import PID_REGISTRY, SERVER_MODULE, NodeConfig, read_pid, token_entry
+from infra.providers.local import metadata, orphans, procs
+from infra.providers.local.node_config import (
+    PID_REGISTRY,
+    SERVER_MODULE,
+    SUPERVISOR_MODULE,
+    NodeConfig,
+    read_pid,
+    token_entry,
+)
 from infra.timeline import Timeline
 from node import contract, procfs
 
@@ -368,7 +375,6 @@ def _last_log_line(config: NodeConfig) -> str:
 
 SUPERVISOR_PID = "supervisor.pid"
 SUPERVISOR_LOG = "supervisor.log"
-SUPERVISOR_MODULE = "infra.providers.local.supervisor"
 
 
 def start_supervisor(stack: str) -> int:
@@ -405,13 +411,15 @@ def stop_supervisor(stack: str, timeout_s: float = STOP_TIMEOUT_S) -> None:
     """End the supervisor, and a bootstrap it runs (its process group), before the nodes are stopped."""
     pid = supervisor_pid(stack)
     state.stack_file(stack, SUPERVISOR_PID).unlink(missing_ok=True)
-    if pid is None:
-        return
-    _kill_group(pid, signal.SIGTERM)
+    pids = {pid} if pid is not None else set()
+    pids |= set(orphans.supervisors(stack))  # its pid file gone with the stack's folder
+    for each in pids:
+        _kill_group(each, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
-    while procs.alive(pid) and time.monotonic() < deadline:
+    while any(procs.alive(each) for each in pids) and time.monotonic() < deadline:
         time.sleep(0.02)
-    _kill_group(pid, signal.SIGKILL)
+    for each in pids:
+        _kill_group(each, signal.SIGKILL)
 
 
 def _kill_group(pgid: int, sig: int) -> None:
@@ -434,11 +442,16 @@ class Teardown:
     """`address:port` still accepting connections afterwards; empty when all is gone."""
     was_up: bool = True
     """False when there was no cluster state to remove."""
+    orphaned: orphans.Orphans | None = None
+    """What ran of a stack whose state folder was gone (found and stopped without it)."""
 
 
 def down(stack: str) -> Teardown:
     """Stop every node, prove no port listens, remove the state; keeps runs/ and the ledger."""
     if not (state.stack_dir(stack) / "nodes").exists() and not inventory.inventory_path(stack).exists():
+        left = orphans.find(stack)
+        if left.count:
+            return _down_without_state(stack, left)
         state.clear_current_stack(stack)
         return Teardown(0, [], was_up=False)
     endpoints = _node_endpoints(stack)
@@ -449,13 +462,33 @@ def down(stack: str) -> Teardown:
     return Teardown(stopped, listening)
 
 
+def _down_without_state(stack: str, left: orphans.Orphans) -> Teardown:
+    """A stack whose state folder was deleted while it ran: its processes, found without it
+    (infra/providers/local/orphans.py), stopped as `stop_nodes` stops them; what still runs after that
+    is named in `listening` as pids."""
+    stopped = stop_nodes(stack)  # the supervisor, then the node servers: they end their nodes' sessions
+    for pid in left.others:
+        if procs.alive(pid):
+            _kill(pid, signal.SIGKILL)
+    again = orphans.find(stack)  # anything started meanwhile
+    for pid in again.others:
+        _kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while orphans.find(stack).count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    still = orphans.find(stack)
+    remove_state(stack)
+    listening = [f"pid {pid}" for pid in sorted(set(still.servers + still.supervisors + still.others))]
+    return Teardown(stopped, listening, orphaned=left)
+
+
 def stop_nodes(stack: str) -> int:
     """SIGTERM every node server (they end their sessions and daemons), SIGKILL stragglers.
 
     Servers are found by their pid files and also by their command line, so that one whose pid file
     is not written yet (an `up` killed right after spawning it) or was deleted is stopped too."""
     stop_supervisor(stack)  # first: it would replace the nodes as they go
-    pids = sorted({pid for pid in _server_pids(stack) if _is_node_server(pid)} | set(_servers_by_command_line(stack)))
+    pids = sorted({pid for pid in _server_pids(stack) if _is_node_server(pid)} | set(orphans.node_servers(stack)))
     for pid in pids:
         _kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT_S
@@ -565,16 +598,6 @@ def _node_endpoints(stack: str) -> list[tuple[str, int]]:
 def _server_pids(stack: str) -> list[int]:
     found = (read_pid(path) for path in sorted((state.stack_dir(stack) / "nodes").glob("node-*/sshd.pid")))
     return [pid for pid, _ in filter(None, found)]
-
-
-def _servers_by_command_line(stack: str) -> list[int]:
-    """Live node servers started for this stack's node folders (`python -m ... nodes/node-<i>/node.json`)."""
-    nodes = str(state.stack_dir(stack) / "nodes") + "/"
-    return [
-        pid
-        for pid in procfs.pids_with_argument(SERVER_MODULE)
-        if any(arg.startswith(nodes) for arg in procfs.command_line(pid))
-    ]
 
 
 def stacks_without_inventory() -> list[str]:
@@ -726,9 +749,19 @@ class LocalProvider(Provider):
         result = down(stack)
         elapsed = time.perf_counter() - started
         if result.listening:
-            say(f"still listening after down: {', '.join(result.listening)}")
+            still = "still running after down" if result.orphaned else "still listening after down"
+            say(f"{still}: {', '.join(result.listening)}")
             return DownReport(1, stopped_itself=stopped_itself)
-        if not result.was_up:
+        if result.orphaned is not None:
+            left = result.orphaned
+            others = f"{len(left.others)} process{'' if len(left.others) == 1 else 'es'}"
+            say(
+                f"stack '{stack}': its state folder {report.relative(state.stack_dir(stack))} was gone; stopped "
+                f"what still ran of it: {report.plural(len(left.servers), 'node server')}, "
+                f"{report.plural(len(left.supervisors), 'supervisor')}, "
+                f"{others} its nodes started (sessions, Slurm's daemons and jobs)"
+            )
+        elif not result.was_up:
             say(f"nothing to do: stack '{stack}' is not up")
         elif stopped_itself:
             say(f"stack '{stack}' had stopped itself ({stopped_itself.get('reason', 'stopped')}); state removed")
