@@ -41,7 +41,7 @@ INTERPRETER_PATH = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPA
 if not __package__:  # run as a file: import its siblings from the code folder, ahead of any other `node`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from node import contract  # noqa: E402
+from node import contract, procfs  # noqa: E402
 from node.warm_ask import ASK_TIMEOUT_S, answer, import_time_environment, private_folder, read_ask, socket_path  # noqa: E402, I001
 
 PR_SET_PDEATHSIG = 1
@@ -201,7 +201,8 @@ class Launcher:
         self.selector.register(conn, selectors.EVENT_READ, pid)
 
     def record(self, pid: int, env: dict) -> None:
-        started = procfs_start_time(pid)
+        fields = procfs.stat_fields(pid) or []
+        started = fields[19] if len(fields) > 19 else None
         path = os.path.join(self.ranks_dir, str(pid))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -369,14 +370,6 @@ def set_parent_death_signal(sig: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     except (OSError, AttributeError):
         pass
-
-
-def procfs_start_time(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
 
 
 def main(argv: list) -> None:
