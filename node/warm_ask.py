@@ -18,6 +18,8 @@ IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH_", "OMP_", "MKL_", "KMP_", "CUDA_", "L
 """Variables a library reads when it is imported: a rank forked from a process imported under other
 values would not see its own. TORCHELASTIC_* are the rank's own, set by torchrun, read at run time."""
 PER_RANK_PREFIXES = ("TORCHELASTIC_",)
+DEFAULT = "0"
+"""Whether ranks are forked warm where neither the node environment nor the launch says (`contract.WARM_VARIABLE`)."""
 ASK_TIMEOUT_S = 10.0
 
 
@@ -196,7 +198,7 @@ def starting_or_running(home: str) -> bool:
     return True
 
 
-def start(env: "typing.Mapping[str, str]", home: str | None = None) -> None:
+def start(env: "typing.Mapping[str, str]", home: str | None = None, python: str | None = None) -> None:
     """Start a warm launcher for the next launches, detached (its own session), with a rank's environment."""
     import subprocess
 
@@ -209,7 +211,7 @@ def start(env: "typing.Mapping[str, str]", home: str | None = None) -> None:
     env = {k: v for k, v in env.items() if not k.startswith((*PER_RANK_PREFIXES, "CLUSTER_RUN"))}
     try:
         subprocess.Popen(
-            [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm.py"), "serve"],
+            [python or sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm.py"), "serve"],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,
@@ -250,5 +252,39 @@ class RankStarter:
 
 
 def wanted(env: "typing.Mapping[str, str]") -> bool:
-    """Whether the launch asks for warm ranks (`contract.WARM_VARIABLE`)."""
-    return env.get(contract.WARM_VARIABLE, "0") == "1"
+    """Whether the launch asks for warm ranks (`contract.WARM_VARIABLE`, else `DEFAULT`)."""
+    return env.get(contract.WARM_VARIABLE, DEFAULT) == "1"
+
+
+def stop(home: str) -> bool:
+    """End the running warm launcher (its ranks end with it); whether there was one."""
+    try:
+        with open(os.path.join(home, contract.WARM_PID)) as f:
+            pgid = int(f.read().split()[0])
+        os.killpg(pgid, signal.SIGTERM)
+    except (OSError, ValueError, IndexError):
+        return False
+    try:
+        os.unlink(os.path.join(home, contract.WARM_PID))
+    except OSError:
+        pass
+    return True
+
+
+def restart_for_the_node(home: str, code: str, env_file: str) -> str:
+    """Bootstrap's and a replacement's: the node environment was (re)written, so a running launcher may
+    hold stale imports. It ends; where the node environment asks for warm ranks, a fresh one starts with
+    that environment, ready for the next launch. What was done, in a word."""
+    stopped = stop(home)
+    env = dict(os.environ)
+    for line in open(env_file).read().splitlines():
+        if line.startswith("export ") and "=" in line:
+            key, value = line[len("export ") :].split("=", 1)
+            words = shlex.split(value) if value else [""]
+            env[key] = os.path.expandvars(words[0] if words else "")
+    if not wanted(env):
+        return "stopped" if stopped else "off"
+    python = env.get("CLUSTER_PYTHON") or sys.executable
+    env["CLUSTER_CODE_DIR"] = env.get("CLUSTER_CODE_DIR") or code
+    start(env, home, python)
+    return "started"
