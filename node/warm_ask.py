@@ -7,6 +7,7 @@ signal is its negative number, as `subprocess.Popen.returncode` says it). Standa
 
 import json
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -18,7 +19,7 @@ IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH_", "OMP_", "MKL_", "KMP_", "CUDA_", "L
 """Variables a library reads when it is imported: a rank forked from a process imported under other
 values would not see its own. TORCHELASTIC_* are the rank's own, set by torchrun, read at run time."""
 PER_RANK_PREFIXES = ("TORCHELASTIC_",)
-DEFAULT = "0"
+DEFAULT = "1"
 """Whether ranks are forked warm where neither the node environment nor the launch says (`contract.WARM_VARIABLE`)."""
 ASK_TIMEOUT_S = 10.0
 
