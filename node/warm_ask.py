@@ -148,12 +148,27 @@ class WarmRank:
         self.send_signal(signal.SIGKILL)
 
 
+def start_up_hook(env: "typing.Mapping[str, str]") -> str | None:
+    """A sitecustomize or usercustomize on the rank's PYTHONPATH other than the rank monitor's own
+    (node/rankhook, which the launcher starts itself), or None."""
+    for folder in [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]:
+        if os.path.exists(os.path.join(folder, "gpu_cluster_rank_monitor.py")):
+            continue
+        for name in ("sitecustomize.py", "usercustomize.py"):
+            if os.path.exists(os.path.join(folder, name)):
+                return os.path.join(folder, name)
+    return None
+
+
 def ask(args: list, env: dict, out_fd: int, home: str | None = None) -> WarmRank:
     """Have the node's warm launcher fork this rank; Cold, saying why, where it cannot."""
     found = script_of(list(args))
     if found is None:
         raise Cold("the worker is not a Python script or module")
     python, target, argv = found
+    hook = start_up_hook(env)
+    if hook:
+        raise Cold(f"{hook} on PYTHONPATH runs at an interpreter's start, which a fork skips")
     path = socket_path(home)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.settimeout(ASK_TIMEOUT_S)

@@ -161,3 +161,9 @@ def test_the_launchers_folder_is_made_private_again(tmp_path):
     warm_ask.private_folder(str(folder))
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     assert procfs.WARM_RANKS == contract.WARM_RANKS  # procfs, inlined without contract, spells it too
+
+
+def test_a_start_up_hook_of_the_users_on_pythonpath_starts_the_rank_cold(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text("")
+    with pytest.raises(warm_ask.Cold, match="sitecustomize.py on PYTHONPATH"):
+        warm_ask.ask([sys.executable, "-u", "x.py"], {"PYTHONPATH": str(tmp_path)}, 1, str(tmp_path))
