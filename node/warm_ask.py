@@ -16,9 +16,23 @@ import typing
 from node import contract
 
 IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH_", "OMP_", "MKL_", "KMP_", "CUDA_", "LD_", "PYTHONHASHSEED", "PYTHONHOME")
-"""Variables a library reads when it is imported: a rank forked from a process imported under other
-values would not see its own. TORCHELASTIC_* are the rank's own, set by torchrun, read at run time."""
-PER_RANK_PREFIXES = ("TORCHELASTIC_",)
+"""Variables a library may read when it is imported: a rank forked from a process imported under other
+values would not see its own. Those of `RUN_TIME_PREFIXES` are read later, by the rank itself."""
+RUN_TIME_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCH_FR_", "TORCHFT_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+"""Read when a process group or a store is made (torchrun and the launch set them per run), not at import."""
+RANK_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "LOCAL_WORLD_SIZE",
+    "WORLD_SIZE",
+    "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE",
+    "PYTHONPATH",
+)
+"""Not the launcher's: a rank's own (torchrun's), and PYTHONPATH, where the user's code and the rank monitor are."""
 DEFAULT = "1"
 """Whether ranks are forked warm where neither the node environment nor the launch says (`contract.WARM_VARIABLE`)."""
 ASK_TIMEOUT_S = 10.0
@@ -55,7 +69,7 @@ def import_time_environment(env: dict) -> dict:
     return {
         name: value
         for name, value in env.items()
-        if name.startswith(IMPORT_TIME_PREFIXES) and not name.startswith(PER_RANK_PREFIXES)
+        if name.startswith(IMPORT_TIME_PREFIXES) and not name.startswith(RUN_TIME_PREFIXES)
     }
 
 
@@ -224,7 +238,11 @@ def start(env: "typing.Mapping[str, str]", home: str | None = None, python: str 
     private_folder(os.path.join(home, contract.WARM))
     log = os.open(os.path.join(home, contract.WARM_LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     # Not the run's own variables: stop_jobs.py would take it for a process of that run.
-    env = {k: v for k, v in env.items() if not k.startswith((*PER_RANK_PREFIXES, "CLUSTER_RUN"))}
+    env = {
+        k: v
+        for k, v in env.items()
+        if k not in RANK_VARIABLES and not k.startswith((*RUN_TIME_PREFIXES, "CLUSTER_RUN"))
+    }
     try:
         subprocess.Popen(
             [python or sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm.py"), "serve"],
