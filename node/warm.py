@@ -283,14 +283,33 @@ def prepare_rank(launcher: Launcher, ask: dict, fds: list, conn: socket.socket) 
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)  # python -u
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
-    os.environ.clear()
+    os.environ.clear()  # unsets every variable: the C environment no longer points into the start-up block
     os.environ.update(ask["env"])
+    show_environment(ask["env"])
     os.chdir(ask["cwd"])
     sys.path[:] = rank_path(ask)
     for name in [n for n in sys.modules if n == "node" or n.startswith("node.")]:
         del sys.modules[name]  # ours, not the user's: a project may have a `node` package of its own
     reseed()
     start_rank_monitor(ask["env"])
+
+
+def show_environment(env: dict) -> bool:
+    """Write the rank's environment over the block the kernel shows as /proc/<pid>/environ (this
+    process's start-up environment, given room by `warm_ask.ROOM_VARIABLE`), so that whatever finds a
+    rank by its environment (fab stop, the watches, `grep -z /proc/*/environ`) finds this one as it
+    finds a rank torchrun started. False where it does not fit (node/procfs.py then reads the record)."""
+    import ctypes
+
+    fields = procfs.stat_fields("self") or []
+    if len(fields) < 49:
+        return False
+    start, end = int(fields[47]), int(fields[48])  # env_start, env_end (proc(5), fields 50 and 51)
+    block = b"".join(os.fsencode(f"{name}={value}") + b"\0" for name, value in env.items())
+    if len(block) > end - start:
+        return False
+    ctypes.memmove(start, block + b"\0" * (end - start - len(block)), end - start)
+    return True
 
 
 def rank_path(ask: dict) -> list:

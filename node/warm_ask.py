@@ -33,6 +33,10 @@ RANK_VARIABLES = (
     "PYTHONPATH",
 )
 """Not the launcher's: a rank's own (torchrun's), and PYTHONPATH, where the user's code and the rank monitor are."""
+ROOM_VARIABLE = "GPU_CLUSTER_WARM_ROOM"
+"""Set in the launcher's start-up environment only, 64 KiB long: room for a rank's environment in the block
+/proc/<pid>/environ shows (node/warm.py `show_environment`)."""
+ROOM_BYTES = 65536
 DEFAULT = "1"
 """Whether ranks are forked warm where neither the node environment nor the launch says (`contract.WARM_VARIABLE`)."""
 ASK_TIMEOUT_S = 10.0
@@ -243,6 +247,7 @@ def start(env: "typing.Mapping[str, str]", home: str | None = None, python: str 
         for k, v in env.items()
         if k not in RANK_VARIABLES and not k.startswith((*RUN_TIME_PREFIXES, "CLUSTER_RUN"))
     }
+    env[ROOM_VARIABLE] = "." * ROOM_BYTES
     try:
         subprocess.Popen(
             [python or sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm.py"), "serve"],

@@ -14,6 +14,7 @@ import pytest
 from node import contract, procfs, warm_ask
 from tests.support import REPO
 from tests.support.cli import child_env
+from tests.support.clusters import run_processes
 
 REPORT = """
 import json, os, random, sys, threading
@@ -128,6 +129,7 @@ def test_a_rank_is_found_by_its_run_and_ends_with_the_agent_that_asked(launcher,
     monkeypatch.setenv("HOME", launcher[0])  # stop_jobs.py and the watches run as the node user
     proc, read_fd = rank(launcher, SLEEP, tmp_path, **{contract.RUN_ID_VARIABLE: "run-warm-1"})
     wait_for(lambda: proc.pid in procfs.pids_with_environment(f"{contract.RUN_ID_VARIABLE}=run-warm-1"), 10)
+    assert proc.pid in run_processes("run-warm-1")  # /proc/<pid>/environ itself, as any tool reads it
     proc.conn.close()  # the agent is gone (killed, or its Slurm step cancelled)
     wait_for(lambda: not procfs.alive(proc.pid), 10)
     os.close(read_fd)
