@@ -286,6 +286,7 @@ def prepare_rank(launcher: Launcher, ask: dict, fds: list, conn: socket.socket) 
     os.environ.clear()  # unsets every variable: the C environment no longer points into the start-up block
     os.environ.update(ask["env"])
     show_environment(ask["env"])
+    interpreter_settings(ask["env"])
     os.chdir(ask["cwd"])
     sys.path[:] = rank_path(ask)
     for name in [n for n in sys.modules if n == "node" or n.startswith("node.")]:
@@ -310,6 +311,17 @@ def show_environment(env: dict) -> bool:
         return False
     ctypes.memmove(start, block + b"\0" * (end - start - len(block)), end - start)
     return True
+
+
+def interpreter_settings(env: dict) -> None:
+    """What an interpreter takes from its environment at start, which the launcher's was not started with."""
+    import faulthandler
+
+    if env.get("PYTHONFAULTHANDLER"):
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+    else:
+        faulthandler.disable()
+    sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))
 
 
 def rank_path(ask: dict) -> list:

@@ -15,11 +15,22 @@ import typing
 
 from node import contract
 
-IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH_", "OMP_", "MKL_", "KMP_", "CUDA_", "LD_", "PYTHONHASHSEED", "PYTHONHOME")
+IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH_", "OMP_", "MKL_", "KMP_", "CUDA_", "LD_", "PYTHON")
 """Variables a library may read when it is imported: a rank forked from a process imported under other
 values would not see its own. Those of `RUN_TIME_PREFIXES` are read later, by the rank itself."""
-RUN_TIME_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCH_FR_", "TORCHFT_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
-"""Read when a process group or a store is made (torchrun and the launch set them per run), not at import."""
+RUN_TIME_PREFIXES = (
+    "TORCHELASTIC_",
+    "TORCH_NCCL_",
+    "TORCH_FR_",
+    "TORCHFT_",
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+    "PYTHONPATH",
+    "PYTHONUNBUFFERED",
+    "PYTHONFAULTHANDLER",
+    "PYTHONDONTWRITEBYTECODE",
+)
+"""Read when a process group or a store is made (torchrun and the launch set them per run), not at import;
+and the interpreter's start-up variables the forked rank applies itself (node/warm.py `interpreter_settings`)."""
 RANK_VARIABLES = (
     "RANK",
     "LOCAL_RANK",

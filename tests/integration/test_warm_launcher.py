@@ -17,12 +17,12 @@ from tests.support.cli import child_env
 from tests.support.clusters import run_processes
 
 REPORT = """
-import json, os, random, sys, threading
+import faulthandler, json, os, random, sys, threading
 import torch
 print(json.dumps({
     "name": __name__, "argv": sys.argv, "rank": os.environ.get("RANK"), "cwd": os.getcwd(),
     "path0": sys.path[0], "random": random.random(), "torch": torch.rand(1).item(),
-    "node_module": getattr(sys.modules.get("node"), "__file__", None),
+    "node_module": getattr(sys.modules.get("node"), "__file__", None), "faulthandler": faulthandler.is_enabled(),
 }), flush=True)
 sys.exit(int(os.environ.get("CODE", "0")))
 """
@@ -75,7 +75,16 @@ def output(read_fd: int) -> str:
 def test_a_forked_rank_runs_its_script_as_torchrun_would_and_keeps_no_state_of_another(launcher, tmp_path):
     seen = []
     for index in range(2):
-        proc, read_fd = rank(launcher, REPORT, tmp_path, "--lr", "0.1", RANK=str(index), CODE=str(3 * index))
+        proc, read_fd = rank(
+            launcher,
+            REPORT,
+            tmp_path,
+            "--lr",
+            "0.1",
+            RANK=str(index),
+            CODE=str(3 * index),
+            PYTHONFAULTHANDLER=str(index or ""),
+        )
         assert proc.wait(60) == 3 * index
         seen.append(json.loads(output(read_fd)))
     for index, said in enumerate(seen):
@@ -85,6 +94,7 @@ def test_a_forked_rank_runs_its_script_as_torchrun_would_and_keeps_no_state_of_a
         assert said["path0"] == str(tmp_path)
         assert said["node_module"] is None  # the launcher's own `node` package is not the rank's
     assert seen[0]["random"] != seen[1]["random"] and seen[0]["torch"] != seen[1]["torch"]
+    assert [said["faulthandler"] for said in seen] == [False, True]  # PYTHONFAULTHANDLER, as at a start
 
 
 def test_the_launcher_is_single_threaded_without_cuda_and_only_its_user_can_ask(launcher, tmp_path):
