@@ -154,8 +154,6 @@ class Launcher:
         self.running = False
 
     def stale(self, ask: dict) -> str | None:
-        if os.path.abspath(ask.get("python", "")) != self.python:
-            return f"another interpreter ({ask.get('python')})"
         if ask.get("environment") != self.environment:
             changed = sorted(set(ask.get("environment", {}).items()) ^ set(self.environment.items()))
             return "other import-time variables (" + ", ".join(sorted({name for name, _ in changed})) + ")"
@@ -172,13 +170,14 @@ class Launcher:
             conn.close()
             print(f"gpu-cluster: warm launcher: a bad ask ({exc})", file=sys.stderr, flush=True)
             return
+        if os.path.abspath(ask.get("python", "")) != self.python:
+            # A --requirements environment's interpreter: its ranks start cold; this launcher stays for the node's.
+            self.refuse(conn, fds, f"another interpreter ({ask.get('python')}) than the warm launcher's")
+            return
         why = self.stale(ask) or fork_hazard()
         if why is not None:
             self.retire()  # before the answer: the asker starts a fresh launcher at once
-            answer(conn, {"cold": why})
-            conn.close()
-            for fd in fds:
-                os.close(fd)
+            self.refuse(conn, fds, why)
             print(f"gpu-cluster: warm launcher ends: {why}", file=sys.stderr, flush=True)
             self.running = False  # what it imported no longer serves: a fresh one is started
             return
@@ -199,6 +198,12 @@ class Launcher:
         answer(conn, {"pid": pid})
         conn.setblocking(False)
         self.selector.register(conn, selectors.EVENT_READ, pid)
+
+    def refuse(self, conn: socket.socket, fds: list, why: str) -> None:
+        answer(conn, {"cold": why})
+        conn.close()
+        for fd in fds:
+            os.close(fd)
 
     def record(self, pid: int, env: dict) -> None:
         fields = procfs.stat_fields(pid) or []

@@ -285,16 +285,18 @@ class RankStarter:
             try:
                 return ask(list(args), env, out_fd, self.home)
             except Cold as cold:
-                self.cold(str(cold), env)
+                self.cold(str(cold), env, fresh=not str(cold).startswith("another interpreter"))
         import subprocess
 
         # As torch starts them: a session of their own, so that stopping one ends its children too.
         return subprocess.Popen(args=args, env=env, stdout=out_fd, stderr=out_fd, start_new_session=True)
 
-    def cold(self, why: str, env: dict) -> None:
+    def cold(self, why: str, env: dict, fresh: bool) -> None:
         if not self.said:
             self.said = True
             print(f"gpu-cluster: ranks start cold: {why}", file=sys.stderr, flush=True)
+            if not fresh:
+                return
             try:
                 start(env, self.home)  # for the next launch, with the variables torchrun gives its ranks
             except (OSError, Cold) as exc:

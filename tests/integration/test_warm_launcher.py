@@ -179,3 +179,12 @@ def test_a_start_up_hook_of_the_users_on_pythonpath_starts_the_rank_cold(tmp_pat
     (tmp_path / "sitecustomize.py").write_text("")
     with pytest.raises(warm_ask.Cold, match="sitecustomize.py on PYTHONPATH"):
         warm_ask.ask([sys.executable, "-u", "x.py"], {"PYTHONPATH": str(tmp_path)}, 1, str(tmp_path))
+
+
+def test_another_interpreters_rank_starts_cold_and_the_launcher_stays(launcher, tmp_path):
+    home, env, pid = launcher
+    with pytest.raises(warm_ask.Cold, match="another interpreter"):
+        warm_ask.ask(["/envs/abc/bin/python", "-u", "x.py"], env, 1, home)  # a --requirements environment
+    proc, read_fd = rank(launcher, "pass\n", tmp_path)
+    assert proc.wait(60) == 0
+    os.close(read_fd)
