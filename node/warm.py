@@ -419,10 +419,8 @@ def main(argv: list) -> None:
     launcher = None
     try:
         import torch  # noqa: F401  (the point: once, here)
-        import torch.distributed  # noqa: F401
+        import torch.distributed  # noqa: F401  (torch imports numpy where it is installed)
 
-        with contextlib.suppress(ImportError):
-            import numpy  # noqa: F401  (torch's own dependency where installed)
         launcher = Launcher(home)
         launcher.serve()
     finally:

@@ -48,7 +48,7 @@ ROOM_VARIABLE = "GPU_CLUSTER_WARM_ROOM"
 """Set in the launcher's start-up environment only, 64 KiB long: room for a rank's environment in the block
 /proc/<pid>/environ shows (node/warm.py `show_environment`)."""
 ROOM_BYTES = 65536
-DEFAULT = "1"
+DEFAULT = "0"
 """Whether ranks are forked warm where neither the node environment nor the launch says (`contract.WARM_VARIABLE`)."""
 ASK_TIMEOUT_S = 10.0
 
