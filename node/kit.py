@@ -17,7 +17,7 @@ import os
 import subprocess
 import typing
 
-from node import calls, contract, scheduler, slurm_conf
+from node import calls, contract, scheduler, slurm_conf, warm_ask
 
 PARTS = ("deps", "env", "scheduler")
 STEP_TIMEOUT_S = 1800
@@ -82,7 +82,16 @@ def env(kit: NodeKit, home: str) -> dict:
     os.makedirs(os.path.join(home, contract.PIDS), mode=0o700, exist_ok=True)
     os.chmod(os.path.join(home, contract.HOME_DIR), 0o700)
     write_private(os.path.join(home, contract.ENV), kit.env)
-    return {"written": contract.ENV}
+    return {"written": contract.ENV, "warm_launcher": warm_launcher(home)}
+
+
+def warm_launcher(home: str) -> str:
+    """The warm launcher (node/warm.py) restarted with the environment just written, where it asks for one."""
+    code = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        return warm_ask.restart_for_the_node(home, code, os.path.join(home, contract.ENV))
+    except (OSError, warm_ask.Cold) as exc:  # jobs start their ranks cold, as without it
+        return f"not started: {exc}"
 
 
 def slurm(kit: NodeKit, home: str) -> dict:

@@ -12,6 +12,7 @@ Python may be too old for the project, carries this file's text (see standalone.
 
 from __future__ import annotations
 
+import json
 import os
 
 PROC = "/proc"
@@ -80,8 +81,29 @@ def pids() -> list:
         return []
 
 
+WARM_RANKS = ".gpu-cluster/warm/ranks"
+"""contract.WARM_RANKS (this file is inlined where contract.py is not importable; a test holds them equal)."""
+
+
+def warm_rank_environment(pid: int) -> dict | None:
+    """A rank forked by the warm launcher (node/warm.py): the environment it runs with, from the
+    launcher's record (/proc shows the launcher's own). None where the pid is no such rank."""
+    try:
+        with open(os.path.join(os.path.expanduser("~"), WARM_RANKS, str(pid))) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    fields = stat_fields(pid)
+    if not fields or len(fields) < 20 or record.get("start_time") != fields[19]:
+        return None  # a stale record: the pid is another process now
+    return dict(record.get("env") or {})
+
+
 def environment(pid: int) -> dict | None:
     """The process's environment, or None where it is gone or not this user's."""
+    recorded = warm_rank_environment(pid)
+    if recorded is not None:
+        return recorded
     try:
         with open(os.path.join(PROC, str(pid), "environ"), "rb") as f:
             entries = f.read().split(b"\0")

@@ -48,6 +48,8 @@ if not __package__:  # run as a file (`python node/torchrun.py`): import its sib
 from node import contract, nvml  # noqa: E402
 from node.hang import progress_records  # noqa: E402
 from node.output import Mux, OwnOutput, node_prefix, rank_pipe  # noqa: E402
+from node.warm_ask import RankStarter  # noqa: E402
+from node.warm_ask import wanted as warm_wanted  # noqa: E402
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 """Those torchrun's agent turns into SignalException (fab stop, fail-fast and Ctrl-C send SIGTERM)."""
@@ -155,12 +157,11 @@ def note_exit(pid: int, rank: str) -> None:
 def prefix_rank_output(mux: Mux, node: str) -> None:
     """Start every worker whose output torchrun does not redirect (no --redirects or --tee) with a pipe
     of its own, copied with its prefix by `mux`."""
-    from subprocess import Popen
-
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler as module
 
     handler = module.SubprocessHandler
     popen = handler._popen
+    ranks = RankStarter(warm_wanted(os.environ))
 
     def piped(self, args, env):
         if self._stdout is not None or self._stderr is not None:
@@ -170,8 +171,7 @@ def prefix_rank_output(mux: Mux, node: str) -> None:
         several = int(env.get("LOCAL_WORLD_SIZE", "1")) > 1
         read_fd, write_fd = rank_pipe()
         try:
-            # As torch starts them: a session of their own, so that stopping one ends its children too.
-            proc = Popen(args=args, env=env, stdout=write_fd, stderr=write_fd, start_new_session=True)
+            proc = ranks.start(args, env, write_fd)  # forked warm, or a fresh interpreter as torchrun's
         except BaseException:
             os.close(read_fd)
             raise

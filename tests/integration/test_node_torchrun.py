@@ -37,6 +37,7 @@ if "RANK" not in os.environ:  # torchrun's agent, not its workers
 def start_node(rank: int, address: str, port: int, script, pythonpath: str = "") -> subprocess.Popen:
     prefix = address.rsplit(".", 1)[0]
     env = child_env(NODE_RANK=str(rank), NNODES="2", MASTER_ADDR=address, MASTER_PORT=str(port), PYTHONPATH=pythonpath)
+    env[contract.WARM_VARIABLE] = "0"  # the agent's stores are what this holds; no warm launcher is left behind
     env.pop(contract.NODE_VARIABLE, None)
     env.pop(contract.PROGRESS_VARIABLE, None)
     argv = [
