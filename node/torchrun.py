@@ -138,20 +138,34 @@ def serve_worker_stores_from_the_agent() -> bool:
 
 EXITED_AT: dict[str, float] = {}
 """{global rank: when its process exited, epoch seconds by this node's clock} (`note_exit`)."""
+WARM_RANKS: dict[str, object] = {}
+"""{global rank: the forked rank torchrun's agent holds (node/warm_ask.WarmRank)}: it knows its exit time."""
 
 
-def note_exit(pid: int, rank: str) -> None:
-    """Record in `EXITED_AT` when the rank's process exits, from a thread that waits for it without reaping
-    it (WNOWAIT: torchrun's agent still reaps it and reads its code)."""
+def note_exit(proc, rank: str) -> None:
+    """Record when the rank's process exits: a child of this agent from a thread that waits for it without
+    reaping it (WNOWAIT: torchrun's agent still reaps it and reads its code), into `EXITED_AT`; a rank the
+    warm launcher forked says its own (`exit_times`)."""
+    import subprocess
+
+    if not isinstance(proc, subprocess.Popen):
+        WARM_RANKS[rank] = proc
+        return
 
     def wait() -> None:
         try:
-            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+            os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
         except ChildProcessError:  # the agent reaped it first: it ended a moment ago
             pass
         EXITED_AT[rank] = time.time()
 
     threading.Thread(target=wait, name=f"exit-of-rank-{rank}", daemon=True).start()
+
+
+def exit_times() -> dict[str, float]:
+    """{global rank: when it exited} of every rank this agent started, forked warm or not."""
+    warm = {rank: getattr(proc, "exited_at", None) for rank, proc in WARM_RANKS.items()}
+    return {**EXITED_AT, **{rank: at for rank, at in warm.items() if isinstance(at, float)}}
 
 
 def prefix_rank_output(mux: Mux, node: str) -> None:
@@ -166,7 +180,7 @@ def prefix_rank_output(mux: Mux, node: str) -> None:
     def piped(self, args, env):
         if self._stdout is not None or self._stderr is not None:
             proc = popen(self, args, env)
-            note_exit(proc.pid, env["RANK"])
+            note_exit(proc, env["RANK"])
             return proc
         several = int(env.get("LOCAL_WORLD_SIZE", "1")) > 1
         read_fd, write_fd = rank_pipe()
@@ -178,7 +192,7 @@ def prefix_rank_output(mux: Mux, node: str) -> None:
         finally:
             os.close(write_fd)
         mux.follow(read_fd, node_prefix(node, int(env["RANK"]) if several else None), name=f"rank-{env['RANK']}")
-        note_exit(proc.pid, env["RANK"])
+        note_exit(proc, env["RANK"])
         return proc
 
     handler._popen = piped  # type: ignore[method-assign]
@@ -253,7 +267,7 @@ def main(argv: list[str]) -> None:
         own.restore()  # sends what the spool still holds
         sampler.__exit__(None, None, None)
     group = formed_process_group(node) if code == 0 else None
-    print(ranks_line(exit_codes, group, rank_times(node, started), dict(EXITED_AT)), flush=True)
+    print(ranks_line(exit_codes, group, rank_times(node, started), exit_times()), flush=True)
     sys.exit(code)
 
 

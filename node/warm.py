@@ -34,6 +34,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 
 INTERPRETER_PATH = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
@@ -251,7 +252,7 @@ class Launcher:
             self.selector.unregister(conn)
             conn.setblocking(True)
             try:
-                answer(conn, {"exit": os.waitstatus_to_exitcode(status)})
+                answer(conn, {"exit": os.waitstatus_to_exitcode(status), "at": time.time()})
             except OSError:
                 pass
             conn.close()

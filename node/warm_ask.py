@@ -11,6 +11,7 @@ import shlex
 import signal
 import socket
 import sys
+import time
 import typing
 
 from node import contract
@@ -132,6 +133,8 @@ class WarmRank:
     def __init__(self, conn: socket.socket, pid: int, args: list):
         self.conn, self.pid, self.args = conn, pid, args
         self.returncode: int | None = None
+        self.exited_at: float | None = None
+        """When the rank exited, by the launcher's clock (this node's), where it said so."""
         self._said = b""
 
     def _read(self, timeout: float | None) -> None:
@@ -142,13 +145,15 @@ class WarmRank:
             while not self._said.endswith(b"\n"):
                 more = self.conn.recv(4096)
                 if not more:  # the launcher died: its ranks died with it (PR_SET_PDEATHSIG)
-                    self.returncode = -signal.SIGKILL
+                    self.returncode, self.exited_at = -signal.SIGKILL, time.time()
                     self.conn.close()
                     return
                 self._said += more
         except (TimeoutError, BlockingIOError):
             return
-        self.returncode = int(json.loads(self._said)["exit"])
+        said = json.loads(self._said)
+        self.returncode, at = int(said["exit"]), said.get("at")
+        self.exited_at = float(at) if isinstance(at, (int, float)) else time.time()
         self.conn.close()
 
     def poll(self) -> int | None:
