@@ -74,4 +74,4 @@ def test_a_healthy_job_ends_quietly_when_one_node_closes_the_rendezvous_late(tmp
         marker, _, report = lines[-1].partition(" ")
         said = json.loads(report)
         assert said.pop("times")["started"] > 0  # when this node's torchrun started, for the launch's timeline
-        assert marker == contract.RANKS_MARKER and said == {"exit_codes": {}, "process_group": None}
+        assert marker == contract.RANKS_MARKER and said == {"exit_codes": {}, "exited_at": {}, "process_group": None}
