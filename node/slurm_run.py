@@ -36,7 +36,7 @@ import time
 if not __package__:  # run as a file (`python node/X.py`): import its siblings from the code folder,
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
 
-from node import contract, replicas, slurm_accounting, slurm_existing, slurm_nodes  # noqa: E402
+from node import contract, replicas, slurm_accounting, slurm_existing, slurm_nodes, straggler  # noqa: E402
 from node.slurm_conf import DaemonError, Paths, UsageError  # noqa: E402
 from node.slurm_daemons import gone, program  # noqa: E402
 from node.slurm_step import encoded  # noqa: E402
@@ -288,16 +288,8 @@ def accounted_state(job_id: str) -> dict | None:
     """A Slurm the hosts already ran forgets an ended job after its MinJobAge (300 s by default): what its
     accounting (`sacct`) has of it, where it keeps any; None where it does not."""
     try:
-        result = _client(
-            [
-                "sacct",
-                "--allocations",
-                "--noheader",
-                "--parsable2",
-                f"--jobs={job_id}",
-                "--format=State,ExitCode,Submit,Start,End",
-            ]
-        )
+        fields = "--format=State,ExitCode,Submit,Start,End"
+        result = _client(["sacct", "--allocations", "--noheader", "--parsable2", f"--jobs={job_id}", fields])
     except (OSError, subprocess.TimeoutExpired, UsageError):
         return None
     rows = [line.split("|") for line in result.stdout.splitlines() if line.count("|") == 4]
@@ -470,20 +462,10 @@ def states(logs: dict) -> dict:
             shown = {
                 **shown,
                 "ever_started": os.path.exists(os.path.join(folder, contract.FIRST_START_RECORD)),
-                "stragglers": _stragglers_in(folder),
+                "stragglers": straggler.named_in(folder),
             }
         found[job] = shown
     return {"states": found}
-
-
-def _stragglers_in(folder: str) -> list:
-    """The run's straggler record in its folder ([] where it has none, or one that cannot be read)."""
-    try:
-        with open(os.path.join(folder, contract.STRAGGLER_RECORD)) as record:
-            found = json.load(record)
-    except (OSError, ValueError):
-        return []
-    return found if isinstance(found, list) else []
 
 
 def main(argv: list | None = None) -> int:

@@ -313,3 +313,13 @@ class SharedLooks:
                     print(f"straggler verdict: a look at the shared step times failed ({failure})", file=sys.stderr)
                 self.failure = failure
             cost = time.monotonic() - began
+
+
+def named_in(folder: str) -> list:
+    """The run's straggler record in its folder ([] where it has none, or one that cannot be read)."""
+    try:
+        with open(os.path.join(folder, contract.STRAGGLER_RECORD)) as record:
+            found = json.load(record)
+    except (OSError, ValueError):
+        return []
+    return found if isinstance(found, list) else []
