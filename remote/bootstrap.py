@@ -58,6 +58,8 @@ SCHEDULER_CODE = (
     "node/slurm_daemons.py",
     "node/slurm_nodes.py",
     "node/slurm_existing.py",
+    "node/slurm_login.py",
+    "node/slurm_accounting.py",
 )
 """The code the scheduler stage runs on a node (`scheduler.py start`, `adopt`): part of the stage's digest."""
 SYNCED = contract.SYNCED
