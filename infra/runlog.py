@@ -160,6 +160,8 @@ class LogCopy:
             self.log_bytes = int(words[3]) if len(words) > 3 and words[3].isdigit() else None
             return
         node, prefix = writer_of(piece)
+        if node is None and line.startswith(contract.RESTART_LINE):  # a requeued run starts again
+            self.markers.clear()
         payload = piece[len(prefix) :].lstrip(" ") if node else piece
         if node and payload.startswith(contract.MARKER_START):  # the launch's markers: kept, never shown
             self.markers.setdefault(node, {})[payload.split(" ", 1)[0]] = payload.strip()

@@ -288,6 +288,10 @@ MARKER_START = "__gpu_cluster_"
 EXIT_MARKER = f"{MARKER_START}exit__"
 """The line a launch command prints after torchrun returns: its exit code and the node's own clock."""
 RANKS_MARKER = f"{MARKER_START}ranks__"
+RESTART_LINE = "[cluster] restart"
+"""How a Slurm-held run's batch job begins its log at each start after a requeue: what the nodes said of the
+earlier start (their markers) is forgotten there (infra/runlog.py), as the batch job's own exit code reads the
+log since its step began (node/slurm_exit.py)."""
 """The line node/torchrun.py prints when torchrun returns: how the ranks that failed exited (torchrun's
 failure record), and whether any rank formed a process group; JSON after the marker."""
 

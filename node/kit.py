@@ -90,7 +90,7 @@ def warm_launcher(home: str) -> str:
     code = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         return warm_ask.restart_for_the_node(home, code, os.path.join(home, contract.ENV))
-    except (OSError, warm_ask.Cold) as exc:  # jobs start their ranks cold, as without it
+    except (OSError, ValueError, warm_ask.Cold) as exc:  # jobs start their ranks cold, as without it
         return f"not started: {exc}"
 
 

@@ -94,7 +94,7 @@ def from_log(text: str, order: list[str] | None = None) -> FirstFailure | None:
             code, _, at = rest.partition(" ")
             try:
                 exit_codes[node] = int(code)
-            except ValueError:
+            except (ValueError, ArithmeticError):
                 continue
             exited_at[node] = _finite(at.replace(",", "."))  # bash's EPOCHREALTIME: the locale's decimal point
             continue
@@ -102,7 +102,7 @@ def from_log(text: str, order: list[str] | None = None) -> FirstFailure | None:
             said = json.loads(rest)
             codes = {str(r): int(c) for r, c in dict(said.get("exit_codes") or {}).items()}
             ended = said.get("exited_at") if isinstance(said.get("exited_at"), dict) else {}
-        except (ValueError, TypeError, AttributeError):
+        except (ValueError, TypeError, AttributeError, ArithmeticError):
             continue
         rank_codes[node] = codes
         times = {str(r): _finite(t) for r, t in ended.items() if str(r) in codes}

@@ -45,32 +45,35 @@ def supervise(spec: dict) -> int:
     restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
     if restart:
         note_restart(os.path.dirname(spec["log"]), restart)
+        print(f"{contract.RESTART_LINE} {restart}: the run starts again", flush=True)
     if (spec.get("watch") or {}).get("shared_dir"):  # the step times a start Slurm requeued left (its straggler's)
         shutil.rmtree(os.path.join(os.path.dirname(spec["log"]), contract.STEP_TIMES), ignore_errors=True)
     output = slurm_output.RunOutput.start()
-    main = slurm_output.popen(step_argv(spec, srun, *step_options(spec)))
-    restarts = slurm_restarts.GroupRestarts(spec, srun) if spec.get("replicas") else None
+    try:
+        main = slurm_output.popen(step_argv(spec, srun, *step_options(spec)))
+        restarts = slurm_restarts.GroupRestarts(spec, srun) if spec.get("replicas") else None
 
-    def forward(number, _frame):
-        main.send_signal(number)
-        if restarts is not None:
-            restarts.signal(number)
+        def forward(number, _frame):
+            main.send_signal(number)
+            if restarts is not None:
+                restarts.signal(number)
 
-    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR1):
-        signal.signal(signum, forward)
-    if spec.get("watch"):
-        from node import slurm_watch  # here only: its imports would add 50 ms to every start of this file
+        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR1):
+            signal.signal(signum, forward)
+        if spec.get("watch"):
+            from node import slurm_watch  # here only: its imports would add 50 ms to every start of this file
 
-        try:
-            code = slurm_watch.watch(spec, main, srun)
-        except Exception as exc:  # noqa: BLE001 - the watch's own fault (its set-up) never ends the run
-            print(f"[watch] hang watch: {type(exc).__name__}: {exc}; the run goes on unwatched", flush=True)
+            try:
+                code = slurm_watch.watch(spec, main, srun)
+            except Exception as exc:  # noqa: BLE001 - the watch's own fault (its set-up) never ends the run
+                print(f"[watch] hang watch: {type(exc).__name__}: {exc}; the run goes on unwatched", flush=True)
+                code = exit_status(main.wait())
+        elif restarts is not None:
+            code = restarts.beside(main)
+        else:
             code = exit_status(main.wait())
-    elif restarts is not None:
-        code = restarts.beside(main)
-    else:
-        code = exit_status(main.wait())
-    output.close()  # every node's lines in the log (`survived` and `run_code` read their markers there)
+    finally:
+        output.close()  # every node's lines in the log (`survived` and `run_code` read their markers there)
     if spec.get("replicas") and slurm_restarts.survived(spec):
         code = 0  # a replica group trained to the end: the run completed, whatever another group's node did
     else:

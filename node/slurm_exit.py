@@ -74,6 +74,6 @@ def run_code(log: str, offset: int, code: int, order: list | None = None) -> int
         return code
     first = outcome.from_log(text.decode(errors="replace"), order)
     if first is not None:
-        return first.exit_code
+        return 128 - first.exit_code if first.exit_code < 0 else first.exit_code  # a signal: as a shell says it
     found = first_failure(text)
     return code if found is None else found

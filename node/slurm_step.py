@@ -174,6 +174,8 @@ def step(spec: dict) -> int:
             os.killpg(child.pid, signum)
         except OSError:
             return
+        if signum == signal.SIGUSR1:  # a checkpoint request (a spot notice, --signal=USR1): the ranks save, go on
+            return
         timer = threading.Timer(TERMINATE_GRACE_S, lambda: _kill_group(child.pid))
         timer.daemon = True
         timer.start()

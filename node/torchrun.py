@@ -151,6 +151,8 @@ def note_exit(proc, rank: str) -> None:
     if not isinstance(proc, subprocess.Popen):
         WARM_RANKS[rank] = proc
         return
+    if not hasattr(os, "waitid"):  # macOS: no exit times; the nodes' own then decide (node/outcome.py)
+        return
 
     def wait() -> None:
         try:

@@ -318,6 +318,9 @@ def stop(home: str) -> bool:
     try:
         with open(os.path.join(home, contract.WARM_PID)) as f:
             pgid = int(f.read().split()[0])
+        with open(f"/proc/{pgid}/cmdline", "rb") as f:  # a stale pid file's number may be another's now
+            if b"warm.py" not in f.read():
+                raise ProcessLookupError(pgid)
         os.killpg(pgid, signal.SIGTERM)
     except (OSError, ValueError, IndexError):
         return False

@@ -245,17 +245,21 @@ class Run:
         rule both holders share (`node/outcome.py`)."""
         self.state, self.exit_codes = state_, dict(exit_codes)
         self.rank_exit_codes = {node: said.exit_codes for node, said in ranks.items() if said.exit_codes}
-        first = first_failure(
-            self.exit_codes,
-            {node: said.exit_codes for node, said in ranks.items()},
-            {node: said.exited_at for node, said in ranks.items()},
-            exited_at,
-            self.nodes,
+        first = (
+            None
+            if state_ == RunState.COMPLETED
+            else first_failure(
+                self.exit_codes,
+                {node: said.exit_codes for node, said in ranks.items()},
+                {node: said.exited_at for node, said in ranks.items()},
+                exited_at,
+                self.nodes,
+            )
         )
         if first is not None:
             self.first_failed, self.first_failed_by, self.exit_code = first.node, first.evidence, first.exit_code
-        elif self.exit_code is None and state_ in FINAL:
-            self.exit_code = 0 if state_ == RunState.COMPLETED else None
+        elif state_ == RunState.COMPLETED:
+            self.exit_code = 0  # a fault-tolerant run's dropped group is in `dropped`, not its exit code
 
     def exited(self, node: str) -> str:
         """`node-1 exited 1 (rank 1 exited 3)`: the node's code, and its failed ranks' own."""

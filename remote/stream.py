@@ -264,7 +264,7 @@ class RankOutcome:
             ended = data.get("exited_at") if isinstance(data.get("exited_at"), dict) else {}
             exited_at = {str(r): float(at) for r, at in ended.items() if _finite(at) and str(r) in codes}
             return cls(codes, group if isinstance(group, bool) else None, times, exited_at)
-        except (ValueError, TypeError, AttributeError):
+        except (ValueError, TypeError, AttributeError, ArithmeticError):
             return cls()
 
     def describe(self) -> str:

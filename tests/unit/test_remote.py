@@ -766,3 +766,18 @@ def test_a_slurm_held_runs_log_gives_the_batch_job_the_same_first_failure_as_the
     assert (first.node, first.exit_code) == ("node-1", 3)
     assert from_log("[node-0] no markers at all\n") is None
     assert from_log(f"[node-0] {contract.EXIT_MARKER} 143 x\n").exit_code == 143  # no time: stopped first
+
+
+def test_the_batch_jobs_code_for_a_rank_a_signal_ended_is_as_a_shell_says_it(tmp_path):
+    from node import contract, slurm_exit
+
+    log = tmp_path / "output.log"
+    log.write_text(
+        f'[node-1] {contract.RANKS_MARKER} {{"exit_codes": {{"1": -9}}, "exited_at": {{"1": 5.0}}}}\n'
+        f"[node-1] {contract.EXIT_MARKER} 1 6.0\n"
+    )
+    assert slurm_exit.run_code(str(log), 0, 1, ["node-0", "node-1"]) == 128 + 9
+    log.write_text(
+        f'[node-1] {contract.RANKS_MARKER} {{"exit_codes": {{"1": 1e999}}}}\n[node-1] {contract.EXIT_MARKER} 1 x\n'
+    )
+    assert slurm_exit.run_code(str(log), 0, 1) == 1  # an overflowing code is bad data, not a crash

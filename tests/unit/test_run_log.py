@@ -122,3 +122,16 @@ def test_a_long_unfinished_line_costs_its_length_not_its_square(tmp_path):
     copy.add(b"\n[node-1] next\n")
     assert time.monotonic() - started < 3
     assert [len(piece) for piece in shown] == [2000 * 4096 + 1, len("[node-1] next\n")]
+
+
+def test_a_requeued_runs_earlier_start_leaves_no_markers_for_the_next(tmp_path):
+    """What the nodes said of a start Slurm requeued is forgotten where the batch job says it starts again,
+    so a node killed before it said anything of the new start is not judged by its old ranks line."""
+    from node import contract
+
+    copy = runlog.LogCopy(tmp_path, write=False)
+    said = f'[node-1] {contract.RANKS_MARKER} {{"exit_codes": {{"1": 3}}}}\n'
+    copy.add(f"{said}[node-1] {contract.EXIT_MARKER} 1 5.0\n".encode())
+    assert set(copy.markers["node-1"]) == {contract.RANKS_MARKER, contract.EXIT_MARKER}
+    copy.add(f"{contract.RESTART_LINE} 1: the run starts again\n[node-0] {contract.EXIT_MARKER} 143 9.0\n".encode())
+    assert copy.markers == {"node-0": {contract.EXIT_MARKER: f"{contract.EXIT_MARKER} 143 9.0"}}

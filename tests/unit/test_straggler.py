@@ -213,10 +213,10 @@ def test_two_threads_feeding_one_verdict_say_each_straggler_once_and_keep_every_
 
 
 def test_any_scripts_model_forward_passes_are_its_steps_and_a_loss_module_beside_it_is_not(monkeypatch):
-    """A script that is not on the harness: the outermost module with the most parameters is its model (a
-    DDP wrapper's inner module), each of its forward passes is one step, timed; forwards in other threads
-    and of other modules do not count, and once the model is known the global hooks are gone."""
-    import sys
+    """A script that is not on the harness: the outermost module with the most parameters is its model, each
+    of its training forward passes is one step, timed; forwards in other threads, of other modules and in
+    evaluation do not count; nothing of ours is put on the user's model (a pickled model does not name us)."""
+    import pickle
     import threading
 
     import torch
@@ -245,15 +245,38 @@ def test_any_scripts_model_forward_passes_are_its_steps_and_a_loss_module_beside
         thread = threading.Thread(target=lambda: model(x))  # a data loader's or an evaluator's thread
         thread.start()
         thread.join()
+        model.eval()
+        with torch.no_grad():
+            model(x)  # an evaluation: not a step
+        model.train()
 
     for _ in range(DISCOVERY_FORWARDS):  # the model is known by its second pass (model, loss, model)
         if steps.model is None:
             train_step()
     for _ in range(5):
         train_step()
-    assert steps.model is model and len(torch_module._global_forward_pre_hooks) == hooks_before
-    assert steps.step == 5  # the passes after the model was known
+    assert steps.model is model
+    assert steps.step == 5  # the training passes after the model was known
     entries = steps.entries()
     assert [step for step, _ in entries] == [1, 2, 3, 4, 5] and all(s >= 0.01 for _, s in entries), entries
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    assert b"gpu_cluster_forward_steps" not in pickle.dumps(model.inner)  # a torch.save of the model names us not
     steps.remove()
-    assert "gpu_cluster_forward_steps" in sys.modules
+    assert len(torch_module._global_forward_pre_hooks) == hooks_before
+
+
+def test_a_forward_step_hook_that_fails_removes_itself_and_the_training_goes_on(monkeypatch, capfd):
+    import torch
+    from torch import nn
+    from torch.nn.modules import module as torch_module
+
+    monkeypatch.syspath_prepend(str(REPO / "node" / "rankhook"))
+    from gpu_cluster_forward_steps import ForwardSteps
+
+    hooks_before = len(torch_module._global_forward_pre_hooks)
+    steps = ForwardSteps().install()
+    monkeypatch.setattr(steps, "_discovered", lambda mod: 1 / 0)
+    model = nn.Linear(4, 2)
+    assert model(torch.randn(3, 4)).shape == (3, 2)  # the user's forward is not the one that fails
+    assert len(torch_module._global_forward_pre_hooks) == hooks_before
+    assert "step times of this script stop (ZeroDivisionError" in capfd.readouterr().err
