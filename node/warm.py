@@ -185,6 +185,11 @@ class Launcher:
         ready_read, ready_write = os.pipe()
         pid = os.fork()
         if pid == 0:
+            # The launcher's own stop handlers go before the agent hears the pid: a stop that comes at once
+            # (fail-fast, a fab stop) must end the rank, not run the launcher's handler in it.
+            for stop in (signal.SIGTERM, signal.SIGHUP):
+                signal.signal(stop, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             os.close(ready_read)
             os.setsid()  # before the agent hears its pid: it ends a rank by killpg(pid)
             os.close(ready_write)
