@@ -178,7 +178,12 @@ def py_spy_main_thread(text: str) -> tuple[Frame, ...]:
         if match:
             top = match["file"].split("/")[0].removesuffix(".py")
             frames.append(
-                Frame(match["function"], match["file"].rsplit("/", 1)[-1], int(match["line"]), top in LIBRARY_TOPS)
+                Frame(
+                    match["function"],
+                    match["file"].rsplit("/", 1)[-1],
+                    int(match["line"]),
+                    top in LIBRARY_TOPS or top.startswith("<"),
+                )
             )
     return tuple(reversed(frames))
 
@@ -454,6 +459,9 @@ def _aborted_thread_frames(log: str) -> list[Frame]:
 
 
 def _library_path(path: str) -> bool:
-    """An installed package or the standard library of whatever interpreter the node ran."""
+    """An installed package or the standard library of whatever interpreter the node ran (its frozen
+    modules too: `<frozen importlib._bootstrap_external>`)."""
+    if path.startswith("<"):
+        return True
     parts = path.split("/")
     return "site-packages" in parts or "dist-packages" in parts or bool(re.search(r"/lib/python3\.\d+/", path))

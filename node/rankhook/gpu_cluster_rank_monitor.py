@@ -90,6 +90,10 @@ class RankMonitor:
         """Group id -> (last completed collective, when this rank was first seen past it)."""
         self.details: dict[tuple, dict] = {}
         """(group id, sequence number) -> that collective as the recorder's buffer showed it."""
+        self.retired: dict[str, int] = {}
+        """Group id -> the last collective the recorder's buffer showed retired. gloo can retire a
+        collective (and the rank go on to the next) before the group's `last_completed` counter says so;
+        under load that counter was seen 34 s behind, which made the rank look stuck in a finished one."""
         self.failure = ""
         """Why the last report failed, said in the next one."""
         self.group_at: float | None = None
@@ -209,9 +213,12 @@ class RankMonitor:
     def report(self, dist) -> None:
         recorder = _recorder()
         try:
-            counters = self.observe(recorder.counters(), time.time())
+            read, now = recorder.counters(), time.time()
+            counters = self.observe(read, now)
             if counters.pop("__full__", False):
                 self.learn(recorder.full())
+                counters = self.observe(read, now)  # again, with what the buffer said was retired
+                counters.pop("__full__")
             error, self.failure = self.failure, ""
         except Exception as exc:  # a recorder that cannot dump must never break the job
             counters, error = {}, f"{type(exc).__name__}: {exc}"
@@ -220,8 +227,10 @@ class RankMonitor:
 
     def observe(self, counters: dict, now: float) -> dict:
         """Note which collectives the rank is inside; mark `__full__` when the buffer must be read."""
-        full = False
+        full, seen = False, {}
         for pg_id, (enqueued, completed) in counters.items():
+            completed = max(completed, min(enqueued, self.retired.get(pg_id, -1)))
+            seen[pg_id] = (enqueued, completed)
             if pg_id not in self.names and enqueued > 0:
                 full = True
             if enqueued <= completed:
@@ -232,12 +241,16 @@ class RankMonitor:
                 self.inside[pg_id] = (completed, now)
             if (pg_id, completed + 1) not in self.details:
                 full = True
-        return {**counters, "__full__": full}
+        return {**seen, "__full__": full}
 
     def learn(self, trace: dict) -> None:
         for entry in trace.get("entries", []):
             self.names[str(entry.get("pg_id"))] = str((entry.get("process_group") or [""])[0])
         self.details = {(e["pg"], e["seq"]): e for e in active_entries(trace)}
+        for entry in trace.get("entries", []):
+            if entry.get("retired") and not entry.get("is_p2p"):
+                pg_id, seq = str(entry.get("pg_id")), int(entry.get("collective_seq_id", -1))
+                self.retired[pg_id] = max(self.retired.get(pg_id, -1), seq)
 
     def snapshot(self, dist, counters: dict, error: str) -> dict:
         ranks = group_ranks(dist)

@@ -145,6 +145,7 @@ Thread 0x00007f5b0d7fa6c0 (most recent call first):
   File "/usr/lib/python3.11/threading.py", line 982 in run
 
 Thread 0x00007f5b177beb80 (most recent call first):
+  File "<frozen importlib._bootstrap_external>", line 128 in _path_split
   File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce
   File "/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 83 in wrapper
   File "/home/me/train.py", line 15 in <module>
@@ -256,6 +257,34 @@ def test_the_first_record_inside_a_collective_names_it_and_a_failed_report_never
     except SystemExit:
         pass
     assert reports == ["OSError: No space left on device"]
+
+
+def test_a_collective_the_buffer_retired_is_left_even_where_the_groups_counter_lags(tmp_path, monkeypatch):
+    """gloo retired all_reduce #3 and the rank entered broadcast #4 while `last_completed` still said 2 (seen
+    under load for 34 s): the record names broadcast #4, never a nameless #3."""
+    import json
+    import threading
+
+    from node.rankhook import gpu_cluster_rank_monitor as monitor_module
+
+    def entry(seq, op, retired):
+        return {"pg_id": 0, "process_group": ["0", ""], "collective_seq_id": seq, "profiling_name": f"gloo:{op}"} | {
+            "input_sizes": [[1024]],
+            "input_dtypes": ["Float"],
+            "time_created_ns": seq * 10**9,
+            "retired": retired,
+        }
+
+    recorder = FakeRecorder(4, 2, [entry(3, "all_reduce", True), entry(4, "broadcast", False)])
+    monkeypatch.setattr(monitor_module, "_recorder", lambda: recorder)
+    monkeypatch.setattr(monitor_module, "group_ranks", lambda dist: {"0": [0, 1]})
+    monitor = monitor_module.RankMonitor(str(tmp_path), 1, threading.main_thread())
+    for _ in range(2):  # the first report learns the buffer; the next one reads only the counters
+        monitor.report(dist=None)
+        written = json.loads((tmp_path / "rank-1.json").read_text())
+        assert [(a["seq"], a["op"], a["since"]) for a in written["active"]] == [(4, "broadcast", 4.0)]
+        assert written["groups"]["0"]["completed"] == 3
+    assert recorder.full_reads == 1
 
 
 def test_a_frame_whose_line_is_unknown_still_gives_a_verdict():
