@@ -22,7 +22,7 @@ from infra.errors import ClusterError, UsageError
 from infra.ledger import Ledger
 from node import contract
 from remote import holders, runs
-from remote.launch import NodeSetup
+from remote.job_spec import NodeSetup
 
 REFRESH_S = 2.0
 """How often the records of runs not yet ended are brought up to date from the cluster."""

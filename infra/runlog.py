@@ -35,7 +35,7 @@ RAW = contract.RUN_LOG
 CLUSTER_LOG = "cluster.log"
 """The lines of the run's log that no node wrote."""
 RECORD = "run.json"
-"""A scheduled run's record in its local run folder (remote/scheduled.py's `Run`)."""
+"""A scheduled run's record in its local run folder (remote/runs.py's `Run`)."""
 NODE_LINE = re.compile(r"^\[(node-\d+)(?: rank \d+)?\] ?")
 """A node's prefix at a piece's start (`[node-1] `, `[node-1 rank 3] `): the node, and the whole prefix."""
 PIECE = re.compile(r"(?<=[\r\n])")

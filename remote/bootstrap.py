@@ -46,7 +46,7 @@ from infra.timeline import Timeline
 from node import calls, contract, kit
 from remote import fitness, job_command, node_paths, nodecall, protocol
 from remote.connect import NodeSession, describe, on_all_nodes, open_sessions
-from remote.launch import NodeSetup
+from remote.job_spec import NodeSetup
 from remote.stream import console, say
 
 REPO = Path(__file__).resolve().parent.parent

@@ -20,7 +20,8 @@ from infra.inventory import ClusterInfo
 from node import fitness
 from remote import job_command, node_paths, options, protocol
 from remote.connect import NodeSession
-from remote.launch import JobSpec, NodeSetup, run_job
+from remote.job_spec import JobSpec, NodeSetup
+from remote.launch import run_job
 from remote.stream import console
 
 SCRIPT = "harness/fitness.py"

@@ -20,18 +20,11 @@ from infra.inventory import ClusterInfo
 from infra.timeline import Timeline
 from node.outcome import STOPPED_CODES
 from node.run_state import RunState
-from remote import protocol, runs, scheduled
+from remote import protocol, runs, slurm_finish, slurm_follow, slurm_jobs, slurm_launch
 from remote.connect import NodeSession, describe, open_sessions
-from remote.launch import (
-    DEFAULT_MAX_RESULT_MB,
-    JobResult,
-    JobSpec,
-    NodeSetup,
-    fetch_results,
-    launch,
-    report_fetched,
-    stop_everywhere,
-)
+from remote.job_spec import DEFAULT_MAX_RESULT_MB, JobSpec, NodeSetup
+from remote.launch import JobResult, launch, stop_everywhere
+from remote.results import fetch_results, report_fetched
 from remote.stream import say
 
 
@@ -273,40 +266,40 @@ class SlurmHolder:
 
     def launch(self, spec: JobSpec, detach: bool, timeline: Timeline | None = None) -> Ending:
         runs_root = state.runs_dir(self.cluster.stack)
-        folder, run, followed = scheduled.launch(self.cluster, spec, self.setup, runs_root, detach, timeline)
+        folder, run, followed = slurm_launch.launch(self.cluster, spec, self.setup, runs_root, detach, timeline)
         if followed is None:
             return Ending(folder, run, submitted=True)
         return self._after(folder, run, followed)
 
     def refresh(self, found: list[tuple[Path, runs.Run]]) -> None:
         jobs = [(f, r) for f, r in found if r.job_id]  # a run held by fab before Slurm was set up has none
-        scheduled.refresh(self.cluster, [r for _, r in jobs])
+        slurm_jobs.refresh(self.cluster, [r for _, r in jobs])
         self.bring_logs(jobs)  # a run nobody follows has its log here as it goes
         for folder, run in jobs:
             run.save(folder)
             if run.ended and not run.finished:
-                scheduled.finish(self.cluster, self.setup, folder, run)
+                slurm_finish.finish(self.cluster, self.setup, folder, run)
 
     def cancel(self, run: runs.Run) -> str | None:
-        before = scheduled.cancel(self.cluster, run)
+        before = slurm_jobs.cancel(self.cluster, run)
         return (before or {}).get("state") or run.state
 
     def follow(self, folder: Path, run: runs.Run, show: runlog.Echo | None = None) -> Ending:
-        followed = scheduled.follow(self.cluster, run, folder, cancel_on_interrupt=False, show=show)
+        followed = slurm_follow.follow(self.cluster, run, folder, cancel_on_interrupt=False, show=show)
         return self._after(folder, run, followed)
 
     def results(self, folder: Path, run: runs.Run) -> None:
         fetch_results_again(self.cluster, self.setup, folder, run)
 
     def bring_logs(self, found: list[tuple[Path, runs.Run]]) -> None:
-        scheduled.bring_logs(self.cluster, [(f, r) for f, r in found if r.job_id])
+        slurm_follow.bring_logs(self.cluster, [(f, r) for f, r in found if r.job_id])
 
-    def _after(self, folder: Path, run: runs.Run, followed: scheduled.Followed) -> Ending:
+    def _after(self, folder: Path, run: runs.Run, followed: slurm_follow.Followed) -> Ending:
         if followed.cancelled_by:  # the cluster is gone: nothing to finish there (down recorded the run)
             return Ending(folder, run, cancelled_by=followed.cancelled_by)
         if followed.detached:
             return Ending(folder, run, detached=followed.detached, interrupted=followed.interrupted)
-        scheduled.finish(self.cluster, self.setup, folder, run, followed)
+        slurm_finish.finish(self.cluster, self.setup, folder, run, followed)
         return Ending(folder, run, interrupted=followed.interrupted)
 
 

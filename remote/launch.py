@@ -3,15 +3,13 @@
 Each node runs `torchrun` in its own SSH session (one thread per node). When a node's torchrun exits
 non-zero, or its connection is lost, or the user presses Ctrl-C, the job is stopped on every other node
 (`protocol.stop_command`), so nothing waits forever in a collective and nothing is left behind.
-One job at a time: a launch holds the head node's job lock (`JobLock`) from before it creates anything
+One job at a time: a launch holds the head node's job lock (`preparation.JobLock`) from before it creates anything
 until its job has ended everywhere; a launch that finds it held waits its turn.
 """
 
 import contextlib
-import os
-import shlex
+import functools
 import signal
-import socket
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -19,59 +17,30 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-import paramiko
-
-from infra import state
-from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
 from infra.timeline import Timeline, job_phases
-from node import calls, contract
-from node import hang_rule as hang
-from remote import job_command, node_paths, nodecall, protocol, workdir
-from remote.connect import CONNECTION_ERRORS, NodeSession, describe, on_all_nodes, open_sessions
-from remote.hangwatch import HangPolicy, HangReport, HangWatch, job_environment, rankhook_path
+from node import contract
+from remote import job_command, node_paths, protocol
+from remote.connect import NodeSession, describe, on_all_nodes
+from remote.hangwatch import HangReport, HangWatch
 from remote.heal import Healer
-from remote.packages import Requirements
-from remote.packages import ensure as ensure_requirements
+from remote.job_spec import JobSpec, NodeSetup
+from remote.preparation import (
+    job_script,
+    launch_status,
+    node_command,
+    open_launch,
+    owning,
+    prepare,
+    send_env_values,
+    upload_script,
+)
+from remote.results import explain_failure, fetch_results, report_fetched
 from remote.stream import NodeStream, RankOutcome, node_exited, say
-from remote.workdir import Manifest, Project, count_files, human_bytes
+from remote.workdir import Manifest
 
 STOP_WAIT_S = 15
-LOCK_WAIT_S = 30  # for the head node to answer whether the job lock is ours
 LOST = 255  # exit code recorded for a node whose connection dropped mid-job
-DEFAULT_MAX_RESULT_MB = 50
-FETCHED_SHOWN = 6  # file names listed in the "fetched" line
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """What to run on every node."""
-
-    task: str
-    """The fab task (or `health` for bootstrap's all-reduce check)."""
-    script: str
-    """The script torchrun starts: a path in the synced code folder, e.g. examples/ddp_training.py."""
-    args: list[str] = field(default_factory=list)
-    """Arguments for the script."""
-    max_restarts: int = 0
-    """torchrun --max-restarts: how often a failed worker group is restarted."""
-    upload: Path | None = None
-    """A local script to copy into the run folder first (`fab run --script`)."""
-    nproc_per_node: int | None = None
-    """Processes per node (`--nproc-per-node`); None: one per GPU, one on CPU nodes."""
-    hang: HangPolicy = HangPolicy()
-    """When a job counts as hung, and what to do then (`--hang-timeout`, `--on-hang`)."""
-    workdir: Project | None = None
-    """A project folder to sync and run in (`fab run --workdir`); `script` is then relative to it."""
-    requirements: Requirements | None = None
-    """Packages the job needs beyond the node venv (`fab run --requirements`)."""
-    env: dict[str, str] = field(default_factory=dict)
-    """Variables for every rank, taken literally (`fab run --env`)."""
-    max_result_bytes: int = DEFAULT_MAX_RESULT_MB * 1_000_000
-    """A fetched file bigger than this stays on the head node (`--max-result-mb`)."""
-    replicas: int = 0
-    """torchft replica groups (`--replicas`): each a torchrun job of its own, so one that fails leaves the
-    others training; 0: one job over every node, stopped everywhere at the first failure."""
 
 
 @dataclass
@@ -134,102 +103,6 @@ class JobResult:
         return [node for node, outcome in self.ranks.items() if outcome.process_group is False]
 
 
-@dataclass(frozen=True)
-class NodeSetup:
-    """What bootstrap found on the nodes and launches need (`.cluster/<stack>/bootstrap.json`)."""
-
-    master_port: int
-    """MASTER_PORT of the rendezvous on node-0."""
-    python: dict[str, str]
-    """The interpreter with torch on each node."""
-    scheduler: str = ""
-    """`slurm` where Slurm holds the runs (bootstrap's scheduler stage), else '' (runs held by fab)."""
-    homes: dict[str, str] = field(default_factory=dict)
-    """Each node user's home (the probe's), for absolute paths on the nodes."""
-    scheduler_why: str = ""
-    """Why bootstrap's `--scheduler auto` left the runs to fab (one line), '' where it did not."""
-    slurm_holds: bool = False
-    """Slurm holds the runs (`holders.SlurmHolder`), else fab's connections do."""
-
-    @classmethod
-    def load(cls, stack: str) -> "NodeSetup":
-        try:
-            data = state.bootstrap_record(stack)
-            homes = {name: facts["probe"]["home"] for name, facts in data.get("nodes", {}).items()}
-            return cls(
-                int(data["master_port"]),
-                dict(data["python"]),
-                str(data.get("scheduler") or ""),
-                homes,
-                str(data.get("scheduler_why") or ""),
-                bool(data["slurm_holds"]),
-            )
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise UsageError("the cluster is not bootstrapped: run fab bootstrap") from None
-
-
-class JobLock:
-    """The cluster's one-job lock on the head node (node/job_lock.py), held over an SSH channel
-    of its own: taking it is atomic, and closing the channel, or losing it, releases it. A launch that
-    finds it held waits its turn (in arrival order) and says so once: launches queue, never refuse."""
-
-    def __init__(self, head: NodeSession, run_id: str, task: str):
-        self.head, self.run_id, self.task = head, run_id, task
-        self.channel: paramiko.Channel | None = None
-        self.waited = False
-        """Whether another launch held the lock first (what it found before may have changed since)."""
-
-    def __enter__(self) -> "JobLock":
-        name, owner = self.head.node.name, f"{socket.gethostname()}:{os.getpid()}"
-        try:
-            channel = self.head.conn.client.get_transport().open_session(timeout=LOCK_WAIT_S)
-        except CONNECTION_ERRORS as exc:
-            raise OperationError(f"could not take the job lock on {name}: {describe(exc)}") from None
-        try:
-            channel.settimeout(LOCK_WAIT_S)
-            channel.exec_command(protocol.lock_command(self.run_id, self.task, owner))
-            replies = channel.makefile("r")
-            reply = replies.readline().strip()
-            state, holder = protocol.parse_lock_reply(reply)
-            if state == "waiting" and holder is not None:
-                self.waited = True
-                say(
-                    f"fab: {name} is busy with run {holder['run_id']} ({holder['task']}, fab {holder['owner']}): "
-                    f"run {self.run_id} waits its turn (Ctrl-C gives up)"
-                )
-                channel.settimeout(None)  # as long as the launches before it take
-                reply = replies.readline().strip()
-                state, holder = protocol.parse_lock_reply(reply)
-            if state == "locked":
-                self.channel = channel
-                return self
-            why = reply or channel.makefile_stderr("r").read().decode(errors="replace").strip()[-200:]
-            code = channel.recv_exit_status() if channel.exit_status_ready() or not why else -1
-        except CONNECTION_ERRORS as exc:
-            raise OperationError(f"could not take the job lock on {name}: {describe(exc)}") from None
-        finally:
-            if self.channel is None:
-                channel.close()
-        if not why or code >= 128 or code < 0:  # the holder was ended before it answered: a stop at that moment
-            raise OperationError(
-                f"the job lock on {name} was ended before it was taken (a fab stop or down at the same moment?): "
-                "nothing was started; run the launch again"
-            )
-        raise UsageError(f"could not take the job lock on {name} ({why}): run fab bootstrap")
-
-    def __exit__(self, *exc_info) -> None:
-        """Release: end the holder's input and wait until it has exited, so the next launch finds it free."""
-        if self.channel is None:
-            return
-        try:
-            self.channel.shutdown_write()
-            self.channel.status_event.wait(LOCK_WAIT_S)
-        except Exception:  # a dropped connection has released the lock already
-            pass
-        finally:
-            self.channel.close()
-
-
 class JobStream(NodeStream):
     """A node's job output; the launch command's exit marker and node/torchrun.py's ranks line are
     kept (`exit`, `ranks`) and not shown."""
@@ -242,73 +115,6 @@ class JobStream(NodeStream):
     @property
     def ranks(self) -> RankOutcome:
         return RankOutcome.parse(self.markers.get(contract.RANKS_MARKER))
-
-
-def open_launch(
-    cluster: ClusterInfo, spec: JobSpec, timeline: Timeline | None = None
-) -> tuple[Manifest | None, list[NodeSession], list[str], str]:
-    """A launch's first steps, attached or held by Slurm: the workdir's manifest, one status round on
-    every node (`launch_status`), the bootstrap check (UsageError before anything starts; the sessions
-    closed), and the new run's id. The caller closes the sessions."""
-    wanted = None
-    if spec.workdir:
-        wanted = workdir.manifest(spec.workdir, workdir.hash_cache_path(cluster, spec.workdir))
-    sessions, statuses = open_sessions(cluster, launch_status(spec))
-    try:
-        check_ready(sessions, statuses, queued=True)  # a job running now: the job lock decides (`owning`)
-    except BaseException:
-        for session in sessions:
-            session.close()
-        raise
-    if timeline:
-        timeline.mark("connect")
-    return wanted, sessions, statuses, job_command.new_run_id(spec.task)
-
-
-def launch_status(spec: JobSpec) -> str:
-    return protocol.launch_status_command(
-        spec.workdir.key if spec.workdir else None, spec.requirements.digest if spec.requirements else None
-    )
-
-
-@contextlib.contextmanager
-def owning(
-    sessions: list[NodeSession],
-    statuses: list[str],
-    spec: JobSpec,
-    run_id: str,
-    queued: bool = False,
-    timeline: Timeline | None = None,
-):
-    """The head node's job lock for this launch, taken in its turn. Where another launch held it first,
-    `statuses` are asked again (that launch may have synced, installed or run meanwhile); then a job
-    still running is one no launch holds (its fab was killed), and unless the run is `queued` by the
-    scheduler behind it, the launch is refused before anything starts."""
-    with JobLock(sessions[0], run_id, spec.task) as lock:
-        if lock.waited:
-            asked = on_all_nodes(sessions, lambda s: s.run(launch_status(spec)))
-            if asked.failed:
-                why = "; ".join(f"{r.name}: {describe(r.error)}" for r in asked.failed)
-                raise OperationError(f"the nodes stopped answering while run {run_id} waited its turn: {why}")
-            statuses[:] = [r.value.stdout for r in asked if r.value is not None]
-        check_ready(sessions, statuses, queued=queued)
-        if timeline:
-            timeline.mark("lock")
-        yield lock
-
-
-def check_ready(sessions: list[NodeSession], statuses: list[str], queued: bool = False) -> None:
-    """UsageError (exit 2) if a node is not bootstrapped or (unless the run is `queued` behind it by the
-    scheduler) runs a job that no launch holds, before anything starts."""
-    for session, output in zip(sessions, statuses, strict=True):
-        job, bootstrapped = protocol.parse_job_status(output)
-        if job and not queued:
-            raise UsageError(
-                f"{session.node.name} is running job {job['run_id']} ({job['task']}), which no launch holds "
-                "(its fab was killed?): fab stop ends it"
-            )
-        if not bootstrapped:
-            raise UsageError(f"{session.node.name} is not bootstrapped: run fab bootstrap")
 
 
 def stop_everywhere(
@@ -328,20 +134,6 @@ def stop_everywhere(
         r.name: (f"unreachable: {describe(r.error)}" if r.value is None else r.value.stdout.strip() or "idle")
         for r in outcomes
     }
-
-
-def upload_script(cluster: ClusterInfo, sessions: list[NodeSession], run_id: str, script: Path) -> None:
-    """Copy the user's script into the run folder: once on shared storage, else on every node at once; one
-    round trip each (the folder made and the file written by one command, the script on its stdin)."""
-    run_dir = node_paths.shell_path(node_paths.remote_run_dir(cluster, run_id))
-    targets = sessions[:1] if cluster.shared_dir else sessions
-    data = script.read_bytes()
-    command = f"mkdir -p {run_dir} && cat > {run_dir}/{shlex.quote(script.name)}"
-    sent = on_all_nodes(targets, lambda s: s.run_with_input(command, data))
-    failed = [f"{r.name}: {describe(r.error)}" for r in sent.failed]
-    failed += [f"{r.name}: {r.value[2].strip() or f'exit {r.value[0]}'}" for r in sent if r.value and r.value[0]]
-    if failed:
-        raise OperationError(f"could not copy {script.name} to the nodes: {'; '.join(failed)}")
 
 
 def run_job(
@@ -387,23 +179,10 @@ def run_job(
         streams[name] = JobStream(name, names.index(name), log_dir / f"{name}.log", echo)
         return pool.submit(start, session)
 
-    def prepare_again(session: NodeSession) -> None:
-        """What the launch gave every node before its job, for a replaced one (its home is empty)."""
-        status = session.run(launch_status(spec)).stdout
-        if values:
-            send_env_values([session], values, spec.env)
-        prepare(cluster, [session], [status], spec, setup, wanted)
-        if spec.upload and not cluster.shared_dir:
-            upload_script(cluster, [session], run_id, spec.upload)
-
     names = [s.node.name for s in sessions]
     groups = [[n.name for n in g] for g in job_command.replica_groups(cluster.nodes, spec.replicas)]
-    metrics = f"{node_paths.remote_run_dir(cluster, run_id)}/{contract.METRICS_FILE}"
-    healer = (
-        Healer(cluster, groups, launch_status(spec), prepare_again, start_again, metrics, on_participants)
-        if spec.replicas
-        else None
-    )
+    prepare_again = functools.partial(prepare_replaced, cluster, spec, setup, run_id, wanted)
+    healer = _healer(cluster, spec, run_id, groups, prepare_again, start_again, on_participants)
     pool = ThreadPoolExecutor(max_workers=len(sessions))
     futures: dict[Future, NodeSession] = {pool.submit(start, s): s for s in sessions}
     watch = HangWatch(
@@ -433,56 +212,69 @@ def run_job(
         pool.shutdown(wait=False, cancel_futures=True)
         for stream in streams.values():
             stream.close()
+    return _job_result(run_id, exit_codes, (started_at, started), interrupted, streams, watch, groups, healer)
+
+
+def prepare_replaced(
+    cluster: ClusterInfo,
+    spec: JobSpec,
+    setup: NodeSetup,
+    run_id: str,
+    wanted: Manifest | None,
+    session: NodeSession,
+) -> None:
+    """What the launch gave every node before its job, for a replaced one (its home is empty)."""
+    values = fab_held_values(spec, run_id)
+    status = session.run(launch_status(spec)).stdout
+    if values:
+        send_env_values([session], values, spec.env)
+    prepare(cluster, [session], [status], spec, setup, wanted)
+    if spec.upload and not cluster.shared_dir:
+        upload_script(cluster, [session], run_id, spec.upload)
+
+
+def _healer(
+    cluster: ClusterInfo,
+    spec: JobSpec,
+    run_id: str,
+    groups: list[list[str]],
+    prepare_again,
+    start_again,
+    on_participants,
+) -> Healer | None:
+    """A fault-tolerant run's group restarts on replaced nodes (`remote/heal.py`); None without --replicas."""
+    if not spec.replicas:
+        return None
+    metrics = f"{node_paths.remote_run_dir(cluster, run_id)}/{contract.METRICS_FILE}"
+    return Healer(cluster, groups, launch_status(spec), prepare_again, start_again, metrics, on_participants)
+
+
+def _job_result(
+    run_id: str,
+    exit_codes: dict[str, int | None],
+    started: tuple[str, float],
+    interrupted: bool,
+    streams: dict[str, JobStream],
+    watch: HangWatch,
+    groups: list[list[str]],
+    healer: Healer | None,
+) -> JobResult:
+    """How the job ended, from its streams and its watch; `started`: (ISO time, monotonic clock)."""
     exited_at = {name: stream.exit[1] if stream.exit else None for name, stream in streams.items()}
     return JobResult(
         run_id,
         exit_codes,
-        started_at,
+        started[0],
         _now(),
-        time.monotonic() - started,
+        time.monotonic() - started[1],
         interrupted,
         {name: stream.tail for name, stream in streams.items()},
         watch.report,
         {name: stream.ranks for name, stream in streams.items() if contract.RANKS_MARKER in stream.markers},
         watch.stats(),
         exited_at,
-        groups if spec.replicas else [],
+        groups if healer is not None else [],
         healer,
-    )
-
-
-def node_command(
-    cluster: ClusterInfo,
-    node,
-    spec: JobSpec,
-    setup: NodeSetup,
-    run_id: str,
-    script: str,
-    workdir_key: str | None,
-    stage: job_command.Stage | None = None,
-    values: job_command.EnvValues | None = None,
-) -> str:
-    """The job's whole command on one node (`job_command.launch_command`) for this launch's spec, the
-    hang watch's recorder and rank hook included; attached launches and Slurm's steps run the same
-    (a queued run's with its `stage`)."""
-    return job_command.launch_command(
-        cluster,
-        node,
-        run_id,
-        spec.task,
-        script,
-        spec.args,
-        spec.max_restarts,
-        setup.master_port,
-        spec.nproc_per_node,
-        job_environment(cluster, run_id, spec.hang),
-        (rankhook_path(),) if spec.hang.enabled else (),
-        workdir_key=workdir_key,
-        python=spec.requirements.python if spec.requirements else None,
-        env=spec.env,
-        stage=stage,
-        values=values,
-        replicas=spec.replicas,
     )
 
 
@@ -491,29 +283,6 @@ def fab_held_values(spec: JobSpec, run_id: str) -> job_command.EnvValues | None:
     if not spec.env:
         return None
     return job_command.EnvValues(f"{node_paths.node_run_dir(run_id)}/{contract.RUN_ENV_VALUES}", once=True)
-
-
-def send_env_values(sessions: list[NodeSession], values: job_command.EnvValues, env: dict[str, str]) -> None:
-    """Write the `--env` values where the job's command reads them, on SSH stdin (0600, umask 077):
-    they are on no command line, here or on the node."""
-    path = node_paths.shell_path(values.path)
-    folder = node_paths.shell_path(values.path.rsplit("/", 1)[0])
-    command = f"mkdir -p {folder} && cat > {path}"
-    data = job_command.env_values_text(env).encode()
-    sent = on_all_nodes(sessions, lambda s: s.run_with_input(command, data))
-    failed = [f"{r.name}: {describe(r.error)}" for r in sent.failed]
-    failed += [f"{r.name}: {r.value[2].strip() or f'exit {r.value[0]}'}" for r in sent if r.value and r.value[0]]
-    if failed:
-        raise OperationError(f"could not send the --env values: {'; '.join(failed)}")
-
-
-def job_script(cluster: ClusterInfo, spec: JobSpec, run_id: str) -> str:
-    """The script as the nodes see it: in the job's copy of the workdir, the run folder, or the code."""
-    if spec.workdir:
-        return f"{node_paths.job_workdir(run_id)}/{spec.script}"
-    if spec.upload:
-        return f"{node_paths.remote_run_dir(cluster, run_id)}/{spec.upload.name}"
-    return f"$CLUSTER_CODE_DIR/{spec.script}"
 
 
 def _interrupt_on_signals() -> dict:
@@ -629,125 +398,6 @@ def _collect(futures: dict[Future, NodeSession], exit_codes: dict, timeout_s: fl
         exit_codes[futures[future].node.name] = future.result()
 
 
-@dataclass(frozen=True)
-class Fetched:
-    """What came back from the head node after a run."""
-
-    names: list[str]
-    """Fetched files, relative to the local run folder."""
-    total_bytes: int
-    """Their size."""
-    refused: list[tuple[str, int, str]]
-    """(name, size, where it is on the node) of the files over the cap, left there."""
-    failed: tuple[str, str] | None = None
-    """(name, why) of the file whose copy failed (a full disk); the ones after it were not tried."""
-
-
-def fetch_results(
-    cluster: ClusterInfo, session: NodeSession, python: str, run_id: str, local_dir: Path, max_bytes: int
-) -> Fetched:
-    """Copy the head node's `$CLUSTER_RESULTS_DIR` (whole) and the run's `metrics.jsonl`, and nothing
-    else: checkpoints and whatever else the job left in its folders stay on the nodes."""
-    listing = calls.ListResults(
-        contract.home_relative(node_paths.remote_run_dir(cluster, run_id)),
-        contract.home_relative(node_paths.results_dir(run_id)),
-    )
-    entries = nodecall.call(session, python, listing).files
-    names: list[str] = []
-    total, refused = 0, []
-    for entry in entries:
-        name, size = _local_name(entry["name"]), int(entry["size"])
-        if size > max_bytes:
-            refused.append((name, size, entry["remote"]))
-            continue
-        target = local_dir / name
-        try:
-            state.make_private_dir(target.parent)
-            _get_whole(session, entry["remote"], target)
-        except OSError as exc:
-            return Fetched(names, total, refused, (name, exc.strerror or describe(exc)))
-        names.append(name)
-        total += size
-    return Fetched(names, total, refused)
-
-
-def _get_whole(session: NodeSession, remote: str, target: Path) -> None:
-    """Copy one file under a temporary name, made private (0600, as everything in .cluster), then
-    renamed: a copy cut short (a full disk) never stands under the result's name."""
-    partial = target.with_name(f".{target.name}.{os.getpid()}.part")
-    try:
-        session.conn.get(remote, str(partial), preserve_mode=False)
-        os.chmod(partial, state.PRIVATE_FILE_MODE)
-        os.replace(partial, target)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-
-
-def _local_name(name: str) -> str:
-    """A name the node gave, refused unless it stays inside the local run folder."""
-    parts = name.split("/")
-    if name.startswith("/") or any(part in ("", ".", "..") for part in parts):
-        raise ValueError(f"the node named a result {name!r} outside the run folder")
-    return name
-
-
-def report_fetched(fetched: Fetched, local_dir: Path, head: str, max_bytes: int) -> None:
-    if fetched.names:
-        shown = ", ".join(fetched.names[:FETCHED_SHOWN]) + (
-            f" and {len(fetched.names) - FETCHED_SHOWN} more" if len(fetched.names) > FETCHED_SHOWN else ""
-        )
-        say(
-            f"fab: fetched {count_files(len(fetched.names))} ({human_bytes(fetched.total_bytes)}) "
-            f"into {local_dir}: {shown}"
-        )
-    elif not fetched.refused and not fetched.failed:
-        say(f"fab: nothing to fetch: {head}'s $CLUSTER_RESULTS_DIR is empty and the run wrote no metrics.jsonl")
-    if fetched.failed:
-        name, why = fetched.failed
-        say(
-            f"fab: could not fetch {name} from {head}: {why}; it and the results after it stay there "
-            "(free space here, then copy them with scp -F, see python deploy.py ssh-config)"
-        )
-    for name, size, remote in fetched.refused:
-        where = remote if remote.startswith("/") else f"~/{remote}"
-        say(
-            f"fab: not fetched: {name} ({human_bytes(size)}, over --max-result-mb {max_bytes // 1_000_000}); "
-            f"it stays on {head} in {where}"
-        )
-
-
-def prepare(
-    cluster: ClusterInfo,
-    sessions: list[NodeSession],
-    statuses: list[str],
-    spec: JobSpec,
-    setup: NodeSetup,
-    wanted: Manifest | None,
-    timeline: Timeline | None = None,
-) -> None:
-    """The workdir and the requirements on every node, from what the launch's first command found."""
-    if spec.workdir and wanted is not None:
-        workdir.sync(cluster, sessions, setup.python, spec.workdir, wanted, _tagged(sessions, statuses, "workdir"))
-        if timeline:
-            timeline.mark("sync")
-    if spec.requirements:
-        ensure_requirements(
-            cluster,
-            sessions,
-            setup.python,
-            spec.requirements,
-            _tagged(sessions, statuses, "env"),
-            spec.workdir.key if spec.workdir else None,
-        )
-        if timeline:
-            timeline.mark("requirements")
-
-
-def _tagged(sessions: list[NodeSession], statuses: list[str], tag: str) -> dict[str, str | None]:
-    return {s.node.name: protocol.parse_tagged(output, tag) for s, output in zip(sessions, statuses, strict=True)}
-
-
 def launch(
     cluster: ClusterInfo,
     spec: JobSpec,
@@ -805,17 +455,6 @@ def launch(
     finally:
         for session in sessions:
             session.close()
-
-
-def explain_failure(local_dir: Path) -> None:
-    """Say what the node logs show about a failed job beyond its exit codes (a collective mismatch)."""
-    for log in sorted(local_dir.glob("node-*.log")):
-        try:
-            line = hang.mismatch_line(log.stem, log.read_text(errors="replace"))
-        except OSError:
-            continue
-        if line:
-            say(line)
 
 
 def _now() -> str:

@@ -21,7 +21,7 @@ from infra.timeline import Timeline
 from node import billing, contract
 from node.outcome import first_failure
 from node.run_state import FINAL, RunState
-from remote.launch import JobSpec
+from remote.job_spec import JobSpec
 from remote.stream import RankOutcome, node_exited, say
 
 SUMMARY = "summary.json"

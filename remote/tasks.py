@@ -32,13 +32,8 @@ from remote import (
 from remote.bootstrap import Bootstrap, remembered_setup
 from remote.cli import task
 from remote.connect import describe, on_all_nodes, open_sessions
-from remote.launch import (
-    DEFAULT_MAX_RESULT_MB,
-    JobLock,
-    JobSpec,
-    NodeSetup,
-    check_ready,
-)
+from remote.job_spec import DEFAULT_MAX_RESULT_MB, JobSpec, NodeSetup
+from remote.preparation import JobLock, check_ready
 from remote.stream import console, say
 
 STACK_HELP = "stack to use (default: $CLUSTER_STACK, else the last `python deploy.py up`)"

@@ -145,7 +145,7 @@ def test_nothing_below_the_cli_imports_the_dashboard():
 def test_a_fab_held_runs_follow_gives_the_page_its_logs_and_writes_nothing_to_the_terminal(tmp_path, capfd):
     """`holder.follow(show=...)` for a run held by fab's connections: the node logs as they are here."""
     from remote.holders import FabHolder
-    from remote.launch import NodeSetup
+    from remote.job_spec import NodeSetup
     from remote.runs import Run
     from tests.support import inventories
 

@@ -17,7 +17,7 @@ import pytest
 from infra.inventory import ClusterInfo
 from node import contract, probe, standalone
 from node.outcome import first_failure
-from remote import job_command, launch, node_paths, protocol
+from remote import job_command, launch, node_paths, protocol, results
 from remote.bootstrap import REPO, SYNCED, digest, local_manifest
 from remote.launch import JobStream
 from remote.stream import NodeStream, RankOutcome, say
@@ -700,12 +700,12 @@ def test_procfs_tells_running_stopped_and_gone_processes_and_finds_them_by_envir
 
 def test_a_fetch_the_disk_cut_short_says_so_and_never_that_there_was_nothing(monkeypatch, tmp_path):
     said: list[str] = []
-    monkeypatch.setattr(launch, "say", said.append)
-    failed = launch.Fetched([], 0, [], failed=("results/big.bin", "No space left on device"))
-    launch.report_fetched(failed, tmp_path, "node-0", 50_000_000)
+    monkeypatch.setattr(results, "say", said.append)
+    failed = results.Fetched([], 0, [], failed=("results/big.bin", "No space left on device"))
+    results.report_fetched(failed, tmp_path, "node-0", 50_000_000)
     assert len(said) == 1 and said[0].startswith("fab: could not fetch results/big.bin from node-0: No space"), said
     said.clear()
-    launch.report_fetched(launch.Fetched([], 0, []), tmp_path, "node-0", 50_000_000)
+    results.report_fetched(results.Fetched([], 0, []), tmp_path, "node-0", 50_000_000)
     assert said == ["fab: nothing to fetch: node-0's $CLUSTER_RESULTS_DIR is empty and the run wrote no metrics.jsonl"]
 
 

@@ -1,8 +1,8 @@
-"""A scheduled run's log, copied here as it grows (infra/runlog.py) and shown (remote/scheduled.py's
+"""A scheduled run's log, copied here as it grows (infra/runlog.py) and shown (remote/slurm_follow.py's
 LogSplitter): every piece under its writer, the cluster's own lines kept, bars one line per writer."""
 
 from infra import runlog
-from remote import runs, scheduled
+from remote import runs, slurm_follow
 
 LOG = (
     b"[node-0] step 0\n"
@@ -69,7 +69,7 @@ def test_a_copy_held_by_another_command_is_left_alone(tmp_path):
 
 
 def test_the_terminal_ends_a_bar_before_another_writers_line(tmp_path, capsysbinary):
-    splitter = scheduled.LogSplitter(tmp_path, echo=True, write=False)
+    splitter = slurm_follow.LogSplitter(tmp_path, echo=True, write=False)
     splitter.add(b"[node-0] 10%\r[node-1] 10%\r[node-0] 20%\r[node-0] 30%\rsrun: done\n")
     splitter.close(ended=True)
 
