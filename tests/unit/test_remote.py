@@ -17,8 +17,8 @@ import pytest
 from infra.inventory import ClusterInfo
 from node import contract, probe, standalone
 from node.outcome import first_failure
-from remote import job_command, launch, node_paths, protocol, results
-from remote.bootstrap import REPO, SYNCED, digest, local_manifest
+from remote import job_command, node_paths, protocol, results
+from remote.bootstrap_stage import REPO, SYNCED, digest, local_manifest
 from remote.launch import JobStream
 from remote.stream import NodeStream, RankOutcome, say
 from tests.support.inventories import cluster
