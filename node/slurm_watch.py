@@ -1,7 +1,7 @@
 """In a Slurm-held run's batch job, on the head node: the run's watch (node/run_watch.py), asking the nodes
 through srun steps that share the run's allocation, and `--on-straggler replace` (`StragglerReplacement`).
 
-The spec's `watch` (remote/slurm_launch.py writes it): `status` and `collect`, each node's command that answers
+The spec's `watch` (remote/scheduled.py writes it): `status` and `collect`, each node's command that answers
 the watch; `timeout_s`, `poll_s`, `on_hang`, `overdue_grace_s`; `on_straggler`, and `tell_ranks` (each
 node's command that tells its ranks to save and exit); `shared_dir` where the cluster has a shared folder.
 

@@ -20,7 +20,7 @@ from infra.inventory import ClusterInfo
 from infra.timeline import Timeline
 from node.outcome import STOPPED_CODES
 from node.run_state import RunState
-from remote import protocol, runs, slurm_finish, slurm_follow, slurm_jobs, slurm_launch
+from remote import protocol, runs, scheduled, slurm_finish, slurm_follow, slurm_jobs
 from remote.connect import NodeSession, describe, open_sessions
 from remote.job_spec import DEFAULT_MAX_RESULT_MB, JobSpec, NodeSetup
 from remote.launch import JobResult, launch, stop_everywhere
@@ -266,7 +266,7 @@ class SlurmHolder:
 
     def launch(self, spec: JobSpec, detach: bool, timeline: Timeline | None = None) -> Ending:
         runs_root = state.runs_dir(self.cluster.stack)
-        folder, run, followed = slurm_launch.launch(self.cluster, spec, self.setup, runs_root, detach, timeline)
+        folder, run, followed = scheduled.launch(self.cluster, spec, self.setup, runs_root, detach, timeline)
         if followed is None:
             return Ending(folder, run, submitted=True)
         return self._after(folder, run, followed)

@@ -1,5 +1,5 @@
 """A launch's preparation, the same for both holders (attached, `remote/launch.py`; held by Slurm,
-`remote/slurm_launch.py`): open the sessions and check the nodes (`open_launch`), own the head node's job lock
+`remote/scheduled.py`): open the sessions and check the nodes (`open_launch`), own the head node's job lock
 in its turn (`owning`), prepare the workdir and the requirements (`prepare`), upload the script, send the
 `--env` values, and build each node's command (`node_command`)."""
 

@@ -30,19 +30,19 @@ from harness.models import loss_fn
 from harness.parallel import MeshShape, ModelConfig, layout_problem, mesh_shape, train_step
 from harness.sharded_checkpoint import checkpoint_root, committed_steps, latest_committed, step_dir, write_marker
 from infra.inventory import ClusterInfo, NodeInfo
-from remote import job_command, tasks
+from remote import job_command, tasks, tasks_launch
 from tests.support import REPO
 
 
 def test_the_task_table_registers_every_example_task_with_its_help():
     registered = tasks.ns.task_names
-    for example in tasks.EXAMPLE_TASKS:
+    for example in tasks_launch.EXAMPLE_TASKS:
         assert example.name in registered, example.name
         assert (REPO / example.script).is_file(), example.script
         fab_task = tasks.ns[example.name]
         assert fab_task.__doc__ == example.help
         assert set(fab_task.help) >= {"args", "max-restarts", "stack"}
-    assert len({example.name for example in tasks.EXAMPLE_TASKS}) == len(tasks.EXAMPLE_TASKS)
+    assert len({example.name for example in tasks_launch.EXAMPLE_TASKS}) == len(tasks_launch.EXAMPLE_TASKS)
 
 
 def _nodes(*gpus: int):

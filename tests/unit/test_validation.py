@@ -302,7 +302,7 @@ def test_a_yaml_merge_may_still_override_what_it_brings_in():
     ],
 )
 def test_run_ddp_flags_a_replica_group_does_not_take_are_named(args, refused):
-    from remote.tasks import EXAMPLE_TASKS
+    from remote.tasks_launch import EXAMPLE_TASKS
 
     ddp = next(task for task in EXAMPLE_TASKS if task.name == "run-ddp")
     words = options.script_arguments(args)
@@ -317,7 +317,7 @@ def test_the_plain_only_flags_of_run_ddp_are_the_examples_own():
     """The operator's list and the example's (which refuses them on the nodes for torchrun users) agree."""
     import ast
 
-    from remote.tasks import EXAMPLE_TASKS
+    from remote.tasks_launch import EXAMPLE_TASKS
 
     source = ast.parse((REPO / "examples" / "ddp_training.py").read_text())
     assigned = next(
