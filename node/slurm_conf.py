@@ -338,17 +338,7 @@ def slurm_conf(cluster: Cluster, node: Node, paths: Paths, bound: str, user: str
         "MpiDefault=none",
         "SwitchType=switch/none",
         "JobAcctGatherType=jobacct_gather/none",
-        *(
-            [
-                "AccountingStorageType=accounting_storage/slurmdbd",
-                f"AccountingStorageHost={node_address(cluster, head, bound)}",
-                f"AccountingStoragePort={cluster.slurmdbd_port}",
-                # where slurmctld and sacct get the credential slurmdbd checks: this node's munged
-                f"AccountingStoragePass={paths.munge_socket}",
-            ]
-            if cluster.slurmdbd_port
-            else ["AccountingStorageType=accounting_storage/none"]
-        ),
+        *accounting_lines(cluster, paths, bound),
         "JobCompType=jobcomp/filetxt",
         f"JobCompLoc={paths.at(contract.JOB_COMPLETIONS)}",
         # The scheduler real clusters run, which heterogeneous jobs (torchx's) need. Runs keep their order:
@@ -380,6 +370,26 @@ def slurm_conf(cluster: Cluster, node: Node, paths: Paths, bound: str, user: str
     ]
     if gpus:
         lines.append("GresTypes=gpu")
+    lines += node_lines(cluster, bound)
+    return "\n".join(lines) + "\n"
+
+
+def accounting_lines(cluster: Cluster, paths: Paths, bound: str) -> list[str]:
+    """slurm.conf's accounting: through slurmdbd on the head node where the description has its port, else none."""
+    if not cluster.slurmdbd_port:
+        return ["AccountingStorageType=accounting_storage/none"]
+    return [
+        "AccountingStorageType=accounting_storage/slurmdbd",
+        f"AccountingStorageHost={node_address(cluster, cluster.head, bound)}",
+        f"AccountingStoragePort={cluster.slurmdbd_port}",
+        # where slurmctld and sacct get the credential slurmdbd checks: this node's munged
+        f"AccountingStoragePass={paths.munge_socket}",
+    ]
+
+
+def node_lines(cluster: Cluster, bound: str) -> list[str]:
+    """slurm.conf's nodes (each slurmd on a port of its own) and the one partition of them all."""
+    lines = []
     for index, each in enumerate(cluster.nodes):
         lines.append(
             f"NodeName={each.name} NodeHostname={each.name} NodeAddr={node_address(cluster, each, bound)} "
@@ -391,7 +401,7 @@ def slurm_conf(cluster: Cluster, node: Node, paths: Paths, bound: str, user: str
         f"PartitionName=main Nodes={','.join(cluster.names)} Default=YES OverSubscribe=EXCLUSIVE "
         "MaxTime=INFINITE State=UP"
     )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def gpu_files(cluster: Cluster, node: Node, paths: Paths) -> list:
