@@ -64,10 +64,25 @@ def supervisors(stack: str) -> list[int]:
     return found
 
 
+DAEMONS = ("slurmctld", "slurmd", "slurmstepd", "slurmdbd", "mariadbd", "mysqld", "munged")
+"""Programs a node session starts that leave in a session of their own with an emptied environment (Slurm's
+steps), so that only their command line says they are the stack's."""
+
+
+def started_by_a_node(pid: int) -> bool:
+    """A process that works in a node's folder was started there by the stack: it carries a node session's
+    token, or it is one of the daemons a session starts. A shell of the user's that went into the folder is
+    neither, and is no process of the stack's."""
+    if TOKEN_VARIABLE in (procfs.environment(pid) or {}):
+        return True
+    argv = procfs.command_line(pid)
+    return bool(argv) and os.path.basename(argv[0].split(":", 1)[0]) in DAEMONS
+
+
 def node_processes(stack: str, servers: list[int]) -> list[int]:
-    """What the stack's nodes started: what works in a node's home (a folder deleted since included) and all
-    below it, and whatever carries the token of one of the node sessions found so."""
-    rooted = procfs.pids_working_in(nodes_folder(stack))
+    """What the stack's nodes started: what they started that works in a node's home (a folder deleted since
+    included) and all below it, and whatever carries the token of one of the node sessions found so."""
+    rooted = [pid for pid in procfs.pids_working_in(nodes_folder(stack)) if started_by_a_node(pid)]
     found = set(rooted) | set(procfs.descendants(rooted + servers))
     tokens = {str((procfs.environment(pid) or {}).get(TOKEN_VARIABLE) or "") for pid in found}
     for token in tokens - {""}:
