@@ -27,7 +27,7 @@ from infra.inventory import ClusterInfo
 from infra.timeline import Timeline, job_phases
 from node import calls, contract
 from node import hang_rule as hang
-from remote import job_command, node_paths, nodecall, protocol, workdir
+from remote import free_space, job_command, node_paths, nodecall, protocol, workdir
 from remote.connect import CONNECTION_ERRORS, NodeSession, describe, on_all_nodes, open_sessions
 from remote.hangwatch import HangPolicy, HangReport, HangWatch, job_environment, rankhook_path
 from remote.heal import Healer
@@ -266,9 +266,10 @@ def open_launch(
 
 
 def launch_status(spec: JobSpec) -> str:
-    return protocol.launch_status_command(
+    asked = protocol.launch_status_command(
         spec.workdir.key if spec.workdir else None, spec.requirements.digest if spec.requirements else None
     )
+    return f"{asked}; {free_space.command()}"  # room for the run, checked with the rest (`check_ready`)
 
 
 @contextlib.contextmanager
@@ -309,6 +310,7 @@ def check_ready(sessions: list[NodeSession], statuses: list[str], queued: bool =
             )
         if not bootstrapped:
             raise UsageError(f"{session.node.name} is not bootstrapped: run fab bootstrap")
+    free_space.check([session.node.name for session in sessions], statuses)
 
 
 def stop_everywhere(
