@@ -2,6 +2,7 @@
 local cluster with real slurmctld and slurmd: a run outlives its fab, runs queue one at a time in order, a cancel leaves
 nothing, and a run that ended while nothing was connected is priced."""
 
+import fcntl
 import hashlib
 import ipaddress
 import json
@@ -202,6 +203,19 @@ def test_a_detached_run_returns_at_once_and_is_followed_to_its_end_with_results(
     again = cluster.fab("logs", "-f", "--run", run_id)  # following again: the same end, the same code
     assert again.returncode == 0 and f"run {run_id} ok" in again.stdout
     assert "\n[node-1] rank 1 step 2\n" in again.stdout and "[node-1] [node-1]" not in again.stdout  # one prefix
+    # A follower far behind the finished run (the dashboard's, say) still holds the copy here: fab logs says so
+    # and shows the whole log from the head node; once the copy is free, it brings the rest into it
+    for name in ("node-0.log", "node-1.log", "cluster.log"):
+        (folder / name).unlink(missing_ok=True)
+    with open(folder / "output.log", "r+b") as behind:
+        behind.truncate(0)
+        fcntl.flock(behind, fcntl.LOCK_EX)
+        shown = cluster.fab("logs", "--run", run_id)
+    assert shown.returncode == 0 and "[node-1] rank 1 step 2" in shown.stdout, shown.stdout + shown.stderr
+    assert "another command" in shown.stdout and "shown whole from node-0" in shown.stdout, shown.stdout
+    brought = cluster.fab("logs", "--run", run_id, "--node", "node-1")
+    assert brought.returncode == 0 and "another command" not in brought.stdout, brought.stdout + brought.stderr
+    assert "rank 1 step 2" in (folder / "node-1.log").read_text()
 
 
 def test_env_values_reach_every_rank_on_no_command_line_and_leave_no_file_behind(cluster, tmp_path):
