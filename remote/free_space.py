@@ -5,6 +5,8 @@ Slurm's spool beside them) and into the shared folder (its log, metrics, stage).
 than a run needs, the launch is refused in one line, exit 2, naming the node, the folder, what is free and
 what is needed: a run started there would lose its output, and Slurm would drain the node."""
 
+import errno
+import os
 from dataclasses import dataclass
 
 from infra.errors import UsageError
@@ -59,3 +61,15 @@ def check(names: list[str], statuses: list[str], needed_mb: int = NEEDED_MB) -> 
                     f"{needed_mb} MiB (its log, the ranks' files, results); free space there (fab clean-runs "
                     "removes old runs' copies), then launch again"
                 )
+
+
+FULL = os.strerror(errno.ENOSPC)
+"""How a process says its disk is full ("No space left on device")."""
+
+
+def full_disk_line(node: str, log_text: str) -> str | None:
+    """One line naming the node and its full disk, where its log says a write failed for want of space."""
+    found = next((line.strip() for line in log_text.splitlines() if FULL in line), None)
+    if found is None:
+        return None
+    return f"fab: {node} ran out of disk space during the run ({FULL}): {found[-240:]}"

@@ -810,14 +810,15 @@ def launch(
 
 
 def explain_failure(local_dir: Path) -> None:
-    """Say what the node logs show about a failed job beyond its exit codes (a collective mismatch)."""
+    """Say what the node logs show about a failed job beyond its exit codes (a collective mismatch, a full disk)."""
     for log in sorted(local_dir.glob("node-*.log")):
         try:
-            line = hang.mismatch_line(log.stem, log.read_text(errors="replace"))
+            text = log.read_text(errors="replace")
         except OSError:
             continue
-        if line:
-            say(line)
+        for line in (hang.mismatch_line(log.stem, text), free_space.full_disk_line(log.stem, text)):
+            if line:
+                say(line)
 
 
 def _now() -> str:

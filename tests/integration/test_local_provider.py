@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from node import procfs
 from tests.support import REPO, slurm
 from tests.support.cli import assert_one_line_error, child_env, run_cli, run_fab
 from tests.support.clusters import LocalCluster, fabric_connection, node_server_processes, run_processes
@@ -540,7 +541,7 @@ def test_down_of_a_stack_whose_state_folder_was_deleted_stops_it_and_spares_a_us
         assert "its state folder" in said and "was gone" in said and "2 node servers" in said, said
         assert node_server_processes(state_dir) == [] and run_processes(run_id) == []
         assert stacks_sockets() == []
-        assert [pid for _, _, pid in ours if os.path.exists(f"/proc/{pid}")] == []
+        assert [pid for _, _, pid in ours if procfs.alive(pid)] == []  # zombies aside: init reaps them
         assert users_shell.poll() is None, "down killed a process the stack did not start"
     finally:
         users_shell.kill()
