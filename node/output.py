@@ -86,7 +86,7 @@ class Spool:
         self.fd = fd
         self.folder = folder if folder and os.path.isdir(folder) else tempfile.gettempdir()
         self.file = tempfile.TemporaryFile(dir=self.folder)
-        self.unspooled: "OSError | None" = None
+        self.unspooled: OSError | None = None
         """Why the spool file took no more (its disk full): what came after went straight to the output."""
         self.size = 0
         self.sent = 0
