@@ -13,7 +13,7 @@ from pathlib import Path
 
 from infra import state
 from infra.providers.local.node_config import SERVER_MODULE, SUPERVISOR_MODULE, TOKEN_VARIABLE, token_entry
-from node import procfs
+from node import contract, procfs
 
 
 @dataclass(frozen=True)
@@ -64,9 +64,9 @@ def supervisors(stack: str) -> list[int]:
     return found
 
 
-DAEMONS = ("slurmctld", "slurmd", "slurmstepd", "slurmdbd", "mariadbd", "mysqld", "munged")
-"""Programs a node session starts that leave in a session of their own with an emptied environment (Slurm's
-steps), so that only their command line says they are the stack's."""
+DAEMONS = (*contract.SCHEDULER_DAEMONS, "slurmstepd", "mysqld")
+"""Programs the nodes start that may run with an emptied environment (Slurm's steps, in sessions of their own),
+so that only their command line says they are the stack's (`mysqld`: MariaDB's older name)."""
 
 
 def started_by_a_node(pid: int) -> bool:
