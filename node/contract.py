@@ -152,6 +152,11 @@ def surviving_group(groups: list, exit_codes: dict) -> bool:
 MAX_GROUP_STARTS = 5
 """Starts of one replica group again that failed, after which it is not started again (a fault of its own)."""
 
+RUN_ROOM_MB = 64
+"""The least room a run needs free on a node's disk and in the shared folder (its log, the ranks' files, results,
+Slurm's spool): a launch onto less is refused, and a node Slurm drained while its disk was full is resumed only
+once it has this much again."""
+
 
 def groups_to_restart(groups: list, back: set, running: set, ended: dict) -> list:
     """The one rule for which replica groups of a fault-tolerant run start again now, for both holders (the

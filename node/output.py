@@ -84,7 +84,10 @@ class Spool:
 
     def __init__(self, fd: int, folder: str | None = None):
         self.fd = fd
-        self.file = tempfile.TemporaryFile(dir=folder if folder and os.path.isdir(folder) else None)
+        self.folder = folder if folder and os.path.isdir(folder) else tempfile.gettempdir()
+        self.file = tempfile.TemporaryFile(dir=self.folder)
+        self.unspooled: OSError | None = None
+        """Why the spool file took no more (its disk full): what came after went straight to the output."""
         self.size = 0
         self.sent = 0
         self.more = threading.Condition()
@@ -93,14 +96,26 @@ class Spool:
         self.thread = threading.Thread(target=self._copy, name="gpu-cluster-spool", daemon=True)
         self.thread.start()
 
-    def append(self, data: bytes) -> None:
-        """Add to the end (callers hold one lock, so appends never interleave)."""
+    def append(self, data: bytes) -> bool:
+        """Add to the end (callers hold one lock, so appends never interleave). Where the spool's disk is full,
+        what was spooled is sent, and this and all after it go straight to the output, as slowly as it is read;
+        False the first time (`unspooled` says why), so that the caller can say so."""
         if not data:
-            return
-        os.write(self.file.fileno(), data)
-        with self.more:
-            self.size += len(data)
-            self.more.notify()
+            return True
+        written, first = 0, False
+        if self.unspooled is None:
+            try:
+                while written < len(data):
+                    written += os.write(self.file.fileno(), data[written:])
+            except OSError as exc:  # ENOSPC, EDQUOT: never lose the output for want of a spool
+                self.unspooled, first = exc, True
+            with self.more:
+                self.size += written
+                self.more.notify()
+        if written < len(data):
+            self.finish()  # what was spooled goes out first
+            self._send(data[written:])
+        return not first
 
     def _copy(self) -> None:
         while True:
@@ -161,8 +176,10 @@ class Mux:
     """Everything a node's job writes, prefixed, through one `Spool` onto one file descriptor (the
     node's real output)."""
 
-    def __init__(self, fd: int, spool_folder: str | None = None):
+    def __init__(self, fd: int, spool_folder: str | None = None, prefix: bytes = b""):
         self.spool = Spool(fd, spool_folder)
+        self.prefix = prefix
+        """The node's own prefix, for what the mux itself has to say."""
         self.lock = threading.Lock()
         self.unfinished: Source | None = None
         """The source whose last write ended mid-line."""
@@ -179,7 +196,17 @@ class Mux:
             out, source.at_line_start = prefixed(data, source.prefix, source.at_line_start)
             if out:  # a line redrawn with `\r` is unfinished too: another rank's line would draw over it
                 self.unfinished = None if out.endswith(b"\n") else source
-            self.spool.append(head + out)
+            if not self.spool.append(head + out):
+                self._say_unspooled()
+
+    def _say_unspooled(self) -> None:
+        """One line in the output itself where the spool's disk is full: the operator learns it from the log."""
+        head = b""
+        if self.unfinished is not None:
+            head, self.unfinished.at_line_start, self.unfinished = b"\n", True, None
+        why = self.spool.unspooled
+        text = f"gpu-cluster: this node's disk is full ({why.strerror if why else 'no space'}: {self.spool.folder}); "
+        self.spool.append(head + self.prefix + (text + "its output goes on unspooled\n").encode())
 
     def follow(
         self, read_fd: int, prefix: bytes, name: str = "gpu-cluster-output", reader: "Reader | None" = None
@@ -244,7 +271,7 @@ class OwnOutput:
         sys.stdout.flush()
         sys.stderr.flush()
         saved = (os.dup(1), os.dup(2))
-        return cls(Mux(saved[0], spool_folder), node_prefix(node), saved)
+        return cls(Mux(saved[0], spool_folder, node_prefix(node)), node_prefix(node), saved)
 
     def restore(self) -> None:
         import sys

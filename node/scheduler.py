@@ -35,8 +35,8 @@ def start(cluster: Cluster, node_name: str, home: str) -> dict:
     """This node's daemons running with this description and serving (slurm_daemons.start); a slurmd the
     controller finds not responding (a munged that died took it out) restarted, so that it registers
     again; and the node back in service where gpu-cluster took it out and it is whole again: set DOWN as
-    lost (it answers now), or drained for a spot notice where its slurmd just started (a replacement);
-    what was done."""
+    lost (it answers now), or drained for a spot notice where its slurmd just started (a replacement), or
+    drained by Slurm while its disk was full and it has room again (`room` says so); what was done."""
     done = slurm_daemons.start(cluster, node_name, home)
     paths = Paths(home)
     if "slurmd" not in done.get("started", ()) and not slurm_nodes.responding(paths, done["node"]):
@@ -48,7 +48,8 @@ def start(cluster: Cluster, node_name: str, home: str) -> dict:
         }
     fresh = "slurmd" in done.get("started", ())
     slurm_login.write(home, client_environment(paths))
-    return {**done, "resumed": slurm_nodes.resume_if_ours(paths, done["node"], fresh=fresh)}
+    resumed = slurm_nodes.resume_if_ours(paths, done["node"], fresh=fresh)
+    return {**done, "resumed": resumed, "room": slurm_nodes.resume_if_room_back(paths, done["node"])}
 
 
 def read_description(path: str | None) -> Cluster:

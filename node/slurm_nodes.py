@@ -1,7 +1,8 @@
 """The nodes as Slurm's controller sees them: their states, and gpu-cluster's three reasons for taking one
 out of service (a spot notice's drain, contract.SPOT_DRAIN_REASON; a straggler's drain before it is
 replaced, contract.STRAGGLER_DRAIN_REASON; a node found gone, set DOWN, contract.NODE_LOST_REASON), set
-and lifted here. Standard library only.
+and lifted here; and Slurm's own drain of a node whose disk was full, lifted once it has room again.
+Standard library only.
 """
 
 import json
@@ -174,3 +175,34 @@ def forget_stale_jobs(paths: Paths, node_name: str) -> str:
     mark_lost(paths, node_name, "replaced: its jobs went with the old machine")
     rejoined(paths, node_name)
     return f"requeued {', '.join(stale)}"
+
+
+DISK_FULL_REASONS = ("SlurmdSpoolDir is full", "batch job complete failure", "Low TmpDisk")
+"""The reasons Slurm drains a node with when its disk is full (slurmd or a job's step could not write its files).
+Slurm never lifts them itself: every run waits for that node until someone does."""
+
+
+def free_mb(path: str) -> float:
+    """MiB free to this user where `path` is (or the nearest folder above it that exists)."""
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    found = os.statvfs(path)
+    return found.f_bavail * found.f_frsize / 2**20
+
+
+def resume_if_room_back(paths: Paths, node_name: str) -> str:
+    """This node back in service where Slurm drained it for a full disk (DISK_FULL_REASONS) and its disk (its
+    run folder, Slurm's own folder) has contract.RUN_ROOM_MB free again; what was done, '' where nothing."""
+    node_state, reason = node_reasons(paths).get(node_name, ("", ""))
+    if "drain" not in node_state.lower() or not reason.startswith(DISK_FULL_REASONS):
+        return ""
+    room = {folder: free_mb(paths.at(folder)) for folder in (contract.RUNS, contract.SCHEDULER)}
+    short = [f"~/{folder} has {mb:.1f} MiB free" for folder, mb in room.items() if mb < contract.RUN_ROOM_MB]
+    if short:
+        return f"still drained by Slurm ({reason}): {', '.join(short)}, a run needs {contract.RUN_ROOM_MB} MiB"
+    result = scontrol(paths, "update", f"NodeName={node_name}", "State=RESUME")
+    if result.returncode != 0:
+        return f"drained by Slurm ({reason}), not resumed: {result.stderr.strip() or result.returncode}"
+    return (
+        f"back in service: Slurm drained it ({reason}) while its disk was full; {min(room.values()):.0f} MiB free now"
+    )

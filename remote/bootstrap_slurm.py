@@ -144,6 +144,8 @@ class SlurmStage(BootstrapBase):
             daemons = "slurmctld, slurmd" if record is self.records[0] else "slurmd"
             if started.get("started"):  # what had died, or did not serve (a munged killed), or a new configuration
                 daemons = f"{daemons}; started {', '.join(started['started'])}"
+            if started.get("room"):  # a node Slurm drained while its disk was full
+                daemons = f"{daemons}; {started['room']}"
             return Outcome("up to date" if fresh else "done", daemons)
 
         outcomes = {

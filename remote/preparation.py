@@ -14,7 +14,7 @@ import paramiko
 from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
 from infra.timeline import Timeline
-from remote import job_command, node_paths, protocol, workdir
+from remote import free_space, job_command, node_paths, protocol, workdir
 from remote.connect import CONNECTION_ERRORS, NodeSession, describe, on_all_nodes, open_sessions
 from remote.hangwatch import job_environment, rankhook_path
 from remote.job_spec import JobSpec, NodeSetup
@@ -109,9 +109,10 @@ def open_launch(
 
 
 def launch_status(spec: JobSpec) -> str:
-    return protocol.launch_status_command(
+    asked = protocol.launch_status_command(
         spec.workdir.key if spec.workdir else None, spec.requirements.digest if spec.requirements else None
     )
+    return f"{asked}; {free_space.command()}"  # room for the run, checked with the rest (`check_ready`)
 
 
 @contextlib.contextmanager
@@ -152,6 +153,7 @@ def check_ready(sessions: list[NodeSession], statuses: list[str], queued: bool =
             )
         if not bootstrapped:
             raise UsageError(f"{session.node.name} is not bootstrapped: run fab bootstrap")
+    free_space.check([session.node.name for session in sessions], statuses)
 
 
 def upload_script(cluster: ClusterInfo, sessions: list[NodeSession], run_id: str, script: Path) -> None:

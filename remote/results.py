@@ -9,7 +9,7 @@ from infra import state
 from infra.inventory import ClusterInfo
 from node import calls, contract
 from node import hang_rule as hang
-from remote import node_paths, nodecall
+from remote import free_space, node_paths, nodecall
 from remote.connect import NodeSession, describe
 from remote.stream import say
 from remote.workdir import count_files, human_bytes
@@ -106,11 +106,12 @@ def report_fetched(fetched: Fetched, local_dir: Path, head: str, max_bytes: int)
 
 
 def explain_failure(local_dir: Path) -> None:
-    """Say what the node logs show about a failed job beyond its exit codes (a collective mismatch)."""
+    """Say what the node logs show about a failed job beyond its exit codes (a collective mismatch, a full disk)."""
     for log in sorted(local_dir.glob("node-*.log")):
         try:
-            line = hang.mismatch_line(log.stem, log.read_text(errors="replace"))
+            text = log.read_text(errors="replace")
         except OSError:
             continue
-        if line:
-            say(line)
+        for line in (hang.mismatch_line(log.stem, text), free_space.full_disk_line(log.stem, text)):
+            if line:
+                say(line)

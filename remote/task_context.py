@@ -9,10 +9,7 @@ from invoke.exceptions import Exit
 from infra import hints, inventory
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo
-from remote import (
-    holders,
-    runs,
-)
+from remote import holders, runs
 from remote.job_spec import NodeSetup
 from remote.stream import say
 

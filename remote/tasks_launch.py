@@ -10,13 +10,7 @@ from infra import state
 from infra.errors import UsageError
 from infra.inventory import ClusterInfo
 from infra.timeline import Timeline
-from remote import (
-    fitness,
-    holders,
-    job_command,
-    options,
-    workdir,
-)
+from remote import fitness, holders, job_command, options, workdir
 from remote.cli import task
 from remote.connect import open_sessions
 from remote.job_spec import DEFAULT_MAX_RESULT_MB, JobSpec, NodeSetup

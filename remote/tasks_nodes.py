@@ -9,14 +9,7 @@ from rich.table import Table
 
 from infra.timeline import Timeline
 from node import calls, contract
-from remote import (
-    job_command,
-    node_paths,
-    nodecall,
-    options,
-    protocol,
-    workdir,
-)
+from remote import job_command, node_paths, nodecall, options, protocol, workdir
 from remote.bootstrap import Bootstrap
 from remote.bootstrap_stage import remembered_setup
 from remote.cli import task

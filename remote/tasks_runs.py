@@ -8,13 +8,9 @@ from pathlib import Path
 from invoke.exceptions import Exit
 from rich.table import Table
 
-from infra import inventory, runlog, state
-from infra.errors import OperationError, UsageError
-from remote import (
-    holders,
-    options,
-    runs,
-)
+from infra import runlog, state
+from infra.errors import OperationError
+from remote import holders, log_catchup, options, runs
 from remote.cli import task
 from remote.stream import console, say
 from remote.task_context import STACK_HELP, cluster_for, holder_of, report, setup_for
@@ -108,7 +104,9 @@ def logs(c, run=None, node=None, lines=None, follow=False, stack=None):
         if not record.finished:
             report(cluster, holder.follow(folder, record))  # Ctrl-C stops the following only
             return
-        show_logs(folder, None, count)
+        caught = log_catchup.catch_up(cluster.stack, folder, record, count)
+        if not log_catchup.show(caught, None):
+            show_logs(folder, None, count)
         report(cluster, holders.Ending(folder, record))
         return
     stack_name = state.resolve_stack(stack)
@@ -119,25 +117,15 @@ def logs(c, run=None, node=None, lines=None, follow=False, stack=None):
     if run_dir is None or not run_dir.is_dir():
         raise Exit(f"error: no run {run!r} in {runs_root}" if run else f"error: no runs yet in {runs_root}", code=2)
     held = runs.Run.load(run_dir)  # a run held by Slurm: its log comes here as it goes
-    if held is not None and not held.finished:
-        bring_log(stack_name, run_dir, held)
-    if node and not (run_dir / f"{node}.log").exists():
+    caught = log_catchup.catch_up(stack_name, run_dir, held, count) if held else log_catchup.Caught()
+    if node and not (run_dir / f"{node}.log").exists() and node not in (caught.lines or {}):
         raise Exit(f"error: run {run_dir.name} has no log for {node}", code=2)
     say(f"run {run_dir.name} ({run_dir})")
-    show_logs(run_dir, node, count)
+    if not log_catchup.show(caught, node):
+        show_logs(run_dir, node, count)
     summary = run_dir / runs.SUMMARY
     if summary.exists():
         say(runs.summary_line(summary))
-
-
-def bring_log(stack: str, folder: Path, record: runs.Run) -> None:
-    """A run not finished: the rest of its log from the cluster first where its holder keeps it there (Slurm's,
-    on the head node) and the cluster answers (after down, what is here is all there is)."""
-    try:
-        cluster = inventory.load(stack)
-        holders.holder_for(cluster, setup_for(cluster)).bring_logs([(folder, record)])
-    except (UsageError, OperationError) as exc:
-        say(f"fab: showing the log as far as it is here ({exc})")
 
 
 def show_logs(run_dir: Path, node: str | None, count: int) -> None:

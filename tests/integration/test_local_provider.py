@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO
+from node import procfs
+from tests.support import REPO, slurm
 from tests.support.cli import assert_one_line_error, child_env, run_cli, run_fab
-from tests.support.clusters import LocalCluster, fabric_connection, node_server_processes
+from tests.support.clusters import LocalCluster, fabric_connection, node_server_processes, run_processes
 from tests.support.network import free_endpoint
 
 FAKE_SECRET = "AKIA-fake-secret-for-the-scrub-test"
@@ -500,3 +501,48 @@ def test_make_demo_refuses_a_bad_address_before_anything_is_created(state_dir, t
     result = demo(state_dir, tmp_path, **{variable: value})
     assert_one_line_error(result, f"{variable}='{value}'", f"make demo {variable}=")
     assert not state_dir.exists() and not (tmp_path / "fab-argv").exists()
+
+
+# ----------------------------------------------------------------------------- a deleted state folder
+
+
+@pytest.mark.skipif(slurm.unavailable() is not None, reason=f"Slurm: {slurm.unavailable()}")
+def test_down_of_a_stack_whose_state_folder_was_deleted_stops_it_and_spares_a_users_shell(
+    state_dir, make_cluster, tmp_path
+):
+    """`rm -rf` of a running stack's state folder (its nodes, Slurm's daemons and a run going), then
+    `down --stack`: it says what it stopped, and nothing of the stack runs or listens afterwards; a shell of the
+    user's that sits in a node's folder (no node session started it) is left alone."""
+    cluster = make_cluster("r2")
+    env = {"CLUSTER_STATE_DIR": str(state_dir)}
+    ports = str(slurm.free_ports())
+    booted = run_fab("bootstrap", "--stack", "r2", "--master-port", ports, "--accounting", "none", **env)
+    assert booted.returncode == 0, booted.stdout + booted.stderr
+    work = tmp_path / "sleep.py"
+    work.write_text("import time\nprint('sleeping', flush=True)\ntime.sleep(600)\n")
+    submitted = run_fab("run", "--stack", "r2", "--script", str(work), "--detach", **env)
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    run_id = submitted.stdout.strip().splitlines()[-1]
+    slurm.wait_for(lambda: len(run_processes(run_id)) >= 2, f"run {run_id}'s ranks on both nodes")
+    addresses = {node["public_ip"] for node in cluster.inventory["nodes"]}
+    block = range(int(ports), int(ports) + slurm.PORT_BLOCK)  # Slurm's daemons: on the ports bootstrap was given
+
+    def stacks_sockets() -> list:
+        return [s for s in slurm.listening_sockets() if s[0] in addresses or s[1] in block]
+
+    ours = stacks_sockets()
+    assert len({s[2] for s in ours}) >= 4, ours  # the node servers, slurmctld, the slurmds
+    users_shell = subprocess.Popen(["sleep", "4322"], cwd=cluster.stack_dir / "nodes" / "node-0")
+    try:
+        shutil.rmtree(cluster.stack_dir)
+        down = run_cli("down", "--stack", "r2")
+        assert down.returncode == 0, down.stdout + down.stderr
+        said = " ".join(down.stdout.split())  # as wrapped to the terminal's width
+        assert "its state folder" in said and "was gone" in said and "2 node servers" in said, said
+        assert node_server_processes(state_dir) == [] and run_processes(run_id) == []
+        assert stacks_sockets() == []
+        assert [pid for _, _, pid in ours if procfs.alive(pid)] == []  # zombies aside: init reaps them
+        assert users_shell.poll() is None, "down killed a process the stack did not start"
+    finally:
+        users_shell.kill()
+        users_shell.wait()

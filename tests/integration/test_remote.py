@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from node import contract
-from tests.support import REPO
+from tests.support import REPO, disks
 from tests.support.cli import assert_one_line_error
 from tests.support.clusters import (
     bootstrapped_cluster,
@@ -646,9 +646,18 @@ def test_logs_of_an_unknown_run_are_refused_and_gpus_reports_cpu_nodes(cluster):
     assert gpus.returncode == 0 and gpus.stdout.count("no GPU (CPU node, gloo)") == 2
 
 
-def test_a_missing_script_is_refused_before_anything_starts(cluster):
+def test_a_missing_script_or_a_node_without_room_is_refused_before_anything_starts(cluster, tmp_path):
     before = cluster.runs()
     assert_one_line_error(cluster.fab("run", "--script", "/no/such/script.py"), "no such script")
+    assert cluster.runs() == before
+    if disks.unavailable():
+        pytest.skip(disks.unavailable())
+    script = tmp_path / "fine.py"
+    script.write_text("print('never runs')\n")
+    node_runs = cluster.state_dir / cluster.stack / "nodes" / "node-1" / contract.RUNS
+    with disks.small_filesystem(node_runs, "2m"):  # node-1's own disk, nearly full
+        refused = cluster.fab("run", "--script", str(script))
+    assert_one_line_error(refused, "node-1 has no room for a run", "MiB free, a run needs 64 MiB")
     assert cluster.runs() == before
 
 

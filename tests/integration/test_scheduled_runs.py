@@ -2,6 +2,7 @@
 local cluster with real slurmctld and slurmd: a run outlives its fab, runs queue one at a time in order, a cancel leaves
 nothing, and a run that ended while nothing was connected is priced."""
 
+import fcntl
 import hashlib
 import ipaddress
 import json
@@ -17,7 +18,7 @@ import pytest
 
 from node import contract
 from node.slurm_conf import Paths
-from tests.support import REPO, slurm, throttle
+from tests.support import REPO, disks, slurm, throttle
 from tests.support.cli import assert_one_line_error
 from tests.support.clusters import (
     CMDLINE_LEAKS,
@@ -202,6 +203,19 @@ def test_a_detached_run_returns_at_once_and_is_followed_to_its_end_with_results(
     again = cluster.fab("logs", "-f", "--run", run_id)  # following again: the same end, the same code
     assert again.returncode == 0 and f"run {run_id} ok" in again.stdout
     assert "\n[node-1] rank 1 step 2\n" in again.stdout and "[node-1] [node-1]" not in again.stdout  # one prefix
+    # A follower far behind the finished run (the dashboard's, say) still holds the copy here: fab logs says so
+    # and shows the whole log from the head node; once the copy is free, it brings the rest into it
+    for name in ("node-0.log", "node-1.log", "cluster.log"):
+        (folder / name).unlink(missing_ok=True)
+    with open(folder / "output.log", "r+b") as behind:
+        behind.truncate(0)
+        fcntl.flock(behind, fcntl.LOCK_EX)
+        shown = cluster.fab("logs", "--run", run_id)
+    assert shown.returncode == 0 and "[node-1] rank 1 step 2" in shown.stdout, shown.stdout + shown.stderr
+    assert "another command" in shown.stdout and "shown whole from node-0" in shown.stdout, shown.stdout
+    brought = cluster.fab("logs", "--run", run_id, "--node", "node-1")
+    assert brought.returncode == 0 and "another command" not in brought.stdout, brought.stdout + brought.stderr
+    assert "rank 1 step 2" in (folder / "node-1.log").read_text()
 
 
 def test_env_values_reach_every_rank_on_no_command_line_and_leave_no_file_behind(cluster, tmp_path):
@@ -594,6 +608,40 @@ def test_replicas_under_slurm_a_group_whose_ranks_are_killed_is_dropped_and_the_
     assert survivor == list(range(survivor[0], 61))  # none repeated, none skipped, to the end
     summary = json.loads((cluster.state_dir / cluster.stack / "runs" / run_id / "summary.json").read_text())
     assert summary["dropped"] == ["node-1"] and summary["exit_codes"]["node-0"] == 0, summary
+
+
+@pytest.mark.skipif(disks.unavailable() is not None, reason=str(disks.unavailable()))
+def test_a_disk_that_fills_during_a_run_is_named_and_a_node_drained_for_it_comes_back(cluster, tmp_path):
+    """node-1's disk fills during a run (its rank writes results until there is no space): the node's lines and
+    its rank's error still reach the log (the node's output spool is on that disk), and fab names the node and
+    the full disk. A node Slurm drained for a full disk (a reason Slurm never lifts: every run would wait for
+    it until down) is back in service after bootstrap, which says so."""
+    work = script(
+        tmp_path,
+        "fill.py",
+        "print(f'rank {rank} before', flush=True)\n"
+        "if rank == 1:\n"
+        "    with open(os.path.join(os.environ['CLUSTER_RESULTS_DIR'], 'big'), 'wb') as f:\n"
+        "        for _ in range(200):\n"
+        "            f.write(b'x' * 1_000_000); f.flush()\n"
+        "print(f'rank {rank} after', flush=True)\n",
+    )
+    node_runs = cluster.state_dir / cluster.stack / "nodes" / "node-1" / contract.RUNS
+    with disks.small_filesystem(node_runs, "80m"):  # room enough to launch (64 MiB), not for the results
+        result = cluster.fab("run", "--script", str(work), timeout=300)
+    said = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 1, said
+    assert "[node-1] rank 1 before" in said and "OSError: [Errno 28] No space left on device" in said, said
+    assert "fab: node-1 ran out of disk space during the run (No space left on device)" in said, said
+    assert "[node-0] rank 0 after" in said, said
+
+    drain = "scontrol update NodeName=node-1 State=DRAIN Reason='batch job complete failure'"  # as Slurm drains
+    assert cluster.cli("ssh", "node-0", "--", "bash", "-c", shlex.quote(drain)).returncode == 0
+    booted = cluster.fab("bootstrap", "--master-port", str(cluster.master_port), "--accounting", "none")
+    shown = " ".join(booted.stdout.split())
+    assert booted.returncode == 0 and "back in service:" in shown and "Slurm drained it" in shown, shown  # a table cell
+    states = cluster.cli("ssh", "node-0", "--", "sinfo", "--noheader", "--Node", "--format=%N_%T").stdout.split()
+    assert "node-1_idle" in states, states
 
 
 def test_down_mid_run_keeps_its_log_here_and_names_the_run_it_cancelled(cluster, tmp_path):

@@ -4,7 +4,10 @@ import os
 import threading
 import time
 
+import pytest
+
 from node.output import Mux, Source, node_prefix, prefixed, unprefixed
+from tests.support import disks
 
 P = node_prefix("node-1", 3)
 
@@ -70,3 +73,24 @@ def test_a_rank_writing_a_lot_never_waits_for_a_slow_reader():
     os.close(write_out)
     reader.join(60)
     assert bytes(received) == b"".join(b"[node-0] line %d\n" % i for i in range(500_000))
+
+
+@pytest.mark.skipif(disks.unavailable() is not None, reason=str(disks.unavailable()))
+def test_a_full_disk_under_the_spool_loses_no_line_and_the_output_says_why(tmp_path):
+    """The node's run folder (where the spool is) fills up mid-run: every line still reaches the output, in
+    order and whole, and one line of the node's says its disk is full, naming the folder and the error."""
+    with disks.small_filesystem(tmp_path / "runs", "64k") as folder:
+        with open(tmp_path / "out", "wb") as out:
+            mux = Mux(out.fileno(), str(folder), node_prefix("node-1"))
+            rank = Source(node_prefix("node-1", 0))
+            line = b"x" * 100
+            for number in range(2000):  # 200 kB through a 64 kB disk
+                mux.write(rank, b"%05d " % number + line + (b"\n" if number % 2 else b""))
+            mux.drain()
+    text = (tmp_path / "out").read_bytes().decode()
+    said = [each for each in text.splitlines() if each.startswith("[node-1] gpu-cluster:")]
+    assert len(said) == 1 and "No space left on device" in said[0] and str(folder) in said[0], said
+    ours = [each for each in text.splitlines() if not each.startswith("[node-1] gpu-cluster:")]
+    assert len(ours) <= 1001 and all(each.startswith("[node-1 rank 0] ") for each in ours)  # one ended by the note
+    joined = "".join(ours).replace("[node-1 rank 0] ", "")
+    assert joined == "".join(f"{number:05d} " + "x" * 100 for number in range(2000))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from infra import state
 from infra.providers.local.node_config import SERVER_MODULE, SUPERVISOR_MODULE, TOKEN_VARIABLE, token_entry
-from node import procfs
+from node import contract, procfs
 
 
 @dataclass(frozen=True)
@@ -64,10 +64,25 @@ def supervisors(stack: str) -> list[int]:
     return found
 
 
+DAEMONS = (*contract.SCHEDULER_DAEMONS, "slurmstepd", "mysqld")
+"""Programs the nodes start that may run with an emptied environment (Slurm's steps, in sessions of their own),
+so that only their command line says they are the stack's (`mysqld`: MariaDB's older name)."""
+
+
+def started_by_a_node(pid: int) -> bool:
+    """A process that works in a node's folder was started there by the stack: it carries a node session's
+    token, or it is one of the daemons a session starts. A shell of the user's that went into the folder is
+    neither, and is no process of the stack's."""
+    if TOKEN_VARIABLE in (procfs.environment(pid) or {}):
+        return True
+    argv = procfs.command_line(pid)
+    return bool(argv) and os.path.basename(argv[0].split(":", 1)[0]) in DAEMONS
+
+
 def node_processes(stack: str, servers: list[int]) -> list[int]:
-    """What the stack's nodes started: what works in a node's home (a folder deleted since included) and all
-    below it, and whatever carries the token of one of the node sessions found so."""
-    rooted = procfs.pids_working_in(nodes_folder(stack))
+    """What the stack's nodes started: what they started that works in a node's home (a folder deleted since
+    included) and all below it, and whatever carries the token of one of the node sessions found so."""
+    rooted = [pid for pid in procfs.pids_working_in(nodes_folder(stack)) if started_by_a_node(pid)]
     found = set(rooted) | set(procfs.descendants(rooted + servers))
     tokens = {str((procfs.environment(pid) or {}).get(TOKEN_VARIABLE) or "") for pid in found}
     for token in tokens - {""}:
