@@ -22,8 +22,6 @@ from remote.connect import NodeSession, describe, on_all_nodes
 from remote.stream import say
 
 REPO = Path(__file__).resolve().parent.parent
-
-
 SYNCED = contract.SYNCED
 
 
