@@ -19,7 +19,7 @@ from infra.tags import NODE_TAG, STACK_TAG
 IMAGE_TAG = "gpu-cluster:image"
 """Marks an image as made by `deploy.py image create` (the value: the node it was made from)."""
 DEPS_TAG = "gpu-cluster:deps-digest"
-"""The digest of the deps stage the node had recorded (remote/bootstrap.py), so an image can be matched."""
+"""The digest of the deps stage the node had recorded (remote/bootstrap_node.py), so an image can be matched."""
 SNAPSHOT_USD_PER_GB_MONTH = 0.05
 """EBS snapshot storage, standard tier, us-east-1 (https://aws.amazon.com/ebs/pricing/). A snapshot is
 billed for the blocks it holds, so the volume's size is the most an image can cost."""

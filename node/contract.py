@@ -329,7 +329,7 @@ REPLICAS_VARIABLE = "NUM_REPLICA_GROUPS"
 """torchft's examples' name: how many replica groups the run started with."""
 LIGHTHOUSE_PORT_ABOVE_MASTER = 61
 """The Lighthouse listens on MASTER_PORT + this on the head node: above the 60 ports Slurm's daemons take
-(remote/bootstrap.py SCHEDULER_PORTS)."""
+(remote/bootstrap_slurm.py SCHEDULER_PORTS)."""
 RESERVED_PREFIXES = ("CLUSTER_", "TORCHELASTIC_")
 """Variables a user's --env may not set: any of these prefixes, and `RESERVED_VARIABLES`."""
 RESERVED_VARIABLES = (

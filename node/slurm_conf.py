@@ -8,7 +8,7 @@ The description is the same JSON on every node, head node first:
      "nodes": [{"name": "node-0", "address": "10.0.0.5", "cpus": 8, "memory_mb": 30000, "gpus": 1}, ...],
      "state_save": "/shared/.gpu-cluster/slurm-state"}
 
-Bootstrap builds it (remote/bootstrap.py `_scheduler_description`) from the inventory, whose nodes it is
+Bootstrap builds it (remote/bootstrap_slurm.py `_scheduler_description`) from the inventory, whose nodes it is
 (order, names, addresses, GPUs), and what Slurm needs besides: each node's CPUs and memory (bootstrap's
 probe), the stack's name and munge key, ports above MASTER_PORT, the queue's place on the shared folder.
 
