@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from node import nvml
+from node import contract, gpu_samples, nvml
 from tests.support import REPO, network, slurm
 from tests.support.cli import assert_one_line_error, child_env, run_cli
 from tests.support.clusters import bootstrapped_cluster
@@ -193,8 +193,9 @@ def test_a_real_prometheus_scrapes_the_runs_with_the_scrape_config_of_the_docs(d
         assert up["metric"]["job"] == "gpu-cluster" and up["value"][1] == "1"
         # The run's sampler on its node, with a fake NVML answering as the recorded H200 (no GPU here): the
         # dashboard brings the running run's newest readings from the head node, Prometheus has them.
-        metrics = Path(cluster.info["shared_dir"]) / "runs" / running / "metrics.jsonl"
-        nvml.Sampler(nvml.file_sink(str(metrics)), "node-1", library=FakeNvml(H200)).once({})
+        samples = Path(cluster.info["shared_dir"]) / "runs" / running / contract.gpu_samples("node-1")
+        sink = gpu_samples.SampleFile(str(samples), contract.GPU_SAMPLES_MAX_BYTES)
+        nvml.Sampler(sink, "node-1", library=FakeNvml(H200)).once({})
         query = urllib.parse.quote(f'gpucluster_gpu_temperature_celsius{{run="{running}"}}')
         slurm.wait_for(scraped, "Prometheus has the running run's GPU temperature", deadline_s=60)
         assert [(r["metric"]["node"], r["metric"]["gpu"], r["value"][1]) for r in found] == [("node-1", "0", "34")]
