@@ -42,7 +42,8 @@ def tail_command(cluster: ClusterInfo, run_ids: list[str]) -> str:
 def parse(text: str) -> dict[str, Readings]:
     """`tail_command`'s output as each run's newest reading per GPU (a line cut by the tail is skipped)."""
     found: dict[str, Readings] = {}
-    run_id, lines = None, []
+    run_id: str | None = None
+    lines: list[str] = []
     for line in [*text.splitlines(), f"{MARK} "]:
         if line.startswith(MARK + " "):
             if run_id is not None:

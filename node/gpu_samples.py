@@ -45,7 +45,8 @@ class SampleFile:
             self.size += len(line)
 
     def _thin(self) -> None:
-        kept, counts = [], {}
+        kept: list[str] = []
+        counts: dict = {}
         try:
             with open(self.path) as f:
                 lines = f.readlines()
