@@ -66,15 +66,19 @@ def lost_or_noticed(reason: str) -> bool:
 def mark_lost(paths: Paths, node_name: str, why: str) -> str:
     """Tell Slurm a node is gone (DOWN: its run is requeued, JobRequeue=1); Slurm's answer. Each run on it
     gets its PREEMPTED_RECORD first, as a notice's requeue writes one: Slurm ends its batch script at once,
-    and the node's reason is gone once its replacement has joined, while the run still waits."""
-    reason = f"{contract.NODE_LOST_REASON}: {why}"
+    and the node's reason is gone once its replacement has joined, while the run still waits. A node its
+    watcher drained for a spot notice keeps the notice as its reason and its runs' requeue (a drill's requeue
+    is a spot interruption, not a lost node), whoever finds the machine gone afterwards."""
+    _, current = node_reasons(paths).get(node_name, ("", ""))
+    noticed = current.startswith(contract.SPOT_DRAIN_REASON)
+    reason = current if noticed else f"{contract.NODE_LOST_REASON}: {why}"
     for folder, restart in _runs_on(paths, node_name):
         record = {"nodes": [node_name], "reason": reason, "at": time.time(), "restart": restart + 1}
         try:
             write_private(os.path.join(folder, contract.PREEMPTED_RECORD), json.dumps(record).encode(), 0o600)
         except OSError:  # the run's folder is gone: nothing waits to read it
             pass
-    return _take_out(paths, node_name, "DOWN", reason, "down")
+    return _take_out(paths, node_name, "DOWN", reason, "down (its spot notice's)" if noticed else "down")
 
 
 def _runs_on(paths: Paths, node_name: str) -> list:
