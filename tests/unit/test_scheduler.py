@@ -629,18 +629,18 @@ def test_a_slurm_held_runs_watch_that_fails_says_so_once_in_the_log_and_the_run_
 
 
 @pytest.mark.parametrize(
-    "before, reason",
+    "before, requeued_for",
     [
         ("spot interruption notice: terminate at 2026-11-28T08:00:00Z", "spot interruption notice: terminate at"),
         ("", "node lost: no answer"),
     ],
 )
-def test_a_node_told_lost_after_its_notice_drained_it_keeps_the_notice_as_its_reason(
-    monkeypatch, tmp_path, before, reason
+def test_a_run_on_a_node_told_lost_after_its_notice_drained_it_is_requeued_for_the_notice(
+    monkeypatch, tmp_path, before, requeued_for
 ):
-    """A drill's short notice: the watcher drained node-1 and its run requeued; then the supervisor finds
-    the machine gone and tells Slurm. The node goes DOWN, but its reason and its run's requeue record stay
-    the notice's (`fab jobs` and the run's log said "node lost" for a drill)."""
+    """A drill's short notice: the watcher drained node-1 while its run saved; then the supervisor finds the
+    machine gone and tells Slurm. The run's requeue record stays the notice's (its log and `fab jobs` said
+    "node lost" for a drill); the node itself is DOWN as lost, with why (what a waiting run waits for)."""
     from node import slurm_nodes
 
     told: list = []
@@ -649,7 +649,7 @@ def test_a_node_told_lost_after_its_notice_drained_it_keeps_the_notice_as_its_re
     monkeypatch.setattr(
         slurm_nodes, "scontrol", lambda paths, *args: told.append(args) or subprocess.CompletedProcess(args, 0)
     )
-    said = slurm_nodes.mark_lost(None, "node-1", "no answer")
-    assert said.startswith("down") and told[0][2] == "State=DOWN" and told[0][3].startswith(f"Reason={reason}")
+    assert slurm_nodes.mark_lost(None, "node-1", "no answer") == "down"
+    assert told == [("update", "NodeName=node-1", "State=DOWN", "Reason=node lost: no answer")]
     record = json.loads((tmp_path / contract.PREEMPTED_RECORD).read_text())
-    assert record["reason"].startswith(reason) and record["restart"] == 2
+    assert record["reason"].startswith(requeued_for) and record["restart"] == 2
