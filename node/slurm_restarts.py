@@ -86,10 +86,22 @@ class GroupRestarts:
         self._record()
 
     def finish(self) -> None:
-        """After the run's step: each group started again ends at the peers' step (a stopped one with it)."""
-        for process in self.processes.values():
+        """After the run's step: each group started again that is back in the quorum ends at the peers' step
+        (a stopped one with it); one that has not rejoined has no peer left to heal from and is stopped now."""
+        metrics = os.path.join(self.folder, contract.METRICS_FILE)
+        orphans = set(self.restarter.not_rejoined(replicas.contract_lines(metrics, 1 << 16)))
+        for number, process in self.processes.items():
+            if number in orphans and process.poll() is None:
+                print(
+                    f"[cluster] replica group {number} had not rejoined when the run's other groups ended: "
+                    "no peer is left to heal from, so it is stopped",
+                    flush=True,
+                )
+                process.terminate()
             try:
-                process.wait(timeout=STOPPED_GRACE_S if self.stopping.is_set() else HEAL_END_GRACE_S)
+                process.wait(
+                    timeout=STOPPED_GRACE_S if self.stopping.is_set() or number in orphans else HEAL_END_GRACE_S
+                )
             except subprocess.TimeoutExpired:
                 process.terminate()
                 process.wait()

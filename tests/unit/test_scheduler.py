@@ -626,3 +626,30 @@ def test_a_slurm_held_runs_watch_that_fails_says_so_once_in_the_log_and_the_run_
     assert slurm_watch.watch(spec, main, "srun") == 0
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[watch]")]
     assert len(said) == 1 and said[0].startswith("[watch] hang watch: ValueError"), said
+
+
+@pytest.mark.parametrize(
+    "before, requeued_for",
+    [
+        ("spot interruption notice: terminate at 2026-11-28T08:00:00Z", "spot interruption notice: terminate at"),
+        ("", "node lost: no answer"),
+    ],
+)
+def test_a_run_on_a_node_told_lost_after_its_notice_drained_it_is_requeued_for_the_notice(
+    monkeypatch, tmp_path, before, requeued_for
+):
+    """A drill's short notice: the watcher drained node-1 while its run saved; then the supervisor finds the
+    machine gone and tells Slurm. The run's requeue record stays the notice's (its log and `fab jobs` said
+    "node lost" for a drill); the node itself is DOWN as lost, with why (what a waiting run waits for)."""
+    from node import slurm_nodes
+
+    told: list = []
+    monkeypatch.setattr(slurm_nodes, "node_reasons", lambda paths: {"node-1": ("drained", before)})
+    monkeypatch.setattr(slurm_nodes, "_runs_on", lambda paths, node: [(str(tmp_path), 1)])
+    monkeypatch.setattr(
+        slurm_nodes, "scontrol", lambda paths, *args: told.append(args) or subprocess.CompletedProcess(args, 0)
+    )
+    assert slurm_nodes.mark_lost(None, "node-1", "no answer") == "down"
+    assert told == [("update", "NodeName=node-1", "State=DOWN", "Reason=node lost: no answer")]
+    record = json.loads((tmp_path / contract.PREEMPTED_RECORD).read_text())
+    assert record["reason"].startswith(requeued_for) and record["restart"] == 2
