@@ -108,7 +108,7 @@ def stack_view(stack: str, statuses: dict[str, dict], problem: str, now: float) 
         "reconciliation": reconciliation(stack),
         "timelines": shape.timelines(
             cluster.get("timeline"),
-            bootstrap.get("timeline"),
+            bootstrap.timeline,
             [(f"launch {r.run_id}", r.timeline.as_dict() if r.timeline else None) for _, r in found[-5:]],
         ),
         "problem": problem,

@@ -82,7 +82,7 @@ def forget_stale_jobs(cluster: ClusterInfo, replaced: list[NodeInfo]) -> None:
 
 def slurm_holds(stack: str) -> bool:
     """Whether Slurm holds the stack's runs (its bootstrap.json): only then is there a controller to tell."""
-    return bool(state.bootstrap_record(stack).get("slurm_holds"))
+    return state.bootstrap_record(stack).slurm_holds
 
 
 def mark_lost(cluster: ClusterInfo, lost: list[NodeInfo], why: str = "its server is gone") -> None:
