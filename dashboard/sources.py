@@ -21,6 +21,7 @@ from infra import inventory, runlog, state
 from infra.errors import ClusterError, UsageError
 from infra.ledger import Ledger
 from node import contract
+from node.run_state import RunState
 from remote import holders, runs
 from remote.launch import NodeSetup
 
@@ -235,7 +236,7 @@ class Live:
     def refresh_gpus(self, stack: str) -> None:
         """The newest GPU readings of the stack's running runs (kept as they were where the head node does
         not answer now: they are asked again next time)."""
-        running = [r.run_id for _, r in runs.runs_of(state.runs_dir(stack)) if r.state == "RUNNING"]
+        running = [r.run_id for _, r in runs.runs_of(state.runs_dir(stack)) if r.state == RunState.RUNNING]
         try:
             found = gpus.bring(inventory.load(stack), running) if running else {}
         except Exception:
