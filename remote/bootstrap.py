@@ -40,7 +40,7 @@ from pathlib import Path
 from rich.table import Table
 
 from infra import hints, state
-from infra.errors import OperationError, ReportedFailure, UsageError
+from infra.errors import NodeCallError, OperationError, ReportedFailure, UsageError
 from infra.inventory import ClusterInfo
 from infra.timeline import Timeline
 from node import calls, contract, kit
@@ -521,8 +521,8 @@ class Bootstrap:
             def stopped(record: NodeRecord) -> Outcome:
                 try:
                     self._call(record, calls.StopScheduler(), timeout=120)
-                except (UsageError, OperationError) as exc:  # an existing Slurm's jobs not cancelled: ask again
-                    return Outcome("failed", f"not stopped: {str(exc).split(': ', 1)[-1]}"[:300])
+                except NodeCallError as exc:  # an existing Slurm's jobs not cancelled: ask again
+                    return Outcome("failed", f"not stopped: {exc.line}"[:300])
                 self._forget(record, "scheduler")
                 return Outcome("n/a", "none")
 
@@ -575,8 +575,8 @@ class Bootstrap:
         record.session.conn.put(io.StringIO(json.dumps(dataclasses.asdict(recipe))), remote=sent)
         try:
             return self._call(record, calls.ApplyKit(sent, [part]), timeout=1800).facts[part]
-        except (UsageError, OperationError) as exc:
-            raise StageFailed(str(exc).split(": ", 1)[-1]) from None
+        except NodeCallError as exc:
+            raise StageFailed(exc.line) from None
 
     def _adopt_existing_slurm(self) -> dict[str, Outcome]:
         """Own machines that already run Slurm (`slurm: existing`): each node finds its NodeName there
@@ -590,8 +590,8 @@ class Bootstrap:
             addresses = list(dict.fromkeys((node.public_ip, node.private_ip)))
             try:
                 found = self._call(record, calls.IdentifyNode(partition, conf, node.slurm_name, addresses), timeout=60)
-            except (UsageError, OperationError) as exc:
-                return Outcome("failed", str(exc).split(": ", 1)[-1][-300:])
+            except NodeCallError as exc:
+                return Outcome("failed", exc.line[-300:])
             return Outcome("done", found.name)
 
         outcomes = self._on_every_record(identify)
@@ -616,8 +616,8 @@ class Bootstrap:
                 return Outcome("up to date", where)
             try:
                 self._call(record, calls.AdoptSlurm({**existing, "names": names}), timeout=60)
-            except (UsageError, OperationError) as exc:
-                return Outcome("failed", str(exc).split(": ", 1)[-1][-300:])
+            except NodeCallError as exc:
+                return Outcome("failed", exc.line[-300:])
             self._record(record, "scheduler", wanted, {"scheduler": "slurm", "existing": names[record.name]})
             return Outcome("done", where)
 
