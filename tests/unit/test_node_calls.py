@@ -114,3 +114,17 @@ def test_fabs_side_raises_one_typed_error_naming_the_node_the_verb_the_code_and_
     assert (error.node, error.verb, error.exit_code) == (known.nodes[0].name, "CleanRuns", exit_code)
     assert error.line == said.removeprefix("error: ") and str(error) == f"{error.node}: {error.line}"
     assert isinstance(error, kind)  # the command's exit code: 2 for a refusal, 1 for a failure
+
+
+def test_a_handlers_refusal_is_exit_2_naming_what_is_wrong(tmp_path):
+    # the dispatcher runs as a file: a refusal the handler raised (node.calls.BadInput) was once taken for
+    # a failure (exit 1), the file's own BadInput being another class
+    request = calls.SubmitRun({"run_id": "r", "nodes": [{"name": "node-0", "home": "/h", "command": "true"}]})
+    result = subprocess.run(
+        [sys.executable, str(CALLS), "-"],
+        input=calls.encoded(request, calls.code_version()),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert (result.returncode, result.stderr) == (2, "error: run spec: missing key 'log'\n")
