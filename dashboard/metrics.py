@@ -22,6 +22,7 @@ from dashboard import shape, sources
 from infra import state
 from infra.ledger import Ledger
 from node import contract, gpu_samples
+from node.run_state import RunState
 from remote import runs
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -87,7 +88,7 @@ def _run_families(scrape: Scrape) -> list[Metric]:
     run_labels = ["stack", "run"]
     states = GaugeMetricFamily(
         "gpucluster_run_state",
-        "1 for the run's state (PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, HUNG, PREEMPTED).",
+        f"1 for the run's state ({', '.join(state.value for state in RunState)}).",
         labels=[*run_labels, "task", "state"],
     )
     steps = GaugeMetricFamily("gpucluster_run_step", "The run's last recorded step.", labels=run_labels)
@@ -165,7 +166,9 @@ def _gpu_families(scrape: Scrape) -> list[Metric]:
     """The GPU figures of the runs that run now (a finished run's last reading is no GPU's state now)."""
     labels = ["stack", "run", "node", "gpu"]
     found = {name: GaugeMetricFamily(name, why, labels=labels) for _, name, why, _ in GPU_FIGURES}
-    running = {(v["stack"], row["run_id"]) for v in scrape.views for row in v["runs"] if row["state"] == "RUNNING"}
+    running = {
+        (v["stack"], row["run_id"]) for v in scrape.views for row in v["runs"] if row["state"] == RunState.RUNNING
+    }
     for (stack, run_id), run in sorted(scrape.progress.items()):
         if (stack, run_id) not in running:
             continue

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from node.billing import cost_usd
+from node.run_state import FINAL
 
 STEP_LINE = re.compile(
     r"^\[node-0(?: rank 0)?\]\s+(?P<step>\d+)\s+(?P<loss>-?[\d.]+(?:e-?\d+)?|nan|inf)\s+(?P<step_ms>[\d.]+)"
@@ -27,10 +28,12 @@ VERDICT_KEYS = ("hang", "stragglers", "participants", "waiting_for")
 
 def run_row(row: dict, summary: dict | None, hang_verdict: str | None) -> dict:
     """A `fab jobs --json` row (`runs.Run.as_row`) with the verdicts found for it: the hang watch's (the
-    run record's, else the summary's, else the ledger's), stragglers and participants where recorded."""
+    run record's, else the summary's, else the ledger's), stragglers and participants where recorded; and
+    `final`, whether the run has ended (the page offers no cancel then)."""
     summary = summary or {}
     hang = row.get("hang") or summary.get("hang") or ({"verdict": hang_verdict} if hang_verdict else None)
     shaped = {**row, "hang": (hang or {}).get("verdict") if isinstance(hang, dict) else hang}
+    shaped["final"] = row.get("state") in FINAL
     for key in ("stragglers", "participants"):
         shaped[key] = (row.get(key) if row.get(key) is not None else summary.get(key)) or None  # [] says nothing
     return shaped

@@ -21,6 +21,7 @@ from infra import inventory, runlog, state
 from infra.errors import ClusterError, UsageError
 from infra.ledger import Ledger
 from node import contract
+from node.run_state import RunState
 from remote import holders, runs
 from remote.launch import NodeSetup
 
@@ -108,7 +109,7 @@ def stack_view(stack: str, statuses: dict[str, dict], problem: str, now: float) 
         "reconciliation": reconciliation(stack),
         "timelines": shape.timelines(
             cluster.get("timeline"),
-            bootstrap.get("timeline"),
+            bootstrap.timeline,
             [(f"launch {r.run_id}", r.timeline.as_dict() if r.timeline else None) for _, r in found[-5:]],
         ),
         "problem": problem,
@@ -257,7 +258,7 @@ class Live:
     def refresh_gpus(self, stack: str) -> None:
         """The newest GPU readings of the stack's running runs (kept as they were where the head node does
         not answer now: they are asked again next time)."""
-        running = [r.run_id for _, r in runs.runs_of(state.runs_dir(stack)) if r.state == "RUNNING"]
+        running = [r.run_id for _, r in runs.runs_of(state.runs_dir(stack)) if r.state == RunState.RUNNING]
         try:
             found = gpus.bring(inventory.load(stack), running) if running else {}
         except Exception:

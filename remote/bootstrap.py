@@ -40,7 +40,7 @@ from pathlib import Path
 from rich.table import Table
 
 from infra import hints, state
-from infra.errors import OperationError, ReportedFailure, UsageError
+from infra.errors import NodeCallError, OperationError, ReportedFailure, UsageError
 from infra.inventory import ClusterInfo
 from infra.timeline import Timeline
 from node import calls, contract, kit
@@ -203,9 +203,9 @@ class Bootstrap:
         self.timeline = timeline or Timeline(time.time(), clock=time.monotonic())
         """Connect, then each stage (per node in `nodes`), then the record: in bootstrap.json, one line at the end."""
         remembered = remembered_setup(cluster)
-        held_before = bool(remembered.get("slurm_holds"))
+        held_before = remembered.slurm_holds
         self.scheduler_choice = Scheduler(
-            scheduler or remembered.get("scheduler_choice") or (Scheduler.SLURM if held_before else Scheduler.AUTO)
+            scheduler or remembered.scheduler_choice or (Scheduler.SLURM if held_before else Scheduler.AUTO)
         )
         """auto (the default): Slurm where every node has it, else runs held by fab; slurm; none."""
         self.slurm_holds = self.scheduler_choice is Scheduler.SLURM
@@ -214,7 +214,7 @@ class Bootstrap:
         """Why `auto` settled on none (one line), for the launches to say."""
         self.slurm_held_before = held_before
         """Whether Slurm held the runs after the last bootstrap."""
-        self.accounting = accounting or remembered.get("accounting") or "auto"
+        self.accounting = accounting or remembered.accounting or "auto"
         """auto (the default): Slurm's accounting (slurmdbd over MariaDB) where the head node has them; none."""
         self.stack_dir = state.stack_dir(cluster.stack)
         self.manifest = local_manifest()
@@ -340,7 +340,7 @@ class Bootstrap:
         with the same --master-port would otherwise take this one's nodes without a word. Not where Slurm
         is the site's or not wanted, nor where our own daemons already hold these very ports."""
         remembered = remembered_setup(self.cluster)
-        ours_already = self.slurm_held_before and remembered.get("master_port") == self.master_port
+        ours_already = self.slurm_held_before and remembered.master_port == self.master_port
         if self.cluster.slurm_existing or self.scheduler_choice is Scheduler.NONE or ours_already:
             return
         first = self.master_port + 1
@@ -521,8 +521,8 @@ class Bootstrap:
             def stopped(record: NodeRecord) -> Outcome:
                 try:
                     self._call(record, calls.StopScheduler(), timeout=120)
-                except (UsageError, OperationError) as exc:  # an existing Slurm's jobs not cancelled: ask again
-                    return Outcome("failed", f"not stopped: {str(exc).split(': ', 1)[-1]}"[:300])
+                except NodeCallError as exc:  # an existing Slurm's jobs not cancelled: ask again
+                    return Outcome("failed", f"not stopped: {exc.line}"[:300])
                 self._forget(record, "scheduler")
                 return Outcome("n/a", "none")
 
@@ -577,8 +577,8 @@ class Bootstrap:
         record.session.conn.put(io.StringIO(json.dumps(dataclasses.asdict(recipe))), remote=sent)
         try:
             return self._call(record, calls.ApplyKit(sent, [part]), timeout=1800).facts[part]
-        except (UsageError, OperationError) as exc:
-            raise StageFailed(str(exc).split(": ", 1)[-1]) from None
+        except NodeCallError as exc:
+            raise StageFailed(exc.line) from None
 
     def _adopt_existing_slurm(self) -> dict[str, Outcome]:
         """Own machines that already run Slurm (`slurm: existing`): each node finds its NodeName there
@@ -592,8 +592,8 @@ class Bootstrap:
             addresses = list(dict.fromkeys((node.public_ip, node.private_ip)))
             try:
                 found = self._call(record, calls.IdentifyNode(partition, conf, node.slurm_name, addresses), timeout=60)
-            except (UsageError, OperationError) as exc:
-                return Outcome("failed", str(exc).split(": ", 1)[-1][-300:])
+            except NodeCallError as exc:
+                return Outcome("failed", exc.line[-300:])
             return Outcome("done", found.name)
 
         outcomes = self._on_every_record(identify)
@@ -618,8 +618,8 @@ class Bootstrap:
                 return Outcome("up to date", where)
             try:
                 self._call(record, calls.AdoptSlurm({**existing, "names": names}), timeout=60)
-            except (UsageError, OperationError) as exc:
-                return Outcome("failed", str(exc).split(": ", 1)[-1][-300:])
+            except NodeCallError as exc:
+                return Outcome("failed", exc.line[-300:])
             self._record(record, "scheduler", wanted, {"scheduler": "slurm", "existing": names[record.name]})
             return Outcome("done", where)
 
@@ -895,19 +895,18 @@ class Bootstrap:
     # ------------------------------------------------------------------------------- results
 
     def _save_setup(self) -> None:
-        setup = {
-            "master_port": self.master_port,
-            "python": {r.name: self.python_for(r) for r in self.records},
-            "code_dir": node_paths.code_dir(self.cluster),
-            "scheduler": state.SLURM_HOLDS if self.slurm_holds else "",
-            "scheduler_choice": self.scheduler_choice.value,
-            "scheduler_why": self.scheduler_why,
-            "accounting": self.accounting,
-            "nodes": {r.name: {"probe": r.facts("probe"), "deps": r.facts("deps")} for r in self.records},
-            "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "timeline": self.timeline.as_dict(),
-        }
-        state.write_atomic(self.stack_dir / state.BOOTSTRAP, json.dumps(setup, indent=2) + "\n")
+        state.BootstrapRecord(
+            master_port=self.master_port,
+            python={r.name: self.python_for(r) for r in self.records},
+            code_dir=node_paths.code_dir(self.cluster),
+            slurm_holds=self.slurm_holds,
+            scheduler_choice=self.scheduler_choice.value,
+            scheduler_why=self.scheduler_why,
+            accounting=self.accounting,
+            nodes={r.name: {"probe": r.facts("probe"), "deps": r.facts("deps")} for r in self.records},
+            completed_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            timeline=self.timeline.as_dict(),
+        ).write(self.cluster.stack)
 
     def _report(self, failed_stage: str | None = None) -> None:
         table = Table(title=f"bootstrap of '{self.cluster.stack}'", show_lines=False)
@@ -933,8 +932,8 @@ class Bootstrap:
                         out.print(f"  [{name}] {line}", markup=False)
 
 
-def remembered_setup(cluster: ClusterInfo) -> dict:
-    """What the last bootstrap of the cluster chose (`bootstrap.json`: master_port, scheduler); {} if none."""
+def remembered_setup(cluster: ClusterInfo) -> state.BootstrapRecord:
+    """What the last bootstrap of the cluster chose (`bootstrap.json`: master_port, scheduler); empty if none."""
     return state.bootstrap_record(cluster.stack)
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from dashboard import shape
 from infra.ledger import Event, Interval, Ledger
+from node.run_state import RunState
 
 
 def test_step_records_become_loss_throughput_and_step_time_per_rank():
@@ -72,6 +73,11 @@ def test_a_runs_verdicts_come_from_its_record_its_summary_or_the_ledger():
         "1/2",
     )
     assert shape.run_row({"run_id": "r", "state": "COMPLETED"}, None, None)["hang"] is None
+
+
+def test_the_page_offers_a_cancel_only_for_a_run_that_has_not_ended():
+    final = {state: shape.run_row({"run_id": "r", "state": state}, None, None)["final"] for state in RunState}
+    assert [state for state, ended in final.items() if ended] == ["COMPLETED", "FAILED", "CANCELLED", "HUNG"]
 
 
 def test_interruptions_are_those_within_the_runs_time():
