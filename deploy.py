@@ -311,9 +311,9 @@ def _with_scheduler_states(cluster: inventory.ClusterInfo, rows: list) -> list:
     from node.slurm_nodes import out_of_service
 
     setup = state.bootstrap_record(cluster.stack)
-    if not setup.get("slurm_holds"):
+    if not setup.slurm_holds:
         return rows
-    code = str(setup.get("code_dir", ""))
+    code = setup.code_dir
 
     async def ask(node):
         try:

@@ -35,15 +35,14 @@ def extras(state_dir: Path, stack: str) -> None:
     assert record is not None
     record.state, record.ended_at, record.finished, record.exit_code = "RUNNING", None, False, None
     record.save(folder)
-    newest = folder / "metrics.jsonl"
-    samples = [
-        {"kind": "gpu", "time": time.time(), "node": f"node-{n}", "index": g, "util_pct": 90, "mem_used_gib": 60.0,
-         "temp_c": 50, "power_w": 500.0, "sm_clock_mhz": 1980, "mem_clock_mhz": 3201, "ecc_uncorrected": 0,
-         "ecc_corrected": 0, "xid_events": 0}
-        for n in range(NODES) for g in range(GPUS)
-    ]  # fmt: skip
-    with newest.open("a") as out:
-        out.write("".join(json.dumps(s) + "\n" for s in samples))
+    for n in range(NODES):  # each node's own samples file (node/gpu_samples.py)
+        samples = [
+            {"kind": "gpu", "time": time.time(), "node": f"node-{n}", "index": g, "util_pct": 90,
+             "mem_used_gib": 60.0, "temp_c": 50, "power_w": 500.0, "sm_clock_mhz": 1980, "mem_clock_mhz": 3201,
+             "ecc_uncorrected": 0, "ecc_corrected": 0, "xid_events": 0}
+            for g in range(GPUS)
+        ]  # fmt: skip
+        (folder / f"gpu-node-{n}.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
 
 
 def timed_get(url: str, headers: dict[str, str]) -> tuple[float, bytes]:

@@ -3,7 +3,9 @@ own Prometheus and Grafana.
 
 Read as the page reads it (`sources.stack_view`: the inventory, the run records, the ledger read-only,
 the last preflight) plus each run's progress from its `metrics.jsonl` (or rank 0's step lines in the log
-a page follows) and the node states the dashboard last asked. Names start with `gpucluster_`; labels
+a page follows), a running run's GPU readings from its nodes' samples files (`gpu-<node>.jsonl`: brought
+from the head node by dashboard/gpus.py, or a copy already here) and the node states the dashboard last
+asked. Names start with `gpucluster_`; labels
 `stack`, `run`, `node`, `replica`, `gpu` where they apply. A scrape asks no cluster anything: it reads
 files and this process's memory, so it stays quick however often Prometheus comes.
 """
@@ -19,7 +21,8 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_late
 from dashboard import shape, sources
 from infra import state
 from infra.ledger import Ledger
-from node import contract
+from node import contract, gpu_samples
+from node.run_state import RunState
 from remote import runs
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -49,11 +52,11 @@ class Progress:
     participants: dict[str, int] = field(default_factory=dict)
     """A fault-tolerant run's participants per replica group, as its last `ft_step` line of that group said."""
     gpus: dict[tuple[str, str], dict] = field(default_factory=dict)
-    """(node, gpu index) to its last `gpu` record."""
+    """(node, gpu index) to its last `gpu` record (from the nodes' samples files, never metrics.jsonl)."""
 
 
 def progress(records: Iterable[dict]) -> Progress:
-    """A run's progress from its `step`, `ft_step` and `gpu` records (metrics.jsonl or the log's lines)."""
+    """A run's progress from its `step` and `ft_step` records (metrics.jsonl or the log's lines)."""
     found = Progress()
     for record in records:
         kind = record.get("kind")
@@ -62,9 +65,6 @@ def progress(records: Iterable[dict]) -> Progress:
             found.step_at = _float(record.get("time")) or found.step_at
             if kind == "ft_step" and record.get("participants") is not None:
                 found.participants[str(record.get("replica", 0))] = int(record["participants"])
-        elif kind == "gpu" and "index" in record:
-            node = record.get("node") or f"node-{record.get('node_rank', 0)}"
-            found.gpus[(str(node), str(record["index"]))] = record
     return found
 
 
@@ -88,7 +88,7 @@ def _run_families(scrape: Scrape) -> list[Metric]:
     run_labels = ["stack", "run"]
     states = GaugeMetricFamily(
         "gpucluster_run_state",
-        "1 for the run's state (PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, HUNG, PREEMPTED).",
+        f"1 for the run's state ({', '.join(state.value for state in RunState)}).",
         labels=[*run_labels, "task", "state"],
     )
     steps = GaugeMetricFamily("gpucluster_run_step", "The run's last recorded step.", labels=run_labels)
@@ -166,7 +166,9 @@ def _gpu_families(scrape: Scrape) -> list[Metric]:
     """The GPU figures of the runs that run now (a finished run's last reading is no GPU's state now)."""
     labels = ["stack", "run", "node", "gpu"]
     found = {name: GaugeMetricFamily(name, why, labels=labels) for _, name, why, _ in GPU_FIGURES}
-    running = {(v["stack"], row["run_id"]) for v in scrape.views for row in v["runs"] if row["state"] == "RUNNING"}
+    running = {
+        (v["stack"], row["run_id"]) for v in scrape.views for row in v["runs"] if row["state"] == RunState.RUNNING
+    }
     for (stack, run_id), run in sorted(scrape.progress.items()):
         if (stack, run_id) not in running:
             continue
@@ -201,6 +203,7 @@ class Reader:
     def __init__(self) -> None:
         self.records: dict[Path, tuple[tuple[int, int], runs.Run | None]] = {}
         self.progresses: dict[Path, tuple[tuple[int, int], Progress]] = {}
+        self.samples: dict[Path, tuple[tuple[int, int], dict]] = {}
 
     def scrape(
         self, stacks: list[str], statuses: dict, tails: dict, now: float, live_gpus: dict | None = None
@@ -213,8 +216,9 @@ class Reader:
             for row in view["runs"]:
                 key = (stack, row["run_id"])
                 found[key] = self.progress_of(row["folder"], tails.get(key))
-                if live_gpus.get(key):
-                    found[key] = replace(found[key], gpus={**found[key].gpus, **live_gpus[key]})
+                if row["state"] == "RUNNING":  # a GPU's reading says its state now only while the run goes
+                    readings = {**self.gpus_here(row["folder"]), **live_gpus.get(key, {})}
+                    found[key] = replace(found[key], gpus=readings)
         preflight = {stack: preflight_levels(stack) for stack in stacks}
         return Scrape(views, found, preflight, statuses)
 
@@ -274,6 +278,23 @@ class Reader:
             return kept[1]
         found = progress(sources.metrics_records(folder))
         self.progresses[path] = (stamp, found)
+        return found
+
+    def gpus_here(self, folder: Path) -> dict:
+        """The newest reading of each GPU in the run's samples files on this machine (each file read again
+        only when it changed)."""
+        found: dict = {}
+        pattern = f"{contract.GPU_SAMPLES_PREFIX}*{contract.GPU_SAMPLES_SUFFIX}"
+        for path in sorted(folder.glob(pattern)):
+            try:
+                seen = path.stat()
+            except OSError:
+                continue
+            stamp = (seen.st_mtime_ns, seen.st_size)
+            kept = self.samples.get(path)
+            if kept is None or kept[0] != stamp:
+                kept = self.samples[path] = (stamp, gpu_samples.newest_in(str(path)))
+            found.update(kept[1])
         return found
 
 

@@ -1,11 +1,13 @@
 """Pure functions that turn what the product records (run rows, metrics.jsonl, log lines, the ledger's
 intervals and events, timelines) into what the page draws. No I/O here: `sources.py` reads, this shapes."""
 
+import heapq
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from node.billing import cost_usd
+from node.run_state import FINAL
 
 STEP_LINE = re.compile(
     r"^\[node-0(?: rank 0)?\]\s+(?P<step>\d+)\s+(?P<loss>-?[\d.]+(?:e-?\d+)?|nan|inf)\s+(?P<step_ms>[\d.]+)"
@@ -26,10 +28,12 @@ VERDICT_KEYS = ("hang", "stragglers", "participants", "waiting_for")
 
 def run_row(row: dict, summary: dict | None, hang_verdict: str | None) -> dict:
     """A `fab jobs --json` row (`runs.Run.as_row`) with the verdicts found for it: the hang watch's (the
-    run record's, else the summary's, else the ledger's), stragglers and participants where recorded."""
+    run record's, else the summary's, else the ledger's), stragglers and participants where recorded; and
+    `final`, whether the run has ended (the page offers no cancel then)."""
     summary = summary or {}
     hang = row.get("hang") or summary.get("hang") or ({"verdict": hang_verdict} if hang_verdict else None)
     shaped = {**row, "hang": (hang or {}).get("verdict") if isinstance(hang, dict) else hang}
+    shaped["final"] = row.get("state") in FINAL
     for key in ("stragglers", "participants"):
         shaped[key] = (row.get(key) if row.get(key) is not None else summary.get(key)) or None  # [] says nothing
     return shaped
@@ -113,6 +117,14 @@ def steps_from_log(lines: Iterable[str], clock: Iterable[float]) -> list[dict]:
                 }
             )
     return found
+
+
+def time_ordered(streams: list[list[tuple[float, str]]]) -> list[tuple[float, str]]:
+    """Several writers' timed lines (each writer's in its own order) as one stream in time order: a merge,
+    so each writer's lines stay in their own order whatever their times say (a node's lines never pass each
+    other). Lines of equal time come in the order of their writers in `streams` (node-0 before node-1): a
+    read that brought several lines gave them one time."""
+    return list(heapq.merge(*streams, key=lambda timed: timed[0]))
 
 
 def participants_series(records: Iterable[dict]) -> Series:

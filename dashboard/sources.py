@@ -21,6 +21,7 @@ from infra import inventory, runlog, state
 from infra.errors import ClusterError, UsageError
 from infra.ledger import Ledger
 from node import contract
+from node.run_state import RunState
 from remote import holders, runs
 from remote.job_spec import NodeSetup
 
@@ -108,7 +109,7 @@ def stack_view(stack: str, statuses: dict[str, dict], problem: str, now: float) 
         "reconciliation": reconciliation(stack),
         "timelines": shape.timelines(
             cluster.get("timeline"),
-            bootstrap.get("timeline"),
+            bootstrap.timeline,
             [(f"launch {r.run_id}", r.timeline.as_dict() if r.timeline else None) for _, r in found[-5:]],
         ),
         "problem": problem,
@@ -155,9 +156,12 @@ def metrics_records(folder: Path) -> list[dict]:
 
 
 def finished_log(folder: Path, tail: shape.LogTail) -> None:
-    """A run whose log is all here (or that nobody can follow now): its last lines from the local copy,
-    as `fab logs` shows them, read-only. A run Slurm held has its log as the cluster wrote it
-    (`output.log`): its lines in that order, every node's and the cluster's interleaved as they came."""
+    """A run whose log is all here (or that nobody can follow now): its last lines from the local copy, one
+    stream in time order, read-only. A run Slurm held has its log as the cluster wrote it (`output.log`):
+    every node's lines and the cluster's in the order they came, which is their time order. A run fab held
+    has a log per node and the time each of its lines reached fab (`runlog.timed_lines`): merged by that
+    time, lines of one time in node order (`shape.time_ordered`). An older fab-held run without the times:
+    its nodes' logs one after the other."""
     at = time.time()
     if (folder / runlog.RAW).is_file():
         copy = runlog.LogCopy(folder, echo=lambda writer, piece: tail.add(writer or "cluster", piece, at), write=False)
@@ -166,7 +170,17 @@ def finished_log(folder: Path, tail: shape.LogTail) -> None:
         del tail.pieces[:-LOG_LINES]
         tail.end(at)
         return
-    paths = sorted(folder.glob("node-*.log"))
+    paths = sorted(folder.glob("node-*.log"), key=_node_order)
+    timed = [runlog.timed_lines(path) for path in paths]
+    if paths and all(lines is not None for lines in timed):
+        streams = [
+            [(when, _with_prefix(path, line)) for when, line in (lines or [])[-LOG_LINES:]]
+            for path, lines in zip(paths, timed, strict=True)
+        ]
+        for when, line in shape.time_ordered(streams)[-LOG_LINES:]:
+            tail.add("log", line + "\n", when)
+        tail.end(at)
+        return
     if (folder / runlog.CLUSTER_LOG).exists():
         paths.append(folder / runlog.CLUSTER_LOG)
     for path in paths:
@@ -174,12 +188,21 @@ def finished_log(folder: Path, tail: shape.LogTail) -> None:
             lines = path.read_text(errors="replace").splitlines()[-LOG_LINES:]
         except OSError:
             continue
-        own = path.name == runlog.CLUSTER_LOG
         for line in lines:
-            tail.add(
-                path.stem, (line if own or line.startswith(f"[{path.stem}") else f"[{path.stem}] {line}") + "\n", at
-            )
+            tail.add(path.stem, _with_prefix(path, line) + "\n", at)
     tail.end(at)
+
+
+def _node_order(path: Path) -> tuple[int, str]:
+    """node-2 before node-10."""
+    number = path.stem.rpartition("-")[2]
+    return (int(number), path.stem) if number.isdigit() else (1 << 30, path.stem)
+
+
+def _with_prefix(path: Path, line: str) -> str:
+    """A log's line with its node's prefix (a node's lines carry it; fab's own lines about a node too)."""
+    own = path.name == runlog.CLUSTER_LOG
+    return line if own or line.startswith(f"[{path.stem}") else f"[{path.stem}] {line}"
 
 
 def holder_of(stack: str) -> tuple[inventory.ClusterInfo, holders.RunHolder]:
@@ -235,7 +258,7 @@ class Live:
     def refresh_gpus(self, stack: str) -> None:
         """The newest GPU readings of the stack's running runs (kept as they were where the head node does
         not answer now: they are asked again next time)."""
-        running = [r.run_id for _, r in runs.runs_of(state.runs_dir(stack)) if r.state == "RUNNING"]
+        running = [r.run_id for _, r in runs.runs_of(state.runs_dir(stack)) if r.state == RunState.RUNNING]
         try:
             found = gpus.bring(inventory.load(stack), running) if running else {}
         except Exception:

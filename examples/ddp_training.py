@@ -22,7 +22,6 @@ slice of every step's batch, drawn from the step's number, so a step is the same
 """
 
 import argparse
-import contextlib
 import os
 import sys
 from pathlib import Path
@@ -45,7 +44,6 @@ from harness.args import (
 from harness.cost import CostMeter
 from harness.dist import Distributed, cleanup, fail, init_distributed, print0, run
 from harness.fault_tolerance import Replica, ReplicaConfig, replica_group, replicated
-from harness.gpu_monitor import GpuMonitor
 from harness.metrics import MetricsWriter, StepLogger, peak_memory_gib, peak_tflops
 from harness.models import MLP, TinyTransformerLM, count_parameters, loss_fn, unwrap
 from harness.preemption import Preemption, restart_count
@@ -253,10 +251,7 @@ def main(argv=None) -> int:
         config = LoopConfig(
             args.steps, args.log_every, checkpoints, args.checkpoint_every, args.simulate_failure_at_step
         )
-        with (
-            GpuMonitor(metrics.write, ctx.env.node_rank) if ctx.is_rank0 else contextlib.nullcontext(),
-            maybe_profile(args.profile_dir, ctx.rank, ctx.device) as profiler,
-        ):
+        with maybe_profile(args.profile_dir, ctx.rank, ctx.device) as profiler:
             result = train_loop(
                 ctx,
                 model,

@@ -63,17 +63,18 @@ def matmul_gflops(device: torch.device, seconds: float) -> float:
     return 2 * size**3 * count / (time.perf_counter() - started) / 1e9
 
 
-def compute_in_turn(ctx: Distributed, seconds: float, rounds: int) -> float:
-    """Each node measures while the others wait; the best of `rounds` (a busy neighbour costs a round,
-    a throttled node is slow in every one)."""
-    best = 0.0
+def compute_in_turn(ctx: Distributed, seconds: float, rounds: int) -> list[float]:
+    """Each node measures while the others wait, `rounds` times: this node's rate in each round (a round's
+    turns follow each other within a fraction of a second, so the verdict sets each round against the other
+    nodes' same round: a busy neighbour costs a round, a throttled node is slow in every one)."""
+    found = []
     for _ in range(rounds):
         for turn in range(ctx.world_size):
             dist.barrier()
             if turn == ctx.rank:
-                best = max(best, matmul_gflops(ctx.device, seconds))
+                found.append(round(matmul_gflops(ctx.device, seconds), 2))
     dist.barrier()
-    return best
+    return found
 
 
 def pair_bandwidth(ctx: Distributed, megabytes: float, iterations: int, one_at_a_time: bool) -> list[dict]:
@@ -156,8 +157,10 @@ def main() -> int:
         return 1
     node = os.environ.get("CLUSTER_NODE", f"node-{ctx.env.node_rank}")
     facts = {"node": node, **fitness.host_facts(os.path.expanduser("~")), "gpu": fitness.gpu_facts()}
+    facts.update(fitness.cpu_allowance())
     facts["clock_offset_s"] = round(clock_offset_s(), 4)
-    facts["gflops"] = round(compute_in_turn(ctx, args.compute_s, args.rounds), 2)
+    facts["gflops_rounds"] = compute_in_turn(ctx, args.compute_s, args.rounds)
+    facts["gflops"] = max(facts["gflops_rounds"])
     machines: list = [None] * ctx.world_size
     dist.all_gather_object(machines, machine_id(), group=_cpu_group())
     pairs = pair_bandwidth(ctx, args.pair_mb, args.pair_iterations, len(set(machines)) < ctx.world_size)

@@ -3,7 +3,7 @@ reader (node/nvml.py: NVML).
 
 A no-op where there is no NVIDIA driver or GPU (CPU nodes, the local provider), so callers never ask.
 Every run already has its GPUs sampled on every node by the node's torchrun (`nvml.run_sampler`); this
-monitor is for a script that wants the readings in its own metrics sink (the DDP example).
+monitor is for a script that wants the readings in its own metrics sink.
 """
 
 from node import nvml

@@ -25,3 +25,28 @@ class ReportedFailure(ClusterError):
     def __init__(self, exit_code: int = 1):
         super().__init__("")
         self.exit_code = exit_code
+
+
+class NodeCallError(ClusterError):
+    """A node call (node/calls.py) that got no reply: which node, which verb, the node's exit code (2: the
+    request was refused as bad input, 1: the work failed; the same code the command exits with) and the
+    node's one line. Shown as `node: line`; callers read the fields, never the text."""
+
+    def __init__(self, node: str, verb: str, exit_code: int, line: str):
+        super().__init__(f"{node}: {line}")
+        self.node, self.verb, self.exit_code, self.line = node, verb, exit_code, line
+
+    @classmethod
+    def of(cls, node: str, verb: str, exit_code: int, line: str) -> "NodeCallError":
+        """The error for the node's answer: a UsageError too where the node refused the request (exit 2),
+        else an OperationError too."""
+        kind = NodeRefused if exit_code == UsageError.exit_code else NodeCallFailed
+        return kind(node, verb, exit_code, line)
+
+
+class NodeRefused(NodeCallError, UsageError):
+    """The node refused the request: bad input, or other node code than this fab speaks (exit 2)."""
+
+
+class NodeCallFailed(NodeCallError, OperationError):
+    """The node tried the work and it failed (exit 1)."""

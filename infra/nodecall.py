@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 
 from infra import ssh
-from infra.errors import OperationError
+from infra.errors import NodeCallError
 from infra.inventory import ClusterInfo, NodeInfo
 from node import calls
 
@@ -31,10 +31,10 @@ def command(python: str, code_dir: str, request: calls.Request) -> str:
 async def call(
     cluster: ClusterInfo, node: NodeInfo, python: str, code_dir: str, request: calls.Request, timeout_s: float
 ):
-    """`request`'s reply from `node`; OperationError with the node's one line where there is none."""
+    """`request`'s reply from `node`; NodeCallError (remote/nodecall.py's) where there is none."""
     result = await ssh.run(cluster, node, command(python, code_dir, request), timeout_s=timeout_s)
     code = result.exit_status if isinstance(result.exit_status, int) else calls.FAILED_EXIT
     try:
         return calls.reply_from(request, code, str(result.stdout or ""), str(result.stderr or ""))
     except calls.CallError as exc:
-        raise OperationError(f"{node.name}: {exc.line}") from None
+        raise NodeCallError.of(node.name, exc.verb, exc.exit_code, exc.line) from None

@@ -10,6 +10,7 @@ from rich.table import Table
 from infra import hints
 from infra.inventory import ClusterInfo, NodeStatus
 from infra.pricing import describe_quantity
+from node.run_state import RunState
 
 # The terminal's width, or a wide page when piped (logs, CI), so tables are not wrapped into columns.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -135,7 +136,7 @@ def cost_tables(data: dict) -> None:
         )
         if r.get("hung"):
             stalled = (r["stalled_at"] or "")[11:19]
-            codes = f"HUNG: no progress from {stalled} UTC, ${r['usd_since_stall']:.4f} spent since; {codes}"
+            codes = f"{RunState.HUNG}: no progress from {stalled} UTC, ${r['usd_since_stall']:.4f} spent since; {codes}"
         runs.add_row(
             r["run_id"], r["task"], r["stack"], str(r["nodes"]), f"{r['seconds']:.1f}", f"${r['cost_usd']:.4f}", codes
         )

@@ -40,6 +40,11 @@ NODE_LINE = re.compile(r"^\[(node-\d+)(?: rank \d+)?\] ?")
 """A node's prefix at a piece's start (`[node-1] `, `[node-1 rank 3] `): the node, and the whole prefix."""
 PIECE = re.compile(r"(?<=[\r\n])")
 BRING_TIMEOUT_S = 60.0
+LINE_TIMES_SUFFIX = ".times"
+"""Beside a fab-held run's `node-<i>.log`, `node-<i>.times`: one `OFFSET EPOCH` line per read that carried a
+line end, the log's size after the read and when fab got it (remote/stream.py), so the nodes' logs can be
+read back as one stream in time order (`timed_lines`). A Slurm-held run's `output.log` is in that order
+already: the cluster appends each piece as it comes."""
 
 Echo = Callable[[str, str], None]
 """Shows a piece: (its writer: the prefix, or '' for the cluster's lines; the piece, with its line end)."""
@@ -56,6 +61,41 @@ def writer_of(piece: str) -> tuple[str | None, str]:
     """The node that wrote a piece (None: the cluster) and its whole prefix ('' for the cluster's)."""
     match = NODE_LINE.match(piece)
     return (match.group(1), match.group(0).rstrip()) if match else (None, "")
+
+
+def line_times(log: Path) -> Path:
+    """Where the arrival times of `log`'s lines are kept (`LINE_TIMES_SUFFIX`)."""
+    return log.with_suffix(LINE_TIMES_SUFFIX)
+
+
+def timed_lines(log: Path) -> list[tuple[float, str]] | None:
+    """A fab-held node log's lines, each with when its end reached fab (the time of the first read that
+    took the log past it; a line not ended yet: the last read's); None where no times were kept (an older
+    run) or the log cannot be read."""
+    try:
+        data = log.read_bytes()
+        kept = line_times(log).read_text().split("\n")
+    except OSError:
+        return None
+    marks: list[tuple[int, float]] = []
+    for entry in kept:
+        offset, _, at = entry.partition(" ")
+        try:
+            marks.append((int(offset), float(at)))
+        except ValueError:
+            continue  # a line being written
+    if not marks:
+        return None
+    found, start, mark = [], 0, 0
+    for line in data.split(b"\n"):
+        end = start + len(line) + 1
+        start = end
+        if not line.strip():
+            continue
+        while mark < len(marks) - 1 and marks[mark][0] < min(end, len(data)):
+            mark += 1
+        found.append((marks[mark][1], line.decode(errors="replace")))
+    return found
 
 
 def as_line(piece: str) -> str:

@@ -6,14 +6,16 @@ The folder is the user's alone: 0700, and every file in it 0600 (keys, logs with
 costs). `keep_private` makes that the default for everything a command creates.
 """
 
+import dataclasses
 import fcntl
+import json
 import os
 import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import overload
+from typing import ClassVar, overload
 
 from infra.errors import UsageError
 
@@ -33,9 +35,7 @@ KNOWN_HOSTS = "known_hosts"
 SSH_KEY = "id_ed25519"
 """The cluster's own SSH key (`.pub` beside it), created once per stack (infra/keys.py)."""
 BOOTSTRAP = "bootstrap.json"
-"""What `fab bootstrap` found on the nodes (remote/bootstrap.py); read through `bootstrap_record`."""
-SLURM_HOLDS = "slurm"
-"""bootstrap.json's `scheduler` where Slurm holds the runs ('' where fab's connections do)."""
+"""What `fab bootstrap` found on the nodes (remote/bootstrap.py): a `BootstrapRecord`, read by `bootstrap_record`."""
 GUARDS = "guards.json"
 """The budget and idle guards `up` asked for, which bootstrap starts the watchdog with (infra/costs.py)."""
 WORKDIRS = "workdirs"
@@ -70,18 +70,100 @@ def stack_file(stack: str, name: str) -> Path:
     return stack_dir(stack) / name
 
 
-def bootstrap_record(stack: str) -> dict:
-    """The one reading of the stack's bootstrap.json: what the last bootstrap chose and found, with
-    `slurm_holds` (whether Slurm holds the runs) as a field; {} where there is none, or one not readable."""
-    import json
+@dataclasses.dataclass(frozen=True)
+class BootstrapRecord:
+    """What the last `fab bootstrap` of a stack chose and found (its bootstrap.json), written and read here
+    only; every field empty where no bootstrap ran (`bootstrapped` False)."""
 
-    try:
-        record = json.loads(stack_file(stack, BOOTSTRAP).read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(record, dict):
-        return {}
-    return {**record, "slurm_holds": record.get("scheduler") == SLURM_HOLDS}
+    master_port: int | None = None
+    """MASTER_PORT of the rendezvous on node-0 (and the base of Slurm's ports)."""
+    python: dict[str, str] = dataclasses.field(default_factory=dict)
+    """The interpreter with torch on each node."""
+    code_dir: str = ""
+    """Where the code is synced on the nodes."""
+    slurm_holds: bool = False
+    """Slurm holds the runs (bootstrap's scheduler stage settled on it); else fab's connections do."""
+    scheduler_choice: str = ""
+    """`--scheduler` as asked (auto, slurm, none): the next bootstrap keeps it."""
+    scheduler_why: str = ""
+    """Why `--scheduler auto` left the runs to fab (one line), '' where it did not."""
+    accounting: str = ""
+    """`--accounting` as asked (auto, none)."""
+    nodes: dict = dataclasses.field(default_factory=dict)
+    """{node: {"probe": its facts, "deps": what the deps stage found}}"""
+    completed_at: str = ""
+    timeline: dict | None = None
+    """The bootstrap's phases (infra/timeline.py)."""
+
+    SLURM: ClassVar[str] = "slurm"
+    """The file's `scheduler` where Slurm holds the runs ('' where fab's connections do)."""
+
+    @property
+    def bootstrapped(self) -> bool:
+        return self.master_port is not None
+
+    @property
+    def homes(self) -> dict[str, str]:
+        """Each node user's home (the probe's), for absolute paths on the nodes."""
+        found = {}
+        for name, facts in self.nodes.items():
+            home = ((facts or {}).get("probe") or {}).get("home")
+            if isinstance(home, str):
+                found[name] = home
+        return found
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "BootstrapRecord":
+        """The record a bootstrap wrote (keys it does not know are left: a record at rest outlives versions);
+        ValueError where a value is not of its kind."""
+        if not isinstance(data, dict):
+            raise ValueError("bootstrap.json is not a JSON object")
+        try:
+            port = data.get("master_port")
+            return cls(
+                master_port=None if port is None else int(port),
+                python={str(k): str(v) for k, v in (data.get("python") or {}).items()},
+                code_dir=str(data.get("code_dir") or ""),
+                slurm_holds=data.get("scheduler") == cls.SLURM,
+                scheduler_choice=str(data.get("scheduler_choice") or ""),
+                scheduler_why=str(data.get("scheduler_why") or ""),
+                accounting=str(data.get("accounting") or ""),
+                nodes=dict(data.get("nodes") or {}),
+                completed_at=str(data.get("completed_at") or ""),
+                timeline=data.get("timeline") if isinstance(data.get("timeline"), dict) else None,
+            )
+        except (TypeError, AttributeError):
+            raise ValueError("bootstrap.json has a value of the wrong kind") from None
+
+    def as_dict(self) -> dict:
+        return {
+            "master_port": self.master_port,
+            "python": self.python,
+            "code_dir": self.code_dir,
+            "scheduler": self.SLURM if self.slurm_holds else "",
+            "scheduler_choice": self.scheduler_choice,
+            "scheduler_why": self.scheduler_why,
+            "accounting": self.accounting,
+            "nodes": self.nodes,
+            "completed_at": self.completed_at,
+            "timeline": self.timeline,
+        }
+
+    @classmethod
+    def read(cls, path: Path) -> "BootstrapRecord":
+        """The record in `path`; an empty one where there is none, or one not readable."""
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            return cls()
+
+    def write(self, stack: str) -> None:
+        write_atomic(stack_file(stack, BOOTSTRAP), json.dumps(self.as_dict(), indent=2) + "\n")
+
+
+def bootstrap_record(stack: str) -> BootstrapRecord:
+    """The one reading of the stack's bootstrap.json (an empty record where there is none)."""
+    return BootstrapRecord.read(stack_file(stack, BOOTSTRAP))
 
 
 def runs_dir(stack: str) -> Path:

@@ -492,4 +492,8 @@ def _one_line(exc: BaseException) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    # The handlers raise `node.calls.BadInput` (slurm_conf.UsageError, ...): run as this module, not as
+    # __main__, a class of its own that would take their refusals (exit 2) for failures (exit 1).
+    from node import calls
+
+    sys.exit(calls.main(sys.argv[1:]))

@@ -122,7 +122,25 @@ first step back was written, else when it started), so `deploy.py cost` prices t
 as a requeue's restart is priced."""
 METRICS_FILE = "metrics.jsonl"
 """In a run's folder (`CLUSTER_RUN_DIR`): the metrics lines, among them a fault-tolerant run's per-step
-contract lines (`participants`), which `fab jobs` reads for a running run."""
+contract lines (`participants`), which `fab jobs` reads for a running run. GPU samples are not here: they go
+to each node's `GPU_SAMPLES` file, so a long run's samples never push this file past the fetch limit."""
+GPU_SAMPLES_PREFIX, GPU_SAMPLES_SUFFIX = "gpu-", ".jsonl"
+"""In a run's folder: `gpu-<node>.jsonl`, one node's NVML samples (`gpu`, `xid` and `gpu_error` records,
+node/nvml.py), bounded at `GPU_SAMPLES_MAX_BYTES` by thinning: the whole run at an ever coarser step."""
+GPU_SAMPLES_MAX_BYTES = 2_000_000
+"""A node's GPU samples file is thinned to half its samples when it would grow past this (8 GPUs every 5 s:
+about 2.5 kB a round, so the first thinning comes after about an hour)."""
+
+
+def gpu_samples(node: str) -> str:
+    """The name of `node`'s GPU samples file in a run's folder."""
+    return f"{GPU_SAMPLES_PREFIX}{node}{GPU_SAMPLES_SUFFIX}"
+
+
+def is_gpu_samples(name: str) -> bool:
+    return name.startswith(GPU_SAMPLES_PREFIX) and name.endswith(GPU_SAMPLES_SUFFIX)
+
+
 END_RECORD = "ended.json"
 """In a scheduled run's folder on the head node: the batch job's own end (the step's exit status, when), for
 a Slurm that forgets an ended job (MinJobAge) and keeps no accounting (an existing one without slurmdbd)."""

@@ -3,7 +3,8 @@
 The checks run as one torchrun job, one process per node (harness/fitness.py); this module is their
 standard-library half, so that the node and the operator read the same rules:
 
-- per node: matmul throughput, memory, free disk; on GPU nodes NVML (node/nvml.py; `nvidia-smi -q -x` where
+- per node: matmul throughput (each round's kept), the CPUs its cgroup's quota lets it use, memory, free
+  disk; on GPU nodes NVML (node/nvml.py; `nvidia-smi -q -x` where
   NVML does not load): ECC errors, retired pages, remapped rows, clock-event (throttle) reasons, PCIe width,
   clocks; `dcgmi diag -r 1 -j` where DCGM is installed, and NVIDIA's Xid lines in the kernel log;
 - across nodes: a pairwise all-reduce bandwidth matrix and each node's clock against the head node's.
@@ -13,6 +14,7 @@ threshold is a constant below (README "fab preflight" lists them).
 """
 
 import json
+import os
 import re
 import shutil
 import statistics
@@ -33,7 +35,7 @@ VERY_SLOW_FRACTION = 0.5
 SHARED_SLOW_FRACTION, SHARED_VERY_SLOW_FRACTION = 0.5, 0.25
 """The same, where nodes share one machine (the local provider: one boot id): each measures while the
 machine's other work takes its cores, so a healthy node read 43 to 53% of its neighbour on a busy 2-core
-machine; a node throttled to a tenth of a core reads under 10%."""
+machine. A node throttled by a CPU quota is refused whatever the load by its quota (`cpu_allowance`)."""
 MIN_FREE_DISK_GB = 1.0
 """CRITICAL under this: checkpoints and logs fail to write."""
 LOW_FREE_DISK_GB = 5.0
@@ -90,6 +92,66 @@ def host_facts(home: str) -> dict:
         facts = {}
     facts["disk_free_gb"] = round(shutil.disk_usage(home).free / 1e9, 2)
     return facts
+
+
+def cpu_allowance(cgroups: str = "/proc/self/cgroup", mountinfo: str = "/proc/self/mountinfo") -> dict:
+    """The CPUs this process may use: `cpus` (the affinity mask's count, less where a cgroup's CPU quota is
+    smaller) and `cpu_quota` (the smallest quota of its cgroup and the cgroup's ancestors in CPUs, v1's
+    cpu.cfs_quota_us / cpu.cfs_period_us or v2's cpu.max; None where none is set). A quota holds whatever
+    load the machine has: what a container limit or a throttled node gets, read, not measured."""
+    try:
+        cpus = float(len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        cpus = float(os.cpu_count() or 1)
+    quota = _cgroup_quota(cgroups, mountinfo)
+    return {"cpus": round(min(cpus, quota), 3) if quota else cpus, "cpu_quota": quota}
+
+
+def _cgroup_quota(cgroups: str, mountinfo: str) -> float | None:
+    try:
+        with open(cgroups) as f:
+            memberships = [line.strip().split(":", 2) for line in f if line.count(":") >= 2]
+        with open(mountinfo) as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None
+    found: list[float] = []
+    for _, controllers, path in memberships:
+        for fields in mounts:
+            if "-" not in fields:
+                continue
+            kind, options = fields[fields.index("-") + 1], fields[-1].split(",")
+            v1 = kind == "cgroup" and "cpu" in options and "cpu" in controllers.split(",")
+            if v1 or (kind == "cgroup2" and controllers == ""):
+                found += _quotas_up(fields[4], fields[3], path, v1)
+    return min(found) if found else None
+
+
+def _quotas_up(mount: str, root: str, path: str, v1: bool) -> list[float]:
+    """The quotas of the cgroup at `path` and of each ancestor under the mount (`root`: the mount's own
+    place in the hierarchy)."""
+    relative = os.path.relpath(path, root) if path.startswith(root) else path.lstrip("/")
+    folder = os.path.normpath(os.path.join(mount, relative))
+    found = []
+    while folder.startswith(mount):
+        try:
+            if v1:
+                with open(os.path.join(folder, "cpu.cfs_quota_us")) as f:
+                    quota = int(f.read())
+                with open(os.path.join(folder, "cpu.cfs_period_us")) as f:
+                    period = int(f.read())
+            else:
+                with open(os.path.join(folder, "cpu.max")) as f:
+                    limit, _, rest = f.read().partition(" ")
+                quota, period = (-1 if limit == "max" else int(limit)), int(rest or 100000)
+        except (OSError, ValueError):
+            quota, period = -1, 1
+        if quota > 0 and period > 0:
+            found.append(quota / period)
+        if folder == mount:
+            break
+        folder = os.path.dirname(folder)
+    return found
 
 
 def gpu_facts(timeout_s: float = 60.0) -> dict:
@@ -278,6 +340,7 @@ def judge(report: dict) -> dict:
         else (SLOW_FRACTION, VERY_SLOW_FRACTION)
     )
     _judge_compute(nodes, verdicts, limits)
+    _judge_cpus(nodes, verdicts)
     _judge_pairs(report.get("pairs", []), verdicts, limits)
     for facts in nodes:
         verdict = verdicts[facts["node"]]
@@ -289,7 +352,9 @@ def judge(report: dict) -> dict:
 def _judge_compute(nodes: list, verdicts: dict, limits: tuple) -> None:
     """A node under 80% of the median of the other nodes' compute is named, under 50% CRITICAL (`limits`;
     half that on one machine); the others' median: with two nodes, a median that counted the slow node
-    itself would halve the difference."""
+    itself would halve the difference. A measurement alone cannot refuse a throttled node on a loaded
+    machine (a node held to a tenth of a core read 49% of a healthy one whose share of the machine was a
+    fifth of a core): its quota is judged apart (`_judge_cpus`)."""
     slow, very_slow = limits
     rates = {n["node"]: n["gflops"] for n in nodes if n.get("gflops")}
     if len(rates) < 2:
@@ -302,6 +367,26 @@ def _judge_compute(nodes: list, verdicts: dict, limits: tuple) -> None:
             verdicts[facts["node"]].add(
                 level,
                 f"compute {facts.get('gflops', 0):.1f} GFLOP/s is {share:.0%} of the other nodes' median {median:.1f}",
+            )
+
+
+def _judge_cpus(nodes: list, verdicts: dict) -> None:
+    """A node whose cgroup lets it use under 80% of the CPUs the other nodes' median may use is named,
+    under 50% CRITICAL: a quota holds whatever the machine's load, so this needs no allowance for noise.
+    Only a node limited by a quota is named (machines with fewer cores are the user's choice)."""
+    allowed = {n["node"]: float(n["cpus"]) for n in nodes if n.get("cpus")}
+    if len(allowed) < 2:
+        return
+    for facts in nodes:
+        if not facts.get("cpu_quota") or facts["node"] not in allowed:
+            continue
+        median = statistics.median(c for node, c in allowed.items() if node != facts["node"])
+        share = allowed[facts["node"]] / median if median else 1.0
+        if share < SLOW_FRACTION:
+            verdicts[facts["node"]].add(
+                CRITICAL if share < VERY_SLOW_FRACTION else WARN,
+                f"compute: its cgroup's CPU quota allows {allowed[facts['node']]:g} CPU, "
+                f"{share:.0%} of the other nodes' median {median:g}",
             )
 
 

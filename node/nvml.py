@@ -4,9 +4,10 @@ preflight asks `nvidia-smi -q -x` only where NVML cannot be loaded.
 Used by the preflight (node/fitness.py: ECC, retired pages, remapped rows, clock-event reasons, PCIe,
 clocks), by the harness's GPU monitor and idle watchdog (harness/gpu_monitor.py), and by the sampler every
 node's torchrun starts for every run (node/torchrun.py): utilisation, memory, temperature, power, clocks,
-ECC counts and Xid events, one `gpu` record per GPU every `SAMPLE_S` into the run's metrics file, which the
-dashboard exports (`/metrics`). Where there is no driver (a CPU node, the local provider) every reader
-reads nothing and the sampler starts no thread.
+ECC counts and Xid events, one `gpu` record per GPU every `SAMPLE_S` into the node's own samples file in
+the run's folder (`contract.gpu_samples`, bounded: node/gpu_samples.py), which the dashboard exports
+(`/metrics`). Where there is no driver (a CPU node, the local provider) every reader reads nothing and the
+sampler starts no thread.
 
 The NVML calls are those of nvml.h (https://docs.nvidia.com/deploy/nvml-api/); `Library` is their subset
 as Python methods, so the tests can put a fake NVML built from a recorded GPU in the real one's place.
@@ -421,7 +422,7 @@ class Sampler:
 
 
 def file_sink(path: str):
-    """A sink that appends each record to `path` as a JSON line (the run's metrics file)."""
+    """A sink that appends each record to `path` as a JSON line."""
     lock = threading.Lock()
 
     def write(record: dict) -> None:
@@ -432,9 +433,14 @@ def file_sink(path: str):
 
 
 def run_sampler(node: str) -> Sampler:
-    """The sampler of a run on this node: into `$CLUSTER_RUN_DIR/metrics.jsonl` (no run folder: no sink)."""
-    from node import contract
+    """The sampler of a run on this node: into the run folder's `gpu-<node>.jsonl` (`$CLUSTER_RUN_DIR`;
+    no run folder: no sink)."""
+    from node import contract, gpu_samples
 
     folder = os.environ.get("CLUSTER_RUN_DIR")
-    sink = file_sink(os.path.join(folder, contract.METRICS_FILE)) if folder else (lambda record: None)
+    sink = (
+        gpu_samples.SampleFile(os.path.join(folder, contract.gpu_samples(node)), contract.GPU_SAMPLES_MAX_BYTES)
+        if folder
+        else (lambda record: None)
+    )
     return Sampler(sink, node)

@@ -72,6 +72,19 @@ class GroupRestarter:
             started.append(number)
         return started
 
+    def not_rejoined(self, records: list) -> list:
+        """The groups started again that run now and have written no step since that start (`records`: the
+        contract lines, `contract_lines`). Once the run's other groups have ended they have no live peer to
+        heal from and never rejoin: the holder stops them rather than wait for torchft's quorum timeout, which
+        left a finished run RUNNING at 1/2."""
+        with self.lock:
+            starts = {number: at for number, _, at in self.heals if number in self.running}
+        return sorted(
+            number
+            for number, at in starts.items()
+            if not any(r.get("replica") == number and r.get("time", 0) >= at for r in records)
+        )
+
     def heal_records(self, metrics: str, tail_bytes: int = 1 << 16, last: bool = False) -> list:
         """The pricing record of each start again not given yet whose first step back is in `metrics` (with
         `last`, every one: back at its start where it made none): {group, nodes, stopped_at, at}, `at` when

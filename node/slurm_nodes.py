@@ -67,10 +67,15 @@ def lost_or_noticed(reason: str) -> bool:
 def mark_lost(paths: Paths, node_name: str, why: str) -> str:
     """Tell Slurm a node is gone (DOWN: its run is requeued, JobRequeue=1); Slurm's answer. Each run on it
     gets its PREEMPTED_RECORD first, as a notice's requeue writes one: Slurm ends its batch script at once,
-    and the node's reason is gone once its replacement has joined, while the run still waits."""
+    and the node's reason is gone once its replacement has joined, while the run still waits. Where its
+    watcher had drained the node for a spot notice, the runs' requeue stays the notice's (a drill's short
+    notice, which the supervisor cannot tell was seen, read as a lost node); the node's own reason says it
+    is lost and why (what a run waiting for it waits for)."""
+    _, current = node_reasons(paths).get(node_name, ("", ""))
     reason = f"{contract.NODE_LOST_REASON}: {why}"
+    requeued_for = current if current.startswith(contract.SPOT_DRAIN_REASON) else reason
     for folder, restart in _runs_on(paths, node_name):
-        record = {"nodes": [node_name], "reason": reason, "at": time.time(), "restart": restart + 1}
+        record = {"nodes": [node_name], "reason": requeued_for, "at": time.time(), "restart": restart + 1}
         try:
             write_private(os.path.join(folder, contract.PREEMPTED_RECORD), json.dumps(record).encode(), 0o600)
         except OSError:  # the run's folder is gone: nothing waits to read it

@@ -5,10 +5,9 @@
 and, through node/calls.py, SubmitRun (sbatch a spec file; the job id), RunStates (each job's state and
 times) and CancelRun (scancel, saying the state it had).
 
-SPEC_FILE is JSON: {"run_id", "log": the run's log file (on the head node), "python": this interpreter
-on every node, "nodes": [{"name": "node-<i>", "home": the node user's home there, "command": a shell
-command}, head node first]}. `submit` writes nothing on the other nodes: the batch script (kept beside
-the log) runs node/slurm_batch.py with the spec, and srun hands it to every node's `step` on its command line.
+The spec is node/run_spec.py's RunSpec (the run id, its log on the head node, the interpreter, each node's
+name, home and command, head node first). `submit` writes nothing on the other nodes: the batch script (kept
+beside the log) runs node/slurm_batch.py with the spec, and srun hands it to every node's `step` on its command line.
 
 The batch job takes every node, exclusively, so runs start one at a time in submission order, and
 appends to its log across requeues. Its one step is `srun --ntasks-per-node=1 --kill-on-bad-exit=1`:
@@ -23,7 +22,6 @@ Standard library only; run as a file, it imports its siblings from the code fold
 """
 
 import argparse
-import base64
 import json
 import os
 import re
@@ -37,9 +35,10 @@ if not __package__:  # run as a file (`python node/X.py`): import its siblings f
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
 
 from node import contract, replicas, slurm_accounting, slurm_existing, slurm_nodes, straggler  # noqa: E402
+from node.calls import BadInput  # noqa: E402
+from node.run_spec import RunSpec, SpecError  # noqa: E402
 from node.slurm_conf import DaemonError, Paths, UsageError  # noqa: E402
 from node.slurm_daemons import gone, program  # noqa: E402
-from node.slurm_step import encoded  # noqa: E402
 
 FOLLOW_POLL_S = 0.1
 STATE_POLL_S = 1.0
@@ -53,16 +52,16 @@ WAITING_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"
 FIELD = re.compile(r"(\w+)=(\S*)")
 
 
-def batch_script(spec: dict, srun: str, here: str) -> str:
+def batch_script(spec: RunSpec, srun: str, here: str) -> str:
     """The job's script: node/slurm_batch.py (beside this file, `here`), on the head node, which runs the one
     step (one task per node, node/slurm_step.py in each)."""
-    words = [spec["python"], "-u", os.path.join(os.path.dirname(here), "slurm_batch.py"), encoded(spec)]
+    words = [spec.python, "-u", os.path.join(os.path.dirname(here), "slurm_batch.py"), spec.encoded()]
     return "#!/bin/bash\n" + "exec " + " ".join(shlex.quote(word) for word in words) + "\n"
 
 
-def sbatch_argv(spec: dict, sbatch: str, script: str, adopted: dict | None = None) -> list:
+def sbatch_argv(spec: RunSpec, sbatch: str, script: str, adopted: dict | None = None) -> list:
     """The run's sbatch; `adopted`: the Slurm the hosts already ran (its partition, this stack's tag)."""
-    names = ",".join(node.get("slurm_name") or node["name"] for node in spec["nodes"])
+    names = ",".join(node.in_slurm for node in spec.nodes)
     where = []
     if adopted and adopted.get("partition"):
         where.append(f"--partition={adopted['partition']}")
@@ -71,19 +70,19 @@ def sbatch_argv(spec: dict, sbatch: str, script: str, adopted: dict | None = Non
     return [
         sbatch,
         "--parsable",
-        f"--job-name={spec['run_id']}",
+        f"--job-name={spec.run_id}",
         *where,
-        f"--nodes={len(spec['nodes'])}",
+        f"--nodes={len(spec.nodes)}",
         f"--nodelist={names}",
         "--exclusive",
-        *(["--no-kill"] if spec.get("replicas") else []),  # a node that fails leaves the others the allocation
+        *(["--no-kill"] if spec.replicas else []),  # a node that fails leaves the others the allocation
         "--requeue",
         "--open-mode=append",
         # The environment sbatch is given (`batch_environment`), whole: --export=NONE would have slurmd
         # build a login environment (`su - USER -c env`) before every start, 0.3 to 1.3 s here.
         "--export=ALL",
-        f"--output={spec['log']}",
-        f"--chdir={os.path.dirname(spec['log'])}",
+        f"--output={spec.log}",
+        f"--chdir={spec.folder}",
         script,
     ]
 
@@ -97,16 +96,13 @@ def batch_environment(paths: Paths) -> dict:
     return {**kept, **slurm_existing.client_environment(paths)}
 
 
-def submit(spec: dict) -> str:
+def submit(spec: RunSpec) -> str:
     """sbatch the run; its job id."""
-    folder = os.path.dirname(spec["log"])
+    folder = spec.folder
     os.makedirs(folder, exist_ok=True)
     paths = Paths(os.path.expanduser("~"))
-    spec = {
-        **spec,
-        "nodes": [{**node, "slurm_name": slurm_existing.slurm_name(paths, node["name"])} for node in spec["nodes"]],
-    }
-    script = os.path.join(folder, f"{spec['run_id']}.sbatch")
+    spec = spec.replace(nodes=tuple(n.replace(slurm_name=slurm_existing.slurm_name(paths, n.name)) for n in spec.nodes))
+    script = os.path.join(folder, f"{spec.run_id}.sbatch")
     with open(script, "w") as f:
         f.write(batch_script(spec, program("srun"), os.path.abspath(__file__)))
     os.chmod(script, 0o700)
@@ -442,8 +438,12 @@ def cancel(job_id: str) -> dict:
 
 
 def submit_reply(spec: dict) -> dict:
-    """node/calls.py's SubmitRun."""
-    return {"job_id": submit(spec)}
+    """node/calls.py's SubmitRun (a spec that does not fit: bad input, exit 2)."""
+    try:
+        typed = RunSpec.from_dict(spec)
+    except SpecError as exc:
+        raise BadInput(str(exc)) from None
+    return {"job_id": submit(typed)}
 
 
 def states(logs: dict) -> dict:
@@ -478,7 +478,7 @@ def main(argv: list | None = None) -> int:
         if args.action == "supervise":  # a batch script written before node/slurm_batch.py
             from node import slurm_batch
 
-            return slurm_batch.supervise(json.loads(base64.b64decode(args.spec)))
+            return slurm_batch.supervise(RunSpec.decoded(args.spec))
         return follow(args.spec, args.more[0], int(args.more[1]) if len(args.more) > 1 else 0)
     except (OSError, ValueError, KeyError) as exc:
         print(f"error: {args.action}: {exc}", file=sys.stderr)

@@ -3,7 +3,7 @@ node; not for people).
 
     python node/slurm_step.py SPEC_BASE64
 
-It runs this node's command from the spec (found by SLURMD_NODENAME; the spec as node/slurm_run.py
+It runs this node's command from the spec (found by SLURMD_NODENAME; the spec as node/run_spec.py
 describes it) with the node's own HOME (jobs run with the submitter's environment otherwise, whose HOME
 is the head node's where nodes share a machine) and writes its output, as it comes, with a `[node-i] `
 prefix after every newline and carriage return, so progress bars stay live, in records (node/frames.py)
@@ -11,12 +11,10 @@ that Slurm carries whole; the batch job joins every node's into the run's log (n
 SIGTERM or SIGHUP it passes the signal to the command's session and ends it after a grace period; it exits
 with the command's status (128 + signal if killed).
 
-A file of its own, with the standard library, node/contract.py and node/frames.py only, so that it starts in a few
-milliseconds on every node at every start (slurm_run.py's imports took about 0.1 s).
+A file of its own, with the standard library, node/contract.py, node/frames.py and node/run_spec.py only, so
+that it starts in a few milliseconds on every node at every start (slurm_run.py's imports took about 0.1 s).
 """
 
-import base64
-import json
 import os
 import re
 import select
@@ -30,6 +28,7 @@ if not __package__:  # run as a file: import its siblings from the code folder, 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from node import contract, frames  # noqa: E402
+from node.run_spec import RunSpec  # noqa: E402
 
 TERMINATE_GRACE_S = 5.0
 """How long the command's session has, after the signal it was passed, before it is killed."""
@@ -39,14 +38,9 @@ HOLD_S = 0.2
 """How long a node's unfinished line waits for its rest before it goes into the run's log as it is."""
 
 
-def encoded(spec: dict) -> str:
-    """The spec as this file (and slurm_batch.py) takes it on its command line."""
-    return base64.b64encode(json.dumps(spec).encode()).decode()
-
-
-def step_argv(spec: dict, srun: str, *options: str) -> list:
+def step_argv(spec: RunSpec, srun: str, *options: str) -> list:
     """srun of this file on every node of `spec`, one task each (`options`: srun's, e.g. --overlap)."""
-    count = len(spec["nodes"])
+    count = len(spec.nodes)
     return [
         srun,
         *options,
@@ -54,10 +48,10 @@ def step_argv(spec: dict, srun: str, *options: str) -> list:
         f"--ntasks={count}",
         "--ntasks-per-node=1",  # and Slurm's line-buffered output: each of the step's records one message
         "--export=NONE",  # each node's step: Slurm's variables only (`step` sets HOME and PATH), not the head's
-        spec["python"],
+        spec.python,
         "-u",
         os.path.abspath(__file__),
-        encoded(spec),
+        spec.encoded(),
     ]
 
 
@@ -145,27 +139,27 @@ class Framed:
         self.out.flush()
 
 
-def step(spec: dict) -> int:
+def step(spec: RunSpec) -> int:
     """This node's part of the run: its command, its output prefixed; the command's exit status."""
     slurm_name = os.environ.get("SLURMD_NODENAME", "")
-    node = next((n for n in spec["nodes"] if (n.get("slurm_name") or n["name"]) == slurm_name), None)
+    node = next((n for n in spec.nodes if n.in_slurm == slurm_name), None)
     if node is None:
         print(f"error: no command for node {slurm_name!r} in this run", file=sys.stderr, flush=True)
         return 2
-    name = node["name"]
+    name = node.name
     environment = {
         **os.environ,
-        "HOME": node["home"],
+        "HOME": node.home,
         "PATH": os.environ.get("PATH") or DEFAULT_PATH,
         contract.RESTART_COUNT_VARIABLE: os.environ.get("SLURM_RESTART_COUNT") or "0",
     }
     child = subprocess.Popen(
-        ["bash", "-c", node["command"]],
+        ["bash", "-c", node.command],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env=environment,
-        cwd=node["home"],
+        cwd=node.home,
         start_new_session=True,
     )
 
@@ -201,7 +195,7 @@ def main(argv: list | None = None) -> int:
         print("usage: slurm_step.py SPEC_BASE64 (srun starts it; not for people)", file=sys.stderr)
         return 2
     try:
-        return step(json.loads(base64.b64decode(args[0])))
+        return step(RunSpec.decoded(args[0]))
     except (OSError, ValueError, KeyError) as exc:
         print(f"error: step: {exc}", file=sys.stderr)
         return 2

@@ -1,9 +1,10 @@
 """In a Slurm-held run's batch job, on the head node: the run's watch (node/run_watch.py), asking the nodes
 through srun steps that share the run's allocation, and `--on-straggler replace` (`StragglerReplacement`).
 
-The spec's `watch` (remote/scheduled.py writes it): `status` and `collect`, each node's command that answers
-the watch; `timeout_s`, `poll_s`, `on_hang`, `overdue_grace_s`; `on_straggler`, and `tell_ranks` (each
-node's command that tells its ranks to save and exit); `shared_dir` where the cluster has a shared folder.
+The spec's `watch` (node/run_spec.py's WatchSpec; remote/scheduled.py fills it): `status` and `collect`, each
+node's command that answers the watch; `timeout_s`, `poll_s`, `on_hang`, `overdue_grace_s`; `on_straggler`,
+and `tell_ranks` (each node's command that tells its ranks to save and exit); `shared_dir` where the cluster
+has a shared folder.
 
 Standard library only.
 """
@@ -18,6 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from node import contract, frames, slurm_nodes, straggler
+from node.run_spec import RunSpec, WatchSpec
 from node.run_watch import OVERDUE_GRACE_S, RunWatch, WatchPolicy
 from node.slurm_conf import Paths
 from node.slurm_daemons import write_private
@@ -31,12 +33,12 @@ torchrun, and the node never replaced."""
 STRAGGLER_KILL_AFTER_S = 30.0
 
 
-def watch(spec: dict, main: subprocess.Popen, srun: str) -> int:
-    """The run's watch beside its running step `main` (and, with `--on-straggler replace`, the straggler's
-    node replaced); the step's exit status."""
-    options, folder = spec["watch"], os.path.dirname(spec["log"])
-    replacing = StragglerReplacement(spec, srun) if options.get("on_straggler") == "replace" else None
-    shared = os.path.join(folder, contract.STEP_TIMES) if options.get("shared_dir") else None
+def watch(spec: RunSpec, options: WatchSpec, main: subprocess.Popen, srun: str) -> int:
+    """The run's watch (`options`, the spec's) beside its running step `main` (and, with `--on-straggler
+    replace`, the straggler's node replaced); the step's exit status."""
+    folder = spec.folder
+    replacing = StragglerReplacement(spec, options, srun) if options.on_straggler == "replace" else None
+    shared = os.path.join(folder, contract.STEP_TIMES) if options.shared_dir else None
 
     def ended(timeout_s: float) -> bool:
         try:
@@ -55,17 +57,18 @@ def watch(spec: dict, main: subprocess.Popen, srun: str) -> int:
         return False
 
     def ask(action: str) -> list:
-        if not options.get(action):
+        commands = {"status": options.status, "collect": options.collect}[action]
+        if not commands:
             return []
-        return ask_nodes(with_commands(spec, options[action]), srun, apart=action == "collect")
+        return ask_nodes(with_commands(spec, commands), srun, apart=action == "collect")
 
     def keep(name: str, text: str) -> None:
         write_private(os.path.join(folder, name), text.encode(), 0o600)
 
-    grace_s = options.get("overdue_grace_s", OVERDUE_GRACE_S)
-    policy = WatchPolicy(options["timeout_s"], options["poll_s"], options.get("on_hang", "stop"), grace_s)
+    grace_s = OVERDUE_GRACE_S if options.overdue_grace_s is None else options.overdue_grace_s
+    policy = WatchPolicy(options.timeout_s, options.poll_s, options.on_hang, grace_s)
     run_watch = RunWatch(
-        spec["run_id"],
+        spec.run_id,
         policy,
         ask,
         lambda: main.send_signal(signal.SIGTERM),
@@ -86,26 +89,24 @@ def watch(spec: dict, main: subprocess.Popen, srun: str) -> int:
             replacing.power_off()
 
 
-def with_commands(spec: dict, commands: dict) -> dict:
-    """The spec, each node's command replaced by its own in `commands` (a node it lacks: left out)."""
-    nodes = [{**node, "command": commands[node["name"]]} for node in spec["nodes"] if node["name"] in commands]
-    probe = {**spec, "nodes": nodes}
-    probe.pop("watch", None)
-    return probe
+def with_commands(spec: RunSpec, commands: dict) -> RunSpec:
+    """The spec, each node's command replaced by its own in `commands` (a node it lacks: left out), no watch."""
+    nodes = tuple(node.replace(command=commands[node.name]) for node in spec.nodes if node.name in commands)
+    return spec.replace(nodes=nodes, watch=None)
 
 
-def ask_nodes(probe: dict, srun: str, apart: bool = False) -> list:
+def ask_nodes(probe: RunSpec, srun: str, apart: bool = False) -> list:
     """Every node's answer (one JSON line each), through a step that shares the run's allocation; `apart`:
     a step per node, at once (a collect's answers are large, and srun interleaves long lines of several
     nodes' output)."""
     job = f"--jobid={os.environ.get('SLURM_JOB_ID', '')}"
-    if apart and len(probe["nodes"]) > 1:
-        one_each = [{**probe, "nodes": [node]} for node in probe["nodes"]]
+    if apart and len(probe.nodes) > 1:
+        one_each = [probe.replace(nodes=(node,)) for node in probe.nodes]
         with ThreadPoolExecutor(max_workers=len(one_each)) as pool:
             return [answer for answers in pool.map(lambda one: ask_nodes(one, srun), one_each) for answer in answers]
     options = ["--overlap", job]
-    if len(probe["nodes"]) == 1:
-        options.append(f"--nodelist={probe['nodes'][0].get('slurm_name') or probe['nodes'][0]['name']}")
+    if len(probe.nodes) == 1:
+        options.append(f"--nodelist={probe.head.in_slurm}")
     try:
         result = subprocess.run(step_argv(probe, srun, *options), capture_output=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired):
@@ -124,8 +125,8 @@ class StragglerReplacement:
     the drain, and the run starts again there and resumes from its checkpoint. The head node is not
     replaced: it holds this job and Slurm's controller."""
 
-    def __init__(self, spec: dict, srun: str):
-        self.spec, self.srun = spec, srun
+    def __init__(self, spec: RunSpec, options: WatchSpec, srun: str):
+        self.spec, self.options, self.srun = spec, options, srun
         self.taken_out: list = []
         self.lock = threading.Lock()
         """The watch's polls and its shared looks may each name a rank of the same node."""
@@ -146,22 +147,22 @@ class StragglerReplacement:
             self.closed = True
 
     def _take_out(self, fresh: list) -> None:
-        head = self.spec["nodes"][0]
+        head = self.spec.head
         for found in fresh:
-            node = next((n for n in self.spec["nodes"] if n["name"] == found.node), None)
+            node = self.spec.node(found.node)
             if node is None or found.node in self.taken_out:
                 continue
             if node is head:
                 print(f"[watch] --on-straggler replace: {found.node} is the head node: not replaced", flush=True)
                 continue
-            paths = Paths(head["home"])  # the batch job's HOME is the user's, not the node's
-            said = slurm_nodes.drain_straggler(paths, node.get("slurm_name") or node["name"], found.why())
+            paths = Paths(head.home)  # the batch job's HOME is the user's, not the node's
+            said = slurm_nodes.drain_straggler(paths, node.in_slurm, found.why())
             if said != "drained":  # not held out: its run would not be requeued, so it is left as it is
                 print(f"[watch] --on-straggler replace: {found.node} not drained ({said}): not replaced", flush=True)
                 continue
             print(f"[watch] --on-straggler replace: {found.node} drained; its ranks save and exit", flush=True)
-            tell = self.spec["watch"]["tell_ranks"][found.node]
-            ask_nodes(with_commands({**self.spec, "nodes": [node]}, {found.node: tell}), self.srun)
+            tell = self.options.tell_ranks[found.node]
+            ask_nodes(with_commands(self.spec.replace(nodes=(node,)), {found.node: tell}), self.srun)
             self.taken_out.append(found.node)
             self.told_at = time.monotonic()
 
@@ -183,8 +184,8 @@ class StragglerReplacement:
         with self.lock:
             taken_out = list(self.taken_out)
         for name in taken_out:
-            marker = os.path.join(self.spec["watch"]["shared_dir"], contract.power_off_marker(name))
+            marker = os.path.join(self.options.shared_dir, contract.power_off_marker(name))
             os.makedirs(os.path.dirname(marker), exist_ok=True)
-            record = {"run_id": self.spec["run_id"], "reason": contract.STRAGGLER_DRAIN_REASON, "at": time.time()}
+            record = {"run_id": self.spec.run_id, "reason": contract.STRAGGLER_DRAIN_REASON, "at": time.time()}
             write_private(marker, json.dumps(record).encode(), 0o600)
             print(f"[watch] {name} powers off: it is replaced, and the run resumes there", flush=True)

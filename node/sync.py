@@ -26,7 +26,8 @@ from node import contract
 
 FILES, MANIFEST, DIGEST = contract.WORKDIR_FILES, contract.WORKDIR_MANIFEST, contract.WORKDIR_DIGEST
 PLAN = "plan.json"
-RESULT_FILES = (contract.METRICS_FILE,)  # besides the results folder, what a launch fetches from the run folder
+RESULT_FILES = (contract.METRICS_FILE,)  # besides the results folder and the nodes' GPU samples (bounded), what a
+# launch fetches from the run folder
 
 
 def file_sha256(path: str) -> str:
@@ -134,7 +135,8 @@ def apply(cache: str, bundle_path: str) -> dict:
 
 
 def results(run_dir: str, results_dir: str) -> list:
-    """The files a launch fetches: the results folder, whole, and the run folder's metrics file."""
+    """The files a launch fetches: the results folder, whole, the run folder's metrics file and each node's
+    GPU samples file (each at most `contract.GPU_SAMPLES_MAX_BYTES`)."""
     found = [
         {
             "remote": os.path.join(results_dir, path),
@@ -143,7 +145,11 @@ def results(run_dir: str, results_dir: str) -> list:
         }
         for path in regular_files(results_dir)
     ]
-    for name in RESULT_FILES:
+    try:
+        samples = sorted(name for name in os.listdir(run_dir) if contract.is_gpu_samples(name))
+    except OSError:
+        samples = []
+    for name in (*RESULT_FILES, *samples):
         path = os.path.join(run_dir, name)
         if os.path.isfile(path) and not os.path.islink(path):
             found.append({"remote": path, "name": name, "size": os.path.getsize(path)})

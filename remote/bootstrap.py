@@ -70,9 +70,9 @@ class Bootstrap(NodeStages, HealthStages, SlurmStage, WatchdogStage):
         self.timeline = timeline or Timeline(time.time(), clock=time.monotonic())
         """Connect, then each stage (per node in `nodes`), then the record: in bootstrap.json, one line at the end."""
         remembered = remembered_setup(cluster)
-        held_before = bool(remembered.get("slurm_holds"))
+        held_before = remembered.slurm_holds
         self.scheduler_choice = Scheduler(
-            scheduler or remembered.get("scheduler_choice") or (Scheduler.SLURM if held_before else Scheduler.AUTO)
+            scheduler or remembered.scheduler_choice or (Scheduler.SLURM if held_before else Scheduler.AUTO)
         )
         """auto (the default): Slurm where every node has it, else runs held by fab; slurm; none."""
         self.slurm_holds = self.scheduler_choice is Scheduler.SLURM
@@ -81,7 +81,7 @@ class Bootstrap(NodeStages, HealthStages, SlurmStage, WatchdogStage):
         """Why `auto` settled on none (one line), for the launches to say."""
         self.slurm_held_before = held_before
         """Whether Slurm held the runs after the last bootstrap."""
-        self.accounting = accounting or remembered.get("accounting") or "auto"
+        self.accounting = accounting or remembered.accounting or "auto"
         """auto (the default): Slurm's accounting (slurmdbd over MariaDB) where the head node has them; none."""
         self.stack_dir = state.stack_dir(cluster.stack)
         self.manifest = local_manifest()
@@ -217,19 +217,18 @@ class Bootstrap(NodeStages, HealthStages, SlurmStage, WatchdogStage):
     # ------------------------------------------------------------------------------- results
 
     def _save_setup(self) -> None:
-        setup = {
-            "master_port": self.master_port,
-            "python": {r.name: self.python_for(r) for r in self.records},
-            "code_dir": node_paths.code_dir(self.cluster),
-            "scheduler": state.SLURM_HOLDS if self.slurm_holds else "",
-            "scheduler_choice": self.scheduler_choice.value,
-            "scheduler_why": self.scheduler_why,
-            "accounting": self.accounting,
-            "nodes": {r.name: {"probe": r.facts("probe"), "deps": r.facts("deps")} for r in self.records},
-            "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "timeline": self.timeline.as_dict(),
-        }
-        state.write_atomic(self.stack_dir / state.BOOTSTRAP, json.dumps(setup, indent=2) + "\n")
+        state.BootstrapRecord(
+            master_port=self.master_port,
+            python={r.name: self.python_for(r) for r in self.records},
+            code_dir=node_paths.code_dir(self.cluster),
+            slurm_holds=self.slurm_holds,
+            scheduler_choice=self.scheduler_choice.value,
+            scheduler_why=self.scheduler_why,
+            accounting=self.accounting,
+            nodes={r.name: {"probe": r.facts("probe"), "deps": r.facts("deps")} for r in self.records},
+            completed_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            timeline=self.timeline.as_dict(),
+        ).write(self.cluster.stack)
 
     def _report(self, failed_stage: str | None = None) -> None:
         table = Table(title=f"bootstrap of '{self.cluster.stack}'", show_lines=False)

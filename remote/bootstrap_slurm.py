@@ -11,7 +11,7 @@ import secrets
 from pathlib import Path
 
 from infra import state
-from infra.errors import OperationError, UsageError
+from infra.errors import NodeCallError, OperationError, UsageError
 from node import calls, contract, kit
 from remote import node_paths, protocol
 from remote.bootstrap_stage import (
@@ -66,7 +66,7 @@ class SlurmStage(BootstrapBase):
         with the same --master-port would otherwise take this one's nodes without a word. Not where Slurm
         is the site's or not wanted, nor where our own daemons already hold these very ports."""
         remembered = remembered_setup(self.cluster)
-        ours_already = self.slurm_held_before and remembered.get("master_port") == self.master_port
+        ours_already = self.slurm_held_before and remembered.master_port == self.master_port
         if self.cluster.slurm_existing or self.scheduler_choice is Scheduler.NONE or ours_already:
             return
         first = self.master_port + 1
@@ -118,8 +118,8 @@ class SlurmStage(BootstrapBase):
             def stopped(record: NodeRecord) -> Outcome:
                 try:
                     self._call(record, calls.StopScheduler(), timeout=120)
-                except (UsageError, OperationError) as exc:  # an existing Slurm's jobs not cancelled: ask again
-                    return Outcome("failed", f"not stopped: {str(exc).split(': ', 1)[-1]}"[:300])
+                except NodeCallError as exc:  # an existing Slurm's jobs not cancelled: ask again
+                    return Outcome("failed", f"not stopped: {exc.line}"[:300])
                 self._forget(record, "scheduler")
                 return Outcome("n/a", "none")
 
@@ -173,8 +173,8 @@ class SlurmStage(BootstrapBase):
             addresses = list(dict.fromkeys((node.public_ip, node.private_ip)))
             try:
                 found = self._call(record, calls.IdentifyNode(partition, conf, node.slurm_name, addresses), timeout=60)
-            except (UsageError, OperationError) as exc:
-                return Outcome("failed", str(exc).split(": ", 1)[-1][-300:])
+            except NodeCallError as exc:
+                return Outcome("failed", exc.line[-300:])
             return Outcome("done", found.name)
 
         outcomes = self._on_every_record(identify)
@@ -199,8 +199,8 @@ class SlurmStage(BootstrapBase):
                 return Outcome("up to date", where)
             try:
                 self._call(record, calls.AdoptSlurm({**existing, "names": names}), timeout=60)
-            except (UsageError, OperationError) as exc:
-                return Outcome("failed", str(exc).split(": ", 1)[-1][-300:])
+            except NodeCallError as exc:
+                return Outcome("failed", exc.line[-300:])
             self._record(record, "scheduler", wanted, {"scheduler": "slurm", "existing": names[record.name]})
             return Outcome("done", where)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra import state
-from infra.errors import OperationError, UsageError
+from infra.errors import NodeCallError
 from infra.inventory import ClusterInfo
 from node import calls, contract, kit
 from remote import job_command, node_paths, nodecall
@@ -120,8 +120,8 @@ class ClusterStage:
 Stage = NodeStage | ClusterStage
 
 
-def remembered_setup(cluster: ClusterInfo) -> dict:
-    """What the last bootstrap of the cluster chose (`bootstrap.json`: master_port, scheduler); {} if none."""
+def remembered_setup(cluster: ClusterInfo) -> state.BootstrapRecord:
+    """What the last bootstrap of the cluster chose (`bootstrap.json`: master_port, scheduler); empty if none."""
     return state.bootstrap_record(cluster.stack)
 
 
@@ -190,8 +190,8 @@ class BootstrapBase:
         record.session.conn.put(io.StringIO(json.dumps(dataclasses.asdict(recipe))), remote=sent)
         try:
             return self._call(record, calls.ApplyKit(sent, [part]), timeout=1800).facts[part]
-        except (UsageError, OperationError) as exc:
-            raise StageFailed(str(exc).split(": ", 1)[-1]) from None
+        except NodeCallError as exc:
+            raise StageFailed(exc.line) from None
 
     def _on_every_record(
         self, work: Callable[[NodeRecord], Outcome], records: list[NodeRecord] | None = None

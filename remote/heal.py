@@ -53,6 +53,8 @@ class Healer:
         self.cluster, self.groups, self.ask = cluster, groups, ask
         self.prepare, self.start = prepare, start
         self.metrics, self.shown, self.participants = metrics, shown, ""
+        self.records: list = []
+        """The contract lines of the newest look at the run's metrics (`replicas.contract_records`)."""
         self.head: NodeSession | None = None
         self.lock = threading.Lock()
         self.lost: set[str] = set()  # nodes whose job session dropped, until their group starts again
@@ -114,13 +116,41 @@ class Healer:
         self.back = {name: session for name in lost if (session := self._back(name)) is not None}
         return set(self.back)
 
+    def orphans(self) -> list[tuple[int, list[str]]]:
+        """The groups started again that have not rejoined (no step since that start), where no other group
+        trains whole any more: no peer is left to heal from, so the launch stops them (else they wait for
+        torchft's quorum timeout, and the finished run sits RUNNING at 1/2)."""
+        waiting = set(self.restarter.not_rejoined(self.records))
+        with self.lock:
+            others = any(
+                all(name in self.training for name in group)
+                for number, group in enumerate(self.groups)
+                if number not in waiting
+            )
+        return [] if others else [(number, self.groups[number]) for number in sorted(waiting)]
+
+    def stop_orphans(self, stop: Callable[[list[str]], threading.Thread], dropped: set[str]) -> list:
+        """Each orphan group not dropped yet, said once and stopped (`stop`: the launch's background stop of
+        those nodes); the stops, as (thread, nodes), for the launch to wait for. Its nodes join `dropped`."""
+        stops = []
+        for number, members in self.orphans():
+            if set(members) & dropped:
+                continue
+            say(
+                f"fab: replica group {number} ({', '.join(members)}) had not rejoined when the run's other groups "
+                "ended: no peer is left to heal from, so it is stopped"
+            )
+            stops.append((stop(members), members))
+            dropped.update(members)
+        return stops
+
     def _peers(self) -> bool:
         """Whether some group still trains whole (a live peer to heal from); under `lock`."""
         return any(all(name in self.training for name in group) for group in self.groups)
 
     def _show_participants(self) -> None:
-        """The newest contract line's participants, told to `shown` where they changed."""
-        if self.shown is None or not self.metrics:
+        """The newest contract lines kept (`records`), their participants told to `shown` where they changed."""
+        if not self.metrics:
             return
         try:
             self.head = self.head or NodeSession(self.cluster, self.cluster.head)
@@ -128,9 +158,10 @@ class Healer:
         except Exception:  # the head node does not answer now: asked again next time
             return
         text = tail.stdout
-        newest = replicas.newest_participants(replicas.contract_records(text, cut=len(text) >= METRICS_TAIL_BYTES))
+        self.records = replicas.contract_records(text, cut=len(text) >= METRICS_TAIL_BYTES)
+        newest = replicas.newest_participants(self.records)
         participants = f"{newest}/{len(self.groups)}" if newest is not None else ""
-        if participants and participants != self.participants:
+        if self.shown is not None and participants and participants != self.participants:
             self.participants = participants
             self.shown(participants)
 

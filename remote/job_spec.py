@@ -52,8 +52,6 @@ class NodeSetup:
     """MASTER_PORT of the rendezvous on node-0."""
     python: dict[str, str]
     """The interpreter with torch on each node."""
-    scheduler: str = ""
-    """`slurm` where Slurm holds the runs (bootstrap's scheduler stage), else '' (runs held by fab)."""
     homes: dict[str, str] = field(default_factory=dict)
     """Each node user's home (the probe's), for absolute paths on the nodes."""
     scheduler_why: str = ""
@@ -63,16 +61,7 @@ class NodeSetup:
 
     @classmethod
     def load(cls, stack: str) -> "NodeSetup":
-        try:
-            data = state.bootstrap_record(stack)
-            homes = {name: facts["probe"]["home"] for name, facts in data.get("nodes", {}).items()}
-            return cls(
-                int(data["master_port"]),
-                dict(data["python"]),
-                str(data.get("scheduler") or ""),
-                homes,
-                str(data.get("scheduler_why") or ""),
-                bool(data["slurm_holds"]),
-            )
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise UsageError("the cluster is not bootstrapped: run fab bootstrap") from None
+        record = state.bootstrap_record(stack)
+        if record.master_port is None or not record.python:
+            raise UsageError("the cluster is not bootstrapped: run fab bootstrap")
+        return cls(record.master_port, record.python, record.homes, record.scheduler_why, record.slurm_holds)

@@ -340,7 +340,9 @@ def _supervise(
                     say(f"fab: {exited(name)}: stopping the job on {', '.join(others)}")
                     stoppers.append((_stop_in_background(cluster, others), others))
         if healer is not None:
-            if not pending:
+            if pending:  # a group started again that no peer can heal any more is stopped
+                stoppers += healer.stop_orphans(lambda nodes: _stop_in_background(cluster, nodes), dropped)
+            else:
                 healer.stop()  # no group is started again once the run's last one ended; one just started is followed
             for future, session in healer.started():
                 futures[future] = session

@@ -1,11 +1,12 @@
 """fab's side of a node call (node/calls.py): one typed request, its reply, one error rule.
 
 `call(session, python, request)` runs `node/calls.py` from the synced code folder with the request and
-returns the reply dataclass; a node's refusal (bad input, other code than this fab's) is a UsageError
-(exit 2), a failure an OperationError (exit 1), each the node's one line behind its name.
+returns the reply dataclass; where there is none, one NodeCallError (the node, the verb, the exit code and
+the node's one line): a refusal (bad input, other code than this fab's) is a UsageError too (exit 2), a
+failure an OperationError too (exit 1).
 """
 
-from infra.errors import OperationError, UsageError
+from infra.errors import NodeCallError
 from infra.nodecall import version
 from node import calls
 from remote import node_paths
@@ -30,5 +31,4 @@ def call(session: NodeSession, python: str, request: calls.Request, **run_option
     try:
         return calls.reply_from(request, code, out, err)
     except calls.CallError as exc:
-        error = UsageError if exc.bad_input else OperationError
-        raise error(f"{session.node.name}: {exc.line}") from None
+        raise NodeCallError.of(session.node.name, exc.verb, exc.exit_code, exc.line) from None

@@ -22,6 +22,7 @@ from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
 from infra.timeline import Timeline
 from node import calls, contract
+from node.run_spec import RunSpec, SpecNode, WatchSpec
 from node.run_watch import OVERDUE_GRACE_S
 from remote import job_command, node_paths, nodecall
 from remote.connect import NodeSession, describe, on_all_nodes
@@ -59,28 +60,23 @@ def submit(
     run_id: str,
     task: str,
     commands: dict[str, str],
-    watch: dict | None = None,
+    watch: WatchSpec | None = None,
     replicas: int = 0,
 ) -> str:
     """sbatch the run (one task per node, each running its command; `watch`: the hang watch that runs
     beside it on the head node; `replicas`: torchft replica groups, so one node's end ends no other's);
     the Slurm job id."""
     run_dir = head_path(setup, cluster, node_paths.remote_run_dir(cluster, run_id))
-    spec: dict = {
-        "run_id": run_id,
-        "log": f"{run_dir}/{contract.RUN_LOG}",
-        "python": cluster.python,
-        "nodes": [
-            {"name": node.name, "home": setup.homes.get(node.name, ""), "command": commands[node.name]}
-            for node in cluster.nodes
-        ],
-    }
-    if watch:
-        spec["watch"] = watch
-    if replicas:
-        spec["replicas"] = replicas
+    spec = RunSpec(
+        run_id=run_id,
+        log=f"{run_dir}/{contract.RUN_LOG}",
+        python=cluster.python,
+        nodes=tuple(SpecNode(n.name, setup.homes.get(n.name, ""), commands[n.name]) for n in cluster.nodes),
+        watch=watch,
+        replicas=replicas,
+    )
     try:  # the spec on stdin (its commands carry --env values): `submit` makes the run's folder and script
-        return nodecall.call(head, cluster.python, calls.SubmitRun(spec)).job_id
+        return nodecall.call(head, cluster.python, calls.SubmitRun(spec.as_dict())).job_id
     except OperationError as exc:
         raise OperationError(f"the run could not be submitted to Slurm: {exc}") from None
 
@@ -171,24 +167,26 @@ def copy_workdir(sessions: list[NodeSession], run_id: str, workdir_key: str) -> 
         raise OperationError(f"could not copy the workdir for run {run_id}: {why}")
 
 
-def watch_spec(cluster: ClusterInfo, setup: NodeSetup, spec: JobSpec, run_id: str) -> dict | None:
+def watch_spec(cluster: ClusterInfo, setup: NodeSetup, spec: JobSpec, run_id: str) -> WatchSpec | None:
     """The run spec's `watch`: the hang watch that runs beside the batch job on the cluster (it holds while no
     fab follows the run; node/slurm_watch.py); None where the hang watch is off."""
     if not spec.hang.enabled:
         return None
-    return {
-        "timeout_s": spec.hang.timeout_s,
-        "poll_s": spec.hang.poll_s,
-        "on_hang": spec.hang.on_hang,
-        "on_straggler": spec.hang.on_straggler,
-        "shared_dir": cluster.shared_dir,  # where a straggler's power-off marker goes (replace)
-        "tell_ranks": {n.name: tell_ranks_command(cluster, setup.python[n.name], n.name) for n in cluster.nodes},
-        "overdue_grace_s": OVERDUE_GRACE_S,
-        **{
-            action: {n.name: ask_command(cluster, setup.python[n.name], run_id, action) for n in cluster.nodes}
-            for action in ("status", "collect")
-        },
+    asked = {
+        action: {n.name: ask_command(cluster, setup.python[n.name], run_id, action) for n in cluster.nodes}
+        for action in ("status", "collect")
     }
+    return WatchSpec(
+        timeout_s=spec.hang.timeout_s,
+        poll_s=spec.hang.poll_s,
+        on_hang=spec.hang.on_hang,
+        on_straggler=spec.hang.on_straggler,
+        shared_dir=cluster.shared_dir or "",  # where a straggler's power-off marker goes (replace)
+        tell_ranks={n.name: tell_ranks_command(cluster, setup.python[n.name], n.name) for n in cluster.nodes},
+        overdue_grace_s=OVERDUE_GRACE_S,
+        status=asked["status"],
+        collect=asked["collect"],
+    )
 
 
 def slurm_held_values(cluster: ClusterInfo, spec: JobSpec, run_id: str) -> job_command.EnvValues | None:

@@ -11,15 +11,17 @@ that another node's output or fab's own line would otherwise continue.
 
 import json
 import math
+import os
 import select
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Protocol
 
-from infra import state
+from infra import runlog, state
 from node import contract
 
 if TYPE_CHECKING:  # rich loads only where a table is printed
@@ -138,6 +140,12 @@ class NodeStream:
         self.name = name
         self.echo = echo
         self.log: IO[bytes] | None = state.open_private(log_path, "ab", buffering=0) if log_path else None
+        self.times: IO[bytes] | None = None
+        """`runlog.line_times`: the log's size and the time after each write that ended a line."""
+        self.logged = 0
+        if log_path and self.log:
+            self.times = state.open_private(runlog.line_times(log_path), "ab", buffering=0)
+            self.logged = os.fstat(self.log.fileno()).st_size
         self.held = b""
         """Bytes at a line's start that may be the start of a marker: shown once they are not."""
         self.at_line_start = True
@@ -200,6 +208,9 @@ class NodeStream:
         self._learn_prefix(data)
         if self.log:
             self.log.write(data)
+            self.logged += len(data)
+            if self.times and b"\n" in data:
+                self.times.write(f"{self.logged} {time.time():.6f}\n".encode())
         if self.echo:
             terminal.write(self, data)
 
@@ -239,6 +250,9 @@ class NodeStream:
             if self.log:
                 self.log.close()
                 self.log = None
+            if self.times:
+                self.times.close()
+                self.times = None
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ def bootstrap(c, force=False, master_port=None, scheduler=None, stack=None, acco
     timeline = Timeline.since_process_start()
     cluster = cluster_for(stack)
     # Another bootstrap (yours, or the replacement of a lost node) keeps the port the last one chose.
-    default = remembered_setup(cluster).get("master_port") or job_command.DEFAULT_MASTER_PORT
+    default = remembered_setup(cluster).master_port or job_command.DEFAULT_MASTER_PORT
     port = options.port("--master-port", master_port, default)
     chosen = options.choice("--scheduler", scheduler, ("auto", "slurm", "none")) if scheduler is not None else None
     kept = options.choice("--accounting", accounting, ("auto", "none")) if accounting is not None else None

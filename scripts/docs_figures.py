@@ -29,6 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import FancyBboxPatch  # noqa: E402
 
 from bench.common import REPO, bootstrapped_local_cluster, deploy, fab, started  # noqa: E402
+from infra.state import BOOTSTRAP, BootstrapRecord  # noqa: E402
 
 OUT = REPO / "docs" / "img"
 CHROMIUM = "/usr/bin/chromium"
@@ -141,11 +142,11 @@ def architecture(path: Path) -> None:
 def timeline_rows(state: Path, run_dir: Path) -> list[tuple[str, list[dict]]]:
     stack = state / "local"
     inventory = json.loads((stack / "inventory.json").read_text())
-    bootstrap = json.loads((stack / "bootstrap.json").read_text())
+    bootstrap = BootstrapRecord.read(stack / BOOTSTRAP)
     summary = json.loads((run_dir / "summary.json").read_text())
     return [
         ("deploy.py up --local", inventory["timeline"]["phases"]),
-        ("fab bootstrap", bootstrap["timeline"]["phases"]),
+        ("fab bootstrap", (bootstrap.timeline or {})["phases"]),
         (f"fab {summary['task']}", summary["timeline"]["phases"]),
     ]
 

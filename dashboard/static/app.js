@@ -157,7 +157,7 @@ async function refreshRun() {
   const run = data.run;
   document.getElementById("run-title").textContent = `run ${run.run_id} (${current.stack})`;
   document.getElementById("run-facts").innerHTML = facts(run);
-  document.getElementById("cancel").hidden = ["COMPLETED", "FAILED", "CANCELLED", "HUNG"].includes(run.state);
+  document.getElementById("cancel").hidden = run.final;
   for (const name of ["loss", "throughput", "step_ms"]) {
     const figure = document.getElementById(`plot-${name}`);
     figure.parentElement.hidden = name !== "loss" && !data.plots[name].x.length; // a fault-tolerant run has no such plot

@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from node import nvml
+from node import contract, gpu_samples, nvml
 from tests.support import REPO, network, slurm
 from tests.support.cli import assert_one_line_error, child_env, run_cli
 from tests.support.clusters import bootstrapped_cluster
@@ -122,7 +123,7 @@ def test_no_token_or_a_wrong_one_gets_no_page_and_it_listens_on_loopback_only(da
     assert_one_line_error(cluster.cli("dashboard", "--port", taken), f"127.0.0.1:{taken}", "--port 0")
 
 
-def test_the_page_shows_the_running_and_the_queued_run_a_live_plot_and_a_growing_log(dashboard, runs, page):
+def test_the_page_shows_the_running_and_the_queued_run_a_live_plot_and_a_growing_log(dashboard, runs, page, cluster):
     running, queued = runs
     page.goto(dashboard[1])
     page.wait_for_selector(f'tr.run[data-run="{running}"][data-state="RUNNING"]', timeout=60_000)
@@ -141,6 +142,36 @@ def test_the_page_shows_the_running_and_the_queued_run_a_live_plot_and_a_growing
     seen = page.evaluate("window.dashboard.logLines")
     page.wait_for_function(f"window.dashboard.logLines > {seen}", timeout=10_000)  # it follows, no reload
     assert "[node-0]" in page.inner_text("#log")
+    # A finished fab-held run's log: its nodes' logs as fab's streams wrote them, shown in the order they came
+    finished = finished_fab_run(Path(cluster.env["CLUSTER_STATE_DIR"]) / cluster.stack / "runs")
+    page.goto(dashboard[1] + f"#run/local/{finished}")
+    page.wait_for_function("document.querySelector('#log').textContent.includes('fourth')", timeout=30_000)
+    assert page.inner_text("#log").splitlines()[:4] == [
+        "[node-1] first",
+        "[node-0] second",
+        "[node-1] third",
+        "[node-0] fourth",
+    ]
+
+
+def finished_fab_run(runs_dir: Path) -> str:
+    """A run fab's connections held, ended: each node's log and line times written by its stream, the nodes
+    taking turns (the page showed node-0's log, then node-1's)."""
+    from remote.runs import Run
+    from remote.stream import NodeStream
+
+    run_id = "20200101-000000-run-fab1"
+    folder = runs_dir / run_id
+    folder.mkdir()
+    streams = [NodeStream(f"node-{i}", i, folder / f"node-{i}.log", echo=False) for i in range(2)]
+    for index, word in enumerate(["first", "second", "third", "fourth"]):
+        streams[1 - index % 2].feed(f"[node-{1 - index % 2}] {word}\n".encode())
+        time.sleep(0.01)
+    for stream in streams:
+        stream.close()
+    Run(run_id, "run", "", "", ["node-0", "node-1"], 1.0, state="COMPLETED", started_at=1.0, ended_at=2.0,
+        exit_code=0, finished=True, holder="fab").save(folder)  # fmt: skip
+    return run_id
 
 
 def test_cancel_after_a_confirmation_stops_the_run(dashboard, runs, page, cluster):
@@ -193,8 +224,9 @@ def test_a_real_prometheus_scrapes_the_runs_with_the_scrape_config_of_the_docs(d
         assert up["metric"]["job"] == "gpu-cluster" and up["value"][1] == "1"
         # The run's sampler on its node, with a fake NVML answering as the recorded H200 (no GPU here): the
         # dashboard brings the running run's newest readings from the head node, Prometheus has them.
-        metrics = Path(cluster.info["shared_dir"]) / "runs" / running / "metrics.jsonl"
-        nvml.Sampler(nvml.file_sink(str(metrics)), "node-1", library=FakeNvml(H200)).once({})
+        samples = Path(cluster.info["shared_dir"]) / "runs" / running / contract.gpu_samples("node-1")
+        sink = gpu_samples.SampleFile(str(samples), contract.GPU_SAMPLES_MAX_BYTES)
+        nvml.Sampler(sink, "node-1", library=FakeNvml(H200)).once({})
         query = urllib.parse.quote(f'gpucluster_gpu_temperature_celsius{{run="{running}"}}')
         slurm.wait_for(scraped, "Prometheus has the running run's GPU temperature", deadline_s=60)
         assert [(r["metric"]["node"], r["metric"]["gpu"], r["value"][1]) for r in found] == [("node-1", "0", "34")]

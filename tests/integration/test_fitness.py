@@ -1,5 +1,5 @@
 """The preflight and the straggler verdict on a real 2-node local cluster, one node really slowed: its
-processes in a CPU cgroup with 5% (the preflight) or 10% (the run) of one CPU (tests/support/throttle.py,
+processes in a CPU cgroup with 10% of one CPU (tests/support/throttle.py,
 as root).
 
 Bootstrap's last stage judges the healthy cluster; throttled, `fab preflight` names node-1, a launch
@@ -53,9 +53,9 @@ def test_bootstrap_ends_with_the_preflight_verdicts(cluster):
 
 
 def test_a_throttled_node_is_named_refused_and_named_as_the_straggler(cluster):
-    # 5% of a core: on a busy machine node-0 itself may get a third of one, and a tenth of a core then read
-    # 28% of it (WARN, not CRITICAL, against the shared-machine limit of 25%): measured under load
-    with throttle.throttled(cluster.node_home(1), 5):
+    # A tenth of a core is refused however busy the machine: its cgroup's quota is read on the node (at load 8
+    # its matmul read 49% of node-0's, which the shared-machine limits passed)
+    with throttle.throttled(cluster.node_home(1), 10):
         code, verdicts = preflight_verdicts(cluster)
         assert code == 1, verdicts
         assert verdicts["node-1"]["verdict"] == "CRITICAL" and "compute" in verdicts["node-1"]["why"]

@@ -1,11 +1,13 @@
 """The dashboard's pure shaping (dashboard/shape.py) and its read-only ledger."""
 
 import sqlite3
+from types import SimpleNamespace
 
 import pytest
 
 from dashboard import shape
 from infra.ledger import Event, Interval, Ledger
+from node.run_state import RunState
 
 
 def test_step_records_become_loss_throughput_and_step_time_per_rank():
@@ -71,6 +73,11 @@ def test_a_runs_verdicts_come_from_its_record_its_summary_or_the_ledger():
         "1/2",
     )
     assert shape.run_row({"run_id": "r", "state": "COMPLETED"}, None, None)["hang"] is None
+
+
+def test_the_page_offers_a_cancel_only_for_a_run_that_has_not_ended():
+    final = {state: shape.run_row({"run_id": "r", "state": state}, None, None)["final"] for state in RunState}
+    assert [state for state, ended in final.items() if ended] == ["COMPLETED", "FAILED", "CANCELLED", "HUNG"]
 
 
 def test_interruptions_are_those_within_the_runs_time():
@@ -235,3 +242,49 @@ def test_a_long_unfinished_line_in_the_tail_costs_its_length_not_its_square():
     tail.add("node-0", "\r\n", 2.0)
     assert time.monotonic() - started < 3
     assert [len(line) for _, _, line in tail.since(0)] == [2000 * 4096]
+
+
+def test_lines_of_several_writers_are_one_stream_in_time_order_ties_in_node_order():
+    node_0 = [(1.0, "[node-0] a"), (3.0, "[node-0] c"), (3.0, "[node-0] d")]
+    node_1 = [(2.0, "[node-1] b"), (3.0, "[node-1] e"), (4.0, "[node-1] f")]
+    assert [line for _, line in shape.time_ordered([node_0, node_1])] == [
+        "[node-0] a", "[node-1] b", "[node-0] c", "[node-0] d", "[node-1] e", "[node-1] f",
+    ]  # fmt: skip
+    assert [line for _, line in shape.time_ordered([[(5.0, "late"), (1.0, "early, in the log after")]])] == [
+        "late",
+        "early, in the log after",
+    ]  # a writer's own lines never pass each other
+
+
+def test_a_finished_fab_held_runs_log_is_one_stream_in_the_order_its_lines_came(tmp_path, monkeypatch):
+    """Each node's stream (remote/stream.py) keeps when each read reached fab beside its log; the page's
+    finished log merges the nodes' logs by it, not node after node."""
+    from dashboard import sources
+    from remote import stream
+
+    clock = iter([10.0, 11.0, 12.0, 13.0, 14.0, 15.0])
+    monkeypatch.setattr(stream, "time", SimpleNamespace(time=lambda: next(clock)))
+    nodes = [stream.NodeStream(f"node-{i}", i, tmp_path / f"node-{i}.log", echo=False) for i in range(2)]
+    nodes[1].feed(b"[node-1] first\n[node-1] sec")  # 10.0: one line and a half
+    nodes[0].feed(b"[node-0] third\n")  # 11.0
+    nodes[1].feed(b"ond\n")  # 12.0: the half line's end
+    nodes[0].feed(b"[node-0] fourth\n[node-0] fifth\n")  # 13.0
+    nodes[1].write("a line of fab's own about node-1\n")  # 14.0
+    for node in nodes:
+        node.close()
+    assert (tmp_path / "node-1.times").read_text().splitlines()[0] == "27 10.000000"  # the log's size after it
+    tail = shape.LogTail()
+    sources.finished_log(tmp_path, tail)
+    assert [line for _, _, line in tail.since(0)] == [
+        "[node-1] first",
+        "[node-0] third",
+        "[node-1] second",
+        "[node-0] fourth",
+        "[node-0] fifth",
+        "[node-1] a line of fab's own about node-1",
+    ]
+    assert tail.ended
+    (tmp_path / "node-0.times").unlink()  # a run from before the times were kept: node after node
+    older = shape.LogTail()
+    sources.finished_log(tmp_path, older)
+    assert [line for _, _, line in older.since(0)][:3] == ["[node-0] third", "[node-0] fourth", "[node-0] fifth"]

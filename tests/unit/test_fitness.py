@@ -6,6 +6,7 @@ sick GPUs are that record with one field changed, as a sick GPU reports it. The 
 `dcgmi diag -r 1 -j` (DCGM 3), the kernel logs NVRM's Xid lines.
 """
 
+import json
 from itertools import combinations
 from pathlib import Path
 
@@ -151,6 +152,62 @@ def test_nodes_sharing_one_machine_are_judged_against_its_noise_and_a_throttled_
     )  # 52%
     throttled = {"nodes": [node("node-0", 1.5), node("node-1", 17.2)], "shared_machine": True}
     assert fitness.judge(throttled)["node-0"].level == fitness.CRITICAL
+
+
+def test_a_node_held_to_a_tenth_of_a_core_is_refused_on_a_busy_machine_where_its_speed_passed():
+    """Recorded by tests/integration/test_fitness.py on a 2-core machine at load 8: node-1 held to a tenth
+    of a core read 49% of node-0 (whose share of the machine was about a fifth of a core), which the
+    shared-machine limits passed (WARN, exit 0); its quota, read on the node, refuses it."""
+    report = json.loads((FIXTURES.parent / "preflight" / "tenth-of-a-core-on-a-busy-machine.json").read_text())
+    verdicts = fitness.judge(report)
+    assert verdicts["node-1"].level == fitness.CRITICAL and verdicts["node-0"].level == fitness.OK
+    assert verdicts["node-1"].why().startswith("compute: its cgroup's CPU quota allows 0.1 CPU, 5% of the other")
+    measured_only = {**report, "nodes": [{k: v for k, v in n.items() if k != "cpu_quota"} for n in report["nodes"]]}
+    assert fitness.judge(measured_only)["node-1"].level == fitness.WARN  # before: said, and passed
+
+
+def test_on_a_quiet_machine_the_tenth_of_a_core_is_refused_by_its_speed_and_its_quota_alike():
+    quiet = {"nodes": [node("node-0", 17.2, cpus=2.0), node("node-1", 1.5, cpus=0.1, cpu_quota=0.1)]}
+    for report in (quiet, {**quiet, "shared_machine": True}):
+        verdict = fitness.judge(report)["node-1"]
+        assert verdict.level == fitness.CRITICAL
+        assert [level for level, _ in verdict.reasons] == [fitness.CRITICAL, fitness.CRITICAL]
+
+
+def test_equal_quotas_and_fewer_cores_without_a_quota_name_nobody():
+    containers = [node(f"node-{i}", cpus=4.0, cpu_quota=4.0) for i in range(3)]
+    assert fitness.named(fitness.judge({"nodes": containers})) == []
+    smaller = [node("node-0", cpus=16.0), node("node-1", cpus=16.0), node("node-2", cpus=4.0)]
+    assert fitness.named(fitness.judge({"nodes": smaller})) == []
+    halved = [*containers[:2], node("node-2", cpus=2.5, cpu_quota=2.5)]
+    assert fitness.judge({"nodes": halved})["node-2"].level == fitness.WARN  # 62% of the others' 4
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_cgroups_cpu_quota_is_read_from_the_group_or_an_ancestor(tmp_path, version):
+    """/proc/self/cgroup and mountinfo as the kernel writes them, over a cgroup tree on disk: the smallest
+    quota on the way up from the process's group counts (a parent's limit holds its children)."""
+    mount = tmp_path / "cgroup"
+    leaf = mount / "nodes" / "node-1"
+    leaf.mkdir(parents=True)
+    if version == "v1":
+        for folder, quota in ((mount, "-1"), (mount / "nodes", "5000"), (leaf, "-1")):
+            (folder / "cpu.cfs_quota_us").write_text(quota + "\n")
+            (folder / "cpu.cfs_period_us").write_text("50000\n")
+        cgroup = "12:cpu,cpuacct:/nodes/node-1\n4:memory:/nodes\n"
+        kind, options = "cgroup", "rw,cpu,cpuacct"
+    else:
+        (mount / "nodes" / "cpu.max").write_text("max 100000\n")
+        (leaf / "cpu.max").write_text("10000 100000\n")
+        cgroup, kind, options = "0::/nodes/node-1\n", "cgroup2", "rw,nsdelegate"
+    (tmp_path / "cgroup.txt").write_text(cgroup)
+    (tmp_path / "mountinfo").write_text(
+        f"22 21 0:20 / /proc rw - proc proc rw\n35 24 0:30 / {mount} rw,nosuid shared:9 - {kind} cgroup {options}\n"
+    )
+    found = fitness.cpu_allowance(str(tmp_path / "cgroup.txt"), str(tmp_path / "mountinfo"))
+    assert found["cpu_quota"] == 0.1 and found["cpus"] == 0.1
+    (tmp_path / "cgroup.txt").write_text("0::/\n1:cpu:/\n")
+    assert fitness.cpu_allowance(str(tmp_path / "cgroup.txt"), str(tmp_path / "mountinfo"))["cpu_quota"] is None
 
 
 def test_two_nodes_one_throttled_names_the_throttled_one_only():

@@ -39,13 +39,13 @@ def stack(state_dir):
         {"kind": "ft_step", "time": 100.0, "step": 4, "replica": 0, "participants": 2},
         {"kind": "ft_step", "time": 101.0, "step": 4, "replica": 1, "participants": 2},
         {"kind": "ft_step", "time": 102.5, "step": 5, "replica": 0, "participants": 1},
-        {"kind": "gpu", "node": "node-1", "index": 0, "util_pct": 87, "mem_used_gib": 2.0, "temp_c": 41,
-         "power_w": 120.5, "sm_clock_mhz": 1980, "ecc_uncorrected": 0, "xid_events": 1},
-    ]  # fmt: skip
+    ]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    finished = state_dir / "s" / "runs" / "run-0000" / "metrics.jsonl"
-    with finished.open("a") as out:  # a finished run's last reading: no GPU's state now
-        out.write(json.dumps({"kind": "gpu", "node": "node-0", "index": 0, "util_pct": 5}) + "\n")
+    reading = {"kind": "gpu", "node": "node-1", "index": 0, "util_pct": 87, "mem_used_gib": 2.0, "temp_c": 41,
+               "power_w": 120.5, "sm_clock_mhz": 1980, "ecc_uncorrected": 0, "xid_events": 1}  # fmt: skip
+    (folder / "gpu-node-1.jsonl").write_text(json.dumps({**reading, "temp_c": 39}) + "\n" + json.dumps(reading) + "\n")
+    finished = state_dir / "s" / "runs" / "run-0000" / "gpu-node-0.jsonl"  # its last reading: no GPU's state now
+    finished.write_text(json.dumps({"kind": "gpu", "node": "node-0", "index": 0, "util_pct": 5}) + "\n")
     preflight = {"nodes": [{"node": "node-0", "verdict": "OK", "why": ""}, {"node": "node-1", "verdict": "WARN"}]}
     (state_dir / "s" / "preflight.json").write_text(json.dumps(preflight))
     return state_dir
@@ -158,22 +158,30 @@ def test_a_run_whose_metrics_grow_is_read_again(stack):
     assert reader.progress_of(folder, None).step == 6
 
 
-def test_the_running_runs_gpu_readings_come_from_the_head_nodes_metrics_tail(stack):
-    """What `gpus.bring` asks of the head node, read back: each run's newest reading per GPU, a line the
-    tail cut skipped; and a scrape exports them for the running run."""
+def test_the_running_runs_gpu_readings_come_from_the_head_nodes_samples_files(stack, tmp_path):
+    """What `gpus.bring` asks of the head node, run by a shell on a run folder and read back: each node's
+    newest reading per GPU, a line the tail cut skipped, never metrics.jsonl; a scrape exports them."""
+    import subprocess
+
     from dashboard import gpus
     from tests.support import inventories
 
-    command = gpus.tail_command(inventories.cluster(), ["ft-run", "other"])
-    assert command.count(gpus.MARK) == 2 and "ft-run/metrics.jsonl" in command
+    cluster = inventories.cluster()
+    command = gpus.tail_command(cluster, ["ft-run", "other"])
+    assert command.count(gpus.MARK) == 2 and "ft-run/gpu-*.jsonl" in command and "metrics.jsonl" not in command
     older = {"kind": "gpu", "node": "node-1", "index": 0, "temp_c": 40}
     newer = {**older, "temp_c": 44}
-    text = (
-        f'{gpus.MARK} ft-run\nkind": "gpu", "node": "node-1", "ind\n{json.dumps(older)}\n'
-        f"{json.dumps({'kind': 'ft_step', 'step': 9})}\n{json.dumps(newer)}\n\n{gpus.MARK} other\n\n"
-    )
-    found = gpus.parse(text)
-    assert found == {"ft-run": {("node-1", "0"): newer}, "other": {}}
+    folder = tmp_path / "ft-run"
+    folder.mkdir()
+    (folder / "gpu-node-1.jsonl").write_text(f"{json.dumps(older)}\n{json.dumps(newer)}\n")
+    (folder / "gpu-node-0.jsonl").write_text(json.dumps({**older, "node": "node-0"}) + "\n" + '{"kind": "gpu", "no')
+    (folder / "metrics.jsonl").write_text(json.dumps({**older, "node": "node-9"}) + "\n")
+    remote = str(gpus.node_paths.remote_run_dir(cluster, "ft-run"))
+    local = command.replace(gpus.node_paths.shell_path(remote), str(folder))
+    assert local != command
+    found = gpus.parse(subprocess.run(["sh", "-c", local], capture_output=True, text=True, check=True).stdout)
+    assert found == {"ft-run": {("node-1", "0"): newer, ("node-0", "0"): {**older, "node": "node-0"}}, "other": {}}
+    found["ft-run"].pop(("node-0", "0"))
     scrape = metrics.Reader().scrape(["s"], {}, {}, time.time(), {("s", "ft-run"): found["ft-run"]})
     assert scrape.progress[("s", "ft-run")].gpus[("node-1", "0")]["temp_c"] == 44
     text = metrics.render(scrape).decode()

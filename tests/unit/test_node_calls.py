@@ -4,11 +4,14 @@ the node user's home, its reply read back by the caller's side of the same modul
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
+from infra.errors import NodeCallError, OperationError, UsageError
 from node import calls
-from tests.support import REPO
+from remote import nodecall
+from tests.support import REPO, inventories
 
 CALLS = REPO / "node" / "calls.py"
 
@@ -92,3 +95,36 @@ def test_every_verb_names_a_node_function_that_takes_its_fields_and_the_probe_an
         inspect.signature(handler).bind(**{f.name: None for f in dataclasses.fields(verb)})  # raises if they differ
     reply, _ = ask(calls.ProbeNode("127.0.0.1"), tmp_path)
     assert reply.facts["interface"] == "lo" and reply.facts["home"]
+
+
+@pytest.mark.parametrize(("exit_code", "kind"), [(2, UsageError), (1, OperationError)])
+def test_fabs_side_raises_one_typed_error_naming_the_node_the_verb_the_code_and_the_line(exit_code, kind):
+    known = inventories.cluster()
+    said = "error: this node runs other node code (a) than fab speaks (b): run fab bootstrap"
+
+    class Session:  # a node whose answer is one error line
+        node, cluster = known.nodes[0], known
+
+        def run(self, command, **options):
+            return SimpleNamespace(exited=exit_code, stdout="", stderr=f"Traceback...\n{said}\n")
+
+    with pytest.raises(NodeCallError) as raised:
+        nodecall.call(Session(), "python3", calls.CleanRuns(".gpu-cluster/runs", 1))  # type: ignore[arg-type]
+    error = raised.value
+    assert (error.node, error.verb, error.exit_code) == (known.nodes[0].name, "CleanRuns", exit_code)
+    assert error.line == said.removeprefix("error: ") and str(error) == f"{error.node}: {error.line}"
+    assert isinstance(error, kind)  # the command's exit code: 2 for a refusal, 1 for a failure
+
+
+def test_a_handlers_refusal_is_exit_2_naming_what_is_wrong(tmp_path):
+    # the dispatcher runs as a file: a refusal the handler raised (node.calls.BadInput) was once taken for
+    # a failure (exit 1), the file's own BadInput being another class
+    request = calls.SubmitRun({"run_id": "r", "nodes": [{"name": "node-0", "home": "/h", "command": "true"}]})
+    result = subprocess.run(
+        [sys.executable, str(CALLS), "-"],
+        input=calls.encoded(request, calls.code_version()),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert (result.returncode, result.stderr) == (2, "error: run spec: missing key 'log'\n")

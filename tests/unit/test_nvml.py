@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from harness import gpu_monitor
-from node import fitness, nvml
+from node import contract, fitness, gpu_samples, nvml
 from tests.support.fake_nvml import FakeNvml, kernel_xids
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "gpu"
@@ -68,6 +68,39 @@ def test_a_runs_sampler_keeps_every_gpus_figures_and_its_xid_events(tmp_path):
     gpu = [r for r in records if r["kind"] == "gpu"]
     assert len(gpu) == 2 and {r["xid_events"] for r in gpu} == {4}
     assert gpu[0]["node"] == "node-1" and gpu[0]["power_w"] == 78.99 and gpu[0]["sm_clock_mhz"] == 345
+
+
+def test_a_runs_samples_go_to_the_nodes_own_file_not_the_runs_metrics(tmp_path, monkeypatch):
+    monkeypatch.setenv("CLUSTER_RUN_DIR", str(tmp_path))
+    sampler = nvml.run_sampler("node-1")
+    sampler.library = FakeNvml(H200)  # what __enter__ would load on a GPU node
+    sampler.once({})
+    assert not (tmp_path / contract.METRICS_FILE).exists()
+    (record,) = [json.loads(line) for line in (tmp_path / "gpu-node-1.jsonl").read_text().splitlines()]
+    assert record["kind"] == "gpu" and record["temp_c"] == 34
+    assert gpu_samples.newest_in(str(tmp_path / "gpu-node-1.jsonl")) == {("node-1", "0"): record}
+
+
+def test_a_long_runs_samples_file_stays_bounded_and_spans_the_whole_run_evenly(tmp_path):
+    """A day of 8 GPUs every 5 s would be about 40 MB; the file is thinned instead: never over its bound,
+    its first and newest rounds kept, its readings evenly spaced, every Xid event kept."""
+    path = tmp_path / "gpu-node-0.jsonl"
+    sink = gpu_samples.SampleFile(str(path), 20_000)
+    rounds = 2000
+    for at in range(rounds):
+        for index in range(2):
+            sink({"kind": "gpu", "time": float(at), "node": "node-0", "index": index, "temp_c": 40})
+        if at in (7, 1500):
+            sink({"kind": "xid", "time": float(at), "node": "node-0", "index": 0, "xid": 79})
+        assert path.stat().st_size <= 20_000
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    times = [r["time"] for r in records if r["kind"] == "gpu" and r["index"] == 0]
+    assert times[0] == 0.0 and times[-1] >= rounds - sink.stride and len(times) > 50
+    assert len({b - a for a, b in zip(times, times[1:], strict=False)}) == 1  # one step: evenly spaced
+    assert [r["time"] for r in records if r["kind"] == "xid"] == [7.0, 1500.0]
+    written = len(records)
+    sink({"kind": "gpu", "time": float(rounds), "node": "node-0", "index": 0, "temp_c": 40})
+    assert len(path.read_text().splitlines()) in (written, written + 1)
 
 
 def test_the_sampler_runs_in_a_thread_and_stops_with_the_run(tmp_path):

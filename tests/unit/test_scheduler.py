@@ -23,6 +23,7 @@ from node import (
     slurm_run,
     slurm_step,
 )
+from node.run_spec import RunSpec
 
 KEY = base64.b64encode(b"k" * 1024).decode()
 
@@ -470,8 +471,8 @@ def test_a_fault_tolerant_runs_step_and_job_outlive_a_failed_node_and_a_plain_ru
     """One node's death must not end the other replica groups: the job and its step are --no-kill,
     and a task that fails ends no other (--kill-on-bad-exit=0)."""
     nodes = [{"name": "node-0", "home": "/h", "command": "true"}, {"name": "node-1", "home": "/h", "command": "true"}]
-    plain = {"run_id": "r", "log": "/l/run.log", "python": "py", "nodes": nodes}
-    replicated = {**plain, "replicas": 2}
+    plain = RunSpec.from_dict({"run_id": "r", "log": "/l/run.log", "python": "py", "nodes": nodes})
+    replicated = plain.replace(replicas=2)
     assert slurm_batch.step_options(plain) == ("--kill-on-bad-exit=1",)
     assert slurm_batch.step_options(replicated) == ("--kill-on-bad-exit=0", "--no-kill")
     assert "--no-kill" not in slurm_run.sbatch_argv(plain, "sbatch", "s")
@@ -483,8 +484,9 @@ def test_a_replica_groups_nodes_are_back_in_service_once_slurm_shows_them_idle_a
     """The run's job holds its nodes exclusively: a node of it seen idle has left the --no-kill allocation
     (lost) and is back in service (its replacement joined)."""
     nodes = [{"name": f"node-{i}", "home": "/h", "command": "true"} for i in range(4)]
-    groups = slurm_restarts.replica_groups({"nodes": nodes, "replicas": 2})
-    assert [[n["name"] for n in g] for g in groups] == [["node-0", "node-1"], ["node-2", "node-3"]]
+    spec = RunSpec.from_dict({"run_id": "r", "log": "/l/run.log", "python": "py", "nodes": nodes, "replicas": 2})
+    groups = slurm_restarts.replica_groups(spec)
+    assert [[n.name for n in g] for g in groups] == [["node-0", "node-1"], ["node-2", "node-3"]]
     busy = {f"node-{i}": ("allocated", "") for i in range(4)}
     back = {**busy, "node-2": ("idle", ""), "node-3": ("idle", "")}
     assert slurm_restarts.back_in_service(groups, busy) == set()
@@ -515,7 +517,7 @@ def test_a_fault_tolerant_run_completed_where_a_groups_every_node_last_exited_0(
     last exit marker in the run's log: a group started again on a replaced node writes one after its first."""
     log = tmp_path / "output.log"
     nodes = [{"name": f"node-{i}", "home": "/h", "command": "true"} for i in range(2)]
-    spec = {"log": str(log), "nodes": nodes, "replicas": 2}
+    spec = RunSpec.from_dict({"run_id": "r", "log": str(log), "python": "py", "nodes": nodes, "replicas": 2})
     assert not slurm_restarts.survived(spec)  # no log
     log.write_text(f"[node-0] step 1\n[node-1] {contract.EXIT_MARKER} 137 1.0\n[node-0] {contract.EXIT_MARKER} 1 2.0\n")
     assert not slurm_restarts.survived(spec)
@@ -584,21 +586,25 @@ def test_a_straggler_step_that_outlives_the_grace_after_its_ranks_were_told_is_e
 
     from node import slurm_watch, straggler
 
-    spec = {
-        "run_id": "r1",
-        "log": str(tmp_path / contract.RUN_LOG),
-        "nodes": [{"name": "node-0", "home": str(tmp_path), "command": "true"}],
-        "watch": {"status": {"node-0": "true"}, "timeout_s": 20, "poll_s": 0.1, "on_straggler": "replace"},
-    }
+    spec = RunSpec.from_dict(
+        {
+            "run_id": "r1",
+            "log": str(tmp_path / contract.RUN_LOG),
+            "python": "py",
+            "nodes": [{"name": "node-0", "home": str(tmp_path), "command": "true"}],
+            "watch": {"status": {"node-0": "true"}, "timeout_s": 20, "poll_s": 0.1, "on_straggler": "replace"},
+        }
+    )
+    assert spec.watch is not None
     monkeypatch.setattr(slurm_watch, "ask_nodes", lambda *args, **kwargs: [])  # the polls find every rank stepping
-    replacing = slurm_watch.StragglerReplacement(spec, "srun")
-    monkeypatch.setattr(slurm_watch, "StragglerReplacement", lambda spec, srun: replacing)
+    replacing = slurm_watch.StragglerReplacement(spec, spec.watch, "srun")
+    monkeypatch.setattr(slurm_watch, "StragglerReplacement", lambda spec, options, srun: replacing)
     replacing.told_at = time.monotonic()
     assert not replacing.overdue()  # told just now: the ranks are saving
     replacing.told_at = time.monotonic() - slurm_watch.STRAGGLER_EXIT_GRACE_S
     main = subprocess.Popen(["sleep", "30"])
     try:
-        code = slurm_watch.watch(spec, main, "srun")
+        code = slurm_watch.watch(spec, spec.watch, main, "srun")
     finally:
         main.kill()
     assert code == 128 + signal.SIGTERM and replacing.overdue() is None  # ended once
@@ -615,14 +621,45 @@ def test_a_slurm_held_runs_watch_that_fails_says_so_once_in_the_log_and_the_run_
     # The batch job's watch once raised out of `supervise`, and Slurm ended a healthy run's step (exit 143).
     from node import slurm_watch
 
-    spec = {
-        "run_id": "r1",
-        "log": str(tmp_path / contract.RUN_LOG),
-        "nodes": [{"name": "node-0", "home": str(tmp_path), "command": "true"}],
-        "watch": {"status": {"node-0": "true"}, "timeout_s": 20, "poll_s": 0.05},
-    }
+    spec = RunSpec.from_dict(
+        {
+            "run_id": "r1",
+            "log": str(tmp_path / contract.RUN_LOG),
+            "python": "py",
+            "nodes": [{"name": "node-0", "home": str(tmp_path), "command": "true"}],
+            "watch": {"status": {"node-0": "true"}, "timeout_s": 20, "poll_s": 0.05},
+        }
+    )
+    assert spec.watch is not None
     monkeypatch.setattr(slurm_watch, "ask_nodes", lambda *args, **kwargs: [{"ranks": [{"rank": "x"}]}])
     main = subprocess.Popen(["sleep", "0.5"])
-    assert slurm_watch.watch(spec, main, "srun") == 0
+    assert slurm_watch.watch(spec, spec.watch, main, "srun") == 0
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[watch]")]
     assert len(said) == 1 and said[0].startswith("[watch] hang watch: ValueError"), said
+
+
+@pytest.mark.parametrize(
+    "before, requeued_for",
+    [
+        ("spot interruption notice: terminate at 2026-11-28T08:00:00Z", "spot interruption notice: terminate at"),
+        ("", "node lost: no answer"),
+    ],
+)
+def test_a_run_on_a_node_told_lost_after_its_notice_drained_it_is_requeued_for_the_notice(
+    monkeypatch, tmp_path, before, requeued_for
+):
+    """A drill's short notice: the watcher drained node-1 while its run saved; then the supervisor finds the
+    machine gone and tells Slurm. The run's requeue record stays the notice's (its log and `fab jobs` said
+    "node lost" for a drill); the node itself is DOWN as lost, with why (what a waiting run waits for)."""
+    from node import slurm_nodes
+
+    told: list = []
+    monkeypatch.setattr(slurm_nodes, "node_reasons", lambda paths: {"node-1": ("drained", before)})
+    monkeypatch.setattr(slurm_nodes, "_runs_on", lambda paths, node: [(str(tmp_path), 1)])
+    monkeypatch.setattr(
+        slurm_nodes, "scontrol", lambda paths, *args: told.append(args) or subprocess.CompletedProcess(args, 0)
+    )
+    assert slurm_nodes.mark_lost(None, "node-1", "no answer") == "down"
+    assert told == [("update", "NodeName=node-1", "State=DOWN", "Reason=node lost: no answer")]
+    record = json.loads((tmp_path / contract.PREEMPTED_RECORD).read_text())
+    assert record["reason"].startswith(requeued_for) and record["restart"] == 2

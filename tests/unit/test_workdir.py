@@ -215,13 +215,13 @@ def test_a_bundle_cannot_write_outside_the_cache(tmp_path):
     assert not (tmp_path / "escaped").exists()
 
 
-def test_results_are_the_results_folder_and_metrics_never_links_or_checkpoints(tmp_path):
+def test_results_are_the_results_folder_metrics_and_gpu_samples_never_links_or_checkpoints(tmp_path):
     run_dir, results = tmp_path / "run", tmp_path / "results"
-    tree(run_dir, {"metrics.jsonl": "{}", "checkpoints/model.pt": "w", "snapshot.pt": "w"})
+    tree(run_dir, {"metrics.jsonl": "{}", "gpu-node-1.jsonl": "{}", "checkpoints/model.pt": "w", "snapshot.pt": "w"})
     tree(results, {"loss.json": "{}", "plots/loss.png": "png"})
     (results / "model.pt").symlink_to(run_dir / "checkpoints" / "model.pt")
     names = sorted(entry["name"] for entry in sync.results(str(run_dir), str(results)))
-    assert names == ["metrics.jsonl", "results/loss.json", "results/plots/loss.png"]
+    assert names == ["gpu-node-1.jsonl", "metrics.jsonl", "results/loss.json", "results/plots/loss.png"]
 
 
 def test_clean_removes_the_copies_of_all_but_the_newest_runs_and_keeps_the_rest(tmp_path):

@@ -40,7 +40,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from infra import inventory, keys, nodecall, ssh, state
-from infra.errors import OperationError
+from infra.errors import NodeCallError
 from infra.inventory import ClusterInfo, NodeInfo
 from infra.ledger import Ledger
 from infra.providers.local import metadata, provider
@@ -82,7 +82,7 @@ def forget_stale_jobs(cluster: ClusterInfo, replaced: list[NodeInfo]) -> None:
 
 def slurm_holds(stack: str) -> bool:
     """Whether Slurm holds the stack's runs (its bootstrap.json): only then is there a controller to tell."""
-    return bool(state.bootstrap_record(stack).get("slurm_holds"))
+    return state.bootstrap_record(stack).slurm_holds
 
 
 def mark_lost(cluster: ClusterInfo, lost: list[NodeInfo], why: str = "its server is gone") -> None:
@@ -170,8 +170,8 @@ def join(cluster: ClusterInfo, node: NodeInfo) -> tuple[bool, str]:
     Slurm's daemons from the shared folder's join kit; whether it passed, and its last line."""
     try:
         joined = ask(cluster, node, calls.JoinCluster(node.name), BOOTSTRAP_TIMEOUT_S)
-    except OperationError as exc:
-        said = f"join failed: error: {str(exc).split(': ', 1)[-1]}"[:400]
+    except NodeCallError as exc:
+        said = f"join failed: error: {exc.line}"[:400]
     except Exception as exc:
         return False, f"join could not run: {ssh.describe(exc)}"
     else:
