@@ -178,6 +178,9 @@ class JobLock:
         self.channel: paramiko.Channel | None = None
         self.waited = False
         """Whether another launch held the lock first (what it found before may have changed since)."""
+        self.ended = False
+        """Whether its holder was ended while this launch held the lock (`fab stop` ends it first), as seen
+        at the release."""
 
     def __enter__(self) -> "JobLock":
         name, owner = self.head.node.name, f"{socket.gethostname()}:{os.getpid()}"
@@ -224,10 +227,18 @@ class JobLock:
         try:
             self.channel.shutdown_write()
             self.channel.status_event.wait(LOCK_WAIT_S)
+            self.ended = self.lost
         except Exception:  # a dropped connection has released the lock already
             pass
         finally:
             self.channel.close()
+
+    @property
+    def lost(self) -> bool:
+        """Whether the holder has exited other than at this launch's release (a `fab stop` ended it)."""
+        if self.channel is None:
+            return self.ended
+        return self.channel.status_event.is_set() and self.channel.exit_status != 0
 
 
 class JobStream(NodeStream):
@@ -297,6 +308,15 @@ def owning(
         yield lock
 
 
+def stopped_before_start(run_id: str, head: str, what: str) -> OperationError:
+    """A launch whose job lock's holder was ended (`fab stop` or `down` at that moment) before its run was
+    `what` (started, submitted): nothing of it runs."""
+    return OperationError(
+        f"run {run_id} was stopped before it was {what}: its job lock on {head} was ended (a fab stop or down "
+        "at that moment); nothing runs"
+    )
+
+
 def check_ready(sessions: list[NodeSession], statuses: list[str], queued: bool = False) -> None:
     """UsageError (exit 2) if a node is not bootstrapped or (unless the run is `queued` behind it by the
     scheduler) runs a job that no launch holds, before anything starts."""
@@ -312,13 +332,18 @@ def check_ready(sessions: list[NodeSession], statuses: list[str], queued: bool =
 
 
 def stop_everywhere(
-    cluster: ClusterInfo, nodes: list[str] | None = None, background: bool = False, run_id: str = ""
+    cluster: ClusterInfo,
+    nodes: list[str] | None = None,
+    background: bool = False,
+    run_id: str = "",
+    leave_slurm: bool = False,
 ) -> dict[str, str]:
     """Run the stop command on the named nodes (default all) over fresh connections (`background`: in
-    daemon threads, which never keep fab from exiting; `run_id`: that run's processes only)."""
+    daemon threads, which never keep fab from exiting; `run_id`: that run's processes only; `leave_slurm`:
+    none of a Slurm job's)."""
     targets = [n for n in cluster.nodes if nodes is None or n.name in nodes]
     sessions = [NodeSession(cluster, node) for node in targets]
-    command = protocol.stop_command(run_id=run_id)
+    command = protocol.stop_command(run_id=run_id, leave_slurm=leave_slurm)
     outcomes = on_all_nodes(
         sessions, lambda s: s.retrying(lambda x: x.run(command), delays_s=(0.5,)), daemon=background
     )
@@ -355,9 +380,11 @@ def run_job(
     on_hang=None,
     wanted: Manifest | None = None,
     on_participants=None,
+    locked: bool = False,
 ) -> JobResult:
     """Start the job on every node, supervise it, and return how it ended; a fault-tolerant run's group whose
-    node was lost starts again on its replacement (`remote/heal.py`; `wanted`: the workdir's manifest)."""
+    node was lost starts again on its replacement (`remote/heal.py`; `wanted`: the workdir's manifest;
+    `locked`: the launch holds the job lock, and the job starts only while it does)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     script = job_script(cluster, spec, run_id)
     streams = {
@@ -372,7 +399,9 @@ def run_job(
 
     def start(session: NodeSession) -> int:
         workdir_key = spec.workdir.key if spec.workdir else None
-        command = node_command(cluster, session.node, spec, setup, run_id, script, workdir_key, values=values)
+        command = node_command(
+            cluster, session.node, spec, setup, run_id, script, workdir_key, values=values, locked=locked
+        )
         stream = streams[session.node.name]
         try:
             return session.stream(command, stream)
@@ -461,10 +490,11 @@ def node_command(
     workdir_key: str | None,
     stage: job_command.Stage | None = None,
     values: job_command.EnvValues | None = None,
+    locked: bool = False,
 ) -> str:
     """The job's whole command on one node (`job_command.launch_command`) for this launch's spec, the
     hang watch's recorder and rank hook included; attached launches and Slurm's steps run the same
-    (a queued run's with its `stage`)."""
+    (a queued run's with its `stage`; an attached one's `locked`: it holds the job lock as it runs)."""
     return job_command.launch_command(
         cluster,
         node,
@@ -483,6 +513,7 @@ def node_command(
         stage=stage,
         values=values,
         replicas=spec.replicas,
+        locked=locked,
     )
 
 
@@ -764,11 +795,13 @@ def launch(
     wanted, sessions, statuses, run_id = open_launch(cluster, spec, timeline)
     try:
         local_dir = runs_root / run_id
-        with owning(sessions, statuses, spec, run_id, timeline=timeline):
+        with owning(sessions, statuses, spec, run_id, timeline=timeline) as lock:
             prepare(cluster, sessions, statuses, spec, setup, wanted, timeline)
             if spec.upload:
                 upload_script(cluster, sessions, run_id, spec.upload)
                 timeline.mark("upload")
+            if lock.lost:  # its head node would start no rank (node/torchrun.py): say so before a record exists
+                raise stopped_before_start(run_id, sessions[0].node.name, "started")
             values = fab_held_values(spec, run_id)
             if values:
                 send_env_values(sessions, values, spec.env)
@@ -785,6 +818,7 @@ def launch(
                 on_hang=(lambda report: on_hang(run_id, report)) if on_hang else None,
                 wanted=wanted,
                 on_participants=(lambda shown: on_participants(run_id, shown)) if on_participants else None,
+                locked=True,
             )
             times = [outcome.times for outcome in result.ranks.values()]
             job_phases(timeline, times, list(result.exited_at.values()))

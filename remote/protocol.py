@@ -81,11 +81,11 @@ def parse_job_status(output: str) -> tuple[dict | None, bool]:
     return job, "bootstrapped" in (line.strip() for line in lines)
 
 
-def stop_command(grace_s: int = TERMINATE_GRACE_S, run_id: str = "") -> str:
-    """End every job on the node (`run_id`: that run's only; node/stop_jobs.py): SIGTERM, SIGKILL after
-    `grace_s`. Prints `stopped RUN_ID...` or `idle`."""
+def stop_command(grace_s: int = TERMINATE_GRACE_S, run_id: str = "", leave_slurm: bool = False) -> str:
+    """End every job on the node (`run_id`: that run's only; `leave_slurm`: none of Slurm's jobs;
+    node/stop_jobs.py): SIGTERM, SIGKILL after `grace_s`. Prints `stopped RUN_ID...` or `idle`."""
     source = standalone.source("stop_jobs")
-    only = f" {shlex.quote(run_id)}" if run_id else ""
+    only = (f" {shlex.quote(run_id)}" if run_id else "") + (" --leave-slurm" if leave_slurm else "")
     return (
         f'. {ENV_FILE} 2>/dev/null; "${{CLUSTER_PYTHON:-python3}}" -c {shlex.quote(source)} {JOB_FILE} {grace_s}{only}'
     )

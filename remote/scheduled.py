@@ -45,9 +45,11 @@ from remote.launch import (
     prepare,
     report_fetched,
     send_env_values,
+    stopped_before_start,
     upload_script,
 )
 from remote.runs import FINAL, Run, RunBook, spec_facts, summary, write_summary
+from remote.stopping import ControllerSilent, forget_launch
 from remote.stream import LogWriter, RankOutcome, say, terminal
 
 RECORD = runlog.RECORD
@@ -344,12 +346,15 @@ def cancel(cluster: ClusterInfo, run: Run) -> dict | None:
     now); what Slurm knew of it before (None: nothing)."""
     head = NodeSession(cluster, cluster.head)
     try:
-        before = nodecall.call(head, cluster.python, calls.CancelRun(run.job_id)).before
+        reply = nodecall.call(head, cluster.python, calls.CancelRun(run.job_id))
     except CONNECTION_ERRORS as exc:
         raise OperationError(f"{cluster.head.name} does not answer: {describe(exc)}") from None
     except OperationError as exc:
         raise OperationError(f"could not cancel run {run.run_id}: {exc}") from None
     else:
+        if reply.unanswered:
+            raise ControllerSilent(reply.unanswered)
+        before = reply.before
         try:
             forget_env_values(cluster, run.run_id, run.spec.get("env_values"), head)
         except (OperationError, *CONNECTION_ERRORS) as exc:
@@ -384,7 +389,7 @@ def launch(
         # writes only into its own run's folders, and skips the lock's round trip.
         shared = spec.workdir is not None or spec.requirements is not None
         owned = owning(sessions, statuses, spec, run_id, queued=True, timeline=timeline)
-        with owned if shared else contextlib.nullcontext():
+        with owned if shared else contextlib.nullcontext() as lock:
             prepare(cluster, sessions, statuses, spec, setup, wanted, timeline)
             if spec.upload:
                 upload_script(cluster, sessions, run_id, spec.upload)
@@ -400,6 +405,9 @@ def launch(
             staged = stage(cluster, sessions[0], spec, run_id)
             if staged is not None:
                 timeline.mark("stage")
+        if lock is not None and lock.ended:  # `fab stop` found it preparing: it submits nothing
+            forget_launch(sessions, cluster, run_id)
+            raise stopped_before_start(run_id, cluster.head.name, "submitted")
         values = slurm_held_values(cluster, spec, run_id)
         if values:  # once on the shared folder (every node, a replaced one too, reads it there), else per node
             send_env_values(sessions[:1] if cluster.shared_dir else sessions, values, spec.env)
