@@ -310,9 +310,9 @@ def owning(
 
 def stopped_before_start(run_id: str, head: str, what: str) -> OperationError:
     """A launch whose job lock's holder was ended (`fab stop` or `down` at that moment) before its run was
-    `what` (started, submitted): nothing of it runs."""
+    `what` (it started, it was submitted): nothing of it runs."""
     return OperationError(
-        f"run {run_id} was stopped before it was {what}: its job lock on {head} was ended (a fab stop or down "
+        f"run {run_id} was stopped before {what}: its job lock on {head} was ended (a fab stop or down "
         "at that moment); nothing runs"
     )
 
@@ -801,7 +801,7 @@ def launch(
                 upload_script(cluster, sessions, run_id, spec.upload)
                 timeline.mark("upload")
             if lock.lost:  # its head node would start no rank (node/torchrun.py): say so before a record exists
-                raise stopped_before_start(run_id, sessions[0].node.name, "started")
+                raise stopped_before_start(run_id, sessions[0].node.name, "it started")
             values = fab_held_values(spec, run_id)
             if values:
                 send_env_values(sessions, values, spec.env)

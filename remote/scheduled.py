@@ -407,7 +407,7 @@ def launch(
                 timeline.mark("stage")
         if lock is not None and lock.ended:  # `fab stop` found it preparing: it submits nothing
             forget_launch(sessions, cluster, run_id)
-            raise stopped_before_start(run_id, cluster.head.name, "submitted")
+            raise stopped_before_start(run_id, cluster.head.name, "it was submitted")
         values = slurm_held_values(cluster, spec, run_id)
         if values:  # once on the shared folder (every node, a replaced one too, reads it there), else per node
             send_env_values(sessions[:1] if cluster.shared_dir else sessions, values, spec.env)
