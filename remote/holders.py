@@ -334,10 +334,25 @@ def stop_all(cluster: ClusterInfo, holder: RunHolder) -> None:
     """`fab stop`: whatever job runs on each node, launches being prepared, and (where the cluster queues)
     every run in its queue; what it names is what it stopped, however launches race it (remote/stopping.py)."""
     if holder.queues:
-        stopping.stop_slurm_held(cluster)
+        _forget_values(cluster, stopping.stop_slurm_held(cluster))
         return
     for node, outcome in stop_everywhere(cluster).items():
         say(f"{node}: {outcome}")
+
+
+def _forget_values(cluster: ClusterInfo, stopped: list[str]) -> None:
+    """The `--env` values of the Slurm-held runs a stop cancelled leave the cluster now: no start reads them."""
+    found = [
+        r for _, r in runs.runs_of(state.runs_dir(cluster.stack)) if r.run_id in stopped and r.spec.get("env_values")
+    ]
+    if not found:
+        return
+    head = NodeSession(cluster, cluster.head)
+    try:
+        for run in found:
+            scheduled.forget_env_values(cluster, run.run_id, run.spec["env_values"], head)
+    finally:
+        head.close()
 
 
 def holder_for(cluster: ClusterInfo, setup: NodeSetup) -> RunHolder:
