@@ -270,7 +270,8 @@ def main(argv: list[str]) -> None:
         own.restore()  # sends what the spool still holds
         sampler.__exit__(None, None, None)
     group = formed_process_group(node) if code == 0 else None
-    print(ranks_line(exit_codes, group, rank_times(node, started), exit_times()), flush=True)
+    times = {**rank_times(node, started), "ended": time.time()}  # the run's end by this node's clock
+    print(ranks_line(exit_codes, group, times, exit_times()), flush=True)
     sys.exit(code)
 
 

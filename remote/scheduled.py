@@ -28,6 +28,7 @@ from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
 from infra.timeline import Timeline, job_phases
 from node import calls, contract
+from node.outcome import STOPPED_CODES, ended_at
 from node.run_state import RunState
 from node.run_watch import OVERDUE_GRACE_S
 from remote import job_command, node_paths, nodecall
@@ -589,6 +590,9 @@ def _finish_over(
     outcome = run.state
     if run.hang and run.state in (RunState.CANCELLED, RunState.FAILED):
         outcome = RunState.HUNG
+    stopped = [code for code in exit_codes.values() if code != 0]
+    if outcome == known.get("state") == RunState.FAILED and stopped and all(c in STOPPED_CODES for c in stopped):
+        outcome = RunState.CANCELLED  # every node stopped from outside (`fab stop` without Slurm's controller)
     groups = job_command.group_names(run.nodes, int(run.spec.get("replicas") or 0))
     if (
         run.spec.get("replicas")
@@ -602,6 +606,9 @@ def _finish_over(
         run.extra = {**run.extra, "dropped": dropped} if dropped else run.extra
     said = {n: RankOutcome.parse(text) for n, text in ranks.items()}
     run.end(outcome, exit_codes, said, exited_at)
+    own = ended_at(run.nodes, {n: ranked.times.get("ended") for n, ranked in said.items()}, exited_at)
+    if own is not None and run.ended_at is not None and (run.started_at or 0) <= own < run.ended_at:
+        run.ended_at = own  # priced to the nodes' own end, not to when a restarted controller learned of it
     if run.timeline is not None:
         times = [ranked.times for ranked in said.values()]
         job_phases(run.timeline, times, list(exited_at.values()), queued_until=run.started_at)

@@ -880,3 +880,15 @@ def test_stop_knows_the_stacks_runs_in_slurms_queue_by_their_job_names():
     assert slurm_cancel.listed(queue) == [("11", run_id, "RUNNING"), ("12", "20261128-081210-hello-4570", "PENDING")]
     tagged = f"21|{run_id}|PENDING|stack-tag\n22|20261128-081210-hello-4570|PENDING|another-stack"
     assert slurm_cancel.listed(tagged, "stack-tag") == [("21", run_id, "PENDING")]
+
+
+def test_a_runs_end_is_its_last_nodes_own_end_where_every_node_said_it():
+    """Slurm's end can be when a restarted controller learned of it; the nodes' own clocks say when the run
+    really ended: a node's exit marker, else its torchrun's ranks line (a node stopped whole says neither)."""
+    from node.outcome import ended_at
+
+    nodes = ["node-0", "node-1"]
+    assert ended_at(nodes, {"node-0": 100.0, "node-1": 101.5}, {}) == 101.5
+    assert ended_at(nodes, {"node-0": 100.0}, {"node-1": 102.0}) == 102.0  # the marker where there is one
+    assert ended_at(nodes, {"node-0": 100.0}, {}) is None  # node-1 said nothing: Slurm's end stands
+    assert ended_at(nodes, {"node-0": "nan", "node-1": 1.0}, {}) is None
