@@ -577,7 +577,8 @@ def _finish_over(
         exit_codes, ranks = dict(followed.exit_codes), dict(followed.ranks)
     if followed is None and run.log:  # ended unfollowed: its log (and each node's code) from the head
         brought = _bring_log(cluster, run, folder)
-        exit_codes, ranks = (dict(brought.exit_codes), dict(brought.ranks)) if brought.exit_codes else (exit_codes, {})
+        exit_codes = dict(brought.exit_codes) or exit_codes
+        ranks = dict(brought.ranks)  # a node stopped whole left no exit marker, but its torchrun said when it ended
     exited_at = dict(followed.exited_at) if followed is not None else {}
     if followed is None and run.log:
         exited_at = dict(brought.exited_at)
