@@ -308,15 +308,6 @@ def owning(
         yield lock
 
 
-def stopped_before_start(run_id: str, head: str, what: str) -> OperationError:
-    """A launch whose job lock's holder was ended (`fab stop` or `down` at that moment) before its run was
-    `what` (it started, it was submitted): nothing of it runs."""
-    return OperationError(
-        f"run {run_id} was stopped before {what}: its job lock on {head} was ended (a fab stop or down "
-        "at that moment); nothing runs"
-    )
-
-
 def check_ready(sessions: list[NodeSession], statuses: list[str], queued: bool = False) -> None:
     """UsageError (exit 2) if a node is not bootstrapped or (unless the run is `queued` behind it by the
     scheduler) runs a job that no launch holds, before anything starts."""
@@ -801,7 +792,7 @@ def launch(
                 upload_script(cluster, sessions, run_id, spec.upload)
                 timeline.mark("upload")
             if lock.lost:  # its head node would start no rank (node/torchrun.py): say so before a record exists
-                raise stopped_before_start(run_id, sessions[0].node.name, "it started")
+                raise protocol.stopped_before_start(run_id, sessions[0].node.name, "it started")
             values = fab_held_values(spec, run_id)
             if values:
                 send_env_values(sessions, values, spec.env)

@@ -5,6 +5,7 @@ command builder and the parser of its reply; nothing here talks to a node."""
 import json
 import shlex
 
+from infra.errors import OperationError
 from node import contract, standalone
 from remote.node_paths import ENV_FILE, JOB_FILE, LOCK_FILE, shell_path
 
@@ -18,6 +19,15 @@ def lock_command(run_id: str, task: str, owner: str) -> str:
     return (
         f'. {ENV_FILE} && exec env {contract.RUN_ID_VARIABLE}={shlex.quote(run_id)} "$CLUSTER_PYTHON" '
         f'"$CLUSTER_CODE_DIR"/node/job_lock.py {LOCK_FILE} {holder}'
+    )
+
+
+def stopped_before_start(run_id: str, head: str, what: str) -> OperationError:
+    """A launch whose job lock's holder was ended (`fab stop` or `down` at that moment) before its run was
+    `what` (it started, it was submitted): nothing of it runs."""
+    return OperationError(
+        f"run {run_id} was stopped before {what}: its job lock on {head} was ended (a fab stop or down "
+        "at that moment); nothing runs"
     )
 
 

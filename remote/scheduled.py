@@ -31,7 +31,7 @@ from node import calls, contract
 from node.outcome import STOPPED_CODES, ended_at
 from node.run_state import RunState
 from node.run_watch import OVERDUE_GRACE_S
-from remote import job_command, node_paths, nodecall
+from remote import job_command, node_paths, nodecall, protocol
 from remote.connect import CONNECTION_ERRORS, NodeSession, describe, on_all_nodes, open_sessions
 from remote.hangwatch import ask_command, keep_evidence, tell_ranks_command
 from remote.launch import (
@@ -46,7 +46,6 @@ from remote.launch import (
     prepare,
     report_fetched,
     send_env_values,
-    stopped_before_start,
     upload_script,
 )
 from remote.runs import FINAL, Run, RunBook, spec_facts, summary, write_summary
@@ -408,7 +407,7 @@ def launch(
                 timeline.mark("stage")
         if lock is not None and lock.ended:  # `fab stop` found it preparing: it submits nothing
             forget_launch(sessions, cluster, run_id)
-            raise stopped_before_start(run_id, cluster.head.name, "it was submitted")
+            raise protocol.stopped_before_start(run_id, cluster.head.name, "it was submitted")
         values = slurm_held_values(cluster, spec, run_id)
         if values:  # once on the shared folder (every node, a replaced one too, reads it there), else per node
             send_env_values(sessions[:1] if cluster.shared_dir else sessions, values, spec.env)
