@@ -77,6 +77,26 @@ def record_down(stack: str, reason: str = "down", at: float | None = None, say=p
         ledger.close()
 
 
+def record_runs_down(ends: dict, at: float, say=print) -> None:
+    """The runs `down` found unfinished, into the ledger before it closes the cluster's runs at the down:
+    {run id: its batch job's end state (`slurm_run.end_record_state`), or None where it never started (it
+    cost nothing: it waited in the queue until `at`)}."""
+    ledger = open_ledger(say, create=False) if ends else None
+    if ledger is None:
+        return
+    try:
+        for run_id, end in ends.items():
+            row = ledger.run(run_id)
+            if row is None or row.ended_at is not None:
+                continue
+            if end is None:
+                ledger.run_times(run_id, None, at, None)
+            else:
+                ledger.run_ended(run_id, {}, at=end["ended_at"])
+    finally:
+        ledger.close()
+
+
 def record_self_stop(stack: str, reason, at, say=print) -> None:
     """Close the interval of a cluster that stopped itself, once, at the time it stopped.
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra import inventory, ssh, state
+from infra import costs, inventory, ssh, state
 from node import contract, slurm_run
 from node.run_state import RunState
 
@@ -296,7 +296,7 @@ def before_down(stack: str, say) -> list[Unfinished]:
 def _bring_before_down(cluster, run: Unfinished, say) -> None:
     copy = LogCopy(run.folder)
     if not copy.hold():  # a fab follows the run: its log is here as it goes
-        run.started = copy.offset > 0
+        run.started = copy.offset > 0 or bool(run.record.get("started_at"))
         return
     try:
         result = asyncio.run(
@@ -315,7 +315,7 @@ def _bring_before_down(cluster, run: Unfinished, say) -> None:
     except Exception as exc:  # the head is gone already: what came before is all there is
         say(f"could not bring the rest of run {run.record.get('run_id')}'s log: {ssh.describe(exc)}")
     finally:
-        run.started = copy.offset > 0
+        run.started = copy.offset > 0 or bool(run.record.get("started_at"))  # it wrote, or was seen running
         copy.close(ended=True)
 
 
@@ -328,8 +328,12 @@ def _end_state(line: bytes) -> dict | None:
 
 def after_down(runs: list[Unfinished], say, at: float | None = None) -> None:
     """Once down has removed the cluster: each run recorded as it ended (nothing will finish it: no summary
-    comes, the ledger closed it with the cluster), those down ended as CANCELLED, and named."""
+    comes), those down ended as CANCELLED, and named. The ledger prices a run that never started at nothing
+    (it waited in the queue: no node worked for it) and one that had ended at its batch job's own end; the
+    rest end with the cluster."""
     at = time.time() if at is None else at
+    ended = {run.record.get("run_id", run.folder.name): run.end for run in runs if run.end or not run.started}
+    costs.record_runs_down(ended, at, say)
     for run in runs:
         record, run_id = run.record, run.record.get("run_id", run.folder.name)
         if run.end is not None:

@@ -167,14 +167,18 @@ class RunStates(Request):
 class Cancelled:
     before: dict | None
     """What Slurm knew of the job before (None: nothing)."""
+    cancelled: list = dataclasses.field(default_factory=list)
+    """Every run's job cancelled: [{run_id, job_id, state it had}]."""
+    unanswered: str = ""
+    """Why Slurm's controller could not be asked (nothing was cancelled); '' where it answered."""
 
 
 @dataclasses.dataclass(frozen=True)
 class CancelRun(Request):
-    """scancel a run's job."""
+    """scancel a run's job; where `job_id` is '', every run's of the stack, queued or running (`fab stop`)."""
 
     job_id: str
-    HANDLER: typing.ClassVar[str] = "slurm_run:cancel"
+    HANDLER: typing.ClassVar[str] = "slurm_cancel:cancel"
     REPLY: typing.ClassVar[type] = Cancelled
 
 
@@ -393,7 +397,6 @@ class HangCollect(Request):
 
 VERBS = {verb.__name__: verb for verb in Request.__subclasses__()}
 """Every verb, by its name: each Request subclass above."""
-"""Every verb, by its request's name."""
 
 
 # --------------------------------------------------------------------------------------- the version

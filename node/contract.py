@@ -320,6 +320,12 @@ failure record), and whether any rank formed a process group; JSON after the mar
 
 RUN_ID_VARIABLE = "CLUSTER_RUN_ID"
 """Carried by every process of a launch (ranks, torchrun, the job lock's holder): how they are found."""
+JOB_LOCK_VARIABLE = "CLUSTER_JOB_LOCK"
+"""Set on the head node of a run held by fab's connections: the job lock its launch holds (`JOB_LOCK`).
+node/torchrun.py starts no rank where that launch holds it no more (a `fab stop` ended the holder first)."""
+RUN_ID_PATTERN = r"[0-9]{8}-[0-9]{6}-[a-z0-9-]+-[0-9a-f]{4}"
+"""How a run id reads (`20261128-081210-run-ddp-4570`): the name of a run's Slurm job, by which `fab stop`
+knows the stack's jobs in Slurm's queue from a user's own."""
 NODE_VARIABLE = "CLUSTER_NODE"
 """The node's name (`node-<i>`), which tells nodes apart where several share one machine."""
 PROGRESS_VARIABLE = "CLUSTER_PROGRESS_DIR"

@@ -83,6 +83,24 @@ def first_in_line(queue: str, mine: str) -> bool:
     return True
 
 
+def held_by(path: str, run_id: str) -> bool:
+    """Whether the lock is held now, by the launch of `run_id`: node/torchrun.py asks before a fab-held run's
+    ranks start, so that a launch whose holder `fab stop` ended (it ends the holder first) starts none."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return holder_of(path).split()[0] == run_id
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)  # nobody holds it
+        return False
+    finally:
+        os.close(fd)
+
+
 def wait_turn(path: str, holder: str) -> int | None:
     """The lock, taken when this waiter's turn comes; None when its input closed first."""
     queue = f"{path}.queue"

@@ -110,6 +110,20 @@ def from_log(text: str, order: list[str] | None = None) -> FirstFailure | None:
     return first_failure(exit_codes, rank_codes, rank_times, exited_at, order)
 
 
+def ended_at(nodes: list, ranks_ended: dict, exited_at: dict) -> float | None:
+    """When the run really ended, by its nodes' own clocks: the last node's end (its job's exit marker, else its
+    torchrun's ranks line); None where a node said neither (its job was killed whole). Slurm's end can be much
+    later: when a controller restarted since learned of it."""
+    ends = []
+    for node in nodes:
+        at = _finite(exited_at.get(node))
+        at = _finite(ranks_ended.get(node)) if at is None else at
+        if at is None:
+            return None
+        ends.append(at)
+    return max(ends) if ends else None
+
+
 def _finite(value) -> float | None:
     """A finite number (a JSON number or its text), else None."""
     if isinstance(value, bool):

@@ -45,7 +45,7 @@ from datetime import timedelta
 if not __package__:  # run as a file (`python node/torchrun.py`): import its siblings from the code folder,
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ahead of any other `node`
 
-from node import contract, nvml  # noqa: E402
+from node import contract, job_lock, nvml  # noqa: E402
 from node.hang import progress_records  # noqa: E402
 from node.output import Mux, OwnOutput, node_prefix, rank_pipe  # noqa: E402
 from node.warm_ask import RankStarter  # noqa: E402
@@ -242,6 +242,7 @@ def main(argv: list[str]) -> None:
     started = time.time()
     node = os.environ.get(contract.NODE_VARIABLE) or f"node-{os.environ.get('NODE_RANK', '0')}"
     run_id = os.environ.get(contract.RUN_ID_VARIABLE)
+    refuse_without_the_lock(node, run_id)
     own = OwnOutput.start(node, os.path.expanduser(f"~/{contract.node_run(run_id)}") if run_id else None)
     prefix_rank_output(own.mux, node)
     code, exit_codes = 0, {}
@@ -269,8 +270,23 @@ def main(argv: list[str]) -> None:
         own.restore()  # sends what the spool still holds
         sampler.__exit__(None, None, None)
     group = formed_process_group(node) if code == 0 else None
-    print(ranks_line(exit_codes, group, rank_times(node, started), exit_times()), flush=True)
+    times = {**rank_times(node, started), "ended": time.time()}  # the run's end by this node's clock
+    print(ranks_line(exit_codes, group, times, exit_times()), flush=True)
     sys.exit(code)
+
+
+def refuse_without_the_lock(node: str, run_id: str | None) -> None:
+    """A fab-held run's head node starts no rank where its launch holds the job lock no more: `fab stop` ends
+    the holder before it looks for jobs, so a run it found no job of yet (its launch was preparing) never
+    starts, and one that passed this check is in the recorded job that stop then finds. Exits as stopped."""
+    lock = os.environ.get(contract.JOB_LOCK_VARIABLE)
+    if lock and run_id and not job_lock.held_by(os.path.expanduser(lock), run_id):
+        print(
+            f"[{node}] run {run_id} was stopped before it started (its launch's job lock was ended: fab stop)",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(128 + signal.SIGTERM)
 
 
 def serve(argv: list[str]) -> int:

@@ -20,7 +20,7 @@ from infra.inventory import ClusterInfo
 from infra.timeline import Timeline
 from node.outcome import STOPPED_CODES
 from node.run_state import RunState
-from remote import protocol, runs, scheduled, slurm_finish, slurm_follow, slurm_jobs
+from remote import protocol, runs, scheduled, slurm_finish, slurm_follow, slurm_jobs, stopping
 from remote.connect import NodeSession, describe, open_sessions
 from remote.job_spec import DEFAULT_MAX_RESULT_MB, JobSpec, NodeSetup
 from remote.launch import JobResult, launch, stop_everywhere
@@ -307,27 +307,45 @@ def cancel_run(cluster: ClusterInfo, holder: RunHolder, run_id: str) -> str:
     """`fab stop --run ID` (and the dashboard's cancel): cancel one run, queued or running; the line that
     says what became of it. UsageError where there is no such run, or it is not on the cluster."""
     folder, record = runs.find(state.runs_dir(cluster.stack), run_id)
-    holder.refresh([(folder, record)])
+    try:
+        holder.refresh([(folder, record)])
+    except OperationError:  # Slurm's controller may be down: the cancel below says what it can do
+        pass
     if record.ended:
         record.save(folder)
         return f"fab: run {record.run_id} had already ended ({record.state}); nothing to cancel"
-    before = holder.cancel(record)
+    try:
+        before = holder.cancel(record)
+    except stopping.ControllerSilent as silent:  # stopped where it runs, so that bootstrap can mend Slurm
+        return stopping.stop_on_the_nodes(cluster, record.run_id, silent.why)
     if before is None:
         raise UsageError(f"run {record.run_id} is not running on the cluster; fab jobs lists the runs")
     return f"fab: run {record.run_id} cancelled (it was {before})"
 
 
 def stop_all(cluster: ClusterInfo, holder: RunHolder) -> None:
-    """`fab stop`: every run not ended (queued ones too, where the cluster queues), then whatever job
-    still runs on each node."""
-    found = [(f, r) for f, r in runs.runs_of(state.runs_dir(cluster.stack)) if not r.ended]
-    holder.refresh(found)
-    for _, run in found:
-        if not run.ended and holder.queues:
-            holder.cancel(run)
-            say(f"fab: run {run.run_id} cancelled (it was {run.state})")
+    """`fab stop`: whatever job runs on each node, launches being prepared, and (where the cluster queues)
+    every run in its queue; what it names is what it stopped, however launches race it (remote/stopping.py)."""
+    if holder.queues:
+        _forget_values(cluster, stopping.stop_slurm_held(cluster))
+        return
     for node, outcome in stop_everywhere(cluster).items():
         say(f"{node}: {outcome}")
+
+
+def _forget_values(cluster: ClusterInfo, stopped: list[str]) -> None:
+    """The `--env` values of the Slurm-held runs a stop cancelled leave the cluster now: no start reads them."""
+    found = [
+        r for _, r in runs.runs_of(state.runs_dir(cluster.stack)) if r.run_id in stopped and r.spec.get("env_values")
+    ]
+    if not found:
+        return
+    head = NodeSession(cluster, cluster.head)
+    try:
+        for run in found:
+            slurm_jobs.forget_env_values(cluster, run.run_id, run.spec["env_values"], head)
+    finally:
+        head.close()
 
 
 def holder_for(cluster: ClusterInfo, setup: NodeSetup) -> RunHolder:

@@ -297,6 +297,7 @@ def launch_command(
     stage: Stage | None = None,
     values: EnvValues | None = None,
     replicas: int = 0,
+    locked: bool = False,
 ) -> str:
     """Source the node environment, make the run's folders, record the job, run torchrun, then print
         the exit marker.
@@ -311,12 +312,16 @@ def launch_command(
     command. A queued run's `stage` makes what the node lacks before torchrun starts: the job's
         copy of the workdir, the requirements environment (the same command for a first start and a requeue,
         on a node that kept them or on its replacement). The hang watch's progress folder is made fresh, old
-        runs' folders removed. The pid recorded is the session leader's, so `stop` can signal the whole
-        process group; torchrun's workers (which start their own sessions) are found by CLUSTER_RUN_ID in
-        their environment. The marker carries the time this node saw torchrun end, by its own clock, so
-        fail-fast can name the node that failed first however late its SSH call returns.
+        runs' folders removed. `locked`: the launch holds the head node's job lock for as long as the job
+        runs (a fab-held run), and the head node's torchrun starts no rank once it holds it no more. The
+        pid recorded is the session leader's, so `stop` can signal the whole process group; torchrun's
+        workers (which start their own sessions) are found by CLUSTER_RUN_ID in their environment. The
+        marker carries the time this node saw torchrun end, by its own clock, so fail-fast can name the
+        node that failed first however late its SSH call returns.
     """
     variables = job_variables(cluster, node, run_id, nproc, python, replicas, master_port)
+    if locked and node == cluster.head:
+        variables[contract.JOB_LOCK_VARIABLE] = f"$HOME/{contract.JOB_LOCK}"
     assignments = [f"{key}={shell_path(value)}" for key, value in variables.items()]
     assignments += [f"{key}={value}" for key, value in (job_env or {}).items()]
     search_path = ":".join(shell_path(p) for p in python_path(run_id, pythonpath_first))

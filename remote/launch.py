@@ -118,13 +118,18 @@ class JobStream(NodeStream):
 
 
 def stop_everywhere(
-    cluster: ClusterInfo, nodes: list[str] | None = None, background: bool = False, run_id: str = ""
+    cluster: ClusterInfo,
+    nodes: list[str] | None = None,
+    background: bool = False,
+    run_id: str = "",
+    leave_slurm: bool = False,
 ) -> dict[str, str]:
     """Run the stop command on the named nodes (default all) over fresh connections (`background`: in
-    daemon threads, which never keep fab from exiting; `run_id`: that run's processes only)."""
+    daemon threads, which never keep fab from exiting; `run_id`: that run's processes only; `leave_slurm`:
+    none of a Slurm job's)."""
     targets = [n for n in cluster.nodes if nodes is None or n.name in nodes]
     sessions = [NodeSession(cluster, node) for node in targets]
-    command = protocol.stop_command(run_id=run_id)
+    command = protocol.stop_command(run_id=run_id, leave_slurm=leave_slurm)
     outcomes = on_all_nodes(
         sessions, lambda s: s.retrying(lambda x: x.run(command), delays_s=(0.5,)), daemon=background
     )
@@ -147,9 +152,11 @@ def run_job(
     on_hang=None,
     wanted: Manifest | None = None,
     on_participants=None,
+    locked: bool = False,
 ) -> JobResult:
     """Start the job on every node, supervise it, and return how it ended; a fault-tolerant run's group whose
-    node was lost starts again on its replacement (`remote/heal.py`; `wanted`: the workdir's manifest)."""
+    node was lost starts again on its replacement (`remote/heal.py`; `wanted`: the workdir's manifest;
+    `locked`: the launch holds the job lock, and the job starts only while it does)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     script = job_script(cluster, spec, run_id)
     streams = {
@@ -164,7 +171,9 @@ def run_job(
 
     def start(session: NodeSession) -> int:
         workdir_key = spec.workdir.key if spec.workdir else None
-        command = node_command(cluster, session.node, spec, setup, run_id, script, workdir_key, values=values)
+        command = node_command(
+            cluster, session.node, spec, setup, run_id, script, workdir_key, values=values, locked=locked
+        )
         stream = streams[session.node.name]
         try:
             return session.stream(command, stream)
@@ -416,11 +425,13 @@ def launch(
     wanted, sessions, statuses, run_id = open_launch(cluster, spec, timeline)
     try:
         local_dir = runs_root / run_id
-        with owning(sessions, statuses, spec, run_id, timeline=timeline):
+        with owning(sessions, statuses, spec, run_id, timeline=timeline) as lock:
             prepare(cluster, sessions, statuses, spec, setup, wanted, timeline)
             if spec.upload:
                 upload_script(cluster, sessions, run_id, spec.upload)
                 timeline.mark("upload")
+            if lock.lost:  # its head node would start no rank (node/torchrun.py): say so before a record exists
+                raise protocol.stopped_before_start(run_id, sessions[0].node.name, "it started")
             values = fab_held_values(spec, run_id)
             if values:
                 send_env_values(sessions, values, spec.env)
@@ -437,6 +448,7 @@ def launch(
                 on_hang=(lambda report: on_hang(run_id, report)) if on_hang else None,
                 wanted=wanted,
                 on_participants=(lambda shown: on_participants(run_id, shown)) if on_participants else None,
+                locked=True,
             )
             times = [outcome.times for outcome in result.ranks.values()]
             job_phases(timeline, times, list(result.exited_at.values()))

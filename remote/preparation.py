@@ -35,6 +35,9 @@ class JobLock:
         self.channel: paramiko.Channel | None = None
         self.waited = False
         """Whether another launch held the lock first (what it found before may have changed since)."""
+        self.ended = False
+        """Whether its holder was ended while this launch held the lock (`fab stop` ends it first), as seen
+        at the release."""
 
     def __enter__(self) -> "JobLock":
         name, owner = self.head.node.name, f"{socket.gethostname()}:{os.getpid()}"
@@ -81,10 +84,18 @@ class JobLock:
         try:
             self.channel.shutdown_write()
             self.channel.status_event.wait(LOCK_WAIT_S)
+            self.ended = self.lost
         except Exception:  # a dropped connection has released the lock already
             pass
         finally:
             self.channel.close()
+
+    @property
+    def lost(self) -> bool:
+        """Whether the holder has exited other than at this launch's release (a `fab stop` ended it)."""
+        if self.channel is None:
+            return self.ended
+        return self.channel.status_event.is_set() and self.channel.exit_status != 0
 
 
 def open_launch(
@@ -180,10 +191,11 @@ def node_command(
     workdir_key: str | None,
     stage: job_command.Stage | None = None,
     values: job_command.EnvValues | None = None,
+    locked: bool = False,
 ) -> str:
     """The job's whole command on one node (`job_command.launch_command`) for this launch's spec, the
     hang watch's recorder and rank hook included; attached launches and Slurm's steps run the same
-    (a queued run's with its `stage`)."""
+    (a queued run's with its `stage`; an attached one's `locked`: it holds the job lock as it runs)."""
     return job_command.launch_command(
         cluster,
         node,
@@ -202,6 +214,7 @@ def node_command(
         stage=stage,
         values=values,
         replicas=spec.replicas,
+        locked=locked,
     )
 
 

@@ -5,6 +5,7 @@ command builder and the parser of its reply; nothing here talks to a node."""
 import json
 import shlex
 
+from infra.errors import OperationError
 from node import contract, standalone
 from remote.node_paths import ENV_FILE, JOB_FILE, LOCK_FILE, shell_path
 
@@ -18,6 +19,15 @@ def lock_command(run_id: str, task: str, owner: str) -> str:
     return (
         f'. {ENV_FILE} && exec env {contract.RUN_ID_VARIABLE}={shlex.quote(run_id)} "$CLUSTER_PYTHON" '
         f'"$CLUSTER_CODE_DIR"/node/job_lock.py {LOCK_FILE} {holder}'
+    )
+
+
+def stopped_before_start(run_id: str, head: str, what: str) -> OperationError:
+    """A launch whose job lock's holder was ended (`fab stop` or `down` at that moment) before its run was
+    `what` (it started, it was submitted): nothing of it runs."""
+    return OperationError(
+        f"run {run_id} was stopped before {what}: its job lock on {head} was ended (a fab stop or down "
+        "at that moment); nothing runs"
     )
 
 
@@ -81,11 +91,11 @@ def parse_job_status(output: str) -> tuple[dict | None, bool]:
     return job, "bootstrapped" in (line.strip() for line in lines)
 
 
-def stop_command(grace_s: int = TERMINATE_GRACE_S, run_id: str = "") -> str:
-    """End every job on the node (`run_id`: that run's only; node/stop_jobs.py): SIGTERM, SIGKILL after
-    `grace_s`. Prints `stopped RUN_ID...` or `idle`."""
+def stop_command(grace_s: int = TERMINATE_GRACE_S, run_id: str = "", leave_slurm: bool = False) -> str:
+    """End every job on the node (`run_id`: that run's only; `leave_slurm`: none of Slurm's jobs;
+    node/stop_jobs.py): SIGTERM, SIGKILL after `grace_s`. Prints `stopped RUN_ID...` or `idle`."""
     source = standalone.source("stop_jobs")
-    only = f" {shlex.quote(run_id)}" if run_id else ""
+    only = (f" {shlex.quote(run_id)}" if run_id else "") + (" --leave-slurm" if leave_slurm else "")
     return (
         f'. {ENV_FILE} 2>/dev/null; "${{CLUSTER_PYTHON:-python3}}" -c {shlex.quote(source)} {JOB_FILE} {grace_s}{only}'
     )

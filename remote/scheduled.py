@@ -24,7 +24,7 @@ from infra.timeline import Timeline
 from node import calls, contract
 from node.run_spec import RunSpec, SpecNode, WatchSpec
 from node.run_watch import OVERDUE_GRACE_S
-from remote import job_command, node_paths, nodecall
+from remote import job_command, node_paths, nodecall, protocol
 from remote.connect import NodeSession, describe, on_all_nodes
 from remote.hangwatch import ask_command, tell_ranks_command
 from remote.job_spec import JobSpec, NodeSetup
@@ -40,6 +40,7 @@ from remote.preparation import (
 from remote.runs import Run, RunBook, spec_facts
 from remote.slurm_follow import Followed, follow
 from remote.slurm_jobs import forget_env_values
+from remote.stopping import forget_launch
 from remote.stream import say
 
 
@@ -100,7 +101,7 @@ def launch(
         # writes only into its own run's folders, and skips the lock's round trip.
         shared = spec.workdir is not None or spec.requirements is not None
         owned = owning(sessions, statuses, spec, run_id, queued=True, timeline=timeline)
-        with owned if shared else contextlib.nullcontext():
+        with owned if shared else contextlib.nullcontext() as lock:
             prepare(cluster, sessions, statuses, spec, setup, wanted, timeline)
             if spec.upload:
                 upload_script(cluster, sessions, run_id, spec.upload)
@@ -111,6 +112,9 @@ def launch(
             staged = stage(cluster, sessions[0], spec, run_id)
             if staged is not None:
                 timeline.mark("stage")
+        if lock is not None and lock.ended:  # `fab stop` found it preparing: it submits nothing
+            forget_launch(sessions, cluster, run_id)
+            raise protocol.stopped_before_start(run_id, cluster.head.name, "it was submitted")
         values = slurm_held_values(cluster, spec, run_id)
         if values:  # once on the shared folder (every node, a replaced one too, reads it there), else per node
             send_env_values(sessions[:1] if cluster.shared_dir else sessions, values, spec.env)

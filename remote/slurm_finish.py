@@ -11,6 +11,7 @@ from pathlib import Path
 from infra.inventory import ClusterInfo
 from infra.timeline import job_phases
 from node import contract
+from node.outcome import STOPPED_CODES, ended_at
 from node.run_state import RunState
 from remote import job_command
 from remote.connect import NodeSession, describe
@@ -65,7 +66,8 @@ def _finish_over(
         exit_codes, ranks = dict(followed.exit_codes), dict(followed.ranks)
     if followed is None and run.log:  # ended unfollowed: its log (and each node's code) from the head
         brought = brought_log(cluster, run, folder)
-        exit_codes, ranks = (dict(brought.exit_codes), dict(brought.ranks)) if brought.exit_codes else (exit_codes, {})
+        exit_codes = dict(brought.exit_codes) or exit_codes
+        ranks = dict(brought.ranks)  # a node stopped whole left no exit marker, but its torchrun said when it ended
     exited_at = dict(followed.exited_at) if followed is not None else {}
     if followed is None and run.log:
         exited_at = dict(brought.exited_at)
@@ -78,6 +80,9 @@ def _finish_over(
     outcome = run.state
     if run.hang and run.state in (RunState.CANCELLED, RunState.FAILED):
         outcome = RunState.HUNG
+    stopped = [code for code in exit_codes.values() if code != 0]
+    if outcome == known.get("state") == RunState.FAILED and stopped and all(c in STOPPED_CODES for c in stopped):
+        outcome = RunState.CANCELLED  # every node stopped from outside (`fab stop` without Slurm's controller)
     groups = job_command.group_names(run.nodes, int(run.spec.get("replicas") or 0))
     if (
         run.spec.get("replicas")
@@ -91,6 +96,9 @@ def _finish_over(
         run.extra = {**run.extra, "dropped": dropped} if dropped else run.extra
     said = {n: RankOutcome.parse(text) for n, text in ranks.items()}
     run.end(outcome, exit_codes, said, exited_at)
+    own = ended_at(run.nodes, {n: ranked.times.get("ended") for n, ranked in said.items()}, exited_at)
+    if own is not None and run.ended_at is not None and (run.started_at or 0) <= own < run.ended_at:
+        run.ended_at = own  # priced to the nodes' own end, not to when a restarted controller learned of it
     if run.timeline is not None:
         times = [ranked.times for ranked in said.values()]
         job_phases(run.timeline, times, list(exited_at.values()), queued_until=run.started_at)

@@ -8,6 +8,7 @@ from node.run_state import RunState
 from remote import node_paths, nodecall
 from remote.connect import CONNECTION_ERRORS, NodeSession, describe, on_all_nodes, open_sessions
 from remote.runs import FINAL, Run
+from remote.stopping import ControllerSilent
 from remote.stream import say
 
 
@@ -48,12 +49,15 @@ def cancel(cluster: ClusterInfo, run: Run) -> dict | None:
     now); what Slurm knew of it before (None: nothing)."""
     head = NodeSession(cluster, cluster.head)
     try:
-        before = nodecall.call(head, cluster.python, calls.CancelRun(run.job_id)).before
+        reply = nodecall.call(head, cluster.python, calls.CancelRun(run.job_id))
     except CONNECTION_ERRORS as exc:
         raise OperationError(f"{cluster.head.name} does not answer: {describe(exc)}") from None
     except OperationError as exc:
         raise OperationError(f"could not cancel run {run.run_id}: {exc}") from None
     else:
+        if reply.unanswered:
+            raise ControllerSilent(reply.unanswered)
+        before = reply.before
         try:
             forget_env_values(cluster, run.run_id, run.spec.get("env_values"), head)
         except (OperationError, *CONNECTION_ERRORS) as exc:

@@ -264,7 +264,7 @@ class RankOutcome:
     process_group: bool | None = None
     """Whether any rank of the node formed a process group; None where unknown (no monitor, a failure)."""
     times: dict = field(default_factory=dict)
-    """The node's clock for the timeline: `started` (its torchrun), `group`, `first_step` (its ranks')."""
+    """The node's clock: `started` and `ended` (its torchrun), `group`, `first_step` (its ranks')."""
     exited_at: dict[str, float] = field(default_factory=dict)
     """When each failed rank's process exited, by the node's clock (absent where the node did not say)."""
 

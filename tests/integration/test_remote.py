@@ -27,6 +27,7 @@ from tests.support.clusters import (
 from tests.support.examples import TINY
 from tests.support.network import free_port
 from tests.support.outcomes import assert_rank_1_failed_first, failing_rank_script
+from tests.support.races import assert_stop_ended_a_launch_being_prepared, stop_a_launch_being_prepared
 
 PLAIN_SCRIPT = """
 import os, torch.distributed as dist
@@ -622,6 +623,13 @@ def test_a_running_job_listens_on_loopback_only_a_second_waits_and_stop_ends_bot
     finally:
         job.kill()
     assert run_processes(run_id) == []
+
+
+def test_fab_stop_names_a_launch_it_finds_preparing_and_that_launch_starts_nothing(cluster, tmp_path):
+    """fab stop racing a launch (issue 40): stop ends the job lock's holder first and names its run, and
+    that launch, let go on after the stop, starts no rank (the same for the Slurm holder:
+    test_scheduled_runs.py); it said it stopped the run, not one that then ran to completion."""
+    assert_stop_ended_a_launch_being_prepared(*stop_a_launch_being_prepared(cluster, tmp_path))
 
 
 def test_a_killed_fab_leaves_no_run_open_in_the_ledger(cluster, tmp_path):

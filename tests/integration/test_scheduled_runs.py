@@ -12,6 +12,8 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,7 @@ from tests.support.clusters import (
 )
 from tests.support.network import free_port
 from tests.support.outcomes import assert_rank_1_failed_first, failing_rank_script
+from tests.support.races import assert_stop_ended_a_launch_being_prepared, stop_a_launch_being_prepared
 
 pytestmark = pytest.mark.skipif(slurm.unavailable() is not None, reason=f"Slurm: {slurm.unavailable()}")
 
@@ -287,6 +290,15 @@ def test_runs_submitted_at_the_same_moment_are_all_queued_and_run_in_order_witho
     assert [rows[i]["state"] for i in ids] == ["COMPLETED"] * 4
 
 
+def test_fab_stop_names_a_launch_it_finds_preparing_and_that_launch_queues_nothing(cluster, tmp_path):
+    """fab stop racing a launch (issue 40): the one outcome of test_remote.py's fab-held race; the launch
+    submits nothing and leaves no run folder behind."""
+    run_id, *rest = stop_a_launch_being_prepared(cluster, tmp_path, "--detach")
+    assert_stop_ended_a_launch_being_prepared(run_id, *rest)
+    assert run_id not in jobs(cluster)
+    assert not (Path(cluster.info["shared_dir"]) / "runs" / run_id).exists()
+
+
 def test_a_ranks_own_exit_code_and_first_node_are_in_fabs_line_and_in_jobs(cluster, tmp_path):
     """As a fab-held run says them (test_remote.py): rank 1 exits 3, rank 0 ends after it."""
     result = cluster.fab("run", "--script", str(failing_rank_script(tmp_path)), timeout=120)
@@ -301,7 +313,7 @@ def test_a_cancel_leaves_nothing_and_bad_run_ids_are_one_line(cluster, tmp_path)
     assert running["exit_code"] is None and running["ended_at"] is None, running  # null until known
     slurm.wait_for(lambda: run_processes(run_id), "the run's processes")
     # One cancelled while it waits behind it never started: no start, no exit code, here and in the ledger;
-    # its --env-file values are gone from the shared folder as the stop returns
+    # its --env-file values are gone from the shared folder as the stop (of every run) returns
     token = "tok-9e1f-cancelled-never-read"
     env_file = tmp_path / "queued.env"
     env_file.write_text(f"TOKEN={token}\n")
@@ -309,14 +321,15 @@ def test_a_cancel_leaves_nothing_and_bad_run_ids_are_one_line(cluster, tmp_path)
     shared = Path(cluster.info["shared_dir"])
     assert files_holding(token, shared)  # staged for the start that now never comes
     assert wait_for_state(cluster, queued, "PENDING")["started_at"] is None
-    assert cluster.fab("stop", "--run", queued).returncode == 0
+    stopped = cluster.fab("stop")
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    for cancelled, was in ((run_id, "RUNNING"), (queued, "PENDING")):  # Slurm's queue says what it cancelled
+        assert f"fab: run {cancelled} cancelled (it was {was})" in stopped.stdout, stopped.stdout
     assert not files_holding(token, shared)
     row = wait_for_state(cluster, queued, "CANCELLED")
     assert (row["started_at"], row["exit_code"], row["exit_codes"], row["cost_usd"]) == (None, None, {}, 0.0), row
     priced = {r["run_id"]: r for r in json.loads(cluster.cli("cost", "--json").stdout)["runs"]}[queued]
     assert (priced["started_at"], priced["exit_codes"], priced["cost_usd"]) == (None, None, 0.0), priced
-    stopped = cluster.fab("stop", "--run", run_id)
-    assert stopped.returncode == 0 and f"run {run_id} cancelled" in stopped.stdout, stopped.stdout + stopped.stderr
     wait_for_state(cluster, run_id, "CANCELLED")
     slurm.wait_for(lambda: not run_processes(run_id), "no process of the run left", lambda: str(run_processes(run_id)))
     again = cluster.fab("stop", "--run", run_id)
@@ -508,14 +521,20 @@ def _one_line_failure(result, *words: str) -> None:
 
 
 def test_a_dead_controller_or_munged_is_one_line_and_bootstrap_brings_slurm_back(cluster, tmp_path):
-    """slurmctld killed while a run waits: fab jobs, stop and logs -f say so in one line, exit 1; a submit
-    fails leaving no run folder; status exits 1 naming the daemon; bootstrap restarts it, the queue kept.
-    Then munged killed: status names it, bootstrap (--force too) restarts it and a run completes."""
+    """slurmctld killed while a run runs and one waits: fab jobs, stop --run of the waiting one and logs -f say
+    so in one line, exit 1; a submit fails leaving no run folder; status exits 1 naming the daemon. Bootstrap
+    refuses while the run holds MASTER_PORT, and stop --run of it is the way out (issue 40): stopped on its
+    nodes without the controller. Bootstrap then restarts it, the queue kept, and the stopped run is priced to
+    its own end, not to when the restarted controller learned of it. Then munged killed: status names it,
+    bootstrap (--force too) restarts it and a run completes."""
+    work = script(tmp_path, "sleep3.py", "print('sleeping', flush=True)\ntime.sleep(600)\n")
+    running = detached(cluster, "run", "--script", str(work))
+    on_cluster = Path(cluster.info["shared_dir"]) / "runs" / running / contract.RUN_LOG
+    slurm.wait_for(lambda: on_cluster.exists() and "sleeping" in on_cluster.read_text(), "the first run's ranks")
     blocker = _slurm_client(
         cluster, "sbatch", "--parsable", "--exclusive", "--nodes=2", "--output=/dev/null", "--wrap", "sleep 600"
     )
-    work = script(tmp_path, "sleep3.py", "print('sleeping', flush=True)\ntime.sleep(600)\n")
-    run_id = detached(cluster, "run", "--script", str(work))  # waits behind the blocker: it holds no port
+    run_id = detached(cluster, "run", "--script", str(work))  # waits behind both: it holds no port
     waits = wait_for_state(cluster, run_id, "PENDING")["waiting_for"]  # its turn, in Slurm's words
     assert waits in ("its nodes, busy with another job", "jobs ahead of it in the queue"), waits
     shared_runs = cluster.state_dir / cluster.stack / "shared" / "runs"
@@ -532,11 +551,22 @@ def test_a_dead_controller_or_munged_is_one_line_and_bootstrap_brings_slurm_back
         assert set(os.listdir(shared_runs)) == folders  # no orphan run folder
         status = cluster.cli("status")
         assert status.returncode == 1 and "slurmctld down" in status.stdout, status.stdout + status.stderr
+        refused = cluster.fab("bootstrap", "--master-port", str(cluster.master_port))
+        assert_one_line_error(refused, f"job {running}", "fab stop")  # its run holds MASTER_PORT
+        stopped = cluster.fab("stop", "--run", running)  # the way out: the controller is not needed
+        stopped_at = time.time()
+        said = stopped.stdout.strip().splitlines()
+        assert stopped.returncode == 0 and len(said) == 1, stopped.stdout + stopped.stderr
+        assert f"run {running} stopped on node-0, node-1" in said[0] and "fab bootstrap" in said[0], said
+        assert run_processes(running) == []
     finally:
         healed = cluster.fab("bootstrap", "--master-port", str(cluster.master_port))
     try:
         assert healed.returncode == 0 and "scheduler done" in healed.stdout, healed.stdout + healed.stderr
         assert wait_for_state(cluster, run_id, "PENDING")["state"] == "PENDING"  # the queue outlived its controller
+        ended = wait_for_state(cluster, running, "CANCELLED")  # stopped: as a scancel reads
+        ended_at = datetime.fromisoformat(ended["ended_at"].replace("Z", "+00:00")).timestamp()
+        assert ended_at <= stopped_at + 1, (ended, stopped_at)  # its nodes' own end: the heal came 10 s+ later
     finally:
         _slurm_client(cluster, "scancel", blocker.split(";")[0])
         cluster.fab("stop", "--run", run_id)
@@ -644,8 +674,19 @@ def test_a_disk_that_fills_during_a_run_is_named_and_a_node_drained_for_it_comes
     assert "node-1_idle" in states, states
 
 
+def _announced(launch) -> str:
+    """A followed launch's output up to its `fab: run <id>: ...` line."""
+    seen = ""
+    while "fab: run " not in seen:
+        line = launch.stdout.readline()
+        assert line, seen
+        seen += line
+    return seen
+
+
 def test_down_mid_run_keeps_its_log_here_and_names_the_run_it_cancelled(cluster, tmp_path):
-    """Last: it takes the module's cluster down."""
+    """Last: it takes the module's cluster down. Both launches are followed, one running and one queued: down
+    cancels both, and neither says its run goes on (issue 40)."""
     gate = tmp_path / "go"  # the later lines wait for the test, not for a time a loaded machine may overrun
     work = script(
         tmp_path,
@@ -655,32 +696,35 @@ def test_down_mid_run_keeps_its_log_here_and_names_the_run_it_cancelled(cluster,
         "print(f'rank {rank} later', flush=True)\n"
         "time.sleep(600)\n",
     )
-    run_id = detached(cluster, "run", "--script", str(work))
+    running = cluster.popen_fab("run", "--script", str(work))  # followed
+    said = _announced(running)
+    run_id = run_id_in(said)
     on_cluster = cluster.state_dir / cluster.stack / "shared" / "runs" / run_id / "output.log"  # the local provider's
 
     def cluster_log_has(text: str) -> bool:
         return on_cluster.exists() and text in on_cluster.read_text()
 
     slurm.wait_for(lambda: cluster_log_has("rank 1 started"), "the run's first lines")
-    shown = cluster.fab("logs", "--run", run_id)  # a running run nobody follows: its lines so far
+    shown = cluster.fab("logs", "--run", run_id)  # a running run: its lines so far
     assert shown.returncode == 0 and "[node-1] rank 1 started" in shown.stdout, shown.stdout + shown.stderr
     assert "rank 1 later" not in shown.stdout
     gate.touch()
     slurm.wait_for(lambda: cluster_log_has("rank 1 later"), "the run's later lines")
     attached = cluster.popen_fab("run", "--script", str(work))  # queued behind it, and followed
-    seen = ""
-    while "fab: run " not in seen:
-        line = attached.stdout.readline()
-        assert line, seen
-        seen += line
+    seen = _announced(attached)
     down = cluster.cli("down", "--stack", cluster.stack)
     assert down.returncode == 0, down.stdout + down.stderr
     assert f"run {run_id}, running, was cancelled with the cluster" in down.stdout, down.stdout
-    seen += attached.communicate(timeout=120)[0]
-    assert attached.returncode == 1 and "was cancelled by the cluster's down" in seen, seen  # not "goes on"
+    for launch, output in ((running, said), (attached, seen)):
+        output += launch.communicate(timeout=120)[0]
+        assert launch.returncode == 1 and "was cancelled by the cluster's down" in output, output  # not "goes on"
+        assert "goes on" not in output, output
     assert not on_cluster.exists()
     folder = cluster.state_dir / cluster.stack / "runs" / run_id
     assert "[node-1] rank 1 later" in (folder / "node-1.log").read_text()
     kept = cluster.fab("logs", "--run", run_id, "--stack", cluster.stack)
     assert kept.returncode == 0 and "[node-0] rank 0 later" in kept.stdout, kept.stdout + kept.stderr
     assert json.loads((folder / "run.json").read_text())["state"] == "CANCELLED"
+    priced = {r["run_id"]: r for r in json.loads(cluster.cli("cost", "--json").stdout)["runs"]}
+    queued = priced[run_id_in(seen)]  # it only waited in the queue: no node worked for it
+    assert (queued["started_at"], queued["cost_usd"]) == (None, 0.0), queued

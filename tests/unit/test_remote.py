@@ -4,6 +4,7 @@ import copy
 import hashlib
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -784,3 +785,113 @@ def test_the_batch_jobs_code_for_a_rank_a_signal_ended_is_as_a_shell_says_it(tmp
         f'[node-1] {contract.RANKS_MARKER} {{"exit_codes": {{"1": 1e999}}}}\n[node-1] {contract.EXIT_MARKER} 1 x\n'
     )
     assert slurm_exit.run_code(str(log), 0, 1) == 1  # an overflowing code is bad data, not a crash
+
+
+def _lock_holder(lock: Path, run_id: str, home: Path, first_line: str) -> subprocess.Popen:
+    """node/job_lock.py for real, as a launch's channel runs it (CLUSTER_RUN_ID, the node's HOME); its first
+    line read (`locked`, or `waiting` behind another)."""
+    holder = subprocess.Popen(
+        [sys.executable, str(node_paths.NODE_CODE / "job_lock.py"), str(lock), run_id, "run", f"laptop:{run_id}"],
+        env={"HOME": str(home), "PATH": os.environ["PATH"], contract.RUN_ID_VARIABLE: run_id},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline().split()[0] == first_line
+    return holder
+
+
+def test_stop_ends_launches_being_prepared_first_and_names_only_runs_it_stopped(tmp_path):
+    """The job lock's holder and its waiters are launches being prepared: stop ends them before it looks for
+    jobs, and names their runs, but not the run whose job had ended here (its launch was fetching results);
+    a Slurm job's processes are left to scancel with --leave-slurm."""
+    from node import job_lock
+
+    home = tmp_path / "home"
+    (home / ".gpu-cluster").mkdir(parents=True)
+    lock = home / ".gpu-cluster" / "job.lock"
+    done = subprocess.Popen(["true"])  # a job that ran here and ended: JOB_FILE still names it
+    done.wait()
+    (home / ".gpu-cluster" / "job").write_text(f"{done.pid} run-done run\n")
+    env = {"HOME": str(home), "PATH": os.environ["PATH"]}
+    finishing = _lock_holder(lock, "run-done", home, "locked")
+    waiting = _lock_holder(lock, "run-next", home, "waiting")
+    slurms = subprocess.Popen(
+        ["sleep", "305"],
+        env={**env, contract.RUN_ID_VARIABLE: "run-slurm", "SLURM_JOB_ID": "7"},
+        start_new_session=True,
+    )
+    try:
+        assert job_lock.held_by(str(lock), "run-done") and not job_lock.held_by(str(lock), "run-next")
+        result = subprocess.run(
+            ["bash", "-c", protocol.stop_command(grace_s=2, leave_slurm=True)], env=env, capture_output=True, text=True
+        )
+        assert result.stdout.split() == ["stopped", "run-next"], result.stdout + result.stderr
+        assert finishing.wait(timeout=5) != 0 and waiting.wait(timeout=5) != 0
+        assert not job_lock.held_by(str(lock), "run-done")  # the lock went with its holder
+        assert slurms.poll() is None  # Slurm's, for scancel
+        again = subprocess.run(
+            ["bash", "-c", protocol.stop_command(grace_s=2)], env=env, capture_output=True, text=True
+        )
+        assert again.stdout.split() == ["stopped", "run-slurm"]
+    finally:
+        for process in (finishing, waiting, slurms):
+            process.kill()
+            process.wait()
+
+
+def test_a_fab_held_runs_head_node_starts_no_rank_once_its_launch_lost_the_job_lock(tmp_path, monkeypatch):
+    """node/torchrun.py, first thing on the head node of a fab-held run (`launch_command(locked=True)` names
+    the lock there only): it goes on while the launch holds the lock, and exits as stopped once it does not."""
+    from node import torchrun
+
+    c = cluster()
+    head = job_command.launch_command(c, c.nodes[0], "run-a", "run", "x.py", [], 0, 29500, locked=True)
+    other = job_command.launch_command(c, c.nodes[1], "run-a", "run", "x.py", [], 0, 29500, locked=True)
+    assert f'{contract.JOB_LOCK_VARIABLE}="$HOME"/.gpu-cluster/job.lock' in head
+    assert contract.JOB_LOCK_VARIABLE not in other
+    assert contract.JOB_LOCK_VARIABLE not in job_command.launch_command(c, c.nodes[0], "run-a", "run", "x.py", [], 0, 1)
+    lock = tmp_path / "job.lock"
+    monkeypatch.setenv(contract.JOB_LOCK_VARIABLE, str(lock))
+    holder = _lock_holder(lock, "run-a", tmp_path, "locked")
+    try:
+        torchrun.refuse_without_the_lock("node-0", "run-a")  # held: goes on
+        with pytest.raises(SystemExit) as refused:
+            torchrun.refuse_without_the_lock("node-0", "run-b")
+        assert refused.value.code == 128 + signal.SIGTERM
+    finally:
+        holder.kill()
+        holder.wait()
+    with pytest.raises(SystemExit):  # its holder ended (fab stop): no rank starts
+        torchrun.refuse_without_the_lock("node-0", "run-a")
+
+
+def test_stop_knows_the_stacks_runs_in_slurms_queue_by_their_job_names():
+    from node import slurm_cancel
+
+    run_id = job_command.new_run_id("run-ddp")
+    assert re.fullmatch(contract.RUN_ID_PATTERN, run_id)
+    queue = "\n".join(
+        [
+            f"11|{run_id}|RUNNING|(null)",
+            "12|20261128-081210-hello-4570|PENDING|(null)",
+            "13|my-own-job|RUNNING|(null)",  # a user's own sbatch: not a run of ours
+            "14|20261128-081211-run-aaaa|COMPLETING|(null)",  # past a cancel
+            "garbage",
+        ]
+    )
+    assert slurm_cancel.listed(queue) == [("11", run_id, "RUNNING"), ("12", "20261128-081210-hello-4570", "PENDING")]
+    tagged = f"21|{run_id}|PENDING|stack-tag\n22|20261128-081210-hello-4570|PENDING|another-stack"
+    assert slurm_cancel.listed(tagged, "stack-tag") == [("21", run_id, "PENDING")]
+
+
+def test_a_runs_end_is_its_last_nodes_own_end_where_every_node_said_it():
+    """Slurm's end can be when a restarted controller learned of it; the nodes' own clocks say when the run
+    really ended: a node's exit marker, else its torchrun's ranks line (a node stopped whole says neither)."""
+    from node.outcome import ended_at
+
+    nodes = ["node-0", "node-1"]
+    assert ended_at(nodes, {"node-0": 100.0, "node-1": 101.5}, {}) == 101.5
+    assert ended_at(nodes, {"node-0": 100.0}, {"node-1": 102.0}) == 102.0  # the marker where there is one
+    assert ended_at(nodes, {"node-0": 100.0}, {}) is None  # node-1 said nothing: Slurm's end stands
+    assert ended_at(nodes, {"node-0": "nan", "node-1": 1.0}, {}) is None

@@ -2,7 +2,8 @@
 LogSplitter): every piece under its writer, the cluster's own lines kept, bars one line per writer."""
 
 from infra import runlog
-from remote import runs, slurm_follow
+from infra.ledger import Ledger
+from remote import runs, scheduled, slurm_follow
 
 LOG = (
     b"[node-0] step 0\n"
@@ -88,12 +89,22 @@ def test_down_records_the_runs_it_ended_from_the_records_fab_wrote(state_dir):
         run.finished = run_id == "done"
         run.save(folders[run_id])
 
+    ledger = Ledger()
+    for run_id in ("running", "queued", "ended"):  # as a Slurm-held launch records them at its submit
+        ledger.run_started(run_id, "local", "run", 2, 3.6, at=1795000000.0, scheduled=True)
+    ledger.close()
     found = {run.folder.name: run for run in runlog.unfinished_runs("local")}
     assert sorted(found) == ["ended", "queued", "running"]
     found["running"].started = True
     found["ended"].end = runlog._end_state(b'{"exit_code": 3, "at": 1795000100.0, "restarts": 0}')
     said: list[str] = []
     runlog.after_down(list(found.values()), said.append, at=1795000200.0)
+    ledger = Ledger()
+    priced = {run_id: ledger.run(run_id) for run_id in ("running", "queued", "ended")}
+    ledger.close()
+    assert priced["queued"].started_at is None and priced["queued"].cost_usd(1795000300.0) == 0.0  # only waited
+    assert priced["ended"].ended_at == 1795000100.0  # its batch job's end, not the down's
+    assert priced["running"].ended_at is None  # the cluster's down closes it at its own time
 
     assert said == [
         f"run queued, queued, was cancelled with the cluster; its log is kept in {folders['queued']}",
