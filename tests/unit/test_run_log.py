@@ -3,7 +3,7 @@ LogSplitter): every piece under its writer, the cluster's own lines kept, bars o
 
 from infra import runlog
 from infra.ledger import Ledger
-from remote import runs, scheduled, slurm_follow
+from remote import runs, slurm_follow
 
 LOG = (
     b"[node-0] step 0\n"
