@@ -18,7 +18,7 @@ import sys
 import time
 
 from infra import config, costs, inventory, providers, report, state
-from infra.errors import ClusterError, UsageError
+from infra.errors import ClusterError, UsageError, shown
 from infra.providers.local import provider as local
 from infra.ssh import openssh_config, openssh_options
 
@@ -163,16 +163,16 @@ def _image_parser(commands, stack_help: str) -> None:
 
 
 def _whole_number(text: str) -> int:
-    """int() as typed: ' 80' or '8_0' are refused, not trimmed."""
-    if not text.isascii() or not text.isdigit():
-        raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}")
+    """int() as typed: ' 80' or '8_0' are refused, not trimmed, and 5,000 digits are no number."""
+    if not config.WHOLE_NUMBER.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"must be a whole number, not {shown(text)}")
     return int(text)
 
 
 def _seconds(text: str) -> float:
     """float() as typed: ' 5', '5\\n', 'nan', 'inf', '1e3' and '1_0' are refused, not read."""
     if not re.fullmatch(r"[0-9]+(\.[0-9]+)?", text):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds, not {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, not {shown(text)}")
     return float(text)
 
 

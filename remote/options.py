@@ -10,7 +10,7 @@ import shlex
 import stat
 from pathlib import Path
 
-from infra.errors import UsageError
+from infra.errors import UsageError, shown
 from remote import dotenv
 from remote.job_command import reserved_variable
 from remote.packages import Requirements, include_problem
@@ -19,6 +19,8 @@ PORT_RANGE = (1024, 65535)  # below 1024 needs root on the nodes
 # Each process is a whole Python with torch (hundreds of MB), and one per GPU on GPU nodes (8 at most on
 # the catalog's types): past this, a number is a typo that would leave torchrun starting processes for minutes.
 MAX_NPROC_PER_NODE = 256
+# torchrun restarts the whole worker group each time; a thousand restarts of one run is already a loop.
+MAX_RESTARTS = 1000
 # `--env` and `--args` travel on the job's command line, which reaches the node as the one argument of
 # `sh -c`: Linux refuses an argument over 128 kB (MAX_ARG_STRLEN, execve(2)) and the node exits 255 with
 # no log. Half of it for the user's text, as quoted, leaves the launch's own words room to spare.
@@ -28,7 +30,7 @@ MAX_JOB_TEXT_BYTES = 65_536
 MAX_ENV_FILE_BYTES = 1_048_576
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # a folder name: no '/', never '.' or '..'
 ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-WHOLE_NUMBER = re.compile(r"-?[0-9]+")  # what int() takes, less its leniency: ' 2', '2\n', '1_0', '٢'
+WHOLE_NUMBER = re.compile(r"-?[0-9]{1,18}")  # what int() takes, less its leniency: ' 2', '2\n', '1_0', '٢'
 SECONDS = re.compile(r"[0-9]+(\.[0-9]+)?")  # float() would also take ' 30', '30\n', 'nan', 'inf', '1e3'
 
 
@@ -44,8 +46,8 @@ def integer(
     if value is None:
         return default
     bounds = _bounds(minimum, maximum)
-    if not WHOLE_NUMBER.fullmatch(str(value)):
-        raise refuse(f"{flag} must be a whole number{bounds}, not {value!r}")
+    if not WHOLE_NUMBER.fullmatch(str(value)):  # 18 digits at most: int() refuses 4,300 with its own error
+        raise refuse(f"{flag} must be a whole number{bounds}, not {shown(value)}")
     number = int(str(value))
     if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
         raise refuse(f"{flag} must be a whole number{bounds}, not {number}")
@@ -297,14 +299,14 @@ def hang_policy(timeout: str | None, on_hang: str | None, on_straggler: str | No
 def _seconds(flag: str, value: str) -> float:
     seconds = float(value) if SECONDS.fullmatch(str(value)) else float("nan")
     if not 0 <= seconds < float("inf"):  # 400 nines are a float too: inf
-        raise refuse(f"{flag} must be a number of seconds >= 0 (0 turns hang detection off), not {value!r}")
+        raise refuse(f"{flag} must be a number of seconds >= 0 (0 turns hang detection off), not {shown(value)}")
     return seconds
 
 
 def choice(flag: str, value: str, allowed: tuple[str, ...]) -> str:
     """`value` when it is one of `allowed`, whole (no stripping: `'slurm\\n'` is refused)."""
     if value not in allowed:
-        raise refuse(f"{flag} must be {' or '.join(allowed)}, not {value!r}")
+        raise refuse(f"{flag} must be {' or '.join(allowed)}, not {shown(value)}")
     return value
 
 

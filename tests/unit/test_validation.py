@@ -346,3 +346,61 @@ def test_a_drill_notice_is_read_as_typed(notice):
     with pytest.raises(UsageError, match=re.escape(f"argument --notice: must be a number of seconds, not {notice!r}")):
         deploy.parse_args(["drill", "spot", "node-1", "--notice", notice])
     assert deploy.parse_args(["drill", "spot", "node-1", "--notice", "0.5"]).notice == 0.5
+
+
+# ------------------------------------------------------------------------- hostile numbers (h51's audit)
+
+DIGITS_5000 = "9" * 5000  # int() refuses text over 4,300 digits with a ValueError of its own
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda v: options.integer("--lines", v, 50, minimum=0),
+        lambda v: options.integer("since", v, 0, minimum=0),  # the dashboard's ?since=
+        lambda v: options.port("--master-port", v, 29500),
+        lambda v: config.check_nodes(v),
+    ],
+    ids=["fab-integer", "dashboard-since", "fab-port", "up-nodes"],
+)
+@pytest.mark.parametrize("value", [DIGITS_5000, "-" + DIGITS_5000, "1" + "0" * 19])
+def test_a_number_of_thousands_of_digits_is_one_line_that_does_not_echo_it(read, value):
+    with pytest.raises(UsageError) as refused:
+        read(value)
+    line = str(refused.value)
+    assert "\n" not in line and len(line) < 200, line
+    assert f"({len(value)} characters)" in line or len(value) < 60
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["cost", "--reconcile", "--days", DIGITS_5000],
+        ["dashboard", "--port", DIGITS_5000],
+        ["up", "--local", "--ssh-port", DIGITS_5000],
+        ["up", "--local", "--gpus", DIGITS_5000],
+        ["drill", "spot", "node-1", "--notice", DIGITS_5000 + "x"],
+    ],
+)
+def test_deploy_refuses_thousands_of_digits_in_one_short_line(argv):
+    import deploy
+
+    with pytest.raises(UsageError) as refused:
+        deploy.parse_args(argv)
+    line = str(refused.value)
+    assert "must be" in line and "_whole_number" not in line and len(line) < 250, line
+
+
+@pytest.mark.parametrize("value", ["1001", "99999999999999999999"])
+def test_max_restarts_has_a_ceiling(value):
+    from remote import tasks
+
+    with pytest.raises(UsageError, match="--max-restarts must be a whole number from 0 to 1000"):
+        tasks.restarts(value)
+    assert tasks.restarts("1000") == 1000
+
+
+def test_an_over_long_stack_name_is_named_in_short(monkeypatch):
+    with pytest.raises(UsageError) as refused:
+        state.check_stack_name("a" * 5000)
+    assert len(str(refused.value)) < 200 and "(5000 characters)" in str(refused.value)
