@@ -28,6 +28,9 @@ MAX_JOB_TEXT_BYTES = 65_536
 # An --env-file is read whole before anything runs; its values fit in MAX_JOB_TEXT_BYTES, so a file far
 # bigger is a wrong path (a log, a dataset), refused before it is read.
 MAX_ENV_FILE_BYTES = 1_048_576
+# A requirements file is read whole and sent to every node: /dev/zero, a pipe or a wheel given by mistake
+# would be read for ever or sent as text; the longest lock files are a few hundred kB.
+MAX_REQUIREMENTS_BYTES = 4_000_000
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # a folder name: no '/', never '.' or '..'
 ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 WHOLE_NUMBER = re.compile(r"-?[0-9]{1,18}")  # what int() takes, less its leniency: ' 2', '2\n', '1_0', '٢'
@@ -269,12 +272,20 @@ def requirements_file(value: str | None) -> Requirements | None:
     if value is None:
         return None
     path = Path(value).expanduser()
-    if path.is_dir():
-        raise refuse(f"--requirements {value} is a folder: give a pip requirements file")
     try:
-        text = path.read_bytes()
+        text = _regular_file_text(path, MAX_REQUIREMENTS_BYTES)
     except FileNotFoundError:
         raise refuse(f"no such requirements file: {value}") from None
+    except IsADirectoryError:
+        raise refuse(f"--requirements {value} is a folder: give a pip requirements file") from None
+    except NotARegularFile:
+        raise refuse(
+            f"--requirements {value} is not a regular file (a device, a pipe?): give a pip requirements file"
+        ) from None
+    except TooBig:
+        raise refuse(
+            f"--requirements {value} is over {MAX_REQUIREMENTS_BYTES:,} bytes: give a pip requirements file"
+        ) from None
     except OSError as exc:
         raise refuse(f"cannot read the requirements file {value}: {exc.strerror or exc}") from None
     problem = include_problem(text, value)

@@ -404,3 +404,35 @@ def test_an_over_long_stack_name_is_named_in_short(monkeypatch):
     with pytest.raises(UsageError) as refused:
         state.check_stack_name("a" * 5000)
     assert len(str(refused.value)) < 200 and "(5000 characters)" in str(refused.value)
+
+
+@pytest.mark.parametrize("given", ["/dev/zero", "fifo", "big"])
+def test_a_requirements_file_that_never_ends_or_is_not_a_file_is_one_line(given, tmp_path):
+    path = tmp_path / given
+    if given == "fifo":
+        os.mkfifo(path)
+    elif given == "big":
+        path.write_text("torch\n" * 1_000_000)
+    else:
+        path = given
+    with pytest.raises(UsageError, match=r"--requirements .* (is not a regular file|is over 4,000,000 bytes)"):
+        options.requirements_file(str(path))
+
+
+@pytest.mark.parametrize("given", ["/dev/zero", "fifo", "big", "nul"])
+def test_a_hosts_file_that_never_ends_or_is_not_yaml_text_is_one_line(given, tmp_path):
+    path = tmp_path / given
+    if given == "fifo":
+        os.mkfifo(path)
+    elif given == "big":
+        path.write_text("# a log, not a hosts file\n" * 100_000)
+    elif given == "nul":
+        path.write_bytes(b"key: k\nhosts:\n  - address: 127.0.0.1\n\x00\n")
+    else:
+        path = given
+    with pytest.raises(UsageError) as refused:
+        hosts.read_hosts_file(str(path))
+    assert "\n" not in str(refused.value)
+    assert re.search(
+        r"not a regular file|is over 1,000,000 bytes|not valid YAML: unacceptable character", str(refused.value)
+    )
