@@ -436,3 +436,15 @@ def test_a_hosts_file_that_never_ends_or_is_not_yaml_text_is_one_line(given, tmp
     assert re.search(
         r"not a regular file|is over 1,000,000 bytes|not valid YAML: unacceptable character", str(refused.value)
     )
+
+
+def test_down_of_a_local_stack_already_down_needs_no_pulumi(state_dir, capsys):
+    """A second `down` of a local stack found no inventory and went to AWS: 'the Pulumi CLI is not installed'."""
+    import deploy
+
+    ledger = Ledger(state_dir / "ledger.sqlite")
+    ledger.cluster_up("gone", "local", "g4dn.2xlarge", 2, 0.0, at=1.0)
+    ledger.cluster_down("gone", at=2.0)
+    ledger.close()
+    assert deploy.main(["down", "--stack", "gone"]) == 0
+    assert "stack 'gone' is not up" in capsys.readouterr().out
