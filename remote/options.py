@@ -107,7 +107,7 @@ def refuse_plain_only(arguments: list[str], plain_only: tuple[str, ...], task: s
 def run_id(value: str) -> str:
     """A run folder's name as `--run` gives it; paths such as `../..` are refused."""
     if not RUN_ID.fullmatch(value):
-        raise refuse(f"--run {value!r} is not a run id (a folder name under runs/, as fab logs prints it)")
+        raise refuse(f"--run {shown(value)} is not a run id (a folder name under runs/, as fab logs prints it)")
     return value
 
 

@@ -515,9 +515,10 @@ def jobs(c, json_=False, stack=None):
 @task(help={"run": "the run (default: the newest)", "stack": STACK_HELP})
 def results(c, run=None, stack=None):
     """Fetch a finished run's results and metrics into its run folder (as an attached run does)."""
+    run_id = None if run is None else options.run_id(run)  # `--run ''` is a bad id, not the newest run
     cluster = cluster_for(stack)
     setup = setup_for(cluster)
-    folder, record = runs.find(state.runs_dir(cluster.stack), options.run_id(run) if run else None)
+    folder, record = runs.find(state.runs_dir(cluster.stack), run_id)
     holder = holders.holder_for(cluster, setup)
     holder.refresh([(folder, record)])
     record.save(folder)

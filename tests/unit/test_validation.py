@@ -448,3 +448,14 @@ def test_down_of_a_local_stack_already_down_needs_no_pulumi(state_dir, capsys):
     ledger.close()
     assert deploy.main(["down", "--stack", "gone"]) == 0
     assert "stack 'gone' is not up" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("task", ["results", "logs"])
+def test_an_empty_run_id_is_refused_by_every_task_that_takes_one(task, state_dir):
+    """`fab results --run ''` fetched the newest run's results instead: an empty value is no run."""
+    import invoke
+
+    from remote import tasks
+
+    with pytest.raises(UsageError, match=r"--run '' is not a run id"):
+        getattr(tasks, task)(invoke.Context(), run="", stack="nosuch")
