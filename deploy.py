@@ -10,17 +10,29 @@
 Exit codes: 0 success; 1 a step failed; 2 bad input or a missing prerequisite (nothing was created).
 """
 
-import argparse
-import os
-import re
-import shutil
+import signal
 import sys
-import time
 
-from infra import config, costs, inventory, providers, report, state
-from infra.errors import ClusterError, UsageError, shown
-from infra.providers.local import provider as local
-from infra.ssh import openssh_config, openssh_options
+
+def _interrupted_while_loading(signum, frame):
+    """Ctrl-C while the imports below load (seconds on a busy machine): nothing has run yet."""
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
+
+
+if __name__ == "__main__":  # main() answers Ctrl-C itself; before it, Python would print a traceback
+    signal.signal(signal.SIGINT, _interrupted_while_loading)
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+import time  # noqa: E402
+
+from infra import config, costs, inventory, providers, report, state  # noqa: E402
+from infra.errors import ClusterError, UsageError, shown  # noqa: E402
+from infra.providers.local import provider as local  # noqa: E402
+from infra.ssh import openssh_config, openssh_options  # noqa: E402
 
 
 class Parser(argparse.ArgumentParser):
@@ -603,4 +615,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # loaded: Ctrl-C is main()'s KeyboardInterrupt again
     sys.exit(main())
