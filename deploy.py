@@ -440,7 +440,8 @@ def _cost_reconcile(args) -> int:
         )
     bill = None if args.bill is None else Path(args.bill)
     if bill is not None and not bill.is_file():
-        raise UsageError(f"--bill {bill}: no such file; download the CUR 2.0 export's CSV (gunzip it first)")
+        found = "is empty" if not args.bill else "is not a file" if bill.exists() else "no such file"
+        raise UsageError(f"--bill {shown(args.bill)}: {found}; download the CUR 2.0 export's CSV (gunzip it first)")
     ledger = costs.open_ledger(say_on_stderr, create=False)
     try:
         with preflight.aws_answers("cost --reconcile"):

@@ -459,3 +459,19 @@ def test_an_empty_run_id_is_refused_by_every_task_that_takes_one(task, state_dir
 
     with pytest.raises(UsageError, match=r"--run '' is not a run id"):
         getattr(tasks, task)(invoke.Context(), run="", stack="nosuch")
+
+
+@pytest.mark.parametrize(
+    "given,said",
+    [("", "--bill '': is empty"), ("/dev/null", "--bill '/dev/null': is not a file"), (".", "is not a file")],
+)
+def test_a_bill_that_is_no_file_is_named_as_given(given, said, state_dir):
+    """`--bill ''` was named '.' and /dev/null 'no such file'."""
+    import deploy
+    from tests.support.ledgers import billed_cluster
+
+    ledger = Ledger(state_dir / "ledger.sqlite")
+    billed_cluster(ledger, "dev", 1.0, 2.0)
+    ledger.close()
+    with pytest.raises(UsageError, match=re.escape(said)):
+        deploy._cost_reconcile(deploy.parse_args(["cost", "--stack", "dev", "--bill", given]))
