@@ -516,10 +516,8 @@ def jobs(c, json_=False, stack=None):
 def results(c, run=None, stack=None):
     """Fetch a finished run's results and metrics into its run folder (as an attached run does)."""
     run_id = None if run is None else options.run_id(run)  # `--run ''` is a bad id, not the newest run
-    cluster = cluster_for(stack)
-    setup = setup_for(cluster)
+    cluster, holder = holder_of(stack)
     folder, record = runs.find(state.runs_dir(cluster.stack), run_id)
-    holder = holders.holder_for(cluster, setup)
     holder.refresh([(folder, record)])
     record.save(folder)
     if not record.ended:
