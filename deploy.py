@@ -10,17 +10,29 @@
 Exit codes: 0 success; 1 a step failed; 2 bad input or a missing prerequisite (nothing was created).
 """
 
-import argparse
-import os
-import re
-import shutil
+import signal
 import sys
-import time
 
-from infra import config, costs, inventory, providers, report, state
-from infra.errors import ClusterError, UsageError
-from infra.providers.local import provider as local
-from infra.ssh import openssh_config, openssh_options
+
+def _interrupted_while_loading(signum, frame):
+    """Ctrl-C while the imports below load (seconds on a busy machine): nothing has run yet."""
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
+
+
+if __name__ == "__main__":  # main() answers Ctrl-C itself; before it, Python would print a traceback
+    signal.signal(signal.SIGINT, _interrupted_while_loading)
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+import time  # noqa: E402
+
+from infra import config, costs, inventory, providers, report, state  # noqa: E402
+from infra.errors import ClusterError, UsageError, shown  # noqa: E402
+from infra.providers.local import provider as local  # noqa: E402
+from infra.ssh import openssh_config, openssh_options  # noqa: E402
 
 
 class Parser(argparse.ArgumentParser):
@@ -163,16 +175,16 @@ def _image_parser(commands, stack_help: str) -> None:
 
 
 def _whole_number(text: str) -> int:
-    """int() as typed: ' 80' or '8_0' are refused, not trimmed."""
-    if not text.isascii() or not text.isdigit():
-        raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}")
+    """int() as typed: ' 80' or '8_0' are refused, not trimmed, and 5,000 digits are no number."""
+    if not config.WHOLE_NUMBER.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"must be a whole number, not {shown(text)}")
     return int(text)
 
 
 def _seconds(text: str) -> float:
     """float() as typed: ' 5', '5\\n', 'nan', 'inf', '1e3' and '1_0' are refused, not read."""
     if not re.fullmatch(r"[0-9]+(\.[0-9]+)?", text):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds, not {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, not {shown(text)}")
     return float(text)
 
 
@@ -428,7 +440,8 @@ def _cost_reconcile(args) -> int:
         )
     bill = None if args.bill is None else Path(args.bill)
     if bill is not None and not bill.is_file():
-        raise UsageError(f"--bill {bill}: no such file; download the CUR 2.0 export's CSV (gunzip it first)")
+        found = "is empty" if not args.bill else "is not a file" if bill.exists() else "no such file"
+        raise UsageError(f"--bill {shown(args.bill)}: {found}; download the CUR 2.0 export's CSV (gunzip it first)")
     ledger = costs.open_ledger(say_on_stderr, create=False)
     try:
         with preflight.aws_answers("cost --reconcile"):
@@ -603,4 +616,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # loaded: Ctrl-C is main()'s KeyboardInterrupt again
     sys.exit(main())

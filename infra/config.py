@@ -15,13 +15,15 @@ from typing import Any
 import yaml
 
 from infra import catalog, state
-from infra.errors import UsageError
+from infra.errors import UsageError, shown
 
 NAMESPACE = "gpu-cluster"
 MAX_NODES = 16
 DEFAULT_INSTANCE_TYPE = "g4dn.2xlarge"
 DEFAULT_REGION = "us-east-1"
-WHOLE_NUMBER = re.compile(r"[0-9]+")
+# No count, port or number of days has more than 18 digits, and int() refuses text over 4,300 digits with a
+# ValueError of its own (CPython's int_max_str_digits): longer text is not a whole number here.
+WHOLE_NUMBER = re.compile(r"[0-9]{1,18}")
 NUMBER = re.compile(r"[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]+)?|\.[0-9]+([eE][-+]?[0-9]+)?")
 REGION = re.compile(r"[a-z]{2}(-[a-z]+)+-[0-9]")
 ZONE = re.compile(r"[a-z]{2}(-[a-z]+)+-[0-9][a-z]")
@@ -121,7 +123,7 @@ def check_nodes(value) -> int:
     try:
         nodes = _whole_number(value)
     except ValueError:
-        raise UsageError(f"nodes must be a whole number from 1 to {MAX_NODES}, not {value!r}") from None
+        raise UsageError(f"nodes must be a whole number from 1 to {MAX_NODES}, not {shown(value)}") from None
     if not 1 <= nodes <= MAX_NODES:
         raise UsageError(f"nodes must be from 1 to {MAX_NODES} (got {nodes}); pass --nodes N")
     return nodes

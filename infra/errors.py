@@ -1,5 +1,16 @@
 """The errors a user sees as one line; the exit code says whose fault it was."""
 
+SHOWN_CHARS = 60
+"""How much of a bad value an error line quotes: a pasted file or 5,000 digits are not echoed whole."""
+
+
+def shown(value: object) -> str:
+    """`value` as an error line quotes it: its repr, cut to SHOWN_CHARS characters."""
+    text = repr(value)
+    return (
+        text if len(text) <= SHOWN_CHARS else f"{text[: SHOWN_CHARS - 5]}...{text[-1]} ({len(str(value))} characters)"
+    )
+
 
 class ClusterError(Exception):
     """A failure reported to the user in one line."""

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import ClassVar, overload
 
-from infra.errors import UsageError
+from infra.errors import UsageError, shown
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STACK_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}")
@@ -213,7 +213,7 @@ def check_stack_name(stack: str, origin: str = "stack name") -> str:
     """`stack` when it is a whole valid name (no empty string, no trailing newline); else one line."""
     if not isinstance(stack, str) or not STACK_NAME.fullmatch(stack):
         raise UsageError(
-            f"bad {origin} {stack!r}: use 1 to 40 lower-case letters, digits, '-' or '_', "
+            f"bad {origin} {shown(stack)}: use 1 to 40 lower-case letters, digits, '-' or '_', "
             "starting with a letter or digit"
         )
     return stack

@@ -10,7 +10,7 @@ import shlex
 import stat
 from pathlib import Path
 
-from infra.errors import UsageError
+from infra.errors import UsageError, shown
 from remote import dotenv
 from remote.job_command import reserved_variable
 from remote.packages import Requirements, include_problem
@@ -19,6 +19,8 @@ PORT_RANGE = (1024, 65535)  # below 1024 needs root on the nodes
 # Each process is a whole Python with torch (hundreds of MB), and one per GPU on GPU nodes (8 at most on
 # the catalog's types): past this, a number is a typo that would leave torchrun starting processes for minutes.
 MAX_NPROC_PER_NODE = 256
+# torchrun restarts the whole worker group each time; a thousand restarts of one run is already a loop.
+MAX_RESTARTS = 1000
 # `--env` and `--args` travel on the job's command line, which reaches the node as the one argument of
 # `sh -c`: Linux refuses an argument over 128 kB (MAX_ARG_STRLEN, execve(2)) and the node exits 255 with
 # no log. Half of it for the user's text, as quoted, leaves the launch's own words room to spare.
@@ -26,9 +28,12 @@ MAX_JOB_TEXT_BYTES = 65_536
 # An --env-file is read whole before anything runs; its values fit in MAX_JOB_TEXT_BYTES, so a file far
 # bigger is a wrong path (a log, a dataset), refused before it is read.
 MAX_ENV_FILE_BYTES = 1_048_576
+# A requirements file is read whole and sent to every node: /dev/zero, a pipe or a wheel given by mistake
+# would be read for ever or sent as text; the longest lock files are a few hundred kB.
+MAX_REQUIREMENTS_BYTES = 4_000_000
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # a folder name: no '/', never '.' or '..'
 ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-WHOLE_NUMBER = re.compile(r"-?[0-9]+")  # what int() takes, less its leniency: ' 2', '2\n', '1_0', '٢'
+WHOLE_NUMBER = re.compile(r"-?[0-9]{1,18}")  # what int() takes, less its leniency: ' 2', '2\n', '1_0', '٢'
 SECONDS = re.compile(r"[0-9]+(\.[0-9]+)?")  # float() would also take ' 30', '30\n', 'nan', 'inf', '1e3'
 
 
@@ -44,8 +49,8 @@ def integer(
     if value is None:
         return default
     bounds = _bounds(minimum, maximum)
-    if not WHOLE_NUMBER.fullmatch(str(value)):
-        raise refuse(f"{flag} must be a whole number{bounds}, not {value!r}")
+    if not WHOLE_NUMBER.fullmatch(str(value)):  # 18 digits at most: int() refuses 4,300 with its own error
+        raise refuse(f"{flag} must be a whole number{bounds}, not {shown(value)}")
     number = int(str(value))
     if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
         raise refuse(f"{flag} must be a whole number{bounds}, not {number}")
@@ -102,7 +107,7 @@ def refuse_plain_only(arguments: list[str], plain_only: tuple[str, ...], task: s
 def run_id(value: str) -> str:
     """A run folder's name as `--run` gives it; paths such as `../..` are refused."""
     if not RUN_ID.fullmatch(value):
-        raise refuse(f"--run {value!r} is not a run id (a folder name under runs/, as fab logs prints it)")
+        raise refuse(f"--run {shown(value)} is not a run id (a folder name under runs/, as fab logs prints it)")
     return value
 
 
@@ -267,12 +272,20 @@ def requirements_file(value: str | None) -> Requirements | None:
     if value is None:
         return None
     path = Path(value).expanduser()
-    if path.is_dir():
-        raise refuse(f"--requirements {value} is a folder: give a pip requirements file")
     try:
-        text = path.read_bytes()
+        text = _regular_file_text(path, MAX_REQUIREMENTS_BYTES)
     except FileNotFoundError:
         raise refuse(f"no such requirements file: {value}") from None
+    except IsADirectoryError:
+        raise refuse(f"--requirements {value} is a folder: give a pip requirements file") from None
+    except NotARegularFile:
+        raise refuse(
+            f"--requirements {value} is not a regular file (a device, a pipe?): give a pip requirements file"
+        ) from None
+    except TooBig:
+        raise refuse(
+            f"--requirements {value} is over {MAX_REQUIREMENTS_BYTES:,} bytes: give a pip requirements file"
+        ) from None
     except OSError as exc:
         raise refuse(f"cannot read the requirements file {value}: {exc.strerror or exc}") from None
     problem = include_problem(text, value)
@@ -297,14 +310,14 @@ def hang_policy(timeout: str | None, on_hang: str | None, on_straggler: str | No
 def _seconds(flag: str, value: str) -> float:
     seconds = float(value) if SECONDS.fullmatch(str(value)) else float("nan")
     if not 0 <= seconds < float("inf"):  # 400 nines are a float too: inf
-        raise refuse(f"{flag} must be a number of seconds >= 0 (0 turns hang detection off), not {value!r}")
+        raise refuse(f"{flag} must be a number of seconds >= 0 (0 turns hang detection off), not {shown(value)}")
     return seconds
 
 
 def choice(flag: str, value: str, allowed: tuple[str, ...]) -> str:
     """`value` when it is one of `allowed`, whole (no stripping: `'slurm\\n'` is refused)."""
     if value not in allowed:
-        raise refuse(f"{flag} must be {' or '.join(allowed)}, not {value!r}")
+        raise refuse(f"{flag} must be {' or '.join(allowed)}, not {shown(value)}")
     return value
 
 

@@ -352,7 +352,7 @@ def fault_tolerance(
 
 
 def restarts(value: str | None) -> int:
-    return options.integer("--max-restarts", value, 0, minimum=0)
+    return options.integer("--max-restarts", value, 0, minimum=0, maximum=options.MAX_RESTARTS)
 
 
 def processes(value: str | None) -> int | None:

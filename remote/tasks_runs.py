@@ -13,7 +13,7 @@ from infra.errors import OperationError
 from remote import holders, log_catchup, options, runs
 from remote.cli import task
 from remote.stream import console, say
-from remote.task_context import STACK_HELP, cluster_for, holder_of, report, setup_for
+from remote.task_context import STACK_HELP, holder_of, report
 
 
 @task(help={"run": "cancel this run only (queued or running)", "stack": STACK_HELP})
@@ -65,10 +65,9 @@ def jobs(c, json_=False, stack=None):
 @task(help={"run": "the run (default: the newest)", "stack": STACK_HELP})
 def results(c, run=None, stack=None):
     """Fetch a finished run's results and metrics into its run folder (as an attached run does)."""
-    cluster = cluster_for(stack)
-    setup = setup_for(cluster)
-    folder, record = runs.find(state.runs_dir(cluster.stack), options.run_id(run) if run else None)
-    holder = holders.holder_for(cluster, setup)
+    run_id = None if run is None else options.run_id(run)  # `--run ''` is a bad id, not the newest run
+    cluster, holder = holder_of(stack)
+    folder, record = runs.find(state.runs_dir(cluster.stack), run_id)
     holder.refresh([(folder, record)])
     record.save(folder)
     if not record.ended:

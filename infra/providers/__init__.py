@@ -138,7 +138,21 @@ def for_stack(stack: str) -> Provider:
         name = LOCAL.name
     if name is None and stack == HOSTS.default_stack:
         name = HOSTS.name
+    if name is None:  # a stack taken down already: the ledger still says what it was (a second down needs no Pulumi)
+        name = _ledger_provider(stack)
     return PROVIDERS.get(name or AWS.name, AWS)
+
+
+def _ledger_provider(stack: str) -> str | None:
+    """The provider of the stack's newest cluster in the ledger; None where it has none (or no ledger)."""
+    ledger = costs.open_ledger(say=lambda line: None, create=False)
+    if ledger is None:
+        return None
+    try:
+        records = ledger.clusters(stack)
+    finally:
+        ledger.close()
+    return records[-1].provider if records else None
 
 
 def _inventory_provider(stack: str) -> str | None:

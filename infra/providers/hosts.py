@@ -34,6 +34,8 @@ NODE_SCRIPTS = Path(contract.__file__).resolve().parent  # node/: the scripts th
 CHECK_TIMEOUT_S = 30.0
 DOWN_TIMEOUT_S = 60.0
 MAX_HOSTS = 16
+MAX_HOSTS_FILE_BYTES = 1_000_000
+"""A hosts file names at most MAX_HOSTS hosts: a bigger file is the wrong path (a log, a dataset)."""
 FILE_KEYS = {
     "key",
     "user",
@@ -133,8 +135,15 @@ class UniqueKeyLoader(yaml.SafeLoader):
 def read_hosts_file(path: str) -> HostsFile:
     """The checked hosts file; one UsageError naming every problem in it."""
     where = f"hosts file {path}"
+    file = Path(path).expanduser()
+    if file.exists() and not file.is_file() and not file.is_dir():  # /dev/zero is read for ever, a pipe waits
+        raise UsageError(f"{where} is not a regular file (a device, a pipe?): give a YAML hosts file")
     try:
-        data = yaml.load(Path(path).expanduser().read_text(), Loader=UniqueKeyLoader)
+        with file.open("rb") as handle:
+            raw = handle.read(MAX_HOSTS_FILE_BYTES + 1)
+        if len(raw) > MAX_HOSTS_FILE_BYTES:
+            raise UsageError(f"{where} is over {MAX_HOSTS_FILE_BYTES:,} bytes: give a YAML hosts file")
+        data = yaml.load(raw.decode("utf-8"), Loader=UniqueKeyLoader)
     except FileNotFoundError:
         raise UsageError(f"no {where}: write one (see README, 'Your own machines')") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -142,7 +151,8 @@ def read_hosts_file(path: str) -> HostsFile:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark else ""
-        raise UsageError(f"{where} is not valid YAML{at}: {getattr(exc, 'problem', None) or exc}") from None
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]  # a NUL's error is two lines
+        raise UsageError(f"{where} is not valid YAML{at}: {problem}") from None
     problems: list[str] = []
     parsed = _parse(data, problems)
     if problems or parsed is None:

@@ -15,7 +15,7 @@ from tests.support.inventories import files_under, unreachable_stack
         (["hello", "--bogus"], ["--bogus", "fab --help TASK"]),
         (["logs", "--lines"], ["--lines needs a value"]),
         (["run"], ["--script PATH"]),
-        (["hello", "--max-restarts", "abc"], ["--max-restarts", "'abc'", ">= 0"]),
+        (["hello", "--max-restarts", "abc"], ["--max-restarts", "'abc'", "from 0 to 1000"]),
         (["run-ddp", "--max-restarts", "-1"], ["--max-restarts", "-1"]),
         (["bootstrap", "--master-port", "70000"], ["--master-port", "1024 to 65535"]),
         (["bootstrap", "--master-port", "abc"], ["--master-port", "'abc'"]),

@@ -346,3 +346,132 @@ def test_a_drill_notice_is_read_as_typed(notice):
     with pytest.raises(UsageError, match=re.escape(f"argument --notice: must be a number of seconds, not {notice!r}")):
         deploy.parse_args(["drill", "spot", "node-1", "--notice", notice])
     assert deploy.parse_args(["drill", "spot", "node-1", "--notice", "0.5"]).notice == 0.5
+
+
+# ------------------------------------------------------------------------- hostile numbers (h51's audit)
+
+DIGITS_5000 = "9" * 5000  # int() refuses text over 4,300 digits with a ValueError of its own
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda v: options.integer("--lines", v, 50, minimum=0),
+        lambda v: options.integer("since", v, 0, minimum=0),  # the dashboard's ?since=
+        lambda v: options.port("--master-port", v, 29500),
+        lambda v: config.check_nodes(v),
+    ],
+    ids=["fab-integer", "dashboard-since", "fab-port", "up-nodes"],
+)
+@pytest.mark.parametrize("value", [DIGITS_5000, "-" + DIGITS_5000, "1" + "0" * 19])
+def test_a_number_of_thousands_of_digits_is_one_line_that_does_not_echo_it(read, value):
+    with pytest.raises(UsageError) as refused:
+        read(value)
+    line = str(refused.value)
+    assert "\n" not in line and len(line) < 200, line
+    assert f"({len(value)} characters)" in line or len(value) < 60
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["cost", "--reconcile", "--days", DIGITS_5000],
+        ["dashboard", "--port", DIGITS_5000],
+        ["up", "--local", "--ssh-port", DIGITS_5000],
+        ["up", "--local", "--gpus", DIGITS_5000],
+        ["drill", "spot", "node-1", "--notice", DIGITS_5000 + "x"],
+    ],
+)
+def test_deploy_refuses_thousands_of_digits_in_one_short_line(argv):
+    import deploy
+
+    with pytest.raises(UsageError) as refused:
+        deploy.parse_args(argv)
+    line = str(refused.value)
+    assert "must be" in line and "_whole_number" not in line and len(line) < 250, line
+
+
+@pytest.mark.parametrize("value", ["1001", "99999999999999999999"])
+def test_max_restarts_has_a_ceiling(value):
+    from remote import tasks_launch as tasks
+
+    with pytest.raises(UsageError, match="--max-restarts must be a whole number from 0 to 1000"):
+        tasks.restarts(value)
+    assert tasks.restarts("1000") == 1000
+
+
+def test_an_over_long_stack_name_is_named_in_short(monkeypatch):
+    with pytest.raises(UsageError) as refused:
+        state.check_stack_name("a" * 5000)
+    assert len(str(refused.value)) < 200 and "(5000 characters)" in str(refused.value)
+
+
+@pytest.mark.parametrize("given", ["/dev/zero", "fifo", "big"])
+def test_a_requirements_file_that_never_ends_or_is_not_a_file_is_one_line(given, tmp_path):
+    path = tmp_path / given
+    if given == "fifo":
+        os.mkfifo(path)
+    elif given == "big":
+        path.write_text("torch\n" * 1_000_000)
+    else:
+        path = given
+    with pytest.raises(UsageError, match=r"--requirements .* (is not a regular file|is over 4,000,000 bytes)"):
+        options.requirements_file(str(path))
+
+
+@pytest.mark.parametrize("given", ["/dev/zero", "fifo", "big", "nul"])
+def test_a_hosts_file_that_never_ends_or_is_not_yaml_text_is_one_line(given, tmp_path):
+    path = tmp_path / given
+    if given == "fifo":
+        os.mkfifo(path)
+    elif given == "big":
+        path.write_text("# a log, not a hosts file\n" * 100_000)
+    elif given == "nul":
+        path.write_bytes(b"key: k\nhosts:\n  - address: 127.0.0.1\n\x00\n")
+    else:
+        path = given
+    with pytest.raises(UsageError) as refused:
+        hosts.read_hosts_file(str(path))
+    assert "\n" not in str(refused.value)
+    assert re.search(
+        r"not a regular file|is over 1,000,000 bytes|not valid YAML: unacceptable character", str(refused.value)
+    )
+
+
+def test_down_of_a_local_stack_already_down_needs_no_pulumi(state_dir, capsys):
+    """A second `down` of a local stack found no inventory and went to AWS: 'the Pulumi CLI is not installed'."""
+    import deploy
+
+    ledger = Ledger(state_dir / "ledger.sqlite")
+    ledger.cluster_up("gone", "local", "g4dn.2xlarge", 2, 0.0, at=1.0)
+    ledger.cluster_down("gone", at=2.0)
+    ledger.close()
+    assert deploy.main(["down", "--stack", "gone"]) == 0
+    assert "stack 'gone' is not up" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("task", ["results", "logs"])
+def test_an_empty_run_id_is_refused_by_every_task_that_takes_one(task, state_dir):
+    """`fab results --run ''` fetched the newest run's results instead: an empty value is no run."""
+    import invoke
+
+    from remote import tasks
+
+    with pytest.raises(UsageError, match=r"--run '' is not a run id"):
+        getattr(tasks, task)(invoke.Context(), run="", stack="nosuch")
+
+
+@pytest.mark.parametrize(
+    "given,said",
+    [("", "--bill '': is empty"), ("/dev/null", "--bill '/dev/null': is not a file"), (".", "is not a file")],
+)
+def test_a_bill_that_is_no_file_is_named_as_given(given, said, state_dir):
+    """`--bill ''` was named '.' and /dev/null 'no such file'."""
+    import deploy
+    from tests.support.ledgers import billed_cluster
+
+    ledger = Ledger(state_dir / "ledger.sqlite")
+    billed_cluster(ledger, "dev", 1.0, 2.0)
+    ledger.close()
+    with pytest.raises(UsageError, match=re.escape(said)):
+        deploy._cost_reconcile(deploy.parse_args(["cost", "--stack", "dev", "--bill", given]))
