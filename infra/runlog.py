@@ -17,6 +17,7 @@ unfinished run's log here before anything is removed (`before_down`), and marks 
 import asyncio
 import codecs
 import fcntl
+import heapq
 import json
 import os
 import re
@@ -96,6 +97,46 @@ def timed_lines(log: Path) -> list[tuple[float, str]] | None:
             mark += 1
         found.append((marks[mark][1], line.decode(errors="replace")))
     return found
+
+
+def time_ordered(streams: list[list[tuple[float, str]]]) -> list[tuple[float, str]]:
+    """Several writers' timed lines (each writer's in its own order) as one stream in time order: a merge,
+    so each writer's lines stay in their own order whatever their times say (a node's lines never pass each
+    other). Lines of equal time come in the order of their writers in `streams` (node-0 before node-1): a
+    read that brought several lines gave them one time."""
+    return list(heapq.merge(*streams, key=lambda timed: timed[0]))
+
+
+def node_logs(folder: Path) -> list[Path]:
+    """A run folder's node logs in node order (node-2 before node-10)."""
+
+    def order(path: Path) -> tuple[int, str]:
+        number = path.stem.rpartition("-")[2]
+        return (int(number), path.stem) if number.isdigit() else (1 << 30, path.stem)
+
+    return sorted(folder.glob("node-*.log"), key=order)
+
+
+def with_prefix(log: Path, line: str) -> str:
+    """A log's line with its node's prefix (a node's lines carry it; fab's own lines about a node too)."""
+    own = log.name == CLUSTER_LOG
+    return line if own or line.startswith(f"[{log.stem}") else f"[{log.stem}] {line}"
+
+
+def in_time_order(folder: Path, count: int = 0) -> list[tuple[float, str]] | None:
+    """A fab-held run's node logs as one stream in time order (`timed_lines`, merged by `time_ordered`):
+    the last `count` lines of each node (0: all), each with its node's prefix. None where the run has no
+    node log, or a node's log has no times kept (an older run, or one Slurm held): shown node after node."""
+    paths = node_logs(folder)
+    timed = [timed_lines(path) for path in paths]
+    if not paths or any(lines is None for lines in timed):
+        return None
+    return time_ordered(
+        [
+            [(when, with_prefix(path, line)) for when, line in (lines or [])[-count if count > 0 else 0 :]]
+            for path, lines in zip(paths, timed, strict=True)
+        ]
+    )
 
 
 def as_line(piece: str) -> str:
