@@ -5,12 +5,10 @@ import json
 import sys
 
 from invoke.exceptions import Exit
-from rich.table import Table
 
 from infra.timeline import Timeline
 from node import calls, contract
 from remote import job_command, node_paths, nodecall, options, protocol, workdir
-from remote.bootstrap import Bootstrap
 from remote.bootstrap_stage import remembered_setup
 from remote.cli import task
 from remote.connect import describe, on_all_nodes, open_sessions
@@ -42,6 +40,8 @@ def bootstrap(c, force=False, master_port=None, scheduler=None, stack=None, acco
     port = options.port("--master-port", master_port, default)
     chosen = options.choice("--scheduler", scheduler, ("auto", "slurm", "none")) if scheduler is not None else None
     kept = options.choice("--accounting", accounting, ("auto", "none")) if accounting is not None else None
+    from remote.bootstrap import Bootstrap  # its stages load for a bootstrap only (issue 41: fab's start)
+
     Bootstrap(cluster, bool(force), port, chosen, timeline, kept).run()
 
 
@@ -142,6 +142,8 @@ def gpus(c, stack=None):
     finally:
         for session in sessions:
             session.close()
+    from rich.table import Table  # rich loads only for a table: fab's start stays short (issue 41)
+
     out = console()
     for answer in results:
         name, result = answer.name, answer.value

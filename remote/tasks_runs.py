@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 from invoke.exceptions import Exit
-from rich.table import Table
 
 from infra import runlog, state
 from infra.errors import OperationError
@@ -41,6 +40,8 @@ def jobs(c, json_=False, stack=None):
     if not rows:
         say("no runs yet: fab run ... (or any launch task)")
         return
+    from rich.table import Table  # rich loads only for a table: fab's start stays short (issue 41)
+
     table = Table(title=f"runs of '{cluster.stack}'")
     for column in ("run", "task", "state", "submitted", "started", "ended", "exit", "requeues", "cost"):
         table.add_column(column)
