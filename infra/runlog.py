@@ -14,7 +14,6 @@ held leaves it, since whoever holds it is following the run. `deploy.py down` br
 unfinished run's log here before anything is removed (`before_down`), and marks the runs it ended.
 """
 
-import asyncio
 import codecs
 import fcntl
 import heapq
@@ -27,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra import costs, inventory, ssh, state
-from node import contract, slurm_run
+from infra import state
+from node import contract
 from node.run_state import RunState
 
 RAW = contract.RUN_LOG
@@ -324,6 +323,8 @@ def before_down(stack: str, say) -> list[Unfinished]:
     runs = unfinished_runs(stack)
     if not runs:
         return []
+    from infra import inventory  # `down` only: every fab start imports this module (remote/stream.py)
+
     try:
         cluster = inventory.load(stack)
     except Exception as exc:  # no inventory (an interrupted up): nothing to ask
@@ -335,6 +336,10 @@ def before_down(stack: str, say) -> list[Unfinished]:
 
 
 def _bring_before_down(cluster, run: Unfinished, say) -> None:
+    import asyncio
+
+    from infra import ssh
+
     copy = LogCopy(run.folder)
     if not copy.hold():  # a fab follows the run: its log is here as it goes
         run.started = copy.offset > 0 or bool(run.record.get("started_at"))
@@ -361,6 +366,8 @@ def _bring_before_down(cluster, run: Unfinished, say) -> None:
 
 
 def _end_state(line: bytes) -> dict | None:
+    from node import slurm_run
+
     try:
         return slurm_run.end_record_state(json.loads(line))
     except ValueError:
@@ -372,6 +379,8 @@ def after_down(runs: list[Unfinished], say, at: float | None = None) -> None:
     comes), those down ended as CANCELLED, and named. The ledger prices a run that never started at nothing
     (it waited in the queue: no node worked for it) and one that had ended at its batch job's own end; the
     rest end with the cluster."""
+    from infra import costs  # the ledger and the prices: `down` only, not every fab start
+
     at = time.time() if at is None else at
     ended = {run.record.get("run_id", run.folder.name): run.end for run in runs if run.end or not run.started}
     costs.record_runs_down(ended, at, say)
