@@ -9,7 +9,6 @@ from invoke.exceptions import Exit
 from infra.timeline import Timeline
 from node import calls, contract
 from remote import job_command, node_paths, nodecall, options, protocol, workdir
-from remote.bootstrap_stage import remembered_setup
 from remote.cli import task
 from remote.connect import describe, on_all_nodes, open_sessions
 from remote.preparation import JobLock, check_ready
@@ -34,14 +33,15 @@ from remote.tasks_launch import run_preflight
 def bootstrap(c, force=False, master_port=None, scheduler=None, stack=None, accounting=None):
     """Prepare every node: checks, Python deps, code sync, node environment, health check, scheduler."""
     timeline = Timeline.since_process_start()
+    from remote.bootstrap import Bootstrap  # its stages load for a bootstrap only (issue 41: fab's start)
+    from remote.bootstrap_stage import remembered_setup
+
     cluster = cluster_for(stack)
     # Another bootstrap (yours, or the replacement of a lost node) keeps the port the last one chose.
     default = remembered_setup(cluster).master_port or job_command.DEFAULT_MASTER_PORT
     port = options.port("--master-port", master_port, default)
     chosen = options.choice("--scheduler", scheduler, ("auto", "slurm", "none")) if scheduler is not None else None
     kept = options.choice("--accounting", accounting, ("auto", "none")) if accounting is not None else None
-    from remote.bootstrap import Bootstrap  # its stages load for a bootstrap only (issue 41: fab's start)
-
     Bootstrap(cluster, bool(force), port, chosen, timeline, kept).run()
 
 
