@@ -1,7 +1,6 @@
 """Pure functions that turn what the product records (run rows, metrics.jsonl, log lines, the ledger's
 intervals and events, timelines) into what the page draws. No I/O here: `sources.py` reads, this shapes."""
 
-import heapq
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -117,14 +116,6 @@ def steps_from_log(lines: Iterable[str], clock: Iterable[float]) -> list[dict]:
                 }
             )
     return found
-
-
-def time_ordered(streams: list[list[tuple[float, str]]]) -> list[tuple[float, str]]:
-    """Several writers' timed lines (each writer's in its own order) as one stream in time order: a merge,
-    so each writer's lines stay in their own order whatever their times say (a node's lines never pass each
-    other). Lines of equal time come in the order of their writers in `streams` (node-0 before node-1): a
-    read that brought several lines gave them one time."""
-    return list(heapq.merge(*streams, key=lambda timed: timed[0]))
 
 
 def participants_series(records: Iterable[dict]) -> Series:

@@ -159,8 +159,8 @@ def finished_log(folder: Path, tail: shape.LogTail) -> None:
     """A run whose log is all here (or that nobody can follow now): its last lines from the local copy, one
     stream in time order, read-only. A run Slurm held has its log as the cluster wrote it (`output.log`):
     every node's lines and the cluster's in the order they came, which is their time order. A run fab held
-    has a log per node and the time each of its lines reached fab (`runlog.timed_lines`): merged by that
-    time, lines of one time in node order (`shape.time_ordered`). An older fab-held run without the times:
+    has a log per node and the time each of its lines reached fab: merged by that time, lines of one time in
+    node order (`runlog.in_time_order`, as `fab logs` shows it). An older fab-held run without the times:
     its nodes' logs one after the other."""
     at = time.time()
     if (folder / runlog.RAW).is_file():
@@ -170,17 +170,13 @@ def finished_log(folder: Path, tail: shape.LogTail) -> None:
         del tail.pieces[:-LOG_LINES]
         tail.end(at)
         return
-    paths = sorted(folder.glob("node-*.log"), key=_node_order)
-    timed = [runlog.timed_lines(path) for path in paths]
-    if paths and all(lines is not None for lines in timed):
-        streams = [
-            [(when, _with_prefix(path, line)) for when, line in (lines or [])[-LOG_LINES:]]
-            for path, lines in zip(paths, timed, strict=True)
-        ]
-        for when, line in shape.time_ordered(streams)[-LOG_LINES:]:
+    merged = runlog.in_time_order(folder, LOG_LINES)
+    if merged is not None:
+        for when, line in merged[-LOG_LINES:]:
             tail.add("log", line + "\n", when)
         tail.end(at)
         return
+    paths = runlog.node_logs(folder)
     if (folder / runlog.CLUSTER_LOG).exists():
         paths.append(folder / runlog.CLUSTER_LOG)
     for path in paths:
@@ -189,20 +185,8 @@ def finished_log(folder: Path, tail: shape.LogTail) -> None:
         except OSError:
             continue
         for line in lines:
-            tail.add(path.stem, _with_prefix(path, line) + "\n", at)
+            tail.add(path.stem, runlog.with_prefix(path, line) + "\n", at)
     tail.end(at)
-
-
-def _node_order(path: Path) -> tuple[int, str]:
-    """node-2 before node-10."""
-    number = path.stem.rpartition("-")[2]
-    return (int(number), path.stem) if number.isdigit() else (1 << 30, path.stem)
-
-
-def _with_prefix(path: Path, line: str) -> str:
-    """A log's line with its node's prefix (a node's lines carry it; fab's own lines about a node too)."""
-    own = path.name == runlog.CLUSTER_LOG
-    return line if own or line.startswith(f"[{path.stem}") else f"[{path.stem}] {line}"
 
 
 def holder_of(stack: str) -> tuple[inventory.ClusterInfo, holders.RunHolder]:

@@ -12,8 +12,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from infra import catalog, state
 from infra.errors import UsageError, shown
 
@@ -274,6 +272,8 @@ def read_stack_file(stack: str) -> dict[str, object]:
         text = state.read_text(path, "the stack file")
     except FileNotFoundError:
         return {}
+    import yaml  # loads only where a stack file is read: fab's start stays short (issue 41)
+
     try:
         document = yaml.safe_load(text)
     except yaml.YAMLError as exc:

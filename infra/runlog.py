@@ -14,9 +14,9 @@ held leaves it, since whoever holds it is following the run. `deploy.py down` br
 unfinished run's log here before anything is removed (`before_down`), and marks the runs it ended.
 """
 
-import asyncio
 import codecs
 import fcntl
+import heapq
 import json
 import os
 import re
@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra import costs, inventory, ssh, state
-from node import contract, slurm_run
+from infra import state
+from node import contract
 from node.run_state import RunState
 
 RAW = contract.RUN_LOG
@@ -96,6 +96,46 @@ def timed_lines(log: Path) -> list[tuple[float, str]] | None:
             mark += 1
         found.append((marks[mark][1], line.decode(errors="replace")))
     return found
+
+
+def time_ordered(streams: list[list[tuple[float, str]]]) -> list[tuple[float, str]]:
+    """Several writers' timed lines (each writer's in its own order) as one stream in time order: a merge,
+    so each writer's lines stay in their own order whatever their times say (a node's lines never pass each
+    other). Lines of equal time come in the order of their writers in `streams` (node-0 before node-1): a
+    read that brought several lines gave them one time."""
+    return list(heapq.merge(*streams, key=lambda timed: timed[0]))
+
+
+def node_logs(folder: Path) -> list[Path]:
+    """A run folder's node logs in node order (node-2 before node-10)."""
+
+    def order(path: Path) -> tuple[int, str]:
+        number = path.stem.rpartition("-")[2]
+        return (int(number), path.stem) if number.isdigit() else (1 << 30, path.stem)
+
+    return sorted(folder.glob("node-*.log"), key=order)
+
+
+def with_prefix(log: Path, line: str) -> str:
+    """A log's line with its node's prefix (a node's lines carry it; fab's own lines about a node too)."""
+    own = log.name == CLUSTER_LOG
+    return line if own or line.startswith(f"[{log.stem}") else f"[{log.stem}] {line}"
+
+
+def in_time_order(folder: Path, count: int = 0) -> list[tuple[float, str]] | None:
+    """A fab-held run's node logs as one stream in time order (`timed_lines`, merged by `time_ordered`):
+    the last `count` lines of each node (0: all), each with its node's prefix. None where the run has no
+    node log, or a node's log has no times kept (an older run, or one Slurm held): shown node after node."""
+    paths = node_logs(folder)
+    timed = [timed_lines(path) for path in paths]
+    if not paths or any(lines is None for lines in timed):
+        return None
+    return time_ordered(
+        [
+            [(when, with_prefix(path, line)) for when, line in (lines or [])[-count if count > 0 else 0 :]]
+            for path, lines in zip(paths, timed, strict=True)
+        ]
+    )
 
 
 def as_line(piece: str) -> str:
@@ -283,6 +323,8 @@ def before_down(stack: str, say) -> list[Unfinished]:
     runs = unfinished_runs(stack)
     if not runs:
         return []
+    from infra import inventory  # `down` only: every fab start imports this module (remote/stream.py)
+
     try:
         cluster = inventory.load(stack)
     except Exception as exc:  # no inventory (an interrupted up): nothing to ask
@@ -294,6 +336,10 @@ def before_down(stack: str, say) -> list[Unfinished]:
 
 
 def _bring_before_down(cluster, run: Unfinished, say) -> None:
+    import asyncio
+
+    from infra import ssh
+
     copy = LogCopy(run.folder)
     if not copy.hold():  # a fab follows the run: its log is here as it goes
         run.started = copy.offset > 0 or bool(run.record.get("started_at"))
@@ -320,6 +366,8 @@ def _bring_before_down(cluster, run: Unfinished, say) -> None:
 
 
 def _end_state(line: bytes) -> dict | None:
+    from node import slurm_run
+
     try:
         return slurm_run.end_record_state(json.loads(line))
     except ValueError:
@@ -331,6 +379,8 @@ def after_down(runs: list[Unfinished], say, at: float | None = None) -> None:
     comes), those down ended as CANCELLED, and named. The ledger prices a run that never started at nothing
     (it waited in the queue: no node worked for it) and one that had ended at its batch job's own end; the
     rest end with the cluster."""
+    from infra import costs  # the ledger and the prices: `down` only, not every fab start
+
     at = time.time() if at is None else at
     ended = {run.record.get("run_id", run.folder.name): run.end for run in runs if run.end or not run.started}
     costs.record_runs_down(ended, at, say)

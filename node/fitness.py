@@ -22,8 +22,6 @@ import subprocess
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass, field
 
-from node import nvml
-
 OK, WARN, CRITICAL = "OK", "WARN", "CRITICAL"
 LEVELS = (OK, WARN, CRITICAL)
 
@@ -157,6 +155,8 @@ def _quotas_up(mount: str, root: str, path: str, v1: bool) -> list[float]:
 def gpu_facts(timeout_s: float = 60.0) -> dict:
     """What NVML (node/nvml.py; `nvidia-smi -q -x` where NVML does not load), dcgmi and the kernel log say,
     where they exist. `{}` on a host with neither NVML nor nvidia-smi (a CPU node)."""
+    from node import nvml  # ctypes and NVML load only where the GPUs are read
+
     gpus = nvml.preflight_gpus()
     if gpus is None and shutil.which("nvidia-smi") is None:
         return {}

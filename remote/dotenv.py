@@ -15,8 +15,6 @@ checked by `remote/options.py`, as `--env`'s are.
 import io
 from dataclasses import dataclass
 
-from dotenv.parser import parse_stream
-
 
 @dataclass(frozen=True)
 class Variable:
@@ -36,6 +34,8 @@ class DotenvError(ValueError):
 
 def parse(text: str) -> list[Variable]:
     """Every assignment of `text`, in order."""
+    from dotenv.parser import parse_stream  # loads for an --env-file only, not at every fab start (issue 41)
+
     found: list[Variable] = []
     for binding in parse_stream(io.StringIO(text)):
         original = binding.original.string

@@ -12,8 +12,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rich.table import Table
-
 from infra import state
 from infra.errors import OperationError, UsageError
 from infra.inventory import ClusterInfo
@@ -143,6 +141,8 @@ def recorded_critical(cluster: ClusterInfo) -> list:
 
 def show(found: Fitness) -> None:
     """The verdict table, then the named nodes (one line each) and the bandwidth matrix."""
+    from rich.table import Table  # rich loads only for a table: fab's start stays short (issue 41)
+
     table = Table(title=f"preflight ({found.seconds:.1f} s)")
     for column in ("node", "verdict", "GFLOP/s", "mem avail GB", "disk free GB", "clock ms", "why"):
         table.add_column(column)

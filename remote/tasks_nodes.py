@@ -5,13 +5,10 @@ import json
 import sys
 
 from invoke.exceptions import Exit
-from rich.table import Table
 
 from infra.timeline import Timeline
 from node import calls, contract
 from remote import job_command, node_paths, nodecall, options, protocol, workdir
-from remote.bootstrap import Bootstrap
-from remote.bootstrap_stage import remembered_setup
 from remote.cli import task
 from remote.connect import describe, on_all_nodes, open_sessions
 from remote.preparation import JobLock, check_ready
@@ -36,6 +33,9 @@ from remote.tasks_launch import run_preflight
 def bootstrap(c, force=False, master_port=None, scheduler=None, stack=None, accounting=None):
     """Prepare every node: checks, Python deps, code sync, node environment, health check, scheduler."""
     timeline = Timeline.since_process_start()
+    from remote.bootstrap import Bootstrap  # its stages load for a bootstrap only (issue 41: fab's start)
+    from remote.bootstrap_stage import remembered_setup
+
     cluster = cluster_for(stack)
     # Another bootstrap (yours, or the replacement of a lost node) keeps the port the last one chose.
     default = remembered_setup(cluster).master_port or job_command.DEFAULT_MASTER_PORT
@@ -142,6 +142,8 @@ def gpus(c, stack=None):
     finally:
         for session in sessions:
             session.close()
+    from rich.table import Table  # rich loads only for a table: fab's start stays short (issue 41)
+
     out = console()
     for answer in results:
         name, result = answer.name, answer.value

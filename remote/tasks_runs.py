@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 from invoke.exceptions import Exit
-from rich.table import Table
 
 from infra import runlog, state
 from infra.errors import OperationError
@@ -41,6 +40,8 @@ def jobs(c, json_=False, stack=None):
     if not rows:
         say("no runs yet: fab run ... (or any launch task)")
         return
+    from rich.table import Table  # rich loads only for a table: fab's start stays short (issue 41)
+
     table = Table(title=f"runs of '{cluster.stack}'")
     for column in ("run", "task", "state", "submitted", "started", "ended", "exit", "requeues", "cost"):
         table.add_column(column)
@@ -129,7 +130,14 @@ def logs(c, run=None, node=None, lines=None, follow=False, stack=None):
 
 def show_logs(run_dir: Path, node: str | None, count: int) -> None:
     """The last `count` lines (0: all) of each node's log, then of the cluster's (Slurm's, srun's and the
-    batch script's lines, for a run held by Slurm), each line with its writer's prefix once."""
+    batch script's lines, for a run held by Slurm), each line with its writer's prefix once. A run fab held
+    shows its nodes' lines as one stream in the order they reached fab (`runlog.in_time_order`, as the
+    dashboard does); an older one, without the times kept, node after node."""
+    merged = None if node else runlog.in_time_order(run_dir, count)
+    if merged is not None:
+        for _, line in merged:
+            say(line)
+        return
     logs_found = sorted(run_dir.glob("node-*.log"))
     if node:
         logs_found = [p for p in logs_found if p.stem == node]
@@ -139,5 +147,4 @@ def show_logs(run_dir: Path, node: str | None, count: int) -> None:
         text = path.read_text(errors="replace").splitlines()
         shown = text[-count:] if count > 0 else text
         for line in shown:  # the nodes prefix their own lines; a line fab wrote before them gets one here
-            own = line.startswith(f"[{path.stem}") or path.name == runlog.CLUSTER_LOG
-            say(line if own else f"[{path.stem}] {line}")
+            say(runlog.with_prefix(path, line))

@@ -22,13 +22,11 @@ import json
 import os
 import re
 import stat
-import tarfile
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-from pathspec import GitIgnoreSpec
+from typing import TYPE_CHECKING
 
 from infra import state
 from infra.errors import OperationError, UsageError
@@ -38,6 +36,9 @@ from node.sync import PLAN, file_sha256  # the node hashes its cache the same wa
 from remote import nodecall, protocol
 from remote.connect import NodeSession, describe, on_all_nodes
 from remote.stream import say
+
+if TYPE_CHECKING:  # pathspec and tarfile load only where a --workdir is synced (issue 41: fab's start)
+    from pathspec import GitIgnoreSpec
 
 IGNORE_FILES = (".gitignore", ".gpuclusterignore")  # in this order: the second overrides the first
 NEVER_SENT = (".git",)
@@ -112,7 +113,7 @@ class Manifest:
 class IgnoreRules:
     """The ignore files in force in one folder: (folder, spec, each pattern's file and line) from the root down."""
 
-    def __init__(self, layers: tuple[tuple[str, GitIgnoreSpec, tuple[str, ...]], ...] = ()):
+    def __init__(self, layers: tuple[tuple[str, "GitIgnoreSpec", tuple[str, ...]], ...] = ()):
         self.layers = layers
 
     def entering(self, folder: Path, relative: str) -> "IgnoreRules":
@@ -128,6 +129,8 @@ class IgnoreRules:
             origins += [f"{relative}{name}:{number}" for number in range(1, len(text) + 1)]
         if not lines:
             return self
+        from pathspec import GitIgnoreSpec
+
         spec = GitIgnoreSpec.from_lines([line or "#" for line in lines])  # '#' keeps one pattern per line
         return IgnoreRules(self.layers + ((relative, spec, tuple(origins)),))
 
@@ -304,6 +307,8 @@ def write_bundle(project: Project, wanted: Manifest, send: list[str], remove: li
     """The tar file node/sync.py applies: the plan first, then the files to send."""
     plan = json.dumps({"remove": remove, "manifest": wanted.hashes, "digest": wanted.digest}).encode()
     by_path = {f.path: f for f in project.files}
+    import tarfile
+
     with tarfile.open(target, "w:gz", compresslevel=1) as bundle:
         info = tarfile.TarInfo(PLAN)
         info.size, info.mtime = len(plan), int(time.time())

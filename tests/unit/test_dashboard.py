@@ -244,18 +244,6 @@ def test_a_long_unfinished_line_in_the_tail_costs_its_length_not_its_square():
     assert [len(line) for _, _, line in tail.since(0)] == [2000 * 4096]
 
 
-def test_lines_of_several_writers_are_one_stream_in_time_order_ties_in_node_order():
-    node_0 = [(1.0, "[node-0] a"), (3.0, "[node-0] c"), (3.0, "[node-0] d")]
-    node_1 = [(2.0, "[node-1] b"), (3.0, "[node-1] e"), (4.0, "[node-1] f")]
-    assert [line for _, line in shape.time_ordered([node_0, node_1])] == [
-        "[node-0] a", "[node-1] b", "[node-0] c", "[node-0] d", "[node-1] e", "[node-1] f",
-    ]  # fmt: skip
-    assert [line for _, line in shape.time_ordered([[(5.0, "late"), (1.0, "early, in the log after")]])] == [
-        "late",
-        "early, in the log after",
-    ]  # a writer's own lines never pass each other
-
-
 def test_a_finished_fab_held_runs_log_is_one_stream_in_the_order_its_lines_came(tmp_path, monkeypatch):
     """Each node's stream (remote/stream.py) keeps when each read reached fab beside its log; the page's
     finished log merges the nodes' logs by it, not node after node."""

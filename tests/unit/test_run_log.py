@@ -1,9 +1,13 @@
 """A scheduled run's log, copied here as it grows (infra/runlog.py) and shown (remote/slurm_follow.py's
 LogSplitter): every piece under its writer, the cluster's own lines kept, bars one line per writer."""
 
+from types import SimpleNamespace
+
+from invoke import Context
+
 from infra import runlog
 from infra.ledger import Ledger
-from remote import runs, slurm_follow
+from remote import runs, slurm_follow, stream, tasks_runs
 
 LOG = (
     b"[node-0] step 0\n"
@@ -146,3 +150,54 @@ def test_a_requeued_runs_earlier_start_leaves_no_markers_for_the_next(tmp_path):
     assert set(copy.markers["node-1"]) == {contract.RANKS_MARKER, contract.EXIT_MARKER}
     copy.add(f"{contract.RESTART_LINE} 1: the run starts again\n[node-0] {contract.EXIT_MARKER} 143 9.0\n".encode())
     assert copy.markers == {"node-0": {contract.EXIT_MARKER: f"{contract.EXIT_MARKER} 143 9.0"}}
+
+
+def test_lines_of_several_writers_are_one_stream_in_time_order_ties_in_node_order():
+    node_0 = [(1.0, "[node-0] a"), (3.0, "[node-0] c"), (3.0, "[node-0] d")]
+    node_1 = [(2.0, "[node-1] b"), (3.0, "[node-1] e"), (4.0, "[node-1] f")]
+    assert [line for _, line in runlog.time_ordered([node_0, node_1])] == [
+        "[node-0] a", "[node-1] b", "[node-0] c", "[node-0] d", "[node-1] e", "[node-1] f",
+    ]  # fmt: skip
+    assert [line for _, line in runlog.time_ordered([[(5.0, "late"), (1.0, "early, in the log after")]])] == [
+        "late",
+        "early, in the log after",
+    ]  # a writer's own lines never pass each other
+
+
+def test_fab_logs_shows_a_fab_held_run_in_the_order_its_lines_came_ties_in_node_order(
+    state_dir, monkeypatch, capsysbinary
+):
+    """As the dashboard's finished log (tests/unit/test_dashboard.py): each node's stream keeps when each
+    read reached fab; `fab logs` merges the nodes' logs by it (node-2 before node-10), `--lines` the last of
+    each node's; a run from before the times were kept shows node after node."""
+    run_dir = state_dir / "local" / "runs" / "20260101-000000-hello-ab12"
+    clock = iter([10.0, 11.0, 12.0, 12.0, 13.0])
+    monkeypatch.setattr(stream, "time", SimpleNamespace(time=lambda: next(clock)))
+    nodes = {i: stream.NodeStream(f"node-{i}", i, run_dir / f"node-{i}.log", echo=False) for i in (0, 2, 10)}
+    nodes[10].feed(b"[node-10] first\n[node-10] sec")  # 10.0: a line and a half
+    nodes[0].feed(b"[node-0] third\n")  # 11.0
+    nodes[10].feed(b"ond\n")  # 12.0: the half line's end
+    nodes[2].feed(b"[node-2] one time with node-10's\n")  # 12.0: a tie, in node order
+    nodes[0].write("a line of fab's own about node-0\n")  # 13.0
+    for node in nodes.values():
+        node.close()
+
+    def shown(*lines: str) -> list[str]:
+        capsysbinary.readouterr()
+        tasks_runs.logs(Context(), run=run_dir.name, stack="local", lines=None if not lines else lines[0])
+        return capsysbinary.readouterr().out.decode().splitlines()[1:]  # after `run <id> (<folder>)`
+
+    assert shown() == [
+        "[node-10] first",
+        "[node-0] third",
+        "[node-2] one time with node-10's",
+        "[node-10] second",
+        "[node-0] a line of fab's own about node-0",
+    ]
+    assert shown("1") == [
+        "[node-2] one time with node-10's",
+        "[node-10] second",
+        "[node-0] a line of fab's own about node-0",
+    ]
+    (run_dir / "node-2.times").unlink()  # an older run: node after node, as before
+    assert shown()[:3] == ["[node-0] third", "[node-0] a line of fab's own about node-0", "[node-10] first"]
