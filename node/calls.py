@@ -4,13 +4,11 @@ dispatcher that runs on the node, and one error rule.
     python node/calls.py REQUEST        # REQUEST: base64 of {"verb", "version", "args"}; prints the reply
     python node/calls.py -              # the same, the request on stdin (one that carries a secret)
 
-The operator side (remote/nodecall.py for fab, the local provider's supervisor for itself) builds the
-command with `command_words`, and reads the answer with `reply_from`: the reply is one line of JSON on
-stdout, exit 0. The one error rule: `error: <one line>` on stderr, exit 2 where the request is bad (an
-unknown verb, arguments that do not fit, bad input the work refused) or the node runs other code than
-the caller speaks (`version`: the digest of node/, as bootstrap sent it: run fab bootstrap), exit 1
-where the work failed. A request travels on the command line, which other users of the host can read,
-unless it carries a secret (a Slurm run's spec holds --env values): then it goes on stdin.
+The operator side (remote/nodecall.py, the local supervisor) builds the command with `command_words` and
+reads the answer with `reply_from`: one line of JSON on stdout, exit 0. The one error rule: `error: <one
+line>` on stderr, exit 2 where the request is bad (an unknown verb, arguments that do not fit, bad input
+the work refused, or other node code than the caller speaks: run fab bootstrap), exit 1 where the work
+failed. A request carrying a secret (a Slurm run's spec holds --env values) goes on stdin, not argv.
 
 Standard library only; run as a file, it imports its siblings from the code folder.
 """
