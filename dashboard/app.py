@@ -14,6 +14,7 @@ which Prometheus reads again at every scrape: a restarted dashboard needs no cha
 import asyncio
 import json
 import secrets
+import signal
 import socket
 import time
 from pathlib import Path
@@ -212,8 +213,13 @@ class Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, live: sources.Live):
         super().__init__(config)
         self.live = live
+        self.interrupted = False
+        """Ctrl-C came. uvicorn raises it again after its shutdown, but inside asyncio.run, whose own SIGINT
+        handler only cancels the main task: where that task ends without another await, `run` returns as if
+        nothing happened (exit 0; seen under load). `serve` raises it itself."""
 
     def handle_exit(self, sig, frame) -> None:
+        self.interrupted = self.interrupted or sig == signal.SIGINT
         self.live.stop()
         super().handle_exit(sig, frame)
 
@@ -239,6 +245,8 @@ def serve(port: int, only: str | None, status: sources.StatusFn | None, say) -> 
         say(f"dashboard: Prometheus scrapes /metrics with the token in {token_file(bound)} (dashboard/prometheus.yml)")
         live.start()
         server.run(sockets=[sock])
+        if server.interrupted:
+            raise KeyboardInterrupt  # Ctrl-C is exit 130, as for any command, whatever asyncio made of it
     finally:
         token_file(bound).unlink(missing_ok=True)
         live.stop()

@@ -81,8 +81,10 @@ def _finish_over(
     if run.hang and run.state in (RunState.CANCELLED, RunState.FAILED):
         outcome = RunState.HUNG
     stopped = [code for code in exit_codes.values() if code != 0]
-    if outcome == known.get("state") == RunState.FAILED and stopped and all(c in STOPPED_CODES for c in stopped):
-        outcome = RunState.CANCELLED  # every node stopped from outside (`fab stop` without Slurm's controller)
+    if ranks and outcome == known.get("state") == RunState.FAILED and all(c in STOPPED_CODES for c in stopped):
+        # Every node stopped from outside (`fab stop` without Slurm's controller), by what their torchrun said:
+        # where the log could not be read at all, the codes are guesses and Slurm's FAILED stands.
+        outcome = RunState.CANCELLED if stopped else outcome
     groups = job_command.group_names(run.nodes, int(run.spec.get("replicas") or 0))
     if (
         run.spec.get("replicas")

@@ -189,7 +189,15 @@ def test_a_project_launched_from_its_own_folder_runs_in_a_copy_of_its_own_on_eac
     )
     local = cluster.state_dir / cluster.stack / "runs" / run_id
     fetched = sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file())
-    assert fetched == ["node-0.log", "node-1.log", "results/loss.json", "run.json", "summary.json"]  # no checkpoints
+    assert fetched == [  # no checkpoints; beside each node's log, when its lines came (`fab logs` orders by it)
+        "node-0.log",
+        "node-0.times",
+        "node-1.log",
+        "node-1.times",
+        "results/loss.json",
+        "run.json",
+        "summary.json",
+    ]
     assert json.loads((local / "results" / "loss.json").read_text())["words"] == ["alpha", "beta", "gamma"]
     assert "fab: fetched 1 file (" in result.stdout
     assert "not fetched: results/big.bin (1.5 MB, over --max-result-mb 1)" in result.stdout

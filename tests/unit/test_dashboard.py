@@ -276,3 +276,20 @@ def test_a_finished_fab_held_runs_log_is_one_stream_in_the_order_its_lines_came(
     older = shape.LogTail()
     sources.finished_log(tmp_path, older)
     assert [line for _, _, line in older.since(0)][:3] == ["[node-0] third", "[node-0] fourth", "[node-0] fifth"]
+
+
+def test_ctrl_c_is_exit_130_even_where_asyncio_swallowed_uvicorns_raise_of_it(state_dir, monkeypatch):
+    """uvicorn raises the captured SIGINT again inside asyncio.run, whose handler only cancels the main task:
+    where the task ends without another await, `run` returns normally and the dashboard exited 0 (under load)."""
+    import signal
+
+    from dashboard import app
+
+    def run_and_stop_as_if_nothing_happened(self, sockets=None):
+        self.handle_exit(signal.SIGINT, None)  # Ctrl-C while serving; the loop then returns normally
+
+    monkeypatch.setattr(app.Server, "run", run_and_stop_as_if_nothing_happened)
+    said = []
+    with pytest.raises(KeyboardInterrupt):
+        app.serve(0, None, None, said.append)
+    assert said[-1] == "dashboard: stopped" and not list(state_dir.glob("**/dashboard-*.token"))
