@@ -218,7 +218,7 @@ def hang_request(run_id: str, action: str) -> calls.HangStatus | calls.HangColle
 def ask_command(cluster: ClusterInfo, python: str, run_id: str, action: str) -> str:
     """That call as a shell command (the batch job's watch runs it on each node through srun)."""
     words = calls.command_words(hang_request(run_id, action), nodecall.version())
-    return f". {node_paths.ENV_FILE} 2>/dev/null; cd && " + node_paths.node_call(cluster, python, *words)
+    return f". {node_paths.ENV_FILE} 2>/dev/null; cd && " + node_paths.node_module(cluster, python, "calls", *words)
 
 
 def tell_ranks_command(cluster: ClusterInfo, python: str, node: str) -> str:

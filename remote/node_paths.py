@@ -36,18 +36,10 @@ def run_stage(cluster: ClusterInfo, run_id: str) -> str | None:
     return f"{remote_run_dir(cluster, run_id)}/{contract.RUN_STAGE}" if cluster.shared_dir else None
 
 
-def node_module(cluster: ClusterInfo, python: str, module: str, *args: str, site: bool = True) -> str:
-    """Run one of node/'s files with `python`, from the synced code folder; `site` False: without the
-    interpreter's site-packages (`-S`)."""
+def node_module(cluster: ClusterInfo, python: str, module: str, *args: str) -> str:
+    """Run one of node/'s files with `python`, from the synced code folder."""
     path = shell_path(f"{code_dir(cluster)}/node/{module}.py")
-    return " ".join([shlex.quote(python), *([] if site else ["-S"]), path, *map(shlex.quote, args)])
-
-
-def node_call(cluster: ClusterInfo, python: str, *words: str) -> str:
-    """A node call (node/calls.py with `words`): node/ is standard library only, so it starts without
-    site-packages, whose `.pth` files (the node venv's layers, certifi's) cost every call about 0.05 s of
-    CPU before it does anything (issue 41)."""
-    return node_module(cluster, python, "calls", *words, site=False)
+    return " ".join([shlex.quote(python), path, *map(shlex.quote, args)])
 
 
 def node_run_dir(run_id: str) -> str:

@@ -17,7 +17,7 @@ def command(session: NodeSession, python: str, request: calls.Request) -> str:
     """The shell command that makes `request` on `session`'s node (from its home, as paths are given);
     one that carries a secret reads it from stdin (`call` sends it)."""
     words = ["-"] if request.SECRET else calls.command_words(request, version())
-    return "cd && " + node_paths.node_call(session.cluster, python, *words)
+    return "cd && " + node_paths.node_module(session.cluster, python, "calls", *words)
 
 
 def call(session: NodeSession, python: str, request: calls.Request, **run_options):
