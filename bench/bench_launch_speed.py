@@ -9,7 +9,8 @@ grows or fades costs every side alike), wall clock, fab's start and exit include
   record, the 3-second fab-held job warm against cold (`--env GPU_CLUSTER_WARM_LAUNCH=0`: every rank a
   fresh interpreter, as before);
 - a Slurm-held attached run against the same run held by fab: at most 1.05x;
-- `fab run --detach` returns in at most 0.5 s (Slurm-held; the run then completes);
+- `fab run --detach` returns in at most 0.3 s (Slurm-held; the run then completes; issue 41: issue 29's
+  goal was 0.5 s);
 - a `--requirements` env with one small package (a wheel from the project's own folder, new for every
   launch), first launch against the same launch without it (fab-held): at most 1.3x.
 
@@ -132,6 +133,6 @@ def run() -> list[Check]:
         figure = ratio(a, b)
         checks.append(Check(name, f"{figure:.2f}x (median of {PAIRS} rounds)", f"<= {limit}x", figure <= limit))
     detach = median(walls["detach"])
-    checks.append(Check("fab run --detach returns (Slurm-held)", f"{detach:.2f} s (median)", "<= 0.5 s", detach <= 0.5))
+    checks.append(Check("fab run --detach returns (Slurm-held)", f"{detach:.2f} s (median)", "<= 0.3 s", detach <= 0.3))
     print(json.dumps({side: [round(t, 3) for t in times] for side, times in walls.items()}))
     return checks
