@@ -670,8 +670,12 @@ def test_a_disk_that_fills_during_a_run_is_named_and_a_node_drained_for_it_comes
     booted = cluster.fab("bootstrap", "--master-port", str(cluster.master_port), "--accounting", "none")
     shown = " ".join(booted.stdout.split())
     assert booted.returncode == 0 and "back in service:" in shown and "Slurm drained it" in shown, shown  # a table cell
-    states = cluster.cli("ssh", "node-0", "--", "sinfo", "--noheader", "--Node", "--format=%N_%T").stdout.split()
-    assert "node-1_idle" in states, states
+
+    def states():
+        return cluster.cli("ssh", "node-0", "--", "sinfo", "--noheader", "--Node", "--format=%N_%T").stdout.split()
+
+    # back in service; `idle*` (not responding) until the controller's next ping of a restarted slurmd
+    slurm.wait_for(lambda: "node-1_idle" in states(), "node-1 idle in sinfo", details=states)
 
 
 def _announced(launch) -> str:
